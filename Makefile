@@ -1,0 +1,37 @@
+# Two entry points, each doing its own set-up in .venv on a fresh machine:
+#   make examples   run the bundled example models through the in-process API
+#   make test       run the test suite (.ci/run calls this)
+# FRAMEWORKS=0 skips installing torch, jax and tensorflow (their tests then skip).
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+FRAMEWORKS ?= 1
+# torch 2.13.0 is a CPU wheel on these machines' local disk; an unpinned torch is a
+# multi-GB CUDA download.
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: examples test
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-test: pyproject.toml $(VENV)/.installed
+ifeq ($(FRAMEWORKS),1)
+	$(BIN)/python -m pip install -q "$(TORCH_PIN)"
+	$(BIN)/python -m pip install -q -e '.[test,torch,jax,tensorflow]'
+else
+	$(BIN)/python -m pip install -q -e '.[test]'
+endif
+	touch $@
+
+examples: $(VENV)/.installed
+	$(BIN)/python examples/run_examples.py
+
+test: $(VENV)/.installed-test
+	$(BIN)/python -m pytest

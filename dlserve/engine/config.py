@@ -1,0 +1,220 @@
+"""``config.pbtxt``: parsing, Triton's defaults, validation and Triton's JSON rendering.
+
+The configuration is our own ``inference.ModelConfig`` protobuf message (names and
+field numbers of Triton's ``model_config.proto``), so text format, JSON and gRPC
+all come from one schema. :func:`complete` fills in what Triton fills in before a
+model loads, :func:`validate` rejects what Triton would (and what dlserve cannot
+serve yet) with a message naming the model and the field, and :func:`to_json`
+renders the config exactly as Triton's HTTP endpoint and ``args["model_config"]`` do.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from google.protobuf import descriptor, json_format, text_format
+from google.protobuf.message import Message
+
+from dlserve.engine.proto import model_config_pb2 as mc
+from dlserve.errors import InvalidArgumentError, UnsupportedError
+
+ModelConfig = mc.ModelConfig
+InstanceGroup = mc.ModelInstanceGroup
+DEFAULT_MODEL_FILENAME = "model.py"
+SUPPORTED_BACKEND = "python"
+
+
+def parse_text(text: str, model_name: str) -> mc.ModelConfig:
+    """Parse ``config.pbtxt`` text; a syntax error names the model and the position."""
+    try:
+        return text_format.Parse(text, mc.ModelConfig())
+    except text_format.ParseError as exc:
+        raise InvalidArgumentError(
+            f"failed to load model '{model_name}': config.pbtxt: {exc}"
+        ) from None
+
+
+def parse_json(data: str | dict[str, Any], model_name: str) -> mc.ModelConfig:
+    """Parse a config in Triton's JSON form (load overrides, auto-complete results)."""
+    try:
+        obj = json.loads(data) if isinstance(data, str) else data
+        return json_format.ParseDict(obj, mc.ModelConfig())
+    except (ValueError, json_format.ParseError) as exc:
+        raise InvalidArgumentError(f"failed to load model '{model_name}': invalid config: {exc}") from None
+
+
+_INT64_TYPES = {
+    descriptor.FieldDescriptor.TYPE_INT64,
+    descriptor.FieldDescriptor.TYPE_UINT64,
+    descriptor.FieldDescriptor.TYPE_SINT64,
+    descriptor.FieldDescriptor.TYPE_FIXED64,
+    descriptor.FieldDescriptor.TYPE_SFIXED64,
+}
+
+
+def _int64_as_numbers(desc: descriptor.Descriptor, obj: dict[str, Any]) -> None:
+    """protobuf's JSON writes 64-bit ints as strings; Triton writes numbers."""
+    for field in desc.fields:
+        if field.name not in obj:
+            continue
+        value = obj[field.name]
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            value_field = field.message_type.fields_by_name["value"]
+            for key, item in value.items():
+                if value_field.message_type is not None:
+                    _int64_as_numbers(value_field.message_type, item)
+                elif value_field.type in _INT64_TYPES:
+                    value[key] = int(item)
+        elif field.message_type is not None:
+            items = value if field.is_repeated else [value]
+            for item in items:
+                _int64_as_numbers(field.message_type, item)
+        elif field.type in _INT64_TYPES:
+            obj[field.name] = [int(v) for v in value] if isinstance(value, list) else int(value)
+
+
+def message_to_json(message: Message) -> dict[str, Any]:
+    """Triton's JSON for any config message: proto field names, every scalar and
+    repeated field printed, sub-messages only when set, 64-bit ints as numbers."""
+    obj = json_format.MessageToDict(
+        message,
+        preserving_proto_field_name=True,
+        always_print_fields_with_no_presence=True,
+    )
+    _int64_as_numbers(message.DESCRIPTOR, obj)
+    return obj
+
+
+def to_json(config: mc.ModelConfig) -> dict[str, Any]:
+    return message_to_json(config)
+
+
+def complete(config: mc.ModelConfig, model_name: str, gpu_count: int = 0) -> None:
+    """Fill in the defaults Triton fills in before a Python model loads."""
+    if not config.name:
+        config.name = model_name
+    if not config.backend and not config.platform:
+        config.backend = SUPPORTED_BACKEND
+    if not config.HasField("version_policy"):
+        config.version_policy.latest.num_versions = 1
+    if not config.default_model_filename:
+        config.default_model_filename = DEFAULT_MODEL_FILENAME
+    if not config.HasField("optimization"):
+        config.optimization.input_pinned_memory.enable = True
+        config.optimization.output_pinned_memory.enable = True
+    if config.HasField("dynamic_batching") and not config.dynamic_batching.preferred_batch_size:
+        if config.max_batch_size > 0:
+            config.dynamic_batching.preferred_batch_size.append(config.max_batch_size)
+    if not config.instance_group:
+        group = config.instance_group.add()
+        group.name = config.name
+    for index, group in enumerate(config.instance_group):
+        if not group.name:
+            group.name = f"{config.name}_{index}"
+        if group.count == 0:
+            group.count = 1
+        if group.kind == InstanceGroup.KIND_AUTO:
+            if gpu_count > 0:
+                group.kind = InstanceGroup.KIND_GPU
+                if not group.gpus:
+                    group.gpus.extend(range(gpu_count))
+            else:
+                group.kind = InstanceGroup.KIND_CPU
+
+
+def _check_tensors(config: mc.ModelConfig, kind: str, tensors: Any) -> None:
+    seen: set[str] = set()
+    for tensor in tensors:
+        where = f"model '{config.name}', {kind} '{tensor.name}'"
+        if not tensor.name:
+            raise InvalidArgumentError(f"model '{config.name}': every {kind} needs a name")
+        if tensor.name in seen:
+            raise InvalidArgumentError(f"model '{config.name}': {kind} '{tensor.name}' is declared twice")
+        seen.add(tensor.name)
+        if tensor.data_type == mc.TYPE_INVALID:
+            raise InvalidArgumentError(f"{where}: data_type must be set")
+        for dim in tensor.dims:
+            if dim < -1 or dim == 0:
+                raise InvalidArgumentError(
+                    f"{where}: dims must be integers >= 1, or -1 for a variable-size "
+                    f"dimension; got {list(tensor.dims)}"
+                )
+        if tensor.HasField("reshape"):
+            _check_reshape(where, list(tensor.dims), list(tensor.reshape.shape))
+
+
+def _check_reshape(where: str, dims: list[int], shape: list[int]) -> None:
+    def count(values: list[int]) -> int:
+        total = 1
+        for v in values:
+            total *= v
+        return total
+
+    if dims.count(-1) != shape.count(-1):
+        raise InvalidArgumentError(
+            f"{where}: reshape {shape} must have as many variable (-1) dimensions as dims {dims}"
+        )
+    if -1 not in dims and count(dims) != count(shape):
+        raise InvalidArgumentError(
+            f"{where}: reshape {shape} has a different number of elements than dims {dims}"
+        )
+
+
+def validate(config: mc.ModelConfig, model_name: str, gpu_count: int = 0) -> None:
+    """Reject a completed config Triton would reject, or that dlserve cannot serve."""
+    if config.name != model_name:
+        raise InvalidArgumentError(
+            f"model '{model_name}': config.pbtxt 'name' is '{config.name}', but it must "
+            "match the model's folder name"
+        )
+    if config.platform or config.backend != SUPPORTED_BACKEND:
+        wanted = config.platform or config.backend
+        raise UnsupportedError(
+            f"model '{model_name}': dlserve serves Python-backend models only "
+            f"(backend: \"python\"), this config asks for '{wanted}'"
+        )
+    if config.max_batch_size < 0:
+        raise InvalidArgumentError(
+            f"model '{model_name}': max_batch_size must be >= 0, got {config.max_batch_size}"
+        )
+    _check_tensors(config, "input", config.input)
+    _check_tensors(config, "output", config.output)
+    for group in config.instance_group:
+        where = f"model '{model_name}', instance_group '{group.name}'"
+        if group.count < 1:
+            raise InvalidArgumentError(f"{where}: count must be >= 1, got {group.count}")
+        if group.kind == InstanceGroup.KIND_GPU:
+            if gpu_count == 0:
+                raise InvalidArgumentError(
+                    f"{where}: kind is KIND_GPU but no CUDA GPU is available on this "
+                    "machine; use KIND_CPU or KIND_AUTO"
+                )
+            bad = [g for g in group.gpus if g < 0 or g >= gpu_count]
+            if bad:
+                raise InvalidArgumentError(
+                    f"{where}: gpus {bad} do not exist (this machine has {gpu_count} GPUs)"
+                )
+        elif group.gpus and group.kind == InstanceGroup.KIND_CPU:
+            raise InvalidArgumentError(f"{where}: kind KIND_CPU cannot list gpus {list(group.gpus)}")
+    parameters = config.parameters
+    if "EXECUTION_ENV_PATH" in parameters:
+        raise UnsupportedError(
+            f"model '{model_name}': parameter EXECUTION_ENV_PATH (custom execution "
+            "environments) is not supported yet"
+        )
+    force_cpu = parameters.get("FORCE_CPU_ONLY_INPUT_TENSORS")
+    if force_cpu is not None and force_cpu.string_value not in ("yes", "no"):
+        raise InvalidArgumentError(
+            f"model '{model_name}': parameter FORCE_CPU_ONLY_INPUT_TENSORS must be "
+            f"'yes' or 'no', got '{force_cpu.string_value}'"
+        )
+    if config.model_transaction_policy.decoupled:
+        raise UnsupportedError(
+            f"model '{model_name}': decoupled models (model_transaction_policy "
+            "{ decoupled: true }) are not supported yet"
+        )
+    if config.HasField("sequence_batching") or config.HasField("ensemble_scheduling"):
+        which = config.WhichOneof("scheduling_choice")
+        raise UnsupportedError(f"model '{model_name}': {which} is not supported yet")
+

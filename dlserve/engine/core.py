@@ -1,0 +1,257 @@
+"""The engine: every server operation, as async methods on one event loop.
+
+Frontends (HTTP, gRPC) and the in-process :class:`dlserve.Server` all drive this
+one class; it knows nothing about transports. Everything except :meth:`prepare`
+and :meth:`share` must be called on the engine's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import glob
+import logging
+import os
+import re
+import uuid
+from typing import Any
+
+import numpy as np
+
+import dlserve
+from dlserve.engine.manager import ModelControlMode, ModelManager
+from dlserve.engine.model import EngineResources, ModelVersion
+from dlserve.engine.repository import Repository
+from dlserve.engine.request import Request, validate_request
+from dlserve.errors import InvalidArgumentError, NotFoundError
+from dlserve.ipc.supervisor import unlink_segments
+from dlserve.ipc.tensors import INLINE_MAX
+from dlserve.memory.arena import Arena, MemorySpace
+from dlserve.memory.dtypes import DataType
+from dlserve.memory.shm import SHM_DIR
+from dlserve.memory.tensor import Tensor
+
+log = logging.getLogger("dlserve.engine")
+
+SEGMENT_NAMESPACE = "dlserve_"  # reserved: clients may never register a region here
+EXTENSIONS = [
+    "model_repository",
+    "model_repository(unload_dependents)",
+    "model_configuration",
+    "parameters",
+    "statistics",
+]
+_MIB = 1 << 20
+
+
+@dataclasses.dataclass
+class EngineSettings:
+    model_repositories: list[str]
+    server_id: str = "dlserve"
+    control_mode: ModelControlMode = ModelControlMode.NONE
+    startup_models: list[str] = dataclasses.field(default_factory=list)
+    auto_complete: bool = True
+    strict_readiness: bool = True
+    exit_on_error: bool = True
+    exit_timeout: float = 30.0
+    poll_interval: float = 15.0
+    arena_bytes: int = 64 * _MIB
+    worker_arena_bytes: int = 16 * _MIB
+
+
+def gpu_count() -> int:
+    """CUDA devices visible to this process (0 without cupy or a driver)."""
+    try:
+        import cupy
+    except ImportError:
+        return 0
+    try:
+        return int(cupy.cuda.runtime.getDeviceCount()) if cupy.is_available() else 0
+    except Exception:  # noqa: BLE001 - any CUDA failure means "no GPU"
+        return 0
+
+
+def remove_stale_segments() -> None:
+    """Unlink segments left by dlserve servers that died without cleaning up."""
+    pattern = re.compile(re.escape(SEGMENT_NAMESPACE) + r"(\d+)_")
+    for path in glob.glob(os.path.join(SHM_DIR, SEGMENT_NAMESPACE + "*")):
+        match = pattern.match(os.path.basename(path))
+        if match is None:
+            continue
+        pid = int(match.group(1))
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        except PermissionError:
+            pass  # another user's live server
+
+
+class Engine:
+    def __init__(self, settings: EngineSettings) -> None:
+        self.settings = settings
+        self.space = MemorySpace()
+        # pid first so remove_stale_segments can tell a dead server's leftovers.
+        self.segment_prefix = f"{SEGMENT_NAMESPACE}{os.getpid()}_{uuid.uuid4().hex[:8]}"
+        self.arena: Arena | None = None
+        self.manager: ModelManager | None = None
+        self.live = False
+
+    # -- lifecycle ----------------------------------------------------------------------
+    async def start(self) -> list[str]:
+        """Load models per the control mode; returns the load errors (see exit_on_error)."""
+        s = self.settings
+        if not s.model_repositories:
+            raise InvalidArgumentError("Model repository must be specified.")
+        remove_stale_segments()
+        self.arena = Arena(self.space, f"{self.segment_prefix}_s", s.arena_bytes, s.arena_bytes)
+        resources = EngineResources(
+            space=self.space,
+            arena=self.arena,
+            segment_prefix=self.segment_prefix,
+            worker_arena_bytes=s.worker_arena_bytes,
+            gpu_count=gpu_count(),
+        )
+        self.manager = ModelManager(
+            Repository(s.model_repositories),
+            resources,
+            control_mode=s.control_mode,
+            auto_complete=s.auto_complete,
+            exit_timeout=s.exit_timeout,
+        )
+        self.live = True
+        return await self.manager.start(s.startup_models, s.poll_interval)
+
+    async def stop(self) -> None:
+        self.live = False
+        if self.manager is not None:
+            await self.manager.stop()
+        self._release_memory()
+
+    def kill(self) -> None:
+        """Stop without asking models to finalize (the loop is gone)."""
+        self.live = False
+        if self.manager is not None:
+            self.manager.kill()
+        self._release_memory()
+
+    def _release_memory(self) -> None:
+        if self.arena is not None:
+            self.arena.close()
+        unlink_segments(self.segment_prefix)
+
+    # -- health and metadata -------------------------------------------------------------
+    def ready(self) -> bool:
+        if not self.live or self.manager is None:
+            return False
+        return self.manager.all_ready() if self.settings.strict_readiness else True
+
+    def metadata(self) -> dict[str, Any]:
+        return {
+            "name": self.settings.server_id,
+            "version": dlserve.__version__,
+            "extensions": list(EXTENSIONS),
+        }
+
+    def model(self, name: str, version: int = -1) -> ModelVersion:
+        if self.manager is None:
+            raise NotFoundError(f"Request for unknown model: '{name}' is not found")
+        return self.manager.get(name, version)
+
+    def model_ready(self, name: str, version: int = -1) -> bool:
+        try:
+            return self.model(name, version).ready
+        except NotFoundError:
+            return False
+
+    def model_metadata(self, name: str, version: int = -1) -> dict[str, Any]:
+        model = self.model(name, version)
+        meta = model.metadata()
+        assert self.manager is not None
+        meta["versions"] = [str(v) for v in self.manager.ready_versions(name)] or meta["versions"]
+        return meta
+
+    def model_config(self, name: str, version: int = -1) -> dict[str, Any]:
+        return self.model(name, version).config_json
+
+    def statistics(self, name: str = "", version: int = -1) -> dict[str, Any]:
+        assert self.manager is not None
+        if name:
+            try:
+                if version is not None and version >= 0:
+                    models = [self.manager.get(name, version)]
+                else:
+                    entry = self.manager.models.get(name)
+                    models = list(entry.versions.values()) if entry else []
+            except NotFoundError:
+                models = []
+            if not models:
+                raise InvalidArgumentError(f"requested model '{name}' is not available")
+        else:
+            models = [
+                m for e in self.manager.models.values() for m in e.versions.values() if m.ready
+            ]
+        return {"model_stats": [m.stats.as_dict() for m in models]}
+
+    def repository_index(self, ready: bool = False) -> list[dict[str, Any]]:
+        assert self.manager is not None
+        return self.manager.index(ready)
+
+    # -- model control -------------------------------------------------------------------
+    async def load(self, name: str, parameters: dict[str, Any] | None = None) -> None:
+        """Load ``name``; ``parameters`` may carry ``config`` (JSON) and ``file:<path>`` bytes."""
+        assert self.manager is not None
+        parameters = dict(parameters or {})
+        config = parameters.pop("config", None)
+        files: dict[str, bytes] = {}
+        for key, value in parameters.items():
+            if not key.startswith("file:"):
+                raise InvalidArgumentError(f"load of model '{name}': unknown parameter '{key}'")
+            if not isinstance(value, (bytes, bytearray)):
+                raise InvalidArgumentError(f"load of model '{name}': '{key}' must be bytes")
+            files[key[len("file:") :]] = bytes(value)
+        if config is not None and not isinstance(config, str):
+            raise InvalidArgumentError(f"load of model '{name}': 'config' must be a JSON string")
+        await self.manager.load(name, config, files or None)
+
+    async def unload(self, name: str, unload_dependents: bool = False) -> None:
+        assert self.manager is not None
+        await self.manager.unload(name, unload_dependents)
+
+    # -- inference -----------------------------------------------------------------------
+    def prepare(self, request: Request) -> ModelVersion:
+        """Resolve and validate a request. Safe from any thread; raises on bad input."""
+        model = self.model(request.model_name, request.model_version)
+        validate_request(request, model.config)
+        return model
+
+    def submit(self, request: Request) -> None:
+        """Validate and queue a request (on the loop); responses go to ``on_response``."""
+        model = self.prepare(request)
+        model.scheduler.submit(request)
+
+    def share(self, tensor: Tensor) -> Tensor:
+        """The tensor in shared memory: itself if already there, else a copy in the arena."""
+        data = tensor.storage()
+        if data.nbytes <= INLINE_MAX or self.arena is None or self.space.locate(data) is not None:
+            return tensor  # tiny tensors travel inline to workers anyway
+        view = np.frombuffer(self.arena.copy(data), dtype=np.uint8)
+        if tensor.data_type is DataType.BYTES:
+            return Tensor(tensor.data_type, tensor.shape, data=view)
+        return Tensor(tensor.data_type, tensor.shape, data=view.view(data.dtype).reshape(tensor.shape))
+
+    def allocate(self, shape: list[int], data_type: DataType) -> Tensor:
+        """A new tensor in shared memory, for callers that fill it in place."""
+        if self.arena is None:
+            raise InvalidArgumentError("Server not started")
+        if data_type is DataType.BYTES:
+            raise InvalidArgumentError("BYTES tensors cannot be pre-allocated")
+        storage = data_type.storage_dtype
+        count = int(np.prod(shape, dtype=np.int64))
+        anchor = self.arena.allocate(count * storage.itemsize)
+        data = np.frombuffer(anchor, dtype=storage).reshape(shape)
+        return Tensor(data_type, shape, data=data)
+

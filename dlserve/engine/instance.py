@@ -1,0 +1,241 @@
+"""One model instance: a worker process, its lifecycle, and the execute round trip.
+
+An instance that dies (segfault, ``os._exit``, SIGKILL, OOM) fails its in-flight
+requests at once with the reason, is marked not ready, and is restarted with
+exponential backoff; its ``initialize`` runs again, exactly as on first load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from dlserve.engine.request import Request, Response, reshaped
+from dlserve.errors import ErrorCode, InternalError, TritonError, UnavailableError
+from dlserve.ipc.protocol import Kind, Message
+from dlserve.ipc.supervisor import WorkerProcess
+from dlserve.pb_utils.logger import PYTHON_LEVELS, LogLevel
+
+if TYPE_CHECKING:
+    from dlserve.engine.model import ModelVersion
+
+log = logging.getLogger("dlserve.engine")
+
+RESTART_BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+STABLE_AFTER_S = 30.0  # an instance up this long gets its backoff reset
+
+
+class InstanceState(enum.Enum):
+    STARTING = "STARTING"
+    READY = "READY"
+    RESTARTING = "RESTARTING"
+    STOPPED = "STOPPED"
+
+
+class Timings:
+    """Nanosecond split of one execution, for statistics."""
+
+    __slots__ = ("input_ns", "infer_ns", "output_ns")
+
+    def __init__(self, input_ns: int, infer_ns: int, output_ns: int) -> None:
+        self.input_ns = input_ns
+        self.infer_ns = infer_ns
+        self.output_ns = output_ns
+
+
+class ModelInstance:
+    def __init__(
+        self,
+        model: ModelVersion,
+        name: str,
+        kind: str,
+        device_id: int,
+        serial: int,
+        on_state_change: Callable[[ModelInstance], None],
+    ) -> None:
+        self.model = model
+        self.name = name
+        self.kind = kind
+        self.device_id = device_id
+        self.serial = serial
+        self.state = InstanceState.STARTING
+        self.busy = False
+        self.restarts = 0
+        self._restart_streak = 0  # restarts since the instance last stayed up a while
+        self.last_error = ""
+        self._on_state_change = on_state_change
+        self._worker: WorkerProcess | None = None
+        self._restart_task: asyncio.Task[None] | None = None
+        self._started_at = 0.0
+        self._stopping = False
+        self._log = logging.getLogger(f"dlserve.model.{model.name}")
+
+    @property
+    def ready(self) -> bool:
+        return self.state is InstanceState.READY
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._worker is None else self._worker.pid
+
+    def initialize_args(self) -> dict[str, str]:
+        """Exactly the keys Triton passes to ``initialize``."""
+        return {
+            "model_config": json.dumps(self.model.config_json, separators=(",", ":")),
+            "model_instance_kind": self.kind,
+            "model_instance_name": self.name,
+            "model_instance_device_id": str(self.device_id),
+            "model_repository": str(self.model.model_dir),
+            "model_version": str(self.model.version),
+            "model_name": self.model.name,
+        }
+
+    async def start(self) -> None:
+        """Spawn the worker and run ``initialize``; raises with the model's error."""
+        resources = self.model.resources
+        worker = WorkerProcess(
+            instance_name=self.name,
+            segment_prefix=f"{resources.segment_prefix}_w{self.serial}r{self.restarts}",
+            arena_bytes=resources.worker_arena_bytes,
+            space=resources.space,
+            arena=resources.arena,
+            on_message=self._on_worker_message,
+            on_exit=self._on_worker_exit,
+        )
+        self._worker = worker
+        await worker.start()
+        try:
+            await worker.request(
+                Kind.INIT, {"model_file": str(self.model.model_file), "args": self.initialize_args()}
+            )
+        except TritonError as exc:
+            await worker.stop(timeout=5.0, finalize=False)
+            raise InternalError(
+                f"failed to initialize model instance '{self.name}': "
+                + (worker.exit_description or exc.message)
+            ) from None
+        self._started_at = time.monotonic()
+        self._set_state(InstanceState.READY)
+
+    def _set_state(self, state: InstanceState) -> None:
+        self.state = state
+        self._on_state_change(self)
+
+    def _on_worker_message(self, message: Message) -> None:
+        kind, _corr, body = message
+        if kind == Kind.LOG:
+            level, text = body
+            self._log.log(PYTHON_LEVELS.get(LogLevel(level), logging.INFO), "%s", text)
+
+    def _on_worker_exit(self, description: str) -> None:
+        self.last_error = description
+        if self._stopping:
+            return
+        self._set_state(InstanceState.RESTARTING)
+        self._restart_task = asyncio.get_running_loop().create_task(self._restart())
+
+    async def _restart(self) -> None:
+        if time.monotonic() - self._started_at > STABLE_AFTER_S:
+            self._restart_streak = 0
+        while not self._stopping:
+            delay = RESTART_BACKOFF_S[min(self._restart_streak, len(RESTART_BACKOFF_S) - 1)]
+            self._restart_streak += 1
+            await asyncio.sleep(delay)
+            if self._stopping:
+                return
+            self.restarts += 1
+            log.warning("restarting model instance '%s' (restart #%d)", self.name, self.restarts)
+            try:
+                await self.start()
+                return
+            except TritonError as exc:
+                self.last_error = exc.message
+                log.error("restart of '%s' failed: %s", self.name, exc.message)
+
+    async def execute(self, requests: list[Request]) -> tuple[list[Response], Timings]:
+        worker = self._worker
+        if worker is None or worker.peer is None or not self.ready:
+            raise UnavailableError(f"model instance '{self.name}' is not ready: {self.last_error}")
+        model = self.model
+        peer = worker.peer
+        t0 = time.monotonic_ns()
+        body = [
+            (
+                r.request_id,
+                r.correlation_id,
+                r.flags,
+                r.timeout_us,
+                json.dumps(r.parameters) if r.parameters else "{}",
+                model.output_names if r.requested_outputs is None else r.requested_outputs,
+                [peer.export(name, tensor) for name, tensor in r.inputs.items()],
+            )
+            for r in requests
+        ]
+        t1 = time.monotonic_ns()
+        try:
+            replies = await worker.request(Kind.EXECUTE, body)
+        except UnavailableError:
+            # The worker died mid-call; wait briefly for its exit status to say why.
+            try:
+                await asyncio.wait_for(worker.wait_exited(), 2.0)
+            except asyncio.TimeoutError:
+                pass
+            reason = worker.exit_description or "worker process connection closed"
+            raise InternalError(
+                f"Failed to process the request(s) for model instance '{self.name}', "
+                f"message: {reason} while executing the request(s); it is being restarted"
+            ) from None
+        t2 = time.monotonic_ns()
+        responses = [self._response(r, reply) for r, reply in zip(requests, replies)]
+        t3 = time.monotonic_ns()
+        return responses, Timings(t1 - t0, t2 - t1, t3 - t2)
+
+    def _response(self, request: Request, reply: Any) -> Response:
+        model = self.model
+        outputs_wire, error, parameters = reply
+        response = Response(model.name, model.version, request.request_id)
+        if parameters and parameters != "{}":
+            response.parameters = json.loads(parameters)
+        if error is not None:
+            code, message = error
+            response.error = TritonError.from_code(ErrorCode(code), message)
+            return response
+        peer = self._worker.peer if self._worker is not None else None
+        if peer is None:
+            raise UnavailableError(f"model instance '{self.name}' went away")
+        for wire in outputs_wire:
+            name, tensor = peer.import_(wire)
+            shape = model.output_reshape.get(name)
+            if shape is not None:
+                tensor = reshaped(tensor, shape, model.config.max_batch_size > 0)
+            response.outputs[name] = tensor
+        return response
+
+    async def stop(self, timeout: float) -> None:
+        self._stopping = True
+        if self._restart_task is not None:
+            self._restart_task.cancel()
+        if self._worker is not None:
+            await self._worker.stop(timeout)
+        self._set_state(InstanceState.STOPPED)
+
+    def kill(self) -> None:
+        self._stopping = True
+        if self._worker is not None:
+            self._worker.kill()
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "device_id": self.device_id,
+            "state": self.state.value,
+            "pid": self.pid,
+            "restarts": self.restarts,
+            "last_error": self.last_error,
+        }

@@ -1,0 +1,304 @@
+"""Which models are loaded: model control modes, load/unload/reload, polling, the index.
+
+Every model has a lock, so loads and unloads of one model never interleave while
+different models load in parallel. A reload loads the new versions first and
+swaps them in only when they are ready, so a broken edit never takes down a
+serving model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+import json
+import logging
+from typing import Any
+
+from dlserve.engine import config as cfg
+from dlserve.engine.model import EngineResources, ModelVersion
+from dlserve.engine.proto import model_config_pb2 as mc
+from dlserve.engine.repository import ModelSource, Repository, defines_auto_complete, select_versions
+from dlserve.errors import InvalidArgumentError, NotFoundError, TritonError, UnavailableError
+from dlserve.ipc.protocol import Kind
+from dlserve.ipc.supervisor import WorkerProcess
+
+log = logging.getLogger("dlserve.engine")
+
+
+class ModelControlMode(enum.IntEnum):
+    NONE = 0
+    POLL = 1
+    EXPLICIT = 2
+
+
+@dataclasses.dataclass
+class ModelEntry:
+    name: str
+    versions: dict[int, ModelVersion] = dataclasses.field(default_factory=dict)
+    error: str = ""  # why the model (as a whole) is not loaded
+    fingerprint: Any = None
+    lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+
+    def latest_ready(self) -> ModelVersion | None:
+        ready = [v for v in self.versions.values() if v.ready]
+        return max(ready, key=lambda v: v.version) if ready else None
+
+
+class ModelManager:
+    def __init__(
+        self,
+        repository: Repository,
+        resources: EngineResources,
+        *,
+        control_mode: ModelControlMode,
+        auto_complete: bool,
+        exit_timeout: float,
+    ) -> None:
+        self.repository = repository
+        self.resources = resources
+        self.control_mode = control_mode
+        self.auto_complete = auto_complete
+        self.exit_timeout = exit_timeout
+        self.models: dict[str, ModelEntry] = {}
+        self._poll_task: asyncio.Task[None] | None = None
+
+    # -- lookups --------------------------------------------------------------------
+    def get(self, name: str, version: int = -1) -> ModelVersion:
+        """The version that serves requests for ``(name, version)``; -1 = latest ready."""
+        entry = self.models.get(name)
+        if entry is None or (not entry.versions and entry.error):
+            raise NotFoundError(f"Request for unknown model: '{name}' is not found")
+        if version is None or version < 0:
+            found = entry.latest_ready()
+            if found is None:
+                raise NotFoundError(f"Request for unknown model: '{name}' has no available versions")
+            return found
+        model = entry.versions.get(version)
+        if model is None:
+            raise NotFoundError(f"Request for unknown model: '{name}' version {version} is not found")
+        return model
+
+    def ready_versions(self, name: str) -> list[int]:
+        entry = self.models.get(name)
+        return sorted(v.version for v in entry.versions.values() if v.ready) if entry else []
+
+    def all_ready(self) -> bool:
+        return all(
+            entry.versions and all(v.ready for v in entry.versions.values())
+            for entry in self.models.values()
+            if entry.versions or entry.error
+        )
+
+    def index(self, ready_only: bool = False) -> list[dict[str, Any]]:
+        rows: list[dict[str, Any]] = []
+        names = set(self.models)
+        if not ready_only:
+            names |= {n for n, s in self.repository.scan().items() if isinstance(s, ModelSource)}
+        for name in sorted(names):
+            entry = self.models.get(name)
+            if entry is None or (not entry.versions and not entry.error):
+                if not ready_only:
+                    rows.append({"name": name})
+                continue
+            if not entry.versions:
+                if not ready_only:
+                    rows.append({"name": name, "state": "UNAVAILABLE", "reason": entry.error})
+                continue
+            for version in sorted(entry.versions):
+                model = entry.versions[version]
+                state = "READY" if model.ready else model.state
+                if ready_only and state != "READY":
+                    continue
+                row = {"name": name, "version": str(version), "state": state}
+                reason = model.reason or ("no ready instance" if state != "READY" and model.state == "READY" else "")
+                if reason:
+                    row["reason"] = reason
+                rows.append(row)
+        return rows
+
+    # -- start / stop -----------------------------------------------------------------
+    async def start(self, startup_models: list[str], poll_interval: float) -> list[str]:
+        """Load the models the control mode calls for; returns the load errors."""
+        if self.control_mode is ModelControlMode.EXPLICIT and startup_models != ["*"]:
+            if "*" in startup_models:
+                raise InvalidArgumentError("'*' must be the only startup model when it is used")
+            names = list(dict.fromkeys(startup_models))
+        else:
+            names = sorted(self.repository.scan())
+        results = await asyncio.gather(*(self._load_guarded(name) for name in names))
+        errors = [e for e in results if e]
+        if self.control_mode is ModelControlMode.POLL:
+            self._poll_task = asyncio.get_running_loop().create_task(self._poll_forever(poll_interval))
+        return errors
+
+    async def _load_guarded(self, name: str) -> str:
+        try:
+            await self.load(name, _internal=True)
+            return ""
+        except TritonError as exc:
+            log.error("failed to load model '%s': %s", name, exc.message)
+            return exc.message
+
+    async def stop(self) -> None:
+        if self._poll_task is not None:
+            self._poll_task.cancel()
+        await asyncio.gather(
+            *(self._unload_entry(entry) for entry in list(self.models.values())),
+            return_exceptions=True,
+        )
+        self.repository.close()
+
+    def kill(self) -> None:
+        for entry in self.models.values():
+            for model in entry.versions.values():
+                model.kill()
+
+    # -- load / unload ----------------------------------------------------------------
+    def _check_api_allowed(self) -> None:
+        if self.control_mode is not ModelControlMode.EXPLICIT:
+            raise UnavailableError(
+                "explicit model load / unload is not allowed if polling is enabled "
+                f"(model control mode is {self.control_mode.name}; use EXPLICIT)"
+            )
+
+    async def load(
+        self,
+        name: str,
+        config: str | None = None,
+        files: dict[str, bytes] | None = None,
+        _internal: bool = False,
+    ) -> None:
+        """Load (or reload) ``name``; ``config`` overrides config.pbtxt (JSON)."""
+        if not _internal:
+            self._check_api_allowed()
+        if files and config is None:
+            raise InvalidArgumentError(
+                f"load of model '{name}': file: parameters need a 'config' parameter too"
+            )
+        source = self.repository.write_upload(name, files) if files else self.repository.find(name)
+        entry = self.models.setdefault(name, ModelEntry(name))
+        async with entry.lock:
+            try:
+                loaded = await self._load_versions(source, config)
+            except TritonError as exc:
+                if not entry.versions:
+                    entry.error = exc.message
+                raise
+            old = entry.versions
+            entry.versions, entry.error = loaded, ""
+            entry.fingerprint = source.fingerprint()
+            await asyncio.gather(*(v.unload(self.exit_timeout) for v in old.values()))
+
+    async def _load_versions(self, source: ModelSource, override: str | None) -> dict[int, ModelVersion]:
+        name = source.name
+        if override is not None:
+            config = cfg.parse_json(override, name)
+        else:
+            found = self.repository.read_config(source)
+            if found is None and not self.auto_complete:
+                raise InvalidArgumentError(
+                    f"failed to load model '{name}': it has no config.pbtxt and "
+                    "auto-complete is disabled"
+                )
+            config = found or mc.ModelConfig()
+        if not config.name:
+            config.name = name
+        if not config.backend and not config.platform:
+            config.backend = cfg.SUPPORTED_BACKEND
+        if not config.HasField("version_policy"):
+            config.version_policy.latest.num_versions = 1
+        filename = config.default_model_filename or cfg.DEFAULT_MODEL_FILENAME
+        available = [
+            v for v in source.versions_on_disk() if (source.path / str(v) / filename).is_file()
+        ]
+        versions = select_versions(config.version_policy, available)
+        if not versions:
+            raise InvalidArgumentError(
+                f"failed to load model '{name}': no version folder holds '{filename}' "
+                f"(version folders with it: {available or 'none'})"
+            )
+        model_file = source.path / str(max(versions)) / filename
+        if self.auto_complete and defines_auto_complete(model_file):
+            config = await self._auto_complete(name, config, model_file)
+        cfg.complete(config, name, self.resources.gpu_count)
+        cfg.validate(config, name, self.resources.gpu_count)
+        loaded: dict[int, ModelVersion] = {}
+        try:
+            for version in versions:
+                model = ModelVersion(name, version, config, source.path, self.resources)
+                loaded[version] = model
+                await model.load()
+        except TritonError:
+            await asyncio.gather(*(m.unload(1.0) for m in loaded.values()))
+            raise
+        return loaded
+
+    async def _auto_complete(self, name: str, config: mc.ModelConfig, model_file: Any) -> mc.ModelConfig:
+        """Run ``auto_complete_config`` in a throwaway worker, as Triton does."""
+        resources = self.resources
+        worker = WorkerProcess(
+            instance_name=f"{name}_auto_complete",
+            segment_prefix=f"{resources.segment_prefix}_a{resources.next_serial()}",
+            arena_bytes=1 << 16,
+            space=resources.space,
+            arena=resources.arena,
+            on_message=lambda message: None,
+            on_exit=lambda description: None,
+        )
+        await worker.start()
+        try:
+            result = await worker.request(
+                Kind.AUTO_COMPLETE,
+                {"model_file": str(model_file), "config": json.dumps(cfg.to_json(config))},
+            )
+        except TritonError as exc:
+            raise type(exc)(f"auto_complete_config of model '{name}' failed: {exc.message}") from None
+        finally:
+            await worker.stop(timeout=5.0, finalize=False)
+        return cfg.parse_json(result, name)
+
+    async def unload(self, name: str, unload_dependents: bool = False) -> None:
+        """Unload every version of ``name``. (Dependents arrive with BLS/ensembles.)"""
+        self._check_api_allowed()
+        entry = self.models.get(name)
+        if entry is None:
+            if isinstance(self.repository.scan().get(name), ModelSource):
+                return  # known but not loaded: nothing to do, as in Triton
+            raise NotFoundError(f"failed to unload '{name}', model is not found")
+        await self._unload_entry(entry)
+
+    async def _unload_entry(self, entry: ModelEntry) -> None:
+        async with entry.lock:
+            versions, entry.versions = entry.versions, {}
+            entry.error = ""
+            await asyncio.gather(*(v.unload(self.exit_timeout) for v in versions.values()))
+            for version in versions.values():
+                version.state, version.reason = "UNAVAILABLE", "unloaded"
+
+    # -- poll mode --------------------------------------------------------------------
+    async def poll(self) -> None:
+        """Load new models, reload changed ones, unload removed ones."""
+        found = {n: s for n, s in self.repository.scan().items() if isinstance(s, ModelSource)}
+        for name in list(self.models):
+            if name not in found and self.models[name].versions:
+                log.info("model '%s' was removed from the repository; unloading", name)
+                await self._unload_entry(self.models[name])
+        for name, source in found.items():
+            entry = self.models.get(name)
+            if entry is not None and entry.fingerprint == source.fingerprint():
+                continue
+            if entry is not None and entry.error and entry.fingerprint == source.fingerprint():
+                continue
+            log.info("model '%s' is new or changed; loading", name)
+            error = await self._load_guarded(name)
+            if error:
+                self.models[name].fingerprint = source.fingerprint()
+
+    async def _poll_forever(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.poll()
+            except Exception:  # noqa: BLE001 - a poll must never kill the loop
+                log.exception("repository poll failed")

@@ -1,0 +1,148 @@
+"""A loaded model version: its config, instances, scheduler and statistics."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+from dlserve.engine import config as cfg
+from dlserve.engine.instance import ModelInstance
+from dlserve.engine.proto import model_config_pb2 as mc
+from dlserve.engine.request import Request
+from dlserve.engine.scheduler import Scheduler
+from dlserve.engine.statistics import ModelStatistics
+from dlserve.memory.arena import Arena, MemorySpace
+from dlserve.memory.dtypes import DataType
+
+log = logging.getLogger("dlserve.engine")
+
+_KIND_NAMES = {
+    mc.ModelInstanceGroup.KIND_CPU: "CPU",
+    mc.ModelInstanceGroup.KIND_GPU: "GPU",
+    mc.ModelInstanceGroup.KIND_MODEL: "MODEL",
+}
+
+
+@dataclasses.dataclass
+class EngineResources:
+    """What every model instance shares: the server's memory and naming."""
+
+    space: MemorySpace
+    arena: Arena
+    segment_prefix: str
+    worker_arena_bytes: int
+    gpu_count: int = 0
+    serial: int = 0
+
+    def next_serial(self) -> int:
+        self.serial += 1
+        return self.serial
+
+
+class ModelVersion:
+    """One version of one model, from load to unload."""
+
+    def __init__(
+        self,
+        name: str,
+        version: int,
+        config: mc.ModelConfig,
+        model_dir: Path,
+        resources: EngineResources,
+    ) -> None:
+        self.name = name
+        self.version = version
+        self.config = config
+        self.config_json = cfg.to_json(config)
+        self.model_dir = model_dir
+        self.model_file = model_dir / str(version) / config.default_model_filename
+        self.resources = resources
+        self.stats = ModelStatistics(name, version)
+        self.output_names = tuple(output.name for output in config.output)
+        self.output_reshape: dict[str, list[int]] = {
+            o.name: list(o.dims) for o in config.output if o.HasField("reshape")
+        }
+        self.instances: list[ModelInstance] = []
+        self.scheduler = Scheduler(self)
+        self.state = "LOADING"
+        self.reason = ""
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "READY" and any(instance.ready for instance in self.instances)
+
+    def batch_size_of(self, request: Request) -> int:
+        if self.config.max_batch_size <= 0 or not request.inputs:
+            return 1
+        return next(iter(request.inputs.values())).shape[0]
+
+    def _instance_plan(self) -> list[tuple[str, str, int]]:
+        """(instance name, kind, device id) for every instance the config asks for."""
+        plan = []
+        for group in self.config.instance_group:
+            devices = list(group.gpus) if group.kind == mc.ModelInstanceGroup.KIND_GPU else [0]
+            kind = _KIND_NAMES.get(group.kind, "CPU")
+            for device in devices:
+                for index in range(group.count):
+                    suffix = f"_{index}_{device}" if len(devices) > 1 else f"_{index}"
+                    plan.append((f"{group.name}{suffix}", kind, device))
+        return plan
+
+    async def load(self) -> None:
+        """Start every instance; if any fails, stop the others and raise its error."""
+        resources = self.resources
+        self.instances = [
+            ModelInstance(self, name, kind, device, resources.next_serial(), self._instance_changed)
+            for name, kind, device in self._instance_plan()
+        ]
+        results = await asyncio.gather(
+            *(instance.start() for instance in self.instances), return_exceptions=True
+        )
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            await asyncio.gather(*(i.stop(timeout=5.0) for i in self.instances))
+            self.state, self.reason = "UNAVAILABLE", str(errors[0])
+            raise errors[0]
+        self.state, self.reason = "READY", ""
+
+    def _instance_changed(self, _instance: ModelInstance) -> None:
+        self.scheduler.instance_state_changed()
+
+    async def unload(self, timeout: float) -> None:
+        """Stop taking requests, let in-flight ones finish (up to ``timeout``), stop workers."""
+        self.state = "UNLOADING"
+        if not await self.scheduler.drain(timeout):
+            log.warning(
+                "model '%s' version %d still had requests in flight after %.1fs; stopping it",
+                self.name,
+                self.version,
+                timeout,
+            )
+        await asyncio.gather(*(instance.stop(timeout) for instance in self.instances))
+        self.state, self.reason = "UNAVAILABLE", "unloaded"
+
+    def kill(self) -> None:
+        for instance in self.instances:
+            instance.kill()
+
+    def metadata(self) -> dict[str, Any]:
+        batching = self.config.max_batch_size > 0
+
+        def tensor(t: Any) -> dict[str, Any]:
+            shape = [int(d) for d in t.dims]
+            return {
+                "name": t.name,
+                "datatype": DataType(t.data_type).wire_name,
+                "shape": ([-1] + shape) if batching else shape,
+            }
+
+        return {
+            "name": self.name,
+            "versions": [str(self.version)],
+            "platform": self.config.platform or self.config.backend,
+            "inputs": [tensor(t) for t in self.config.input],
+            "outputs": [tensor(t) for t in self.config.output],
+        }

@@ -1,0 +1,158 @@
+"""Model repositories on disk: Triton's layout, version folders and version policy.
+
+``<repository>/<model>/config.pbtxt`` and ``<repository>/<model>/<version>/model.py``.
+Only names found by listing the repositories can be loaded, so a model name from a
+request can never reach outside them; files uploaded with a load request are
+written under a private folder after the same check on every path.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from dlserve.engine import config as cfg
+from dlserve.engine.proto import model_config_pb2 as mc
+from dlserve.errors import InvalidArgumentError, NotFoundError
+
+log = logging.getLogger("dlserve.engine")
+
+CONFIG_FILE = "config.pbtxt"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """Where a model's files are."""
+
+    name: str
+    path: Path
+
+    @property
+    def config_path(self) -> Path:
+        return self.path / CONFIG_FILE
+
+    def versions_on_disk(self) -> list[int]:
+        """Numeric version folders, ascending; other folders are ignored with a warning."""
+        versions = []
+        for entry in sorted(os.scandir(self.path), key=lambda e: e.name):
+            if not entry.is_dir():
+                continue
+            if entry.name.isdigit():
+                versions.append(int(entry.name))
+            else:
+                log.warning(
+                    "model '%s': ignoring folder '%s', version folders must be numbers",
+                    self.name,
+                    entry.name,
+                )
+        return sorted(versions)
+
+    def fingerprint(self) -> tuple[tuple[str, int, int], ...]:
+        """Changes when any file of the model changes (used by poll mode)."""
+        stamps = []
+        for root, _dirs, files in os.walk(self.path):
+            if "__pycache__" in root:
+                continue
+            for name in files:
+                st = os.stat(os.path.join(root, name))
+                stamps.append((os.path.join(root, name), st.st_mtime_ns, st.st_size))
+        return tuple(sorted(stamps))
+
+
+def select_versions(policy: mc.ModelVersionPolicy, available: list[int]) -> list[int]:
+    choice = policy.WhichOneof("policy_choice")
+    if choice == "all":
+        return list(available)
+    if choice == "specific":
+        return [v for v in policy.specific.versions if v in available]
+    count = policy.latest.num_versions if choice == "latest" else 1
+    return sorted(available)[-max(count, 1) :]
+
+
+def defines_auto_complete(model_file: Path) -> bool:
+    """Whether ``TritonPythonModel`` defines ``auto_complete_config``, read without importing.
+
+    Saves a throwaway worker process for the (common) models that do not.
+    """
+    try:
+        tree = ast.parse(model_file.read_text())
+    except (OSError, SyntaxError, ValueError):
+        return True  # let the worker report the real problem
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == "TritonPythonModel":
+            return any(
+                isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef))
+                and item.name == "auto_complete_config"
+                for item in node.body
+            )
+    return True
+
+
+class Repository:
+    """One or more repository folders, searched in order; model names must be unique."""
+
+    def __init__(self, paths: list[str | Path]) -> None:
+        self.paths: list[Path] = []
+        for path in paths:
+            resolved = Path(path).expanduser().resolve()
+            if not resolved.is_dir():
+                raise InvalidArgumentError(f"model repository '{path}' is not a directory")
+            self.paths.append(resolved)
+        self._uploads = Path(tempfile.mkdtemp(prefix="dlserve-uploads-"))
+
+    def scan(self) -> dict[str, ModelSource | str]:
+        """Every model folder by name; a name found in two repositories maps to an error."""
+        found: dict[str, ModelSource | str] = {}
+        for repo in self.paths:
+            for entry in sorted(os.scandir(repo), key=lambda e: e.name):
+                if not entry.is_dir() or entry.name.startswith("."):
+                    continue
+                if entry.name in found:
+                    found[entry.name] = (
+                        f"model '{entry.name}' appears in more than one model repository"
+                    )
+                else:
+                    found[entry.name] = ModelSource(entry.name, Path(entry.path))
+        return found
+
+    def find(self, name: str) -> ModelSource:
+        entry = self.scan().get(name)
+        if entry is None:
+            raise NotFoundError(
+                f"failed to load '{name}', failed to poll from model repository"
+            )
+        if isinstance(entry, str):
+            raise InvalidArgumentError(entry)
+        return entry
+
+    def read_config(self, source: ModelSource) -> mc.ModelConfig | None:
+        """The model's config.pbtxt, or None when it has none."""
+        try:
+            text = source.config_path.read_text()
+        except FileNotFoundError:
+            return None
+        return cfg.parse_text(text, source.name)
+
+    def write_upload(self, name: str, files: dict[str, bytes]) -> ModelSource:
+        """Materialise ``file:<path>`` load parameters as a private model folder."""
+        root = self._uploads / name
+        if root.exists():
+            shutil.rmtree(root)
+        root.mkdir(parents=True)
+        for relative, content in files.items():
+            target = (root / relative).resolve()
+            if not target.is_relative_to(root.resolve()) or target == root.resolve():
+                raise InvalidArgumentError(
+                    f"load of model '{name}': file path 'file:{relative}' escapes the model folder"
+                )
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(content)
+        return ModelSource(name, root)
+
+    def close(self) -> None:
+        shutil.rmtree(self._uploads, ignore_errors=True)

@@ -1,0 +1,582 @@
+"""The in-process API, modelled on Triton's ``tritonserver`` package.
+
+``Server`` runs the :class:`Engine` on its own event loop in a background thread
+(uvloop when installed), the way ``tritonserver`` runs Triton's C++ core. Calls
+from user threads validate and copy inputs on the caller's thread and hand the
+request to the loop; responses come back through a queue. Frontends run on the
+same loop and call the engine directly, with no thread hop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import dataclasses
+import enum
+import logging
+import queue
+import threading
+import time
+import weakref
+from collections.abc import AsyncIterator, Coroutine, Iterator
+from typing import Any, TypeVar
+
+from dlserve.engine.core import Engine, EngineSettings
+from dlserve.engine.manager import ModelControlMode
+from dlserve.engine.request import Request, Response
+from dlserve.errors import (
+    InternalError,
+    InvalidArgumentError,
+    TritonError,
+    UnavailableError,
+)
+from dlserve.memory.dtypes import DataType
+from dlserve.memory.tensor import Tensor
+
+T = TypeVar("T")
+_MIB = 1 << 20
+
+
+class RateLimitMode(enum.IntEnum):
+    OFF = 0
+    EXEC_COUNT = 1
+
+
+class LogFormat(enum.IntEnum):
+    DEFAULT = 0
+    ISO8601 = 1
+
+
+class InstanceGroupKind(enum.IntEnum):
+    AUTO = 0
+    CPU = 1
+    GPU = 2
+    MODEL = 3
+
+
+class ModelBatchFlag(enum.IntEnum):
+    UNKNOWN = 1
+    FIRST_DIM = 2
+
+
+class ModelTxnPropertyFlag(enum.IntEnum):
+    ONE_TO_ONE = 1
+    DECOUPLED = 2
+
+
+@dataclasses.dataclass
+class Options:
+    """Server options; names and defaults follow ``tritonserver.Options``.
+
+    dlserve reads these Triton fields: model_repository, server_id,
+    model_control_mode, startup_models, strict_model_config, exit_on_error,
+    strict_readiness, exit_timeout, log_file, log_info/warn/error, log_verbose,
+    and ``backend_configuration["python"]`` keys ``shm-default-byte-size`` and
+    ``shm-growth-byte-size`` (each worker's shared-memory arena). The rest are
+    accepted for compatibility. ``shm_arena_size`` (dlserve's own) sizes the
+    server's arena for request inputs; ``repository_poll_secs`` sets the POLL period.
+    """
+
+    model_repository: str | list[str] = dataclasses.field(default_factory=list)
+    server_id: str = "dlserve"
+    model_control_mode: ModelControlMode = ModelControlMode.NONE
+    startup_models: list[str] = dataclasses.field(default_factory=list)
+    strict_model_config: bool = False
+    rate_limiter_mode: RateLimitMode = RateLimitMode.OFF
+    rate_limiter_resources: list[Any] = dataclasses.field(default_factory=list)
+    pinned_memory_pool_size: int = 1 << 28
+    cuda_memory_pool_sizes: dict[int, int] = dataclasses.field(default_factory=dict)
+    cache_config: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    cache_directory: str = ""
+    min_supported_compute_capability: float = 6.0
+    exit_on_error: bool = True
+    strict_readiness: bool = True
+    exit_timeout: int = 30
+    buffer_manager_thread_count: int = 0
+    model_load_thread_count: int = 4
+    model_load_retry_count: int = 0
+    model_namespacing: bool = False
+    enable_peer_access: bool = True
+    log_file: str | None = None
+    log_info: bool = False
+    log_warn: bool = False
+    log_error: bool = False
+    log_format: LogFormat = LogFormat.DEFAULT
+    log_verbose: int = 0
+    metrics: bool = True
+    gpu_metrics: bool = True
+    cpu_metrics: bool = True
+    metrics_interval: int = 2000
+    backend_directory: str = ""
+    repo_agent_directory: str = ""
+    model_load_device_limits: list[Any] = dataclasses.field(default_factory=list)
+    backend_configuration: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
+    host_policies: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
+    metrics_configuration: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
+    shm_arena_size: int = 64 * _MIB
+    repository_poll_secs: float = 15.0
+
+    def engine_settings(self) -> EngineSettings:
+        repos = self.model_repository
+        if repos is None:
+            raise InvalidArgumentError("Model repository must be specified.")
+        repositories = [repos] if isinstance(repos, str) else [str(r) for r in repos]
+        python = self.backend_configuration.get("python", {})
+        try:
+            worker_bytes = int(python.get("shm-default-byte-size", 16 * _MIB))
+        except ValueError:
+            raise InvalidArgumentError("shm-default-byte-size must be an integer") from None
+        if worker_bytes < _MIB:
+            raise InvalidArgumentError("shm-default-byte-size must be at least 1 MiB")
+        if self.exit_timeout < 0:
+            raise InvalidArgumentError("exit_timeout must be >= 0")
+        return EngineSettings(
+            model_repositories=repositories,
+            server_id=self.server_id,
+            control_mode=ModelControlMode(self.model_control_mode),
+            startup_models=list(self.startup_models),
+            auto_complete=not self.strict_model_config,
+            strict_readiness=self.strict_readiness,
+            exit_on_error=self.exit_on_error,
+            exit_timeout=float(self.exit_timeout),
+            poll_interval=float(self.repository_poll_secs),
+            arena_bytes=int(self.shm_arena_size),
+            worker_arena_bytes=worker_bytes,
+        )
+
+
+def configure_logging(options: Options) -> None:
+    """Route dlserve's loggers per the options (level, file); idempotent."""
+    logger = logging.getLogger("dlserve")
+    if options.log_verbose > 0:
+        level = logging.DEBUG
+    elif options.log_info:
+        level = logging.INFO
+    elif options.log_warn:
+        level = logging.WARNING
+    else:
+        level = logging.ERROR
+    logger.setLevel(level)
+    if options.log_file:
+        path = str(options.log_file)
+        if not any(getattr(h, "baseFilename", None) == path for h in logger.handlers):
+            handler = logging.FileHandler(path)
+            handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+            logger.addHandler(handler)
+
+
+@dataclasses.dataclass
+class InferenceRequest:
+    """A request for :meth:`Model.infer`; fields follow ``tritonserver.InferenceRequest``.
+
+    ``requested_output_names`` (dlserve's) limits the outputs returned.
+    """
+
+    model: Model
+    request_id: str | None = None
+    flags: int = 0
+    correlation_id: int | str | None = None
+    priority: int = 0
+    timeout: int = 0
+    inputs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    parameters: dict[str, str | int | bool | float] = dataclasses.field(default_factory=dict)
+    output_memory_type: Any = None
+    response_queue: Any = None
+    requested_output_names: list[str] | None = None
+
+
+@dataclasses.dataclass
+class InferenceResponse:
+    """One response; ``outputs`` are :class:`dlserve.Tensor` views of shared memory."""
+
+    model: Model
+    request_id: str | None = None
+    parameters: dict[str, Any] = dataclasses.field(default_factory=dict)
+    outputs: dict[str, Tensor] = dataclasses.field(default_factory=dict)
+    error: TritonError | None = None
+    classification_label: str | None = None
+    final: bool = False
+
+
+_PARAMETER_TYPES = (str, int, bool, float)
+
+
+def _engine_request(request: InferenceRequest, deliver: Any) -> Request:
+    inputs: dict[str, Tensor] = {}
+    for name, value in request.inputs.items():
+        inputs[name] = Tensor.from_object(value)
+    for key, value in request.parameters.items():
+        if type(value) not in _PARAMETER_TYPES:
+            raise InvalidArgumentError(
+                f"Unsupported Value. Can't convert {type(value)} to Request Parameter ('{key}')"
+            )
+    if request.output_memory_type not in (None, "cpu", "CPU", 0):
+        raise InvalidArgumentError(
+            f"output memory type {request.output_memory_type!r} is not supported without CUDA"
+        )
+    return Request(
+        model_name=request.model.name,
+        model_version=request.model.version,
+        inputs=inputs,
+        on_response=deliver,
+        request_id=request.request_id or "",
+        correlation_id=0 if request.correlation_id is None else request.correlation_id,
+        flags=int(request.flags),
+        priority=int(request.priority),
+        timeout_us=int(request.timeout),
+        parameters=dict(request.parameters),
+        requested_outputs=(
+            None if request.requested_output_names is None else list(request.requested_output_names)
+        ),
+    )
+
+
+class _Iterator:
+    """Shared state of the sync and async response iterators."""
+
+    def __init__(self, server: Server, model: Model, request: Request, raise_on_error: bool) -> None:
+        self._server = server
+        self._model = model
+        self._request = request
+        self._raise_on_error = raise_on_error
+        self._done = False
+
+    def _convert(self, response: Response) -> InferenceResponse:
+        self._done = response.final
+        model = Model(self._server, response.model_name, response.model_version)
+        result = InferenceResponse(
+            model=model,
+            request_id=response.request_id or None,
+            parameters=response.parameters,
+            outputs=response.outputs,
+            error=response.error,
+            final=response.final,
+        )
+        if response.error is not None and self._raise_on_error:
+            raise response.error
+        return result
+
+    def cancel(self) -> None:
+        """Cancel the request if it is still queued (running ones finish)."""
+        self._server._on_loop(self._server._cancel, self._request)
+
+
+class ResponseIterator(_Iterator):
+    def __init__(self, server: Server, model: Model, request: Request, raise_on_error: bool,
+                 responses: queue.SimpleQueue[Response]) -> None:
+        super().__init__(server, model, request, raise_on_error)
+        self._responses = responses
+
+    def __iter__(self) -> Iterator[InferenceResponse]:
+        return self
+
+    def __next__(self) -> InferenceResponse:
+        if self._done:
+            raise StopIteration
+        return self._convert(self._responses.get())
+
+
+class AsyncResponseIterator(_Iterator):
+    def __init__(self, server: Server, model: Model, request: Request, raise_on_error: bool,
+                 responses: asyncio.Queue[Response]) -> None:
+        super().__init__(server, model, request, raise_on_error)
+        self._responses = responses
+
+    def __aiter__(self) -> AsyncIterator[InferenceResponse]:
+        return self
+
+    async def __anext__(self) -> InferenceResponse:
+        if self._done:
+            raise StopAsyncIteration
+        return self._convert(await self._responses.get())
+
+
+class Model:
+    """A handle on a model (and version) of a started :class:`Server`."""
+
+    def __init__(
+        self,
+        server: Server,
+        name: str,
+        version: int = -1,
+        state: str | None = None,
+        reason: str | None = None,
+    ) -> None:
+        server._engine_or_raise()
+        self._server = server
+        self.name = name
+        self.version = version
+        self.state = state
+        self.reason = reason
+
+    def create_request(self, **kwargs: Any) -> InferenceRequest:
+        kwargs.pop("model", None)
+        return InferenceRequest(model=self, **kwargs)
+
+    def _start(self, request: InferenceRequest | None, kwargs: dict[str, Any], deliver: Any) -> Request:
+        if request is None:
+            request = self.create_request(**kwargs)
+        engine = self._server._engine_or_raise()
+        engine_request = _engine_request(request, deliver)
+        for name, tensor in engine_request.inputs.items():
+            engine_request.inputs[name] = engine.share(tensor)
+        model = engine.prepare(engine_request)
+        self._server._on_loop(model.scheduler.submit, engine_request)
+        return engine_request
+
+    def infer(
+        self,
+        inference_request: InferenceRequest | None = None,
+        raise_on_error: bool = True,
+        **kwargs: Any,
+    ) -> ResponseIterator:
+        """Run a request; iterate the returned object for its response(s).
+
+        Bad requests (unknown model, wrong dtype or shape, ...) raise here; with
+        ``raise_on_error`` an error response raises while iterating.
+        """
+        responses: queue.SimpleQueue[Response] = queue.SimpleQueue()
+        user_queue = getattr(inference_request, "response_queue", None) or kwargs.get("response_queue")
+
+        def deliver(response: Response) -> None:
+            responses.put(response)
+            if user_queue is not None:
+                user_queue.put(response)
+
+        request = self._start(inference_request, kwargs, deliver)
+        return ResponseIterator(self._server, self, request, raise_on_error, responses)
+
+    def async_infer(
+        self,
+        inference_request: InferenceRequest | None = None,
+        raise_on_error: bool = True,
+        **kwargs: Any,
+    ) -> AsyncResponseIterator:
+        """Like :meth:`infer`, for ``async for`` on the caller's running event loop."""
+        loop = asyncio.get_running_loop()
+        responses: asyncio.Queue[Response] = asyncio.Queue()
+
+        def deliver(response: Response) -> None:
+            loop.call_soon_threadsafe(responses.put_nowait, response)
+
+        request = self._start(inference_request, kwargs, deliver)
+        return AsyncResponseIterator(self._server, self, request, raise_on_error, responses)
+
+    def metadata(self) -> dict[str, Any]:
+        return self._server._call_sync(lambda e: e.model_metadata(self.name, self.version))
+
+    def config(self, config_version: int = 1) -> dict[str, Any]:
+        return self._server._call_sync(lambda e: e.model_config(self.name, self.version))
+
+    def ready(self) -> bool:
+        return self._server._call_sync(lambda e: e.model_ready(self.name, self.version))
+
+    def statistics(self) -> dict[str, Any]:
+        return self._server._call_sync(lambda e: e.statistics(self.name, self.version))
+
+    def batch_properties(self) -> ModelBatchFlag:
+        config = self.config()
+        return ModelBatchFlag.FIRST_DIM if config.get("max_batch_size", 0) > 0 else ModelBatchFlag.UNKNOWN
+
+    def transaction_properties(self) -> ModelTxnPropertyFlag:
+        policy = self.config().get("model_transaction_policy") or {}
+        return ModelTxnPropertyFlag.DECOUPLED if policy.get("decoupled") else ModelTxnPropertyFlag.ONE_TO_ONE
+
+    def __repr__(self) -> str:
+        return str({"name": self.name, "version": self.version, "state": self.state})
+
+    __str__ = __repr__
+
+
+class ModelDictionary(dict):  # type: ignore[type-arg]
+    """``{(name, version): Model}``; indexing by a bare name returns a fresh Model."""
+
+    def __init__(self, server: Server, models: dict[tuple[str, int], Model]) -> None:
+        super().__init__(models)
+        self._server = server
+
+    def __getitem__(self, key: Any) -> Model:
+        if isinstance(key, str):
+            if any(name == key for name, _ in self.keys()):
+                return Model(self._server, key)
+            raise KeyError(f"Unknown Model: {key}")
+        if key not in self.keys():
+            raise KeyError(f"Unknown Model: {key}")
+        return super().__getitem__(key)
+
+
+class Server:
+    """An in-process dlserve server: ``Server(Options(model_repository=...)).start()``."""
+
+    def __init__(self, options: Options | None = None, **kwargs: Any) -> None:
+        self.options = options if options is not None else Options(**kwargs)
+        self._engine: Engine | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- plumbing -----------------------------------------------------------------------
+    def _engine_or_raise(self) -> Engine:
+        if self._engine is None:
+            raise InvalidArgumentError("Server not started")
+        return self._engine
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The engine's event loop (frontends run their servers on it)."""
+        if self._loop is None:
+            raise InvalidArgumentError("Server not started")
+        return self._loop
+
+    @property
+    def engine(self) -> Engine:
+        return self._engine_or_raise()
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def _call_sync(self, fn: Any) -> Any:
+        """Run ``fn(engine)`` on the loop and return its result (or raise its error)."""
+        engine = self._engine_or_raise()
+
+        async def call() -> Any:
+            return fn(engine)
+
+        return self._run(call())
+
+    def _on_loop(self, fn: Any, *args: Any) -> None:
+        self.loop.call_soon_threadsafe(fn, *args)
+
+    def _cancel(self, request: Request) -> None:
+        if self._engine is not None and self._engine.manager is not None:
+            try:
+                self._engine.model(request.model_name, request.model_version).scheduler.cancel(request)
+            except TritonError:
+                pass
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def start(
+        self,
+        wait_until_ready: bool = False,
+        polling_interval: float = 0.1,
+        timeout: float | None = None,
+    ) -> Server:
+        if self._engine is not None:
+            raise InvalidArgumentError("Server already started")
+        settings = self.options.engine_settings()
+        configure_logging(self.options)
+        loop = _new_event_loop()
+        thread = threading.Thread(target=loop.run_forever, name="dlserve-engine", daemon=True)
+        thread.start()
+        engine = Engine(settings)
+        self._engine, self._loop, self._thread = engine, loop, thread
+        _LIVE_SERVERS.add(self)
+        try:
+            errors = self._run(engine.start())
+        except BaseException:
+            self._shutdown()
+            raise
+        if errors and settings.exit_on_error:
+            self._shutdown()
+            raise InternalError("failed to load all models: " + "; ".join(errors))
+        if wait_until_ready:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while not self.ready():
+                if deadline is not None and time.monotonic() > deadline:
+                    raise UnavailableError("Timeout before ready")
+                time.sleep(polling_interval)
+        return self
+
+    def stop(self) -> None:
+        """Drain in-flight requests (up to ``exit_timeout``), finalize models, end workers."""
+        self._engine_or_raise()
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        engine, loop, thread = self._engine, self._loop, self._thread
+        if engine is None or loop is None:
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(engine.stop(), loop).result()
+        finally:
+            loop.call_soon_threadsafe(loop.stop)
+            if thread is not None:
+                thread.join()
+            loop.close()
+            self._engine = self._loop = self._thread = None
+            _LIVE_SERVERS.discard(self)
+
+    def _kill(self) -> None:
+        """Interpreter exit without stop(): end workers, unlink segments."""
+        if self._engine is not None:
+            self._engine.kill()
+
+    # -- queries ------------------------------------------------------------------------
+    def live(self) -> bool:
+        return self._call_sync(lambda e: e.live)
+
+    def ready(self) -> bool:
+        return self._call_sync(lambda e: e.ready())
+
+    def metadata(self) -> dict[str, Any]:
+        return self._call_sync(lambda e: e.metadata())
+
+    def model(self, model_name: str, model_version: int = -1) -> Model:
+        return Model(self, model_name, model_version)
+
+    def models(self, exclude_not_ready: bool = False) -> ModelDictionary:
+        rows = self._call_sync(lambda e: e.repository_index(exclude_not_ready))
+        models = {}
+        for row in rows:
+            version = int(row["version"]) if "version" in row else -1
+            models[(row["name"], version)] = Model(
+                self, row["name"], version, row.get("state"), row.get("reason")
+            )
+        return ModelDictionary(self, models)
+
+    def load(self, model_name: str, parameters: dict[str, Any] | None = None) -> Model:
+        self._run(self._engine_or_raise().load(model_name, parameters))
+        return self.model(model_name)
+
+    def unload(
+        self,
+        model: str | Model,
+        unload_dependents: bool = False,
+        wait_until_unloaded: bool = False,
+        polling_interval: float = 0.1,
+        timeout: float | None = None,
+    ) -> None:
+        """Unload every version; unloading finishes before this returns in dlserve."""
+        name = model.name if isinstance(model, Model) else model
+        self._run(self._engine_or_raise().unload(name, unload_dependents))
+
+    def poll_model_repository(self) -> None:
+        engine = self._engine_or_raise()
+        if engine.settings.control_mode is not ModelControlMode.POLL:
+            raise UnavailableError("poll_model_repository needs model control mode POLL")
+        assert engine.manager is not None
+        self._run(engine.manager.poll())
+
+    def allocate_tensor(self, shape: list[int] | tuple[int, ...], data_type: Any) -> Tensor:
+        """A tensor in the server's shared memory, to fill in place (e.g. ``np.from_dlpack``).
+
+        Passing it as an input costs no copy at all: the model reads it where it is.
+        """
+        dt = data_type if isinstance(data_type, DataType) else DataType.from_numpy(data_type)
+        return self._engine_or_raise().allocate([int(d) for d in shape], dt)
+
+
+def _new_event_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency; stay usable without it
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+_LIVE_SERVERS: weakref.WeakSet[Server] = weakref.WeakSet()
+
+
+@atexit.register
+def _kill_live_servers() -> None:
+    for server in list(_LIVE_SERVERS):
+        server._kill()

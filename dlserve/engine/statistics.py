@@ -1,0 +1,111 @@
+"""Per model-version statistics, as Triton's statistics extension defines them.
+
+* ``success``/``fail``: one per request, duration = request end-to-end time.
+* ``queue``: time from arrival at the scheduler to the start of its execution.
+* ``compute_input``/``compute_infer``/``compute_output``: one per request, the
+  execution's time split in three (inputs handed to the worker / the worker's
+  round trip / outputs turned into responses).
+* ``inference_count`` counts batch elements; ``execution_count`` counts ``execute``
+  calls; ``batch_stats`` has one row per batch size seen (counts per execution).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+
+@dataclasses.dataclass
+class Duration:
+    count: int = 0
+    ns: int = 0
+
+    def add(self, ns: int, count: int = 1) -> None:
+        self.count += count
+        self.ns += ns
+
+    def as_dict(self) -> dict[str, int]:
+        return {"count": self.count, "ns": self.ns}
+
+
+@dataclasses.dataclass
+class BatchStats:
+    compute_input: Duration = dataclasses.field(default_factory=Duration)
+    compute_infer: Duration = dataclasses.field(default_factory=Duration)
+    compute_output: Duration = dataclasses.field(default_factory=Duration)
+
+
+_INFERENCE_FIELDS = (
+    "success",
+    "fail",
+    "queue",
+    "compute_input",
+    "compute_infer",
+    "compute_output",
+    "cache_hit",
+    "cache_miss",
+)
+
+
+class ModelStatistics:
+    """Counters for one model version; mutated on the engine's event loop only."""
+
+    def __init__(self, name: str, version: int) -> None:
+        self.name = name
+        self.version = version
+        self.last_inference_ms = 0
+        self.inference_count = 0
+        self.execution_count = 0
+        self.durations: dict[str, Duration] = {field: Duration() for field in _INFERENCE_FIELDS}
+        self.batches: dict[int, BatchStats] = {}
+
+    def record_execution(
+        self,
+        batch_size: int,
+        request_count: int,
+        queue_ns: list[int],
+        input_ns: int,
+        infer_ns: int,
+        output_ns: int,
+    ) -> None:
+        """One ``execute`` call over ``request_count`` requests holding ``batch_size`` elements."""
+        d = self.durations
+        self.execution_count += 1
+        self.inference_count += batch_size
+        for ns in queue_ns:
+            d["queue"].add(ns)
+        d["compute_input"].add(input_ns * request_count, request_count)
+        d["compute_infer"].add(infer_ns * request_count, request_count)
+        d["compute_output"].add(output_ns * request_count, request_count)
+        row = self.batches.get(batch_size)
+        if row is None:
+            row = self.batches[batch_size] = BatchStats()
+        row.compute_input.add(input_ns)
+        row.compute_infer.add(infer_ns)
+        row.compute_output.add(output_ns)
+
+    def record_request(self, ok: bool, duration_ns: int) -> None:
+        self.durations["success" if ok else "fail"].add(duration_ns)
+        self.last_inference_ms = int(time.time() * 1000)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "version": str(self.version),
+            "last_inference": self.last_inference_ms,
+            "inference_count": self.inference_count,
+            "execution_count": self.execution_count,
+            "inference_stats": {k: v.as_dict() for k, v in self.durations.items()},
+            "response_stats": {},
+            "batch_stats": [
+                {
+                    "batch_size": size,
+                    "compute_input": row.compute_input.as_dict(),
+                    "compute_infer": row.compute_infer.as_dict(),
+                    "compute_output": row.compute_output.as_dict(),
+                }
+                for size, row in sorted(self.batches.items())
+            ],
+            "memory_usage": [],
+        }

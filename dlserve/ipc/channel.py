@@ -1,0 +1,265 @@
+"""Both ends of the control channel: a Unix socket carrying :mod:`protocol` frames.
+
+:class:`ServerChannel` is an asyncio ``Protocol`` on the server's event loop; its
+end of file means the worker died, which the server learns at once.
+:class:`WorkerChannel` is the blocking end inside the worker. Any worker thread
+may wait for a reply (a BLS call, a decoupled send) while the main thread waits
+for the next command, so reading is a role, not a thread: whichever waiter finds
+no reader reads one frame and hands it to whoever it belongs to (leader/follower).
+The common case — one thread, one execute at a time — costs no thread switch.
+
+Both ends bundle pending RELEASE messages into the next write, so returning
+shared memory costs no extra system call in steady state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from dlserve.errors import ErrorCode, TritonError, UnavailableError
+from dlserve.ipc.protocol import HEADER, FrameBuffer, Kind, Message, encode
+
+
+def _raise_error(body: Any) -> TritonError:
+    code, message = body
+    return TritonError.from_code(code, message)
+
+
+class ServerChannel(asyncio.Protocol):
+    """The server's end of one worker's channel."""
+
+    def __init__(
+        self,
+        on_message: Callable[[Message], None],
+        on_lost: Callable[[], None],
+    ) -> None:
+        self._on_message = on_message
+        self._on_lost = on_lost
+        self._frames = FrameBuffer()
+        self._transport: asyncio.Transport | None = None
+        self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._corr = itertools.count(1)
+        self._releases: list[int] = []
+        self._flush_scheduled = False
+        self._loop = asyncio.get_running_loop()
+        self.on_release: Callable[[list[int]], None] = lambda leases: None
+        self.on_retire: Callable[[list[str]], None] = lambda names: None
+
+    # -- asyncio.Protocol -------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]  # uvloop's is not a subclass
+
+    def data_received(self, data: bytes) -> None:
+        for kind, corr, body in self._frames.feed(data):
+            if kind == Kind.REPLY or kind == Kind.ERROR:
+                future = self._pending.pop(corr, None)
+                if future is not None and not future.done():
+                    if kind == Kind.REPLY:
+                        future.set_result(body)
+                    else:
+                        future.set_exception(_raise_error(body))
+            elif kind == Kind.RELEASE:
+                self.on_release(body)
+            elif kind == Kind.RETIRE:
+                self.on_retire(body)
+            else:
+                self._on_message((kind, corr, body))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._transport = None
+        pending, self._pending = self._pending, {}
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(UnavailableError("worker process connection closed"))
+        self._on_lost()
+
+    # -- sending ------------------------------------------------------------------------
+    @property
+    def connected(self) -> bool:
+        return self._transport is not None
+
+    def _write(self, frame: bytes) -> None:
+        if self._transport is None:
+            raise UnavailableError("worker process is not running")
+        if self._releases:
+            frame = encode(Kind.RELEASE, 0, self._take_releases()) + frame
+        self._transport.write(frame)
+
+    def request(self, kind: int, body: Any) -> asyncio.Future[Any]:
+        """Send a request; the future resolves to the reply body or raises its error."""
+        corr = next(self._corr)
+        future = self._loop.create_future()
+        self._write(encode(kind, corr, body))
+        self._pending[corr] = future
+        return future
+
+    def reply(self, corr: int, body: Any) -> None:
+        self._write(encode(Kind.REPLY, corr, body))
+
+    def reply_error(self, corr: int, error: TritonError) -> None:
+        self._write(encode(Kind.ERROR, corr, (int(error.code), error.message)))
+
+    def notify(self, kind: int, body: Any) -> None:
+        self._write(encode(kind, 0, body))
+
+    def queue_releases(self, leases: list[int]) -> None:
+        """Thread-safe: hand leases back with the next write, or soon on its own."""
+        self._releases.extend(leases)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            try:
+                self._loop.call_soon_threadsafe(self._flush)
+            except RuntimeError:
+                pass  # loop closed: the worker is going away with it
+
+    def _take_releases(self) -> list[int]:
+        taken, self._releases = self._releases, []
+        return taken
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        if self._releases and self._transport is not None:
+            self._transport.write(encode(Kind.RELEASE, 0, self._take_releases()))
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+
+class _Slot:
+    __slots__ = ("done", "ok", "body")
+
+    def __init__(self) -> None:
+        self.done = False
+        self.ok = False
+        self.body: Any = None
+
+
+class WorkerChannel:
+    """The worker's blocking end of the channel; safe to use from any thread."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._send_lock = threading.Lock()
+        self._cond = threading.Condition(threading.Lock())
+        self._reading = False
+        self._closed = False
+        self._inbox: collections.deque[Message] = collections.deque()
+        self._slots: dict[int, _Slot] = {}
+        self._frames = FrameBuffer()
+        self._ready: collections.deque[Message] = collections.deque()
+        self._corr = itertools.count(1)
+        self._releases: list[int] = []
+        self.on_release: Callable[[list[int]], None] = lambda leases: None
+        self.on_retire: Callable[[list[str]], None] = lambda names: None
+
+    # -- sending ------------------------------------------------------------------------
+    def send(self, kind: int, corr: int, body: Any) -> None:
+        frame = encode(kind, corr, body)
+        with self._send_lock:
+            if self._releases:
+                frame = encode(Kind.RELEASE, 0, self._take_releases()) + frame
+            self._sock.sendall(frame)
+
+    def queue_releases(self, leases: list[int]) -> None:
+        """Hand leases back with the next message (see :meth:`flush_releases`)."""
+        self._releases.extend(leases)
+
+    def _take_releases(self) -> list[int]:
+        taken, self._releases = self._releases, []
+        return taken
+
+    def flush_releases(self) -> None:
+        """Send queued releases now (used when no reply is about to carry them)."""
+        with self._send_lock:
+            if self._releases and not self._closed:
+                try:
+                    self._sock.sendall(encode(Kind.RELEASE, 0, self._take_releases()))
+                except OSError:
+                    pass
+
+    # -- receiving ----------------------------------------------------------------------
+    def _read_message(self) -> Message:
+        """Read one message from the socket; only the thread in the reader role calls it."""
+        while not self._ready:
+            data = self._sock.recv(1 << 16)
+            if not data:
+                raise EOFError("server closed the channel")
+            self._ready.extend(self._frames.feed(data))
+        return self._ready.popleft()
+
+    def _route(self, message: Message) -> None:
+        kind, corr, body = message
+        if kind == Kind.REPLY or kind == Kind.ERROR:
+            slot = self._slots.pop(corr, None)
+            if slot is not None:
+                slot.done, slot.ok, slot.body = True, kind == Kind.REPLY, body
+        elif kind == Kind.RELEASE:
+            self.on_release(body)
+        elif kind == Kind.RETIRE:
+            self.on_retire(body)
+        else:
+            self._inbox.append(message)
+
+    def _wait(self, ready: Callable[[], bool]) -> None:
+        """Block until ``ready()``; read frames for everybody while no one else does."""
+        with self._cond:
+            while not ready():
+                if self._closed:
+                    raise EOFError("server closed the channel")
+                if self._reading:
+                    self._cond.wait()
+                    continue
+                self._reading = True
+                self._cond.release()
+                try:
+                    message: Message | None = self._read_message()
+                except (EOFError, OSError):
+                    message = None
+                finally:
+                    self._cond.acquire()
+                    self._reading = False
+                if message is None:
+                    self._closed = True
+                else:
+                    self._route(message)
+                self._cond.notify_all()
+
+    def next_command(self) -> Message:
+        """The next server-initiated message; raises EOFError when the server is gone."""
+        self._wait(lambda: bool(self._inbox))
+        return self._inbox.popleft()
+
+    def request(self, kind: int, body: Any) -> Any:
+        """Send a request to the server and block for its reply."""
+        corr = next(self._corr)
+        slot = _Slot()
+        with self._cond:
+            self._slots[corr] = slot
+        self.send(kind, corr, body)
+        self._wait(lambda: slot.done)
+        if not slot.ok:
+            raise _raise_error(slot.body)
+        return slot.body
+
+    def reply(self, corr: int, body: Any) -> None:
+        self.send(Kind.REPLY, corr, body)
+
+    def reply_error(self, corr: int, code: ErrorCode, message: str) -> None:
+        self.send(Kind.ERROR, corr, (int(code), message))
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
+
+__all__ = ["HEADER", "ServerChannel", "WorkerChannel"]

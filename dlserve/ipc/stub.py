@@ -1,0 +1,279 @@
+"""The worker ("stub") process: hosts one instance of one Triton Python model.
+
+Started by the server as ``python -m dlserve.ipc.stub --fd N ...`` with one end of
+a socket pair. It imports only numpy, dlserve.memory, dlserve.ipc and pb_utils, so
+it starts fast and never drags in the frontends. It serves commands in order:
+AUTO_COMPLETE (in a throwaway worker), INIT, EXECUTE..., FINALIZE; end of file on
+the socket means the server is gone, and a watchdog thread catches a server that
+dies while the model is busy. Either way the worker unlinks its own segments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import inspect
+import json
+import os
+import socket
+import sys
+import threading
+import traceback
+from types import ModuleType
+from typing import Any
+
+from dlserve.errors import ErrorCode, TritonError
+from dlserve.ipc.channel import WorkerChannel
+from dlserve.ipc.protocol import Kind
+from dlserve.ipc.tensors import Peer
+from dlserve.memory.arena import Arena, MemorySpace
+from dlserve.pb_utils import _runtime
+from dlserve.pb_utils.inference import InferenceRequest, InferenceResponse
+from dlserve.pb_utils.model_config import ModelConfig
+from dlserve.pb_utils.tensor import Tensor
+
+
+class ModelFailure(Exception):
+    """Fails every request of one execute call (Triton's batch-level error)."""
+
+    def __init__(self, message: str, code: ErrorCode = ErrorCode.INTERNAL) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def describe_exception(exc: BaseException) -> str:
+    """``Type: message`` plus the traceback, innermost frames of model code included."""
+    lines = traceback.format_exception(type(exc), exc, exc.__traceback__)
+    return f"{type(exc).__name__}: {exc}\n\n" + "".join(lines[:-1]).rstrip()
+
+
+class WorkerRuntime:
+    """What pb_utils reaches through :mod:`dlserve.pb_utils._runtime` in this process."""
+
+    def __init__(self, channel: WorkerChannel, arena: Arena) -> None:
+        self.channel = channel
+        self.arena = arena
+
+    def log(self, level: int, message: str) -> None:
+        self.channel.send(Kind.LOG, 0, (level, message))
+
+
+def load_module(model_file: str) -> ModuleType:
+    """Import ``model.py`` with its version folder and model folder on ``sys.path``."""
+    version_dir = os.path.dirname(os.path.abspath(model_file))
+    for path in (os.path.dirname(version_dir), version_dir):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    spec = importlib.util.spec_from_file_location("model", model_file)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {model_file}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["model"] = module
+    spec.loader.exec_module(module)
+    if not hasattr(module, "TritonPythonModel"):
+        raise ImportError(f"{model_file} does not define class TritonPythonModel")
+    return module
+
+
+async def _await(awaitable: Any) -> Any:
+    return await awaitable
+
+
+class Worker:
+    """Executes the commands the server sends, one at a time."""
+
+    def __init__(self, channel: WorkerChannel, peer: Peer, instance_name: str) -> None:
+        self.channel = channel
+        self.peer = peer
+        self.instance_name = instance_name
+        self.model: Any = None
+        self._loop = asyncio.new_event_loop()  # runs ``async def`` hooks, kept across calls
+
+    def _run(self, result: Any) -> Any:
+        """Run the coroutine an ``async def`` hook returned to completion."""
+        if inspect.isawaitable(result):
+            return self._loop.run_until_complete(_await(result))
+        return result
+
+    def serve(self) -> None:
+        while True:
+            try:
+                kind, corr, body = self.channel.next_command()
+            except EOFError:
+                return
+            try:
+                if kind == Kind.EXECUTE:
+                    self.channel.reply(corr, self._execute(body))
+                elif kind == Kind.INIT:
+                    self._initialize(body)
+                    self.channel.reply(corr, None)
+                elif kind == Kind.AUTO_COMPLETE:
+                    self.channel.reply(corr, self._auto_complete(body))
+                elif kind == Kind.IS_READY:
+                    self.channel.reply(corr, self._is_ready())
+                elif kind == Kind.FINALIZE:
+                    self._finalize()
+                    self.channel.reply(corr, None)
+                    return
+                else:
+                    self.channel.reply_error(corr, ErrorCode.UNSUPPORTED, f"unknown command {kind}")
+            except ModelFailure as exc:
+                self.channel.reply_error(corr, exc.code, str(exc))
+            except TritonError as exc:
+                self.channel.reply_error(corr, exc.code, exc.message)
+            except Exception as exc:  # noqa: BLE001 - any model error goes back to the server
+                self.channel.reply_error(corr, ErrorCode.INTERNAL, describe_exception(exc))
+            # Views held by a failed call's traceback die only now; return them promptly.
+            self.channel.flush_releases()
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def _auto_complete(self, body: dict[str, Any]) -> str:
+        module = load_module(body["model_file"])
+        hook = getattr(module.TritonPythonModel, "auto_complete_config", None)
+        config = ModelConfig(body["config"])
+        if hook is None:
+            return json.dumps(config.as_dict())
+        result = hook(config)
+        if not isinstance(result, ModelConfig):
+            raise ModelFailure(
+                "auto_complete_config must return the pb_utils.ModelConfig it was given, "
+                f"got {type(result).__name__}"
+            )
+        return json.dumps(result.as_dict())
+
+    def _initialize(self, body: dict[str, Any]) -> None:
+        module = load_module(body["model_file"])
+        self.model = module.TritonPythonModel()
+        initialize = getattr(self.model, "initialize", None)
+        if initialize is not None:
+            self._run(initialize(body["args"]))
+
+    def _is_ready(self) -> bool:
+        hook = getattr(self.model, "is_ready", None)
+        return True if hook is None else bool(self._run(hook()))
+
+    def _finalize(self) -> None:
+        finalize = getattr(self.model, "finalize", None)
+        if finalize is not None:
+            self._run(finalize())
+
+    # -- execute ------------------------------------------------------------------------
+    def _execute(self, body: list[Any]) -> list[Any]:
+        requests = [self._request(wire) for wire in body]
+        try:
+            responses = self._run(self.model.execute(requests))
+        except Exception as exc:  # noqa: BLE001
+            raise ModelFailure(self._failure(describe_exception(exc))) from None
+        self._check_responses(responses, len(requests))
+        wire = [self._response(resp, req) for resp, req in zip(responses, requests)]
+        # Drop our views before replying so their releases ride on the reply.
+        del requests, responses
+        return wire
+
+    def _request(self, wire: tuple[Any, ...]) -> InferenceRequest:
+        request_id, correlation_id, flags, timeout, parameters, requested, inputs = wire
+        request = InferenceRequest(
+            inputs=[Tensor(*self.peer.import_(tensor)) for tensor in inputs],
+            requested_output_names=requested,
+            request_id=request_id,
+            correlation_id=correlation_id,
+            flags=flags,
+            timeout=timeout,
+            parameters=parameters,
+        )
+        return request
+
+    def _failure(self, message: str) -> str:
+        return f"Failed to process the request(s) for model '{self.instance_name}', message: {message}"
+
+    def _check_responses(self, responses: Any, expected: int) -> None:
+        if responses is None:
+            raise ModelFailure(
+                self._failure(
+                    "execute returned None, but a model in default (non-decoupled) mode must "
+                    "return a list with one InferenceResponse per request"
+                )
+            )
+        if not isinstance(responses, list):
+            raise ModelFailure(
+                self._failure(
+                    f"Expected a list in the execute return, found type '{type(responses)}'."
+                )
+            )
+        if len(responses) != expected:
+            raise ModelFailure(
+                self._failure(
+                    "Number of InferenceResponse objects do not match the number of "
+                    f"InferenceRequest objects. InferenceRequest(s) size is:{expected}, "
+                    f"and InferenceResponse(s) size is:{len(responses)}"
+                )
+            )
+        for response in responses:
+            if not isinstance(response, InferenceResponse):
+                raise ModelFailure(
+                    self._failure(
+                        "each element of the execute return must be a pb_utils.InferenceResponse, "
+                        f"found type '{type(response)}'"
+                    )
+                )
+
+    def _response(self, response: InferenceResponse, request: InferenceRequest) -> tuple[Any, ...]:
+        error = response.error()
+        if error is not None:
+            return ((), (error.code(), error.message()), response.parameters())
+        requested = set(request.requested_output_names())
+        outputs = [
+            self.peer.export(tensor.name(), tensor._tensor)
+            for tensor in response.output_tensors()
+            if tensor.name() in requested
+        ]
+        return (outputs, None, response.parameters())
+
+
+def _watch_parent(parent: int, arena: Arena) -> None:
+    """End the worker when the server dies while the model is busy (no EOF seen)."""
+    while True:
+        threading.Event().wait(1.0)
+        if os.getppid() != parent:
+            arena.close()
+            os._exit(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dlserve-stub")
+    parser.add_argument("--fd", type=int, required=True)
+    parser.add_argument("--segment-prefix", required=True)
+    parser.add_argument("--arena-bytes", type=int, required=True)
+    parser.add_argument("--instance-name", required=True)
+    args = parser.parse_args(argv)
+
+    sock = socket.socket(fileno=args.fd)
+    channel = WorkerChannel(sock)
+    space = MemorySpace()
+    arena = Arena(
+        space,
+        args.segment_prefix,
+        initial_size=args.arena_bytes,
+        growth_size=args.arena_bytes,
+        on_retire=lambda name: channel.send(Kind.RETIRE, 0, [name]),
+    )
+    peer = Peer(space, arena, channel.queue_releases)
+    channel.on_release = peer.release
+    channel.on_retire = lambda names: [space.forget_segment(n) for n in names]
+    _runtime.install(WorkerRuntime(channel, arena))
+    threading.Thread(
+        target=_watch_parent, args=(os.getppid(), arena), name="parent-watch", daemon=True
+    ).start()
+    try:
+        Worker(channel, peer, args.instance_name).serve()
+    finally:
+        peer.close()
+        arena.close()
+        channel.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

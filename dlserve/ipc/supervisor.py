@@ -1,0 +1,192 @@
+"""Starting, watching and stopping one worker process, from the server's event loop.
+
+A :class:`WorkerProcess` spawns ``python -m dlserve.ipc.stub`` with one end of a
+socket pair, wraps the other in a :class:`ServerChannel`, and learns of the
+worker's death two ways at once: end of file on the channel (in-flight requests
+fail immediately) and a pidfd that becomes readable when the process exits (for
+its exit status). When it is gone, every segment it owned is unlinked — a worker
+killed with SIGKILL cannot clean up after itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import glob
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import dlserve
+from dlserve.errors import UnavailableError
+from dlserve.ipc.channel import ServerChannel
+from dlserve.ipc.protocol import Kind, Message
+from dlserve.ipc.tensors import Peer
+from dlserve.memory.arena import Arena, MemorySpace
+from dlserve.memory.shm import SHM_DIR
+
+log = logging.getLogger("dlserve.worker")
+
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(dlserve.__file__)))
+
+
+def describe_exit(returncode: int | None) -> str:
+    if returncode is None:
+        return "is still running"
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"was killed by {name}"
+    return f"exited with code {returncode}"
+
+
+def unlink_segments(prefix: str) -> None:
+    """Remove every /dev/shm segment whose name starts with ``prefix``."""
+    for path in glob.glob(os.path.join(SHM_DIR, glob.escape(prefix)) + "*"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+class WorkerProcess:
+    """One running worker; ``on_exit(description)`` fires once when it dies unexpectedly."""
+
+    def __init__(
+        self,
+        *,
+        instance_name: str,
+        segment_prefix: str,
+        arena_bytes: int,
+        space: MemorySpace,
+        arena: Arena,
+        on_message: Callable[[Message], None],
+        on_exit: Callable[[str], None],
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.instance_name = instance_name
+        self.segment_prefix = segment_prefix
+        self._arena_bytes = arena_bytes
+        self._space = space
+        self._arena = arena
+        self._on_message = on_message
+        self._on_exit = on_exit
+        self._env = env
+        self.process: subprocess.Popen[bytes] | None = None
+        self.channel: ServerChannel | None = None
+        self.peer: Peer | None = None
+        self._stopping = False
+        self._exited = asyncio.Event()
+        self.exit_description = ""
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.process is None else self.process.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.channel is not None and self.channel.connected and not self._exited.is_set()
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        env = dict(os.environ if self._env is None else self._env)
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH", "")) if p
+        )
+        try:
+            self.process = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "dlserve.ipc.stub",
+                    "--fd",
+                    str(theirs.fileno()),
+                    "--segment-prefix",
+                    self.segment_prefix,
+                    "--arena-bytes",
+                    str(self._arena_bytes),
+                    "--instance-name",
+                    self.instance_name,
+                ],
+                pass_fds=[theirs.fileno()],
+                env=env,
+                close_fds=True,
+            )
+        finally:
+            theirs.close()
+        _, channel = await loop.create_unix_connection(
+            lambda: ServerChannel(self._on_message, self._lost), sock=ours
+        )
+        self.channel = channel
+        self.peer = Peer(self._space, self._arena, channel.queue_releases)
+        channel.on_release = self.peer.release
+        channel.on_retire = self._retired
+        pidfd = os.pidfd_open(self.process.pid)
+        loop.add_reader(pidfd, self._reaped, pidfd)
+
+    def _retired(self, names: list[str]) -> None:
+        for name in names:
+            self._space.forget_segment(name)
+
+    def _lost(self) -> None:
+        """Channel EOF: the worker died or closed its end."""
+        if self.peer is not None:
+            self.peer.close()
+
+    def _reaped(self, pidfd: int) -> None:
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
+        assert self.process is not None
+        self.process.wait()
+        self.exit_description = f"worker process for '{self.instance_name}' {describe_exit(self.process.returncode)}"
+        if self.channel is not None:
+            self.channel.close()
+        if self.peer is not None:
+            self.peer.close()
+        self._space.forget_segments(self.segment_prefix)
+        unlink_segments(self.segment_prefix)
+        self._exited.set()
+        if not self._stopping:
+            log.error("%s", self.exit_description)
+            self._on_exit(self.exit_description)
+
+    async def request(self, kind: int, body: Any) -> Any:
+        if self.channel is None or not self.alive:
+            raise UnavailableError(self.exit_description or "worker process is not running")
+        return await self.channel.request(kind, body)
+
+    async def wait_exited(self) -> None:
+        await self._exited.wait()
+
+    async def stop(self, timeout: float, finalize: bool = True) -> None:
+        """Ask the model to finalize, then make sure the process is gone."""
+        self._stopping = True
+        if self.process is None:
+            return
+        if finalize and self.alive:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.request(Kind.FINALIZE, None), timeout)
+        if self.channel is not None:
+            self.channel.close()
+        try:
+            await asyncio.wait_for(self._exited.wait(), timeout)
+        except asyncio.TimeoutError:
+            log.warning("worker '%s' did not exit in %.1fs; killing it", self.instance_name, timeout)
+            with contextlib.suppress(ProcessLookupError):
+                self.process.kill()
+            await self._exited.wait()
+
+    def kill(self) -> None:
+        """Hard stop (used when the event loop is going away)."""
+        self._stopping = True
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        unlink_segments(self.segment_prefix)

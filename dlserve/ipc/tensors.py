@@ -1,0 +1,137 @@
+"""Tensors crossing a process boundary: by reference into shared memory, or inline if tiny.
+
+A wire tensor is ``(name, data type, shape, ref)`` where ``ref`` is either the bytes
+themselves or ``(segment, offset, nbytes, lease)``.
+
+Tensors of at most :data:`INLINE_MAX` bytes travel inline in the control message.
+At that size a reference is as long as the data, and the bookkeeping behind a
+reference (locate, allocate, anchor, lease, release) costs ~10 µs per tensor
+against well under 1 µs to copy the bytes (measured, benchmarks/RESULTS.md), so
+"tensor bytes never travel through the socket" holds for every tensor where it
+pays: anything bigger always moves by reference.
+
+*Leases* make lifetimes explicit across processes. When a process sends a
+reference to memory it keeps alive (its own block, or one it imported from a third
+process), it files the anchor under a fresh lease id for that peer; the peer imports
+the bytes as its own anchor and, when the last view of it dies, sends the lease id
+back in a RELEASE message, which drops the sender's hold. Memory the *receiver* gave
+us in the first place goes back with lease 0: the receiver still holds it (under the
+lease it granted us) and finds its own anchor by address. So the identity model's
+output is its input, returned by reference, with no copy and no new lease.
+
+Bigger tensors that are not in shared memory yet are copied once into the sender's arena.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from dlserve.errors import InternalError
+from dlserve.memory.arena import Anchor, Arena, MemorySpace
+from dlserve.memory.dtypes import DataType
+from dlserve.memory.tensor import Tensor
+
+INLINE_MAX = 4096
+_DATA_TYPES = list(DataType)  # index = enum value; faster than DataType(value)
+WireTensor = tuple[str, int, tuple[int, ...], Any]
+
+
+class Peer:
+    """Our side of the shared-memory bookkeeping with one other process.
+
+    ``send_releases`` is called (from any thread) with lease ids to hand back to the
+    peer; the channel decides when and how to ship them.
+    """
+
+    def __init__(
+        self,
+        space: MemorySpace,
+        arena: Arena,
+        send_releases: Callable[[list[int]], None],
+    ) -> None:
+        self.space = space
+        self.arena = arena
+        self._send_releases = send_releases
+        self._leases = itertools.count(1)
+        self._granted: dict[int, Anchor] = {}  # lease id -> anchor we keep for the peer
+        self.closed = False
+
+    # -- sending --------------------------------------------------------------------
+    def export(self, name: str, tensor: Tensor) -> WireTensor:
+        """Describe ``tensor`` to the peer, copying it into our arena only if needed."""
+        data = tensor.storage()
+        nbytes = data.nbytes
+        if nbytes <= INLINE_MAX:
+            return (name, int(tensor.data_type), tensor.shape, data.tobytes())
+        found = self.space.locate(data)
+        if found is None:
+            anchor = self.arena.copy(data)
+            offset = anchor.offset
+        else:
+            anchor, offset = found
+        if getattr(anchor, "origin", None) is self:
+            lease = 0
+        else:
+            lease = next(self._leases)
+            self._granted[lease] = anchor
+        return (name, int(tensor.data_type), tensor.shape, (anchor.segment.name, offset, nbytes, lease))
+
+    def release(self, leases: list[int]) -> None:
+        """The peer no longer uses these leases."""
+        granted = self._granted
+        for lease in leases:
+            granted.pop(lease, None)
+
+    def close(self) -> None:
+        """The peer is gone: drop every hold we kept for it and stop sending releases."""
+        self.closed = True
+        self._granted.clear()
+
+    @property
+    def lease_count(self) -> int:
+        return len(self._granted)
+
+    # -- receiving ------------------------------------------------------------------
+    def import_(self, wire: WireTensor) -> tuple[str, Tensor]:
+        name, dtype, shape, ref = wire
+        data_type = _DATA_TYPES[dtype]
+        if type(ref) is bytes:
+            raw = np.frombuffer(bytearray(ref), dtype=np.uint8)  # writable, like shared memory
+            nbytes = len(ref)
+        else:
+            raw, nbytes = self._import_ref(ref)
+        if data_type is DataType.BYTES:
+            return name, Tensor(data_type, shape, data=raw)
+        expected = math.prod(shape) * data_type.itemsize
+        if expected != nbytes:
+            raise InternalError(
+                f"tensor '{name}' has {nbytes} bytes, but shape {list(shape)} of "
+                f"{data_type.name} needs {expected}"
+            )
+        return name, Tensor(data_type, shape, data=raw.view(data_type.storage_dtype).reshape(shape))
+
+    def _import_ref(self, ref: tuple[str, int, int, int]) -> tuple[np.ndarray, int]:
+        segment_name, offset, nbytes, lease = ref
+        segment = self.space.segment(segment_name)
+        if lease:
+            anchor = self.space.anchor(segment, offset, nbytes, lambda: self._returned(lease))
+            anchor.origin = self
+            return np.frombuffer(anchor, dtype=np.uint8), nbytes
+        # Memory we hold for the peer already: find our anchor by address.
+        held = self.space.find(segment, offset, nbytes)
+        if held is None:
+            raise InternalError("worker referred to shared memory that is no longer held")
+        start = offset - held.offset
+        return np.frombuffer(held, dtype=np.uint8)[start : start + nbytes], nbytes
+
+    def _returned(self, lease: int) -> None:
+        if not self.closed:
+            self._send_releases([lease])
+
+
+__all__ = ["Peer", "WireTensor"]

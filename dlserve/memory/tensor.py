@@ -1,0 +1,256 @@
+"""``dlserve.Tensor``: a typed n-d array in host (usually shared) memory.
+
+The bytes live in a C-contiguous numpy *storage* array: the tensor's own dtype for
+fixed-size types, ``uint16`` bits for BF16, and Triton's length-prefixed encoding
+(flat ``uint8``) for BYTES. A BYTES tensor made from Python objects keeps the
+objects and encodes them only when the bytes must be shared; one read from shared
+memory decodes only when the objects are asked for. Nothing here copies unless a
+conversion needs it, and every hand-off (numpy, DLPack) is a view.
+
+GPU tensors are not implemented yet: every GPU request fails with a clear error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from dlserve.errors import InvalidArgumentError, UnsupportedError
+from dlserve.memory import bytes_codec
+from dlserve.memory.dlpack import (
+    HOST_DEVICES,
+    DLDeviceType,
+    device_of,
+    export_host_array,
+    host_array_from_dlpack,
+)
+from dlserve.memory.dtypes import DataType, bfloat16_dtype
+
+
+class MemoryType(enum.IntEnum):
+    """``TRITONSERVER_MemoryType``."""
+
+    CPU = 0
+    CPU_PINNED = 1
+    GPU = 2
+
+
+@dataclasses.dataclass
+class MemoryBuffer:
+    """Where a tensor's bytes are: address, kind of memory, device and size."""
+
+    data_ptr: int
+    memory_type: MemoryType
+    memory_type_id: int
+    size: int
+    owner: Any
+
+
+class Tensor:
+    """A typed n-d array; see the module docstring for how its bytes are held."""
+
+    __slots__ = ("data_type", "shape", "_data", "_objects")
+
+    def __init__(
+        self,
+        data_type: DataType,
+        shape: Sequence[int],
+        data: np.ndarray | None = None,
+        objects: np.ndarray | None = None,
+    ) -> None:
+        self.data_type = data_type if type(data_type) is DataType else DataType(data_type)
+        self.shape: tuple[int, ...] = shape if type(shape) is tuple else tuple(int(d) for d in shape)
+        self._data = data
+        self._objects = objects
+        if data is None and objects is None:
+            raise ValueError("a Tensor needs either storage data or BYTES objects")
+
+    # -- construction ---------------------------------------------------------------
+    @classmethod
+    def from_numpy(cls, array: Any) -> Tensor:
+        arr = array if type(array) is np.ndarray else np.asarray(array)
+        data_type = DataType.from_numpy(arr.dtype)
+        if data_type is DataType.BYTES:
+            return cls(data_type, arr.shape, objects=arr)
+        if not arr.flags.c_contiguous:
+            arr = np.ascontiguousarray(arr)
+        if data_type is DataType.BF16:
+            arr = arr.view(np.uint16)
+        return cls(data_type, arr.shape, data=arr)
+
+    @classmethod
+    def from_dlpack(cls, obj: Any) -> Tensor:
+        """Zero-copy import of anything that speaks DLPack (or a raw capsule)."""
+        device_type, _ = device_of(obj)
+        if device_type not in HOST_DEVICES:
+            raise UnsupportedError(
+                f"tensors on DLPack device {DLDeviceType(device_type).name} are not "
+                "supported by this build (GPU tensors need CUDA)"
+            )
+        try:
+            array, data_type = host_array_from_dlpack(obj)
+        except BufferError as exc:
+            raise InvalidArgumentError(f"cannot import DLPack tensor: {exc}") from None
+        if not array.flags.c_contiguous:
+            raise InvalidArgumentError("DLPack tensors must be C-contiguous")
+        return cls(data_type, array.shape, data=array)
+
+    @classmethod
+    def from_bytes_array(cls, values: Any) -> Tensor:
+        arr = np.asarray(values, dtype=np.object_) if isinstance(values, list) else np.asarray(values)
+        if arr.dtype.kind not in ("O", "S", "U"):
+            raise InvalidArgumentError(f"cannot make a BYTES tensor from a {arr.dtype} array")
+        return cls(DataType.BYTES, arr.shape, objects=arr)
+
+    from_string_array = from_bytes_array
+
+    @classmethod
+    def from_object(cls, obj: Any) -> Tensor:
+        """Accept a Tensor, numpy array or scalar, list, or DLPack-capable object."""
+        if isinstance(obj, Tensor):
+            return obj
+        if isinstance(obj, (np.ndarray, np.generic)):
+            return cls.from_numpy(obj)
+        if isinstance(obj, list):
+            try:
+                return cls.from_numpy(np.array(obj))
+            except (ValueError, TypeError) as exc:
+                raise InvalidArgumentError(f"cannot convert list to a tensor: {exc}") from None
+        if hasattr(obj, "__dlpack__"):
+            return cls.from_dlpack(obj)
+        raise InvalidArgumentError(
+            f"input of type {type(obj).__name__} is not supported: pass a dlserve.Tensor, "
+            "a numpy array, a list or an object with __dlpack__"
+        )
+
+    # -- storage --------------------------------------------------------------------
+    @property
+    def element_count(self) -> int:
+        return math.prod(self.shape)
+
+    def storage(self) -> np.ndarray:
+        """The bytes as a C-contiguous array (BYTES: encoded, flat uint8)."""
+        if self._data is None:
+            assert self._objects is not None
+            self._data = bytes_codec.serialize_bytes(self._objects)
+        return self._data
+
+    def check_size(self) -> None:
+        """Raise ValueError if the bytes held do not fit the shape (BYTES: the count)."""
+        if self.data_type is DataType.BYTES:
+            if self._data is None:
+                return  # Python objects: nothing encoded to check
+            count = bytes_codec.count_elements(self._data)
+            if count != self.element_count:
+                raise ValueError(
+                    f"holds {count} BYTES elements, but its shape {list(self.shape)} "
+                    f"needs {self.element_count}"
+                )
+            return
+        expected = self.element_count * self.data_type.itemsize
+        if self.storage().nbytes != expected:
+            raise ValueError(
+                f"byte size mismatch: shape {list(self.shape)} of {self.data_type.name} "
+                f"needs {expected} bytes, got {self.storage().nbytes}"
+            )
+
+    def reshape(self, shape: Sequence[int]) -> Tensor:
+        """The same bytes under another shape with as many elements."""
+        shape = tuple(int(d) for d in shape)
+        if self.data_type is DataType.BYTES:
+            objects = None if self._objects is None else self._objects.reshape(shape)
+            return Tensor(self.data_type, shape, data=self._data, objects=objects)
+        return Tensor(self.data_type, shape, data=self.storage().reshape(shape))
+
+    @property
+    def size(self) -> int:
+        """Size of the tensor's bytes (BYTES: of its encoding)."""
+        return int(self.storage().nbytes)
+
+    @property
+    def data_ptr(self) -> int:
+        return int(self.storage().__array_interface__["data"][0])
+
+    @property
+    def memory_type(self) -> MemoryType:
+        return MemoryType.CPU
+
+    @property
+    def memory_type_id(self) -> int:
+        return 0
+
+    @property
+    def memory_buffer(self) -> MemoryBuffer:
+        data = self.storage()
+        return MemoryBuffer(self.data_ptr, self.memory_type, self.memory_type_id, data.nbytes, data)
+
+    # -- views ----------------------------------------------------------------------
+    def as_numpy(self) -> np.ndarray:
+        """A numpy view (BYTES: object array of bytes; BF16: ``ml_dtypes.bfloat16``)."""
+        if self.data_type is DataType.BYTES:
+            return self.to_bytes_array()
+        data = self.storage()
+        if self.data_type is DataType.BF16:
+            return data.view(bfloat16_dtype())
+        return data
+
+    def to_bytes_array(self) -> np.ndarray:
+        if self.data_type is not DataType.BYTES:
+            raise InvalidArgumentError(f"tensor is {self.data_type.name}, not BYTES")
+        if self._objects is None:
+            assert self._data is not None
+            try:
+                decoded = bytes_codec.deserialize_bytes(self._data, self.element_count)
+            except ValueError as exc:
+                raise InvalidArgumentError(f"malformed BYTES tensor: {exc}") from None
+            self._objects = decoded.reshape(self.shape)
+        return self._objects
+
+    def to_string_array(self) -> np.ndarray:
+        """BYTES elements decoded as UTF-8 into a numpy ``str`` array."""
+        objects = self.to_bytes_array()
+        decoded = [
+            item.decode("utf-8") if isinstance(item, (bytes, bytearray)) else str(item)
+            for item in objects.ravel().tolist()
+        ]
+        return np.array(decoded, dtype=np.str_).reshape(self.shape)
+
+    def __dlpack__(
+        self,
+        *,
+        stream: Any = None,
+        max_version: tuple[int, int] | None = None,
+        dl_device: tuple[int, int] | None = None,
+        copy: bool | None = None,
+    ) -> Any:
+        return export_host_array(
+            self.storage(),
+            self.data_type,
+            stream=stream,
+            max_version=max_version,
+            dl_device=dl_device,
+            copy=copy,
+        )
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (int(DLDeviceType.kDLCPU), 0)
+
+    def to_host(self) -> Tensor:
+        return self
+
+    def to_device(self, device: Any) -> Tensor:
+        """Only ``"cpu"`` (or ``MemoryType.CPU``) is available without CUDA."""
+        if device in ("cpu", "CPU", MemoryType.CPU, MemoryType.CPU_PINNED) or device == (
+            MemoryType.CPU,
+            0,
+        ):
+            return self
+        raise UnsupportedError(f"moving a tensor to {device!r} needs CUDA, which is not available")
+
+    def __repr__(self) -> str:
+        return f"Tensor(data_type={self.data_type.name}, shape={list(self.shape)})"

@@ -1,0 +1,40 @@
+"""Errors as a Triton Python model sees them: ``pb_utils.TritonError`` and friends."""
+
+from __future__ import annotations
+
+from dlserve.errors import ErrorCode
+
+
+class TritonError(Exception):
+    """A per-request error a model returns in ``InferenceResponse(error=...)``.
+
+    Triton's class is not raisable; ours is (an Exception subclass), which only
+    widens what models may do. ``message()`` and ``code()`` are methods, as in Triton.
+    """
+
+    UNKNOWN = int(ErrorCode.UNKNOWN)
+    INTERNAL = int(ErrorCode.INTERNAL)
+    NOT_FOUND = int(ErrorCode.NOT_FOUND)
+    INVALID_ARG = int(ErrorCode.INVALID_ARG)
+    UNAVAILABLE = int(ErrorCode.UNAVAILABLE)
+    UNSUPPORTED = int(ErrorCode.UNSUPPORTED)
+    ALREADY_EXISTS = int(ErrorCode.ALREADY_EXISTS)
+    CANCELLED = int(ErrorCode.CANCELLED)
+
+    def __init__(self, message: str, code: int = INTERNAL) -> None:
+        super().__init__(message)
+        self._message = str(message)
+        self._code = int(ErrorCode(code))
+
+    def message(self) -> str:  # type: ignore[override]
+        return self._message
+
+    def code(self) -> int:
+        return self._code
+
+    def __str__(self) -> str:
+        return self._message
+
+
+class TritonModelException(Exception):
+    """Raised by models (and by pb_utils) for errors in initialize/execute/finalize."""

@@ -1,0 +1,102 @@
+"""Triton's module-level helpers: lookups by name, type maps and the BYTES codec."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from dlserve.memory import bytes_codec
+from dlserve.memory.dtypes import DataType
+from dlserve.pb_utils.inference import InferenceRequest, InferenceResponse
+from dlserve.pb_utils.tensor import Tensor
+
+TRITON_STRING_TO_NUMPY: dict[str, Any] = {
+    "TYPE_BOOL": bool,
+    "TYPE_UINT8": np.uint8,
+    "TYPE_UINT16": np.uint16,
+    "TYPE_UINT32": np.uint32,
+    "TYPE_UINT64": np.uint64,
+    "TYPE_INT8": np.int8,
+    "TYPE_INT16": np.int16,
+    "TYPE_INT32": np.int32,
+    "TYPE_INT64": np.int64,
+    "TYPE_FP16": np.float16,
+    "TYPE_FP32": np.float32,
+    "TYPE_FP64": np.float64,
+    "TYPE_STRING": np.object_,
+}
+
+
+def get_input_tensor_by_name(inference_request: InferenceRequest, name: str) -> Tensor | None:
+    for tensor in inference_request.inputs():
+        if tensor.name() == name:
+            return tensor
+    return None
+
+
+def get_output_tensor_by_name(inference_response: InferenceResponse, name: str) -> Tensor | None:
+    for tensor in inference_response.output_tensors():
+        if tensor.name() == name:
+            return tensor
+    return None
+
+
+def _config_by_name(model_config: dict[str, Any], kind: str, name: str) -> dict[str, Any] | None:
+    for entry in model_config.get(kind, ()):
+        if entry.get("name") == name:
+            return entry
+    return None
+
+
+def get_input_config_by_name(model_config: dict[str, Any], name: str) -> dict[str, Any] | None:
+    return _config_by_name(model_config, "input", name)
+
+
+def get_output_config_by_name(model_config: dict[str, Any], name: str) -> dict[str, Any] | None:
+    return _config_by_name(model_config, "output", name)
+
+
+def using_decoupled_model_transaction_policy(model_config: dict[str, Any]) -> bool:
+    policy = model_config.get("model_transaction_policy") or {}
+    return bool(policy.get("decoupled", False))
+
+
+def triton_string_to_numpy(triton_type_string: str) -> Any:
+    return TRITON_STRING_TO_NUMPY[triton_type_string]
+
+
+def triton_to_numpy_type(data_type: int) -> Any:
+    """numpy type for a ``TRITONSERVER_DataType`` int; None for BF16 and unknown ints."""
+    try:
+        dt = DataType(data_type)
+    except ValueError:
+        return None
+    if dt is DataType.BYTES:
+        return np.object_
+    if dt in (DataType.BF16, DataType.INVALID):
+        return None
+    return dt.storage_dtype.type
+
+
+def numpy_to_triton_type(data_type: Any) -> int | None:
+    try:
+        return int(DataType.from_numpy(data_type))
+    except TypeError:
+        return None
+
+
+def serialize_byte_tensor(input_tensor: np.ndarray) -> np.ndarray:
+    """Triton's BYTES encoding of ``input_tensor`` as a 0-d object array holding the bytes."""
+    if input_tensor.size == 0:
+        return np.empty([0], dtype=np.object_)
+    if input_tensor.dtype.kind not in ("O", "S", "U"):
+        raise ValueError("cannot serialize bytes tensor: invalid datatype")
+    return np.asarray(bytes_codec.serialize_bytes(input_tensor).tobytes(), dtype=np.object_)
+
+
+def deserialize_bytes_tensor(encoded_tensor: Any) -> np.ndarray:
+    """Decode Triton's BYTES encoding into a 1-D object array of ``bytes``."""
+    if isinstance(encoded_tensor, np.ndarray) and encoded_tensor.dtype == np.object_:
+        encoded_tensor = encoded_tensor.item()
+    return bytes_codec.deserialize_bytes(encoded_tensor)

@@ -1,0 +1,135 @@
+"""``pb_utils.InferenceRequest`` and ``pb_utils.InferenceResponse``."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from dlserve.pb_utils.errors import TritonError, TritonModelException
+from dlserve.pb_utils.tensor import Tensor
+
+
+def _parameters_json(parameters: dict[str, Any] | str | None, what: str) -> str:
+    if parameters is None:
+        return "{}"
+    if isinstance(parameters, str):
+        json.loads(parameters)  # must be valid JSON
+        return parameters
+    if not isinstance(parameters, dict):
+        raise TritonModelException(f"{what} parameters must be a dict, got {type(parameters).__name__}")
+    for key, value in parameters.items():
+        if not isinstance(key, str):
+            raise TritonModelException(f"{what} parameter keys must be strings, got {key!r}")
+        if not isinstance(value, (bool, int, str)):
+            raise TritonModelException(
+                f"{what} parameter '{key}' must be a bool, int or str, got {type(value).__name__}"
+            )
+    return json.dumps(parameters)
+
+
+class InferenceRequest:
+    """A request handed to ``execute`` (and, with the BLS issue, one a model sends)."""
+
+    def __init__(
+        self,
+        model_name: str = "",
+        inputs: Sequence[Tensor] = (),
+        requested_output_names: Sequence[str] = (),
+        request_id: str = "",
+        correlation_id: int | str = 0,
+        model_version: int = -1,
+        flags: int = 0,
+        timeout: int = 0,
+        preferred_memory: Any = None,
+        trace: Any = None,
+        parameters: dict[str, Any] | str | None = None,
+    ) -> None:
+        for tensor in inputs:
+            if not isinstance(tensor, Tensor):
+                raise TritonModelException("InferenceRequest inputs must be pb_utils.Tensor objects")
+        self._model_name = model_name
+        self._model_version = int(model_version)
+        self._inputs = list(inputs)
+        self._requested = list(requested_output_names)
+        self._request_id = request_id
+        self._correlation_id = correlation_id
+        self._flags = int(flags)
+        self._timeout = int(timeout)
+        self._parameters = _parameters_json(parameters, "request")
+        self._preferred_memory = preferred_memory
+        self._trace = trace
+
+    def inputs(self) -> list[Tensor]:
+        return self._inputs
+
+    def request_id(self) -> str:
+        return self._request_id
+
+    def correlation_id(self) -> int | str:
+        return self._correlation_id
+
+    def flags(self) -> int:
+        return self._flags
+
+    def timeout(self) -> int:
+        """The request's timeout in microseconds (0 = none)."""
+        return self._timeout
+
+    def parameters(self) -> str:
+        """The request parameters as a JSON object string."""
+        return self._parameters
+
+    def requested_output_names(self) -> list[str]:
+        return self._requested
+
+    def model_name(self) -> str:
+        return self._model_name
+
+    def model_version(self) -> int:
+        return self._model_version
+
+    def __repr__(self) -> str:
+        return f"pb_utils.InferenceRequest(id={self._request_id!r}, inputs={self._inputs!r})"
+
+
+class InferenceResponse:
+    """``InferenceResponse(output_tensors=[...], error=None, parameters=None)``."""
+
+    def __init__(
+        self,
+        output_tensors: Sequence[Tensor] | None = None,
+        error: TritonError | None = None,
+        parameters: dict[str, Any] | str | None = None,
+    ) -> None:
+        tensors = list(output_tensors or ())
+        for tensor in tensors:
+            if not isinstance(tensor, Tensor):
+                raise TritonModelException(
+                    "InferenceResponse output_tensors must be pb_utils.Tensor objects, "
+                    f"got {type(tensor).__name__}"
+                )
+        if error is not None and not isinstance(error, TritonError):
+            raise TritonModelException(
+                f"InferenceResponse error must be a pb_utils.TritonError, got {type(error).__name__}"
+            )
+        self._outputs = tensors
+        self._error = error
+        self._parameters = _parameters_json(parameters, "response")
+
+    def output_tensors(self) -> list[Tensor]:
+        return self._outputs
+
+    def has_error(self) -> bool:
+        return self._error is not None
+
+    def error(self) -> TritonError | None:
+        return self._error
+
+    def parameters(self) -> str:
+        return self._parameters
+
+    def __repr__(self) -> str:
+        if self._error is not None:
+            return f"pb_utils.InferenceResponse(error={self._error.message()!r})"
+        return f"pb_utils.InferenceResponse(outputs={self._outputs!r})"

@@ -1,0 +1,111 @@
+"""``pb_utils.ModelConfig``: what ``auto_complete_config`` may change, with Triton's rules.
+
+A model may fill in ``max_batch_size``, inputs, outputs, dynamic batching and the
+transaction policy; whatever ``config.pbtxt`` already says wins, and a conflict is
+a ``ValueError`` that names the model, the tensor and both values.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+_INPUT_KEYS = ("name", "data_type", "dims", "optional")
+_OUTPUT_KEYS = ("name", "data_type", "dims")
+
+
+class ModelConfig:
+    def __init__(self, model_config: str | dict[str, Any]) -> None:
+        self._config: dict[str, Any] = (
+            json.loads(model_config) if isinstance(model_config, str) else model_config
+        )
+        self._config.setdefault("input", [])
+        self._config.setdefault("output", [])
+        self._config.setdefault("max_batch_size", 0)
+
+    @property
+    def _name(self) -> str:
+        return str(self._config.get("name", ""))
+
+    def as_dict(self) -> dict[str, Any]:
+        return self._config
+
+    def set_max_batch_size(self, max_batch_size: int) -> None:
+        configured = int(self._config.get("max_batch_size", 0))
+        if configured > max_batch_size:
+            raise ValueError(
+                f"model '{self._name}': config.pbtxt sets max_batch_size {configured}, "
+                f"auto_complete_config tried to lower it to {max_batch_size}"
+            )
+        self._config["max_batch_size"] = int(max_batch_size)
+
+    def set_dynamic_batching(self) -> None:
+        for other in ("sequence_batching", "ensemble_scheduling"):
+            if other in self._config:
+                raise ValueError(
+                    f"model '{self._name}': config.pbtxt chooses '{other}', "
+                    "auto_complete_config cannot switch it to 'dynamic_batching'"
+                )
+        self._config.setdefault("dynamic_batching", {})
+
+    def add_input(self, input: dict[str, Any]) -> None:  # noqa: A002 - Triton's name
+        self._add_tensor("input", input, _INPUT_KEYS)
+
+    def add_output(self, output: dict[str, Any]) -> None:
+        self._add_tensor("output", output, _OUTPUT_KEYS)
+
+    def _add_tensor(self, kind: str, tensor: dict[str, Any], allowed: tuple[str, ...]) -> None:
+        label = tensor.get("name", "<unnamed>")
+        for key in tensor:
+            if key not in allowed:
+                raise ValueError(
+                    f"{kind} '{label}' of model '{self._name}' in auto_complete_config has "
+                    f"property '{key}'; only {', '.join(repr(k) for k in allowed)} are allowed"
+                )
+        for key in ("name", "data_type", "dims"):
+            if key not in tensor:
+                raise ValueError(
+                    f"{kind} '{label}' of model '{self._name}' in auto_complete_config "
+                    f"is missing '{key}'"
+                )
+        for current in self._config[kind]:
+            if current.get("name") != tensor["name"]:
+                continue
+            configured_type = current.get("data_type", "TYPE_INVALID")
+            if configured_type != "TYPE_INVALID" and configured_type != tensor["data_type"]:
+                raise ValueError(
+                    f"model '{self._name}': config.pbtxt gives {kind} '{label}' data type "
+                    f"{configured_type}, the model says {tensor['data_type']}"
+                )
+            if current.get("dims") and list(current["dims"]) != list(tensor["dims"]):
+                raise ValueError(
+                    f"model '{self._name}', tensor '{label}': the model expects dims "
+                    f"{list(tensor['dims'])} but config.pbtxt specifies {list(current['dims'])}"
+                )
+            if "optional" in tensor and current.get("optional", tensor["optional"]) != tensor[
+                "optional"
+            ]:
+                raise ValueError(
+                    f"model '{self._name}', tensor '{label}': the model expects optional "
+                    f"{tensor['optional']} but config.pbtxt specifies {current['optional']}"
+                )
+            current.update(tensor)
+            return
+        self._config[kind].append(dict(tensor))
+
+    def set_model_transaction_policy(self, transaction_policy_dict: dict[str, Any]) -> None:
+        for key in transaction_policy_dict:
+            if key != "decoupled":
+                raise ValueError(
+                    f"model_transaction_policy of model '{self._name}' in auto_complete_config "
+                    f"has property '{key}'; only 'decoupled' is allowed"
+                )
+        policy = self._config.setdefault("model_transaction_policy", {})
+        if "decoupled" in transaction_policy_dict:
+            wanted = bool(transaction_policy_dict["decoupled"])
+            if "decoupled" in policy and bool(policy["decoupled"]) != wanted:
+                raise ValueError(
+                    f"model '{self._name}': auto_complete_config tried to change 'decoupled', "
+                    f"which config.pbtxt sets to {policy['decoupled']}"
+                )
+            policy["decoupled"] = wanted

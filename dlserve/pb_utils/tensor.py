@@ -1,0 +1,115 @@
+"""``pb_utils.Tensor``: Triton's model-side tensor, over a :class:`dlserve.memory.Tensor`.
+
+Request inputs are views of shared memory; ``as_numpy()`` and DLPack exports
+alias them. Outputs made from an array that already lives in shared memory (an
+input, or a block from :meth:`Tensor.empty`) are sent back by reference; anything
+else is copied once into the worker's arena when the response leaves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from dlserve.memory.dlpack import is_capsule
+from dlserve.memory.dtypes import DataType, numpy_dtype
+from dlserve.memory.tensor import Tensor as _CoreTensor
+from dlserve.pb_utils import _runtime
+from dlserve.pb_utils.errors import TritonModelException
+
+
+class Tensor:
+    """``pb_utils.Tensor(name, numpy_array)``."""
+
+    __slots__ = ("_name", "_tensor")
+
+    def __init__(self, name: str, tensor: Any) -> None:
+        if not isinstance(name, str):
+            raise TritonModelException("Tensor name must be a string")
+        self._name = name
+        if isinstance(tensor, _CoreTensor):
+            self._tensor = tensor
+            return
+        if not isinstance(tensor, np.ndarray):
+            tensor = np.asarray(tensor)
+        try:
+            self._tensor = _CoreTensor.from_numpy(tensor)
+        except TypeError as exc:
+            raise TritonModelException(f"Tensor '{name}': {exc}") from None
+
+    @classmethod
+    def empty(cls, name: str, shape: Sequence[int], dtype: Any) -> Tensor:
+        """A new output tensor allocated in shared memory; fill ``as_numpy()`` in place.
+
+        Returning it sends it by reference: the server never copies its bytes.
+        Outside a worker process (e.g. unit tests) it is an ordinary numpy array.
+        """
+        data_type = dtype if isinstance(dtype, DataType) else DataType.from_numpy(dtype)
+        if data_type is DataType.BYTES:
+            raise TritonModelException("Tensor.empty cannot allocate BYTES tensors")
+        shape = tuple(int(d) for d in shape)
+        storage_type = data_type.storage_dtype
+        nbytes = int(np.prod(shape, dtype=np.int64)) * storage_type.itemsize
+        runtime = _runtime.current()
+        if runtime is None:
+            data = np.empty(shape, dtype=storage_type)
+        else:
+            anchor = runtime.arena.allocate(nbytes)
+            data = np.frombuffer(anchor, dtype=storage_type).reshape(shape)
+        return cls(name, _CoreTensor(data_type, shape, data=data))
+
+    @staticmethod
+    def from_dlpack(name: str, capsule: Any) -> Tensor:
+        """Wrap a DLPack capsule or any ``__dlpack__`` object without copying."""
+        if not (is_capsule(capsule) or hasattr(capsule, "__dlpack__")):
+            raise TritonModelException(
+                "from_dlpack expects a DLPack capsule or an object with __dlpack__"
+            )
+        try:
+            return Tensor(name, _CoreTensor.from_dlpack(capsule))
+        except Exception as exc:  # noqa: BLE001 - surfaced to the model as Triton does
+            raise TritonModelException(str(exc)) from None
+
+    def name(self) -> str:
+        return self._name
+
+    def shape(self) -> list[int]:
+        return list(self._tensor.shape)
+
+    def triton_dtype(self) -> int:
+        return int(self._tensor.data_type)
+
+    def is_cpu(self) -> bool:
+        return True
+
+    def as_numpy(self) -> np.ndarray:
+        try:
+            return self._tensor.as_numpy()
+        except TypeError as exc:
+            raise TritonModelException(str(exc)) from None
+
+    def to_dlpack(self) -> Any:
+        """A legacy ``"dltensor"`` capsule (what TensorFlow's importer expects)."""
+        return self.__dlpack__()
+
+    def __dlpack__(self, stream: Any = None, **kwargs: Any) -> Any:
+        return self._tensor.__dlpack__(stream=stream, **kwargs)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return self._tensor.__dlpack_device__()
+
+    def __repr__(self) -> str:
+        return (
+            f"pb_utils.Tensor(name={self._name!r}, dtype={self._tensor.data_type.wire_name}, "
+            f"shape={list(self._tensor.shape)})"
+        )
+
+
+def numpy_type_of(data_type: int) -> Any:
+    """numpy type for a ``TRITONSERVER_DataType`` int (BYTES → ``np.object_``)."""
+    dt = DataType(data_type)
+    if dt is DataType.BF16:
+        return None  # Triton maps BF16 to no numpy type
+    return numpy_dtype(dt).type

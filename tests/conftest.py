@@ -1,0 +1,119 @@
+"""Shared fixtures: model repositories built from tests/models, and servers that
+are checked for leaks (worker processes, /dev/shm segments, file descriptors)
+when they stop."""
+
+from __future__ import annotations
+
+import gc
+import glob
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import uvloop
+
+import dlserve
+
+MODELS = Path(__file__).parent / "models"
+
+# libuv opens one process-wide signal pipe the first time any uvloop loop is made
+# and keeps it until exit; make it now so the file-descriptor leak checks below
+# only see what servers themselves leave behind.
+uvloop.new_event_loop().close()
+EXAMPLES = Path(__file__).parent.parent / "examples" / "models"
+
+
+def open_fds() -> set[int]:
+    return {int(fd) for fd in os.listdir("/proc/self/fd")}
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes, but it means nobody reaped it
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def describe_fds(fds: set[int]) -> list[str]:
+    described = []
+    for fd in sorted(fds):
+        try:
+            described.append(f"{fd} -> {os.readlink(f'/proc/self/fd/{fd}')}")
+        except FileNotFoundError:
+            described.append(f"{fd} -> (closed meanwhile)")
+    return described
+
+
+@pytest.fixture
+def make_repo(tmp_path: Path) -> Callable[..., Path]:
+    """Copy models from tests/models (by name) and write extra ones into a new repository.
+
+    ``extra`` maps a model name to {relative path: file text}.
+    """
+
+    def make(*names: str, extra: dict[str, dict[str, str]] | None = None) -> Path:
+        repo = tmp_path / f"repo{len(list(tmp_path.glob('repo*')))}"
+        repo.mkdir()
+        for name in names:
+            shutil.copytree(MODELS / name, repo / name)
+        for name, files in (extra or {}).items():
+            for relative, text in files.items():
+                path = repo / name / relative
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(text)
+        return repo
+
+    return make
+
+
+class ServerHarness:
+    """Starts servers and, at teardown, stops them and checks nothing leaked."""
+
+    def __init__(self) -> None:
+        self.servers: list[dlserve.Server] = []
+        self.fds_before = open_fds()
+
+    def start(self, repo: Path | list[Path], **options: object) -> dlserve.Server:
+        options.setdefault("exit_timeout", 5)
+        server = dlserve.Server(dlserve.Options(model_repository=repo if isinstance(repo, list) else str(repo), **options))
+        server.start(wait_until_ready=False)
+        self.servers.append(server)
+        return server
+
+    def stop(self, server: dlserve.Server) -> None:
+        engine = server.engine
+        prefix = engine.segment_prefix
+        pids = [
+            instance.pid
+            for entry in (engine.manager.models.values() if engine.manager else [])
+            for version in entry.versions.values()
+            for instance in version.instances
+            if instance.pid
+        ]
+        server.stop()
+        self.servers.remove(server)
+        leaked = glob.glob(f"/dev/shm/{prefix}*")
+        assert not leaked, f"shared memory segments left behind: {leaked}"
+        alive = [pid for pid in pids if pid_alive(pid)]
+        assert not alive, f"worker processes left behind: {alive}"
+
+    def close(self) -> None:
+        for server in list(self.servers):
+            self.stop(server)
+        gc.collect()  # tensors caught in exception reference cycles hold mappings until then
+        extra = open_fds() - self.fds_before
+        assert not extra, f"file descriptors left open: {describe_fds(extra)}"
+
+
+@pytest.fixture
+def servers() -> Iterator[ServerHarness]:
+    harness = ServerHarness()
+    yield harness
+    harness.close()

@@ -1,0 +1,369 @@
+"""Triton-style models (importing triton_python_backend_utils) run through the
+in-process API: outputs, dtypes, shapes, errors and their codes, parameters,
+statistics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import dlserve
+from dlserve import DataType
+
+from ..conftest import MODELS, ServerHarness
+
+LOADED = [
+    "add_sub",
+    "identity",
+    "dtypes_echo",
+    "bytes_model",
+    "faulty",
+    "params_echo",
+    "reshape",
+    "async_model",
+    "shm_output",
+]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    repo = tmp_path_factory.mktemp("repo")
+    for name in LOADED:
+        shutil.copytree(MODELS / name, repo / name)
+    harness = ServerHarness()
+    srv = harness.start(repo)
+    yield srv
+    harness.close()
+
+
+def infer_one(server: dlserve.Server, model: str, **kwargs):
+    responses = list(server.model(model).infer(**kwargs))
+    assert len(responses) == 1 and responses[0].final
+    return responses[0]
+
+
+def test_server_reports_ready_and_metadata(server):
+    assert server.live() and server.ready()
+    meta = server.metadata()
+    assert meta["name"] == "dlserve" and "statistics" in meta["extensions"]
+    models = server.models()
+    assert ("add_sub", 1) in models and models[("add_sub", 1)].state == "READY"
+    assert server.model("add_sub").ready()
+
+
+def test_add_sub(server):
+    a = np.arange(16, dtype=np.float32)
+    b = np.full(16, 2.0, dtype=np.float32)
+    response = infer_one(server, "add_sub", inputs={"INPUT0": a, "INPUT1": b})
+    assert response.error is None
+    out0 = np.from_dlpack(response.outputs["OUTPUT0"])
+    out1 = np.from_dlpack(response.outputs["OUTPUT1"])
+    np.testing.assert_array_equal(out0, a + b)
+    np.testing.assert_array_equal(out1, a - b)
+    assert out0.dtype == np.float32 and out0.shape == (16,)
+    assert response.outputs["OUTPUT0"].data_type is DataType.FP32
+
+
+def test_inputs_as_lists_and_tensors(server):
+    tensor = dlserve.Tensor.from_numpy(np.ones(16, dtype=np.float32))
+    response = infer_one(server, "identity", inputs={"INPUT0": tensor})
+    np.testing.assert_array_equal(response.outputs["OUTPUT0"].as_numpy(), np.ones(16))
+    # A list of Python floats becomes FP64, which a FP32 input rejects by name.
+    with pytest.raises(dlserve.InvalidArgumentError, match="data-type is 'FP64'"):
+        server.model("identity").infer(inputs={"INPUT0": [1.0, 2.0]})
+
+
+@pytest.mark.parametrize(
+    "name,array",
+    [
+        ("BOOL", np.array([[True, False]])),
+        ("UINT8", np.arange(6, dtype=np.uint8).reshape(2, 3)),
+        ("UINT16", np.arange(6, dtype=np.uint16).reshape(3, 2)),
+        ("UINT32", np.arange(4, dtype=np.uint32).reshape(1, 4)),
+        ("UINT64", np.array([[2**63 + 5]], dtype=np.uint64)),
+        ("INT8", np.array([[-128, 127]], dtype=np.int8)),
+        ("INT16", np.arange(-3, 3, dtype=np.int16).reshape(2, 3)),
+        ("INT32", np.arange(-3, 3, dtype=np.int32).reshape(3, 2)),
+        ("INT64", np.array([[-(2**62), 2**62]], dtype=np.int64)),
+        ("FP16", np.linspace(-1, 1, 6, dtype=np.float16).reshape(2, 3)),
+        ("FP32", np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3)),
+        ("FP64", np.linspace(-1, 1, 6, dtype=np.float64).reshape(2, 3)),
+        ("BF16", np.array([[1.5, -2.25, 3.0]], dtype=ml_dtypes.bfloat16)),
+    ],
+)
+def test_every_fixed_size_dtype_round_trips(server, name, array):
+    response = infer_one(server, "dtypes_echo", inputs={f"IN_{name}": array})
+    out = response.outputs[f"OUT_{name}"]
+    assert out.data_type is DataType.from_wire(name)
+    assert out.shape == array.shape
+    result = out.as_numpy()
+    assert result.dtype == array.dtype
+    np.testing.assert_array_equal(result, array)
+
+
+def test_bytes_round_trip(server):
+    values = np.array([[b"hello", b""], ["\u00fcn\u00ef".encode(), b"\x00\xff"]], dtype=np.object_)
+    response = infer_one(server, "dtypes_echo", inputs={"IN_STRING": values})
+    out = response.outputs["OUT_STRING"]
+    assert out.data_type is DataType.BYTES and out.shape == (2, 2)
+    assert out.to_bytes_array().tolist() == values.tolist()
+
+
+def test_bytes_model_upper_cases_strings(server):
+    response = infer_one(
+        server, "bytes_model", inputs={"INPUT0": np.array(["abc", "déf"], dtype=np.str_)}
+    )
+    assert response.outputs["OUTPUT0"].to_string_array().tolist() == ["ABC", "DéF"]
+
+
+def test_large_tensor_round_trips_through_shared_memory(server):
+    data = np.random.default_rng(0).standard_normal(1 << 20).astype(np.float32)  # 4 MiB
+    response = infer_one(server, "identity", inputs={"INPUT0": data})
+    np.testing.assert_array_equal(np.from_dlpack(response.outputs["OUTPUT0"]), data)
+
+
+def test_tensor_in_shared_memory_reaches_model_and_returns_without_copy(server):
+    tensor = server.allocate_tensor([1 << 20], np.float32)
+    view = np.from_dlpack(tensor)
+    view[:] = np.arange(1 << 20, dtype=np.float32)
+    response = infer_one(server, "identity", inputs={"INPUT0": tensor})
+    out = response.outputs["OUTPUT0"]
+    # Same address: the model read the caller's memory and returned it by reference.
+    assert out.data_ptr == tensor.data_ptr
+    assert np.from_dlpack(out)[12345] == 12345.0
+
+
+def test_output_allocated_in_shared_memory_by_the_model(server):
+    response = infer_one(server, "shm_output", inputs={"N": np.array([100_000], dtype=np.int64)})
+    out = np.from_dlpack(response.outputs["OUTPUT0"])
+    np.testing.assert_array_equal(out, np.arange(100_000, dtype=np.float32))
+    found = server.engine.space.locate(out)
+    assert found is not None, "output should be a view of the worker's shared memory"
+    anchor, _ = found
+    assert "_w" in anchor.segment.name  # a worker-owned segment, not the server's
+
+
+def test_reshape_applies_to_inputs_and_outputs(server):
+    x = np.arange(8, dtype=np.int32).reshape(2, 2, 2)
+    response = infer_one(server, "reshape", inputs={"INPUT0": x})
+    np.testing.assert_array_equal(response.outputs["SEEN_SHAPE"].as_numpy(), [[2, 4], [2, 4]])
+    out = response.outputs["OUTPUT0"]
+    assert out.shape == (2, 2, 2)
+    np.testing.assert_array_equal(out.as_numpy(), x + 1)
+
+
+def test_async_execute(server):
+    response = infer_one(server, "async_model", inputs={"INPUT0": np.ones(3, dtype=np.float32)})
+    np.testing.assert_array_equal(response.outputs["OUTPUT0"].as_numpy(), [3, 3, 3])
+
+
+def test_requested_outputs_are_pruned(server):
+    a = np.zeros(16, dtype=np.float32)
+    response = infer_one(
+        server, "add_sub", inputs={"INPUT0": a, "INPUT1": a}, requested_output_names=["OUTPUT1"]
+    )
+    assert list(response.outputs) == ["OUTPUT1"]
+
+
+def test_request_fields_and_parameters_reach_the_model(server):
+    response = infer_one(
+        server,
+        "params_echo",
+        inputs={"INPUT0": np.ones(2, dtype=np.float32)},
+        request_id="req-7",
+        correlation_id="session-1",
+        flags=1,
+        timeout=250,
+        parameters={"p_int": 5, "p_str": "s", "p_bool": True, "p_float": 1.5},
+    )
+    info = json.loads(response.outputs["INFO"].to_bytes_array()[0])
+    assert info["request_id"] == "req-7"
+    assert info["correlation_id"] == "session-1"
+    assert info["flags"] == 1
+    assert info["timeout"] == 250
+    assert info["parameters"] == {"p_int": 5, "p_str": "s", "p_bool": True, "p_float": 1.5}
+    assert info["requested_output_names"] == ["INFO", "OUTPUT0"]
+    assert info["greeting"] == "hello"
+    assert response.request_id == "req-7"
+    assert response.parameters == {"echoed": True, "count": 1, "model": "params_echo"}
+
+
+def test_initialize_receives_tritons_args(server):
+    response = infer_one(server, "params_echo", inputs={"INPUT0": np.ones(1, dtype=np.float32)})
+    args = json.loads(response.outputs["INFO"].to_bytes_array()[0])["args"]
+    assert set(args) == {
+        "model_config",
+        "model_instance_kind",
+        "model_instance_name",
+        "model_instance_device_id",
+        "model_repository",
+        "model_version",
+        "model_name",
+    }
+    assert args["model_instance_kind"] == "CPU"
+    assert args["model_instance_name"] == "params_echo_0"
+    assert args["model_instance_device_id"] == "0"
+    assert args["model_version"] == "1"
+    assert args["model_name"] == "params_echo"
+    assert Path(args["model_repository"]).name == "params_echo"
+    config = json.loads(args["model_config"])
+    assert config["name"] == "params_echo" and config["backend"] == "python"
+    assert config["parameters"] == {"greeting": {"string_value": "hello"}}
+
+
+@pytest.mark.parametrize(
+    "code,error_type",
+    [
+        ("NOT_FOUND", dlserve.NotFoundError),
+        ("INVALID_ARG", dlserve.InvalidArgumentError),
+        ("UNAVAILABLE", dlserve.UnavailableError),
+        ("UNSUPPORTED", dlserve.UnsupportedError),
+        ("ALREADY_EXISTS", dlserve.AlreadyExistsError),
+        ("INTERNAL", dlserve.InternalError),
+        ("UNKNOWN", dlserve.UnknownError),
+        ("CANCELLED", dlserve.CancelledError),
+    ],
+)
+def test_per_request_error_codes(server, code, error_type):
+    inputs = {"INPUT0": np.ones(2, dtype=np.float32)}
+    with pytest.raises(error_type, match="custom error"):
+        infer_one(server, "faulty", inputs=inputs, parameters={"mode": f"error:{code}"})
+    response = list(
+        server.model("faulty").infer(
+            inputs=inputs, parameters={"mode": f"error:{code}"}, raise_on_error=False
+        )
+    )[0]
+    assert isinstance(response.error, error_type) and response.final
+
+
+def test_exception_in_execute_is_internal_with_the_python_message(server):
+    with pytest.raises(dlserve.InternalError) as info:
+        infer_one(server, "faulty", inputs={"INPUT0": np.ones(1, dtype=np.float32)}, parameters={"mode": "raise"})
+    message = str(info.value)
+    assert message.startswith("Failed to process the request(s) for model 'faulty_0', message: ValueError: boom")
+    assert "model.py" in message  # the traceback points at the model's code
+
+
+@pytest.mark.parametrize(
+    "mode,expected",
+    [
+        ("not_list", "Expected a list in the execute return, found type '<class 'dict'>'."),
+        ("wrong_length", "Number of InferenceResponse objects do not match the number of InferenceRequest objects"),
+        ("none", "execute returned None"),
+        ("not_response", "must be a pb_utils.InferenceResponse"),
+    ],
+)
+def test_malformed_execute_returns(server, mode, expected):
+    with pytest.raises(dlserve.InternalError, match=expected.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        infer_one(server, "faulty", inputs={"INPUT0": np.ones(1, dtype=np.float32)}, parameters={"mode": mode})
+    # the instance survives and keeps serving
+    ok = infer_one(server, "faulty", inputs={"INPUT0": np.ones(1, dtype=np.float32)})
+    assert ok.error is None
+
+
+def test_bad_requests_raise_before_running(server):
+    model = server.model("add_sub")
+    a = np.zeros(16, dtype=np.float32)
+    with pytest.raises(dlserve.InvalidArgumentError, match="data-type is 'INT32', but model 'add_sub' expects 'FP32'"):
+        model.infer(inputs={"INPUT0": a.astype(np.int32), "INPUT1": a})
+    with pytest.raises(dlserve.InvalidArgumentError, match=r"unexpected shape for input 'INPUT0' for model 'add_sub'. Expected \[16\], got \[2,8\]"):
+        model.infer(inputs={"INPUT0": a.reshape(2, 8), "INPUT1": a})
+    with pytest.raises(dlserve.InvalidArgumentError, match=r"missing required input\(s\) \['INPUT1'\]"):
+        model.infer(inputs={"INPUT0": a})
+    with pytest.raises(dlserve.InvalidArgumentError, match="unexpected inference input 'NOPE'"):
+        model.infer(inputs={"INPUT0": a, "INPUT1": a, "NOPE": a})
+    with pytest.raises(dlserve.InvalidArgumentError, match="unexpected inference output 'OUTPUT9'"):
+        model.infer(inputs={"INPUT0": a, "INPUT1": a}, requested_output_names=["OUTPUT9"])
+    with pytest.raises(dlserve.InvalidArgumentError, match=r"\[request id: r1\] "):
+        model.infer(inputs={"INPUT0": a}, request_id="r1")
+    with pytest.raises(dlserve.InvalidArgumentError, match="Unsupported Value"):
+        model.infer(inputs={"INPUT0": a, "INPUT1": a}, parameters={"bad": [1, 2]})
+    with pytest.raises(dlserve.InvalidArgumentError, match="not supported"):
+        model.infer(inputs={"INPUT0": object(), "INPUT1": a})
+    with pytest.raises(dlserve.NotFoundError, match="Request for unknown model: 'nope' is not found"):
+        server.model("nope").infer(inputs={"INPUT0": a})
+    with pytest.raises(dlserve.NotFoundError, match="'add_sub' version 7 is not found"):
+        server.model("add_sub", 7).infer(inputs={"INPUT0": a, "INPUT1": a})
+    assert infer_one(server, "add_sub", inputs={"INPUT0": a, "INPUT1": a}).error is None
+
+
+def test_batch_dimension_rules(server):
+    model = server.model("reshape")
+    with pytest.raises(dlserve.InvalidArgumentError, match="batch-size must be <= 4"):
+        model.infer(inputs={"INPUT0": np.zeros((5, 2, 2), dtype=np.int32)})
+    with pytest.raises(dlserve.InvalidArgumentError, match="requires a batch dimension"):
+        model.infer(inputs={"INPUT0": np.zeros((2, 2), dtype=np.int32)})
+
+
+def test_async_infer(server):
+    async def run() -> list[float]:
+        a = np.arange(16, dtype=np.float32)
+        results = []
+        async for response in server.model("add_sub").async_infer(inputs={"INPUT0": a, "INPUT1": a}):
+            results.append(float(np.from_dlpack(response.outputs["OUTPUT0"])[3]))
+        return results
+
+    assert asyncio.run(run()) == [6.0]
+
+
+def test_async_infer_runs_requests_concurrently(server):
+    async def run() -> list[int]:
+        async def one(i: int) -> int:
+            x = np.full(4, i, dtype=np.float32)
+            async for response in server.model("identity").async_infer(inputs={"INPUT0": x}):
+                return int(response.outputs["OUTPUT0"].as_numpy()[0])
+            return -1
+
+        return await asyncio.gather(*(one(i) for i in range(20)))
+
+    assert asyncio.run(run()) == list(range(20))
+
+
+def test_statistics_follow_tritons_definitions(server):
+    before = server.model("add_sub").statistics()["model_stats"][0]
+    a = np.zeros(16, dtype=np.float32)
+    for _ in range(3):
+        infer_one(server, "add_sub", inputs={"INPUT0": a, "INPUT1": a})
+    stats = server.model("add_sub").statistics()["model_stats"][0]
+    assert stats["name"] == "add_sub" and stats["version"] == "1"
+    assert stats["inference_count"] - before["inference_count"] == 3
+    assert stats["execution_count"] - before["execution_count"] == 3
+    inference = stats["inference_stats"]
+    for key in ("success", "queue", "compute_input", "compute_infer", "compute_output"):
+        assert inference[key]["count"] - before["inference_stats"][key]["count"] == 3, key
+        assert inference[key]["ns"] > before["inference_stats"][key]["ns"], key
+    assert stats["last_inference"] > 0
+    assert stats["batch_stats"][0]["batch_size"] == 1
+
+
+def test_failures_are_counted(server):
+    before = server.model("faulty").statistics()["model_stats"][0]["inference_stats"]["fail"]["count"]
+    with pytest.raises(dlserve.InternalError):
+        infer_one(server, "faulty", inputs={"INPUT0": np.ones(1, dtype=np.float32)}, parameters={"mode": "raise"})
+    after = server.model("faulty").statistics()["model_stats"][0]["inference_stats"]["fail"]["count"]
+    assert after == before + 1
+
+
+def test_model_config_and_metadata(server):
+    config = server.model("add_sub").config()
+    assert config["name"] == "add_sub" and config["input"][0]["dims"] == [16]
+    meta = server.model("reshape").metadata()
+    assert meta == {
+        "name": "reshape",
+        "versions": ["1"],
+        "platform": "python",
+        "inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [-1, 2, 2]}],
+        "outputs": [
+            {"name": "OUTPUT0", "datatype": "INT32", "shape": [-1, 2, 2]},
+            {"name": "SEEN_SHAPE", "datatype": "INT64", "shape": [-1, 2]},
+        ],
+    }
+    assert server.model("reshape").batch_properties() is dlserve.ModelBatchFlag.FIRST_DIM
+    assert server.model("add_sub").batch_properties() is dlserve.ModelBatchFlag.UNKNOWN
+    assert server.model("add_sub").transaction_properties() is dlserve.ModelTxnPropertyFlag.ONE_TO_ONE
