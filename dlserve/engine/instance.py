@@ -114,11 +114,13 @@ class ModelInstance:
                 Kind.INIT, {"model_file": str(self.model.model_file), "args": self.initialize_args()}
             )
         except TritonError as exc:
+            if isinstance(exc, UnavailableError):  # the worker died during initialize
+                await worker.wait_exited()
+                reason = worker.exit_description
+            else:
+                reason = exc.message
             await worker.stop(timeout=5.0, finalize=False)
-            raise InternalError(
-                f"failed to initialize model instance '{self.name}': "
-                + (worker.exit_description or exc.message)
-            ) from None
+            raise InternalError(f"failed to initialize model instance '{self.name}': {reason}") from None
         self._started_at = time.monotonic()
         self._set_state(InstanceState.READY)
 

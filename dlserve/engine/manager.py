@@ -40,9 +40,10 @@ class ModelEntry:
     fingerprint: Any = None
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
 
-    def latest_ready(self) -> ModelVersion | None:
-        ready = [v for v in self.versions.values() if v.ready]
-        return max(ready, key=lambda v: v.version) if ready else None
+    def latest_loaded(self) -> ModelVersion | None:
+        """The highest loaded version, even if its instances are restarting right now."""
+        loaded = [v for v in self.versions.values() if v.state == "READY"]
+        return max(loaded, key=lambda v: v.version) if loaded else None
 
 
 class ModelManager:
@@ -70,7 +71,7 @@ class ModelManager:
         if entry is None or (not entry.versions and entry.error):
             raise NotFoundError(f"Request for unknown model: '{name}' is not found")
         if version is None or version < 0:
-            found = entry.latest_ready()
+            found = entry.latest_loaded()
             if found is None:
                 raise NotFoundError(f"Request for unknown model: '{name}' has no available versions")
             return found
@@ -107,11 +108,12 @@ class ModelManager:
                 continue
             for version in sorted(entry.versions):
                 model = entry.versions[version]
-                state = "READY" if model.ready else model.state
+                state, reason = model.state, model.reason
+                if state == "READY" and not model.ready:
+                    state, reason = "UNAVAILABLE", model.unready_reason()
                 if ready_only and state != "READY":
                     continue
                 row = {"name": name, "version": str(version), "state": state}
-                reason = model.reason or ("no ready instance" if state != "READY" and model.state == "READY" else "")
                 if reason:
                     row["reason"] = reason
                 rows.append(row)

@@ -74,6 +74,11 @@ class ModelVersion:
     def ready(self) -> bool:
         return self.state == "READY" and any(instance.ready for instance in self.instances)
 
+    def unready_reason(self) -> str:
+        """Why a loaded version has no ready instance (workers died, restarting)."""
+        reasons = "; ".join(i.last_error for i in self.instances if i.last_error)
+        return "no ready instance" + (f": {reasons}" if reasons else "")
+
     def batch_size_of(self, request: Request) -> int:
         if self.config.max_batch_size <= 0 or not request.inputs:
             return 1

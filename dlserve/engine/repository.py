@@ -77,12 +77,14 @@ def select_versions(policy: mc.ModelVersionPolicy, available: list[int]) -> list
 def defines_auto_complete(model_file: Path) -> bool:
     """Whether ``TritonPythonModel`` defines ``auto_complete_config``, read without importing.
 
-    Saves a throwaway worker process for the (common) models that do not.
+    Saves a throwaway worker process for the (common) models that do not. A file
+    that does not parse, or has no such class, is left for the instance's worker
+    to report, after the config has been checked.
     """
     try:
         tree = ast.parse(model_file.read_text())
     except (OSError, SyntaxError, ValueError):
-        return True  # let the worker report the real problem
+        return False
     for node in tree.body:
         if isinstance(node, ast.ClassDef) and node.name == "TritonPythonModel":
             return any(
@@ -90,7 +92,7 @@ def defines_auto_complete(model_file: Path) -> bool:
                 and item.name == "auto_complete_config"
                 for item in node.body
             )
-    return True
+    return False
 
 
 class Repository:

@@ -53,10 +53,9 @@ class Scheduler:
         self.dispatch()
 
     def _unavailable(self) -> UnavailableError:
-        reasons = "; ".join(i.last_error for i in self.instances if i.last_error)
+        model = self.model
         return UnavailableError(
-            f"model '{self.model.name}' version {self.model.version} has no ready instance"
-            + (f": {reasons}" if reasons else "")
+            f"model '{model.name}' version {model.version} has {model.unready_reason()}"
         )
 
     def dispatch(self) -> None:

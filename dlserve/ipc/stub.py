@@ -67,12 +67,12 @@ def load_module(model_file: str) -> ModuleType:
             sys.path.insert(0, path)
     spec = importlib.util.spec_from_file_location("model", model_file)
     if spec is None or spec.loader is None:
-        raise ImportError(f"cannot import {model_file}")
+        raise ModelFailure(f"cannot import {model_file}")
     module = importlib.util.module_from_spec(spec)
     sys.modules["model"] = module
     spec.loader.exec_module(module)
     if not hasattr(module, "TritonPythonModel"):
-        raise ImportError(f"{model_file} does not define class TritonPythonModel")
+        raise ModelFailure(f"{model_file} does not define class TritonPythonModel")
     return module
 
 

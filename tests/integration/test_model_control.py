@@ -1,0 +1,361 @@
+"""Model control modes, load/unload (with config overrides and uploaded files),
+version policies, auto-complete, bad repositories, logging and finalize."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import dlserve
+from dlserve import ModelControlMode
+
+from ..conftest import MODELS
+
+X1 = np.ones(1, dtype=np.float32)
+ADD_SUB_PY = (MODELS / "add_sub" / "1" / "model.py").read_text()
+
+
+def rows(server: dlserve.Server) -> dict[str, dict]:
+    return {f"{name}:{version}": {"state": m.state, "reason": m.reason} for (name, version), m in server.models().items()}
+
+
+def version_of(server: dlserve.Server, version: int = -1) -> int:
+    response = list(server.model("versioned", version).infer(inputs={"INPUT0": X1}))[0]
+    return int(response.outputs["VERSION"].as_numpy()[0])
+
+
+def test_explicit_mode_load_and_unload(servers, make_repo):
+    server = servers.start(make_repo("add_sub", "identity"), model_control_mode=ModelControlMode.EXPLICIT)
+    assert rows(server) == {
+        "add_sub:-1": {"state": None, "reason": None},
+        "identity:-1": {"state": None, "reason": None},
+    }
+    assert not server.model("add_sub").ready()
+    server.load("add_sub")
+    assert server.model("add_sub").ready()
+    a = np.ones(16, dtype=np.float32)
+    assert list(server.model("add_sub").infer(inputs={"INPUT0": a, "INPUT1": a}))[0].error is None
+    server.unload("add_sub")
+    assert not server.model("add_sub").ready()
+    with pytest.raises(dlserve.NotFoundError):
+        server.model("add_sub").infer(inputs={"INPUT0": a, "INPUT1": a})
+    server.load("add_sub")  # a second load works
+    assert server.model("add_sub").ready()
+    with pytest.raises(dlserve.NotFoundError, match="failed to load 'nope'"):
+        server.load("nope")
+
+
+def test_startup_models_and_star(servers, make_repo):
+    repo = make_repo("add_sub", "identity")
+    server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT, startup_models=["identity"])
+    assert server.model("identity").ready() and not server.model("add_sub").ready()
+    everything = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT, startup_models=["*"])
+    assert everything.model("identity").ready() and everything.model("add_sub").ready()
+
+
+def test_load_unload_refused_outside_explicit_mode(servers, make_repo):
+    server = servers.start(make_repo("identity"))
+    for call in (lambda: server.load("identity"), lambda: server.unload("identity")):
+        with pytest.raises(dlserve.UnavailableError, match="explicit model load / unload is not allowed"):
+            call()
+
+
+def test_load_with_config_override(servers, make_repo):
+    server = servers.start(make_repo("identity"), model_control_mode=ModelControlMode.EXPLICIT)
+    config = json.dumps(
+        {
+            "backend": "python",
+            "max_batch_size": 8,
+            "input": [{"name": "INPUT0", "data_type": "TYPE_FP32", "dims": [-1]}],
+            "output": [{"name": "OUTPUT0", "data_type": "TYPE_FP32", "dims": [-1]}],
+            "instance_group": [{"count": 2, "kind": "KIND_CPU"}],
+        }
+    )
+    server.load("identity", {"config": config})
+    loaded = server.model("identity").config()
+    assert loaded["max_batch_size"] == 8
+    assert loaded["instance_group"][0]["count"] == 2
+    assert len(server.engine.model("identity").instances) == 2
+    batch = np.arange(6, dtype=np.float32).reshape(2, 3)
+    out = list(server.model("identity").infer(inputs={"INPUT0": batch}))[0].outputs["OUTPUT0"]
+    np.testing.assert_array_equal(out.as_numpy(), batch)
+
+
+def test_load_from_uploaded_files(servers, make_repo):
+    repo = make_repo("identity")
+    server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT)
+    config = (MODELS / "add_sub" / "config.pbtxt").read_text()
+    json_config = json.dumps(
+        {
+            "backend": "python",
+            "input": [
+                {"name": "INPUT0", "data_type": "TYPE_FP32", "dims": [16]},
+                {"name": "INPUT1", "data_type": "TYPE_FP32", "dims": [16]},
+            ],
+            "output": [
+                {"name": "OUTPUT0", "data_type": "TYPE_FP32", "dims": [16]},
+                {"name": "OUTPUT1", "data_type": "TYPE_FP32", "dims": [16]},
+            ],
+        }
+    )
+    assert "INPUT0" in config
+    server.load("uploaded", {"config": json_config, "file:1/model.py": ADD_SUB_PY.encode()})
+    a = np.full(16, 3.0, dtype=np.float32)
+    response = list(server.model("uploaded").infer(inputs={"INPUT0": a, "INPUT1": a}))[0]
+    np.testing.assert_array_equal(response.outputs["OUTPUT0"].as_numpy(), a * 2)
+    assert not (repo / "uploaded").exists(), "uploads must not be written into the repository"
+
+
+@pytest.mark.parametrize("path", ["../escape.py", "1/../../escape.py", "/etc/evil.py", ""])
+def test_uploaded_files_cannot_escape_the_model_folder(servers, make_repo, tmp_path, path):
+    server = servers.start(make_repo("identity"), model_control_mode=ModelControlMode.EXPLICIT)
+    config = json.dumps({"backend": "python"})
+    with pytest.raises(dlserve.InvalidArgumentError, match="escapes the model folder"):
+        server.load("evil", {"config": config, f"file:{path}": b"print('pwned')"})
+    assert not Path("/etc/evil.py").exists()
+
+
+def test_files_without_config_are_rejected(servers, make_repo):
+    server = servers.start(make_repo("identity"), model_control_mode=ModelControlMode.EXPLICIT)
+    with pytest.raises(dlserve.InvalidArgumentError, match="need a 'config' parameter"):
+        server.load("x", {"file:1/model.py": b""})
+    with pytest.raises(dlserve.InvalidArgumentError, match="unknown parameter 'bogus'"):
+        server.load("identity", {"bogus": "1"})
+
+
+def test_failed_reload_keeps_the_old_version_serving(servers, make_repo):
+    repo = make_repo("identity")
+    server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT, startup_models=["identity"])
+    broken = json.dumps({"backend": "python", "max_batch_size": -3})
+    with pytest.raises(dlserve.InvalidArgumentError, match="max_batch_size must be >= 0"):
+        server.load("identity", {"config": broken})
+    assert server.model("identity").ready()
+    out = list(server.model("identity").infer(inputs={"INPUT0": X1}))[0]
+    assert out.error is None
+
+
+def test_version_policies(servers, make_repo):
+    repo = make_repo("versioned")
+    server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT, startup_models=["versioned"])
+    assert version_of(server) == 3  # latest { num_versions: 1 } is the default
+    with pytest.raises(dlserve.NotFoundError, match="version 1 is not found"):
+        version_of(server, 1)
+    base = (repo / "versioned" / "config.pbtxt").read_text()
+
+    def reload(policy: str) -> None:
+        (repo / "versioned" / "config.pbtxt").write_text(base + f"version_policy: {policy}\n")
+        server.load("versioned")
+
+    reload("{ all { } }")
+    assert [version_of(server, v) for v in (1, 2, 3)] == [1, 2, 3]
+    assert version_of(server) == 3
+    reload("{ specific { versions: [ 1, 3 ] } }")
+    assert version_of(server, 1) == 1 and version_of(server, 3) == 3
+    with pytest.raises(dlserve.NotFoundError):
+        version_of(server, 2)
+    reload("{ latest { num_versions: 2 } }")
+    assert server.model("versioned").metadata()["versions"] == ["2", "3"]
+
+
+def test_auto_complete_fills_the_config(servers, make_repo):
+    server = servers.start(make_repo("auto_complete"))
+    config = server.model("auto_complete").config()
+    assert config["max_batch_size"] == 4
+    assert [i["name"] for i in config["input"]] == ["INPUT0", "INPUT1"]
+    assert config["input"][1]["optional"] is True
+    assert config["dynamic_batching"]["preferred_batch_size"] == [4]
+    assert config["instance_group"][0]["name"] == "auto_complete"
+    x = np.ones((2, 4), dtype=np.float32)
+    out = list(server.model("auto_complete").infer(inputs={"INPUT0": x, "INPUT1": x}))[0]
+    np.testing.assert_array_equal(out.outputs["OUTPUT0"].as_numpy(), x * 2)
+
+
+def test_auto_complete_disabled(servers, make_repo):
+    server = servers.start(make_repo("auto_complete"), strict_model_config=True, exit_on_error=False)
+    config = server.model("auto_complete").config()
+    assert config["input"] == [] and config["max_batch_size"] == 0
+
+
+def test_auto_complete_errors_are_reported(servers, make_repo):
+    bad = (MODELS / "auto_complete" / "1" / "model.py").read_text().replace(
+        "set_max_batch_size(4)", "set_max_batch_size(2)"
+    )
+    repo = make_repo(
+        extra={
+            "bad_auto": {
+                "config.pbtxt": 'backend: "python"\nmax_batch_size: 8\n',
+                "1/model.py": bad,
+            }
+        }
+    )
+    with pytest.raises(dlserve.InternalError, match="auto_complete_config of model 'bad_auto' failed.*max_batch_size"):
+        servers.start(repo)
+
+
+def test_exit_on_error(servers, make_repo):
+    repo = make_repo("identity", "init_fail")
+    with pytest.raises(dlserve.InternalError, match="cannot initialize: weights file is missing"):
+        servers.start(repo)
+    lenient = servers.start(repo, exit_on_error=False)
+    assert lenient.model("identity").ready() and not lenient.model("init_fail").ready()
+    assert not lenient.ready()  # strict readiness
+    entry = lenient.models()[("init_fail", -1)]
+    assert entry.state == "UNAVAILABLE" and "cannot initialize" in entry.reason
+    relaxed = servers.start(repo, exit_on_error=False, strict_readiness=False)
+    assert relaxed.ready()
+
+
+@pytest.mark.parametrize(
+    "files,message",
+    [
+        ({"config.pbtxt": "backend: \"python\"\ninput [ { name: ", "1/model.py": ""}, "config.pbtxt"),
+        ({"config.pbtxt": 'name: "other"\nbackend: "python"\n', "1/model.py": ""}, "must match the model's folder name"),
+        ({"config.pbtxt": 'backend: "onnxruntime"\n', "1/model.py": ""}, "Python-backend models only"),
+        ({"config.pbtxt": 'backend: "python"\n', "abc/model.py": ""}, "no version folder holds 'model.py'"),
+        ({"config.pbtxt": 'backend: "python"\ninstance_group [ { kind: KIND_GPU } ]\n', "1/model.py": ""}, "KIND_GPU but no CUDA GPU"),
+        ({"config.pbtxt": 'backend: "python"\n', "1/model.py": "class Nope: pass\n"}, "does not define class TritonPythonModel"),
+        ({"config.pbtxt": 'backend: "python"\n', "1/model.py": "import not_a_module_anywhere\n"}, "ModuleNotFoundError"),
+        (
+            {
+                "config.pbtxt": 'backend: "python"\n',
+                "1/model.py": "import os\nclass TritonPythonModel:\n    def initialize(self, args):\n        os._exit(7)\n",
+            },
+            "worker process for 'bad_0' exited with code 7",
+        ),
+    ],
+)
+def test_bad_models_fail_to_load_with_a_clear_reason(servers, make_repo, files, message):
+    repo = make_repo("identity", extra={"bad": files})
+    server = servers.start(repo, exit_on_error=False)
+    assert server.model("identity").ready()
+    entry = server.models()[("bad", -1)]
+    assert entry.state == "UNAVAILABLE"
+    assert message in entry.reason
+
+
+def test_kind_auto_falls_back_to_cpu(servers, make_repo):
+    repo = make_repo(
+        extra={
+            "auto_kind": {
+                "config.pbtxt": (MODELS / "identity" / "config.pbtxt").read_text()
+                + "instance_group [ { kind: KIND_AUTO count: 1 } ]\n",
+                "1/model.py": (MODELS / "identity" / "1" / "model.py").read_text(),
+            }
+        }
+    )
+    server = servers.start(repo)
+    assert server.model("auto_kind").config()["instance_group"][0]["kind"] == "KIND_CPU"
+
+
+def test_poll_mode_picks_up_new_changed_and_removed_models(servers, make_repo):
+    repo = make_repo("identity")
+    server = servers.start(repo, model_control_mode=ModelControlMode.POLL, repository_poll_secs=3600)
+    assert server.model("identity").ready()
+    (repo / "add_sub").mkdir()
+    (repo / "add_sub" / "config.pbtxt").write_text((MODELS / "add_sub" / "config.pbtxt").read_text())
+    (repo / "add_sub" / "1").mkdir()
+    (repo / "add_sub" / "1" / "model.py").write_text(ADD_SUB_PY)
+    server.poll_model_repository()
+    assert server.model("add_sub").ready()
+    # change: add_sub now multiplies
+    time.sleep(0.01)
+    (repo / "add_sub" / "1" / "model.py").write_text(ADD_SUB_PY.replace("(a + b)", "(a * b)"))
+    server.poll_model_repository()
+    a = np.full(16, 3.0, dtype=np.float32)
+    out = list(server.model("add_sub").infer(inputs={"INPUT0": a, "INPUT1": a}))[0]
+    assert out.outputs["OUTPUT0"].as_numpy()[0] == 9.0
+    import shutil
+
+    shutil.rmtree(repo / "identity")
+    server.poll_model_repository()
+    assert not server.model("identity").ready()
+    with pytest.raises(dlserve.UnavailableError):
+        server.load("identity")
+
+
+def test_multiple_instances_share_the_load(servers, make_repo):
+    server = servers.start(make_repo("multi_instance"))
+    seen: set[str] = set()
+    pids: set[int] = set()
+    lock = threading.Lock()
+
+    def one() -> None:
+        response = list(server.model("multi_instance").infer(inputs={"INPUT0": X1}))[0]
+        with lock:
+            seen.add(response.outputs["INSTANCE"].to_bytes_array()[0].decode())
+            pids.add(int(response.outputs["PID"].as_numpy()[0]))
+
+    threads = [threading.Thread(target=one) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen == {"multi_instance_0_0", "multi_instance_0_1"}
+    assert len(pids) == 2
+
+
+def test_unload_waits_for_in_flight_requests(servers, make_repo):
+    server = servers.start(make_repo("faulty"), model_control_mode=ModelControlMode.EXPLICIT, startup_models=["faulty"])
+    results: list[object] = []
+
+    def slow() -> None:
+        results.extend(server.model("faulty").infer(inputs={"INPUT0": X1}, parameters={"mode": "sleep:0.5"}))
+
+    thread = threading.Thread(target=slow)
+    thread.start()
+    time.sleep(0.2)
+    server.unload("faulty")
+    thread.join()
+    assert results and results[0].error is None  # finished, not cut off
+
+
+def test_model_logs_reach_the_server_log(servers, make_repo, caplog):
+    server = servers.start(make_repo("logger"), log_verbose=1)
+    with caplog.at_level(logging.DEBUG, logger="dlserve.model.logger"):
+        list(server.model("logger").infer(inputs={"INPUT0": X1}))
+        deadline = time.monotonic() + 5
+        while len([r for r in caplog.records if r.name == "dlserve.model.logger"]) < 5:
+            assert time.monotonic() < deadline, caplog.records
+            time.sleep(0.02)
+    by_message = {r.getMessage(): r.levelno for r in caplog.records if r.name == "dlserve.model.logger"}
+    assert by_message["info message"] == logging.INFO
+    assert by_message["warning message"] == logging.WARNING
+    assert by_message["error message"] == logging.ERROR
+    assert by_message["verbose message"] == logging.DEBUG
+    assert by_message["explicit level message"] == logging.ERROR
+
+
+def test_stop_runs_finalize(servers, make_repo, tmp_path):
+    marker = tmp_path / "finalized.txt"
+    model = f"""
+class TritonPythonModel:
+    def execute(self, requests):
+        return []
+
+    def finalize(self):
+        open({str(marker)!r}, "w").write("done")
+"""
+    repo = make_repo(extra={"final": {"config.pbtxt": 'backend: "python"\n', "1/model.py": model}})
+    server = servers.start(repo)
+    servers.stop(server)
+    assert marker.read_text() == "done"
+
+
+def test_server_start_twice_and_calls_before_start(make_repo):
+    server = dlserve.Server(model_repository=str(make_repo("identity")))
+    with pytest.raises(dlserve.InvalidArgumentError, match="Server not started"):
+        server.ready()
+    server.start()
+    try:
+        with pytest.raises(dlserve.InvalidArgumentError, match="Server already started"):
+            server.start()
+    finally:
+        server.stop()
+    with pytest.raises(dlserve.InvalidArgumentError):
+        dlserve.Server(model_repository="/definitely/not/here").start()

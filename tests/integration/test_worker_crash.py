@@ -1,0 +1,131 @@
+"""A worker that dies fails its in-flight requests at once, is restarted with
+backoff, and leaves nothing behind: no segment in /dev/shm, no process."""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import dlserve
+
+from ..conftest import pid_alive
+
+X = np.ones(4, dtype=np.float32)
+
+
+def wait_until(predicate, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.05)
+
+
+def worker_pid(server: dlserve.Server) -> int:
+    response = list(server.model("faulty").infer(inputs={"INPUT0": X}))[0]
+    return int(response.outputs["PID"].as_numpy()[0])
+
+
+def worker_segments(server: dlserve.Server) -> list[str]:
+    return glob.glob(f"/dev/shm/{server.engine.segment_prefix}_w*")
+
+
+@pytest.fixture
+def server(servers, make_repo):
+    srv = servers.start(make_repo("faulty"))
+    assert srv.model("faulty").ready()
+    return srv
+
+
+@pytest.mark.parametrize(
+    "mode,reason",
+    [
+        ("kill", "was killed by SIGKILL"),
+        ("exit", "exited with code 3"),
+        ("segv", "was killed by SIGSEGV"),
+    ],
+)
+def test_worker_death_during_execute(server, mode, reason):
+    old_pid = worker_pid(server)
+    old_segments = worker_segments(server)
+    assert old_segments, "a running worker owns an arena segment"
+
+    with pytest.raises(dlserve.InternalError) as info:
+        list(server.model("faulty").infer(inputs={"INPUT0": X}, parameters={"mode": mode}))
+    message = str(info.value)
+    assert "faulty_0" in message and reason in message and "restarted" in message
+
+    # The dead worker is gone, with its shared memory; a new one takes over.
+    assert not pid_alive(old_pid)
+    wait_until(lambda: server.model("faulty").ready())
+    new_pid = worker_pid(server)
+    assert new_pid != old_pid
+    assert not any(os.path.exists(path) for path in old_segments)
+    assert server.ready()
+
+
+def test_kill_from_outside_fails_the_request_at_once(server):
+    pid = worker_pid(server)
+    errors: list[BaseException] = []
+
+    def slow_request() -> None:
+        try:
+            list(server.model("faulty").infer(inputs={"INPUT0": X}, parameters={"mode": "sleep:30"}))
+        except BaseException as exc:  # noqa: BLE001 - collected for the assertion below
+            errors.append(exc)
+
+    thread = threading.Thread(target=slow_request)
+    thread.start()
+    time.sleep(0.5)  # the request is now executing in the worker
+    started = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+    assert time.monotonic() - started < 5, "the error must not wait for the 30 s execute"
+    assert isinstance(errors[0], dlserve.InternalError)
+    assert "was killed by SIGKILL" in str(errors[0])
+    wait_until(lambda: server.model("faulty").ready())
+
+
+def test_readiness_reflects_a_dead_worker_and_requests_fail_fast(server):
+    pid = worker_pid(server)
+    instance = server.engine.model("faulty").instances[0]
+    # Keep the worker from coming back for a while so the "down" window is observable.
+    original = instance.start
+
+    release = threading.Event()
+
+    async def delayed_start() -> None:
+        while not release.is_set():
+            await asyncio.sleep(0.05)
+        await original()
+
+    instance.start = delayed_start  # type: ignore[method-assign]
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: not server.model("faulty").ready())
+    assert not server.ready()  # strict readiness: every model must be ready
+    entry = server.models()[("faulty", 1)]
+    assert entry.state == "UNAVAILABLE" and "was killed by SIGKILL" in entry.reason
+    with pytest.raises(dlserve.UnavailableError, match="has no ready instance"):
+        list(server.model("faulty").infer(inputs={"INPUT0": X}))
+    release.set()
+    wait_until(lambda: server.model("faulty").ready())
+    assert worker_pid(server) != pid
+    assert instance.restarts == 1
+
+
+def test_repeated_crashes_back_off_and_recover(server):
+    for _ in range(3):
+        with pytest.raises(dlserve.InternalError):
+            list(server.model("faulty").infer(inputs={"INPUT0": X}, parameters={"mode": "exit"}))
+        wait_until(lambda: server.model("faulty").ready())
+    instance = server.engine.model("faulty").instances[0]
+    assert instance.restarts == 3
+    assert worker_pid(server) > 0
