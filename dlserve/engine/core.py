@@ -161,11 +161,13 @@ class Engine:
             raise NotFoundError(f"Request for unknown model: '{name}' is not found")
         return self.manager.get(name, version)
 
-    def model_ready(self, name: str, version: int = -1) -> bool:
+    async def model_ready(self, name: str, version: int = -1) -> bool:
+        """Whether the version serves requests; asks the model's ``is_ready()`` if it has one."""
         try:
-            return self.model(name, version).ready
+            model = self.model(name, version)
         except NotFoundError:
             return False
+        return await model.check_ready()
 
     def model_metadata(self, name: str, version: int = -1) -> dict[str, Any]:
         model = self.model(name, version)

@@ -28,6 +28,7 @@ log = logging.getLogger("dlserve.engine")
 
 RESTART_BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 STABLE_AFTER_S = 30.0  # an instance up this long gets its backoff reset
+IS_READY_TIMEOUT_S = 5.0  # as Triton: a model's is_ready() that takes longer means "not ready"
 
 
 class InstanceState(enum.Enum):
@@ -67,6 +68,8 @@ class ModelInstance:
         self.busy = False
         self.restarts = 0
         self._restart_streak = 0  # restarts since the instance last stayed up a while
+        self.has_is_ready = False  # the model defines is_ready()
+        self._readiness: asyncio.Future[bool] | None = None
         self.last_error = ""
         self._on_state_change = on_state_change
         self._worker: WorkerProcess | None = None
@@ -110,7 +113,7 @@ class ModelInstance:
         self._worker = worker
         await worker.start()
         try:
-            await worker.request(
+            reply = await worker.request(
                 Kind.INIT, {"model_file": str(self.model.model_file), "args": self.initialize_args()}
             )
         except TritonError as exc:
@@ -121,6 +124,7 @@ class ModelInstance:
                 reason = exc.message
             await worker.stop(timeout=5.0, finalize=False)
             raise InternalError(f"failed to initialize model instance '{self.name}': {reason}") from None
+        self.has_is_ready = bool(reply["has_is_ready"])
         self._started_at = time.monotonic()
         self._set_state(InstanceState.READY)
 
@@ -158,6 +162,27 @@ class ModelInstance:
             except TritonError as exc:
                 self.last_error = exc.message
                 log.error("restart of '%s' failed: %s", self.name, exc.message)
+
+    async def check_ready(self, timeout: float = IS_READY_TIMEOUT_S) -> bool:
+        """Ready, and the model's own ``is_ready()`` (if any) says so within ``timeout``.
+
+        Concurrent checks share one call into the worker, as in Triton.
+        """
+        if not self.ready or self._worker is None:
+            return False
+        if not self.has_is_ready:
+            return True
+        if self._readiness is None or self._readiness.done():
+            self._readiness = asyncio.ensure_future(self._ask_ready(timeout))
+        return await asyncio.shield(self._readiness)
+
+    async def _ask_ready(self, timeout: float) -> bool:
+        assert self._worker is not None
+        try:
+            return bool(await asyncio.wait_for(self._worker.request(Kind.IS_READY, None), timeout))
+        except (asyncio.TimeoutError, TritonError) as exc:
+            log.warning("is_ready() of '%s' failed: %s", self.name, exc or "timed out")
+            return False
 
     async def execute(self, requests: list[Request]) -> tuple[list[Response], Timings]:
         worker = self._worker

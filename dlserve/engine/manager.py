@@ -37,6 +37,7 @@ class ModelEntry:
     name: str
     versions: dict[int, ModelVersion] = dataclasses.field(default_factory=dict)
     error: str = ""  # why the model (as a whole) is not loaded
+    loading: bool = False
     fingerprint: Any = None
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
 
@@ -98,6 +99,10 @@ class ModelManager:
             names |= {n for n, s in self.repository.scan().items() if isinstance(s, ModelSource)}
         for name in sorted(names):
             entry = self.models.get(name)
+            if entry is not None and entry.loading and not entry.versions:
+                if not ready_only:
+                    rows.append({"name": name, "state": "LOADING"})
+                continue
             if entry is None or (not entry.versions and not entry.error):
                 if not ready_only:
                     rows.append({"name": name})
@@ -181,12 +186,15 @@ class ModelManager:
         source = self.repository.write_upload(name, files) if files else self.repository.find(name)
         entry = self.models.setdefault(name, ModelEntry(name))
         async with entry.lock:
+            entry.loading = True
             try:
                 loaded = await self._load_versions(source, config)
             except TritonError as exc:
                 if not entry.versions:
                     entry.error = exc.message
                 raise
+            finally:
+                entry.loading = False
             old = entry.versions
             entry.versions, entry.error = loaded, ""
             entry.fingerprint = source.fingerprint()
@@ -272,11 +280,10 @@ class ModelManager:
 
     async def _unload_entry(self, entry: ModelEntry) -> None:
         async with entry.lock:
-            versions, entry.versions = entry.versions, {}
             entry.error = ""
-            await asyncio.gather(*(v.unload(self.exit_timeout) for v in versions.values()))
-            for version in versions.values():
-                version.state, version.reason = "UNAVAILABLE", "unloaded"
+            # The versions stay listed (as UNLOADING) until their requests have drained.
+            await asyncio.gather(*(v.unload(self.exit_timeout) for v in entry.versions.values()))
+            entry.versions = {}
 
     # -- poll mode --------------------------------------------------------------------
     async def poll(self) -> None:

@@ -74,6 +74,13 @@ class ModelVersion:
     def ready(self) -> bool:
         return self.state == "READY" and any(instance.ready for instance in self.instances)
 
+    async def check_ready(self) -> bool:
+        """Readiness including the models' own ``is_ready()`` hooks."""
+        if not self.ready:
+            return False
+        checks = await asyncio.gather(*(i.check_ready() for i in self.instances if i.ready))
+        return any(checks)
+
     def unready_reason(self) -> str:
         """Why a loaded version has no ready instance (workers died, restarting)."""
         reasons = "; ".join(i.last_error for i in self.instances if i.last_error)

@@ -369,7 +369,7 @@ class Model:
         return self._server._call_sync(lambda e: e.model_config(self.name, self.version))
 
     def ready(self) -> bool:
-        return self._server._call_sync(lambda e: e.model_ready(self.name, self.version))
+        return self._server._run(self._server.engine.model_ready(self.name, self.version))
 
     def statistics(self) -> dict[str, Any]:
         return self._server._call_sync(lambda e: e.statistics(self.name, self.version))

@@ -107,7 +107,7 @@ class Worker:
                     self.channel.reply(corr, self._execute(body))
                 elif kind == Kind.INIT:
                     self._initialize(body)
-                    self.channel.reply(corr, None)
+                    self.channel.reply(corr, {"has_is_ready": hasattr(self.model, "is_ready")})
                 elif kind == Kind.AUTO_COMPLETE:
                     self.channel.reply(corr, self._auto_complete(body))
                 elif kind == Kind.IS_READY:

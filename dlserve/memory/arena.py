@@ -2,8 +2,9 @@
 
 An :class:`Arena` belongs to one process, the only one that allocates or frees its
 blocks (so no lock ever crosses a process). Blocks are 64-byte aligned because jax
-copies unaligned buffers. Growth adds a segment and never remaps a live one; an
-extra segment that empties out is unlinked again, so a burst does not pin memory.
+copies unaligned buffers. Growth adds a segment and never remaps a live one; extra
+segments that empty out are unlinked again (one is kept as a spare), so a burst
+does not pin memory for good.
 
 :class:`MemorySpace` is the process's view of all segments, its own and its peers',
 and of every live *anchor* (see :mod:`dlserve.memory.shm`). It answers "does this
@@ -254,11 +255,18 @@ class Arena:
             heap.give(offset, size)
             if self._closed or heap.used or heap is self._heaps[0]:
                 return
-            self._heaps.remove(heap)
-        self.space.forget_segment(heap.segment.name)
-        heap.segment.unlink()
+            # Keep one empty extra segment as a spare, so a steady stream of requests
+            # that overflow the first segment does not create (and page-fault) a new
+            # one each time; a second empty one retires the smaller of the two.
+            empty = [h for h in self._heaps[1:] if not h.used]
+            if len(empty) < 2:
+                return
+            victim = min(empty, key=lambda h: h.segment.size)
+            self._heaps.remove(victim)
+        self.space.forget_segment(victim.segment.name)
+        victim.segment.unlink()
         if self.on_retire is not None:
-            self.on_retire(heap.segment.name)
+            self.on_retire(victim.segment.name)
 
     @property
     def bytes_in_use(self) -> int:

@@ -359,3 +359,52 @@ def test_server_start_twice_and_calls_before_start(make_repo):
         server.stop()
     with pytest.raises(dlserve.InvalidArgumentError):
         dlserve.Server(model_repository="/definitely/not/here").start()
+
+
+def test_model_is_ready_hook_drives_model_readiness(servers, make_repo, tmp_path):
+    flag = tmp_path / "ready"
+    flag.write_text("yes")
+    model = f"""
+import pathlib
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return []
+
+    def is_ready(self):
+        return pathlib.Path({str(flag)!r}).read_text() == "yes"
+"""
+    repo = make_repo(extra={"probe": {"config.pbtxt": 'backend: "python"\n', "1/model.py": model}})
+    server = servers.start(repo)
+    assert server.model("probe").ready()
+    flag.write_text("no")
+    assert not server.model("probe").ready()
+    flag.write_text("yes")
+    assert server.model("probe").ready()
+
+
+def test_index_shows_loading_while_a_model_loads(servers, make_repo):
+    slow = """
+import time
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        time.sleep(1.0)
+
+    def execute(self, requests):
+        return []
+"""
+    repo = make_repo(extra={"slow": {"config.pbtxt": 'backend: "python"\n', "1/model.py": slow}})
+    server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT)
+    thread = threading.Thread(target=server.load, args=("slow",))
+    thread.start()
+    deadline = time.monotonic() + 5
+    states = set()
+    while thread.is_alive() and time.monotonic() < deadline:
+        states.update(m.state for (name, _), m in server.models().items() if name == "slow")
+        time.sleep(0.05)
+    thread.join()
+    assert "LOADING" in states
+    assert server.models()[("slow", 1)].state == "READY"

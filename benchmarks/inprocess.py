@@ -1,0 +1,217 @@
+"""In-process benchmark: the engine and its worker processes, no network.
+
+    python benchmarks/inprocess.py [--requests N] [--triton]
+
+(a) add_sub through a worker: latency of the sync in-process API (caller thread ->
+    engine loop -> worker -> back), of a request submitted on the engine's own loop
+    (what a frontend pays: no thread hops), and the server's own ``compute_infer``
+    (the execute round trip to the worker, as Triton's statistics define it).
+    With ``--triton``, real Triton (tools/reference-servers) serves the same model in
+    the same run and its ``compute_infer`` is read from its statistics endpoint.
+(b) identity on 1 MiB and 64 MiB FP32: a tensor already in shared memory
+    (``server.allocate_tensor``), a numpy input (copied once into shared memory),
+    and a memcpy of the same size for scale.
+
+Prints a markdown report. Timings are wall-clock on whatever machine runs it; the
+ratios are what carry over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import dlserve
+from dlserve.engine.request import Request
+
+ROOT = Path(__file__).resolve().parents[1]
+REFERENCE = ROOT.parent / "shared" / "tools" / "reference-servers"
+MODELS = ROOT / "tests" / "models"
+
+
+def pct(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+
+
+def summary_us(samples_ns: list[int]) -> tuple[float, float]:
+    us = [s / 1000 for s in samples_ns]
+    return pct(us, 50), pct(us, 99)
+
+
+def bench_sync(model: dlserve.Model, inputs: dict[str, Any], n: int) -> list[int]:
+    for _ in range(min(200, n)):
+        list(model.infer(inputs=inputs))
+    samples = []
+    for _ in range(n):
+        t0 = time.perf_counter_ns()
+        for _response in model.infer(inputs=inputs):
+            pass
+        samples.append(time.perf_counter_ns() - t0)
+    return samples
+
+
+def bench_on_loop(server: dlserve.Server, name: str, inputs: dict[str, Any], n: int) -> list[int]:
+    """Submit on the engine's loop, as the HTTP/gRPC frontends do."""
+    engine = server.engine
+    tensors = {k: engine.share(dlserve.Tensor.from_object(v)) for k, v in inputs.items()}
+
+    async def run() -> list[int]:
+        loop = asyncio.get_running_loop()
+        samples = []
+        for i in range(n + 200):
+            done = loop.create_future()
+            request = Request(model_name=name, inputs=dict(tensors), on_response=done.set_result)
+            t0 = time.perf_counter_ns()
+            engine.submit(request)
+            response = await done
+            if response.error is not None:
+                raise response.error
+            if i >= 200:
+                samples.append(time.perf_counter_ns() - t0)
+        return samples
+
+    return asyncio.run_coroutine_threadsafe(run(), server.loop).result()
+
+
+def compute_infer_us(stats: dict[str, Any]) -> float:
+    entry = stats["model_stats"][0]["inference_stats"]["compute_infer"]
+    return entry["ns"] / max(entry["count"], 1) / 1000
+
+
+def triton_add_sub(n: int) -> dict[str, float] | None:
+    """Serve add_sub from real Triton and read its per-request compute_infer."""
+    anchors = Path(os.environ.get("ANCHORS", "/tmp/anchors"))
+    start = REFERENCE / "start_triton.sh"
+    if not start.exists() or not (anchors / "venv-triton").exists():
+        print(f"(Triton skipped: run {REFERENCE}/setup.sh first)", file=sys.stderr)
+        return None
+    repo = Path(tempfile.mkdtemp(prefix="triton-repo-"))
+    shutil.copytree(MODELS / "add_sub", repo / "add_sub")
+    env = dict(os.environ, MODELS=str(repo))
+    # cwd elsewhere: the checkout holds our triton_python_backend_utils.py shim, which
+    # Triton's own stub would otherwise import instead of its real module.
+    subprocess.run(
+        ["bash", str(start), str(anchors)], check=True, env=env, capture_output=True, cwd=repo
+    )
+    try:
+        import tritonclient.http as http
+
+        client = http.InferenceServerClient("127.0.0.1:18000")
+        a = np.arange(16, dtype=np.float32)
+        inputs = []
+        for name in ("INPUT0", "INPUT1"):
+            tensor = http.InferInput(name, [16], "FP32")
+            tensor.set_data_from_numpy(a)
+            inputs.append(tensor)
+        for _ in range(200):
+            client.infer("add_sub", inputs)
+        before = client.get_inference_statistics("add_sub")
+        for _ in range(n):
+            client.infer("add_sub", inputs)
+        after = client.get_inference_statistics("add_sub")
+
+        def infer_ns(stats: dict[str, Any]) -> tuple[int, int]:
+            entry = stats["model_stats"][0]["inference_stats"]["compute_infer"]
+            return int(entry["ns"]), int(entry["count"])
+
+        (ns0, c0), (ns1, c1) = infer_ns(before), infer_ns(after)
+        return {"compute_infer_us": (ns1 - ns0) / max(c1 - c0, 1) / 1000}
+    finally:
+        pid = int((anchors / "triton.pid").read_text())
+        subprocess.run(["kill", str(pid)], check=False)
+        for _ in range(100):
+            if not Path(f"/proc/{pid}").exists():
+                break
+            time.sleep(0.1)
+        shutil.rmtree(repo, ignore_errors=True)
+
+
+def bench_identity(server: dlserve.Server, nbytes: int, n: int) -> dict[str, float]:
+    count = nbytes // 4
+    model = server.model("identity")
+    shared = server.allocate_tensor([count], np.float32)
+    np.from_dlpack(shared)[:] = np.random.default_rng(0).random(count, dtype=np.float32)
+    out = list(model.infer(inputs={"INPUT0": shared}))[0].outputs["OUTPUT0"]
+    assert out.data_ptr == shared.data_ptr, "shared-memory input should come back by reference"
+    del out
+    plain = np.random.default_rng(1).random(count, dtype=np.float32)
+    src, dst = np.ones(count, np.float32), np.zeros(count, np.float32)
+    memcpy = []
+    for _ in range(n):
+        t0 = time.perf_counter_ns()
+        np.copyto(dst, src)
+        memcpy.append(time.perf_counter_ns() - t0)
+    return {
+        "shared_p50": summary_us(bench_sync(model, {"INPUT0": shared}, n))[0],
+        "numpy_p50": summary_us(bench_sync(model, {"INPUT0": plain}, n))[0],
+        "memcpy_p50": summary_us(memcpy)[0],
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=3000)
+    parser.add_argument("--triton", action="store_true", help="measure real Triton in the same run")
+    args = parser.parse_args()
+
+    repo = Path(tempfile.mkdtemp(prefix="dlserve-bench-"))
+    for name in ("add_sub", "identity"):
+        shutil.copytree(MODELS / name, repo / name)
+    options = dlserve.Options(model_repository=str(repo), shm_arena_size=160 << 20)
+    server = dlserve.Server(options).start(wait_until_ready=True)
+    try:
+        a = np.arange(16, dtype=np.float32)
+        add_sub = {"INPUT0": a, "INPUT1": a}
+        model = server.model("add_sub")
+        sync = summary_us(bench_sync(model, add_sub, args.requests))
+        before = compute_infer_us(model.statistics())
+        on_loop = summary_us(bench_on_loop(server, "add_sub", add_sub, args.requests))
+        infer_avg = compute_infer_us(model.statistics())
+        del before
+        identity = {
+            size: bench_identity(server, size, n)
+            for size, n in ((1 << 20, 500), (64 << 20, 30))
+        }
+    finally:
+        server.stop()
+        shutil.rmtree(repo, ignore_errors=True)
+    triton = triton_add_sub(args.requests) if args.triton else None
+
+    print("### (a) add_sub through a worker process\n")
+    print("| path | p50 µs | p99 µs |")
+    print("|---|---:|---:|")
+    print(f"| in-process sync API (caller thread → engine loop → worker → back) | {sync[0]:.0f} | {sync[1]:.0f} |")
+    print(f"| submitted on the engine loop (what a frontend pays) | {on_loop[0]:.0f} | {on_loop[1]:.0f} |")
+    print()
+    print("| server statistic | dlserve | Triton | dlserve / Triton |")
+    print("|---|---:|---:|---:|")
+    t = triton["compute_infer_us"] if triton else None
+    ratio = f"{infer_avg / t:.2f}" if t else "—"
+    print(f"| compute_infer, avg µs/request | {infer_avg:.0f} | {t:.0f} | {ratio} |" if t else f"| compute_infer, avg µs/request | {infer_avg:.0f} | — | — |")
+    print("\n### (b) identity, FP32\n")
+    print("| size | in shared memory p50 ms | numpy input (1 copy) p50 ms | memcpy p50 ms |")
+    print("|---|---:|---:|---:|")
+    for size, r in identity.items():
+        print(
+            f"| {size >> 20} MiB | {r['shared_p50'] / 1000:.3f} | {r['numpy_p50'] / 1000:.3f} | {r['memcpy_p50'] / 1000:.3f} |"
+        )
+    print("\n" + json.dumps({"add_sub": {"sync": sync, "on_loop": on_loop, "compute_infer_avg_us": infer_avg, "triton": triton}, "identity": identity}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
