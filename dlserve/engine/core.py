@@ -227,7 +227,7 @@ class Engine:
     def prepare(self, request: Request) -> ModelVersion:
         """Resolve and validate a request. Safe from any thread; raises on bad input."""
         model = self.model(request.model_name, request.model_version)
-        validate_request(request, model.config)
+        validate_request(request, model.signature)
         return model
 
     def submit(self, request: Request) -> None:

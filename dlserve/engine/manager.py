@@ -18,7 +18,13 @@ from typing import Any
 from dlserve.engine import config as cfg
 from dlserve.engine.model import EngineResources, ModelVersion
 from dlserve.engine.proto import model_config_pb2 as mc
-from dlserve.engine.repository import ModelSource, Repository, defines_auto_complete, select_versions
+from dlserve.engine.repository import (
+    ModelSource,
+    Repository,
+    check_model_name,
+    defines_auto_complete,
+    select_versions,
+)
 from dlserve.errors import InvalidArgumentError, NotFoundError, TritonError, UnavailableError
 from dlserve.ipc.protocol import Kind
 from dlserve.ipc.supervisor import WorkerProcess
@@ -179,6 +185,7 @@ class ModelManager:
         """Load (or reload) ``name``; ``config`` overrides config.pbtxt (JSON)."""
         if not _internal:
             self._check_api_allowed()
+        check_model_name(name)
         if files and config is None:
             raise InvalidArgumentError(
                 f"load of model '{name}': file: parameters need a 'config' parameter too"

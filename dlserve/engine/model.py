@@ -11,7 +11,7 @@ from typing import Any
 from dlserve.engine import config as cfg
 from dlserve.engine.instance import ModelInstance
 from dlserve.engine.proto import model_config_pb2 as mc
-from dlserve.engine.request import Request
+from dlserve.engine.request import Request, Signature
 from dlserve.engine.scheduler import Scheduler
 from dlserve.engine.statistics import ModelStatistics
 from dlserve.memory.arena import Arena, MemorySpace
@@ -61,9 +61,10 @@ class ModelVersion:
         self.model_file = model_dir / str(version) / config.default_model_filename
         self.resources = resources
         self.stats = ModelStatistics(name, version)
-        self.output_names = tuple(output.name for output in config.output)
+        self.signature = Signature(config)
+        self.output_names = self.signature.output_names
         self.output_reshape: dict[str, list[int]] = {
-            o.name: list(o.dims) for o in config.output if o.HasField("reshape")
+            o.name: list(o.dims) for o in self.signature.outputs.values() if o.reshape is not None
         }
         self.instances: list[ModelInstance] = []
         self.scheduler = Scheduler(self)

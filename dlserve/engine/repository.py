@@ -95,6 +95,14 @@ def defines_auto_complete(model_file: Path) -> bool:
     return False
 
 
+def check_model_name(name: str) -> None:
+    """Reject names that are not a single, plain folder name (Triton's rules)."""
+    if not name or name != name.strip():
+        raise InvalidArgumentError(f"model name '{name}' is empty or has surrounding spaces")
+    if "/" in name or "\\" in name or name in (".", "..") or "\0" in name:
+        raise InvalidArgumentError(f"model name '{name}' must not contain path traversal characters")
+
+
 class Repository:
     """One or more repository folders, searched in order; model names must be unique."""
 
@@ -142,6 +150,7 @@ class Repository:
 
     def write_upload(self, name: str, files: dict[str, bytes]) -> ModelSource:
         """Materialise ``file:<path>`` load parameters as a private model folder."""
+        check_model_name(name)
         root = self._uploads / name
         if root.exists():
             shutil.rmtree(root)

@@ -68,76 +68,106 @@ def _shape_text(shape: Any) -> str:
     return "[" + ",".join(str(int(d)) for d in shape) + "]"
 
 
-def _matches(dims: list[int], shape: tuple[int, ...]) -> bool:
+def _matches(dims: tuple[int, ...], shape: tuple[int, ...]) -> bool:
     return len(dims) == len(shape) and all(d == -1 or d == s for d, s in zip(dims, shape))
 
 
-def validate_request(request: Request, config: mc.ModelConfig) -> int:
-    """Check inputs and requested outputs against ``config``; returns the batch size.
+@dataclasses.dataclass(frozen=True, slots=True)
+class TensorSpec:
+    name: str
+    data_type: DataType
+    dims: tuple[int, ...]
+    optional: bool
+    reshape: tuple[int, ...] | None
+
+
+def _spec(tensor: Any) -> TensorSpec:
+    return TensorSpec(
+        tensor.name,
+        DataType(tensor.data_type),
+        tuple(tensor.dims),
+        bool(getattr(tensor, "optional", False)),
+        tuple(tensor.reshape.shape) if tensor.HasField("reshape") else None,
+    )
+
+
+class Signature:
+    """What requests are checked against, read out of the config once per load."""
+
+    def __init__(self, config: mc.ModelConfig) -> None:
+        self.name = config.name
+        self.max_batch_size = config.max_batch_size
+        self.inputs = {t.name: _spec(t) for t in config.input}
+        self.required = tuple(name for name, spec in self.inputs.items() if not spec.optional)
+        self.outputs = {t.name: _spec(t) for t in config.output}
+        self.output_names = tuple(self.outputs)
+
+
+def validate_request(request: Request, signature: Signature) -> int:
+    """Check inputs and requested outputs against the model; returns the batch size.
 
     Applies the config's ``reshape`` to inputs, as Triton does before ``execute``.
     """
-    name = config.name
-    label = request.label
-    batching = config.max_batch_size > 0
-    declared = {tensor.name: tensor for tensor in config.input}
-    for input_name in request.inputs:
+    name = signature.name
+    batching = signature.max_batch_size > 0
+    declared = signature.inputs
+    inputs = request.inputs
+    for input_name in inputs:
         if input_name not in declared:
             raise InvalidArgumentError(
-                f"{label}unexpected inference input '{input_name}' for model '{name}'"
+                f"{request.label}unexpected inference input '{input_name}' for model '{name}'"
             )
-    missing = [t.name for t in config.input if not t.optional and t.name not in request.inputs]
+    missing = [n for n in signature.required if n not in inputs]
     if missing:
-        got = ",".join(f"'{n}'" for n in request.inputs)
+        got = ",".join(f"'{n}'" for n in inputs)
         raise InvalidArgumentError(
-            f"{label}expected {len(config.input)} inputs but got {len(request.inputs)} inputs "
+            f"{request.label}expected {len(declared)} inputs but got {len(inputs)} inputs "
             f"for model '{name}'. Got input(s) [{got}], but missing required input(s) "
             f"[{','.join(repr(m) for m in missing)}]. Please provide all required input(s)."
         )
     batch_size = 0
-    for input_name, tensor in request.inputs.items():
+    for input_name, tensor in inputs.items():
         spec = declared[input_name]
-        expected_type = DataType(spec.data_type)
-        if tensor.data_type is not expected_type:
+        if tensor.data_type is not spec.data_type:
             raise InvalidArgumentError(
-                f"{label}inference input '{input_name}' data-type is '{tensor.data_type.wire_name}', "
-                f"but model '{name}' expects '{expected_type.wire_name}'"
+                f"{request.label}inference input '{input_name}' data-type is "
+                f"'{tensor.data_type.wire_name}', but model '{name}' expects "
+                f"'{spec.data_type.wire_name}'"
             )
-        dims = list(spec.dims)
         shape = tensor.shape
         if batching:
-            if len(shape) == 0 or not _matches(dims, shape[1:]):
+            if len(shape) == 0 or not _matches(spec.dims, shape[1:]):
                 raise InvalidArgumentError(
-                    f"{label}unexpected shape for input '{input_name}' for model '{name}'. "
-                    f"Expected {_shape_text([-1] + dims)}, got {_shape_text(shape)}. NOTE: Setting a "
-                    "non-zero max_batch_size in the model config requires a batch dimension to be "
-                    "prepended to each input shape. If you want to specify the full shape including "
-                    "the batch dim in your input dims config, try setting max_batch_size to zero. "
-                    "See the model configuration docs for more info on max_batch_size."
+                    f"{request.label}unexpected shape for input '{input_name}' for model '{name}'. "
+                    f"Expected {_shape_text((-1,) + spec.dims)}, got {_shape_text(shape)}. NOTE: "
+                    "Setting a non-zero max_batch_size in the model config requires a batch "
+                    "dimension to be prepended to each input shape. If you want to specify the full "
+                    "shape including the batch dim in your input dims config, try setting "
+                    "max_batch_size to zero. See the model configuration docs for more info on "
+                    "max_batch_size."
                 )
             if batch_size and shape[0] != batch_size:
                 raise InvalidArgumentError(
-                    f"{label}inputs of model '{name}' disagree on the batch size "
+                    f"{request.label}inputs of model '{name}' disagree on the batch size "
                     f"({batch_size} and {shape[0]})"
                 )
             batch_size = shape[0]
-            if shape[0] > config.max_batch_size:
+            if batch_size > signature.max_batch_size:
                 raise InvalidArgumentError(
-                    f"{label}inference request batch-size must be <= {config.max_batch_size} "
-                    f"for '{name}'"
+                    f"{request.label}inference request batch-size must be <= "
+                    f"{signature.max_batch_size} for '{name}'"
                 )
-        elif not _matches(dims, shape):
+        elif not _matches(spec.dims, shape):
             raise InvalidArgumentError(
-                f"{label}unexpected shape for input '{input_name}' for model '{name}'. "
-                f"Expected {_shape_text(dims)}, got {_shape_text(shape)}. "
+                f"{request.label}unexpected shape for input '{input_name}' for model '{name}'. "
+                f"Expected {_shape_text(spec.dims)}, got {_shape_text(shape)}. "
             )
-        _check_byte_size(label, input_name, tensor)
-        if spec.HasField("reshape"):
-            request.inputs[input_name] = reshaped(tensor, list(spec.reshape.shape), batching)
+        _check_byte_size(request.label, input_name, tensor)
+        if spec.reshape is not None:
+            inputs[input_name] = reshaped(tensor, list(spec.reshape), batching)
     if request.requested_outputs is not None:
-        known = {tensor.name for tensor in config.output}
         for output_name in request.requested_outputs:
-            if output_name not in known:
+            if output_name not in signature.outputs:
                 raise InvalidArgumentError(
                     f"unexpected inference output '{output_name}' for model '{name}'"
                 )

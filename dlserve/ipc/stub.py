@@ -173,16 +173,15 @@ class Worker:
 
     def _request(self, wire: tuple[Any, ...]) -> InferenceRequest:
         request_id, correlation_id, flags, timeout, parameters, requested, inputs = wire
-        request = InferenceRequest(
-            inputs=[Tensor(*self.peer.import_(tensor)) for tensor in inputs],
-            requested_output_names=requested,
-            request_id=request_id,
-            correlation_id=correlation_id,
-            flags=flags,
-            timeout=timeout,
-            parameters=parameters,
+        return InferenceRequest._received(
+            [Tensor(*self.peer.import_(tensor)) for tensor in inputs],
+            requested,
+            request_id,
+            correlation_id,
+            flags,
+            timeout,
+            parameters,
         )
-        return request
 
     def _failure(self, message: str) -> str:
         return f"Failed to process the request(s) for model '{self.instance_name}', message: {message}"

@@ -60,6 +60,32 @@ class InferenceRequest:
         self._preferred_memory = preferred_memory
         self._trace = trace
 
+    @classmethod
+    def _received(
+        cls,
+        inputs: list[Tensor],
+        requested_output_names: Any,
+        request_id: str,
+        correlation_id: int | str,
+        flags: int,
+        timeout: int,
+        parameters: str,
+    ) -> InferenceRequest:
+        """A request handed to ``execute``: built from trusted values, no re-validation."""
+        request = cls.__new__(cls)
+        request._model_name = ""
+        request._model_version = -1
+        request._inputs = inputs
+        request._requested = list(requested_output_names)
+        request._request_id = request_id
+        request._correlation_id = correlation_id
+        request._flags = flags
+        request._timeout = timeout
+        request._parameters = parameters
+        request._preferred_memory = None
+        request._trace = None
+        return request
+
     def inputs(self) -> list[Tensor]:
         return self._inputs
 

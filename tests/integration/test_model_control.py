@@ -121,6 +121,16 @@ def test_uploaded_files_cannot_escape_the_model_folder(servers, make_repo, tmp_p
     assert not Path("/etc/evil.py").exists()
 
 
+@pytest.mark.parametrize("name", ["../escape", "a/b", "..", " x", "x ", ""])
+def test_model_names_with_path_characters_are_rejected(servers, make_repo, name):
+    server = servers.start(make_repo("identity"), model_control_mode=ModelControlMode.EXPLICIT)
+    config = json.dumps({"backend": "python"})
+    with pytest.raises(dlserve.InvalidArgumentError, match="model name"):
+        server.load(name, {"config": config, "file:1/model.py": b"x = 1"})
+    with pytest.raises(dlserve.InvalidArgumentError, match="model name"):
+        server.load(name)
+
+
 def test_files_without_config_are_rejected(servers, make_repo):
     server = servers.start(make_repo("identity"), model_control_mode=ModelControlMode.EXPLICIT)
     with pytest.raises(dlserve.InvalidArgumentError, match="need a 'config' parameter"):
