@@ -39,8 +39,10 @@ def parse_json(data: str | dict[str, Any], model_name: str) -> mc.ModelConfig:
     """Parse a config in Triton's JSON form (load overrides, auto-complete results)."""
     try:
         obj = json.loads(data) if isinstance(data, str) else data
+        if not isinstance(obj, dict):
+            raise ValueError("the config must be a JSON object")
         return json_format.ParseDict(obj, mc.ModelConfig())
-    except (ValueError, json_format.ParseError) as exc:
+    except (ValueError, TypeError, json_format.ParseError) as exc:
         raise InvalidArgumentError(f"failed to load model '{model_name}': invalid config: {exc}") from None
 
 
@@ -53,8 +55,34 @@ _INT64_TYPES = {
 }
 
 
+def _as_triton_json(desc: descriptor.Descriptor, obj: dict[str, Any]) -> dict[str, Any]:
+    """protobuf's JSON writes 64-bit ints as strings and set fields before unset ones;
+    Triton writes numbers, in the order the fields are declared."""
+    _int64_as_numbers(desc, obj)
+    return _declaration_order(desc, obj)
+
+
+def _declaration_order(desc: descriptor.Descriptor, obj: dict[str, Any]) -> dict[str, Any]:
+    ordered: dict[str, Any] = {}
+    for field in desc.fields:
+        if field.name not in obj:
+            continue
+        value = obj[field.name]
+        message = field.message_type
+        if message is not None and message.GetOptions().map_entry:
+            value_type = message.fields_by_name["value"].message_type
+            if value_type is not None:
+                value = {k: _declaration_order(value_type, v) for k, v in value.items()}
+        elif message is not None:
+            if field.is_repeated:
+                value = [_declaration_order(message, item) for item in value]
+            else:
+                value = _declaration_order(message, value)
+        ordered[field.name] = value
+    return ordered
+
+
 def _int64_as_numbers(desc: descriptor.Descriptor, obj: dict[str, Any]) -> None:
-    """protobuf's JSON writes 64-bit ints as strings; Triton writes numbers."""
     for field in desc.fields:
         if field.name not in obj:
             continue
@@ -82,8 +110,7 @@ def message_to_json(message: Message) -> dict[str, Any]:
         preserving_proto_field_name=True,
         always_print_fields_with_no_presence=True,
     )
-    _int64_as_numbers(message.DESCRIPTOR, obj)
-    return obj
+    return _as_triton_json(message.DESCRIPTOR, obj)
 
 
 def to_json(config: mc.ModelConfig) -> dict[str, Any]:

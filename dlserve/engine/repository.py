@@ -42,7 +42,7 @@ class ModelSource:
         for entry in sorted(os.scandir(self.path), key=lambda e: e.name):
             if not entry.is_dir():
                 continue
-            if entry.name.isdigit():
+            if entry.name.isascii() and entry.name.isdigit():
                 versions.append(int(entry.name))
             else:
                 log.warning(

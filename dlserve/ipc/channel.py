@@ -87,8 +87,8 @@ class ServerChannel(asyncio.Protocol):
     def _write(self, frame: bytes) -> None:
         if self._transport is None:
             raise UnavailableError("worker process is not running")
-        if self._releases:
-            frame = encode(Kind.RELEASE, 0, self._take_releases()) + frame
+        if self._releases:  # after the message: it may still refer to what is released
+            frame += encode(Kind.RELEASE, 0, self._take_releases())
         self._transport.write(frame)
 
     def request(self, kind: int, body: Any) -> asyncio.Future[Any]:
@@ -163,8 +163,8 @@ class WorkerChannel:
     def send(self, kind: int, corr: int, body: Any) -> None:
         frame = encode(kind, corr, body)
         with self._send_lock:
-            if self._releases:
-                frame = encode(Kind.RELEASE, 0, self._take_releases()) + frame
+            if self._releases:  # after the reply: its outputs may refer to released memory
+                frame += encode(Kind.RELEASE, 0, self._take_releases())
             self._sock.sendall(frame)
 
     def queue_releases(self, leases: list[int]) -> None:

@@ -11,11 +11,14 @@ from dlserve.pb_utils.tensor import Tensor
 
 
 def _parameters_json(parameters: dict[str, Any] | str | None, what: str) -> str:
+    """Parameters as the JSON object string Triton carries: str keys, bool/int/str values."""
     if parameters is None:
         return "{}"
     if isinstance(parameters, str):
-        json.loads(parameters)  # must be valid JSON
-        return parameters
+        try:
+            parameters = json.loads(parameters)
+        except ValueError:
+            raise TritonModelException(f"{what} parameters are not valid JSON") from None
     if not isinstance(parameters, dict):
         raise TritonModelException(f"{what} parameters must be a dict, got {type(parameters).__name__}")
     for key, value in parameters.items():
@@ -59,6 +62,7 @@ class InferenceRequest:
         self._parameters = _parameters_json(parameters, "request")
         self._preferred_memory = preferred_memory
         self._trace = trace
+        self._destinations: dict[str, Any] | None = None
 
     @classmethod
     def _received(
@@ -70,9 +74,15 @@ class InferenceRequest:
         flags: int,
         timeout: int,
         parameters: str,
+        destinations: dict[str, Any] | None = None,
     ) -> InferenceRequest:
-        """A request handed to ``execute``: built from trusted values, no re-validation."""
+        """A request handed to ``execute``: built from trusted values, no re-validation.
+
+        ``destinations`` maps output names to the shared memory (uint8 arrays) the
+        server wants them written into.
+        """
         request = cls.__new__(cls)
+        request._destinations = destinations
         request._model_name = ""
         request._model_version = -1
         request._inputs = inputs

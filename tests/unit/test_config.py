@@ -1,0 +1,531 @@
+"""dlserve.engine.config (config.pbtxt: parse, complete, validate, Triton's JSON) and
+dlserve.engine.repository (version folders, version policy, uploads)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+from dlserve.engine import config as cfg
+from dlserve.engine.proto import model_config_pb2 as mc
+from dlserve.engine.repository import (
+    ModelSource,
+    Repository,
+    defines_auto_complete,
+    select_versions,
+)
+from dlserve.errors import InvalidArgumentError, NotFoundError, UnsupportedError
+from dlserve.pb_utils.model_config import ModelConfig as PbModelConfig
+
+REFERENCE = Path(__file__).parent.parent / "data" / "triton_reference"
+PROBE_REPO = REFERENCE / "probe_repo"
+
+
+def parse(text: str, name: str = "m") -> mc.ModelConfig:
+    return cfg.parse_text(text, name)
+
+
+def completed(text: str, name: str = "m", gpu_count: int = 0) -> mc.ModelConfig:
+    config = parse(text, name)
+    cfg.complete(config, name, gpu_count)
+    return config
+
+
+def reference_json(model: str) -> dict:
+    return json.loads((REFERENCE / f"config_{model}.json").read_text())
+
+
+def probe_config(model: str) -> str:
+    return (PROBE_REPO / model / "config.pbtxt").read_text()
+
+
+# -- parse ---------------------------------------------------------------------------------
+
+
+def test_parse_text_of_a_valid_config():
+    config = parse(probe_config("args_probe"), "args_probe")
+    assert config.name == "args_probe"
+    assert config.backend == "python"
+    assert config.max_batch_size == 8
+    assert config.HasField("dynamic_batching")
+    assert [i.name for i in config.input] == ["INPUT0", "OPT_IN"]
+    assert config.input[0].data_type == mc.TYPE_FP32 and list(config.input[0].dims) == [-1]
+    assert config.input[1].optional
+    assert list(config.output[1].reshape.shape) == [4]
+    assert config.instance_group[0].count == 2
+    assert config.instance_group[0].kind == mc.ModelInstanceGroup.KIND_CPU
+    assert config.parameters["key"].string_value == "value"
+
+
+def test_parse_text_of_an_empty_config():
+    config = parse("")
+    assert config == mc.ModelConfig()
+
+
+@pytest.mark.parametrize(
+    "text,where",
+    [
+        ('name: "m" input [ { name: "a" ', "1:"),
+        ('nme: "x"', 'no field named "nme"'),
+        ('max_batch_size: "x"', "Couldn't parse integer"),
+        ("instance_group [ { kind: KIND_WHAT } ]", "KIND_WHAT"),
+        ('input [ { name: "a" }\noutput [ ]', "2:1"),
+    ],
+    ids=["unterminated", "unknown-field", "bad-int", "bad-enum", "line-2"],
+)
+def test_parse_text_syntax_errors_name_the_model(text, where):
+    with pytest.raises(InvalidArgumentError) as info:
+        cfg.parse_text(text, "my_model")
+    message = str(info.value)
+    assert message.startswith("failed to load model 'my_model': config.pbtxt: ")
+    assert where in message
+
+
+def test_parse_json():
+    config = cfg.parse_json('{"name": "m", "max_batch_size": 4, "input": [{"name": "A", "data_type": "TYPE_FP32", "dims": [-1]}]}', "m")
+    assert config.max_batch_size == 4 and list(config.input[0].dims) == [-1]
+    assert cfg.parse_json({"backend": "python"}, "m").backend == "python"
+
+
+@pytest.mark.parametrize("text", ["{", '{"nme": 1}', '{"max_batch_size": "many"}'])
+def test_parse_json_errors_name_the_model(text):
+    with pytest.raises(InvalidArgumentError, match="failed to load model 'm': invalid config: "):
+        cfg.parse_json(text, "m")
+
+
+@pytest.mark.parametrize("text", ["5", "null", "[]"])
+def test_parse_json_rejects_json_that_is_not_an_object(text):
+    with pytest.raises(InvalidArgumentError, match="failed to load model 'm'"):
+        cfg.parse_json(text, "m")
+
+
+# -- complete ------------------------------------------------------------------------------
+
+
+def test_complete_defaults_of_an_empty_config():
+    config = completed("", "empty")
+    assert config.name == "empty"
+    assert config.backend == "python" and config.platform == ""
+    assert config.version_policy.WhichOneof("policy_choice") == "latest"
+    assert config.version_policy.latest.num_versions == 1
+    assert config.default_model_filename == "model.py"
+    assert config.optimization.input_pinned_memory.enable
+    assert config.optimization.output_pinned_memory.enable
+    assert not config.HasField("dynamic_batching")
+    assert len(config.instance_group) == 1
+    group = config.instance_group[0]
+    # An auto-filled group is named after the model alone (Triton: "<model>").
+    assert (group.name, group.count, group.kind) == ("empty", 1, mc.ModelInstanceGroup.KIND_CPU)
+
+
+def test_complete_names_written_groups_by_index():
+    config = completed(
+        'instance_group [ { kind: KIND_CPU }, { name: "mine" count: 3 kind: KIND_CPU }, { count: 2 } ]',
+        "m",
+    )
+    assert [(g.name, g.count, g.kind) for g in config.instance_group] == [
+        ("m_0", 1, mc.ModelInstanceGroup.KIND_CPU),
+        ("mine", 3, mc.ModelInstanceGroup.KIND_CPU),
+        ("m_2", 2, mc.ModelInstanceGroup.KIND_CPU),  # KIND_AUTO without GPUs
+    ]
+
+
+def test_complete_kind_auto_with_gpus():
+    config = completed("instance_group [ { kind: KIND_AUTO }, { kind: KIND_AUTO gpus: [1] } ]", "m", gpu_count=2)
+    assert config.instance_group[0].kind == mc.ModelInstanceGroup.KIND_GPU
+    assert list(config.instance_group[0].gpus) == [0, 1]
+    assert list(config.instance_group[1].gpus) == [1]
+
+
+def test_complete_keeps_what_is_written():
+    config = completed(
+        'name: "m" platform: "" backend: "python" default_model_filename: "other.py" '
+        "version_policy { all { } } optimization { input_pinned_memory { enable: false } }",
+        "m",
+    )
+    assert config.default_model_filename == "other.py"
+    assert config.version_policy.WhichOneof("policy_choice") == "all"
+    assert not config.optimization.input_pinned_memory.enable
+
+
+def test_complete_does_not_set_a_backend_next_to_a_platform():
+    config = completed('platform: "onnxruntime_onnx"', "m")
+    assert config.backend == ""
+
+
+def test_complete_preferred_batch_size():
+    assert list(completed("max_batch_size: 8 dynamic_batching { }").dynamic_batching.preferred_batch_size) == [8]
+    assert list(
+        completed("max_batch_size: 8 dynamic_batching { preferred_batch_size: [2, 4] }").dynamic_batching.preferred_batch_size
+    ) == [2, 4]
+    assert list(completed("max_batch_size: 0 dynamic_batching { }").dynamic_batching.preferred_batch_size) == []
+
+
+# -- Triton's JSON ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", ["add_sub", "args_probe"])
+def test_to_json_equals_tritons_rendering(model):
+    config = completed(probe_config(model), model)
+    cfg.validate(config, model)
+    assert cfg.to_json(config) == reference_json(model)
+
+
+def _run_probe_auto_complete(model: str, config: mc.ModelConfig) -> mc.ModelConfig:
+    """What the server does: the model's auto_complete_config on Triton's JSON of the config."""
+    spec = importlib.util.spec_from_file_location(f"probe_{model}", PROBE_REPO / model / "1" / "model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    result = module.TritonPythonModel.auto_complete_config(PbModelConfig(json.dumps(cfg.to_json(config))))
+    return cfg.parse_json(json.dumps(result.as_dict()), model)
+
+
+@pytest.mark.parametrize("model", ["auto_complete", "auto_complete_noconfig"])
+def test_to_json_after_auto_complete_equals_tritons_rendering(model):
+    # Triton renders these configs *after* auto-complete: max_batch_size 4, the inputs and
+    # outputs the model added (INPUT1 kept optional), dynamic_batching with
+    # preferred_batch_size [4], and the auto-filled instance group named "<model>".
+    # Run the probe model's own auto_complete_config through dlserve's pb_utils.ModelConfig
+    # to get the same starting point; every field then matches, none differs.
+    path = PROBE_REPO / model / "config.pbtxt"
+    config = parse(path.read_text() if path.exists() else "", model)
+    config.name = model
+    if not config.backend:
+        config.backend = "python"
+    config = _run_probe_auto_complete(model, config)
+    cfg.complete(config, model)
+    cfg.validate(config, model)
+    assert cfg.to_json(config) == reference_json(model)
+
+
+@pytest.mark.parametrize("model", ["add_sub", "args_probe"])
+def test_to_json_key_order_is_tritons(model):
+    config = completed(probe_config(model), model)
+    rendered = json.dumps(cfg.to_json(config), separators=(",", ":"))
+    assert rendered == (REFERENCE / f"config_{model}.json").read_text().strip()
+
+
+def test_to_json_writes_int64_as_numbers():
+    config = completed(
+        "max_batch_size: 4 version_policy { specific { versions: [1, 3] } } "
+        'input [ { name: "A" data_type: TYPE_FP32 dims: [ -1, 2 ] } ] '
+        "dynamic_batching { max_queue_delay_microseconds: 100 }"
+    )
+    rendered = cfg.to_json(config)
+    assert rendered["version_policy"] == {"specific": {"versions": [1, 3]}}
+    assert rendered["input"][0]["dims"] == [-1, 2]
+    assert rendered["dynamic_batching"]["max_queue_delay_microseconds"] == 100
+    assert '"dims":[-1,2]' in json.dumps(rendered, separators=(",", ":"))
+    latest = cfg.to_json(completed(""))["version_policy"]["latest"]["num_versions"]
+    assert latest == 1 and type(latest) is int
+
+
+def test_to_json_reshape_only_when_set():
+    rendered = cfg.to_json(completed(probe_config("args_probe"), "args_probe"))
+    assert "reshape" not in rendered["output"][0]
+    assert rendered["output"][1]["reshape"] == {"shape": [4]}
+
+
+# -- validate ------------------------------------------------------------------------------
+
+GOOD = 'name: "m" backend: "python" input [ { name: "A" data_type: TYPE_FP32 dims: [ 4 ] } ] output [ { name: "B" data_type: TYPE_FP32 dims: [ 4 ] } ]'
+
+
+def invalid(text: str, gpu_count: int = 0, name: str = "m") -> str:
+    config = completed(text, name, gpu_count)
+    with pytest.raises((InvalidArgumentError, UnsupportedError)) as info:
+        cfg.validate(config, name, gpu_count)
+    return f"{type(info.value).__name__}: {info.value}"
+
+
+def test_validate_accepts_a_good_config():
+    cfg.validate(completed(GOOD), "m")
+    cfg.validate(completed("instance_group [ { kind: KIND_GPU gpus: [1] } ]", gpu_count=2), "m", 2)
+
+
+def test_validate_name_mismatch():
+    config = completed('name: "other"', "m")
+    with pytest.raises(InvalidArgumentError, match="model 'm': config.pbtxt 'name' is 'other', but it must match the model's folder name"):
+        cfg.validate(config, "m")
+
+
+@pytest.mark.parametrize("text,wanted", [('backend: "onnxruntime"', "onnxruntime"), ('platform: "tensorflow_savedmodel"', "tensorflow_savedmodel"), ('platform: "x" backend: "python"', "x")])
+def test_validate_python_backend_only(text, wanted):
+    message = invalid(text)
+    assert message.startswith("UnsupportedError: model 'm': ")
+    assert "Python-backend models only" in message and f"'{wanted}'" in message
+
+
+def test_validate_negative_max_batch_size():
+    assert invalid("max_batch_size: -1") == "InvalidArgumentError: model 'm': max_batch_size must be >= 0, got -1"
+
+
+@pytest.mark.parametrize("kind", ["input", "output"])
+def test_validate_missing_data_type(kind):
+    message = invalid(f'{kind} [ {{ name: "X" dims: [ 1 ] }} ]')
+    assert message == f"InvalidArgumentError: model 'm', {kind} 'X': data_type must be set"
+
+
+@pytest.mark.parametrize("dims", ["[ 0 ]", "[ 2, -2 ]", "[ -3 ]", "[ 4, 0, 1 ]"])
+@pytest.mark.parametrize("kind", ["input", "output"])
+def test_validate_bad_dims(kind, dims):
+    message = invalid(f'{kind} [ {{ name: "X" data_type: TYPE_INT32 dims: {dims} }} ]')
+    assert message.startswith(f"InvalidArgumentError: model 'm', {kind} 'X': dims must be integers >= 1, or -1")
+
+
+def test_validate_accepts_variable_and_empty_dims():
+    cfg.validate(completed('input [ { name: "X" data_type: TYPE_INT32 dims: [ -1, 3 ] }, { name: "S" data_type: TYPE_INT32 dims: [ ] } ]'), "m")
+
+
+@pytest.mark.parametrize("kind", ["input", "output"])
+def test_validate_duplicate_names(kind):
+    message = invalid(
+        f'{kind} [ {{ name: "X" data_type: TYPE_INT32 dims: [ 1 ] }}, {{ name: "X" data_type: TYPE_FP32 dims: [ 2 ] }} ]'
+    )
+    assert message == f"InvalidArgumentError: model 'm': {kind} 'X' is declared twice"
+
+
+def test_validate_tensor_without_name():
+    assert invalid('input [ { data_type: TYPE_INT32 dims: [ 1 ] } ]') == "InvalidArgumentError: model 'm': every input needs a name"
+
+
+@pytest.mark.parametrize(
+    "dims,shape,why",
+    [
+        ("[ 1, 4 ]", "[ 5 ]", "different number of elements"),
+        ("[ -1, 4 ]", "[ 4 ]", "as many variable (-1) dimensions"),
+        ("[ 2, 3 ]", "[ -1 ]", "as many variable (-1) dimensions"),
+    ],
+)
+def test_validate_bad_reshape(dims, shape, why):
+    message = invalid(f'output [ {{ name: "R" data_type: TYPE_FP32 dims: {dims} reshape: {{ shape: {shape} }} }} ]')
+    assert message.startswith("InvalidArgumentError: model 'm', output 'R': reshape ")
+    assert why in message
+
+
+def test_validate_good_reshapes():
+    cfg.validate(
+        completed(
+            'input [ { name: "A" data_type: TYPE_FP32 dims: [ 1 ] reshape: { shape: [ ] } } ] '
+            'output [ { name: "R" data_type: TYPE_FP32 dims: [ 2, 3 ] reshape: { shape: [ 6 ] } }, '
+            '{ name: "V" data_type: TYPE_FP32 dims: [ -1, 4 ] reshape: { shape: [ 2, -1, 2 ] } } ]'
+        ),
+        "m",
+    )
+
+
+def test_validate_instance_count():
+    message = invalid('instance_group [ { count: -1 kind: KIND_CPU } ]')
+    assert message == "InvalidArgumentError: model 'm', instance_group 'm_0': count must be >= 1, got -1"
+
+
+def test_validate_kind_gpu_without_gpus():
+    message = invalid('instance_group [ { name: "g" kind: KIND_GPU } ]')
+    assert message.startswith("InvalidArgumentError: model 'm', instance_group 'g': kind is KIND_GPU but no CUDA GPU")
+
+
+def test_validate_gpus_that_do_not_exist():
+    message = invalid("instance_group [ { kind: KIND_GPU gpus: [0, 2] } ]", gpu_count=2)
+    assert message == "InvalidArgumentError: model 'm', instance_group 'm_0': gpus [2] do not exist (this machine has 2 GPUs)"
+
+
+def test_validate_kind_cpu_with_gpus():
+    message = invalid("instance_group [ { kind: KIND_CPU gpus: [0] } ]", gpu_count=1)
+    assert message == "InvalidArgumentError: model 'm', instance_group 'm_0': kind KIND_CPU cannot list gpus [0]"
+
+
+@pytest.mark.parametrize("value", ["maybe", "YES", ""])
+def test_validate_force_cpu_only_input_tensors(value):
+    message = invalid(f'parameters {{ key: "FORCE_CPU_ONLY_INPUT_TENSORS" value: {{ string_value: "{value}" }} }}')
+    assert message == (
+        "InvalidArgumentError: model 'm': parameter FORCE_CPU_ONLY_INPUT_TENSORS must be "
+        f"'yes' or 'no', got '{value}'"
+    )
+
+
+@pytest.mark.parametrize("value", ["yes", "no"])
+def test_validate_force_cpu_only_input_tensors_ok(value):
+    cfg.validate(completed(f'parameters {{ key: "FORCE_CPU_ONLY_INPUT_TENSORS" value: {{ string_value: "{value}" }} }}'), "m")
+
+
+def test_validate_execution_env_path_unsupported():
+    message = invalid('parameters { key: "EXECUTION_ENV_PATH" value: { string_value: "/env.tar.gz" } }')
+    assert message.startswith("UnsupportedError: model 'm': parameter EXECUTION_ENV_PATH")
+
+
+def test_validate_decoupled_unsupported_for_now():
+    message = invalid("model_transaction_policy { decoupled: true }")
+    assert message.startswith("UnsupportedError: model 'm': decoupled models")
+    cfg.validate(completed("model_transaction_policy { decoupled: false }"), "m")
+
+
+@pytest.mark.parametrize("block,which", [("sequence_batching { }", "sequence_batching"), ("ensemble_scheduling { }", "ensemble_scheduling")])
+def test_validate_other_schedulers_unsupported_for_now(block, which):
+    assert invalid(block) == f"UnsupportedError: model 'm': {which} is not supported yet"
+
+
+# -- repository: version policy ------------------------------------------------------------
+
+
+def policy(text: str) -> mc.ModelVersionPolicy:
+    return parse(f"version_policy {{ {text} }}").version_policy
+
+
+@pytest.mark.parametrize(
+    "text,available,expected",
+    [
+        ("latest { num_versions: 1 }", [1, 2, 3], [3]),
+        ("latest { num_versions: 2 }", [3, 1, 2], [2, 3]),
+        ("latest { num_versions: 5 }", [1, 2], [1, 2]),
+        ("all { }", [1, 5, 9], [1, 5, 9]),
+        ("specific { versions: [1, 3, 7] }", [1, 2, 3], [1, 3]),
+        ("specific { versions: [7] }", [1, 2, 3], []),
+        ("latest { num_versions: 1 }", [], []),
+    ],
+)
+def test_select_versions(text, available, expected):
+    assert select_versions(policy(text), available) == expected
+
+
+def test_select_versions_without_a_policy_is_latest_one():
+    assert select_versions(mc.ModelVersionPolicy(), [4, 2, 9]) == [9]
+
+
+def test_versions_on_disk_ignores_non_numeric_folders(tmp_path, caplog):
+    for name in ["1", "2", "10", "abc", "1a", "-3", "__pycache__"]:
+        (tmp_path / name).mkdir()
+    (tmp_path / "7").write_text("a file, not a folder")
+    (tmp_path / "config.pbtxt").write_text("")
+    with caplog.at_level(logging.WARNING, logger="dlserve.engine"):
+        assert ModelSource("m", tmp_path).versions_on_disk() == [1, 2, 10]
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    for ignored in ["abc", "1a", "-3", "__pycache__"]:
+        assert f"'{ignored}'" in warned
+
+
+def test_versions_on_disk_ignores_unicode_digit_folders(tmp_path):
+    for name in ["1", "²"]:
+        (tmp_path / name).mkdir()
+    assert ModelSource("m", tmp_path).versions_on_disk() == [1]
+
+
+# -- repository: auto-complete detection ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "source,expected",
+    [
+        ("class TritonPythonModel:\n    @staticmethod\n    def auto_complete_config(c):\n        return c\n", True),
+        ("class TritonPythonModel:\n    async def auto_complete_config(c):\n        return c\n", True),
+        ("class TritonPythonModel:\n    def execute(self, requests):\n        return []\n", False),
+        ("class Other:\n    def auto_complete_config(c):\n        return c\n\nclass TritonPythonModel:\n    pass\n", False),
+        ("def auto_complete_config(c):\n    return c\n\nclass TritonPythonModel:\n    pass\n", False),
+        # Unparseable files and files without the class are left for the instance's
+        # worker to report, after the config has been checked.
+        ("def broken(:\n", False),
+        ("x = 1\n", False),
+    ],
+    ids=["static", "async", "absent", "other-class", "module-level", "syntax-error", "no-class"],
+)
+def test_defines_auto_complete(tmp_path, source, expected):
+    path = tmp_path / "model.py"
+    path.write_text(source)
+    assert defines_auto_complete(path) is expected
+
+
+def test_defines_auto_complete_of_probe_models():
+    assert defines_auto_complete(PROBE_REPO / "auto_complete" / "1" / "model.py")
+    assert not defines_auto_complete(PROBE_REPO / "add_sub" / "1" / "model.py")
+    assert not defines_auto_complete(Path("/nonexistent/model.py"))  # the instance reports it
+
+
+# -- repository: folders and uploads -------------------------------------------------------
+
+
+@pytest.fixture
+def repository(tmp_path):
+    root = tmp_path / "repo"
+    root.mkdir()
+    repo = Repository([root])
+    yield repo
+    repo.close()
+
+
+def test_repository_requires_folders(tmp_path):
+    with pytest.raises(InvalidArgumentError, match="is not a directory"):
+        Repository([tmp_path / "missing"])
+
+
+def test_scan_and_find(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    for path in [a / "m1", a / "dup", b / "dup", b / "m2", a / ".hidden"]:
+        path.mkdir(parents=True)
+    (a / "not_a_model.txt").write_text("")
+    repo = Repository([a, b])
+    try:
+        found = repo.scan()
+        assert sorted(found) == ["dup", "m1", "m2"]
+        assert found["m1"] == ModelSource("m1", a.resolve() / "m1")
+        assert repo.find("m2").path == b.resolve() / "m2"
+        with pytest.raises(InvalidArgumentError, match="'dup' appears in more than one model repository"):
+            repo.find("dup")
+        with pytest.raises(NotFoundError, match="failed to load 'nope'"):
+            repo.find("nope")
+        assert repo.read_config(repo.find("m1")) is None
+        (a / "m1" / "config.pbtxt").write_text('max_batch_size: 3')
+        assert repo.read_config(repo.find("m1")).max_batch_size == 3
+    finally:
+        repo.close()
+
+
+def test_write_upload_writes_the_files(repository):
+    source = repository.write_upload("up", {"config.pbtxt": b'backend: "python"', "1/model.py": b"x = 1\n", "1/sub/data.bin": b"\x00\xff"})
+    assert source.name == "up"
+    assert (source.path / "config.pbtxt").read_bytes() == b'backend: "python"'
+    assert (source.path / "1" / "model.py").read_bytes() == b"x = 1\n"
+    assert (source.path / "1" / "sub" / "data.bin").read_bytes() == b"\x00\xff"
+    assert source.versions_on_disk() == [1]
+    # A second upload of the same model replaces the first.
+    again = repository.write_upload("up", {"2/model.py": b""})
+    assert again.path == source.path
+    assert again.versions_on_disk() == [2]
+    assert not (again.path / "config.pbtxt").exists()
+
+
+@pytest.mark.parametrize("path", ["../x", "../../etc/passwd", "1/../../x", "/etc/passwd", "/tmp/x", "", "."])
+def test_write_upload_rejects_paths_outside_the_model_folder(repository, tmp_path, path):
+    with pytest.raises(InvalidArgumentError, match=r"load of model 'up': file path 'file:.*' escapes the model folder"):
+        repository.write_upload("up", {path: b"evil"})
+    assert not (tmp_path / "x").exists()
+
+
+def test_repository_close_removes_uploads(tmp_path):
+    (tmp_path / "r").mkdir()
+    repo = Repository([tmp_path / "r"])
+    source = repo.write_upload("up", {"1/model.py": b""})
+    assert source.path.exists()
+    repo.close()
+    assert not source.path.exists()
+
+
+@pytest.mark.parametrize("name", ["..", ".", "", " up", "a/b", "a\\b", "x\0"], ids=repr)
+def test_write_upload_rejects_bad_model_names(repository, name):
+    with pytest.raises(InvalidArgumentError, match="model name"):
+        repository.write_upload(name, {"1/model.py": b""})
+
+
+def test_write_upload_model_name_cannot_escape_the_uploads_folder(repository, tmp_path):
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious.txt").write_text("keep me")
+    name = os.path.relpath(victim, repository._uploads)  # "../..../victim"
+    assert name.startswith("..")
+    with pytest.raises(InvalidArgumentError, match="path traversal"):
+        repository.write_upload(name, {"1/model.py": b""})
+    assert (victim / "precious.txt").read_text() == "keep me"
+    assert not (victim / "1").exists()

@@ -1,0 +1,532 @@
+"""dlserve.pb_utils as models see it: ``import triton_python_backend_utils as pb_utils``.
+
+Compared with what the real Triton 2.51 stub exposes (tests/data/triton_reference/
+pb_utils_introspection.json) and with tritonclient.utils on the same data.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+import tritonclient.utils as tc
+
+import dlserve.pb_utils
+import triton_python_backend_utils as pb_utils
+from dlserve.memory.dtypes import DataType
+
+INTROSPECTION = json.loads(
+    (Path(__file__).parent.parent / "data" / "triton_reference" / "pb_utils_introspection.json").read_text()
+)
+
+# Triton attributes intentionally not provided yet:
+#   load_model, unload_model, is_model_ready, get_model_dir  - model control from a model (BLS issue)
+#   MetricFamily                                             - custom metrics (metrics issue)
+#   PreferredMemory                                          - BLS preferred output memory (BLS issue)
+#   json, np, struct                                         - modules Triton's file happens to import;
+#                                                              not part of the API
+NOT_YET = {
+    "load_model",
+    "unload_model",
+    "is_model_ready",
+    "get_model_dir",
+    "MetricFamily",
+    "PreferredMemory",
+    "json",
+    "np",
+    "struct",
+}
+
+
+# -- the module ---------------------------------------------------------------------------
+
+
+def test_triton_module_name_is_dlservs_pb_utils():
+    assert pb_utils.Tensor is dlserve.pb_utils.Tensor
+    assert pb_utils.InferenceResponse is dlserve.pb_utils.InferenceResponse
+    assert set(pb_utils.__all__) == set(dlserve.pb_utils.__all__)
+    for name in pb_utils.__all__:
+        assert getattr(pb_utils, name) is getattr(dlserve.pb_utils, name)
+
+
+@pytest.mark.parametrize("name", sorted(set(INTROSPECTION["pb_utils_attrs"]) - NOT_YET))
+def test_tritons_attributes_exist(name):
+    assert hasattr(pb_utils, name), f"pb_utils.{name} is missing"
+
+
+def test_not_yet_list_only_names_triton_has():
+    assert NOT_YET <= set(INTROSPECTION["pb_utils_attrs"])
+
+
+def test_triton_error_codes_match():
+    for name, value in INTROSPECTION["TritonError_codes"].items():
+        assert getattr(pb_utils.TritonError, name) == value
+    for name in INTROSPECTION["TritonError_attrs"]:
+        assert hasattr(pb_utils.TritonError, name)
+
+
+def test_tensor_and_response_attributes_match():
+    for name in INTROSPECTION["Tensor_attrs"]:
+        assert hasattr(pb_utils.Tensor, name), f"Tensor.{name}"
+    for name in INTROSPECTION["InferenceResponse_attrs"]:
+        assert hasattr(pb_utils.InferenceResponse, name), f"InferenceResponse.{name}"
+
+
+def test_inference_response_signature_starts_like_tritons():
+    # Triton 2.51: InferenceResponse(output_tensors=[], error=None); dlserve adds parameters.
+    params = list(inspect.signature(pb_utils.InferenceResponse).parameters)
+    assert params[:2] == ["output_tensors", "error"]
+    response = pb_utils.InferenceResponse()
+    assert response.output_tensors() == [] and not response.has_error() and response.error() is None
+
+
+def test_constants():
+    assert pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START == 1
+    assert pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END == 2
+    assert pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL == 1
+    assert pb_utils.TRITONSERVER_REQUEST_RELEASE_ALL == 1
+    assert pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE == 2
+    assert pb_utils.TRITONSERVER_MEMORY_CPU == 0
+    assert pb_utils.TRITONSERVER_MEMORY_GPU == 2
+
+
+# -- TritonError ---------------------------------------------------------------------------
+
+
+def test_triton_error_message_and_default_code():
+    err = pb_utils.TritonError("custom")
+    assert err.message() == "custom"
+    assert err.code() == INTROSPECTION["TritonError_default_code"] == pb_utils.TritonError.INTERNAL == 1
+
+
+@pytest.mark.parametrize("name", sorted(INTROSPECTION["TritonError_codes"]))
+def test_triton_error_with_each_code(name):
+    code = getattr(pb_utils.TritonError, name)
+    err = pb_utils.TritonError("m", code)
+    assert err.code() == code and type(err.code()) is int
+    assert pb_utils.TritonError("m", code=code).code() == code
+
+
+def test_triton_error_rejects_unknown_codes():
+    with pytest.raises(ValueError):
+        pb_utils.TritonError("m", 99)
+
+
+def test_triton_model_exception_is_an_exception():
+    with pytest.raises(pb_utils.TritonModelException, match="boom"):
+        raise pb_utils.TritonModelException("boom")
+
+
+# -- Tensor --------------------------------------------------------------------------------
+
+
+def test_tensor_basics_and_zero_copy():
+    arr = np.arange(6, dtype=np.float32).reshape(2, 3)
+    t = pb_utils.Tensor("OUT", arr)
+    assert t.name() == "OUT"
+    assert t.shape() == [2, 3]
+    assert t.triton_dtype() == 11
+    assert t.is_cpu()
+    out = t.as_numpy()
+    assert out.__array_interface__["data"][0] == arr.__array_interface__["data"][0]
+    assert np.from_dlpack(t).tolist() == arr.tolist()
+    assert "OUT" in repr(t) and "FP32" in repr(t)
+
+
+def test_tensor_from_a_list_and_bytes():
+    assert pb_utils.Tensor("A", [1, 2, 3]).triton_dtype() == int(DataType.INT64)
+    b = pb_utils.Tensor("B", np.array([b"x", b"yz"], dtype=object))
+    assert b.triton_dtype() == 13 and b.as_numpy().tolist() == [b"x", b"yz"]
+
+
+def test_tensor_rejects_bad_names_and_types():
+    with pytest.raises(pb_utils.TritonModelException, match="name must be a string"):
+        pb_utils.Tensor(5, np.zeros(1))
+    with pytest.raises(pb_utils.TritonModelException, match="Tensor 'C'"):
+        pb_utils.Tensor("C", np.zeros(2, dtype=np.complex64))
+
+
+def test_tensor_dlpack_round_trip():
+    arr = np.arange(4, dtype=np.int32)
+    capsule = pb_utils.Tensor("X", arr).to_dlpack()
+    assert type(capsule).__name__ == "PyCapsule"
+    back = pb_utils.Tensor.from_dlpack("Y", capsule)
+    assert back.name() == "Y" and back.as_numpy().tolist() == [0, 1, 2, 3]
+    assert back.as_numpy().__array_interface__["data"][0] == arr.__array_interface__["data"][0]
+    with pytest.raises(pb_utils.TritonModelException):
+        pb_utils.Tensor.from_dlpack("Z", [1, 2])
+
+
+def test_tensor_empty_outside_a_worker_is_a_plain_array():
+    t = pb_utils.Tensor.empty("OUT", [2, 5], np.float32)
+    out = t.as_numpy()
+    assert type(out) is np.ndarray
+    assert out.shape == (2, 5) and out.dtype == np.float32
+    assert t.shape() == [2, 5] and t.triton_dtype() == 11
+    out[:] = 3.0  # filled in place
+    assert t.as_numpy().sum() == 30.0
+    assert pb_utils.Tensor.empty("I", (3,), DataType.INT8).as_numpy().dtype == np.int8
+    bf = pb_utils.Tensor.empty("BF", [4], ml_dtypes.bfloat16)
+    assert bf.triton_dtype() == 14 and bf.as_numpy().dtype == np.dtype(ml_dtypes.bfloat16)
+    assert bf.as_numpy().shape == (4,)
+    with pytest.raises(pb_utils.TritonModelException, match="cannot allocate BYTES"):
+        pb_utils.Tensor.empty("S", [1], np.object_)
+
+
+# -- helpers -------------------------------------------------------------------------------
+
+
+def test_get_tensor_by_name():
+    a, b = pb_utils.Tensor("A", np.zeros(1)), pb_utils.Tensor("B", np.ones(1))
+    request = pb_utils.InferenceRequest(inputs=[a, b], requested_output_names=["C"])
+    assert pb_utils.get_input_tensor_by_name(request, "B") is b
+    assert pb_utils.get_input_tensor_by_name(request, "A") is a
+    assert pb_utils.get_input_tensor_by_name(request, "Z") is None
+    response = pb_utils.InferenceResponse(output_tensors=[b])
+    assert pb_utils.get_output_tensor_by_name(response, "B") is b
+    assert pb_utils.get_output_tensor_by_name(response, "A") is None
+
+
+def test_get_config_by_name():
+    config = {
+        "input": [{"name": "IN0", "data_type": "TYPE_FP32"}, {"name": "IN1", "data_type": "TYPE_INT8"}],
+        "output": [{"name": "OUT0", "data_type": "TYPE_STRING"}],
+    }
+    assert pb_utils.get_input_config_by_name(config, "IN1") == {"name": "IN1", "data_type": "TYPE_INT8"}
+    assert pb_utils.get_input_config_by_name(config, "OUT0") is None
+    assert pb_utils.get_output_config_by_name(config, "OUT0")["data_type"] == "TYPE_STRING"
+    assert pb_utils.get_output_config_by_name(config, "IN0") is None
+    assert pb_utils.get_input_config_by_name({}, "IN0") is None
+
+
+def test_using_decoupled_model_transaction_policy():
+    assert pb_utils.using_decoupled_model_transaction_policy({"model_transaction_policy": {"decoupled": True}})
+    assert not pb_utils.using_decoupled_model_transaction_policy({"model_transaction_policy": {"decoupled": False}})
+    assert not pb_utils.using_decoupled_model_transaction_policy({"model_transaction_policy": {}})
+    assert not pb_utils.using_decoupled_model_transaction_policy({})
+
+
+def test_triton_string_to_numpy():
+    expected = {
+        "TYPE_BOOL": bool,
+        "TYPE_UINT8": np.uint8,
+        "TYPE_UINT16": np.uint16,
+        "TYPE_UINT32": np.uint32,
+        "TYPE_UINT64": np.uint64,
+        "TYPE_INT8": np.int8,
+        "TYPE_INT16": np.int16,
+        "TYPE_INT32": np.int32,
+        "TYPE_INT64": np.int64,
+        "TYPE_FP16": np.float16,
+        "TYPE_FP32": np.float32,
+        "TYPE_FP64": np.float64,
+        "TYPE_STRING": np.object_,
+    }
+    assert pb_utils.TRITON_STRING_TO_NUMPY == expected
+    for name, np_type in expected.items():
+        assert pb_utils.triton_string_to_numpy(name) is np_type
+    with pytest.raises(KeyError):
+        pb_utils.triton_string_to_numpy("TYPE_BF16")
+
+
+@pytest.mark.parametrize("dt", [d for d in DataType if d not in (DataType.INVALID, DataType.BF16)], ids=str)
+def test_triton_to_numpy_type_agrees_with_tritonclient(dt):
+    ours = pb_utils.triton_to_numpy_type(int(dt))
+    theirs = tc.triton_to_np_dtype(dt.wire_name)
+    assert np.dtype(ours) == np.dtype(theirs)
+
+
+def test_triton_to_numpy_type_edges():
+    assert pb_utils.triton_to_numpy_type(13) is np.object_
+    assert pb_utils.triton_to_numpy_type(14) is None  # Triton's helper has no BF16
+    assert pb_utils.triton_to_numpy_type(0) is None
+    assert pb_utils.triton_to_numpy_type(99) is None
+
+
+@pytest.mark.parametrize(
+    "np_type",
+    [bool, np.bool_, np.uint8, np.uint16, np.uint32, np.uint64, np.int8, np.int16, np.int32, np.int64,
+     np.float16, np.float32, np.float64, np.object_, np.bytes_, "S4"],
+    ids=str,
+)
+def test_numpy_to_triton_type_agrees_with_tritonclient(np_type):
+    theirs = tc.np_to_triton_dtype(np.dtype(np_type))
+    assert pb_utils.numpy_to_triton_type(np_type) == int(DataType.from_wire(theirs))
+
+
+def test_numpy_to_triton_type_edges():
+    assert pb_utils.numpy_to_triton_type(np.complex64) is None
+    assert pb_utils.numpy_to_triton_type(np.float32) == 11
+    # Wider than tritonclient (which returns None): str arrays are accepted as BYTES.
+    assert pb_utils.numpy_to_triton_type(np.str_) == 13
+
+
+BYTES_INPUTS = {
+    "bytes": np.array([b"hello", b"", b"\xff\x00"], dtype=object),
+    "str": np.array(["héllo", "x"], dtype=object),
+    "mixed": np.array([b"a", "b", 3, 1.5], dtype=object),
+    "uniform-nul": np.array([b"a\x00", b"b\x00"], dtype=object),
+    "2d": np.array([[b"a", b"bb"], [b"ccc", b""]], dtype=object),
+    "S": np.array([b"ab", b"c"]),
+}
+
+
+@pytest.mark.parametrize("name", list(BYTES_INPUTS))
+def test_serialize_byte_tensor_matches_tritonclient(name):
+    arr = BYTES_INPUTS[name]
+    ours = pb_utils.serialize_byte_tensor(arr)
+    theirs = tc.serialize_byte_tensor(arr)
+    assert ours.dtype == theirs.dtype == np.object_
+    assert ours.shape == theirs.shape == ()
+    assert ours.item() == theirs.item()
+
+
+@pytest.mark.parametrize("name", list(BYTES_INPUTS))
+def test_deserialize_bytes_tensor_matches_tritonclient(name):
+    encoded = tc.serialize_byte_tensor(BYTES_INPUTS[name]).item()
+    theirs = tc.deserialize_bytes_tensor(encoded)
+    for given in (encoded, pb_utils.serialize_byte_tensor(BYTES_INPUTS[name])):
+        ours = pb_utils.deserialize_bytes_tensor(given)
+        assert ours.dtype == np.object_ and ours.shape == theirs.shape
+        assert ours.tolist() == theirs.tolist()
+
+
+def test_serialize_byte_tensor_edges():
+    empty = pb_utils.serialize_byte_tensor(np.array([], dtype=object))
+    assert empty.shape == (0,) and empty.dtype == np.object_
+    assert tc.serialize_byte_tensor(np.array([], dtype=object)).shape == (0,)
+    with pytest.raises(ValueError, match="cannot serialize bytes tensor: invalid datatype"):
+        pb_utils.serialize_byte_tensor(np.zeros(3))
+
+
+# -- InferenceRequest / InferenceResponse --------------------------------------------------
+
+
+def test_inference_response_holds_outputs_and_errors():
+    t = pb_utils.Tensor("OUT", np.zeros(2))
+    ok = pb_utils.InferenceResponse(output_tensors=[t])
+    assert ok.output_tensors() == [t] and not ok.has_error() and ok.parameters() == "{}"
+    err = pb_utils.TritonError("bad", pb_utils.TritonError.INVALID_ARG)
+    failed = pb_utils.InferenceResponse(error=err)
+    assert failed.has_error() and failed.error() is err
+    assert "bad" in repr(failed)
+
+
+def test_inference_response_parameters():
+    params = {"p_int": 5, "p_str": "s", "p_bool": True, "neg": -(2**40)}
+    response = pb_utils.InferenceResponse(output_tensors=[], parameters=params)
+    assert json.loads(response.parameters()) == params
+    assert json.loads(pb_utils.InferenceResponse(parameters='{"a": 1}').parameters()) == {"a": 1}
+
+
+@pytest.mark.parametrize(
+    "outputs,error,match",
+    [
+        ([np.zeros(2)], None, "output_tensors must be pb_utils.Tensor objects, got ndarray"),
+        (["x"], None, "got str"),
+        ([], "oops", "error must be a pb_utils.TritonError, got str"),
+        ([], ValueError("x"), "got ValueError"),
+    ],
+    ids=["ndarray", "str", "str-error", "exception-error"],
+)
+def test_inference_response_rejects_bad_arguments(outputs, error, match):
+    with pytest.raises(pb_utils.TritonModelException, match=match):
+        pb_utils.InferenceResponse(output_tensors=outputs, error=error)
+
+
+@pytest.mark.parametrize(
+    "parameters,match",
+    [
+        ({"f": 1.5}, "parameter 'f' must be a bool, int or str, got float"),
+        ({"d": {"x": 1}}, "got dict"),
+        ({"l": [1]}, "got list"),
+        ({"n": None}, "got NoneType"),
+        ({1: "x"}, "keys must be strings"),
+        ([("a", 1)], "parameters must be a dict, got list"),
+        (5, "got int"),
+    ],
+    ids=["float", "dict", "list", "none", "int-key", "list-of-pairs", "int"],
+)
+def test_inference_response_rejects_bad_parameters(parameters, match):
+    with pytest.raises(pb_utils.TritonModelException, match=match):
+        pb_utils.InferenceResponse(parameters=parameters)
+
+
+@pytest.mark.parametrize("parameters", ['{"f": 1.5}', '{"d": {"x": 1}}', "[1, 2]", '"text"', "not json"])
+def test_inference_response_validates_parameters_given_as_json(parameters):
+    with pytest.raises(pb_utils.TritonModelException):
+        pb_utils.InferenceResponse(parameters=parameters)
+
+
+def test_inference_request_accessors():
+    a = pb_utils.Tensor("A", np.zeros(1))
+    request = pb_utils.InferenceRequest(
+        model_name="m",
+        inputs=[a],
+        requested_output_names=["OUT"],
+        request_id="r1",
+        correlation_id=7,
+        flags=pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START,
+        timeout=100,
+        parameters={"k": "v"},
+    )
+    assert request.inputs() == [a]
+    assert request.request_id() == "r1"
+    assert request.correlation_id() == 7
+    assert request.flags() == 1
+    assert request.timeout() == 100
+    assert json.loads(request.parameters()) == {"k": "v"}
+    assert list(request.requested_output_names()) == ["OUT"]
+    assert pb_utils.InferenceRequest().parameters() == "{}"
+    with pytest.raises(pb_utils.TritonModelException, match="inputs must be pb_utils.Tensor"):
+        pb_utils.InferenceRequest(inputs=[np.zeros(1)])
+    with pytest.raises(pb_utils.TritonModelException, match="got float"):
+        pb_utils.InferenceRequest(parameters={"f": 0.5})
+
+
+# -- ModelConfig (auto_complete_config) ----------------------------------------------------
+
+
+def model_config(**fields) -> pb_utils.ModelConfig:
+    base = {"name": "m", "max_batch_size": 0, "input": [], "output": []}
+    base.update(fields)
+    return pb_utils.ModelConfig(json.dumps(base))
+
+
+def test_model_config_from_json_and_defaults():
+    config = pb_utils.ModelConfig('{"name": "m"}')
+    assert config.as_dict() == {"name": "m", "input": [], "output": [], "max_batch_size": 0}
+    as_dict = {"name": "d"}
+    assert pb_utils.ModelConfig(as_dict).as_dict()["name"] == "d"
+
+
+def test_set_max_batch_size():
+    config = model_config(max_batch_size=4)
+    config.set_max_batch_size(8)
+    assert config.as_dict()["max_batch_size"] == 8
+    config.set_max_batch_size(8)  # equal is fine
+    with pytest.raises(ValueError, match="model 'm': config.pbtxt sets max_batch_size 8, auto_complete_config tried to lower it to 2"):
+        config.set_max_batch_size(2)
+    assert config.as_dict()["max_batch_size"] == 8
+
+
+def test_set_dynamic_batching():
+    config = model_config()
+    config.set_dynamic_batching()
+    assert config.as_dict()["dynamic_batching"] == {}
+    kept = model_config(dynamic_batching={"max_queue_delay_microseconds": 5})
+    kept.set_dynamic_batching()
+    assert kept.as_dict()["dynamic_batching"] == {"max_queue_delay_microseconds": 5}
+    with pytest.raises(ValueError, match="model 'm': config.pbtxt chooses 'sequence_batching'"):
+        model_config(sequence_batching={}).set_dynamic_batching()
+
+
+def test_add_input_and_output():
+    config = model_config()
+    config.add_input({"name": "IN", "data_type": "TYPE_FP32", "dims": [4], "optional": True})
+    config.add_output({"name": "OUT", "data_type": "TYPE_STRING", "dims": [-1]})
+    assert config.as_dict()["input"] == [{"name": "IN", "data_type": "TYPE_FP32", "dims": [4], "optional": True}]
+    assert config.as_dict()["output"] == [{"name": "OUT", "data_type": "TYPE_STRING", "dims": [-1]}]
+
+
+@pytest.mark.parametrize("kind", ["input", "output"])
+def test_add_tensor_rejects_unknown_properties(kind):
+    add = getattr(model_config(), f"add_{kind}")
+    with pytest.raises(ValueError, match=f"{kind} 'X' of model 'm' in auto_complete_config has property 'format'"):
+        add({"name": "X", "data_type": "TYPE_FP32", "dims": [1], "format": "FORMAT_NONE"})
+
+
+def test_optional_is_for_inputs_only():
+    with pytest.raises(ValueError, match="has property 'optional'"):
+        model_config().add_output({"name": "X", "data_type": "TYPE_FP32", "dims": [1], "optional": True})
+
+
+@pytest.mark.parametrize("missing", ["name", "data_type", "dims"])
+@pytest.mark.parametrize("kind", ["input", "output"])
+def test_add_tensor_requires_name_type_and_dims(kind, missing):
+    tensor = {"name": "X", "data_type": "TYPE_FP32", "dims": [1]}
+    del tensor[missing]
+    with pytest.raises(ValueError, match=f"is missing '{missing}'"):
+        getattr(model_config(), f"add_{kind}")(tensor)
+
+
+def test_add_input_conflicts_with_config_pbtxt():
+    existing = {"name": "IN", "data_type": "TYPE_FP32", "dims": [4], "optional": False}
+    config = model_config(input=[existing])
+    with pytest.raises(ValueError, match="config.pbtxt gives input 'IN' data type TYPE_FP32, the model says TYPE_INT32"):
+        config.add_input({"name": "IN", "data_type": "TYPE_INT32", "dims": [4]})
+    with pytest.raises(ValueError, match=r"tensor 'IN': the model expects dims \[8\] but config.pbtxt specifies \[4\]"):
+        config.add_input({"name": "IN", "data_type": "TYPE_FP32", "dims": [8]})
+    with pytest.raises(ValueError, match="the model expects optional True but config.pbtxt specifies False"):
+        config.add_input({"name": "IN", "data_type": "TYPE_FP32", "dims": [4], "optional": True})
+    assert config.as_dict()["input"] == [existing]  # untouched by the failures
+
+
+def test_add_output_conflicts_with_config_pbtxt():
+    config = model_config(output=[{"name": "OUT", "data_type": "TYPE_FP32", "dims": [2]}])
+    with pytest.raises(ValueError, match="output 'OUT' data type TYPE_FP32, the model says TYPE_FP16"):
+        config.add_output({"name": "OUT", "data_type": "TYPE_FP16", "dims": [2]})
+    with pytest.raises(ValueError, match="dims"):
+        config.add_output({"name": "OUT", "data_type": "TYPE_FP32", "dims": [3]})
+
+
+def test_add_tensor_merges_a_matching_entry():
+    config = model_config(
+        input=[
+            {"name": "IN", "data_type": "TYPE_INVALID", "dims": [], "optional": False, "format": "FORMAT_NONE"},
+            {"name": "SAME", "data_type": "TYPE_INT8", "dims": [2], "optional": False},
+        ]
+    )
+    config.add_input({"name": "IN", "data_type": "TYPE_FP32", "dims": [4]})
+    config.add_input({"name": "SAME", "data_type": "TYPE_INT8", "dims": [2], "optional": False})
+    assert config.as_dict()["input"] == [
+        {"name": "IN", "data_type": "TYPE_FP32", "dims": [4], "optional": False, "format": "FORMAT_NONE"},
+        {"name": "SAME", "data_type": "TYPE_INT8", "dims": [2], "optional": False},
+    ]
+
+
+def test_set_model_transaction_policy():
+    config = model_config()
+    config.set_model_transaction_policy({"decoupled": False})
+    assert config.as_dict()["model_transaction_policy"] == {"decoupled": False}
+    config.set_model_transaction_policy({"decoupled": False})  # same value again is fine
+    with pytest.raises(ValueError, match="tried to change 'decoupled', which config.pbtxt sets to False"):
+        config.set_model_transaction_policy({"decoupled": True})
+    with pytest.raises(ValueError, match="has property 'ordered'; only 'decoupled' is allowed"):
+        model_config().set_model_transaction_policy({"ordered": True})
+    fresh = model_config()
+    fresh.set_model_transaction_policy({"decoupled": True})
+    assert fresh.as_dict()["model_transaction_policy"] == {"decoupled": True}
+
+
+# -- Logger --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "call,level",
+    [
+        (lambda m: pb_utils.Logger.log_info(m), logging.INFO),
+        (lambda m: pb_utils.Logger.log_warn(m), logging.WARNING),
+        (lambda m: pb_utils.Logger.log_error(m), logging.ERROR),
+        (lambda m: pb_utils.Logger.log_verbose(m), logging.DEBUG),
+        (lambda m: pb_utils.Logger.log(m), logging.INFO),
+        (lambda m: pb_utils.Logger.log(m, pb_utils.Logger.WARNING), logging.WARNING),
+        (lambda m: pb_utils.Logger.log(m, pb_utils.Logger.ERROR), logging.ERROR),
+        (lambda m: pb_utils.Logger.log(m, pb_utils.Logger.VERBOSE), logging.DEBUG),
+    ],
+    ids=["info", "warn", "error", "verbose", "log", "log-warning", "log-error", "log-verbose"],
+)
+def test_logger_outside_a_worker_uses_python_logging(caplog, call, level):
+    with caplog.at_level(logging.DEBUG, logger="dlserve.model"):
+        call("a model line")
+    records = [r for r in caplog.records if r.name == "dlserve.model"]
+    assert [(r.levelno, r.getMessage()) for r in records] == [(level, "a model line")]
+
+
+def test_logger_level_values_are_tritons():
+    assert (pb_utils.Logger.INFO, pb_utils.Logger.WARNING, pb_utils.Logger.ERROR, pb_utils.Logger.VERBOSE) == (0, 1, 2, 3)

@@ -1,0 +1,541 @@
+"""dlserve.memory.shm and dlserve.memory.arena: segments, anchors, arenas, the memory space.
+
+Everything here maps real POSIX shared memory under /dev/shm; every test uses its own
+name prefix and checks that nothing with that prefix is left behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import glob
+import mmap
+import os
+import uuid
+import weakref
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+
+from dlserve.errors import InvalidArgumentError, UnavailableError
+from dlserve.memory.arena import ALIGNMENT, Arena, MemorySpace
+from dlserve.memory.shm import SHM_DIR, Segment, shm_path
+
+PAGE = mmap.PAGESIZE
+
+
+def shm_entries(prefix: str) -> list[str]:
+    return sorted(glob.glob(f"{SHM_DIR}/{prefix}*"))
+
+
+@pytest.fixture
+def prefix() -> Iterator[str]:
+    name = f"dlserve_{os.getpid()}_test_{uuid.uuid4().hex[:12]}"
+    yield name
+    leaked = shm_entries(name)
+    if leaked:  # a reference cycle may still hold a view
+        gc.collect()
+        leaked = shm_entries(name)
+    for path in leaked:  # clean up before failing, so one failure does not leak
+        os.unlink(path)
+    assert not leaked, f"shared memory left behind: {leaked}"
+
+
+@pytest.fixture
+def make_arena(prefix: str) -> Iterator[Callable[..., Arena]]:
+    arenas: list[Arena] = []
+
+    def make(space: MemorySpace | None = None, name: str | None = None, **kwargs) -> Arena:
+        arena = Arena(space or MemorySpace(), name or prefix, **kwargs)
+        arenas.append(arena)
+        return arena
+
+    yield make
+    for arena in arenas:
+        arena.close()
+
+
+@pytest.fixture
+def segment(prefix: str) -> Iterator[Segment]:
+    seg = Segment.create(f"{prefix}_seg", 3 * PAGE)
+    yield seg
+    seg.unlink()
+
+
+def address(array: np.ndarray) -> int:
+    return array.__array_interface__["data"][0]
+
+
+def u8(anchor) -> np.ndarray:
+    return np.frombuffer(anchor, dtype=np.uint8)
+
+
+# -- names ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["../x", "/", "", "a" * 201, "a/b", "..", ".", "/..", "/../x", "x y", "x\x00", "dir/../x", "é"],
+    ids=repr,
+)
+def test_bad_names_are_rejected(name):
+    with pytest.raises(InvalidArgumentError, match="invalid shared memory key"):
+        shm_path(name)
+    with pytest.raises(InvalidArgumentError):
+        Segment.create(name, PAGE)
+    with pytest.raises(InvalidArgumentError):
+        Segment.open(name)
+
+
+def test_good_names_map_into_dev_shm():
+    assert shm_path("abc") == f"{SHM_DIR}/abc"
+    assert shm_path("/abc") == f"{SHM_DIR}/abc"  # shm_open's leading slash is accepted
+    assert shm_path("a" * 200) == f"{SHM_DIR}/{'a' * 200}"
+    assert shm_path("A-z_0.9") == f"{SHM_DIR}/A-z_0.9"
+    assert shm_path("...") == f"{SHM_DIR}/..."
+
+
+def test_create_with_leading_slash(prefix):
+    seg = Segment.create(f"/{prefix}_slash", PAGE)
+    try:
+        assert shm_entries(prefix) == [f"{SHM_DIR}/{prefix}_slash"]
+        other = Segment.open(f"/{prefix}_slash")
+        assert other.size == PAGE
+    finally:
+        seg.unlink()
+    assert shm_entries(prefix) == []
+
+
+# -- segments ------------------------------------------------------------------------------
+
+
+def test_create_makes_a_sized_owned_segment(prefix, segment):
+    assert segment.owned
+    assert segment.size == 3 * PAGE
+    assert segment.address != 0
+    assert os.stat(shm_path(segment.name)).st_size == 3 * PAGE
+    assert shm_entries(prefix) == [f"{SHM_DIR}/{prefix}_seg"]
+
+
+def test_create_never_clobbers_an_existing_segment(segment):
+    with pytest.raises(FileExistsError):
+        Segment.create(segment.name, PAGE)
+
+
+def test_unlink_removes_the_name_and_is_idempotent(prefix):
+    seg = Segment.create(f"{prefix}_u", PAGE)
+    seg.unlink()
+    assert shm_entries(prefix) == []
+    seg.unlink()  # no error the second time
+
+
+def test_mapping_survives_unlink(prefix):
+    seg = Segment.create(f"{prefix}_u", PAGE)
+    view = u8(seg.anchor(0, 16))
+    seg.unlink()
+    view[:] = 7
+    assert u8(seg.anchor(0, 16)).tolist() == [7] * 16
+
+
+def test_anchor_is_a_view_over_the_segment(segment):
+    anchor = segment.anchor(128, 64)
+    assert isinstance(anchor, ctypes.Array)
+    assert len(anchor) == 64
+    assert ctypes.addressof(anchor) == segment.address + 128
+    u8(anchor)[:] = np.arange(64, dtype=np.uint8)
+    again = segment.anchor(128, 64)
+    assert u8(again).tolist() == list(range(64))
+    assert u8(segment.anchor(100, 40))[28:].tolist() == list(range(12))
+
+
+def test_writes_visible_through_a_second_mapping(segment):
+    peer = Segment.open(segment.name)
+    assert not peer.owned
+    assert peer.size == segment.size
+    assert peer.address != segment.address  # a separate mapping of the same memory
+    mine = u8(segment.anchor(PAGE + 5, 10))
+    theirs = u8(peer.anchor(PAGE + 5, 10))
+    mine[:] = np.frombuffer(b"0123456789", dtype=np.uint8)
+    assert theirs.tobytes() == b"0123456789"
+    theirs[0] = ord("X")
+    assert mine.tobytes() == b"X123456789"
+
+
+def test_open_a_range_at_an_unaligned_offset(segment):
+    u8(segment.anchor(0, segment.size))[:] = np.arange(segment.size, dtype=np.uint64).astype(np.uint8)
+    part = Segment.open(segment.name, offset=PAGE + 100, size=50)
+    assert part.size == 50
+    assert u8(part.anchor(0, 50)).tolist() == [(PAGE + 100 + i) % 256 for i in range(50)]
+    with pytest.raises(InvalidArgumentError):
+        part.anchor(1, 50)
+
+
+@pytest.mark.parametrize(
+    "offset,size",
+    [(-1, None), (0, 0), (0, 3 * PAGE + 1), (3 * PAGE, None), (3 * PAGE - 1, 2), (0, -5)],
+)
+def test_open_out_of_range_rejected(segment, offset, size):
+    with pytest.raises(InvalidArgumentError, match="outside the object's"):
+        Segment.open(segment.name, offset=offset, size=size)
+
+
+def test_open_missing_segment(prefix):
+    with pytest.raises(FileNotFoundError):
+        Segment.open(f"{prefix}_missing")
+
+
+@pytest.mark.parametrize("offset,nbytes", [(-1, 4), (0, -1), (0, 3 * PAGE + 1), (3 * PAGE, 1), (3 * PAGE - 3, 4)])
+def test_out_of_range_anchor_rejected(segment, offset, nbytes):
+    with pytest.raises(InvalidArgumentError, match="is outside a"):
+        segment.anchor(offset, nbytes)
+
+
+def test_anchor_up_to_the_last_byte(segment):
+    assert len(segment.anchor(3 * PAGE - 4, 4)) == 4
+    assert len(segment.anchor(0, 3 * PAGE)) == 3 * PAGE
+
+
+# -- arena: blocks -------------------------------------------------------------------------
+
+
+def test_arena_creates_its_first_segment(prefix, make_arena):
+    arena = make_arena(initial_size=1000)
+    assert shm_entries(prefix) == [f"{SHM_DIR}/{prefix}_0"]
+    assert arena.bytes_reserved == PAGE  # rounded up to whole pages
+    assert arena.bytes_in_use == 0
+
+
+def test_every_block_is_64_byte_aligned_and_disjoint(make_arena):
+    arena = make_arena(initial_size=1 << 20)
+    anchors = [arena.allocate(n) for n in (1, 63, 64, 65, 100, 127, 128, 1000, 3, 4097)]
+    spans = []
+    for anchor, n in zip(anchors, (1, 63, 64, 65, 100, 127, 128, 1000, 3, 4097)):
+        assert len(anchor) == n
+        assert ctypes.addressof(anchor) % ALIGNMENT == 0
+        assert anchor.offset % ALIGNMENT == 0
+        spans.append((anchor.offset, anchor.offset + n))
+    spans.sort()
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+    # Each block is rounded up to the alignment in the books.
+    assert arena.bytes_in_use == sum(max(64, -(-n // 64) * 64) for n in (1, 63, 64, 65, 100, 127, 128, 1000, 3, 4097))
+    assert ALIGNMENT == 64
+
+
+def test_blocks_do_not_share_bytes(make_arena):
+    arena = make_arena()
+    a, b = arena.allocate(64), arena.allocate(64)
+    u8(a)[:] = 1
+    u8(b)[:] = 2
+    assert set(u8(a).tolist()) == {1}
+
+
+def test_block_is_freed_when_its_anchor_dies(make_arena):
+    arena = make_arena()
+    anchor = arena.allocate(1000)
+    assert arena.bytes_in_use == 1024
+    del anchor
+    assert arena.bytes_in_use == 0
+
+
+def test_numpy_view_keeps_the_block_alive(make_arena):
+    arena = make_arena()
+    anchor = arena.allocate(256)
+    alive = weakref.ref(anchor)
+    view = np.frombuffer(anchor, dtype=np.float32)[10:20]
+    del anchor
+    assert alive() is not None
+    assert arena.bytes_in_use == 256
+    view[:] = 1.5  # still mapped and writable
+    del view
+    assert alive() is None
+    assert arena.bytes_in_use == 0
+
+
+def test_dlpack_capsule_keeps_the_block_alive(make_arena):
+    arena = make_arena()
+    anchor = arena.allocate(128)
+    alive = weakref.ref(anchor)
+    capsule = np.frombuffer(anchor, dtype=np.uint8).__dlpack__()
+    del anchor
+    assert alive() is not None and arena.bytes_in_use == 128
+    del capsule
+    assert alive() is None and arena.bytes_in_use == 0
+
+
+def test_dlpack_consumer_keeps_the_block_alive(make_arena):
+    arena = make_arena()
+    anchor = arena.allocate(128)
+    alive = weakref.ref(anchor)
+    source = np.frombuffer(anchor, dtype=np.int32)
+    source[:] = np.arange(32)
+    imported = np.from_dlpack(source)
+    assert address(imported) == ctypes.addressof(anchor)
+    del anchor, source
+    assert alive() is not None
+    assert imported.tolist() == list(range(32))
+    del imported
+    assert alive() is None and arena.bytes_in_use == 0
+
+
+def test_torch_tensor_keeps_the_block_alive(make_arena):
+    torch = pytest.importorskip("torch")
+    arena = make_arena()
+    anchor = arena.allocate(256)
+    alive = weakref.ref(anchor)
+    tensor = torch.from_dlpack(np.frombuffer(anchor, dtype=np.float32))
+    assert tensor.data_ptr() == ctypes.addressof(anchor)
+    del anchor
+    assert alive() is not None and arena.bytes_in_use == 256
+    tensor.fill_(2.0)
+    del tensor
+    assert alive() is None and arena.bytes_in_use == 0
+
+
+def test_freed_space_is_reused(make_arena):
+    arena = make_arena(initial_size=PAGE)
+    first = arena.allocate(PAGE)  # the whole segment
+    offset = first.offset
+    del first
+    again = arena.allocate(PAGE)
+    assert again.offset == offset
+    assert arena.bytes_reserved == PAGE  # no growth was needed
+
+
+def test_adjacent_free_blocks_coalesce(make_arena):
+    arena = make_arena(initial_size=PAGE)
+    a, b, c = arena.allocate(1024), arena.allocate(1024), arena.allocate(2048)
+    assert (a.offset, b.offset, c.offset) == (0, 1024, 2048)
+    del b
+    del a
+    big = arena.allocate(2048)  # fits only in the merged hole at 0
+    assert big.offset == 0
+    assert big.segment is c.segment
+    assert arena.bytes_reserved == PAGE
+
+
+def test_arena_grows_by_extra_segments_when_full(prefix, make_arena):
+    arena = make_arena(initial_size=PAGE, growth_size=2 * PAGE)
+    first = arena.allocate(PAGE)
+    second = arena.allocate(64)
+    assert first.segment.name == f"{prefix}_0"
+    assert second.segment.name == f"{prefix}_1"
+    assert shm_entries(prefix) == [f"{SHM_DIR}/{prefix}_0", f"{SHM_DIR}/{prefix}_1"]
+    assert arena.bytes_reserved == 3 * PAGE
+    # A block larger than the growth size gets a segment of its own size.
+    huge = arena.allocate(5 * PAGE + 1)
+    assert huge.segment.name == f"{prefix}_2"
+    assert huge.segment.size == 6 * PAGE
+    assert arena.bytes_in_use == PAGE + 64 + 5 * PAGE + 64
+
+
+def test_emptied_extra_segments_are_unlinked_and_reported(prefix, make_arena):
+    # One empty extra segment is kept as a spare; a second empty one retires the
+    # smaller of the two (unlinked from /dev/shm, on_retire told, space forgets it).
+    retired: list[str] = []
+    space = MemorySpace()
+    arena = make_arena(space, initial_size=PAGE, growth_size=PAGE, on_retire=retired.append)
+    keep = arena.allocate(PAGE)  # fills the first segment
+    small1 = arena.allocate(100)
+    small2 = arena.allocate(100)
+    big = arena.allocate(3 * PAGE)
+    small_name, big_name = f"{prefix}_1", f"{prefix}_2"
+    assert small1.segment.name == small2.segment.name == small_name
+    assert big.segment.name == big_name
+    small_segment = small1.segment
+
+    view = u8(big)
+    del big
+    assert retired == []  # the view keeps the block
+    view[:] = 3  # still mapped
+    del view
+    assert retired == []  # the only empty extra segment: kept as the spare
+    assert shm_entries(prefix) == [f"{SHM_DIR}/{prefix}_{i}" for i in range(3)]
+
+    del small1
+    assert retired == []  # half used
+    del small2
+    assert retired == [small_name]  # two empty extras: the smaller goes
+    assert shm_entries(prefix) == [f"{SHM_DIR}/{prefix}_0", f"{SHM_DIR}/{big_name}"]
+    assert arena.bytes_reserved == PAGE + 3 * PAGE
+    assert arena.bytes_in_use == PAGE
+    # The space no longer tracks the retired segment.
+    raw = np.ctypeslib.as_array((ctypes.c_uint8 * 8).from_address(small_segment.address))
+    assert space.locate(raw) is None
+    assert space.find(small_segment, 0, 1) is None
+
+    # The spare is used before any new segment is made.
+    again = arena.allocate(2 * PAGE)
+    assert again.segment.name == big_name
+    assert len(shm_entries(prefix)) == 2
+
+    # The first segment is never retired, even when empty.
+    del keep, again
+    assert retired == [small_name]
+    assert shm_entries(prefix) == [f"{SHM_DIR}/{prefix}_0", f"{SHM_DIR}/{big_name}"]
+
+
+def test_close_unlinks_everything_and_views_stay_valid(prefix):
+    retired: list[str] = []
+    arena = Arena(MemorySpace(), prefix, initial_size=PAGE, growth_size=PAGE, on_retire=retired.append)
+    try:
+        a = arena.allocate(PAGE)
+        b = arena.allocate(8)
+        assert len(shm_entries(prefix)) == 2
+    finally:
+        arena.close()
+    assert shm_entries(prefix) == []
+    assert arena.bytes_reserved == 0
+    view = u8(b)
+    view[:] = 9  # the mapping lives on until the last view dies
+    assert u8(b).tolist() == [9] * 8
+    del a, b, view
+    assert retired == []  # close() is not a retirement
+    with pytest.raises(UnavailableError, match="closed"):
+        arena.allocate(1)
+    arena.close()  # idempotent
+
+
+def test_copy_puts_c_order_bytes_in_a_new_block(make_arena):
+    arena = make_arena()
+    data = np.arange(12, dtype=np.int16).reshape(3, 4).T  # not C-contiguous
+    anchor = arena.copy(data)
+    assert len(anchor) == data.nbytes
+    assert np.frombuffer(anchor, dtype=np.int16).tolist() == np.ascontiguousarray(data).ravel().tolist()
+    data[0, 0] = 99  # a copy, not a view
+    assert np.frombuffer(anchor, dtype=np.int16)[0] == 0
+
+
+# -- memory space --------------------------------------------------------------------------
+
+
+def test_locate_finds_the_anchor_of_a_slice(make_arena):
+    space = MemorySpace()
+    arena = make_arena(space)
+    keep = arena.allocate(64)  # so the block of interest does not start at offset 0
+    anchor = arena.allocate(4096)
+    floats = np.frombuffer(anchor, dtype=np.float32)
+    for view, byte_offset in [(floats, 0), (floats[100:200], 400), (floats[5:6], 20), (floats.reshape(32, 32)[3:5], 384)]:
+        found = space.locate(view)
+        assert found is not None
+        got_anchor, offset = found
+        assert got_anchor is anchor
+        assert offset == anchor.offset + byte_offset
+        assert ctypes.addressof(anchor.segment.anchor(offset, 1)) == address(view)
+    assert keep is not None
+
+
+def test_locate_via_an_address_uses_the_segment_table(make_arena):
+    space = MemorySpace()
+    arena = make_arena(space)
+    anchor = arena.allocate(1024)
+    # Arrays whose base chain does not end in the anchor: memoryview and raw address.
+    via_memoryview = np.frombuffer(memoryview(anchor), dtype=np.uint8)[16:32]
+    raw = np.ctypeslib.as_array((ctypes.c_uint8 * 32).from_address(ctypes.addressof(anchor) + 64))
+    for view, byte_offset in [(via_memoryview, 16), (raw, 64)]:
+        found = space.locate(view)
+        assert found is not None
+        assert found[0] is anchor
+        assert found[1] == anchor.offset + byte_offset
+
+
+def test_locate_torch_tensor_memory(make_arena):
+    torch = pytest.importorskip("torch")
+    space = MemorySpace()
+    arena = make_arena(space)
+    anchor = arena.allocate(1024)
+    tensor = torch.from_dlpack(np.frombuffer(anchor, dtype=np.float32))[8:16]
+    found = space.locate(np.from_dlpack(tensor))
+    assert found is not None and found[0] is anchor and found[1] == anchor.offset + 32
+
+
+def test_locate_returns_none_outside_shared_memory(make_arena):
+    space = MemorySpace()
+    arena = make_arena(space)
+    anchor = arena.allocate(1024)
+    assert space.locate(np.zeros(16)) is None
+    assert space.locate(np.arange(10)[2:5]) is None
+    # Non-contiguous views of arena memory must be copied to be shared.
+    floats = np.frombuffer(anchor, dtype=np.float32)
+    assert space.locate(floats[::2]) is None
+    assert space.locate(floats.reshape(16, 16).T) is None
+    # Memory of a segment this space does not know (found by address, not by anchor).
+    other = MemorySpace()
+    raw = np.ctypeslib.as_array((ctypes.c_uint8 * 16).from_address(ctypes.addressof(anchor)))
+    assert other.locate(raw) is None
+
+
+def test_locate_needs_a_live_anchor_over_the_range(make_arena):
+    space = MemorySpace()
+    arena = make_arena(space, initial_size=PAGE)
+    anchor = arena.allocate(128)
+    base = ctypes.addressof(anchor)
+    # Memory past the block (free space of the segment): no anchor covers it.
+    past = np.ctypeslib.as_array((ctypes.c_uint8 * 64).from_address(base + 256))
+    assert space.locate(past) is None
+    # Straddling the end of the block is not covered either.
+    straddle = np.ctypeslib.as_array((ctypes.c_uint8 * 64).from_address(base + 100))
+    assert space.locate(straddle) is None
+
+
+def test_find(make_arena):
+    space = MemorySpace()
+    arena = make_arena(space)
+    anchor = arena.allocate(256)
+    seg = anchor.segment
+    start = anchor.offset
+    assert space.find(seg, start, 256) is anchor
+    assert space.find(seg, start + 10, 100) is anchor
+    assert space.find(seg, start + 200, 57) is None  # runs past the block
+    assert space.find(seg, start + 300, 4) is None
+    del anchor
+    assert space.find(seg, start, 1) is None  # dead anchors are gone
+
+
+def test_anchor_on_death_runs_once_when_the_last_view_dies(segment):
+    space = MemorySpace()
+    space.add_segment(segment)
+    deaths: list[int] = []
+    anchor = space.anchor(segment, 64, 32, lambda: deaths.append(1))
+    assert anchor.segment is segment and anchor.offset == 64
+    assert space.find(segment, 70, 4) is anchor
+    view = u8(anchor)
+    del anchor
+    assert deaths == []
+    del view
+    assert deaths == [1]
+    assert space.find(segment, 70, 4) is None
+
+
+def test_space_maps_a_peer_segment_by_name_once(make_arena):
+    owner_space, peer_space = MemorySpace(), MemorySpace()
+    arena = make_arena(owner_space)
+    anchor = arena.allocate(64)
+    u8(anchor)[:] = 42
+    name = anchor.segment.name
+    seg = peer_space.segment(name)
+    assert not seg.owned
+    assert peer_space.segment(name) is seg  # mapped on first use only
+    peer_anchor = peer_space.anchor(seg, anchor.offset, 64)
+    assert u8(peer_anchor).tolist() == [42] * 64
+    found = peer_space.locate(u8(peer_anchor)[8:16])
+    assert found is not None and found[0] is peer_anchor
+    # Forgetting the segment drops the mapping from the tables, not from live views.
+    peer_space.forget_segment(name)
+    assert peer_space.find(seg, anchor.offset, 1) is None
+    assert u8(peer_anchor)[0] == 42
+    peer_space.forget_segment(name)  # unknown names are ignored
+
+
+def test_forget_segments_by_prefix(segment, prefix):
+    space = MemorySpace()
+    space.add_segment(segment)
+    other = Segment.create(f"{prefix}_other", PAGE)
+    try:
+        space.add_segment(other)
+        space.forget_segments(f"{prefix}_seg")
+        assert space.locate(u8(segment.anchor(0, 8))) is None
+        keep = space.anchor(other, 0, 8)
+        assert space.find(other, 0, 8) is keep
+    finally:
+        other.unlink()
