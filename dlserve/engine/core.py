@@ -19,15 +19,17 @@ from typing import Any
 import numpy as np
 
 import dlserve
+from dlserve.engine.logs import LogSettings
 from dlserve.engine.manager import ModelControlMode, ModelManager
 from dlserve.engine.model import EngineResources, ModelVersion
 from dlserve.engine.repository import Repository
 from dlserve.engine.request import Request, validate_request
-from dlserve.errors import InvalidArgumentError, NotFoundError
+from dlserve.errors import InvalidArgumentError, NotFoundError, UnavailableError
 from dlserve.ipc.supervisor import unlink_segments
 from dlserve.ipc.tensors import INLINE_MAX
 from dlserve.memory.arena import Arena, MemorySpace
 from dlserve.memory.dtypes import DataType
+from dlserve.memory.regions import SystemRegions
 from dlserve.memory.shm import SHM_DIR
 from dlserve.memory.tensor import Tensor
 
@@ -57,6 +59,7 @@ class EngineSettings:
     poll_interval: float = 15.0
     arena_bytes: int = 64 * _MIB
     worker_arena_bytes: int = 16 * _MIB
+    log: LogSettings = dataclasses.field(default_factory=LogSettings)
 
 
 def gpu_count() -> int:
@@ -98,6 +101,7 @@ class Engine:
         self.segment_prefix = f"{SEGMENT_NAMESPACE}{os.getpid()}_{uuid.uuid4().hex[:8]}"
         self.arena: Arena | None = None
         self.manager: ModelManager | None = None
+        self.regions = SystemRegions(self.space, SEGMENT_NAMESPACE, on_forget=self._forget_everywhere)
         self.live = False
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -106,6 +110,7 @@ class Engine:
         s = self.settings
         if not s.model_repositories:
             raise InvalidArgumentError("Model repository must be specified.")
+        s.log.apply()
         remove_stale_segments()
         self.arena = Arena(self.space, f"{self.segment_prefix}_s", s.arena_bytes, s.arena_bytes)
         resources = EngineResources(
@@ -138,7 +143,24 @@ class Engine:
             self.manager.kill()
         self._release_memory()
 
+    def instances(self) -> list[Any]:
+        """Every model instance of every loaded version."""
+        if self.manager is None:
+            return []
+        return [
+            instance
+            for entry in self.manager.models.values()
+            for version in entry.versions.values()
+            for instance in version.instances
+        ]
+
+    def _forget_everywhere(self, segment_name: str) -> None:
+        """Workers drop a mapping the server dropped (called on the loop)."""
+        for instance in self.instances():
+            instance.forget_segment(segment_name)
+
     def _release_memory(self) -> None:
+        self.regions.unregister()
         if self.arena is not None:
             self.arena.close()
         unlink_segments(self.segment_prefix)
@@ -232,6 +254,8 @@ class Engine:
 
     def submit(self, request: Request) -> None:
         """Validate and queue a request (on the loop); responses go to ``on_response``."""
+        if not self.live:
+            raise UnavailableError("the server is stopping and takes no new requests")
         model = self.prepare(request)
         model.scheduler.submit(request)
 

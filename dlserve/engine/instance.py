@@ -19,6 +19,8 @@ from dlserve.engine.request import Request, Response, reshaped
 from dlserve.errors import ErrorCode, InternalError, TritonError, UnavailableError
 from dlserve.ipc.protocol import Kind, Message
 from dlserve.ipc.supervisor import WorkerProcess
+from dlserve.memory.dtypes import DataType
+from dlserve.memory.tensor import Tensor
 from dlserve.pb_utils.logger import PYTHON_LEVELS, LogLevel
 
 if TYPE_CHECKING:
@@ -200,6 +202,10 @@ class ModelInstance:
                 json.dumps(r.parameters) if r.parameters else "{}",
                 model.output_names if r.requested_outputs is None else r.requested_outputs,
                 [peer.export(name, tensor) for name, tensor in r.inputs.items()],
+                None if not r.output_buffers else [
+                    peer.export(name, Tensor(DataType.UINT8, view.shape, data=view), by_reference=True)
+                    for name, view in r.output_buffers.items()
+                ],
             )
             for r in requests
         ]
@@ -242,6 +248,12 @@ class ModelInstance:
                 tensor = reshaped(tensor, shape, model.config.max_batch_size > 0)
             response.outputs[name] = tensor
         return response
+
+    def forget_segment(self, name: str) -> None:
+        """Tell the worker to drop its mapping of a segment (e.g. an unregistered client region)."""
+        worker = self._worker
+        if worker is not None and worker.alive and worker.channel is not None:
+            worker.channel.notify(Kind.RETIRE, [name])
 
     async def stop(self, timeout: float) -> None:
         self._stopping = True

@@ -43,6 +43,8 @@ class Request:
 
     ``requested_outputs`` None means every output of the model. ``on_response`` is
     called on the engine's event loop for every response, the last with ``final``.
+    ``output_buffers`` names outputs the worker should write straight into the given
+    shared memory (a client's registered region), so the server never copies them.
     """
 
     model_name: str
@@ -56,6 +58,8 @@ class Request:
     timeout_us: int = 0
     parameters: dict[str, Any] = dataclasses.field(default_factory=dict)
     requested_outputs: list[str] | None = None
+    # Shared memory (uint8 views) the worker writes named outputs into, e.g. a client's region.
+    output_buffers: dict[str, np.ndarray] | None = None
     arrival_ns: int = dataclasses.field(default_factory=time.monotonic_ns)
 
     @property

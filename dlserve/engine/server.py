@@ -13,7 +13,6 @@ import asyncio
 import atexit
 import dataclasses
 import enum
-import logging
 import queue
 import threading
 import time
@@ -22,6 +21,7 @@ from collections.abc import AsyncIterator, Coroutine, Iterator
 from typing import Any, TypeVar
 
 from dlserve.engine.core import Engine, EngineSettings
+from dlserve.engine.logs import LogSettings
 from dlserve.engine.manager import ModelControlMode
 from dlserve.engine.request import Request, Response
 from dlserve.errors import (
@@ -142,27 +142,20 @@ class Options:
             poll_interval=float(self.repository_poll_secs),
             arena_bytes=int(self.shm_arena_size),
             worker_arena_bytes=worker_bytes,
+            log=self.log_settings(),
         )
 
-
-def configure_logging(options: Options) -> None:
-    """Route dlserve's loggers per the options (level, file); idempotent."""
-    logger = logging.getLogger("dlserve")
-    if options.log_verbose > 0:
-        level = logging.DEBUG
-    elif options.log_info:
-        level = logging.INFO
-    elif options.log_warn:
-        level = logging.WARNING
-    else:
-        level = logging.ERROR
-    logger.setLevel(level)
-    if options.log_file:
-        path = str(options.log_file)
-        if not any(getattr(h, "baseFilename", None) == path for h in logger.handlers):
-            handler = logging.FileHandler(path)
-            handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-            logger.addHandler(handler)
+    def log_settings(self) -> LogSettings:
+        """Triton's cascade: verbose implies info, info implies warnings; errors always log."""
+        info = self.log_info or self.log_verbose > 0
+        return LogSettings(
+            log_file=self.log_file or "",
+            log_info=info,
+            log_warning=info or self.log_warn,
+            log_error=True,
+            log_verbose_level=int(self.log_verbose),
+            log_format="ISO8601" if self.log_format == LogFormat.ISO8601 else "default",
+        )
 
 
 @dataclasses.dataclass
@@ -413,6 +406,7 @@ class Server:
         self._engine: Engine | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._services: list[Any] = []  # frontends running on our loop, stopped with us
 
     # -- plumbing -----------------------------------------------------------------------
     def _engine_or_raise(self) -> Engine:
@@ -463,7 +457,6 @@ class Server:
         if self._engine is not None:
             raise InvalidArgumentError("Server already started")
         settings = self.options.engine_settings()
-        configure_logging(self.options)
         loop = _new_event_loop()
         thread = threading.Thread(target=loop.run_forever, name="dlserve-engine", daemon=True)
         thread.start()
@@ -495,6 +488,8 @@ class Server:
         engine, loop, thread = self._engine, self._loop, self._thread
         if engine is None or loop is None:
             return
+        for service in list(self._services):  # no new requests from the network first
+            service.stop()
         try:
             asyncio.run_coroutine_threadsafe(engine.stop(), loop).result()
         finally:
@@ -504,6 +499,13 @@ class Server:
             loop.close()
             self._engine = self._loop = self._thread = None
             _LIVE_SERVERS.discard(self)
+
+    def _attach(self, service: Any) -> None:
+        self._services.append(service)
+
+    def _detach(self, service: Any) -> None:
+        if service in self._services:
+            self._services.remove(service)
 
     def _kill(self) -> None:
         """Interpreter exit without stop(): end workers, unlink segments."""

@@ -23,6 +23,7 @@ import traceback
 from types import ModuleType
 from typing import Any
 
+
 from dlserve.errors import ErrorCode, TritonError
 from dlserve.ipc.channel import WorkerChannel
 from dlserve.ipc.protocol import Kind
@@ -172,7 +173,13 @@ class Worker:
         return wire
 
     def _request(self, wire: tuple[Any, ...]) -> InferenceRequest:
-        request_id, correlation_id, flags, timeout, parameters, requested, inputs = wire
+        request_id, correlation_id, flags, timeout, parameters, requested, inputs, buffers = wire
+        destinations = None
+        if buffers:
+            destinations = {}
+            for buffer in buffers:
+                name, tensor = self.peer.import_(buffer)
+                destinations[name] = tensor.storage()
         return InferenceRequest._received(
             [Tensor(*self.peer.import_(tensor)) for tensor in inputs],
             requested,
@@ -181,6 +188,7 @@ class Worker:
             flags,
             timeout,
             parameters,
+            destinations,
         )
 
     def _failure(self, message: str) -> str:
@@ -222,11 +230,22 @@ class Worker:
         if error is not None:
             return ((), (error.code(), error.message()), response.parameters())
         requested = set(request.requested_output_names())
-        outputs = [
-            self.peer.export(tensor.name(), tensor._tensor)
-            for tensor in response.output_tensors()
-            if tensor.name() in requested
-        ]
+        destinations = request._destinations or {}
+        outputs = []
+        for tensor in response.output_tensors():
+            name = tensor.name()
+            if name not in requested:
+                continue
+            destination = destinations.get(name)
+            if destination is None:
+                outputs.append(self.peer.export(name, tensor._tensor))
+                continue
+            try:
+                placed = tensor._tensor.write_into(destination)
+            except ValueError as exc:
+                message = f"output '{name}' {exc} (its shared memory region)"
+                return ((), (int(ErrorCode.INVALID_ARG), message), response.parameters())
+            outputs.append(self.peer.export(name, placed, by_reference=True))
         return (outputs, None, response.parameters())
 
 

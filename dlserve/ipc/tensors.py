@@ -62,11 +62,15 @@ class Peer:
         self.closed = False
 
     # -- sending --------------------------------------------------------------------
-    def export(self, name: str, tensor: Tensor) -> WireTensor:
-        """Describe ``tensor`` to the peer, copying it into our arena only if needed."""
+    def export(self, name: str, tensor: Tensor, by_reference: bool = False) -> WireTensor:
+        """Describe ``tensor`` to the peer, copying it into our arena only if needed.
+
+        ``by_reference`` forces a reference even for a tiny tensor: for memory the
+        peer must write into, or must recognise as memory it handed out.
+        """
         data = tensor.storage()
         nbytes = data.nbytes
-        if nbytes <= INLINE_MAX:
+        if nbytes <= INLINE_MAX and not by_reference:
             return (name, int(tensor.data_type), tensor.shape, data.tobytes())
         found = self.space.locate(data)
         if found is None:

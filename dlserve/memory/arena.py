@@ -96,6 +96,9 @@ class MemorySpace:
             self._by_start[segment.address] = segment
             self._anchors.setdefault(segment.name, {})
 
+    def known_segment(self, name: str) -> Segment | None:
+        return self._segments.get(name)
+
     def segment(self, name: str) -> Segment:
         """The segment called ``name``, mapping a peer's segment on first use."""
         seg = self._segments.get(name)

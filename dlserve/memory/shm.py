@@ -42,9 +42,11 @@ def _anchor_type(nbytes: int) -> type[ctypes.Array[Any]]:
 class Segment:
     """One mapped shared-memory object; the same class serves owner and peers."""
 
-    __slots__ = ("name", "size", "owned", "_mm", "_skip", "address", "__weakref__")
+    __slots__ = ("name", "size", "owned", "inode", "_mm", "_skip", "address", "__weakref__")
 
-    def __init__(self, name: str, mm: mmap.mmap, owned: bool, skip: int = 0) -> None:
+    def __init__(
+        self, name: str, mm: mmap.mmap, owned: bool, skip: int = 0, inode: int = 0
+    ) -> None:
         """Wrap ``mm``; the segment's byte 0 is byte ``skip`` of the mapping.
 
         ``skip`` exists because mappings start on a page boundary while a client's
@@ -53,6 +55,7 @@ class Segment:
         self.name = name
         self.size = len(mm) - skip
         self.owned = owned
+        self.inode = inode  # tells a re-created object of the same name from the old one
         self._mm = mm
         self._skip = skip
         probe = ctypes.c_char.from_buffer(mm, skip)
@@ -84,7 +87,8 @@ class Segment:
         path = shm_path(name)
         fd = os.open(path, os.O_RDWR)
         try:
-            total = os.fstat(fd).st_size
+            stat = os.fstat(fd)
+            total = stat.st_size
             length = total - offset if size is None else size
             if offset < 0 or length <= 0 or offset + length > total:
                 raise InvalidArgumentError(
@@ -96,7 +100,7 @@ class Segment:
             mm = mmap.mmap(fd, length + (offset - start), flags=mmap.MAP_SHARED, offset=start)
         finally:
             os.close(fd)
-        return cls(name, mm, owned=False, skip=offset - start)
+        return cls(name, mm, owned=False, skip=offset - start, inode=stat.st_ino)
 
     def anchor(self, offset: int, nbytes: int) -> ctypes.Array[Any]:
         """A new view object over ``[offset, offset + nbytes)`` of this segment."""
@@ -105,6 +109,10 @@ class Segment:
                 f"range [{offset}, {offset + nbytes}) is outside a {self.size}-byte region"
             )
         return _anchor_type(nbytes).from_buffer(self._mm, offset + self._skip)
+
+    def current_size(self) -> int:
+        """The object's size now (its owner may have shrunk it since it was mapped)."""
+        return self._mm.size() - self._skip
 
     def unlink(self) -> None:
         """Remove the name; existing mappings stay valid until their views die."""

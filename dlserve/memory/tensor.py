@@ -159,6 +159,20 @@ class Tensor:
                 f"needs {expected} bytes, got {self.storage().nbytes}"
             )
 
+    def write_into(self, buffer: np.ndarray) -> Tensor:
+        """This tensor's bytes placed at the start of ``buffer`` (a uint8 view of shared
+        memory): copied there unless already there. Raises ValueError if too small."""
+        data = self.storage()
+        if data.nbytes > buffer.nbytes:
+            raise ValueError(f"needs {data.nbytes} bytes, but its destination holds {buffer.nbytes}")
+        target = buffer[: data.nbytes]
+        if target.__array_interface__["data"][0] != data.__array_interface__["data"][0]:
+            target[:] = data.reshape(-1).view(np.uint8)
+        if self.data_type is DataType.BYTES:
+            return Tensor(self.data_type, self.shape, data=target)
+        view = target.view(self.data_type.storage_dtype).reshape(self.shape)
+        return Tensor(self.data_type, self.shape, data=view)
+
     def reshape(self, shape: Sequence[int]) -> Tensor:
         """The same bytes under another shape with as many elements."""
         shape = tuple(int(d) for d in shape)

@@ -1,0 +1,267 @@
+"""The data plane both network frontends share: KServe v2 semantics over the engine.
+
+HTTP and gRPC decode their wire formats into :class:`InputSpec`/:class:`OutputSpec`
+and hand them here; this module turns them into engine requests (data types,
+shapes, byte sizes, shared-memory references, Triton's reserved parameters) and
+runs them. Everything here runs on the engine's event loop and knows nothing of
+HTTP status codes or gRPC codes: errors are :mod:`dlserve.errors`, which each
+frontend maps to its own statuses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+from dlserve.engine.core import Engine
+from dlserve.engine.request import Request, Response
+from dlserve.errors import InvalidArgumentError, UnsupportedError
+from dlserve.memory.dtypes import DataType
+from dlserve.memory.tensor import Tensor
+
+# Request parameters Triton consumes itself instead of passing to the model.
+SEQUENCE_START = 1
+SEQUENCE_END = 2
+RESERVED_PARAMETERS = frozenset(
+    {
+        "sequence_id",
+        "sequence_start",
+        "sequence_end",
+        "priority",
+        "timeout",
+        "binary_data_output",
+        "headers",
+        "triton_enable_empty_final_response",
+    }
+)
+SHM_REGION = "shared_memory_region"
+SHM_OFFSET = "shared_memory_offset"
+SHM_BYTE_SIZE = "shared_memory_byte_size"
+
+
+@dataclasses.dataclass
+class ShmRef:
+    region: str
+    offset: int
+    byte_size: int
+
+
+@dataclasses.dataclass
+class InputSpec:
+    """An input as a transport decoded it.
+
+    Exactly one of ``array`` (typed values, e.g. from JSON), ``raw`` (the tensor's
+    bytes in Triton's binary layout) or ``shm`` is set.
+    """
+
+    name: str
+    datatype: str
+    shape: list[int]
+    array: np.ndarray | None = None
+    raw: Any = None
+    shm: ShmRef | None = None
+
+
+@dataclasses.dataclass
+class OutputSpec:
+    name: str
+    parameters: dict[str, Any] = dataclasses.field(default_factory=dict)
+    shm: ShmRef | None = None
+
+
+def parse_version(version: str | int | None) -> int:
+    if version in (None, ""):
+        return -1
+    try:
+        value = int(version)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"invalid model version '{version}'") from None
+    if value < 0:
+        raise InvalidArgumentError(f"invalid model version '{version}'")
+    return value
+
+
+def shm_ref(parameters: dict[str, Any], what: str) -> ShmRef | None:
+    """The shared-memory reference in an input's or output's parameters, checked."""
+    region = parameters.get(SHM_REGION)
+    if region is None:
+        if SHM_BYTE_SIZE in parameters or SHM_OFFSET in parameters:
+            raise InvalidArgumentError(f"{what}: '{SHM_REGION}' is required with shared memory sizes")
+        return None
+    size = parameters.get(SHM_BYTE_SIZE)
+    offset = parameters.get(SHM_OFFSET, 0)
+    if not isinstance(region, str) or not region:
+        raise InvalidArgumentError(f"{what}: '{SHM_REGION}' must be a non-empty string")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise InvalidArgumentError(f"{what}: '{SHM_BYTE_SIZE}' must be a non-negative integer")
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+        raise InvalidArgumentError(f"{what}: '{SHM_OFFSET}' must be a non-negative integer")
+    return ShmRef(region, offset, size)
+
+
+class DataPlane:
+    """KServe v2 operations over one engine, shared by the HTTP and gRPC frontends."""
+
+    def __init__(self, engine: Engine, allow_client_shm: bool = False) -> None:
+        self.engine = engine
+        self.allow_client_shm = allow_client_shm
+
+    # -- shared memory --------------------------------------------------------------------
+    def _check_shm_allowed(self) -> None:
+        if not self.allow_client_shm:
+            raise InvalidArgumentError(
+                "Client shared memory is disabled. Start the server with "
+                "'--allow-client-shm=true' to enable."
+            )
+
+    def register_system_shm(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        self._check_shm_allowed()
+        self.engine.regions.register(name, key, offset, byte_size)
+
+    def unregister_system_shm(self, name: str | None = None) -> None:
+        self._check_shm_allowed()
+        self.engine.regions.unregister(name or None)
+
+    def system_shm_status(self, name: str | None = None) -> list[dict[str, Any]]:
+        return self.engine.regions.status(name or None)
+
+    def register_cuda_shm(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
+        self._check_shm_allowed()
+        raise UnsupportedError(
+            "CUDA shared memory is not available: this server has no CUDA device "
+            "(use system shared memory)"
+        )
+
+    def unregister_cuda_shm(self, name: str | None = None) -> None:
+        self._check_shm_allowed()
+
+    def cuda_shm_status(self, name: str | None = None) -> list[dict[str, Any]]:
+        if name:
+            raise InvalidArgumentError(f"Unable to find cuda shared memory region: '{name}'")
+        return []
+
+    # -- inference --------------------------------------------------------------------------
+    def input_tensor(self, spec: InputSpec, label: str) -> Tensor:
+        """Turn a decoded input into a tensor, checking type, shape and size."""
+        try:
+            data_type = DataType.from_wire(spec.datatype)
+        except ValueError:
+            raise InvalidArgumentError(f"invalid datatype for input {spec.name}") from None
+        shape = tuple(spec.shape)
+        if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape):
+            raise InvalidArgumentError(f"{label}input '{spec.name}' has an invalid shape {list(spec.shape)}")
+        count = math.prod(shape)
+        if spec.shm is not None:
+            self._check_shm_allowed()
+            raw = self.engine.regions.view(spec.shm.region, spec.shm.offset, spec.shm.byte_size)
+            return self._from_bytes(spec.name, data_type, shape, count, raw, label)
+        if spec.raw is not None:
+            raw = spec.raw if isinstance(spec.raw, np.ndarray) else np.frombuffer(spec.raw, dtype=np.uint8)
+            return self._from_bytes(spec.name, data_type, shape, count, raw, label)
+        array = spec.array
+        if array is None:
+            raise InvalidArgumentError(f"{label}input '{spec.name}' has no data")
+        if array.size != count:
+            raise InvalidArgumentError(
+                f"{label}input '{spec.name}' has {array.size} elements, but its shape "
+                f"{list(shape)} needs {count}"
+            )
+        if data_type is DataType.BYTES:
+            return Tensor(data_type, shape, objects=array.reshape(shape))
+        if data_type in (DataType.FP16, DataType.BF16) and array.dtype.kind != "u":
+            raise InvalidArgumentError(
+                f"{label}input '{spec.name}': {data_type.name} data must be sent as binary data"
+            )
+        return Tensor(data_type, shape, data=array.reshape(shape))
+
+    @staticmethod
+    def _from_bytes(
+        name: str, data_type: DataType, shape: tuple[int, ...], count: int, raw: np.ndarray, label: str
+    ) -> Tensor:
+        if data_type is DataType.BYTES:
+            return Tensor(data_type, shape, data=raw)
+        expected = count * data_type.itemsize
+        if raw.nbytes != expected:
+            raise InvalidArgumentError(
+                f"{label}input byte size mismatch for input '{name}'. Expected {expected}, got {raw.nbytes}"
+            )
+        return Tensor(data_type, shape, data=raw.view(data_type.storage_dtype).reshape(shape))
+
+    def build_request(
+        self,
+        model_name: str,
+        model_version: str | int | None,
+        request_id: str,
+        parameters: dict[str, Any],
+        inputs: list[InputSpec],
+        outputs: list[OutputSpec] | None,
+    ) -> Request:
+        request = Request(
+            model_name=model_name,
+            model_version=parse_version(model_version),
+            inputs={},
+            on_response=_unset,
+            request_id=request_id,
+        )
+        label = request.label
+        model_parameters: dict[str, Any] = {}
+        for key, value in parameters.items():
+            if key in RESERVED_PARAMETERS:
+                continue
+            if isinstance(value, (dict, list)) or value is None:
+                raise InvalidArgumentError(
+                    f"{label}parameter '{key}' must be a bool, number or string"
+                )
+            model_parameters[key] = value
+        request.parameters = model_parameters
+        sequence_id = parameters.get("sequence_id")
+        if sequence_id is not None:
+            if isinstance(sequence_id, bool) or not isinstance(sequence_id, (int, str)):
+                raise InvalidArgumentError(f"{label}'sequence_id' must be an integer or a string")
+            request.correlation_id = sequence_id
+        if parameters.get("sequence_start"):
+            request.flags |= SEQUENCE_START
+        if parameters.get("sequence_end"):
+            request.flags |= SEQUENCE_END
+        for key in ("priority", "timeout"):
+            value = parameters.get(key, 0)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidArgumentError(f"{label}'{key}' must be a non-negative integer")
+        request.priority = int(parameters.get("priority", 0))
+        request.timeout_us = int(parameters.get("timeout", 0))
+        for spec in inputs:
+            if spec.name in request.inputs:
+                raise InvalidArgumentError(f"{label}input '{spec.name}' already exists in request")
+            request.inputs[spec.name] = self.input_tensor(spec, label)
+        if outputs:
+            request.requested_outputs = [o.name for o in outputs]
+            buffers = {}
+            for output in outputs:
+                if output.shm is not None:
+                    self._check_shm_allowed()
+                    buffers[output.name] = self.engine.regions.view(
+                        output.shm.region, output.shm.offset, output.shm.byte_size
+                    )
+            request.output_buffers = buffers or None
+        return request
+
+    async def infer(self, request: Request) -> Response:
+        """Run a one-response request and return its response (errors inside it)."""
+        future: asyncio.Future[Response] = asyncio.get_running_loop().create_future()
+
+        def deliver(response: Response) -> None:
+            if not future.done():
+                future.set_result(response)
+
+        request.on_response = deliver
+        self.engine.submit(request)
+        return await future
+
+
+
+def _unset(response: Response) -> None:  # pragma: no cover - replaced before submit
+    raise AssertionError("request submitted without a response callback")

@@ -1,0 +1,523 @@
+"""The KServe v2 REST API with Triton's extensions, over :mod:`http_server`.
+
+Paths, JSON shapes, the binary tensor extension (``Inference-Header-Content-Length``,
+``binary_data``, ``binary_data_size``, ``binary_data_output``), shared-memory
+references, restricted API categories and the error body ``{"error": "..."}`` follow
+Triton's HTTP frontend. Status codes come from the error's Triton code (see
+:data:`STATUS`); nothing below the frontends knows about HTTP.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import math
+import re
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+import orjson
+
+from dlserve.engine.request import Response
+from dlserve.errors import ErrorCode, InvalidArgumentError, TritonError, UnsupportedError
+from dlserve.frontends.dataplane import DataPlane, InputSpec, OutputSpec, parse_version, shm_ref
+from dlserve.frontends.http_server import HttpError, HttpRequest, HttpResponse, decode_body, encode_body
+from dlserve.memory.dtypes import DataType, numpy_dtype
+from dlserve.memory.tensor import Tensor
+
+STATUS = {
+    ErrorCode.INTERNAL: 500,
+    ErrorCode.NOT_FOUND: 404,
+    ErrorCode.UNAVAILABLE: 503,
+    ErrorCode.UNSUPPORTED: 501,
+    ErrorCode.UNKNOWN: 400,
+    ErrorCode.INVALID_ARG: 400,
+    ErrorCode.ALREADY_EXISTS: 400,
+    ErrorCode.CANCELLED: 400,
+}
+HEADER_LENGTH = "inference-header-content-length"
+CATEGORIES = (
+    "health",
+    "metadata",
+    "inference",
+    "shared-memory",
+    "model-config",
+    "model-repository",
+    "statistics",
+    "trace",
+    "logging",
+)
+
+
+def json_response(obj: Any, status: int = 200) -> HttpResponse:
+    return HttpResponse(status, [orjson.dumps(obj)])
+
+
+def error_response(error: TritonError) -> HttpResponse:
+    return json_response({"error": error.message}, STATUS.get(error.code, 500))
+
+
+def empty(status: int) -> HttpResponse:
+    return HttpResponse(status, [], "text/plain")
+
+
+@dataclasses.dataclass(frozen=True)
+class Restriction:
+    """``--http-restricted-api=<categories>:<header>=<value>``."""
+
+    categories: frozenset[str]
+    header: str
+    value: str
+
+    @staticmethod
+    def parse(text: str) -> Restriction:
+        try:
+            categories, pair = text.split(":", 1)
+            header, value = pair.split("=", 1)
+        except ValueError:
+            raise InvalidArgumentError(
+                f"restricted API '{text}' must look like <category,...>:<header>=<value>"
+            ) from None
+        names = frozenset(c.strip() for c in categories.split(",") if c.strip())
+        unknown = names - set(CATEGORIES)
+        if unknown or not names or not header:
+            raise InvalidArgumentError(
+                f"restricted API '{text}': unknown categories {sorted(unknown)}; "
+                f"known: {', '.join(CATEGORIES)}"
+            )
+        return Restriction(names, header.strip().lower(), value)
+
+
+Route = Callable[[HttpRequest, dict[str, str]], Awaitable[HttpResponse]]
+
+
+class KServeHttpApi:
+    """Routes requests to handlers; one instance per HTTP service."""
+
+    def __init__(
+        self,
+        dataplane: DataPlane,
+        restrictions: list[Restriction] | None = None,
+        header_forward_pattern: str = "",
+    ) -> None:
+        self.dataplane = dataplane
+        self.engine = dataplane.engine
+        self.restrictions = restrictions or []
+        self.forward = re.compile(header_forward_pattern, re.IGNORECASE) if header_forward_pattern else None
+        model = r"/v2/models/(?P<model>[^/]+)(?:/versions/(?P<version>[^/]+))?"
+        shm = r"(?:/region/(?P<region>[^/]+))?"
+        table: list[tuple[str, set[str], str, Route]] = [
+            (r"/v2/health/live", {"GET"}, "health", self.live),
+            (r"/v2/health/ready", {"GET"}, "health", self.ready),
+            (r"/v2", {"GET"}, "metadata", self.server_metadata),
+            (model, {"GET"}, "metadata", self.model_metadata),
+            (model + "/ready", {"GET"}, "health", self.model_ready),
+            (model + "/config", {"GET"}, "model-config", self.model_config),
+            (model + "/infer", {"POST"}, "inference", self.infer),
+            (r"/v2/models(?:/(?P<model>[^/]+)(?:/versions/(?P<version>[^/]+))?)?/stats", {"GET"}, "statistics", self.statistics),
+            (r"/v2/repository(?:/(?P<repo>[^/]+))?/index", {"POST"}, "model-repository", self.index),
+            (r"/v2/repository(?:/(?P<repo>[^/]+))?/models/(?P<model>[^/]+)/load", {"POST"}, "model-repository", self.load),
+            (r"/v2/repository(?:/(?P<repo>[^/]+))?/models/(?P<model>[^/]+)/unload", {"POST"}, "model-repository", self.unload),
+            (r"/v2/systemsharedmemory" + shm + "/status", {"GET"}, "shared-memory", self.system_status),
+            (r"/v2/systemsharedmemory/region/(?P<region>[^/]+)/register", {"POST"}, "shared-memory", self.system_register),
+            (r"/v2/systemsharedmemory" + shm + "/unregister", {"POST"}, "shared-memory", self.system_unregister),
+            (r"/v2/cudasharedmemory" + shm + "/status", {"GET"}, "shared-memory", self.cuda_status),
+            (r"/v2/cudasharedmemory/region/(?P<region>[^/]+)/register", {"POST"}, "shared-memory", self.cuda_register),
+            (r"/v2/cudasharedmemory" + shm + "/unregister", {"POST"}, "shared-memory", self.cuda_unregister),
+            (r"/v2/logging", {"GET", "POST"}, "logging", self.logging),
+        ]
+        self._routes = [(re.compile(f"^{p}$"), methods, category, fn) for p, methods, category, fn in table]
+
+    async def __call__(self, request: HttpRequest) -> HttpResponse:
+        for pattern, methods, category, route in self._routes:
+            match = pattern.match(request.path)
+            if match is None:
+                continue
+            if request.method not in methods:
+                return json_response({"error": "Method Not Allowed"}, 405)
+            denied = self._restricted(category, request)
+            if denied is not None:
+                return denied
+            try:
+                response = await route(request, {k: v for k, v in match.groupdict().items() if v is not None})
+            except TritonError as exc:
+                return error_response(exc)
+            return encode_body(request, response)
+        return json_response({"error": "Not Found"}, 404)
+
+    def _restricted(self, category: str, request: HttpRequest) -> HttpResponse | None:
+        for rule in self.restrictions:
+            if category in rule.categories and request.header(rule.header) != rule.value:
+                return json_response(
+                    {"error": f"This API is restricted, expecting header '{rule.header}'"}, 403
+                )
+        return None
+
+    # -- health and metadata ------------------------------------------------------------
+    async def live(self, request: HttpRequest, args: dict[str, str]) -> HttpResponse:
+        return empty(200 if self.engine.live else 400)
+
+    async def ready(self, request: HttpRequest, args: dict[str, str]) -> HttpResponse:
+        return empty(200 if self.engine.ready() else 400)
+
+    async def server_metadata(self, request: HttpRequest, args: dict[str, str]) -> HttpResponse:
+        return json_response(self.engine.metadata())
+
+    async def model_metadata(self, request: HttpRequest, args: dict[str, str]) -> HttpResponse:
+        return json_response(self.engine.model_metadata(args["model"], _version(args)))
+
+    async def model_ready(self, request: HttpRequest, args: dict[str, str]) -> HttpResponse:
+        if await self.engine.model_ready(args["model"], _version(args)):
+            return empty(200)
+        return json_response({"error": "Model version not ready"}, 400)
+
+    async def model_config(self, request: HttpRequest, args: dict[str, str]) -> HttpResponse:
+        return json_response(self.engine.model_config(args["model"], _version(args)))
+
+    async def statistics(self, request: HttpRequest, args: dict[str, str]) -> HttpResponse:
+        return json_response(self.engine.statistics(args.get("model", ""), _version(args)))
+
+    # -- model repository ---------------------------------------------------------------
+    async def index(self, request: HttpRequest, args: dict[str, str]) -> HttpResponse:
+        body = _json_object(request, allow_empty=True)
+        ready = body.get("ready", False)
+        if not isinstance(ready, bool):
+            raise InvalidArgumentError("'ready' must be a boolean")
+        return json_response(self.engine.repository_index(ready))
+
+    async def load(self, request: HttpRequest, args: dict[str, str]) -> HttpResponse:
+        parameters = _json_object(request, allow_empty=True).get("parameters") or {}
+        if not isinstance(parameters, dict):
+            raise InvalidArgumentError("'parameters' must be an object")
+        decoded: dict[str, Any] = {}
+        for key, value in parameters.items():
+            if key.startswith("file:"):
+                if not isinstance(value, str):
+                    raise InvalidArgumentError(f"'{key}' must be a base64 string")
+                try:
+                    decoded[key] = base64.b64decode(value, validate=True)
+                except ValueError:
+                    raise InvalidArgumentError(f"'{key}' is not valid base64") from None
+            elif key == "config":
+                decoded[key] = value if isinstance(value, str) else json.dumps(value)
+            else:
+                decoded[key] = value
+        await self.engine.load(args["model"], decoded)
+        return json_response({})
+
+    async def unload(self, request: HttpRequest, args: dict[str, str]) -> HttpResponse:
+        parameters = _json_object(request, allow_empty=True).get("parameters") or {}
+        dependents = parameters.get("unload_dependents", False) if isinstance(parameters, dict) else False
+        if not isinstance(dependents, bool):
+            raise InvalidArgumentError("'unload_dependents' must be a boolean")
+        await self.engine.unload(args["model"], dependents)
+        return json_response({})
+
+    # -- shared memory --------------------------------------------------------------------
+    async def system_status(self, request: HttpRequest, args: dict[str, str]) -> HttpResponse:
+        return json_response(self.dataplane.system_shm_status(args.get("region")))
+
+    async def system_register(self, request: HttpRequest, args: dict[str, str]) -> HttpResponse:
+        body = _json_object(request)
+        key = body.get("key")
+        offset = body.get("offset", 0)
+        byte_size = body.get("byte_size")
+        if not isinstance(key, str) or not _is_count(offset) or not _is_count(byte_size):
+            raise InvalidArgumentError("register needs 'key' (string), 'offset' and 'byte_size' (integers)")
+        self.dataplane.register_system_shm(args["region"], key, offset, byte_size)
+        return json_response({})
+
+    async def system_unregister(self, request: HttpRequest, args: dict[str, str]) -> HttpResponse:
+        self.dataplane.unregister_system_shm(args.get("region"))
+        return json_response({})
+
+    async def cuda_status(self, request: HttpRequest, args: dict[str, str]) -> HttpResponse:
+        return json_response(self.dataplane.cuda_shm_status(args.get("region")))
+
+    async def cuda_register(self, request: HttpRequest, args: dict[str, str]) -> HttpResponse:
+        body = _json_object(request)
+        handle = body.get("raw_handle", {})
+        raw = handle.get("b64") if isinstance(handle, dict) else None
+        if not isinstance(raw, str):
+            raise InvalidArgumentError("register needs 'raw_handle': {'b64': <base64 handle>}")
+        self.dataplane.register_cuda_shm(
+            args["region"], base64.b64decode(raw), int(body.get("device_id", 0)), int(body.get("byte_size", 0))
+        )
+        return json_response({})
+
+    async def cuda_unregister(self, request: HttpRequest, args: dict[str, str]) -> HttpResponse:
+        self.dataplane.unregister_cuda_shm(args.get("region"))
+        return json_response({})
+
+    # -- logging --------------------------------------------------------------------------
+    async def logging(self, request: HttpRequest, args: dict[str, str]) -> HttpResponse:
+        settings = self.engine.settings.log
+        if request.method == "POST":
+            settings.update(_json_object(request))
+        return json_response(settings.as_dict())
+
+    # -- inference ------------------------------------------------------------------------
+    async def infer(self, request: HttpRequest, args: dict[str, str]) -> HttpResponse:
+        header, binary = _split_body(request)
+        try:
+            body = orjson.loads(memoryview(header))
+        except orjson.JSONDecodeError as exc:
+            raise InvalidArgumentError(f"failed to parse the request JSON buffer: {exc}") from None
+        if not isinstance(body, dict):
+            raise InvalidArgumentError("the request JSON must be an object")
+        request_id = body.get("id", "")
+        if not isinstance(request_id, str):
+            raise InvalidArgumentError("'id' must be a string")
+        parameters = _object(body.get("parameters"), "parameters")
+        if self.forward is not None:
+            parameters = dict(parameters)
+            for key, value in request.headers.items():
+                if not key.startswith("_") and self.forward.match(key):
+                    parameters[key] = value
+        inputs = _decode_inputs(body.get("inputs"), binary, request_id)
+        outputs = _decode_outputs(body.get("outputs"))
+        engine_request = self.dataplane.build_request(
+            args["model"], args.get("version"), request_id, parameters, inputs, outputs
+        )
+        response = await self.dataplane.infer(engine_request)
+        if response.error is not None:
+            return error_response(response.error)
+        binary_default = bool(parameters.get("binary_data_output", False))
+        return _encode_response(response, outputs or [], binary_default)
+
+
+# -- request decoding -----------------------------------------------------------------------
+def _version(args: dict[str, str]) -> int:
+    return parse_version(args.get("version"))
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _json_object(request: HttpRequest, allow_empty: bool = False) -> dict[str, Any]:
+    body = decode_body(request)
+    if not len(body):
+        if allow_empty:
+            return {}
+        raise InvalidArgumentError("request body must be a JSON object")
+    try:
+        value = orjson.loads(bytes(body))
+    except orjson.JSONDecodeError as exc:
+        raise InvalidArgumentError(f"failed to parse the request JSON buffer: {exc}") from None
+    if not isinstance(value, dict):
+        raise InvalidArgumentError("request body must be a JSON object")
+    return value
+
+
+def _object(value: Any, what: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InvalidArgumentError(f"'{what}' must be a JSON object")
+    return value
+
+
+def _split_body(request: HttpRequest) -> tuple[Any, np.ndarray]:
+    """(JSON header, binary tail as a uint8 array) per Inference-Header-Content-Length."""
+    body = decode_body(request)
+    data = body if isinstance(body, np.ndarray) else np.frombuffer(body, dtype=np.uint8)
+    length_text = request.header(HEADER_LENGTH)
+    if not length_text:
+        return data, data[:0]
+    try:
+        length = int(length_text)
+    except ValueError:
+        raise InvalidArgumentError(f"invalid Inference-Header-Content-Length '{length_text}'") from None
+    if length == 0:
+        raise UnsupportedError(
+            "raw binary requests (Inference-Header-Content-Length: 0) are not supported; "
+            "send a JSON header describing the inputs"
+        )
+    if length < 0 or length > data.nbytes:
+        raise InvalidArgumentError(
+            f"Inference-Header-Content-Length {length} is outside the {data.nbytes}-byte body"
+        )
+    return data[:length], data[length:]
+
+
+def _decode_inputs(raw_inputs: Any, binary: np.ndarray, request_id: str) -> list[InputSpec]:
+    label = f"[request id: {request_id or '<id_unknown>'}] "
+    if not isinstance(raw_inputs, list):
+        raise InvalidArgumentError("Unable to parse 'inputs': it must be a JSON array")
+    specs = []
+    position = 0
+    for item in raw_inputs:
+        if not isinstance(item, dict):
+            raise InvalidArgumentError("each input must be a JSON object")
+        name, datatype, shape = item.get("name"), item.get("datatype"), item.get("shape")
+        if not isinstance(name, str) or not isinstance(datatype, str) or not isinstance(shape, list):
+            raise InvalidArgumentError("each input needs 'name', 'datatype' and 'shape'")
+        if not all(_is_count(d) for d in shape):
+            raise InvalidArgumentError(f"{label}input '{name}': shape must be non-negative integers")
+        parameters = _object(item.get("parameters"), f"parameters of input '{name}'")
+        ref = shm_ref(parameters, f"input '{name}'")
+        size = parameters.get("binary_data_size")
+        has_data = "data" in item
+        if (ref is not None) + (size is not None) + has_data != 1:
+            raise InvalidArgumentError(
+                "Input must set only one of the following fields: 'data', 'binary_data_size' in "
+                "'parameters', 'shared_memory_region' in 'parameters'. "
+                + ("But no field is set" if not (ref or size is not None or has_data) else "But more than one is set")
+            )
+        spec = InputSpec(name, datatype, shape, shm=ref)
+        if size is not None:
+            if not _is_count(size):
+                raise InvalidArgumentError(f"input '{name}': 'binary_data_size' must be a non-negative integer")
+            if position + size > binary.nbytes:
+                raise InvalidArgumentError(
+                    f"unexpected end of binary data: input '{name}' needs {size} bytes at offset "
+                    f"{position}, the body has {binary.nbytes}"
+                )
+            spec.raw = binary[position : position + size]
+            position += size
+        elif has_data:
+            spec.array = _json_data(name, datatype, shape, item["data"], label)
+        specs.append(spec)
+    if position != binary.nbytes:
+        raise InvalidArgumentError(
+            f"the request has {binary.nbytes - position} bytes of binary data no input claims"
+        )
+    return specs
+
+
+def _json_data(name: str, datatype: str, shape: list[int], data: Any, label: str) -> np.ndarray:
+    try:
+        data_type = DataType.from_wire(datatype)
+    except ValueError:
+        raise InvalidArgumentError(f"invalid datatype for input {name}") from None
+    if not isinstance(data, list):
+        data = [data]
+    try:
+        if data_type is DataType.BYTES:
+            flat = _flatten(data)
+            for item in flat:
+                if not isinstance(item, str):
+                    raise TypeError("BYTES data must be JSON strings")
+            array = np.empty(len(flat), dtype=np.object_)
+            array[:] = [s.encode("utf-8") for s in flat]
+        elif data_type is DataType.BOOL:
+            flat = _flatten(data)
+            if not all(isinstance(v, bool) for v in flat):
+                raise TypeError("BOOL data must be JSON true/false")
+            array = np.array(flat, dtype=np.bool_)
+        elif data_type in (DataType.FP16, DataType.BF16):
+            raise TypeError(f"{data_type.name} data must be sent as binary data")
+        else:
+            probe = np.asarray(data)
+            if probe.dtype.kind not in "iuf":
+                raise TypeError(f"{data_type.name} data must be JSON numbers")
+            array = probe.astype(numpy_dtype(data_type), copy=False)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise InvalidArgumentError(f"{label}Unable to parse 'data' of input '{name}': {exc}") from None
+    count = math.prod(shape)
+    if array.size != count:
+        raise InvalidArgumentError(
+            f"{label}Unable to parse 'data' of input '{name}': it has {array.size} elements, "
+            f"shape {shape} needs {count}"
+        )
+    return array.reshape(-1)
+
+
+def _flatten(data: list[Any]) -> list[Any]:
+    out: list[Any] = []
+    stack = [iter(data)]
+    while stack:
+        for item in stack[-1]:
+            if isinstance(item, list):
+                if len(stack) > 64:
+                    raise ValueError("'data' is nested too deeply")
+                stack.append(iter(item))
+                break
+            out.append(item)
+        else:
+            stack.pop()
+    return out
+
+
+def _decode_outputs(raw: Any) -> list[OutputSpec] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise InvalidArgumentError("'outputs' must be a JSON array")
+    specs = []
+    for item in raw:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            raise InvalidArgumentError("each requested output needs a 'name'")
+        parameters = _object(item.get("parameters"), f"parameters of output '{item['name']}'")
+        if parameters.get("classification"):
+            raise UnsupportedError("the classification extension is not supported")
+        specs.append(OutputSpec(item["name"], parameters, shm_ref(parameters, f"output '{item['name']}'")))
+    return specs
+
+
+# -- response encoding -------------------------------------------------------------------------
+def _encode_response(response: Response, outputs: list[OutputSpec], binary_default: bool) -> HttpResponse:
+    wanted = {spec.name: spec for spec in outputs}
+    result: dict[str, Any] = {}
+    if response.request_id:
+        result["id"] = response.request_id
+    result["model_name"] = response.model_name
+    result["model_version"] = str(response.model_version)
+    if response.parameters:
+        result["parameters"] = response.parameters
+    entries = []
+    buffers: list[Any] = []
+    for name, tensor in response.outputs.items():
+        spec = wanted.get(name)
+        entry: dict[str, Any] = {
+            "name": name,
+            "datatype": tensor.data_type.wire_name,
+            "shape": list(tensor.shape),
+        }
+        if spec is not None and spec.shm is not None:
+            entry["parameters"] = {
+                "shared_memory_region": spec.shm.region,
+                "shared_memory_offset": spec.shm.offset,
+                "shared_memory_byte_size": tensor.size,
+            }
+        elif (spec.parameters.get("binary_data", binary_default) if spec else binary_default):
+            data = tensor.storage()
+            entry["parameters"] = {"binary_data_size": int(data.nbytes)}
+            buffers.append(data.reshape(-1).view(np.uint8) if data.nbytes else b"")
+        else:
+            entry["data"] = _json_values(tensor)
+        entries.append(entry)
+    result["outputs"] = entries
+    try:
+        header = orjson.dumps(result, option=orjson.OPT_SERIALIZE_NUMPY)
+    except TypeError:  # BYTES that are not UTF-8: written raw, as Triton does
+        header = json.dumps(result, ensure_ascii=False, default=_raw_default).encode(
+            "utf-8", "surrogateescape"
+        )
+    if not buffers:
+        return HttpResponse(200, [header])
+    return HttpResponse(
+        200,
+        [header, *buffers],
+        "application/octet-stream",
+        [("Inference-Header-Content-Length", str(len(header)))],
+    )
+
+
+def _json_values(tensor: Tensor) -> Any:
+    if tensor.data_type is DataType.BYTES:
+        values = tensor.to_bytes_array().reshape(-1)
+        return [v.decode("utf-8", "surrogateescape") for v in values.tolist()]
+    array = tensor.as_numpy().reshape(-1)
+    if tensor.data_type in (DataType.FP16, DataType.BF16):
+        return array.astype(np.float32)
+    return array
+
+
+def _raw_default(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    raise TypeError(f"cannot encode {type(value).__name__}")

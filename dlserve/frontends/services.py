@@ -1,0 +1,258 @@
+"""Frontend services modelled on ``tritonfrontend``: ``KServeHttp``, ``KServeGrpc``, ``Metrics``.
+
+Each is built from a started :class:`dlserve.Server` and an ``Options`` dataclass
+with tritonfrontend's fields and defaults (plus dlserve's own, documented on each
+field), validated on construction. ``start()``/``stop()`` or a ``with`` block run the
+service on the server's event loop. Closing tritonfrontend's documented gaps:
+shared memory works, restricted APIs work, and stopping the server first is safe —
+it stops its services, so a late request is refused cleanly instead of crashing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+from typing import Any
+
+import numpy as np
+
+from dlserve.engine.server import Server
+from dlserve.errors import AlreadyExistsError, InvalidArgumentError
+from dlserve.frontends.dataplane import DataPlane
+from dlserve.frontends.http_api import KServeHttpApi, Restriction
+from dlserve.frontends.http_server import HttpServer
+
+_MIB = 1 << 20
+
+
+def _check_port(port: Any) -> None:
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise InvalidArgumentError(f"port must be an integer in [0, 65535], got {port!r}")
+
+
+def _check_positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _check_non_negative(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidArgumentError(f"{name} must be a non-negative integer, got {value!r}")
+
+
+def _check_pattern(name: str, value: Any) -> None:
+    if not isinstance(value, str):
+        raise InvalidArgumentError(f"{name} must be a string")
+    if value:
+        try:
+            re.compile(value)
+        except re.error as exc:
+            raise InvalidArgumentError(f"{name} is not a valid regular expression: {exc}") from None
+
+
+class Service:
+    """Shared lifecycle: a coroutine pair run on the server's loop."""
+
+    Options: type[Any]
+
+    def __init__(self, server: Server, options: Any = None) -> None:
+        options = self.Options() if options is None else options
+        if not isinstance(options, self.Options):
+            raise InvalidArgumentError(
+                f"Incorrect type for options. options argument must be of type "
+                f"{type(self).__name__}.Options"
+            )
+        self.server = server
+        self.options = options
+        self.port: int | None = None
+        self._running = False
+
+    def start(self) -> None:
+        if self._running:
+            raise AlreadyExistsError("server is already running.")
+        self.port = self.server._run(self._start())
+        self._running = True
+        self.server._attach(self)
+
+    def stop(self) -> None:
+        if not self._running:
+            return
+        self._running = False
+        self.server._detach(self)
+        if self.server._loop is not None:
+            self.server._run(self._stop())
+
+    async def _start(self) -> int:
+        raise NotImplementedError
+
+    async def _stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Service:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.stop()
+
+
+class KServeHttp(Service):
+    @dataclasses.dataclass
+    class Options:
+        address: str = "0.0.0.0"
+        port: int = 8000
+        reuse_port: bool = False
+        thread_count: int = 8  # accepted for compatibility; dlserve serves HTTP on one event loop
+        header_forward_pattern: str = ""
+        # dlserve: --http-max-input-size, --allow-client-shm, --http-restricted-api
+        max_input_size: int = 64 * _MIB
+        allow_client_shm: bool = False
+        restricted_apis: list[str] = dataclasses.field(default_factory=list)
+
+        def __post_init__(self) -> None:
+            _check_port(self.port)
+            _check_positive("thread_count", self.thread_count)
+            _check_positive("max_input_size", self.max_input_size)
+            _check_pattern("header_forward_pattern", self.header_forward_pattern)
+            self._restrictions = [Restriction.parse(r) for r in self.restricted_apis]
+
+    def __init__(self, server: Server, options: KServeHttp.Options | None = None) -> None:
+        super().__init__(server, options)
+        self._http: Any = None
+
+    async def _start(self) -> int:
+        engine = self.server.engine
+        options = self.options
+        api = KServeHttpApi(
+            DataPlane(engine, allow_client_shm=options.allow_client_shm),
+            options._restrictions,
+            header_forward_pattern=options.header_forward_pattern,
+        )
+
+        def allocate_body(nbytes: int) -> np.ndarray:
+            assert engine.arena is not None
+            return np.frombuffer(engine.arena.allocate(nbytes), dtype=np.uint8)
+
+        self._http = HttpServer(api, allocate_body, max_body=options.max_input_size)
+        return await self._http.start(options.address, options.port, options.reuse_port)
+
+    async def _stop(self) -> None:
+        if self._http is not None:
+            await self._http.stop()
+            self._http = None
+
+
+class GrpcCompressionLevel(enum.IntEnum):
+    NONE = 0
+    LOW = 1
+    MED = 2
+    HIGH = 3
+    COUNT = 4
+
+
+class KServeGrpc(Service):
+    Grpc_compression_level = GrpcCompressionLevel
+
+    @dataclasses.dataclass
+    class Options:
+        address: str = "0.0.0.0"
+        port: int = 8001
+        reuse_port: bool = False
+        use_ssl: bool = False
+        server_cert: str = ""
+        server_key: str = ""
+        root_cert: str = ""
+        use_mutual_auth: bool = False
+        keepalive_time_ms: int = 7_200_000
+        keepalive_timeout_ms: int = 20_000
+        keepalive_permit_without_calls: bool = False
+        http2_max_pings_without_data: int = 2
+        http2_min_recv_ping_interval_without_data_ms: int = 300_000
+        http2_max_ping_strikes: int = 2
+        max_connection_age_ms: int = 0
+        max_connection_age_grace_ms: int = 0
+        infer_compression_level: int | GrpcCompressionLevel = GrpcCompressionLevel.NONE
+        infer_thread_count: int = 2
+        infer_allocation_pool_size: int = 8
+        max_response_pool_size: int = 2_147_483_647
+        forward_header_pattern: str = ""
+        # dlserve: explicit message-size limit, --allow-client-shm, --grpc-restricted-protocol
+        max_message_size: int = 64 * _MIB
+        allow_client_shm: bool = False
+        restricted_protocols: list[str] = dataclasses.field(default_factory=list)
+
+        def __post_init__(self) -> None:
+            _check_port(self.port)
+            for name in (
+                "keepalive_time_ms",
+                "keepalive_timeout_ms",
+                "http2_max_pings_without_data",
+                "http2_min_recv_ping_interval_without_data_ms",
+                "http2_max_ping_strikes",
+                "max_connection_age_ms",
+                "max_connection_age_grace_ms",
+                "infer_allocation_pool_size",
+                "max_response_pool_size",
+            ):
+                _check_non_negative(name, getattr(self, name))
+            _check_positive("infer_thread_count", self.infer_thread_count)
+            _check_positive("max_message_size", self.max_message_size)
+            _check_pattern("forward_header_pattern", self.forward_header_pattern)
+            try:
+                self.infer_compression_level = int(GrpcCompressionLevel(self.infer_compression_level))
+            except ValueError:
+                raise InvalidArgumentError(
+                    f"infer_compression_level must be 0-4, got {self.infer_compression_level!r}"
+                ) from None
+            if self.use_ssl and not (self.server_cert and self.server_key):
+                raise InvalidArgumentError("use_ssl needs server_cert and server_key")
+            if self.use_mutual_auth and not self.root_cert:
+                raise InvalidArgumentError("use_mutual_auth needs root_cert")
+
+    def __init__(self, server: Server, options: KServeGrpc.Options | None = None) -> None:
+        super().__init__(server, options)
+        self._grpc: Any = None
+
+    async def _start(self) -> int:
+        # Imported here: grpc costs ~150 ms to import and HTTP-only servers never need it.
+        from dlserve.frontends.grpc_server import GrpcServer
+
+        options = self.options
+        self._grpc = GrpcServer(DataPlane(self.server.engine, allow_client_shm=options.allow_client_shm), options)
+        return await self._grpc.start()
+
+    async def _stop(self) -> None:
+        if self._grpc is not None:
+            await self._grpc.stop()
+            self._grpc = None
+
+
+class Metrics(Service):
+    @dataclasses.dataclass
+    class Options:
+        address: str = "0.0.0.0"
+        port: int = 8002
+        thread_count: int = 1  # accepted for compatibility
+
+        def __post_init__(self) -> None:
+            _check_port(self.port)
+            _check_positive("thread_count", self.thread_count)
+
+    def __init__(self, server: Server, options: Metrics.Options | None = None) -> None:
+        super().__init__(server, options)
+        self._http: Any = None
+
+    async def _start(self) -> int:
+        from dlserve.frontends.metrics import MetricsEndpoint  # prometheus-client, loaded on use
+
+        self._http = MetricsEndpoint(self.server.engine)
+        return await self._http.start(self.options.address, self.options.port)
+
+    async def _stop(self) -> None:
+        if self._http is not None:
+            await self._http.stop()
+            self._http = None
+
+
+__all__ = ["KServeGrpc", "KServeHttp", "Metrics"]

@@ -1,0 +1,143 @@
+"""Client-registered system shared-memory regions (Triton's system shared-memory extension).
+
+A client creates a POSIX shared-memory object, registers ``(name, key, offset,
+byte_size)``, and then points inputs and outputs at ``(region, offset, size)``.
+The server maps the object once at registration; workers map it by key too, so a
+model reads its inputs from, and writes its outputs into, the client's memory.
+
+Every reference is checked: the region must fit the object, a reference must fit
+the region, and — because a client can shrink its object after registering it,
+which would turn a touch into SIGBUS — the object's current size is checked again
+each time a region is used. Keys in dlserve's own namespace can never be
+registered, with or without a leading ``/`` (the same POSIX object), and errors
+never echo an internal segment name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from dlserve.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError
+from dlserve.memory.arena import Anchor, MemorySpace
+from dlserve.memory.shm import Segment, shm_path
+
+
+@dataclasses.dataclass
+class Region:
+    name: str
+    key: str
+    offset: int
+    byte_size: int
+    segment: Segment
+    anchor: Anchor  # keeps the mapping alive while requests use the region
+
+    def status(self) -> dict[str, Any]:
+        return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
+
+
+class SystemRegions:
+    """The registry of client system shared-memory regions of one server."""
+
+    def __init__(
+        self,
+        space: MemorySpace,
+        reserved_prefix: str,
+        on_forget: Callable[[str], None] = lambda key: None,
+    ) -> None:
+        """``on_forget(key)`` is told when no region uses an object any more, so
+        workers drop their mapping too (a new object may later take the name)."""
+        self._space = space
+        self._reserved = reserved_prefix
+        self._on_forget = on_forget
+        self._lock = threading.Lock()
+        self._regions: dict[str, Region] = {}
+
+    def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        if not name:
+            raise InvalidArgumentError("shared memory region name must not be empty")
+        bare = key[1:] if key.startswith("/") else key
+        if bare.startswith(self._reserved):
+            raise InvalidArgumentError(
+                f"shared memory key '{key}' is in a reserved namespace and cannot be registered"
+            )
+        if offset < 0 or byte_size <= 0:
+            raise InvalidArgumentError(
+                f"shared memory region '{name}': offset must be >= 0 and byte_size > 0"
+            )
+        with self._lock:
+            if name in self._regions:
+                raise AlreadyExistsError(
+                    f"shared memory region '{name}' already in manager"
+                )
+            path = shm_path(key)  # validates the key's characters
+            try:
+                segment = self._mapping(bare, path)
+            except FileNotFoundError:
+                raise InvalidArgumentError(
+                    f"Unable to open shared memory region: '{key}'"
+                ) from None
+            except PermissionError:
+                raise InvalidArgumentError(
+                    f"Unable to open shared memory region: '{key}' (permission denied)"
+                ) from None
+            if offset + byte_size > segment.size:
+                raise InvalidArgumentError(
+                    f"shared memory region '{name}': [{offset}, {offset + byte_size}) is outside "
+                    f"the {segment.size}-byte object '{key}'"
+                )
+            anchor = self._space.anchor(segment, offset, byte_size)
+            self._regions[name] = Region(name, bare, offset, byte_size, segment, anchor)
+
+    def _mapping(self, key: str, path: str) -> Segment:
+        """The object's mapping, reopened if the name now belongs to a new object."""
+        segment = self._space.known_segment(key)
+        if segment is not None and segment.inode != os.stat(path).st_ino:
+            self._forget(key)
+            segment = None
+        return segment if segment is not None else self._space.segment(key)
+
+    def _forget(self, key: str) -> None:
+        self._space.forget_segment(key)
+        self._on_forget(key)
+
+    def unregister(self, name: str | None = None) -> None:
+        """Forget one region (``name``) or all; requests using them keep their mapping."""
+        with self._lock:
+            names = list(self._regions) if name is None else [name]
+            removed = [self._regions.pop(n) for n in names if n in self._regions]
+            in_use = {region.key for region in self._regions.values()}
+            for key in {region.key for region in removed} - in_use:
+                self._forget(key)
+
+    def status(self, name: str | None = None) -> list[dict[str, Any]]:
+        with self._lock:
+            if name is None:
+                return [region.status() for region in self._regions.values()]
+            region = self._regions.get(name)
+        if region is None:
+            raise NotFoundError(f"Unable to find system shared memory region: '{name}'")
+        return [region.status()]
+
+    def view(self, name: str, offset: int, byte_size: int) -> np.ndarray:
+        """``byte_size`` bytes at ``offset`` inside region ``name``, as a uint8 view."""
+        with self._lock:
+            region = self._regions.get(name)
+        if region is None:
+            raise InvalidArgumentError(f"Unable to find shared memory region: '{name}'")
+        if offset < 0 or byte_size < 0 or offset + byte_size > region.byte_size:
+            raise InvalidArgumentError(
+                f"shared memory reference [{offset}, {offset + byte_size}) is outside region "
+                f"'{name}' of {region.byte_size} bytes"
+            )
+        if region.segment.current_size() < region.offset + region.byte_size:
+            raise InvalidArgumentError(
+                f"shared memory region '{name}' was shrunk by its owner; register it again"
+            )
+        full = np.frombuffer(region.anchor, dtype=np.uint8)
+        return full[offset : offset + byte_size]
