@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 import dlserve
+from dlserve.engine.custom_metrics import CustomMetrics
 from dlserve.engine.logs import LogSettings
 from dlserve.engine.manager import ModelControlMode, ModelManager
 from dlserve.engine.model import EngineResources, ModelVersion
@@ -101,6 +102,7 @@ class Engine:
         self.segment_prefix = f"{SEGMENT_NAMESPACE}{os.getpid()}_{uuid.uuid4().hex[:8]}"
         self.arena: Arena | None = None
         self.manager: ModelManager | None = None
+        self.custom_metrics = CustomMetrics()
         self.regions = SystemRegions(self.space, SEGMENT_NAMESPACE, on_forget=self._forget_everywhere)
         self.live = False
 
@@ -118,6 +120,7 @@ class Engine:
             arena=self.arena,
             segment_prefix=self.segment_prefix,
             worker_arena_bytes=s.worker_arena_bytes,
+            custom_metrics=self.custom_metrics,
             gpu_count=gpu_count(),
         )
         self.manager = ModelManager(

@@ -67,7 +67,7 @@ class ModelInstance:
         self.device_id = device_id
         self.serial = serial
         self.state = InstanceState.STARTING
-        self.busy = False
+        self.in_flight = 0  # executions sent to the worker and not answered yet
         self.restarts = 0
         self._restart_streak = 0  # restarts since the instance last stayed up a while
         self.has_is_ready = False  # the model defines is_ready()
@@ -135,10 +135,31 @@ class ModelInstance:
         self._on_state_change(self)
 
     def _on_worker_message(self, message: Message) -> None:
-        kind, _corr, body = message
+        """Traffic the worker starts: log lines and custom metrics."""
+        kind, corr, body = message
+        metrics = self.model.resources.custom_metrics
         if kind == Kind.LOG:
             level, text = body
             self._log.log(PYTHON_LEVELS.get(LogLevel(level), logging.INFO), "%s", text)
+        elif kind == Kind.METRIC:
+            op, name, labels, value = body
+            try:
+                if op == "create":
+                    metrics.create(name, labels, value)
+                else:
+                    metrics.update(op, name, labels, value)
+            except TritonError as exc:
+                self._log.warning("metric update from '%s' refused: %s", self.name, exc.message)
+        elif kind in (Kind.METRIC_FAMILY, Kind.METRIC_VALUE):
+            channel = self._worker.channel if self._worker is not None else None
+            if channel is None or not channel.connected:
+                return
+            try:
+                result = metrics.declare(*body) if kind == Kind.METRIC_FAMILY else metrics.value(*body)
+            except TritonError as exc:
+                channel.reply_error(corr, exc)
+            else:
+                channel.reply(corr, result)
 
     def _on_worker_exit(self, description: str) -> None:
         self.last_error = description

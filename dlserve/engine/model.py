@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from dlserve.engine import config as cfg
+from dlserve.engine.custom_metrics import CustomMetrics
 from dlserve.engine.instance import ModelInstance
 from dlserve.engine.proto import model_config_pb2 as mc
 from dlserve.engine.request import Request, Signature
@@ -34,6 +35,7 @@ class EngineResources:
     arena: Arena
     segment_prefix: str
     worker_arena_bytes: int
+    custom_metrics: CustomMetrics
     gpu_count: int = 0
     serial: int = 0
 

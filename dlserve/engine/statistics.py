@@ -36,6 +36,7 @@ class BatchStats:
     compute_output: Duration = dataclasses.field(default_factory=Duration)
 
 
+FAILURE_REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")
 _INFERENCE_FIELDS = (
     "success",
     "fail",
@@ -59,6 +60,7 @@ class ModelStatistics:
         self.execution_count = 0
         self.durations: dict[str, Duration] = {field: Duration() for field in _INFERENCE_FIELDS}
         self.batches: dict[int, BatchStats] = {}
+        self.failures = dict.fromkeys(FAILURE_REASONS, 0)
 
     def record_execution(
         self,
@@ -85,8 +87,14 @@ class ModelStatistics:
         row.compute_infer.add(infer_ns)
         row.compute_output.add(output_ns)
 
-    def record_request(self, ok: bool, duration_ns: int) -> None:
-        self.durations["success" if ok else "fail"].add(duration_ns)
+    def record_request(self, duration_ns: int, failure: str | None = None) -> None:
+        """One finished request; ``failure`` is its reason label when it failed
+        (REJECTED, CANCELED, BACKEND or OTHER, as Triton's failure metric)."""
+        if failure is None:
+            self.durations["success"].add(duration_ns)
+        else:
+            self.durations["fail"].add(duration_ns)
+            self.failures[failure] += 1
         self.last_inference_ms = int(time.time() * 1000)
 
     def as_dict(self) -> dict[str, Any]:

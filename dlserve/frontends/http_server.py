@@ -34,6 +34,7 @@ log = logging.getLogger("dlserve.http")
 DIRECT_BODY_MIN = 64 * 1024  # bodies at least this big are read straight into shared memory
 MAX_HEADER_BYTES = 64 * 1024
 _SCRATCH = 64 * 1024
+_COALESCE_MAX = 64 * 1024  # response parts up to this size are copied into one write
 REASONS = {
     200: "OK",
     400: "Bad Request",
@@ -66,10 +67,6 @@ class HttpResponse:
     body: list[Any] = dataclasses.field(default_factory=list)  # buffers written in order
     content_type: str = "application/json"
     headers: list[tuple[str, str]] = dataclasses.field(default_factory=list)
-
-    @property
-    def length(self) -> int:
-        return sum(memoryview(part).nbytes for part in self.body)
 
 
 Handler = Callable[[HttpRequest], Awaitable[HttpResponse]]
@@ -245,6 +242,11 @@ class HttpConnection(asyncio.BufferedProtocol):
         self._writable.set()
 
     # -- serving ---------------------------------------------------------------------
+    @property
+    def in_flight(self) -> bool:
+        """A request is being handled or waits its turn on this connection."""
+        return self._busy or bool(self._pending)
+
     def _fail(self, status: int, message: str) -> None:
         """Answer a request we could not parse, then close: the stream is out of sync."""
         self._write(HttpResponse(status, [error_body(message)]), keep_alive=False)
@@ -269,21 +271,31 @@ class HttpConnection(asyncio.BufferedProtocol):
             self._busy = False
 
     def _write(self, response: HttpResponse, keep_alive: bool) -> None:
+        """Send a response: small ones in one write (one system call, one wake-up of
+        the client); large parts are handed to the transport as they are, uncopied."""
         transport = self.transport
         if transport is None:
             return
+        views = [memoryview(part).cast("B") for part in response.body]
+        length = sum(v.nbytes for v in views)
         head = [
             f"HTTP/1.1 {response.status} {REASONS.get(response.status, 'Unknown')}",
-            f"Content-Length: {response.length}",
+            f"Content-Length: {length}",
         ]
-        if response.body:
+        if views:
             head.append(f"Content-Type: {response.content_type}")
         head.extend(f"{k}: {v}" for k, v in response.headers)
         if not keep_alive:
             head.append("Connection: close")
-        transport.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1"))
-        for part in response.body:
-            view = memoryview(part)
+        out = bytearray(("\r\n".join(head) + "\r\n\r\n").encode("latin-1"))
+        large: list[memoryview] = []
+        for view in views:
+            if large or view.nbytes > _COALESCE_MAX:
+                large.append(view)
+            else:
+                out += view
+        transport.write(out)
+        for view in large:
             if view.nbytes:
                 transport.write(view)
 
@@ -335,11 +347,13 @@ class HttpServer:
     def __init__(
         self,
         handler: Handler,
-        allocate_body: BodyAllocator,
+        allocate_body: BodyAllocator | None = None,
         max_body: int = 1 << 26,
     ) -> None:
+        """``allocate_body(n)`` gives the memory a large body is read into (default:
+        ordinary memory; the KServe frontend passes shared memory)."""
         self.handler = handler
-        self.allocate_body = allocate_body
+        self.allocate_body = allocate_body or (lambda nbytes: np.empty(nbytes, dtype=np.uint8))
         self.max_body = max_body
         self.connections: set[HttpConnection] = set()
         self._server: asyncio.AbstractServer | None = None
@@ -361,11 +375,18 @@ class HttpServer:
         )
         return int(self._server.sockets[0].getsockname()[1])
 
-    async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            for connection in list(self.connections):
-                if connection.transport is not None:
-                    connection.transport.close()
-            await self._server.wait_closed()
-            self._server = None
+    async def stop(self, grace: float = 0.0) -> None:
+        """Stop accepting, give in-flight requests up to ``grace`` seconds, then close."""
+        if self._server is None:
+            return
+        self._server.close()
+        deadline = asyncio.get_running_loop().time() + grace
+        while any(c.in_flight for c in self.connections):
+            if asyncio.get_running_loop().time() >= deadline:
+                break
+            await asyncio.sleep(0.02)
+        for connection in list(self.connections):
+            if connection.transport is not None:
+                connection.transport.close()
+        await self._server.wait_closed()
+        self._server = None

@@ -139,7 +139,7 @@ class KServeHttp(Service):
 
     async def _stop(self) -> None:
         if self._http is not None:
-            await self._http.stop()
+            await self._http.stop(grace=float(self.server.options.exit_timeout))
             self._http = None
 
 

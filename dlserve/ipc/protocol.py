@@ -38,8 +38,11 @@ class Kind(enum.IntEnum):
     # either direction, no reply
     RELEASE = 20  # body: list of lease ids the sender no longer uses
     RETIRE = 21  # body: list of segment names the sender has unlinked
-    # stub -> server, no reply
-    LOG = 30  # body: (level, message)
+    # stub -> server
+    LOG = 30  # no reply; body: (level, message)
+    METRIC_FAMILY = 31  # reply None or ERROR; body: (name, description, kind)
+    METRIC = 32  # no reply; body: (op, family, labels, value or buckets)
+    METRIC_VALUE = 33  # reply float; body: (family, labels)
 
 
 Message = tuple[int, int, Any]

@@ -30,6 +30,7 @@ from dlserve.ipc.protocol import Kind
 from dlserve.ipc.tensors import Peer
 from dlserve.memory.arena import Arena, MemorySpace
 from dlserve.pb_utils import _runtime
+from dlserve.pb_utils.errors import TritonModelException
 from dlserve.pb_utils.inference import InferenceRequest, InferenceResponse
 from dlserve.pb_utils.model_config import ModelConfig
 from dlserve.pb_utils.tensor import Tensor
@@ -58,6 +59,15 @@ class WorkerRuntime:
 
     def log(self, level: int, message: str) -> None:
         self.channel.send(Kind.LOG, 0, (level, message))
+
+    def request(self, kind: int, body: Any) -> Any:
+        try:
+            return self.channel.request(kind, body)
+        except TritonError as exc:
+            raise TritonModelException(exc.message) from None
+
+    def notify(self, kind: int, body: Any) -> None:
+        self.channel.send(kind, 0, body)
 
 
 def load_module(model_file: str) -> ModuleType:

@@ -32,13 +32,26 @@ from typing import Any
 import numpy as np
 
 from dlserve.errors import InternalError
-from dlserve.memory.arena import Anchor, Arena, MemorySpace
+from dlserve.memory.arena import ALIGNMENT, Anchor, Arena, MemorySpace
 from dlserve.memory.dtypes import DataType
 from dlserve.memory.tensor import Tensor
 
 INLINE_MAX = 4096
 _DATA_TYPES = list(DataType)  # index = enum value; faster than DataType(value)
 WireTensor = tuple[str, int, tuple[int, ...], Any]
+
+
+def aligned_copy(data: bytes) -> np.ndarray:
+    """A writable, 64-byte aligned copy of inline tensor bytes.
+
+    Arena blocks are aligned; inline tensors must be too, or TensorFlow aborts the
+    process (``IsAligned()`` check) and jax silently copies.
+    """
+    buffer = np.empty(len(data) + ALIGNMENT, dtype=np.uint8)
+    start = -buffer.__array_interface__["data"][0] % ALIGNMENT
+    raw = buffer[start : start + len(data)]
+    raw[:] = np.frombuffer(data, dtype=np.uint8)
+    return raw
 
 
 class Peer:
@@ -105,8 +118,8 @@ class Peer:
         name, dtype, shape, ref = wire
         data_type = _DATA_TYPES[dtype]
         if type(ref) is bytes:
-            raw = np.frombuffer(bytearray(ref), dtype=np.uint8)  # writable, like shared memory
             nbytes = len(ref)
+            raw = aligned_copy(ref)
         else:
             raw, nbytes = self._import_ref(ref)
         if data_type is DataType.BYTES:

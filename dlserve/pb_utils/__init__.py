@@ -22,6 +22,7 @@ from dlserve.pb_utils.helpers import (
 )
 from dlserve.pb_utils.inference import InferenceRequest, InferenceResponse
 from dlserve.pb_utils.logger import Logger
+from dlserve.pb_utils.metrics import MetricFamily
 from dlserve.pb_utils.model_config import ModelConfig
 from dlserve.pb_utils.tensor import Tensor
 
@@ -45,6 +46,7 @@ __all__ = [
     "InferenceRequest",
     "InferenceResponse",
     "Logger",
+    "MetricFamily",
     "ModelConfig",
     "Tensor",
     "TritonError",

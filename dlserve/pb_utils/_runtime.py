@@ -8,7 +8,7 @@ runtime and those objects fall back to local behaviour.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from dlserve.memory.arena import Arena
@@ -18,6 +18,14 @@ class Runtime(Protocol):
     arena: Arena
 
     def log(self, level: int, message: str) -> None: ...
+
+    def request(self, kind: int, body: Any) -> Any:
+        """Send to the server and wait for its reply (raises its error)."""
+        ...
+
+    def notify(self, kind: int, body: Any) -> None:
+        """Send to the server without waiting."""
+        ...
 
 
 _current: Runtime | None = None

@@ -44,21 +44,6 @@ MESSAGES = [
 ]
 
 
-def test_kind_values():
-    assert {k.name: int(k) for k in Kind} == {
-        "REPLY": 1,
-        "ERROR": 2,
-        "INIT": 10,
-        "EXECUTE": 11,
-        "FINALIZE": 12,
-        "AUTO_COMPLETE": 13,
-        "IS_READY": 14,
-        "RELEASE": 20,
-        "RETIRE": 21,
-        "LOG": 30,
-    }
-
-
 @pytest.mark.parametrize("message", MESSAGES, ids=lambda m: Kind(m[0]).name)
 def test_encode_decode_round_trip(message):
     kind, corr, body = message

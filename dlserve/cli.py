@@ -1,0 +1,229 @@
+"""``dlserve``: the command line. ``dlserve serve`` takes tritonserver's main flags.
+
+Boolean flags accept tritonserver's forms: ``--allow-http=false``, ``--allow-http false``
+and a bare ``--allow-http`` (true). With no ``--model-repository`` it serves the
+example models bundled in the checkout. SIGTERM or SIGINT stops accepting requests,
+lets in-flight ones finish (up to ``--exit-timeout-secs``), then ends every worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "models"
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def boolean(text: str) -> bool:
+    value = text.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got '{text}'")
+
+
+def _bool_flag(group: Any, name: str, default: bool, help_text: str) -> None:
+    group.add_argument(
+        name, type=boolean, nargs="?", const=True, default=default, metavar="BOOL",
+        help=f"{help_text} (default: {str(default).lower()})",
+    )
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in [0, 65535], got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dlserve",
+        description="dlserve: a zero-copy inference server for Triton Python-backend models.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    serve = commands.add_parser(
+        "serve",
+        help="serve model repositories over KServe v2 HTTP/gRPC with Prometheus metrics",
+        description="Serve Triton Python-backend model repositories (flags follow tritonserver).",
+    )
+    models = serve.add_argument_group("models")
+    models.add_argument(
+        "--model-repository", "--model-store", action="append", default=[], metavar="PATH",
+        help="model repository folder; repeat for several (default: the bundled examples)",
+    )
+    models.add_argument(
+        "--model-control-mode", choices=["none", "poll", "explicit"], default="none",
+        help="none: load everything at start; poll: also follow repository changes; "
+        "explicit: load only --load-model, then use the load/unload API (default: none)",
+    )
+    models.add_argument(
+        "--load-model", action="append", default=[], metavar="NAME",
+        help="model to load at start in explicit mode; '*' loads all (repeatable)",
+    )
+    models.add_argument("--repository-poll-secs", type=float, default=15.0, metavar="SECONDS",
+                        help="repository scan period in poll mode (default: 15)")
+    models.add_argument("--disable-auto-complete-config", action="store_true",
+                        help="do not run the models' auto_complete_config")
+    _bool_flag(models, "--strict-model-config", False, "deprecated spelling of --disable-auto-complete-config")
+    _bool_flag(models, "--strict-readiness", True, "server is ready only when every model is ready")
+    models.add_argument(
+        "--exit-on-error", type=boolean, nargs="?", const=True, default=None, metavar="BOOL",
+        help="exit when a model fails to load at start-up (default: true; false when serving "
+        "the bundled examples, whose frameworks may not be installed)",
+    )
+    models.add_argument("--exit-timeout-secs", type=int, default=30, metavar="SECONDS",
+                        help="how long shutdown waits for in-flight requests (default: 30)")
+    models.add_argument(
+        "--backend-config", action="append", default=[], metavar="python,KEY=VALUE",
+        help="python backend settings: shm-default-byte-size, shm-growth-byte-size",
+    )
+    models.add_argument("--id", default="dlserve", help="server id reported by metadata")
+
+    http = serve.add_argument_group("HTTP")
+    _bool_flag(http, "--allow-http", True, "serve KServe v2 HTTP/REST")
+    http.add_argument("--http-address", default="0.0.0.0")
+    http.add_argument("--http-port", type=_port, default=8000)
+    _bool_flag(http, "--reuse-http-port", False, "SO_REUSEPORT on the HTTP socket")
+    http.add_argument("--http-thread-count", type=int, default=8, help="accepted for compatibility")
+    http.add_argument("--http-max-input-size", type=int, default=1 << 26, metavar="BYTES",
+                      help="largest request body accepted (default: 64 MiB)")
+    http.add_argument("--http-header-forward-pattern", default="", metavar="REGEX",
+                      help="HTTP headers matching this become request parameters")
+    http.add_argument("--http-restricted-api", action="append", default=[], metavar="CATEGORIES:HEADER=VALUE",
+                      help="require a header for API categories (repeatable)")
+
+    grpc = serve.add_argument_group("gRPC")
+    _bool_flag(grpc, "--allow-grpc", True, "serve KServe v2 gRPC")
+    grpc.add_argument("--grpc-address", default="0.0.0.0")
+    grpc.add_argument("--grpc-port", type=_port, default=8001)
+    _bool_flag(grpc, "--reuse-grpc-port", False, "SO_REUSEPORT on the gRPC socket")
+    grpc.add_argument("--grpc-infer-thread-count", type=int, default=2, help="accepted for compatibility")
+    grpc.add_argument("--grpc-header-forward-pattern", default="", metavar="REGEX")
+    grpc.add_argument("--grpc-restricted-protocol", action="append", default=[], metavar="PROTOCOLS:HEADER=VALUE")
+    _bool_flag(grpc, "--grpc-use-ssl", False, "TLS on gRPC")
+    _bool_flag(grpc, "--grpc-use-ssl-mutual", False, "mutual TLS on gRPC")
+    grpc.add_argument("--grpc-server-cert", default="")
+    grpc.add_argument("--grpc-server-key", default="")
+    grpc.add_argument("--grpc-root-cert", default="")
+    grpc.add_argument("--grpc-max-message-size", type=int, default=1 << 26, metavar="BYTES",
+                      help="largest gRPC message (default: 64 MiB)")
+
+    metrics = serve.add_argument_group("metrics")
+    _bool_flag(metrics, "--allow-metrics", True, "serve Prometheus metrics")
+    metrics.add_argument("--metrics-address", default="0.0.0.0")
+    metrics.add_argument("--metrics-port", type=_port, default=8002)
+
+    shared = serve.add_argument_group("shared memory and logging")
+    _bool_flag(shared, "--allow-client-shm", False, "let clients register and use shared memory")
+    shared.add_argument("--log-verbose", type=int, default=0, metavar="LEVEL")
+    _bool_flag(shared, "--log-info", True, "log info messages")
+    _bool_flag(shared, "--log-warning", True, "log warnings")
+    _bool_flag(shared, "--log-error", True, "log errors")
+    shared.add_argument("--log-file", default="", metavar="PATH")
+    return parser
+
+
+def _backend_config(entries: list[str]) -> dict[str, dict[str, str]]:
+    config: dict[str, dict[str, str]] = {}
+    for entry in entries:
+        backend, _, setting = entry.partition(",")
+        key, _, value = setting.partition("=")
+        if not backend or not key or not value:
+            raise SystemExit(f"dlserve: --backend-config '{entry}' must look like python,KEY=VALUE")
+        config.setdefault(backend, {})[key] = value
+    return config
+
+
+def serve(args: argparse.Namespace) -> int:
+    import dlserve
+    from dlserve.frontends import KServeGrpc, KServeHttp, Metrics
+
+    repositories = args.model_repository
+    exit_on_error = True if args.exit_on_error is None else args.exit_on_error
+    if not repositories:
+        if not EXAMPLES.is_dir():
+            raise SystemExit("dlserve: no --model-repository given and no bundled examples found")
+        repositories = [str(EXAMPLES)]
+        if args.exit_on_error is None:
+            exit_on_error = False  # examples whose framework is missing must not stop the rest
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    options = dlserve.Options(
+        model_repository=repositories,
+        server_id=args.id,
+        model_control_mode=dlserve.ModelControlMode[args.model_control_mode.upper()],
+        startup_models=args.load_model,
+        strict_model_config=args.disable_auto_complete_config or args.strict_model_config,
+        strict_readiness=args.strict_readiness,
+        exit_on_error=exit_on_error,
+        exit_timeout=args.exit_timeout_secs,
+        log_file=args.log_file or None,
+        log_info=args.log_info,
+        log_warn=args.log_warning,
+        log_error=args.log_error,
+        log_verbose=args.log_verbose,
+        backend_configuration=_backend_config(args.backend_config),
+        repository_poll_secs=args.repository_poll_secs,
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        server = dlserve.Server(options).start()
+    except dlserve.TritonError as exc:
+        print(f"dlserve: {exc}", file=sys.stderr)
+        return 1
+    log = logging.getLogger("dlserve")
+    services: list[Any] = []
+    try:
+        if args.allow_http:
+            services.append(KServeHttp(server, KServeHttp.Options(
+                address=args.http_address, port=args.http_port, reuse_port=args.reuse_http_port,
+                thread_count=args.http_thread_count, header_forward_pattern=args.http_header_forward_pattern,
+                max_input_size=args.http_max_input_size, allow_client_shm=args.allow_client_shm,
+                restricted_apis=args.http_restricted_api,
+            )))
+        if args.allow_grpc:
+            services.append(KServeGrpc(server, KServeGrpc.Options(
+                address=args.grpc_address, port=args.grpc_port, reuse_port=args.reuse_grpc_port,
+                use_ssl=args.grpc_use_ssl or args.grpc_use_ssl_mutual, use_mutual_auth=args.grpc_use_ssl_mutual,
+                server_cert=args.grpc_server_cert, server_key=args.grpc_server_key, root_cert=args.grpc_root_cert,
+                infer_thread_count=args.grpc_infer_thread_count, forward_header_pattern=args.grpc_header_forward_pattern,
+                max_message_size=args.grpc_max_message_size, allow_client_shm=args.allow_client_shm,
+                restricted_protocols=args.grpc_restricted_protocol,
+            )))
+        if args.allow_metrics:
+            services.append(Metrics(server, Metrics.Options(address=args.metrics_address, port=args.metrics_port)))
+        for service in services:
+            service.start()
+            print(f"dlserve: {type(service).__name__} listening on port {service.port}", flush=True)
+    except (dlserve.TritonError, OSError) as exc:
+        print(f"dlserve: {exc}", file=sys.stderr)
+        server.stop()
+        return 1
+    print("dlserve: ready" if server.ready() else "dlserve: started (some models are not ready)", flush=True)
+    stop.wait()
+    log.info("shutting down: finishing in-flight requests (up to %d s)", args.exit_timeout_secs)
+    server.stop()  # stops the services first, draining them
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return serve(args)
+    parser.print_help()
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

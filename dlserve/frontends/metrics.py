@@ -1,0 +1,193 @@
+"""The Prometheus endpoint: Triton's ``nv_*`` metric names and labels, plus model metrics.
+
+Values are read from the engine's statistics when scraped, so serving requests
+costs nothing extra for metrics. Counters keep Triton's names exactly (no
+``_total`` suffix), which is why the text is rendered here rather than through
+prometheus-client's collectors. CPU metrics come from /proc; GPU metrics from
+nvidia-ml-py when a GPU and its driver are present.
+"""
+
+from __future__ import annotations
+
+import time
+
+from dlserve.engine.core import Engine
+from dlserve.engine.custom_metrics import sample
+from dlserve.engine.statistics import FAILURE_REASONS
+from dlserve.frontends.http_server import HttpRequest, HttpResponse, HttpServer
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_MODEL_METRICS = (
+    ("nv_inference_request_success", "counter", "Number of successful inference requests, all batch sizes"),
+    ("nv_inference_request_failure", "counter", "Number of failed inference requests, all batch sizes"),
+    ("nv_inference_count", "counter", "Number of inferences performed (does not include cached requests)"),
+    ("nv_inference_exec_count", "counter", "Number of model executions performed (does not include cached requests)"),
+    ("nv_inference_request_duration_us", "counter", "Cumulative inference request duration in microseconds (includes cached requests)"),
+    ("nv_inference_queue_duration_us", "counter", "Cumulative inference queuing duration in microseconds (includes cached requests)"),
+    ("nv_inference_compute_input_duration_us", "counter", "Cumulative compute input duration in microseconds (does not include cached requests)"),
+    ("nv_inference_compute_infer_duration_us", "counter", "Cumulative compute inference duration in microseconds (does not include cached requests)"),
+    ("nv_inference_compute_output_duration_us", "counter", "Cumulative inference compute output duration in microseconds (does not include cached requests)"),
+    ("nv_inference_pending_request_count", "gauge", "Instantaneous number of pending requests awaiting execution per-model."),
+)
+
+
+def _model_samples(engine: Engine) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {name: [] for name, _, _ in _MODEL_METRICS}
+    if engine.manager is None:
+        return out
+    for entry in engine.manager.models.values():
+        for model in entry.versions.values():
+            stats = model.stats
+            labels = (("model", model.name), ("version", str(model.version)))
+            d = stats.durations
+            out["nv_inference_request_success"].append(
+                sample("nv_inference_request_success", labels, d["success"].count)
+            )
+            for reason in FAILURE_REASONS:
+                out["nv_inference_request_failure"].append(
+                    sample(
+                        "nv_inference_request_failure",
+                        (("model", model.name), ("reason", reason), ("version", str(model.version))),
+                        stats.failures[reason],
+                    )
+                )
+            out["nv_inference_count"].append(sample("nv_inference_count", labels, stats.inference_count))
+            out["nv_inference_exec_count"].append(sample("nv_inference_exec_count", labels, stats.execution_count))
+            request_ns = d["success"].ns + d["fail"].ns
+            for metric, ns in (
+                ("nv_inference_request_duration_us", request_ns),
+                ("nv_inference_queue_duration_us", d["queue"].ns),
+                ("nv_inference_compute_input_duration_us", d["compute_input"].ns),
+                ("nv_inference_compute_infer_duration_us", d["compute_infer"].ns),
+                ("nv_inference_compute_output_duration_us", d["compute_output"].ns),
+            ):
+                out[metric].append(sample(metric, labels, ns // 1000))
+            out["nv_inference_pending_request_count"].append(
+                sample("nv_inference_pending_request_count", labels, len(model.scheduler.queue))
+            )
+    return out
+
+
+class CpuSampler:
+    """CPU utilisation between scrapes, from /proc/stat; memory from /proc/meminfo."""
+
+    def __init__(self) -> None:
+        self._last = self._times()
+
+    @staticmethod
+    def _times() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            values = [int(v) for v in f.readline().split()[1:]]
+        idle = values[3] + (values[4] if len(values) > 4 else 0)
+        return sum(values), idle
+
+    def utilization(self) -> float:
+        total, idle = self._times()
+        last_total, last_idle = self._last
+        self._last = (total, idle)
+        elapsed = total - last_total
+        return 0.0 if elapsed <= 0 else 1.0 - (idle - last_idle) / elapsed
+
+    @staticmethod
+    def memory() -> tuple[int, int]:
+        info: dict[str, int] = {}
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, value = line.split(":", 1)
+                info[key] = int(value.split()[0]) * 1024
+        total = info.get("MemTotal", 0)
+        return total, total - info.get("MemAvailable", info.get("MemFree", 0))
+
+
+def _gpu_lines() -> list[str]:
+    """nv_gpu_* gauges per GPU through NVML; nothing when there is no GPU or driver."""
+    try:
+        import pynvml
+    except ImportError:
+        return []
+    try:
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001 - no driver / library: no GPU metrics
+        return []
+    lines: list[str] = []
+    try:
+        rows: dict[str, list[str]] = {
+            "nv_gpu_utilization": [],
+            "nv_gpu_memory_total_bytes": [],
+            "nv_gpu_memory_used_bytes": [],
+            "nv_gpu_power_usage": [],
+            "nv_gpu_power_limit": [],
+        }
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            uuid = pynvml.nvmlDeviceGetUUID(handle)
+            labels = (("gpu_uuid", uuid if isinstance(uuid, str) else uuid.decode()),)
+            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            rows["nv_gpu_utilization"].append(
+                sample("nv_gpu_utilization", labels, pynvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100)
+            )
+            rows["nv_gpu_memory_total_bytes"].append(sample("nv_gpu_memory_total_bytes", labels, memory.total))
+            rows["nv_gpu_memory_used_bytes"].append(sample("nv_gpu_memory_used_bytes", labels, memory.used))
+            rows["nv_gpu_power_usage"].append(
+                sample("nv_gpu_power_usage", labels, pynvml.nvmlDeviceGetPowerUsage(handle) / 1000)
+            )
+            rows["nv_gpu_power_limit"].append(
+                sample("nv_gpu_power_limit", labels, pynvml.nvmlDeviceGetEnforcedPowerLimit(handle) / 1000)
+            )
+        helps = {
+            "nv_gpu_utilization": "GPU utilization rate [0.0 - 1.0)",
+            "nv_gpu_memory_total_bytes": "GPU total memory, in bytes",
+            "nv_gpu_memory_used_bytes": "GPU used memory, in bytes",
+            "nv_gpu_power_usage": "GPU power usage in watts",
+            "nv_gpu_power_limit": "GPU power management limit in watts",
+        }
+        for name, samples in rows.items():
+            lines += [f"# HELP {name} {helps[name]}", f"# TYPE {name} gauge", *samples]
+    except Exception:  # noqa: BLE001 - a flaky driver must not break the scrape
+        return lines
+    finally:
+        pynvml.nvmlShutdown()
+    return lines
+
+
+def render(engine: Engine, cpu: CpuSampler | None = None) -> str:
+    lines: list[str] = []
+    samples = _model_samples(engine)
+    for name, kind, help_text in _MODEL_METRICS:
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", *samples[name]]
+    if cpu is not None:
+        total, used = cpu.memory()
+        for name, help_text, value in (
+            ("nv_cpu_utilization", "CPU utilization rate [0.0 - 1.0]", cpu.utilization()),
+            ("nv_cpu_memory_total_bytes", "CPU total memory (RAM), in bytes", total),
+            ("nv_cpu_memory_used_bytes", "CPU used memory (RAM), in bytes", used),
+        ):
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", sample(name, (), value)]
+    lines += _gpu_lines()
+    lines += engine.custom_metrics.render()
+    return "\n".join(lines) + "\n"
+
+
+class MetricsEndpoint:
+    """``GET /metrics`` on its own port."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._cpu = CpuSampler()
+        self._http = HttpServer(self._handle, max_body=1 << 12)
+        self.started = time.monotonic()
+
+    async def _handle(self, request: HttpRequest) -> HttpResponse:
+        if request.path != "/metrics":
+            return HttpResponse(404, [b'{"error":"Not Found"}'])
+        if request.method != "GET":
+            return HttpResponse(405, [b'{"error":"Method Not Allowed"}'])
+        return HttpResponse(200, [render(self.engine, self._cpu).encode()], CONTENT_TYPE)
+
+    async def start(self, host: str, port: int) -> int:
+        return await self._http.start(host, port)
+
+    async def stop(self) -> None:
+        await self._http.stop()
+

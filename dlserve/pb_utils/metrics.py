@@ -1,0 +1,96 @@
+"""``pb_utils.MetricFamily`` and its metrics: custom Prometheus metrics from models.
+
+Declaring a family and reading a value wait for the server (so a conflict or a
+missing metric raises here); updates are sent without waiting. Outside a worker
+the metrics live in this process, so model code can be unit-tested unchanged.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+
+from dlserve.ipc.protocol import Kind
+from dlserve.pb_utils import _runtime
+from dlserve.pb_utils.errors import TritonModelException
+
+_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
+
+
+class MetricKind(enum.IntEnum):
+    COUNTER = 0
+    GAUGE = 1
+    HISTOGRAM = 2
+
+
+class MetricFamily:
+    COUNTER = MetricKind.COUNTER
+    GAUGE = MetricKind.GAUGE
+    HISTOGRAM = MetricKind.HISTOGRAM
+
+    def __init__(self, name: str, description: str, kind: int = MetricKind.COUNTER) -> None:
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise TritonModelException(f"invalid metric family name {name!r}")
+        try:
+            self.kind = MetricKind(kind)
+        except ValueError:
+            raise TritonModelException(f"invalid metric kind {kind!r}") from None
+        self.name = name
+        self.description = str(description)
+        runtime = _runtime.current()
+        if runtime is not None:
+            runtime.request(Kind.METRIC_FAMILY, (name, self.description, int(self.kind)))
+
+    def Metric(self, labels: dict[str, str] | None = None, buckets: list[float] | None = None) -> Metric:  # noqa: N802 - Triton's name
+        return Metric(self, labels or {}, buckets)
+
+
+class Metric:
+    def __init__(self, family: MetricFamily, labels: dict[str, str], buckets: list[float] | None) -> None:
+        if not isinstance(labels, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in labels.items()
+        ):
+            raise TritonModelException("metric labels must be a dict of str to str")
+        if family.kind is MetricKind.HISTOGRAM and not buckets:
+            raise TritonModelException("a histogram metric needs buckets")
+        if family.kind is not MetricKind.HISTOGRAM and buckets is not None:
+            raise TritonModelException("only histogram metrics take buckets")
+        self._family = family
+        self._labels = dict(labels)
+        self._local_value = 0.0
+        runtime = _runtime.current()
+        self._runtime = runtime
+        if runtime is not None:
+            runtime.notify(Kind.METRIC, ("create", family.name, self._labels, list(buckets or [])))
+
+    def _send(self, op: str, value: float) -> None:
+        if self._runtime is not None:
+            self._runtime.notify(Kind.METRIC, (op, self._family.name, self._labels, float(value)))
+
+    def increment(self, value: float) -> None:
+        kind = self._family.kind
+        if kind is MetricKind.HISTOGRAM:
+            raise TritonModelException("histogram metrics are updated with observe()")
+        if kind is MetricKind.COUNTER and value < 0:
+            raise TritonModelException("a counter cannot be incremented by a negative value")
+        self._local_value += value
+        self._send("increment", value)
+
+    def set(self, value: float) -> None:
+        if self._family.kind is not MetricKind.GAUGE:
+            raise TritonModelException("only gauge metrics can be set")
+        self._local_value = float(value)
+        self._send("set", value)
+
+    def observe(self, value: float) -> None:
+        if self._family.kind is not MetricKind.HISTOGRAM:
+            raise TritonModelException("only histogram metrics can observe()")
+        self._send("observe", value)
+
+    def value(self) -> float:
+        if self._family.kind is MetricKind.HISTOGRAM:
+            raise TritonModelException("a histogram metric has no single value")
+        if self._runtime is None:
+            return self._local_value
+        return float(self._runtime.request(Kind.METRIC_VALUE, (self._family.name, self._labels)))
+
