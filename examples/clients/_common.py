@@ -1,0 +1,33 @@
+"""What the example clients share: where the models are, and telling a model whose
+framework is not installed (the example is skipped) from one that failed to load."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import dlserve
+
+MODELS = Path(__file__).resolve().parent.parent / "models"
+
+
+class Skipped(Exception):
+    """The example cannot run here: its model needs a framework that is not installed."""
+
+
+def ready_model(server: dlserve.Server, name: str) -> dlserve.Model:
+    """The model ``name`` if it loaded.
+
+    Raises :class:`Skipped` when it did not load because its framework is missing
+    (the framework models say "<framework> is not installed; pip install ..."), and
+    RuntimeError with the load error for any other reason.
+    """
+    model = server.model(name)
+    if model.ready():
+        return model
+    reasons = [m.reason for (n, _), m in server.models().items() if n == name and m.reason]
+    reason = reasons[0] if reasons else "it is not loaded"
+    first_line = reason.splitlines()[0]
+    if "is not installed" in first_line:
+        # "failed to initialize model instance '...': TritonModelException: torch is not ..."
+        raise Skipped(first_line.rsplit("TritonModelException: ", 1)[-1])
+    raise RuntimeError(f"model '{name}' is not ready: {reason}")
