@@ -1,6 +1,7 @@
-# Two entry points, each doing its own set-up in .venv on a fresh machine:
-#   make examples   run the bundled example models through the in-process API
+# Entry points, each doing its own set-up in .venv on a fresh machine:
+#   make serve      serve the bundled example models (HTTP 8000, gRPC 8001, metrics 8002)
 #   make test       run the test suite (.ci/run calls this)
+#   make examples   run the example clients through the in-process API
 # FRAMEWORKS=0 skips installing torch, jax and tensorflow (their tests then skip).
 
 PYTHON ?= python3
@@ -11,7 +12,7 @@ FRAMEWORKS ?= 1
 # multi-GB CUDA download.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: examples test
+.PHONY: serve examples test
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +30,9 @@ else
 	$(BIN)/python -m pip install -q -e '.[test]'
 endif
 	touch $@
+
+serve: $(VENV)/.installed
+	$(BIN)/dlserve serve $(ARGS)
 
 examples: $(VENV)/.installed
 	$(BIN)/python examples/run_examples.py

@@ -16,14 +16,14 @@ import time
 from typing import TYPE_CHECKING
 
 from dlserve.engine.request import Request, Response
-from dlserve.errors import CancelledError, TritonError, UnavailableError
+from dlserve.errors import CancelledError, InternalError, TritonError, UnavailableError
 
 log = logging.getLogger("dlserve.engine")
 
 PIPELINE_DEPTH = 2
 
 if TYPE_CHECKING:
-    from dlserve.engine.instance import ModelInstance
+    from dlserve.engine.instance import ModelInstance, Timings
     from dlserve.engine.model import ModelVersion
 
 
@@ -68,7 +68,7 @@ class Scheduler:
             batch = [self.queue.popleft()]
             instance.in_flight += 1
             self.in_flight += 1
-            asyncio.get_running_loop().create_task(self._run(instance, batch))
+            self._execute(instance, batch)
 
     def _pick(self) -> ModelInstance | None:
         """An idle ready instance (round-robin), else one with room in its pipeline.
@@ -93,14 +93,32 @@ class Scheduler:
                 fallback = instance
         return fallback
 
-    async def _run(self, instance: ModelInstance, batch: list[Request]) -> None:
+    def _execute(self, instance: ModelInstance, batch: list[Request]) -> None:
         start = time.monotonic_ns()
         queue_ns = [start - r.arrival_ns for r in batch]
+
+        def done(result: list[Response] | TritonError, timings: Timings | None) -> None:
+            self._finished(instance, batch, queue_ns, result, timings)
+
         try:
-            responses, timings = await instance.execute(batch)
+            instance.execute(batch, done)
         except TritonError as exc:
+            done(exc, None)
+
+    def _finished(
+        self,
+        instance: ModelInstance,
+        batch: list[Request],
+        queue_ns: list[int],
+        result: list[Response] | TritonError,
+        timings: Timings | None,
+    ) -> None:
+        instance.in_flight -= 1
+        self.in_flight -= 1
+        if isinstance(result, TritonError) or timings is None:
+            error = result if isinstance(result, TritonError) else InternalError("execute failed")
             for request in batch:
-                self._fail(request, exc, "BACKEND")
+                self._fail(request, error, "BACKEND")
         else:
             self.model.stats.record_execution(
                 batch_size=sum(self.model.batch_size_of(r) for r in batch),
@@ -110,14 +128,11 @@ class Scheduler:
                 infer_ns=timings.infer_ns,
                 output_ns=timings.output_ns,
             )
-            for request, response in zip(batch, responses):
+            for request, response in zip(batch, result):
                 self._deliver(request, response, None if response.error is None else "BACKEND")
-        finally:
-            instance.in_flight -= 1
-            self.in_flight -= 1
-            self.dispatch()
-            if not self.queue and not self.in_flight:
-                self._idle.set()
+        self.dispatch()
+        if not self.queue and not self.in_flight:
+            self._idle.set()
 
     def _deliver(self, request: Request, response: Response, failure: str | None) -> None:
         self.model.stats.record_request(time.monotonic_ns() - request.arrival_ns, failure)

@@ -157,10 +157,14 @@ class WorkerProcess:
             log.error("%s", self.exit_description)
             self._on_exit(self.exit_description)
 
-    async def request(self, kind: int, body: Any) -> Any:
+    def submit(self, kind: int, body: Any) -> asyncio.Future[Any]:
+        """Send a request; the future resolves to the reply (or the worker's error)."""
         if self.channel is None or not self.alive:
             raise UnavailableError(self.exit_description or "worker process is not running")
-        return await self.channel.request(kind, body)
+        return self.channel.request(kind, body)
+
+    async def request(self, kind: int, body: Any) -> Any:
+        return await self.submit(kind, body)
 
     async def wait_exited(self) -> None:
         await self._exited.wait()
