@@ -25,7 +25,7 @@ from dlserve.engine.manager import ModelControlMode, ModelManager
 from dlserve.engine.model import EngineResources, ModelVersion
 from dlserve.engine.repository import Repository
 from dlserve.engine.request import Request, validate_request
-from dlserve.errors import InvalidArgumentError, NotFoundError, UnavailableError
+from dlserve.errors import InternalError, InvalidArgumentError, NotFoundError, UnavailableError
 from dlserve.ipc.supervisor import unlink_segments
 from dlserve.ipc.tensors import INLINE_MAX
 from dlserve.memory.arena import Arena, MemorySpace
@@ -41,8 +41,11 @@ EXTENSIONS = [
     "model_repository",
     "model_repository(unload_dependents)",
     "model_configuration",
+    "system_shared_memory",
+    "binary_tensor_data",
     "parameters",
     "statistics",
+    "logging",
 ]
 _MIB = 1 << 20
 
@@ -242,7 +245,10 @@ class Engine:
             files[key[len("file:") :]] = bytes(value)
         if config is not None and not isinstance(config, str):
             raise InvalidArgumentError(f"load of model '{name}': 'config' must be a JSON string")
-        await self.manager.load(name, config, files or None)
+        try:
+            await self.manager.load(name, config, files or None)
+        except InternalError as exc:  # the model itself failed (initialize, worker): a bad load
+            raise InvalidArgumentError(f"load failed for model '{name}': {exc.message}") from None
 
     async def unload(self, name: str, unload_dependents: bool = False) -> None:
         assert self.manager is not None

@@ -44,6 +44,7 @@ class ModelEntry:
     versions: dict[int, ModelVersion] = dataclasses.field(default_factory=dict)
     error: str = ""  # why the model (as a whole) is not loaded
     loading: bool = False
+    unloaded: list[int] = dataclasses.field(default_factory=list)  # versions an unload removed
     fingerprint: Any = None
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
 
@@ -108,6 +109,13 @@ class ModelManager:
             if entry is not None and entry.loading and not entry.versions:
                 if not ready_only:
                     rows.append({"name": name, "state": "LOADING"})
+                continue
+            if entry is not None and entry.unloaded and not entry.versions and not entry.error:
+                if not ready_only:
+                    rows.extend(
+                        {"name": name, "version": str(v), "state": "UNAVAILABLE", "reason": "unloaded"}
+                        for v in entry.unloaded
+                    )
                 continue
             if entry is None or (not entry.versions and not entry.error):
                 if not ready_only:
@@ -203,7 +211,7 @@ class ModelManager:
             finally:
                 entry.loading = False
             old = entry.versions
-            entry.versions, entry.error = loaded, ""
+            entry.versions, entry.error, entry.unloaded = loaded, "", []
             entry.fingerprint = source.fingerprint()
             await asyncio.gather(*(v.unload(self.exit_timeout) for v in old.values()))
 
@@ -290,6 +298,7 @@ class ModelManager:
             entry.error = ""
             # The versions stay listed (as UNLOADING) until their requests have drained.
             await asyncio.gather(*(v.unload(self.exit_timeout) for v in entry.versions.values()))
+            entry.unloaded = sorted(entry.versions)
             entry.versions = {}
 
     # -- poll mode --------------------------------------------------------------------

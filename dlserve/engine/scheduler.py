@@ -117,6 +117,7 @@ class Scheduler:
         self.in_flight -= 1
         if isinstance(result, TritonError) or timings is None:
             error = result if isinstance(result, TritonError) else InternalError("execute failed")
+            self.model.stats.execution_count += 1  # as Triton: a failed execute still ran
             for request in batch:
                 self._fail(request, error, "BACKEND")
         else:
@@ -128,8 +129,10 @@ class Scheduler:
                 infer_ns=timings.infer_ns,
                 output_ns=timings.output_ns,
             )
+            # An error the model returns in a response still counts as a success, as
+            # in Triton's statistics: the request was executed and answered.
             for request, response in zip(batch, result):
-                self._deliver(request, response, None if response.error is None else "BACKEND")
+                self._deliver(request, response, None)
         self.dispatch()
         if not self.queue and not self.in_flight:
             self._idle.set()

@@ -19,7 +19,7 @@ import numpy as np
 
 from dlserve.engine.core import Engine
 from dlserve.engine.request import Request, Response
-from dlserve.errors import InvalidArgumentError, UnsupportedError
+from dlserve.errors import InvalidArgumentError, NotFoundError, UnsupportedError
 from dlserve.memory.dtypes import DataType
 from dlserve.memory.tensor import Tensor
 
@@ -130,6 +130,7 @@ class DataPlane:
         return self.engine.regions.status(name or None)
 
     def register_cuda_shm(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
+        """``raw_handle``: the 64-byte cudaIpcMemHandle."""
         self._check_shm_allowed()
         raise UnsupportedError(
             "CUDA shared memory is not available: this server has no CUDA device "
@@ -141,7 +142,7 @@ class DataPlane:
 
     def cuda_shm_status(self, name: str | None = None) -> list[dict[str, Any]]:
         if name:
-            raise InvalidArgumentError(f"Unable to find cuda shared memory region: '{name}'")
+            raise NotFoundError(f"Unable to find cuda shared memory region: '{name}'")
         return []
 
     # -- inference --------------------------------------------------------------------------

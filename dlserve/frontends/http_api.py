@@ -112,11 +112,12 @@ class KServeHttpApi:
             (r"/v2/health/live", {"GET"}, "health", self.live),
             (r"/v2/health/ready", {"GET"}, "health", self.ready),
             (r"/v2", {"GET"}, "metadata", self.server_metadata),
+            # before the model routes: "/v2/models/stats" is all models' statistics
+            (r"/v2/models(?:/(?P<model>[^/]+)(?:/versions/(?P<version>[^/]+))?)?/stats", {"GET"}, "statistics", self.statistics),
             (model, {"GET"}, "metadata", self.model_metadata),
             (model + "/ready", {"GET"}, "health", self.model_ready),
             (model + "/config", {"GET"}, "model-config", self.model_config),
             (model + "/infer", {"POST"}, "inference", self.infer),
-            (r"/v2/models(?:/(?P<model>[^/]+)(?:/versions/(?P<version>[^/]+))?)?/stats", {"GET"}, "statistics", self.statistics),
             (r"/v2/repository(?:/(?P<repo>[^/]+))?/index", {"POST"}, "model-repository", self.index),
             (r"/v2/repository(?:/(?P<repo>[^/]+))?/models/(?P<model>[^/]+)/load", {"POST"}, "model-repository", self.load),
             (r"/v2/repository(?:/(?P<repo>[^/]+))?/models/(?P<model>[^/]+)/unload", {"POST"}, "model-repository", self.unload),
@@ -144,7 +145,9 @@ class KServeHttpApi:
                 response = await route(request, {k: v for k, v in match.groupdict().items() if v is not None})
             except TritonError as exc:
                 return error_response(exc)
-            return encode_body(request, response)
+            # Like Triton, only inference responses are compressed: tritonclient's aio
+            # client decodes only those itself.
+            return encode_body(request, response) if route == self.infer else response
         return json_response({"error": "Not Found"}, 404)
 
     def _restricted(self, category: str, request: HttpRequest) -> HttpResponse | None:
@@ -240,11 +243,16 @@ class KServeHttpApi:
         body = _json_object(request)
         handle = body.get("raw_handle", {})
         raw = handle.get("b64") if isinstance(handle, dict) else None
-        if not isinstance(raw, str):
-            raise InvalidArgumentError("register needs 'raw_handle': {'b64': <base64 handle>}")
-        self.dataplane.register_cuda_shm(
-            args["region"], base64.b64decode(raw), int(body.get("device_id", 0)), int(body.get("byte_size", 0))
-        )
+        device_id, byte_size = body.get("device_id", 0), body.get("byte_size", 0)
+        if not isinstance(raw, str) or not _is_count(device_id) or not _is_count(byte_size):
+            raise InvalidArgumentError(
+                "register needs 'raw_handle': {'b64': <base64 handle>}, 'device_id' and 'byte_size'"
+            )
+        try:
+            raw = base64.b64decode(raw, validate=True)
+        except ValueError:
+            raise InvalidArgumentError("'raw_handle.b64' is not valid base64") from None
+        self.dataplane.register_cuda_shm(args["region"], raw, device_id, byte_size)
         return json_response({})
 
     async def cuda_unregister(self, request: HttpRequest, args: dict[str, str]) -> HttpResponse:
@@ -388,33 +396,42 @@ def _decode_inputs(raw_inputs: Any, binary: np.ndarray, request_id: str) -> list
     return specs
 
 
+_INTEGER_KINDS = {
+    DataType.UINT8, DataType.UINT16, DataType.UINT32, DataType.UINT64,
+    DataType.INT8, DataType.INT16, DataType.INT32, DataType.INT64,
+}
+
+
 def _json_data(name: str, datatype: str, shape: list[int], data: Any, label: str) -> np.ndarray:
+    """JSON ``data`` as a flat array of the input's type, refusing values that do not
+    fit it (a float for an integer type, a bool for a number, out-of-range integers)
+    rather than converting them silently."""
     try:
         data_type = DataType.from_wire(datatype)
     except ValueError:
         raise InvalidArgumentError(f"invalid datatype for input {name}") from None
-    if not isinstance(data, list):
-        data = [data]
     try:
+        flat = _flatten(data if isinstance(data, list) else [data])
+        kinds = set(map(type, flat))
         if data_type is DataType.BYTES:
-            flat = _flatten(data)
-            for item in flat:
-                if not isinstance(item, str):
-                    raise TypeError("BYTES data must be JSON strings")
+            if kinds - {str}:
+                raise TypeError("BYTES data must be JSON strings")
             array = np.empty(len(flat), dtype=np.object_)
             array[:] = [s.encode("utf-8") for s in flat]
         elif data_type is DataType.BOOL:
-            flat = _flatten(data)
-            if not all(isinstance(v, bool) for v in flat):
+            if kinds - {bool}:
                 raise TypeError("BOOL data must be JSON true/false")
             array = np.array(flat, dtype=np.bool_)
         elif data_type in (DataType.FP16, DataType.BF16):
             raise TypeError(f"{data_type.name} data must be sent as binary data")
+        elif data_type in _INTEGER_KINDS:
+            if kinds - {int}:
+                raise TypeError(f"{data_type.name} data must be JSON integers")
+            array = np.array(flat, dtype=numpy_dtype(data_type))  # out of range: OverflowError
         else:
-            probe = np.asarray(data)
-            if probe.dtype.kind not in "iuf":
+            if kinds - {int, float}:
                 raise TypeError(f"{data_type.name} data must be JSON numbers")
-            array = probe.astype(numpy_dtype(data_type), copy=False)
+            array = np.array(flat, dtype=numpy_dtype(data_type))
     except (TypeError, ValueError, OverflowError) as exc:
         raise InvalidArgumentError(f"{label}Unable to parse 'data' of input '{name}': {exc}") from None
     count = math.prod(shape)
@@ -423,7 +440,7 @@ def _json_data(name: str, datatype: str, shape: list[int], data: Any, label: str
             f"{label}Unable to parse 'data' of input '{name}': it has {array.size} elements, "
             f"shape {shape} needs {count}"
         )
-    return array.reshape(-1)
+    return array
 
 
 def _flatten(data: list[Any]) -> list[Any]:

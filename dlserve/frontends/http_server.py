@@ -98,9 +98,10 @@ class HttpConnection(asyncio.BufferedProtocol):
         self._direct: np.ndarray | None = None  # body block being filled straight from the socket
         self._filled = 0
         self._reset_message()
-        self._pending: collections.deque[HttpRequest] = collections.deque()
+        self._pending: collections.deque[HttpRequest | HttpError] = collections.deque()
         self._busy = False
         self._closing = False
+        self._broken = False  # a parse error was queued; ignore whatever follows
         self._writable = asyncio.Event()
         self._writable.set()
 
@@ -133,6 +134,8 @@ class HttpConnection(asyncio.BufferedProtocol):
         self._headers[key] = f"{self._headers[key]},{text}" if key in self._headers else text
 
     def on_headers_complete(self) -> None:
+        if self._parser.should_upgrade():
+            raise HttpError(400, "protocol upgrades are not supported")
         length = self._headers.get("content-length")
         if length is None:
             return
@@ -149,6 +152,9 @@ class HttpConnection(asyncio.BufferedProtocol):
         self._expected = expected
         if expected >= DIRECT_BODY_MIN and "content-encoding" not in self._headers:
             self._block = self.server.allocate_body(expected)
+        expect = self._headers.get("expect", "").lower()
+        if expect == "100-continue" and self.transport is not None and not self.in_flight:
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
         if self._block is not None:
@@ -199,6 +205,8 @@ class HttpConnection(asyncio.BufferedProtocol):
         return self._scratch_view
 
     def buffer_updated(self, nbytes: int) -> None:
+        if self._broken:
+            return
         if self._direct is not None:
             self._filled += nbytes
             if self._filled == self._direct.nbytes:
@@ -234,6 +242,12 @@ class HttpConnection(asyncio.BufferedProtocol):
         self.transport = None
         self.server.connections.discard(self)
         self._writable.set()
+        # Drop a half-received body now (it may be a 64 MiB shared-memory block) rather
+        # than when the garbage collector breaks the parser <-> connection cycle.
+        self._block = self._direct = None
+        self._body_parts = []
+        self._pending.clear()
+        self._parser = None  # type: ignore[assignment]
 
     def pause_writing(self) -> None:
         self._writable.clear()
@@ -248,15 +262,25 @@ class HttpConnection(asyncio.BufferedProtocol):
         return self._busy or bool(self._pending)
 
     def _fail(self, status: int, message: str) -> None:
-        """Answer a request we could not parse, then close: the stream is out of sync."""
-        self._write(HttpResponse(status, [error_body(message)]), keep_alive=False)
+        """Answer a request we could not parse — after the answers to the requests
+        before it on this connection — then close: the stream is out of sync."""
+        self._broken = True
         if self.transport is not None:
-            self.transport.close()
+            self.transport.pause_reading()
+        self._pending.append(HttpError(status, message))
+        if not self._busy:
+            self._busy = True
+            asyncio.get_running_loop().create_task(self._serve_pending())
 
     async def _serve_pending(self) -> None:
         try:
             while self._pending and not self._closing:
                 request = self._pending.popleft()
+                if isinstance(request, HttpError):
+                    self._write(HttpResponse(request.status, [error_body(request.message)]), False)
+                    if self.transport is not None:
+                        self.transport.close()
+                    return
                 response = await self.server.dispatch(request)
                 keep_alive = request.headers.get("_keep_alive") == "1"
                 self._write(response, keep_alive)

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from dlserve.engine.server import Server
-from dlserve.errors import AlreadyExistsError, InvalidArgumentError
+from dlserve.errors import AlreadyExistsError, InvalidArgumentError, UnavailableError
 from dlserve.frontends.dataplane import DataPlane
 from dlserve.frontends.http_api import KServeHttpApi, Restriction
 from dlserve.frontends.http_server import HttpServer
@@ -71,7 +71,13 @@ class Service:
     def start(self) -> None:
         if self._running:
             raise AlreadyExistsError("server is already running.")
-        self.port = self.server._run(self._start())
+        try:
+            self.port = self.server._run(self._start())
+        except OSError as exc:
+            raise UnavailableError(
+                f"{type(self).__name__} cannot listen on {self.options.address}:{self.options.port}: "
+                f"{exc.strerror or exc}"
+            ) from None
         self._running = True
         self.server._attach(self)
 

@@ -44,10 +44,19 @@ class ModelFailure(Exception):
         self.code = code
 
 
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
 def describe_exception(exc: BaseException) -> str:
-    """``Type: message`` plus the traceback, innermost frames of model code included."""
-    lines = traceback.format_exception(type(exc), exc, exc.__traceback__)
-    return f"{type(exc).__name__}: {exc}\n\n" + "".join(lines[:-1]).rstrip()
+    """``Type: message`` and where in the model it happened, innermost frame first
+    (Triton's layout), without dlserve's own frames."""
+    frames = [
+        frame
+        for frame in traceback.extract_tb(exc.__traceback__)
+        if not frame.filename.startswith(_PACKAGE_DIR)
+    ]
+    where = "".join(f"  {f.filename}({f.lineno}): {f.name}\n" for f in reversed(frames))
+    return f"{type(exc).__name__}: {exc}\n\nAt:\n{where}" if where else f"{type(exc).__name__}: {exc}"
 
 
 class WorkerRuntime:

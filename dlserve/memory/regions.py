@@ -31,7 +31,7 @@ from dlserve.memory.shm import Segment, shm_path
 @dataclasses.dataclass
 class Region:
     name: str
-    key: str
+    key: str  # as registered (status echoes it), e.g. "/input" for the object "input"
     offset: int
     byte_size: int
     segment: Segment
@@ -92,7 +92,7 @@ class SystemRegions:
                     f"the {segment.size}-byte object '{key}'"
                 )
             anchor = self._space.anchor(segment, offset, byte_size)
-            self._regions[name] = Region(name, bare, offset, byte_size, segment, anchor)
+            self._regions[name] = Region(name, key, offset, byte_size, segment, anchor)
 
     def _mapping(self, key: str, path: str) -> Segment:
         """The object's mapping, reopened if the name now belongs to a new object."""
@@ -111,8 +111,8 @@ class SystemRegions:
         with self._lock:
             names = list(self._regions) if name is None else [name]
             removed = [self._regions.pop(n) for n in names if n in self._regions]
-            in_use = {region.key for region in self._regions.values()}
-            for key in {region.key for region in removed} - in_use:
+            in_use = {region.segment.name for region in self._regions.values()}
+            for key in {region.segment.name for region in removed} - in_use:
                 self._forget(key)
 
     def status(self, name: str | None = None) -> list[dict[str, Any]]:

@@ -1,0 +1,926 @@
+"""The KServe v2 gRPC API with Triton's extensions (``inference.GRPCInferenceService``).
+
+A ``grpc.aio`` server on the engine's event loop: every handler is a plain coroutine
+that calls the engine or the shared :class:`DataPlane` directly, with no thread hop.
+Wire semantics follow Triton's gRPC frontend, including its error texts where a
+client could tell the difference (captured in ``tests/data/triton_reference``):
+
+* ``ModelInfer`` takes inputs as ``raw_input_contents`` (one entry per input that has
+  neither typed ``contents`` nor a shared-memory reference, in input order), as typed
+  ``contents`` (never both in one request), or from a registered shared-memory region.
+  Raw inputs are ``np.frombuffer`` views of the request's bytes; the one copy they get
+  is into the server's arena (above the inline size), which the worker needs anyway.
+* Responses always carry outputs as ``raw_output_contents``, one entry per output in
+  order; an output written into the client's shared memory gets the region in its
+  parameters and an empty entry. Parameters a model sets on its response come back in
+  ``ModelInferResponse.parameters``.
+* ``ModelStreamInfer`` answers each request on the stream with a
+  ``ModelStreamInferResponse`` (``triton_final_response`` set on the final one); a
+  failed request puts its message in ``error_message`` and the stream stays open.
+* Errors map :class:`dlserve.errors.ErrorCode` to gRPC codes with Triton's table
+  (:data:`GRPC_CODES`).
+* A restricted protocol (``--grpc-restricted-protocol=<protocols>:<header>=<value>``)
+  answers UNAVAILABLE unless the call carries the header, named either as configured or
+  with Triton's ``triton-grpc-protocol-`` prefix.
+* A call cancelled by its client (or past its deadline) stops waiting; a request still
+  queued is taken off the queue.
+
+``KServeGrpc.Options`` map onto gRPC channel arguments (:func:`server_options`): message
+size limits, keepalive and ping policy, connection age, ``SO_REUSEPORT``; TLS and mutual
+TLS use ``grpc.ssl_server_credentials``; ``infer_compression_level`` compresses inference
+responses. ``infer_thread_count``, ``infer_allocation_pool_size`` and
+``max_response_pool_size`` are accepted for compatibility: every call runs on the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+import numpy as np
+from google.protobuf import json_format
+
+from dlserve.engine.request import Request, Response
+from dlserve.errors import (
+    ErrorCode,
+    InvalidArgumentError,
+    TritonError,
+    UnavailableError,
+    UnsupportedError,
+)
+from dlserve.frontends.dataplane import DataPlane, InputSpec, OutputSpec, shm_ref
+from dlserve.frontends.proto import grpc_service_pb2 as pb
+from dlserve.frontends.proto import grpc_service_pb2_grpc as pb_grpc
+from dlserve.frontends.proto import health_pb2, health_pb2_grpc
+from dlserve.memory.dtypes import DataType
+
+log = logging.getLogger("dlserve.frontends.grpc")
+
+GRPC_CODES = {
+    ErrorCode.INTERNAL: grpc.StatusCode.INTERNAL,
+    ErrorCode.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    ErrorCode.INVALID_ARG: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    ErrorCode.UNSUPPORTED: grpc.StatusCode.UNIMPLEMENTED,
+    ErrorCode.ALREADY_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
+    ErrorCode.CANCELLED: grpc.StatusCode.CANCELLED,
+    ErrorCode.UNKNOWN: grpc.StatusCode.UNKNOWN,
+}
+PROTOCOLS = (
+    "health",
+    "metadata",
+    "inference",
+    "shared-memory",
+    "model-config",
+    "model-repository",
+    "statistics",
+    "trace",
+    "logging",
+)
+HEADER_PREFIX = "triton-grpc-protocol-"
+# Triton's reserved "triton_" request parameters (all others with the prefix are refused).
+TRITON_PARAMETERS = ("triton_enable_empty_final_response",)
+FINAL_RESPONSE = "triton_final_response"
+# infer_compression_level -> the algorithm gRPC core picks for that level when the client
+# accepts gzip and deflate (its ranking: low = gzip, medium and high = deflate).
+_COMPRESSION = {
+    1: grpc.Compression.Gzip,
+    2: grpc.Compression.Deflate,
+    3: grpc.Compression.Deflate,
+}
+_STOL = re.compile(r"\s*([+-]?\d+)")
+_INT64_MAX = (1 << 63) - 1
+
+
+# -- restricted protocols --------------------------------------------------------------------------
+class Restriction:
+    """``<protocol,...>:<header>=<value>``: calls in those protocols need the header."""
+
+    __slots__ = ("header", "keys", "protocols", "value")
+
+    def __init__(self, protocols: frozenset[str], header: str, value: str) -> None:
+        self.protocols = protocols
+        self.header = header
+        # gRPC metadata keys arrive lower-cased; Triton's clients send the prefixed form.
+        self.keys = (header, HEADER_PREFIX + header)
+        self.value = value
+
+    @staticmethod
+    def parse(text: str) -> Restriction:
+        try:
+            protocols, pair = text.split(":", 1)
+            header, value = pair.split("=", 1)
+        except (AttributeError, ValueError):
+            raise InvalidArgumentError(
+                f"restricted protocol '{text}' must look like <protocol,...>:<header>=<value>"
+            ) from None
+        names = frozenset(p.strip() for p in protocols.split(",") if p.strip())
+        unknown = names - set(PROTOCOLS)
+        header = header.strip().lower()
+        if unknown or not names or not header:
+            raise InvalidArgumentError(
+                f"restricted protocol '{text}': unknown protocols {sorted(unknown)} or no header; "
+                f"known protocols: {', '.join(PROTOCOLS)}"
+            )
+        return Restriction(names, header, value)
+
+    def allows(self, metadata: Any) -> bool:
+        for key, value in metadata or ():
+            if key in self.keys and value == self.value:
+                return True
+        return False
+
+
+# -- parameters ------------------------------------------------------------------------------------
+def _value(parameter: Any) -> Any:
+    """The python value of an InferParameter / ModelRepositoryParameter (None if unset)."""
+    kind = parameter.WhichOneof("parameter_choice")
+    return None if kind is None else getattr(parameter, kind)
+
+
+def _plain_parameters(parameters: Any) -> dict[str, Any]:
+    return {key: _value(value) for key, value in parameters.items()}
+
+
+def _request_parameters(parameters: Any) -> dict[str, Any]:
+    """Request parameters checked the way Triton's gRPC frontend checks them."""
+    result: dict[str, Any] = {}
+    for key, parameter in parameters.items():
+        kind = parameter.WhichOneof("parameter_choice")
+        if key == "sequence_id":
+            if kind not in ("int64_param", "string_param"):
+                raise InvalidArgumentError(
+                    "invalid value type for 'sequence_id' parameter, expected "
+                    "int64_param or string_param."
+                )
+        elif key in ("sequence_start", "sequence_end"):
+            if kind != "bool_param":
+                raise InvalidArgumentError(
+                    f"invalid value type for '{key}' parameter, expected bool_param."
+                )
+        elif key == "priority":
+            if kind == "int64_param":
+                if parameter.int64_param < 0:
+                    raise InvalidArgumentError("invalid value for 'priority', expected value >= 0.")
+            elif kind != "uint64_param":
+                raise InvalidArgumentError(
+                    "invalid value type for 'priority' parameter, expected "
+                    "int64_param or uint64_param."
+                )
+        elif key == "timeout":
+            if kind != "int64_param":
+                raise InvalidArgumentError(
+                    "invalid value type for 'timeout' parameter, expected int64_param."
+                )
+        elif key.startswith("triton_"):
+            if key not in TRITON_PARAMETERS:
+                raise InvalidArgumentError(
+                    "parameter keys starting with 'triton_' are reserved for Triton usage. Only "
+                    "the following keys starting with 'triton_' are allowed: "
+                    + " ".join(TRITON_PARAMETERS)
+                )
+            if kind != "bool_param":
+                raise InvalidArgumentError(
+                    f"invalid value type for '{key}' parameter, expected bool_param."
+                )
+            continue  # consumed by the frontend, never seen by the model
+        elif kind not in ("int64_param", "bool_param", "string_param", "double_param"):
+            raise InvalidArgumentError(
+                f"invalid value type for '{key}' parameter, expected "
+                "int64_param, bool_param, or string_param."
+            )
+        result[key] = getattr(parameter, kind)
+    return result
+
+
+def _set_parameters(target: Any, values: dict[str, Any]) -> None:
+    """Fill an ``InferParameter`` map from python values."""
+    for key, value in values.items():
+        parameter = target[key]
+        if isinstance(value, bool):
+            parameter.bool_param = value
+        elif isinstance(value, int):
+            if value > _INT64_MAX:
+                parameter.uint64_param = value
+            else:
+                parameter.int64_param = value
+        elif isinstance(value, float):
+            parameter.double_param = value
+        else:
+            parameter.string_param = str(value)
+
+
+def parse_version(text: str) -> int:
+    """Triton's GetModelVersionFromString: "" is -1 (policy), else a non-negative integer."""
+    if not text:
+        return -1
+    match = _STOL.match(text)
+    value = int(match.group(1)) if match else None
+    if value is None or not -(1 << 63) <= value <= _INT64_MAX:
+        raise InvalidArgumentError(
+            f"failed to get model version from specified version string '{text}' (details: stol), "
+            "version should be an integral value > 0"
+        )
+    if value < 0:
+        raise InvalidArgumentError(
+            f"invalid model version specified '{text}' , version should be an integral value > 0"
+        )
+    return value
+
+
+# -- typed contents --------------------------------------------------------------------------------
+# contents field -> (the TRITONSERVER type its values have, data types it may carry)
+_CONTENTS = (
+    ("bool_contents", "BOOL", {DataType.BOOL: np.bool_}),
+    (
+        "int_contents",
+        "INT32",
+        {DataType.INT8: np.int8, DataType.INT16: np.int16, DataType.INT32: np.int32},
+    ),
+    ("int64_contents", "INT64", {DataType.INT64: np.int64}),
+    (
+        "uint_contents",
+        "UINT32",
+        {DataType.UINT8: np.uint8, DataType.UINT16: np.uint16, DataType.UINT32: np.uint32},
+    ),
+    ("uint64_contents", "UINT64", {DataType.UINT64: np.uint64}),
+    ("fp32_contents", "FP32", {DataType.FP32: np.float32}),
+    ("fp64_contents", "FP64", {DataType.FP64: np.float64}),
+    ("bytes_contents", "BYTES", {DataType.BYTES: np.object_}),
+)
+_WIDE = {np.int8: np.int32, np.int16: np.int32, np.uint8: np.uint32, np.uint16: np.uint32}
+
+
+def _decode_contents(tensor: Any, data_type: DataType | None, model_name: str) -> InputSpec:
+    """An input given as typed ``contents``; FP16/BF16 have no typed field (raw only)."""
+    contents = tensor.contents
+    spec = InputSpec(tensor.name, tensor.datatype, list(tensor.shape))
+    found = False
+    for field, field_type, allowed in _CONTENTS:
+        values = getattr(contents, field)
+        if not values:
+            continue
+        if found:
+            raise InvalidArgumentError(
+                f"unexpected explicit tensor data for input tensor '{tensor.name}' for model "
+                f"'{model_name}', binary data was already supplied."
+            )
+        found = True
+        dtype = allowed.get(data_type) if data_type is not None else None
+        if dtype is None:
+            expected = data_type.wire_name if data_type is not None else "<invalid>"
+            raise InvalidArgumentError(
+                f"unexpected explicit tensor data for input tensor '{tensor.name}' for model "
+                f"'{model_name}' of type '{field_type}', expected datatype '{expected}'"
+            )
+        if dtype is np.object_:
+            array = np.empty(len(values), dtype=np.object_)
+            array[:] = list(values)
+            spec.array = array
+        else:
+            wide = _WIDE.get(dtype, dtype)
+            array = np.fromiter(values, dtype=wide, count=len(values))
+            if wide is not dtype:  # Triton keeps the low bytes of each 32-bit value
+                array = array.astype(dtype)
+            spec.raw = array.view(np.uint8)
+    if not found:  # contents present but empty: zero bytes of data
+        spec.raw = np.empty(0, dtype=np.uint8)
+    return spec
+
+
+# -- responses -------------------------------------------------------------------------------------
+def encode_response(
+    response: Response, shm_outputs: dict[str, OutputSpec] | None
+) -> pb.ModelInferResponse:
+    """A successful engine response as a ModelInferResponse (outputs as raw contents)."""
+    message = pb.ModelInferResponse(
+        model_name=response.model_name,
+        model_version=str(response.model_version),
+        id=response.request_id,
+    )
+    outputs = message.outputs
+    raws: list[bytes] = []
+    for name, tensor in response.outputs.items():
+        output = outputs.add(name=name, datatype=tensor.data_type.wire_name, shape=tensor.shape)
+        spec = shm_outputs.get(name) if shm_outputs else None
+        if spec is not None:
+            assert spec.shm is not None
+            parameters = output.parameters
+            parameters["shared_memory_region"].string_param = spec.shm.region
+            parameters["shared_memory_byte_size"].int64_param = tensor.size
+            if spec.shm.offset:
+                parameters["shared_memory_offset"].int64_param = spec.shm.offset
+            raws.append(b"")  # keeps raw_output_contents[i] aligned with outputs[i]
+        else:
+            # The one copy out of shared memory (protobuf needs bytes).
+            raws.append(tensor.storage().tobytes())
+    message.raw_output_contents.extend(raws)
+    if response.parameters:
+        _set_parameters(message.parameters, response.parameters)
+    return message
+
+
+def _status(error: TritonError) -> grpc.StatusCode:
+    return GRPC_CODES.get(error.code, grpc.StatusCode.UNKNOWN)
+
+
+# -- the servicer ----------------------------------------------------------------------------------
+Handler = Callable[..., Awaitable[Any]]
+
+
+def _rpc(protocol: str) -> Callable[[Handler], Handler]:
+    """Restriction check and error mapping around a unary handler."""
+
+    def wrap(method: Handler) -> Handler:
+        @functools.wraps(method)
+        async def handler(self: InferenceServicer, request: Any, context: Any) -> Any:
+            rules = self.rules[protocol]
+            if rules:
+                await self.check_restricted(rules, context)
+            try:
+                return await method(self, request, context)
+            except TritonError as exc:
+                await context.abort(_status(exc), exc.message)
+            except (asyncio.CancelledError, grpc.aio.AbortError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - a bug must still answer the call
+                log.exception("gRPC %s failed", method.__name__)
+                await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+        return handler
+
+    return wrap
+
+
+class InferenceServicer:
+    """``inference.GRPCInferenceService``: every RPC, as plain coroutines."""
+
+    def __init__(self, dataplane: DataPlane, restrictions: list[Restriction], options: Any) -> None:
+        self.dataplane = dataplane
+        self.engine = dataplane.engine
+        self.rules: dict[str, list[Restriction]] = {
+            protocol: [r for r in restrictions if protocol in r.protocols] for protocol in PROTOCOLS
+        }
+        pattern = getattr(options, "forward_header_pattern", "")
+        # Triton forwards every header the pattern finds (RE2::PartialMatch) as a string parameter.
+        self.forward = re.compile(pattern) if pattern else None
+        self.compression = _COMPRESSION.get(int(getattr(options, "infer_compression_level", 0)))
+
+    async def check_restricted(self, rules: list[Restriction], context: Any) -> None:
+        metadata = context.invocation_metadata()
+        for rule in rules:
+            if not rule.allows(metadata):
+                await context.abort(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"This protocol is restricted, expecting header '{rule.header}'",
+                )
+
+    # -- health and metadata ------------------------------------------------------------
+    @_rpc("health")
+    async def ServerLive(self, request: Any, context: Any) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=self.engine.live)
+
+    @_rpc("health")
+    async def ServerReady(self, request: Any, context: Any) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=self.engine.ready())
+
+    @_rpc("health")
+    async def ModelReady(self, request: Any, context: Any) -> pb.ModelReadyResponse:
+        version = parse_version(request.version)
+        return pb.ModelReadyResponse(ready=await self.engine.model_ready(request.name, version))
+
+    @_rpc("metadata")
+    async def ServerMetadata(self, request: Any, context: Any) -> pb.ServerMetadataResponse:
+        meta = self.engine.metadata()
+        return pb.ServerMetadataResponse(
+            name=meta["name"], version=meta["version"], extensions=meta["extensions"]
+        )
+
+    @_rpc("metadata")
+    async def ModelMetadata(self, request: Any, context: Any) -> pb.ModelMetadataResponse:
+        meta = self.engine.model_metadata(request.name, parse_version(request.version))
+        tensor = pb.ModelMetadataResponse.TensorMetadata
+        return pb.ModelMetadataResponse(
+            name=meta["name"],
+            versions=meta["versions"],
+            platform=meta["platform"],
+            inputs=[
+                tensor(name=t["name"], datatype=t["datatype"], shape=t["shape"])
+                for t in meta["inputs"]
+            ],
+            outputs=[
+                tensor(name=t["name"], datatype=t["datatype"], shape=t["shape"])
+                for t in meta["outputs"]
+            ],
+        )
+
+    @_rpc("model-config")
+    async def ModelConfig(self, request: Any, context: Any) -> pb.ModelConfigResponse:
+        config = self.engine.model_config(request.name, parse_version(request.version))
+        response = pb.ModelConfigResponse()
+        json_format.ParseDict(config, response.config, ignore_unknown_fields=True)
+        return response
+
+    @_rpc("statistics")
+    async def ModelStatistics(self, request: Any, context: Any) -> pb.ModelStatisticsResponse:
+        stats = self.engine.statistics(request.name, parse_version(request.version))
+        response = pb.ModelStatisticsResponse()
+        json_format.ParseDict(stats, response, ignore_unknown_fields=True)
+        return response
+
+    # -- model repository ---------------------------------------------------------------
+    @staticmethod
+    def _check_repository(name: str) -> None:
+        if name:
+            raise UnsupportedError("'repository_name' specification is not supported")
+
+    @_rpc("model-repository")
+    async def RepositoryIndex(self, request: Any, context: Any) -> pb.RepositoryIndexResponse:
+        self._check_repository(request.repository_name)
+        index = pb.RepositoryIndexResponse.ModelIndex
+        rows = self.engine.repository_index(request.ready)
+        return pb.RepositoryIndexResponse(
+            models=[
+                index(
+                    name=row["name"],
+                    version=str(row.get("version", "")),
+                    state=row.get("state", "") or "",
+                    reason=row.get("reason", "") or "",
+                )
+                for row in rows
+            ]
+        )
+
+    @_rpc("model-repository")
+    async def RepositoryModelLoad(
+        self, request: Any, context: Any
+    ) -> pb.RepositoryModelLoadResponse:
+        self._check_repository(request.repository_name)
+        parameters = {}
+        for key, parameter in request.parameters.items():
+            value = _value(parameter)
+            if key == "config" and not isinstance(value, str):
+                raise InvalidArgumentError(
+                    f"load of model '{request.model_name}': "
+                    "'config' must be a string_param holding JSON"
+                )
+            if key.startswith("file:") and not isinstance(value, bytes):
+                raise InvalidArgumentError(
+                    f"load of model '{request.model_name}': '{key}' must be a bytes_param"
+                )
+            parameters[key] = value
+        await self.engine.load(request.model_name, parameters)
+        return pb.RepositoryModelLoadResponse()
+
+    @_rpc("model-repository")
+    async def RepositoryModelUnload(
+        self, request: Any, context: Any
+    ) -> pb.RepositoryModelUnloadResponse:
+        self._check_repository(request.repository_name)
+        dependents = False
+        for key, parameter in request.parameters.items():
+            value = _value(parameter)
+            if key != "unload_dependents":
+                raise InvalidArgumentError(
+                    f"unload of model '{request.model_name}': unknown parameter '{key}'"
+                )
+            if not isinstance(value, bool):
+                raise InvalidArgumentError("'unload_dependents' must be a bool_param")
+            dependents = value
+        await self.engine.unload(request.model_name, dependents)
+        return pb.RepositoryModelUnloadResponse()
+
+    # -- shared memory ------------------------------------------------------------------
+    @_rpc("shared-memory")
+    async def SystemSharedMemoryStatus(
+        self, request: Any, context: Any
+    ) -> pb.SystemSharedMemoryStatusResponse:
+        region = pb.SystemSharedMemoryStatusResponse.RegionStatus
+        response = pb.SystemSharedMemoryStatusResponse()
+        for status in self.dataplane.system_shm_status(request.name):
+            response.regions[status["name"]].CopyFrom(
+                region(
+                    name=status["name"],
+                    key=status["key"],
+                    offset=status["offset"],
+                    byte_size=status["byte_size"],
+                )
+            )
+        return response
+
+    @_rpc("shared-memory")
+    async def SystemSharedMemoryRegister(
+        self, request: Any, context: Any
+    ) -> pb.SystemSharedMemoryRegisterResponse:
+        self.dataplane.register_system_shm(
+            request.name, request.key, request.offset, request.byte_size
+        )
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    @_rpc("shared-memory")
+    async def SystemSharedMemoryUnregister(
+        self, request: Any, context: Any
+    ) -> pb.SystemSharedMemoryUnregisterResponse:
+        self.dataplane.unregister_system_shm(request.name)
+        return pb.SystemSharedMemoryUnregisterResponse()
+
+    @_rpc("shared-memory")
+    async def CudaSharedMemoryStatus(
+        self, request: Any, context: Any
+    ) -> pb.CudaSharedMemoryStatusResponse:
+        region = pb.CudaSharedMemoryStatusResponse.RegionStatus
+        response = pb.CudaSharedMemoryStatusResponse()
+        for status in self.dataplane.cuda_shm_status(request.name):
+            response.regions[status["name"]].CopyFrom(
+                region(
+                    name=status["name"],
+                    device_id=status.get("device_id", 0),
+                    byte_size=status.get("byte_size", 0),
+                )
+            )
+        return response
+
+    @_rpc("shared-memory")
+    async def CudaSharedMemoryRegister(
+        self, request: Any, context: Any
+    ) -> pb.CudaSharedMemoryRegisterResponse:
+        self.dataplane.register_cuda_shm(
+            request.name, request.raw_handle, request.device_id, request.byte_size
+        )
+        return pb.CudaSharedMemoryRegisterResponse()
+
+    @_rpc("shared-memory")
+    async def CudaSharedMemoryUnregister(
+        self, request: Any, context: Any
+    ) -> pb.CudaSharedMemoryUnregisterResponse:
+        self.dataplane.unregister_cuda_shm(request.name)
+        return pb.CudaSharedMemoryUnregisterResponse()
+
+    # -- trace and logging --------------------------------------------------------------
+    @_rpc("trace")
+    async def TraceSetting(self, request: Any, context: Any) -> pb.TraceSettingResponse:
+        raise UnsupportedError(
+            "trace settings are not supported: dlserve does not implement tracing"
+        )
+
+    @_rpc("logging")
+    async def LogSettings(self, request: Any, context: Any) -> pb.LogSettingsResponse:
+        settings = self.engine.settings.log
+        changes = {}
+        for key, value in request.settings.items():
+            decoded = _value(value)
+            if decoded is not None:  # an entry without a value changes nothing
+                changes[key] = decoded
+        if changes:
+            settings.update(changes)
+        response = pb.LogSettingsResponse()
+        for key, value in settings.as_dict().items():
+            entry = response.settings[key]
+            if isinstance(value, bool):
+                entry.bool_param = value
+            elif isinstance(value, int):
+                entry.uint32_param = value
+            else:
+                entry.string_param = str(value)
+        return response
+
+    # -- inference ------------------------------------------------------------------------
+    def decode(
+        self, request: pb.ModelInferRequest, context: Any, unary: bool = True
+    ) -> tuple[Request, dict[str, OutputSpec] | None]:
+        """The engine request for a ModelInferRequest, and its shared-memory outputs."""
+        model_name = request.model_name
+        version = parse_version(request.model_version)
+        # The model first, as Triton does: an unknown model wins over a bad input.
+        model = self.engine.model(model_name, version)
+        if unary and model.config.model_transaction_policy.decoupled:
+            raise UnsupportedError(
+                "ModelInfer RPC doesn't support models with decoupled transaction policy"
+            )
+        parameters = _request_parameters(request.parameters) if request.parameters else {}
+        if self.forward is not None:
+            for key, value in context.invocation_metadata() or ():
+                if isinstance(value, str) and self.forward.search(key):
+                    parameters[key] = value
+        raws = request.raw_input_contents
+        raw_count = len(raws)
+        index = 0
+        inputs = []
+        for tensor in request.inputs:
+            name = tensor.name
+            try:
+                data_type: DataType | None = DataType.from_wire(tensor.datatype)
+            except ValueError:
+                data_type = None
+                declared = model.signature.inputs.get(name)
+                if declared is not None:
+                    label = f"[request id: {request.id or '<id_unknown>'}] "
+                    raise InvalidArgumentError(
+                        f"{label}inference input '{name}' data-type is '<invalid>', but model "
+                        f"'{model_name}' expects '{declared.data_type.wire_name}'"
+                    ) from None
+            ref = None
+            if tensor.parameters:
+                ref = shm_ref(_plain_parameters(tensor.parameters), f"input '{name}'")
+            if ref is not None:
+                if tensor.HasField("contents"):
+                    raise InvalidArgumentError(
+                        f"unexpected 'content' provided when using shared memory for input tensor "
+                        f"'{name}' for model '{model_name}'"
+                    )
+                spec = InputSpec(name, tensor.datatype, list(tensor.shape), shm=ref)
+            elif tensor.HasField("contents"):
+                if raw_count:
+                    raise InvalidArgumentError(
+                        f"contents field must not be specified when using raw_input_contents for "
+                        f"'{name}' for model '{model_name}'"
+                    )
+                spec = _decode_contents(tensor, data_type, model_name)
+            elif index < raw_count:
+                # A view of the request's bytes: no copy on the way to the engine.
+                spec = InputSpec(
+                    name,
+                    tensor.datatype,
+                    list(tensor.shape),
+                    raw=np.frombuffer(raws[index], dtype=np.uint8),
+                )
+                index += 1
+            else:
+                raise InvalidArgumentError(
+                    f"unable to find data for input tensor '{name}' for model "
+                    f"'{model_name}' in request."
+                )
+            inputs.append(spec)
+        if index < raw_count:
+            raise InvalidArgumentError(
+                f"expected {index} raw_input_contents (one per input sent neither as contents nor "
+                f"in shared memory) but got {raw_count} for model '{model_name}'"
+            )
+        outputs: list[OutputSpec] | None = None
+        shm_outputs: dict[str, OutputSpec] | None = None
+        if request.outputs:
+            outputs = []
+            for output in request.outputs:
+                output_parameters = (
+                    _plain_parameters(output.parameters) if output.parameters else {}
+                )
+                if output_parameters.get("classification"):
+                    raise UnsupportedError("the classification extension is not supported")
+                spec_out = OutputSpec(
+                    output.name,
+                    output_parameters,
+                    shm_ref(output_parameters, f"output '{output.name}'"),
+                )
+                outputs.append(spec_out)
+                if spec_out.shm is not None:
+                    if shm_outputs is None:
+                        shm_outputs = {}
+                    shm_outputs[spec_out.name] = spec_out
+        engine_request = self.dataplane.build_request(
+            model_name, version if version >= 0 else None, request.id, parameters, inputs, outputs
+        )
+        # Into the server's arena now (one copy, which the worker hand-off would make
+        # anyway), so the request owns the memory a model may return by reference.
+        share = self.engine.share
+        for name, tensor in engine_request.inputs.items():
+            engine_request.inputs[name] = share(tensor)
+        return engine_request, shm_outputs
+
+    def cancel(self, request: Request) -> None:
+        """Take a request whose caller went away off its model's queue (if still queued)."""
+        try:
+            self.engine.model(request.model_name, request.model_version).scheduler.cancel(request)
+        except TritonError:
+            pass
+
+    @_rpc("inference")
+    async def ModelInfer(
+        self, request: pb.ModelInferRequest, context: Any
+    ) -> pb.ModelInferResponse:
+        engine_request, shm_outputs = self.decode(request, context)
+        try:
+            response = await self.dataplane.infer(engine_request)
+        except asyncio.CancelledError:  # the client cancelled or its deadline passed
+            self.cancel(engine_request)
+            raise
+        if response.error is not None:
+            raise response.error
+        if self.compression is not None:
+            context.set_compression(self.compression)
+        return encode_response(response, shm_outputs)
+
+    async def ModelStreamInfer(
+        self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: Any
+    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        rules = self.rules["inference"]
+        if rules:
+            await self.check_restricted(rules, context)
+        if self.compression is not None:
+            context.set_compression(self.compression)
+        stream = _Stream(self, context)
+        reader = asyncio.get_running_loop().create_task(stream.read(request_iterator))
+        try:
+            while True:
+                item = await stream.queue.get()
+                if item is None:
+                    break
+                yield item
+        finally:
+            reader.cancel()
+            stream.cancel_pending()
+            try:
+                await reader
+            except asyncio.CancelledError:
+                pass
+            except Exception:  # noqa: BLE001 - the stream already failed; do not mask it
+                log.exception("gRPC stream reader failed")
+
+
+class _Stream:
+    """One ModelStreamInfer call: requests in, responses out in completion order."""
+
+    def __init__(self, servicer: InferenceServicer, context: Any) -> None:
+        self.servicer = servicer
+        self.context = context
+        self.queue: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        self.pending: set[Request] = set()
+        self.reading = True
+
+    async def read(self, requests: AsyncIterator[pb.ModelInferRequest]) -> None:
+        try:
+            async for message in requests:
+                self.submit(message)
+        finally:
+            self.reading = False
+            if not self.pending:
+                self.queue.put_nowait(None)
+
+    def submit(self, message: pb.ModelInferRequest) -> None:
+        try:
+            request, shm_outputs = self.servicer.decode(message, self.context, unary=False)
+            request.on_response = functools.partial(self.deliver, request, shm_outputs)
+            self.pending.add(request)
+            try:
+                self.servicer.engine.submit(request)
+            except BaseException:
+                self.pending.discard(request)
+                raise
+        except TritonError as exc:
+            self.refuse(message, exc.message)
+        except Exception as exc:  # noqa: BLE001 - a bug answers this request, not the stream
+            log.exception("gRPC stream request failed")
+            self.refuse(message, f"{type(exc).__name__}: {exc}")
+
+    def refuse(self, message: pb.ModelInferRequest, error: str) -> None:
+        # Refused before reaching a model: Triton answers with just the request id.
+        self.queue.put_nowait(
+            pb.ModelStreamInferResponse(
+                error_message=error, infer_response=pb.ModelInferResponse(id=message.id)
+            )
+        )
+
+    def deliver(
+        self, request: Request, shm_outputs: dict[str, OutputSpec] | None, response: Response
+    ) -> None:
+        if request not in self.pending:
+            return  # cancelled meanwhile
+        if response.final:
+            self.pending.discard(request)
+        error = response.error.message if response.error is not None else ""
+        if not error:
+            try:
+                infer = encode_response(response, shm_outputs)
+            except Exception as exc:  # noqa: BLE001 - one bad response must not end the stream
+                log.exception("encoding a stream response failed")
+                error = f"{type(exc).__name__}: {exc}"
+        if error:  # Triton: the model name and id, no version, no outputs
+            infer = pb.ModelInferResponse(model_name=response.model_name, id=response.request_id)
+        infer.parameters[FINAL_RESPONSE].bool_param = response.final
+        item = pb.ModelStreamInferResponse(error_message=error, infer_response=infer)
+        self.queue.put_nowait(item)
+        if not self.reading and not self.pending:
+            self.queue.put_nowait(None)
+
+    def cancel_pending(self) -> None:
+        pending, self.pending = self.pending, set()
+        for request in pending:
+            self.servicer.cancel(request)
+
+
+class HealthServicer:
+    """``grpc.health.v1.Health``: SERVING while the engine is live and ready."""
+
+    def __init__(self, servicer: InferenceServicer) -> None:
+        self.servicer = servicer
+
+    async def Check(self, request: Any, context: Any) -> health_pb2.HealthCheckResponse:
+        rules = self.servicer.rules["health"]
+        if rules:
+            await self.servicer.check_restricted(rules, context)
+        engine = self.servicer.engine
+        serving = engine.live and engine.ready()
+        status = health_pb2.HealthCheckResponse
+        return status(status=status.SERVING if serving else status.NOT_SERVING)
+
+    async def Watch(
+        self, request: Any, context: Any
+    ) -> AsyncIterator[health_pb2.HealthCheckResponse]:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Watch is not supported; use Check")
+        yield health_pb2.HealthCheckResponse()  # pragma: no cover - makes this a generator
+
+
+# -- the server ------------------------------------------------------------------------------------
+def server_options(options: Any) -> list[tuple[str, Any]]:
+    """gRPC channel arguments for KServeGrpc.Options."""
+    args: list[tuple[str, Any]] = [
+        ("grpc.so_reuseport", 1 if options.reuse_port else 0),
+        ("grpc.max_send_message_length", options.max_message_size),
+        ("grpc.max_receive_message_length", options.max_message_size),
+        ("grpc.keepalive_time_ms", options.keepalive_time_ms),
+        ("grpc.keepalive_timeout_ms", options.keepalive_timeout_ms),
+        ("grpc.keepalive_permit_without_calls", int(bool(options.keepalive_permit_without_calls))),
+        ("grpc.http2.max_pings_without_data", options.http2_max_pings_without_data),
+        (
+            "grpc.http2.min_ping_interval_without_data_ms",
+            options.http2_min_recv_ping_interval_without_data_ms,
+        ),
+        ("grpc.http2.max_ping_strikes", options.http2_max_ping_strikes),
+    ]
+    if options.max_connection_age_ms:
+        args.append(("grpc.max_connection_age_ms", options.max_connection_age_ms))
+    if options.max_connection_age_grace_ms:
+        args.append(("grpc.max_connection_age_grace_ms", options.max_connection_age_grace_ms))
+    return args
+
+
+def _read(path: str, what: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise InvalidArgumentError(f"unable to read the {what} '{path}': {exc.strerror}") from None
+
+
+def server_credentials(options: Any) -> grpc.ServerCredentials:
+    key = _read(options.server_key, "server key")
+    cert = _read(options.server_cert, "server certificate")
+    root = _read(options.root_cert, "root certificate") if options.root_cert else None
+    return grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=root, require_client_auth=bool(options.use_mutual_auth)
+    )
+
+
+class GrpcServer:
+    """The gRPC frontend: ``await start()`` on the engine's loop, ``await stop()`` there too."""
+
+    def __init__(self, dataplane: DataPlane, options: Any) -> None:
+        self.dataplane = dataplane
+        self.options = options
+        self.restrictions = [Restriction.parse(r) for r in options.restricted_protocols]
+        self.servicer = InferenceServicer(dataplane, self.restrictions, options)
+        self._server: grpc.aio.Server | None = None
+
+    @property
+    def address(self) -> str:
+        host = self.options.address
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"  # IPv6
+        return f"{host}:{self.options.port}"
+
+    async def start(self) -> int:
+        if self._server is not None:
+            raise UnavailableError("the gRPC server is already running")
+        options = self.options
+        credentials = server_credentials(options) if options.use_ssl else None
+        server = grpc.aio.server(options=server_options(options))
+        pb_grpc.add_GRPCInferenceServiceServicer_to_server(self.servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(HealthServicer(self.servicer), server)
+        address = self.address
+        try:
+            if credentials is not None:
+                port = server.add_secure_port(address, credentials)
+            else:
+                port = server.add_insecure_port(address)
+        except RuntimeError as exc:
+            await server.stop(None)
+            raise UnavailableError(f"failed to bind the gRPC service to {address}: {exc}") from None
+        if not port:
+            await server.stop(None)
+            raise UnavailableError(f"failed to bind the gRPC service to {address}")
+        await server.start()
+        self._server = server
+        return int(port)
+
+    async def stop(self, grace: float | None = 5.0) -> None:
+        """Stop accepting calls; in-flight calls get up to ``grace`` seconds, then are cancelled."""
+        server, self._server = self._server, None
+        if server is not None:
+            await server.stop(grace)
+
+
+__all__ = ["GRPC_CODES", "GrpcServer", "Restriction", "encode_response", "parse_version"]
