@@ -57,6 +57,7 @@ from dlserve.frontends.dataplane import DataPlane, InputSpec, OutputSpec, shm_re
 from dlserve.frontends.proto import grpc_service_pb2 as pb
 from dlserve.frontends.proto import grpc_service_pb2_grpc as pb_grpc
 from dlserve.frontends.proto import health_pb2, health_pb2_grpc
+from dlserve.frontends.restrictions import Restriction, rules_by_category
 from dlserve.memory.dtypes import DataType
 
 log = logging.getLogger("dlserve.frontends.grpc")
@@ -71,17 +72,6 @@ GRPC_CODES = {
     ErrorCode.CANCELLED: grpc.StatusCode.CANCELLED,
     ErrorCode.UNKNOWN: grpc.StatusCode.UNKNOWN,
 }
-PROTOCOLS = (
-    "health",
-    "metadata",
-    "inference",
-    "shared-memory",
-    "model-config",
-    "model-repository",
-    "statistics",
-    "trace",
-    "logging",
-)
 HEADER_PREFIX = "triton-grpc-protocol-"
 # Triton's reserved "triton_" request parameters (all others with the prefix are refused).
 TRITON_PARAMETERS = ("triton_enable_empty_final_response",)
@@ -98,44 +88,6 @@ _INT64_MAX = (1 << 63) - 1
 
 
 # -- restricted protocols --------------------------------------------------------------------------
-class Restriction:
-    """``<protocol,...>:<header>=<value>``: calls in those protocols need the header."""
-
-    __slots__ = ("header", "keys", "protocols", "value")
-
-    def __init__(self, protocols: frozenset[str], header: str, value: str) -> None:
-        self.protocols = protocols
-        self.header = header
-        # gRPC metadata keys arrive lower-cased; Triton's clients send the prefixed form.
-        self.keys = (header, HEADER_PREFIX + header)
-        self.value = value
-
-    @staticmethod
-    def parse(text: str) -> Restriction:
-        try:
-            protocols, pair = text.split(":", 1)
-            header, value = pair.split("=", 1)
-        except (AttributeError, ValueError):
-            raise InvalidArgumentError(
-                f"restricted protocol '{text}' must look like <protocol,...>:<header>=<value>"
-            ) from None
-        names = frozenset(p.strip() for p in protocols.split(",") if p.strip())
-        unknown = names - set(PROTOCOLS)
-        header = header.strip().lower()
-        if unknown or not names or not header:
-            raise InvalidArgumentError(
-                f"restricted protocol '{text}': unknown protocols {sorted(unknown)} or no header; "
-                f"known protocols: {', '.join(PROTOCOLS)}"
-            )
-        return Restriction(names, header, value)
-
-    def allows(self, metadata: Any) -> bool:
-        for key, value in metadata or ():
-            if key in self.keys and value == self.value:
-                return True
-        return False
-
-
 # -- parameters ------------------------------------------------------------------------------------
 def _value(parameter: Any) -> Any:
     """The python value of an InferParameter / ModelRepositoryParameter (None if unset)."""
@@ -363,18 +315,17 @@ class InferenceServicer:
     def __init__(self, dataplane: DataPlane, restrictions: list[Restriction], options: Any) -> None:
         self.dataplane = dataplane
         self.engine = dataplane.engine
-        self.rules: dict[str, list[Restriction]] = {
-            protocol: [r for r in restrictions if protocol in r.protocols] for protocol in PROTOCOLS
-        }
+        self.rules = rules_by_category(restrictions)
         pattern = getattr(options, "forward_header_pattern", "")
         # Triton forwards every header the pattern finds (RE2::PartialMatch) as a string parameter.
         self.forward = re.compile(pattern) if pattern else None
         self.compression = _COMPRESSION.get(int(getattr(options, "infer_compression_level", 0)))
 
     async def check_restricted(self, rules: list[Restriction], context: Any) -> None:
-        metadata = context.invocation_metadata()
+        metadata = context.invocation_metadata() or ()
         for rule in rules:
-            if not rule.allows(metadata):
+            keys = (rule.header, HEADER_PREFIX + rule.header)
+            if not any(key in keys and value == rule.value for key, value in metadata):
                 await context.abort(
                     grpc.StatusCode.UNAVAILABLE,
                     f"This protocol is restricted, expecting header '{rule.header}'",
@@ -684,11 +635,6 @@ class InferenceServicer:
         engine_request = self.dataplane.build_request(
             model_name, version if version >= 0 else None, request.id, parameters, inputs, outputs
         )
-        # Into the server's arena now (one copy, which the worker hand-off would make
-        # anyway), so the request owns the memory a model may return by reference.
-        share = self.engine.share
-        for name, tensor in engine_request.inputs.items():
-            engine_request.inputs[name] = share(tensor)
         return engine_request, shm_outputs
 
     def cancel(self, request: Request) -> None:
@@ -881,7 +827,7 @@ class GrpcServer:
     def __init__(self, dataplane: DataPlane, options: Any) -> None:
         self.dataplane = dataplane
         self.options = options
-        self.restrictions = [Restriction.parse(r) for r in options.restricted_protocols]
+        self.restrictions = options._restrictions
         self.servicer = InferenceServicer(dataplane, self.restrictions, options)
         self._server: grpc.aio.Server | None = None
 
@@ -923,4 +869,4 @@ class GrpcServer:
             await server.stop(grace)
 
 
-__all__ = ["GRPC_CODES", "GrpcServer", "Restriction", "encode_response", "parse_version"]
+__all__ = ["GRPC_CODES", "GrpcServer", "encode_response"]

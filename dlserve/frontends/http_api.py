@@ -10,7 +10,6 @@ Triton's HTTP frontend. Status codes come from the error's Triton code (see
 from __future__ import annotations
 
 import base64
-import dataclasses
 import json
 import math
 import re
@@ -23,6 +22,7 @@ import orjson
 from dlserve.engine.request import Response
 from dlserve.errors import ErrorCode, InvalidArgumentError, TritonError, UnsupportedError
 from dlserve.frontends.dataplane import DataPlane, InputSpec, OutputSpec, parse_version, shm_ref
+from dlserve.frontends.restrictions import Restriction, rules_by_category
 from dlserve.frontends.http_server import HttpError, HttpRequest, HttpResponse, decode_body, encode_body
 from dlserve.memory.dtypes import DataType, numpy_dtype
 from dlserve.memory.tensor import Tensor
@@ -38,17 +38,6 @@ STATUS = {
     ErrorCode.CANCELLED: 400,
 }
 HEADER_LENGTH = "inference-header-content-length"
-CATEGORIES = (
-    "health",
-    "metadata",
-    "inference",
-    "shared-memory",
-    "model-config",
-    "model-repository",
-    "statistics",
-    "trace",
-    "logging",
-)
 
 
 def json_response(obj: Any, status: int = 200) -> HttpResponse:
@@ -61,33 +50,6 @@ def error_response(error: TritonError) -> HttpResponse:
 
 def empty(status: int) -> HttpResponse:
     return HttpResponse(status, [], "text/plain")
-
-
-@dataclasses.dataclass(frozen=True)
-class Restriction:
-    """``--http-restricted-api=<categories>:<header>=<value>``."""
-
-    categories: frozenset[str]
-    header: str
-    value: str
-
-    @staticmethod
-    def parse(text: str) -> Restriction:
-        try:
-            categories, pair = text.split(":", 1)
-            header, value = pair.split("=", 1)
-        except ValueError:
-            raise InvalidArgumentError(
-                f"restricted API '{text}' must look like <category,...>:<header>=<value>"
-            ) from None
-        names = frozenset(c.strip() for c in categories.split(",") if c.strip())
-        unknown = names - set(CATEGORIES)
-        if unknown or not names or not header:
-            raise InvalidArgumentError(
-                f"restricted API '{text}': unknown categories {sorted(unknown)}; "
-                f"known: {', '.join(CATEGORIES)}"
-            )
-        return Restriction(names, header.strip().lower(), value)
 
 
 Route = Callable[[HttpRequest, dict[str, str]], Awaitable[HttpResponse]]
@@ -104,7 +66,7 @@ class KServeHttpApi:
     ) -> None:
         self.dataplane = dataplane
         self.engine = dataplane.engine
-        self.restrictions = restrictions or []
+        self.rules = rules_by_category(restrictions or [])
         self.forward = re.compile(header_forward_pattern, re.IGNORECASE) if header_forward_pattern else None
         model = r"/v2/models/(?P<model>[^/]+)(?:/versions/(?P<version>[^/]+))?"
         shm = r"(?:/region/(?P<region>[^/]+))?"
@@ -151,8 +113,8 @@ class KServeHttpApi:
         return json_response({"error": "Not Found"}, 404)
 
     def _restricted(self, category: str, request: HttpRequest) -> HttpResponse | None:
-        for rule in self.restrictions:
-            if category in rule.categories and request.header(rule.header) != rule.value:
+        for rule in self.rules[category]:
+            if request.header(rule.header) != rule.value:
                 return json_response(
                     {"error": f"This API is restricted, expecting header '{rule.header}'"}, 403
                 )

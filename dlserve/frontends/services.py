@@ -20,8 +20,9 @@ import numpy as np
 from dlserve.engine.server import Server
 from dlserve.errors import AlreadyExistsError, InvalidArgumentError, UnavailableError
 from dlserve.frontends.dataplane import DataPlane
-from dlserve.frontends.http_api import KServeHttpApi, Restriction
+from dlserve.frontends.http_api import KServeHttpApi
 from dlserve.frontends.http_server import HttpServer
+from dlserve.frontends.restrictions import Restriction
 
 _MIB = 1 << 20
 
@@ -211,6 +212,7 @@ class KServeGrpc(Service):
                 raise InvalidArgumentError(
                     f"infer_compression_level must be 0-4, got {self.infer_compression_level!r}"
                 ) from None
+            self._restrictions = [Restriction.parse(r) for r in self.restricted_protocols]
             if self.use_ssl and not (self.server_cert and self.server_key):
                 raise InvalidArgumentError("use_ssl needs server_cert and server_key")
             if self.use_mutual_auth and not self.root_cert:
@@ -230,7 +232,7 @@ class KServeGrpc(Service):
 
     async def _stop(self) -> None:
         if self._grpc is not None:
-            await self._grpc.stop()
+            await self._grpc.stop(grace=float(self.server.options.exit_timeout))
             self._grpc = None
 
 

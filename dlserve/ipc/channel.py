@@ -65,9 +65,11 @@ class ServerChannel(asyncio.Protocol):
                     else:
                         future.set_exception(_raise_error(body))
             elif kind == Kind.RELEASE:
-                self.on_release(body)
+                # After the reply callbacks scheduled above: a reply may refer to the
+                # very memory this releases (lease 0), and future callbacks run later.
+                self._loop.call_soon(self.on_release, body)
             elif kind == Kind.RETIRE:
-                self.on_retire(body)
+                self._loop.call_soon(self.on_retire, body)
             else:
                 self._on_message((kind, corr, body))
 
@@ -156,8 +158,6 @@ class WorkerChannel:
         self._ready: collections.deque[Message] = collections.deque()
         self._corr = itertools.count(1)
         self._releases: list[int] = []
-        self.on_release: Callable[[list[int]], None] = lambda leases: None
-        self.on_retire: Callable[[list[str]], None] = lambda names: None
 
     # -- sending ------------------------------------------------------------------------
     def send(self, kind: int, corr: int, body: Any) -> None:
@@ -200,11 +200,9 @@ class WorkerChannel:
             slot = self._slots.pop(corr, None)
             if slot is not None:
                 slot.done, slot.ok, slot.body = True, kind == Kind.REPLY, body
-        elif kind == Kind.RELEASE:
-            self.on_release(body)
-        elif kind == Kind.RETIRE:
-            self.on_retire(body)
         else:
+            # RELEASE/RETIRE go through the inbox too, so they are applied in order
+            # with the commands around them (a command may still use what they drop).
             self._inbox.append(message)
 
     def _wait(self, ready: Callable[[], bool]) -> None:

@@ -110,6 +110,9 @@ class Worker:
         self.model: Any = None
         self._loop = asyncio.new_event_loop()  # runs ``async def`` hooks, kept across calls
 
+    def close(self) -> None:
+        self._loop.close()
+
     def _run(self, result: Any) -> Any:
         """Run the coroutine an ``async def`` hook returned to completion."""
         if inspect.isawaitable(result):
@@ -132,6 +135,11 @@ class Worker:
                     self.channel.reply(corr, self._auto_complete(body))
                 elif kind == Kind.IS_READY:
                     self.channel.reply(corr, self._is_ready())
+                elif kind == Kind.RELEASE:
+                    self.peer.release(body)
+                elif kind == Kind.RETIRE:
+                    for name in body:
+                        self.peer.space.forget_segment(name)
                 elif kind == Kind.FINALIZE:
                     self._finalize()
                     self.channel.reply(corr, None)
@@ -296,15 +304,15 @@ def main(argv: list[str] | None = None) -> int:
         on_retire=lambda name: channel.send(Kind.RETIRE, 0, [name]),
     )
     peer = Peer(space, arena, channel.queue_releases)
-    channel.on_release = peer.release
-    channel.on_retire = lambda names: [space.forget_segment(n) for n in names]
     _runtime.install(WorkerRuntime(channel, arena))
     threading.Thread(
         target=_watch_parent, args=(os.getppid(), arena), name="parent-watch", daemon=True
     ).start()
+    worker = Worker(channel, peer, args.instance_name)
     try:
-        Worker(channel, peer, args.instance_name).serve()
+        worker.serve()
     finally:
+        worker.close()
         peer.close()
         arena.close()
         channel.close()

@@ -1,0 +1,57 @@
+"""Restricted APIs: API categories that need a header (Triton's ``--http-restricted-api``
+and ``--grpc-restricted-protocol``), shared by both frontends.
+
+``<category,...>:<header>=<value>``: a call in one of the categories must carry
+``header`` with exactly ``value``. HTTP answers 403 "This API is restricted,
+expecting header '<header>'"; gRPC answers UNAVAILABLE "This protocol is
+restricted, expecting header '<header>'" and also accepts the header under
+Triton's ``triton-grpc-protocol-`` prefix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dlserve.errors import InvalidArgumentError
+
+CATEGORIES = (
+    "health",
+    "metadata",
+    "inference",
+    "shared-memory",
+    "model-config",
+    "model-repository",
+    "statistics",
+    "trace",
+    "logging",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Restriction:
+    categories: frozenset[str]
+    header: str  # lower-cased
+    value: str
+
+    @staticmethod
+    def parse(text: str) -> Restriction:
+        try:
+            categories, pair = text.split(":", 1)
+            header, value = pair.split("=", 1)
+        except (AttributeError, ValueError):
+            raise InvalidArgumentError(
+                f"restriction '{text}' must look like <category,...>:<header>=<value>"
+            ) from None
+        names = frozenset(c.strip() for c in categories.split(",") if c.strip())
+        unknown = names - set(CATEGORIES)
+        header = header.strip().lower()
+        if unknown or not names or not header:
+            raise InvalidArgumentError(
+                f"restriction '{text}': unknown categories {sorted(unknown)} or no header; "
+                f"known: {', '.join(CATEGORIES)}"
+            )
+        return Restriction(names, header, value)
+
+
+def rules_by_category(restrictions: list[Restriction]) -> dict[str, list[Restriction]]:
+    return {c: [r for r in restrictions if c in r.categories] for c in CATEGORIES}
