@@ -146,7 +146,7 @@ class DataPlane:
         return []
 
     # -- inference --------------------------------------------------------------------------
-    def input_tensor(self, spec: InputSpec, label: str) -> Tensor:
+    def input_tensor(self, spec: InputSpec, label: str, model_name: str) -> Tensor:
         """Turn a decoded input into a tensor, checking type, shape and size."""
         try:
             data_type = DataType.from_wire(spec.datatype)
@@ -159,10 +159,10 @@ class DataPlane:
         if spec.shm is not None:
             self._check_shm_allowed()
             raw = self.engine.regions.view(spec.shm.region, spec.shm.offset, spec.shm.byte_size)
-            return self._from_bytes(spec.name, data_type, shape, count, raw, label)
+            return _from_bytes(spec.name, model_name, data_type, shape, count, raw, label)
         if spec.raw is not None:
             raw = spec.raw if isinstance(spec.raw, np.ndarray) else np.frombuffer(spec.raw, dtype=np.uint8)
-            return self._from_bytes(spec.name, data_type, shape, count, raw, label)
+            return _from_bytes(spec.name, model_name, data_type, shape, count, raw, label)
         array = spec.array
         if array is None:
             raise InvalidArgumentError(f"{label}input '{spec.name}' has no data")
@@ -178,19 +178,6 @@ class DataPlane:
                 f"{label}input '{spec.name}': {data_type.name} data must be sent as binary data"
             )
         return Tensor(data_type, shape, data=array.reshape(shape))
-
-    @staticmethod
-    def _from_bytes(
-        name: str, data_type: DataType, shape: tuple[int, ...], count: int, raw: np.ndarray, label: str
-    ) -> Tensor:
-        if data_type is DataType.BYTES:
-            return Tensor(data_type, shape, data=raw)
-        expected = count * data_type.itemsize
-        if raw.nbytes != expected:
-            raise InvalidArgumentError(
-                f"{label}input byte size mismatch for input '{name}'. Expected {expected}, got {raw.nbytes}"
-            )
-        return Tensor(data_type, shape, data=raw.view(data_type.storage_dtype).reshape(shape))
 
     def build_request(
         self,
@@ -237,7 +224,7 @@ class DataPlane:
         for spec in inputs:
             if spec.name in request.inputs:
                 raise InvalidArgumentError(f"{label}input '{spec.name}' already exists in request")
-            request.inputs[spec.name] = self.input_tensor(spec, label)
+            request.inputs[spec.name] = self.input_tensor(spec, label, model_name)
         if outputs:
             request.requested_outputs = [o.name for o in outputs]
             buffers = {}
@@ -262,6 +249,26 @@ class DataPlane:
         self.engine.submit(request)
         return await future
 
+
+
+def _from_bytes(
+    name: str,
+    model_name: str,
+    data_type: DataType,
+    shape: tuple[int, ...],
+    count: int,
+    raw: np.ndarray,
+    label: str,
+) -> Tensor:
+    if data_type is DataType.BYTES:
+        return Tensor(data_type, shape, data=raw)
+    expected = count * data_type.itemsize
+    if raw.nbytes != expected:
+        raise InvalidArgumentError(
+            f"{label}input byte size mismatch for input '{name}' for model '{model_name}'. "
+            f"Expected {expected}, got {raw.nbytes}"
+        )
+    return Tensor(data_type, shape, data=raw.view(data_type.storage_dtype).reshape(shape))
 
 
 def _unset(response: Response) -> None:  # pragma: no cover - replaced before submit

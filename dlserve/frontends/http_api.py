@@ -67,6 +67,7 @@ class KServeHttpApi:
         self.dataplane = dataplane
         self.engine = dataplane.engine
         self.rules = rules_by_category(restrictions or [])
+        # Triton forwards headers the pattern finds anywhere in the name (RE2::PartialMatch).
         self.forward = re.compile(header_forward_pattern, re.IGNORECASE) if header_forward_pattern else None
         model = r"/v2/models/(?P<model>[^/]+)(?:/versions/(?P<version>[^/]+))?"
         shm = r"(?:/region/(?P<region>[^/]+))?"
@@ -244,7 +245,7 @@ class KServeHttpApi:
         if self.forward is not None:
             parameters = dict(parameters)
             for key, value in request.headers.items():
-                if not key.startswith("_") and self.forward.match(key):
+                if not key.startswith("_") and self.forward.search(key):
                     parameters[key] = value
         inputs = _decode_inputs(body.get("inputs"), binary, request_id)
         outputs = _decode_outputs(body.get("outputs"))

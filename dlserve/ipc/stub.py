@@ -240,7 +240,7 @@ class Worker:
                 self._failure(
                     "Number of InferenceResponse objects do not match the number of "
                     f"InferenceRequest objects. InferenceRequest(s) size is:{expected}, "
-                    f"and InferenceResponse(s) size is:{len(responses)}"
+                    f"and InferenceResponse(s) size is:{len(responses)}\n"
                 )
             )
         for response in responses:

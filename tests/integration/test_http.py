@@ -1203,6 +1203,17 @@ def test_large_binary_tensor(client):
     np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), data)
 
 
+@pytest.mark.parametrize("count", [1025, 2000, 100_000])
+def test_model_returns_a_json_input_by_reference(port, count):
+    """Above the inline size the input is copied into the server's arena and leased to
+    the worker; identity hands it back by reference after releasing its own views, so
+    the server must still hold it when the reply is read (a past race: 500 'no longer held')."""
+    values = [float(i) for i in range(count)]
+    reply = request(port, "POST", "/v2/models/identity/infer", json_infer([identity_input(values)]))
+    assert reply.status == 200, reply.body
+    assert json.loads(reply.body)["outputs"][0]["data"] == values
+
+
 def test_large_binary_tensor_on_a_raw_connection(port):
     """A body above the direct-read threshold lands in shared memory; the next request
     on the same connection, sent in the same write, is parsed normally."""
