@@ -1775,7 +1775,7 @@ def _fp32_input(size: int) -> dict:
             "binary_data_size smaller than the shape",
             _binary(_fp32_input(12), fp32([1, 2, 3])),
             400,
-            "input byte size mismatch for input 'INPUT0'. Expected 16, got 12",
+            "input byte size mismatch for input 'INPUT0' for model 'identity'. Expected 16, got 12",
         ),
         (
             "binary_data_size larger than the data",
