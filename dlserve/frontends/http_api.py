@@ -93,25 +93,39 @@ class KServeHttpApi:
             (r"/v2/logging", {"GET", "POST"}, "logging", self.logging),
         ]
         self._routes = [(re.compile(f"^{p}$"), methods, category, fn) for p, methods, category, fn in table]
+        self._matched: dict[str, tuple[set[str], str, Route, dict[str, str]]] = {}
+
+    def _route(self, path: str) -> tuple[set[str], str, Route, dict[str, str]] | None:
+        cached = self._matched.get(path)
+        if cached is not None:
+            return cached
+        for pattern, methods, category, route in self._routes:
+            match = pattern.match(path)
+            if match is not None:
+                found = (methods, category, route, {k: v for k, v in match.groupdict().items() if v is not None})
+                if len(self._matched) < 4096:  # clients reuse a handful of paths
+                    self._matched[path] = found
+                return found
+        return None
 
     async def __call__(self, request: HttpRequest) -> HttpResponse:
-        for pattern, methods, category, route in self._routes:
-            match = pattern.match(request.path)
-            if match is None:
-                continue
-            if request.method not in methods:
-                return json_response({"error": "Method Not Allowed"}, 405)
+        found = self._route(request.path)
+        if found is None:
+            return json_response({"error": "Not Found"}, 404)
+        methods, category, route, args = found
+        if request.method not in methods:
+            return json_response({"error": "Method Not Allowed"}, 405)
+        if self.rules[category]:
             denied = self._restricted(category, request)
             if denied is not None:
                 return denied
-            try:
-                response = await route(request, {k: v for k, v in match.groupdict().items() if v is not None})
-            except TritonError as exc:
-                return error_response(exc)
-            # Like Triton, only inference responses are compressed: tritonclient's aio
-            # client decodes only those itself.
-            return encode_body(request, response) if route == self.infer else response
-        return json_response({"error": "Not Found"}, 404)
+        try:
+            response = await route(request, args)
+        except TritonError as exc:
+            return error_response(exc)
+        # Like Triton, only inference responses are compressed: tritonclient's aio
+        # client decodes only those itself.
+        return encode_body(request, response) if route == self.infer else response
 
     def _restricted(self, category: str, request: HttpRequest) -> HttpResponse | None:
         for rule in self.rules[category]:

@@ -47,6 +47,8 @@ class ServerChannel(asyncio.Protocol):
         self._corr = itertools.count(1)
         self._releases: list[int] = []
         self._flush_scheduled = False
+        self._out: list[bytes] = []
+        self._out_scheduled = False
         self._loop = asyncio.get_running_loop()
         self.on_release: Callable[[list[int]], None] = lambda leases: None
         self.on_retire: Callable[[list[str]], None] = lambda names: None
@@ -87,11 +89,23 @@ class ServerChannel(asyncio.Protocol):
         return self._transport is not None
 
     def _write(self, frame: bytes) -> None:
+        """Queue a frame; everything queued in one loop turn goes out in one write
+        (one system call and one wake-up of the worker for a burst of requests)."""
         if self._transport is None:
             raise UnavailableError("worker process is not running")
-        if self._releases:  # after the message: it may still refer to what is released
-            frame += encode(Kind.RELEASE, 0, self._take_releases())
-        self._transport.write(frame)
+        self._out.append(frame)
+        if not self._out_scheduled:
+            self._out_scheduled = True
+            self._loop.call_soon(self._send_out)
+
+    def _send_out(self) -> None:
+        self._out_scheduled = False
+        frames, self._out = self._out, []
+        if self._transport is None:
+            return
+        if self._releases:  # after the messages: they may still refer to what is released
+            frames.append(encode(Kind.RELEASE, 0, self._take_releases()))
+        self._transport.write(b"".join(frames))
 
     def request(self, kind: int, body: Any) -> asyncio.Future[Any]:
         """Send a request; the future resolves to the reply body or raises its error."""
@@ -126,7 +140,7 @@ class ServerChannel(asyncio.Protocol):
 
     def _flush(self) -> None:
         self._flush_scheduled = False
-        if self._releases and self._transport is not None:
+        if self._releases and self._transport is not None and not self._out_scheduled:
             self._transport.write(encode(Kind.RELEASE, 0, self._take_releases()))
 
     def close(self) -> None:

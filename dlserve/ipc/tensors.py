@@ -41,17 +41,33 @@ _DATA_TYPES = list(DataType)  # index = enum value; faster than DataType(value)
 WireTensor = tuple[str, int, tuple[int, ...], Any]
 
 
-def aligned_copy(data: bytes) -> np.ndarray:
-    """A writable, 64-byte aligned copy of inline tensor bytes.
+class InlineSlab:
+    """Aligned homes for inline tensors, carved from shared 64 KiB buffers.
 
-    Arena blocks are aligned; inline tensors must be too, or TensorFlow aborts the
-    process (``IsAligned()`` check) and jax silently copies.
+    Arena blocks are 64-byte aligned; inline tensors must be too, or TensorFlow
+    aborts the process (``IsAligned()`` check) and jax silently copies. Carving
+    slices out of one buffer costs a fraction of a fresh aligned array per tensor;
+    a buffer is freed once every tensor carved from it is gone.
     """
-    buffer = np.empty(len(data) + ALIGNMENT, dtype=np.uint8)
-    start = -buffer.__array_interface__["data"][0] % ALIGNMENT
-    raw = buffer[start : start + len(data)]
-    raw[:] = np.frombuffer(data, dtype=np.uint8)
-    return raw
+
+    SIZE = 64 * 1024
+
+    def __init__(self) -> None:
+        self._buffer = np.empty(0, dtype=np.uint8)
+        self._position = 0
+
+    def copy(self, data: bytes) -> np.ndarray:
+        """A writable, 64-byte aligned copy of ``data``."""
+        size = len(data)
+        start = self._position
+        if start + size > self._buffer.nbytes:
+            fresh = np.empty(max(self.SIZE, size + ALIGNMENT), dtype=np.uint8)
+            start = -fresh.ctypes.data % ALIGNMENT
+            self._buffer = fresh
+        raw = self._buffer[start : start + size]
+        raw.data.cast("B")[:] = data
+        self._position = start + (size + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+        return raw
 
 
 class Peer:
@@ -72,6 +88,7 @@ class Peer:
         self._send_releases = send_releases
         self._leases = itertools.count(1)
         self._granted: dict[int, Anchor] = {}  # lease id -> anchor we keep for the peer
+        self._slab = InlineSlab()
         self.closed = False
 
     # -- sending --------------------------------------------------------------------
@@ -119,7 +136,7 @@ class Peer:
         data_type = _DATA_TYPES[dtype]
         if type(ref) is bytes:
             nbytes = len(ref)
-            raw = aligned_copy(ref)
+            raw = self._slab.copy(ref)
         else:
             raw, nbytes = self._import_ref(ref)
         if data_type is DataType.BYTES:
