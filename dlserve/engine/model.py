@@ -13,7 +13,8 @@ from dlserve.engine.custom_metrics import CustomMetrics
 from dlserve.engine.instance import ModelInstance
 from dlserve.engine.proto import model_config_pb2 as mc
 from dlserve.engine.request import Request, Signature
-from dlserve.engine.scheduler import Scheduler
+from dlserve.engine.batcher import DynamicBatcher
+from dlserve.engine.scheduler import DefaultScheduler, Scheduler
 from dlserve.engine.statistics import ModelStatistics
 from dlserve.memory.arena import Arena, MemorySpace
 from dlserve.memory.dtypes import DataType
@@ -69,7 +70,9 @@ class ModelVersion:
             o.name: list(o.dims) for o in self.signature.outputs.values() if o.reshape is not None
         }
         self.instances: list[ModelInstance] = []
-        self.scheduler = Scheduler(self)
+        self.scheduler: Scheduler = (
+            DynamicBatcher(self) if config.HasField("dynamic_batching") else DefaultScheduler(self)
+        )
         self.state = "LOADING"
         self.reason = ""
 
@@ -137,6 +140,7 @@ class ModelVersion:
                 timeout,
             )
         await asyncio.gather(*(instance.stop(timeout) for instance in self.instances))
+        self.scheduler.close()
         self.state, self.reason = "UNAVAILABLE", "unloaded"
 
     def kill(self) -> None:

@@ -1,10 +1,15 @@
-"""The default scheduler: a FIFO queue drained by idle, ready instances.
+"""Scheduling: what every scheduler shares, and Triton's default scheduler.
 
-Each ``execute`` gets one request (Triton's default scheduler does not batch). An
-idle instance is picked round-robin, so with one request per instance at a time
-load spreads evenly. When no instance is ready (all crashed and restarting), new
-and queued requests fail at once with UNAVAILABLE and the reason, rather than
-waiting on a restart that may never succeed.
+A scheduler owns the requests of one model version from arrival to their last
+response: it queues them, hands batches to ready instances, records statistics
+and delivers responses. Subclasses decide only *what* runs next
+(:meth:`Scheduler._enqueue` / :meth:`Scheduler._next_batch`): the default one sends
+requests one at a time, the dynamic batcher (:mod:`batcher`) groups them, the
+sequence batcher (:mod:`sequence`) keeps each sequence on one instance.
+
+When no instance is ready (all crashed and restarting), new and queued requests
+fail at once with UNAVAILABLE and the reason, rather than waiting on a restart
+that may never succeed.
 """
 
 from __future__ import annotations
@@ -18,19 +23,24 @@ from typing import TYPE_CHECKING
 from dlserve.engine.request import Request, Response
 from dlserve.errors import CancelledError, InternalError, TritonError, UnavailableError
 
-log = logging.getLogger("dlserve.engine")
-
-PIPELINE_DEPTH = 2
-
 if TYPE_CHECKING:
     from dlserve.engine.instance import ModelInstance, Timings
     from dlserve.engine.model import ModelVersion
 
+log = logging.getLogger("dlserve.engine")
+
 
 class Scheduler:
+    """The shared mechanics; see the module docstring."""
+
+    # Executions sent to one worker at once. Above 1, the next execute waits in the
+    # worker's socket while the previous runs, so the worker never sleeps between
+    # requests under load (each sleep/wake-up costs ~50 µs on a small VM). Batching
+    # schedulers use 1 so requests accumulate into batches while an instance works.
+    pipeline_depth = 2
+
     def __init__(self, model: ModelVersion) -> None:
         self.model = model
-        self.queue: collections.deque[Request] = collections.deque()
         self.in_flight = 0
         self._next = 0
         self._idle = asyncio.Event()
@@ -40,6 +50,27 @@ class Scheduler:
     def instances(self) -> list[ModelInstance]:
         return self.model.instances
 
+    # -- what subclasses decide -----------------------------------------------------------
+    def _enqueue(self, request: Request) -> None:
+        raise NotImplementedError
+
+    def _next_batch(self, instance: ModelInstance) -> list[Request] | None:
+        """The requests to run on ``instance`` now, or None to wait."""
+        raise NotImplementedError
+
+    def _take_all(self) -> list[Request]:
+        """Empty the queue (nothing can run any more) and return what was in it."""
+        raise NotImplementedError
+
+    def _remove(self, request: Request) -> bool:
+        raise NotImplementedError
+
+    @property
+    def pending(self) -> int:
+        """Requests waiting to execute (Triton's pending request count)."""
+        raise NotImplementedError
+
+    # -- submission ---------------------------------------------------------------------
     def submit(self, request: Request) -> None:
         if self.model.state != "READY":
             self._fail(
@@ -50,7 +81,11 @@ class Scheduler:
         if not any(instance.ready for instance in self.instances):
             self._fail(request, self._unavailable())
             return
-        self.queue.append(request)
+        try:
+            self._enqueue(request)
+        except TritonError as exc:
+            self._fail(request, exc, "REJECTED")
+            return
         self._idle.clear()
         self.dispatch()
 
@@ -61,39 +96,38 @@ class Scheduler:
         )
 
     def dispatch(self) -> None:
-        while self.queue:
+        while True:
             instance = self._pick()
             if instance is None:
                 return
-            batch = [self.queue.popleft()]
-            instance.in_flight += 1
-            self.in_flight += 1
+            batch = self._next_batch(instance)
+            if not batch:
+                return
             self._execute(instance, batch)
 
     def _pick(self) -> ModelInstance | None:
-        """An idle ready instance (round-robin), else one with room in its pipeline.
-
-        Up to PIPELINE_DEPTH executions are sent to a worker at once: it still runs
-        them one after another, but the next one is waiting in its socket when the
-        previous finishes, so the worker never sleeps between requests under load
-        (each sleep/wake-up costs ~50 µs on a small VM).
-        """
+        """The least-loaded ready instance with room in its pipeline (ties round-robin)."""
         instances = self.instances
         count = len(instances)
-        fallback = None
+        best: ModelInstance | None = None
+        best_index = 0
         for step in range(count):
             index = (self._next + step) % count
             instance = instances[index]
-            if not instance.ready or instance.in_flight >= PIPELINE_DEPTH:
+            if not instance.ready or instance.in_flight >= self.pipeline_depth:
                 continue
-            if instance.in_flight == 0:
-                self._next = (index + 1) % count
-                return instance
-            if fallback is None:
-                fallback = instance
-        return fallback
+            if best is None or instance.in_flight < best.in_flight:
+                best, best_index = instance, index
+                if instance.in_flight == 0:
+                    break
+        if best is not None:
+            self._next = (best_index + 1) % count
+        return best
 
+    # -- execution ----------------------------------------------------------------------
     def _execute(self, instance: ModelInstance, batch: list[Request]) -> None:
+        instance.in_flight += 1
+        self.in_flight += 1
         start = time.monotonic_ns()
         queue_ns = [start - r.arrival_ns for r in batch]
 
@@ -134,9 +168,13 @@ class Scheduler:
             for request, response in zip(batch, result):
                 self._deliver(request, response, None)
         self.dispatch()
-        if not self.queue and not self.in_flight:
+        self._check_idle()
+
+    def _check_idle(self) -> None:
+        if not self.pending and not self.in_flight:
             self._idle.set()
 
+    # -- responses ----------------------------------------------------------------------
     def _deliver(self, request: Request, response: Response, failure: str | None) -> None:
         self.model.stats.record_request(time.monotonic_ns() - request.arrival_ns, failure)
         try:
@@ -144,27 +182,25 @@ class Scheduler:
         except Exception:  # noqa: BLE001 - one caller's broken callback must not hurt others
             log.exception("response callback for request '%s' failed", request.request_id)
 
-    def cancel(self, request: Request) -> bool:
-        """Drop a request that is still queued, answering it CANCELLED."""
-        try:
-            self.queue.remove(request)
-        except ValueError:
-            return False
-        self._fail(request, CancelledError("request was cancelled"), "CANCELED")
-        return True
-
     def _fail(self, request: Request, error: TritonError, failure: str = "OTHER") -> None:
         response = Response(self.model.name, self.model.version, request.request_id, error=error)
         self._deliver(request, response, failure)
 
+    def cancel(self, request: Request) -> bool:
+        """Drop a request that is still queued, answering it CANCELLED."""
+        if not self._remove(request):
+            return False
+        self._fail(request, CancelledError("request was cancelled"), "CANCELED")
+        self._check_idle()
+        return True
+
     def instance_state_changed(self) -> None:
         """No ready instance left: fail what is queued instead of letting it wait."""
-        if self.queue and not any(instance.ready for instance in self.instances):
+        if self.pending and not any(instance.ready for instance in self.instances):
             error = self._unavailable()
-            while self.queue:
-                self._fail(self.queue.popleft(), error)
-            if not self.in_flight:
-                self._idle.set()
+            for request in self._take_all():
+                self._fail(request, error)
+            self._check_idle()
         else:
             self.dispatch()
 
@@ -175,3 +211,36 @@ class Scheduler:
             return True
         except asyncio.TimeoutError:
             return False
+
+    def close(self) -> None:
+        """The model is unloading: stop any timers (subclasses)."""
+
+
+class DefaultScheduler(Scheduler):
+    """Triton's default scheduler: requests in arrival order, one per ``execute``."""
+
+    def __init__(self, model: ModelVersion) -> None:
+        super().__init__(model)
+        self.queue: collections.deque[Request] = collections.deque()
+
+    def _enqueue(self, request: Request) -> None:
+        self.queue.append(request)
+
+    def _next_batch(self, instance: ModelInstance) -> list[Request] | None:
+        return [self.queue.popleft()] if self.queue else None
+
+    def _take_all(self) -> list[Request]:
+        taken = list(self.queue)
+        self.queue.clear()
+        return taken
+
+    def _remove(self, request: Request) -> bool:
+        try:
+            self.queue.remove(request)
+        except ValueError:
+            return False
+        return True
+
+    @property
+    def pending(self) -> int:
+        return len(self.queue)

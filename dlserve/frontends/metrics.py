@@ -64,7 +64,7 @@ def _model_samples(engine: Engine) -> dict[str, list[str]]:
             ):
                 out[metric].append(sample(metric, labels, ns // 1000))
             out["nv_inference_pending_request_count"].append(
-                sample("nv_inference_pending_request_count", labels, len(model.scheduler.queue))
+                sample("nv_inference_pending_request_count", labels, model.scheduler.pending)
             )
     return out
 

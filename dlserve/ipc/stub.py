@@ -188,7 +188,8 @@ class Worker:
 
     # -- execute ------------------------------------------------------------------------
     def _execute(self, body: list[Any]) -> list[Any]:
-        requests = [self._request(wire) for wire in body]
+        inputs = self._inputs(body)
+        requests = [self._request(wire, tensors) for wire, tensors in zip(body, inputs)]
         try:
             responses = self._run(self.model.execute(requests))
         except Exception as exc:  # noqa: BLE001
@@ -199,8 +200,24 @@ class Worker:
         del requests, responses
         return wire
 
-    def _request(self, wire: tuple[Any, ...]) -> InferenceRequest:
-        request_id, correlation_id, flags, timeout, parameters, requested, inputs, buffers = wire
+    def _inputs(self, body: list[Any]) -> list[list[Tensor]]:
+        """Each request's input tensors; a batch's inputs of one name are imported
+        together (back to back in memory, see Peer.import_many)."""
+        if len(body) == 1:
+            return [[Tensor(*self.peer.import_(wire)) for wire in body[0][6]]]
+        by_name: dict[str, list[tuple[int, int, Any]]] = {}
+        for index, request in enumerate(body):
+            for position, wire in enumerate(request[6]):
+                by_name.setdefault(wire[0], []).append((index, position, wire))
+        inputs: list[list[Any]] = [[None] * len(request[6]) for request in body]
+        for group in by_name.values():
+            imported = self.peer.import_many([wire for _, _, wire in group])
+            for (index, position, _), (name, tensor) in zip(group, imported):
+                inputs[index][position] = Tensor(name, tensor)
+        return inputs
+
+    def _request(self, wire: tuple[Any, ...], inputs: list[Tensor]) -> InferenceRequest:
+        request_id, correlation_id, flags, timeout, parameters, requested, _, buffers = wire
         destinations = None
         if buffers:
             destinations = {}
@@ -208,7 +225,7 @@ class Worker:
                 name, tensor = self.peer.import_(buffer)
                 destinations[name] = tensor.storage()
         return InferenceRequest._received(
-            [Tensor(*self.peer.import_(tensor)) for tensor in inputs],
+            inputs,
             requested,
             request_id,
             correlation_id,

@@ -56,18 +56,47 @@ class InlineSlab:
         self._buffer = np.empty(0, dtype=np.uint8)
         self._position = 0
 
-    def copy(self, data: bytes) -> np.ndarray:
-        """A writable, 64-byte aligned copy of ``data``."""
-        size = len(data)
+    def _carve(self, size: int) -> np.ndarray:
         start = self._position
         if start + size > self._buffer.nbytes:
             fresh = np.empty(max(self.SIZE, size + ALIGNMENT), dtype=np.uint8)
             start = -fresh.ctypes.data % ALIGNMENT
             self._buffer = fresh
-        raw = self._buffer[start : start + size]
-        raw.data.cast("B")[:] = data
         self._position = start + (size + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+        return self._buffer[start : start + size]
+
+    def copy(self, data: bytes) -> np.ndarray:
+        """A writable, 64-byte aligned copy of ``data``."""
+        raw = self._carve(len(data))
+        raw.data.cast("B")[:] = data
         return raw
+
+    def copy_many(self, chunks: list[bytes]) -> list[np.ndarray]:
+        """Copies of ``chunks`` back to back in one aligned region, so that arrays
+        made from them can be joined into one view without copying again."""
+        region = self._carve(sum(len(c) for c in chunks))
+        out = []
+        position = 0
+        for chunk in chunks:
+            piece = region[position : position + len(chunk)]
+            piece.data.cast("B")[:] = chunk
+            out.append(piece)
+            position += len(chunk)
+        return out
+
+
+def _tensor(name: str, dtype: int, shape: tuple[int, ...], raw: np.ndarray) -> Tensor:
+    """A tensor over received bytes, checked against its shape."""
+    data_type = _DATA_TYPES[dtype]
+    if data_type is DataType.BYTES:
+        return Tensor(data_type, shape, data=raw)
+    expected = math.prod(shape) * data_type.itemsize
+    if expected != raw.nbytes:
+        raise InternalError(
+            f"tensor '{name}' has {raw.nbytes} bytes, but shape {list(shape)} of "
+            f"{data_type.name} needs {expected}"
+        )
+    return Tensor(data_type, shape, data=raw.view(data_type.storage_dtype).reshape(shape))
 
 
 class Peer:
@@ -133,21 +162,19 @@ class Peer:
     # -- receiving ------------------------------------------------------------------
     def import_(self, wire: WireTensor) -> tuple[str, Tensor]:
         name, dtype, shape, ref = wire
-        data_type = _DATA_TYPES[dtype]
         if type(ref) is bytes:
-            nbytes = len(ref)
-            raw = self._slab.copy(ref)
-        else:
-            raw, nbytes = self._import_ref(ref)
-        if data_type is DataType.BYTES:
-            return name, Tensor(data_type, shape, data=raw)
-        expected = math.prod(shape) * data_type.itemsize
-        if expected != nbytes:
-            raise InternalError(
-                f"tensor '{name}' has {nbytes} bytes, but shape {list(shape)} of "
-                f"{data_type.name} needs {expected}"
-            )
-        return name, Tensor(data_type, shape, data=raw.view(data_type.storage_dtype).reshape(shape))
+            return name, _tensor(name, dtype, shape, self._slab.copy(ref))
+        raw, _ = self._import_ref(ref)
+        return name, _tensor(name, dtype, shape, raw)
+
+    def import_many(self, wires: list[WireTensor]) -> list[tuple[str, Tensor]]:
+        """Import the same input of several requests of a batch. Inline ones are
+        placed back to back, so :func:`pb_utils.join_inputs` can join them as one
+        view with no copy."""
+        if len(wires) < 2 or any(type(wire[3]) is not bytes for wire in wires):
+            return [self.import_(wire) for wire in wires]
+        raws = self._slab.copy_many([wire[3] for wire in wires])
+        return [(w[0], _tensor(w[0], w[1], w[2], raw)) for w, raw in zip(wires, raws)]
 
     def _import_ref(self, ref: tuple[str, int, int, int]) -> tuple[np.ndarray, int]:
         segment_name, offset, nbytes, lease = ref

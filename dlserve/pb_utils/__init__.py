@@ -6,6 +6,7 @@ pb_utils``); the top-level shim module re-exports everything here.
 
 from __future__ import annotations
 
+from dlserve.pb_utils.batching import JoinedInputs, join_inputs
 from dlserve.pb_utils.errors import TritonError, TritonModelException
 from dlserve.pb_utils.helpers import (
     TRITON_STRING_TO_NUMPY,
@@ -45,6 +46,7 @@ __all__ = [
     "TRITON_STRING_TO_NUMPY",
     "InferenceRequest",
     "InferenceResponse",
+    "JoinedInputs",
     "Logger",
     "MetricFamily",
     "ModelConfig",
@@ -56,6 +58,7 @@ __all__ = [
     "get_input_tensor_by_name",
     "get_output_config_by_name",
     "get_output_tensor_by_name",
+    "join_inputs",
     "numpy_to_triton_type",
     "serialize_byte_tensor",
     "triton_string_to_numpy",

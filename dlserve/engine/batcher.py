@@ -1,0 +1,211 @@
+"""Triton's dynamic batcher: ``dynamic_batching`` in config.pbtxt.
+
+Requests wait in one queue per priority level (1 is the highest; priority 0 means
+``default_priority_level``). When an instance is free the batcher takes requests
+in priority and arrival order while they fit ``max_batch_size`` and have the same
+shapes (inputs with ``allow_ragged_batch`` excepted), and runs them as one
+``execute`` call — the model receives the list of requests, as in Triton. It
+sends a batch at once when it reaches ``max_batch_size`` or a
+``preferred_batch_size``; otherwise it waits for more requests until the oldest
+has waited ``max_queue_delay_microseconds``.
+
+Queue policies: ``max_queue_size`` rejects new requests (UNAVAILABLE, counted as
+REJECTED); a request that waits longer than its timeout is rejected, or with
+``timeout_action: DELAY`` moved behind every other request. ``preserve_ordering``
+delivers responses in arrival order even when several instances finish out of order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import heapq
+import itertools
+import time
+from typing import TYPE_CHECKING, Any
+
+from dlserve.engine.proto import model_config_pb2 as mc
+from dlserve.engine.request import Request, Response
+from dlserve.engine.scheduler import Scheduler
+from dlserve.errors import UnavailableError
+
+if TYPE_CHECKING:
+    from dlserve.engine.instance import ModelInstance
+    from dlserve.engine.model import ModelVersion
+
+_DELAY = mc.ModelQueuePolicy.DELAY
+
+
+class DynamicBatcher(Scheduler):
+    pipeline_depth = 1  # let requests gather into a batch while an instance works
+
+    def __init__(self, model: ModelVersion) -> None:
+        super().__init__(model)
+        config = model.config
+        batching = config.dynamic_batching
+        self.max_batch = max(config.max_batch_size, 1)
+        self.preferred = {size for size in batching.preferred_batch_size if 0 < size <= self.max_batch}
+        self.delay_ns = batching.max_queue_delay_microseconds * 1000
+        self.preserve_ordering = batching.preserve_ordering
+        levels = max(batching.priority_levels, 1)
+        self.default_level = min(max(batching.default_priority_level, 1), levels) if batching.priority_levels else 1
+        self.queues: list[collections.deque[Request]] = [collections.deque() for _ in range(levels)]
+        self.policies = [
+            batching.priority_queue_policy[level]
+            if level in batching.priority_queue_policy
+            else batching.default_queue_policy
+            for level in range(1, levels + 1)
+        ]
+        self.delayed: collections.deque[Request] = collections.deque()
+        self._ragged = {t.name for t in config.input if t.allow_ragged_batch}
+        self._order = itertools.count()
+        self._deadlines: list[tuple[int, int, Request]] = []  # heap of (deadline_ns, order, request)
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0
+        self._held: dict[int, tuple[Request, Response, str | None]] = {}
+        self._next_to_deliver = 0
+        self._order_of: dict[int, int] = {}  # id(request) -> arrival order, for preserve_ordering
+
+    # -- queueing -----------------------------------------------------------------------
+    def _level(self, priority: int) -> int:
+        """Queue index for a request priority (0 = default level; out of range = lowest)."""
+        levels = len(self.queues)
+        level = self.default_level if priority <= 0 else min(priority, levels)
+        return level - 1
+
+    def _enqueue(self, request: Request) -> None:
+        level = self._level(request.priority)
+        policy = self.policies[level]
+        if policy.max_queue_size and len(self.queues[level]) >= policy.max_queue_size:
+            raise UnavailableError("Exceeds maximum queue size")
+        timeout_us = policy.default_timeout_microseconds
+        if policy.allow_timeout_override and request.timeout_us > 0:
+            timeout_us = request.timeout_us
+        order = next(self._order)
+        if self.preserve_ordering:
+            self._order_of[id(request)] = order
+        self.queues[level].append(request)
+        if timeout_us:
+            deadline = request.arrival_ns + timeout_us * 1000
+            heapq.heappush(self._deadlines, (deadline, order, request))
+            self._arm(deadline)
+
+    @property
+    def pending(self) -> int:
+        return sum(len(q) for q in self.queues) + len(self.delayed)
+
+    def _queues(self) -> list[collections.deque[Request]]:
+        return [*self.queues, self.delayed]
+
+    def _remove(self, request: Request) -> bool:
+        for queue in self._queues():
+            try:
+                queue.remove(request)
+            except ValueError:
+                continue
+            return True
+        return False
+
+    def _take_all(self) -> list[Request]:
+        taken = [r for queue in self._queues() for r in queue]
+        for queue in self._queues():
+            queue.clear()
+        return taken
+
+    # -- timers -------------------------------------------------------------------------
+    def _arm(self, at_ns: int) -> None:
+        """Make sure the timer fires no later than ``at_ns`` (monotonic ns)."""
+        if self._timer is not None and self._timer_at <= at_ns:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        loop = asyncio.get_running_loop()
+        self._timer_at = at_ns
+        self._timer = loop.call_at(at_ns / 1e9, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self.dispatch()
+        self._check_idle()
+
+    def _expire(self, now: int) -> None:
+        """Apply the queue policies' timeouts to requests that waited too long."""
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _, request = heapq.heappop(self._deadlines)
+            level = self._level(request.priority)
+            try:
+                self.queues[level].remove(request)
+            except ValueError:
+                continue  # already running, cancelled or delayed
+            if self.policies[level].timeout_action == _DELAY:
+                self.delayed.append(request)
+            else:
+                self._fail(request, UnavailableError("Request timeout expired"), "REJECTED")
+        if self._deadlines:
+            self._arm(self._deadlines[0][0])
+
+    # -- batch formation ----------------------------------------------------------------
+    def _shape_key(self, request: Request) -> tuple[Any, ...]:
+        return tuple(
+            sorted(
+                (name, None if name in self._ragged else tensor.shape[1:], tensor.data_type)
+                for name, tensor in request.inputs.items()
+            )
+        )
+
+    def _next_batch(self, instance: ModelInstance) -> list[Request] | None:
+        now = time.monotonic_ns()
+        if self._deadlines:
+            self._expire(now)
+        chosen: list[Request] = []
+        total = 0
+        preferred_at = 0  # length of the longest prefix that hits a preferred batch size
+        key = None
+        for queue in self._queues():
+            for request in queue:
+                size = self.model.batch_size_of(request)
+                if chosen and (total + size > self.max_batch or self._shape_key(request) != key):
+                    break
+                if not chosen:
+                    key = self._shape_key(request)
+                chosen.append(request)
+                total += size
+                if total in self.preferred:
+                    preferred_at = len(chosen)
+                if total >= self.max_batch:
+                    break
+            else:
+                continue
+            break
+        if not chosen:
+            return None
+        if total < self.max_batch and not preferred_at:
+            oldest = min(r.arrival_ns for r in chosen)
+            ready_at = oldest + self.delay_ns
+            if now < ready_at:
+                self._arm(ready_at)  # wait for more requests, at most until then
+                return None
+        elif total < self.max_batch:
+            chosen = chosen[:preferred_at]  # the largest preferred batch size available
+        for request in chosen:
+            for queue in self._queues():
+                if queue and queue[0] is request:
+                    queue.popleft()
+                    break
+        return chosen
+
+    # -- responses ----------------------------------------------------------------------
+    def _deliver(self, request: Request, response: Response, failure: str | None) -> None:
+        order = self._order_of.pop(id(request), None) if self.preserve_ordering else None
+        if order is None:
+            super()._deliver(request, response, failure)
+            return
+        self._held[order] = (request, response, failure)
+        while self._next_to_deliver in self._held:
+            super()._deliver(*self._held.pop(self._next_to_deliver))
+            self._next_to_deliver += 1
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None

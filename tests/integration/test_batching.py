@@ -1,0 +1,247 @@
+"""The dynamic batcher: batches form, ordering, priorities, queue limits, timeouts,
+and the join/split helper models use to batch their own work."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+import dlserve
+from dlserve import ModelControlMode
+
+from ..conftest import MODELS
+
+BASE = {
+    "backend": "python",
+    "max_batch_size": 8,
+    "input": [{"name": "INPUT0", "data_type": "TYPE_FP32", "dims": [-1]}],
+    "output": [
+        {"name": "OUTPUT0", "data_type": "TYPE_FP32", "dims": [-1]},
+        {"name": "BATCH", "data_type": "TYPE_INT64", "dims": [2]},
+        {"name": "ORDER", "data_type": "TYPE_INT64", "dims": [1]},
+        {"name": "ZERO_COPY", "data_type": "TYPE_BOOL", "dims": [1]},
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    import shutil
+
+    from ..conftest import ServerHarness
+
+    repo = tmp_path_factory.mktemp("repo")
+    shutil.copytree(MODELS / "batcher", repo / "batcher")
+    harness = ServerHarness()
+    srv = harness.start(repo, model_control_mode=ModelControlMode.EXPLICIT)
+    yield srv
+    harness.close()
+
+
+def load(server: dlserve.Server, **config: Any) -> None:
+    server.load("batcher", {"config": json.dumps({**BASE, **config})})
+
+
+def rows(n: int = 1, width: int = 4, value: float = 1.0) -> np.ndarray:
+    return np.full((n, width), value, dtype=np.float32)
+
+
+async def infer(server: dlserve.Server, x: np.ndarray, **kwargs: Any) -> dlserve.InferenceResponse:
+    async for response in server.model("batcher").async_infer(inputs={"INPUT0": x}, raise_on_error=False, **kwargs):
+        return response
+    raise AssertionError("no response")
+
+
+async def hold_then(server: dlserve.Server, hold_s: float, coroutines: list[Any]) -> tuple[Any, list[Any]]:
+    """Keep the (single) instance busy for ``hold_s`` while ``coroutines`` queue up."""
+    holder = asyncio.ensure_future(infer(server, rows(), parameters={"sleep": hold_s}))
+    await asyncio.sleep(0.1)  # the holder is executing now
+    results = await asyncio.gather(*coroutines)
+    return await holder, results
+
+
+def batch_of(response: dlserve.InferenceResponse) -> tuple[int, int]:
+    requests, rows_in_call = response.outputs["BATCH"].as_numpy()[0]
+    return int(requests), int(rows_in_call)
+
+
+def order_of(response: dlserve.InferenceResponse) -> int:
+    return int(response.outputs["ORDER"].as_numpy()[0, 0])
+
+
+def test_requests_are_batched_into_one_execute(server):
+    load(server, dynamic_batching={})
+    before = server.model("batcher").statistics()["model_stats"][0]
+    _, responses = asyncio.run(
+        hold_then(server, 0.4, [infer(server, rows(value=i)) for i in range(10)])
+    )
+    for i, response in enumerate(responses):
+        assert response.error is None
+        np.testing.assert_array_equal(response.outputs["OUTPUT0"].as_numpy(), rows(value=i) * 2)
+    sizes = sorted(batch_of(r)[0] for r in responses)
+    assert sizes == [2, 2] + [8] * 8  # 8 (max_batch_size), then the remaining 2
+    stats = server.model("batcher").statistics()["model_stats"][0]
+    assert stats["inference_count"] - before["inference_count"] == 11
+    assert stats["execution_count"] - before["execution_count"] == 3
+    batch_sizes = {row["batch_size"] for row in stats["batch_stats"]}
+    assert {1, 2, 8} <= batch_sizes
+
+
+def test_max_batch_size_counts_rows_not_requests(server):
+    load(server, dynamic_batching={})
+    _, responses = asyncio.run(hold_then(server, 0.3, [infer(server, rows(3)) for _ in range(4)]))
+    assert all(batch_of(r) == (2, 6) for r in responses)  # 3 + 3 fits 8; a third would not
+
+
+def test_small_batches_are_joined_without_a_copy(server):
+    load(server, dynamic_batching={})
+    _, responses = asyncio.run(hold_then(server, 0.3, [infer(server, rows(1, 4)) for _ in range(5)]))
+    assert all(batch_of(r)[0] == 5 for r in responses)
+    assert all(bool(r.outputs["ZERO_COPY"].as_numpy()[0, 0]) for r in responses)
+
+
+def test_preferred_batch_size_goes_before_the_delay(server):
+    load(server, dynamic_batching={"preferred_batch_size": [4], "max_queue_delay_microseconds": 3_000_000})
+
+    async def run() -> tuple[float, list[Any]]:
+        started = time.monotonic()
+        responses = await asyncio.gather(*(infer(server, rows()) for _ in range(4)))
+        return time.monotonic() - started, responses
+
+    elapsed, responses = asyncio.run(run())
+    assert all(batch_of(r) == (4, 4) for r in responses)
+    assert elapsed < 2.5  # sent on reaching the preferred size, not after the 3 s delay
+
+
+def test_max_queue_delay_waits_for_more_requests(server):
+    load(server, dynamic_batching={"preferred_batch_size": [8], "max_queue_delay_microseconds": 500_000})
+
+    async def run() -> tuple[float, Any]:
+        started = time.monotonic()
+        response = await infer(server, rows())
+        return time.monotonic() - started, response
+
+    elapsed, response = asyncio.run(run())
+    assert batch_of(response) == (1, 1)
+    assert elapsed >= 0.45  # it waited for company until the delay ran out
+
+
+def test_requests_of_different_shapes_are_not_batched_together(server):
+    """A batch is the longest run of queued requests with one shape (as in Triton,
+    requests are not reordered to fill it)."""
+    load(server, dynamic_batching={})
+    _, responses = asyncio.run(
+        hold_then(server, 0.3, [infer(server, rows(1, 3)), infer(server, rows(1, 3)), infer(server, rows(1, 5))])
+    )
+    by_width = {r.outputs["OUTPUT0"].shape[1]: batch_of(r)[0] for r in responses}
+    assert by_width == {3: 2, 5: 1}
+
+
+def test_ragged_inputs_batch_when_allowed_and_pad(server):
+    ragged_input = [{"name": "INPUT0", "data_type": "TYPE_FP32", "dims": [-1], "allow_ragged_batch": True}]
+    load(server, dynamic_batching={}, input=ragged_input)
+    _, responses = asyncio.run(
+        hold_then(
+            server,
+            0.3,
+            [infer(server, rows(1, 3, 1.0), parameters={"ragged": "pad"}), infer(server, rows(1, 5, 2.0))],
+        )
+    )
+    assert all(batch_of(r)[0] == 2 for r in responses)
+    np.testing.assert_array_equal(responses[0].outputs["OUTPUT0"].as_numpy(), [[2, 2, 2, 0, 0]])
+    np.testing.assert_array_equal(responses[1].outputs["OUTPUT0"].as_numpy(), [[4] * 5])
+
+
+def test_full_queue_rejects(server):
+    load(server, max_batch_size=1, dynamic_batching={"default_queue_policy": {"max_queue_size": 2}})
+    before = server.model("batcher").statistics()["model_stats"][0]["inference_stats"]["fail"]["count"]
+    _, responses = asyncio.run(hold_then(server, 0.4, [infer(server, rows()) for _ in range(5)]))
+    errors = [r.error for r in responses if r.error is not None]
+    assert len(errors) == 3
+    assert all(isinstance(e, dlserve.UnavailableError) and "Exceeds maximum queue size" in str(e) for e in errors)
+    after = server.model("batcher").statistics()["model_stats"][0]["inference_stats"]["fail"]["count"]
+    assert after - before == 3
+    failures = server.engine.model("batcher").stats.failures
+    assert failures["REJECTED"] >= 3
+
+
+def test_queued_requests_time_out(server):
+    load(server, max_batch_size=1, dynamic_batching={"default_queue_policy": {"default_timeout_microseconds": 100_000}})
+    _, responses = asyncio.run(hold_then(server, 0.5, [infer(server, rows()) for _ in range(2)]))
+    assert all(isinstance(r.error, dlserve.UnavailableError) for r in responses)
+    assert all("Request timeout expired" in str(r.error) for r in responses)
+
+
+def test_request_timeout_overrides_the_default_when_allowed(server):
+    policy = {"default_timeout_microseconds": 60_000_000, "allow_timeout_override": True}
+    load(server, max_batch_size=1, dynamic_batching={"default_queue_policy": policy})
+    _, (short, default) = asyncio.run(
+        hold_then(server, 0.5, [infer(server, rows(), timeout=100_000), infer(server, rows())])
+    )
+    assert "Request timeout expired" in str(short.error)
+    assert default.error is None
+
+
+def test_delay_action_moves_timed_out_requests_behind_the_others(server):
+    policy = {"default_timeout_microseconds": 100_000, "timeout_action": "DELAY", "allow_timeout_override": True}
+    load(server, max_batch_size=1, dynamic_batching={"default_queue_policy": policy})
+
+    async def run() -> list[Any]:
+        holder = asyncio.ensure_future(infer(server, rows(), parameters={"sleep": 0.5}))
+        await asyncio.sleep(0.1)
+        early = asyncio.ensure_future(infer(server, rows(value=1)))  # times out while queued
+        await asyncio.sleep(0.25)
+        late = [asyncio.ensure_future(infer(server, rows(value=2), timeout=10_000_000)) for _ in range(2)]
+        await holder
+        return [await early, *[await f for f in late]]
+
+    early, *late = asyncio.run(run())
+    assert early.error is None and all(r.error is None for r in late)
+    assert order_of(early) > max(order_of(r) for r in late)
+
+
+def test_priorities(server):
+    load(server, max_batch_size=1, dynamic_batching={"priority_levels": 2, "default_priority_level": 2})
+
+    async def run() -> tuple[list[Any], Any]:
+        holder = asyncio.ensure_future(infer(server, rows(), parameters={"sleep": 0.4}))
+        await asyncio.sleep(0.1)
+        low = [asyncio.ensure_future(infer(server, rows())) for _ in range(3)]
+        await asyncio.sleep(0.05)
+        high = asyncio.ensure_future(infer(server, rows(), priority=1))
+        await holder
+        return [await f for f in low], await high
+
+    low, high = asyncio.run(run())
+    assert order_of(high) < min(order_of(r) for r in low)
+
+
+def test_preserve_ordering_across_instances(server):
+    group = [{"count": 2, "kind": "KIND_CPU"}]
+
+    async def completion_order(preserve: bool) -> list[int]:
+        done: list[int] = []
+
+        async def one(index: int, sleep: float) -> None:
+            await infer(server, rows(value=index), parameters={"sleep": sleep})
+            done.append(index)
+
+        await asyncio.gather(one(0, 0.6), asyncio.sleep(0.1), one(1, 0.0))
+        return done
+
+    load(server, max_batch_size=1, instance_group=group, dynamic_batching={"preserve_ordering": False})
+    assert asyncio.run(completion_order(False)) == [1, 0]  # the fast one finishes first
+    load(server, max_batch_size=1, instance_group=group, dynamic_batching={"preserve_ordering": True})
+    assert asyncio.run(completion_order(True)) == [0, 1]  # delivered in arrival order
+
+
+def test_batch_config_is_rendered_with_tritons_defaults(server):
+    load(server, dynamic_batching={"max_queue_delay_microseconds": 100})
+    config = server.model("batcher").config()["dynamic_batching"]
+    assert config["preferred_batch_size"] == [8]
+    assert config["max_queue_delay_microseconds"] == 100
