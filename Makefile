@@ -38,4 +38,5 @@ examples: $(VENV)/.installed
 	$(BIN)/python examples/run_examples.py
 
 test: $(VENV)/.installed-test
+	VENV=$(abspath $(VENV)) scripts/setup_perf_analyzer.sh
 	$(BIN)/python -m pytest

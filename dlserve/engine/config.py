@@ -17,6 +17,7 @@ from google.protobuf import descriptor, json_format, text_format
 from google.protobuf.message import Message
 
 from dlserve.engine.proto import model_config_pb2 as mc
+from dlserve.engine.sequence import ControlInput
 from dlserve.errors import InvalidArgumentError, UnsupportedError
 
 ModelConfig = mc.ModelConfig
@@ -130,6 +131,12 @@ def complete(config: mc.ModelConfig, model_name: str, gpu_count: int = 0) -> Non
     if not config.HasField("optimization"):
         config.optimization.input_pinned_memory.enable = True
         config.optimization.output_pinned_memory.enable = True
+    if config.HasField("sequence_batching"):
+        sequence = config.sequence_batching
+        if not sequence.max_sequence_idle_microseconds:
+            sequence.max_sequence_idle_microseconds = 1_000_000
+        if not sequence.WhichOneof("strategy_choice"):
+            sequence.direct.SetInParent()
     if config.HasField("dynamic_batching") and not config.dynamic_batching.preferred_batch_size:
         if config.max_batch_size > 0:
             config.dynamic_batching.preferred_batch_size.append(config.max_batch_size)
@@ -241,7 +248,14 @@ def validate(config: mc.ModelConfig, model_name: str, gpu_count: int = 0) -> Non
             f"model '{model_name}': decoupled models (model_transaction_policy "
             "{ decoupled: true }) are not supported yet"
         )
-    if config.HasField("sequence_batching") or config.HasField("ensemble_scheduling"):
-        which = config.WhichOneof("scheduling_choice")
-        raise UnsupportedError(f"model '{model_name}': {which} is not supported yet")
+    if config.HasField("ensemble_scheduling"):
+        raise UnsupportedError(f"model '{model_name}': ensemble_scheduling is not supported")
+    if config.HasField("sequence_batching"):
+        names = {t.name for t in config.input}
+        for spec in config.sequence_batching.control_input:
+            if spec.name in names:
+                raise InvalidArgumentError(
+                    f"model '{model_name}': control input '{spec.name}' is also a model input"
+                )
+            ControlInput.parse(model_name, spec)
 

@@ -13,6 +13,7 @@ import glob
 import logging
 import os
 import re
+import time
 import uuid
 from typing import Any
 
@@ -136,10 +137,14 @@ class Engine:
         self.live = True
         return await self.manager.start(s.startup_models, s.poll_interval)
 
-    async def stop(self) -> None:
+    async def stop(self, deadline: float | None = None) -> None:
+        """Finish in-flight requests, finalize models and end workers by ``deadline``
+        (``time.monotonic()``; default: ``exit_timeout`` from now)."""
         self.live = False
+        if deadline is None:
+            deadline = time.monotonic() + self.settings.exit_timeout
         if self.manager is not None:
-            await self.manager.stop()
+            await self.manager.stop(deadline)
         self._release_memory()
 
     def kill(self) -> None:

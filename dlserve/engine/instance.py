@@ -71,6 +71,7 @@ class ModelInstance:
         self.serial = serial
         self.state = InstanceState.STARTING
         self.in_flight = 0  # executions sent to the worker and not answered yet
+        self.last_done_ns = 0  # when the last execute finished (monotonic ns)
         self.restarts = 0
         self._restart_streak = 0  # restarts since the instance last stayed up a while
         self.has_is_ready = False  # the model defines is_ready()
@@ -127,7 +128,7 @@ class ModelInstance:
                 reason = worker.exit_description
             else:
                 reason = exc.message
-            await worker.stop(timeout=5.0, finalize=False)
+            await worker.stop(time.monotonic() + 5.0, finalize=False)
             raise InternalError(f"failed to initialize model instance '{self.name}': {reason}") from None
         self.has_is_ready = bool(reply["has_is_ready"])
         self._started_at = time.monotonic()
@@ -275,7 +276,10 @@ class ModelInstance:
             None,
         )
 
-    def _response(self, request: Request, reply: Any) -> Response:
+    def _response(self, request: Request, reply: Any) -> Response | None:
+        """The response a worker sent (None: the model rescheduled the request)."""
+        if reply is None:
+            return None
         model = self.model
         outputs_wire, error, parameters = reply
         response = Response(model.name, model.version, request.request_id)
@@ -302,12 +306,13 @@ class ModelInstance:
         if worker is not None and worker.alive and worker.channel is not None:
             worker.channel.notify(Kind.RETIRE, [name])
 
-    async def stop(self, timeout: float) -> None:
+    async def stop(self, deadline: float) -> None:
+        """Finalize and end the worker by ``deadline`` (``time.monotonic()``)."""
         self._stopping = True
         if self._restart_task is not None:
             self._restart_task.cancel()
         if self._worker is not None:
-            await self._worker.stop(timeout)
+            await self._worker.stop(deadline)
         self._set_state(InstanceState.STOPPED)
 
     def kill(self) -> None:

@@ -13,6 +13,7 @@ import dataclasses
 import enum
 import json
 import logging
+import time
 from typing import Any
 
 from dlserve.engine import config as cfg
@@ -161,11 +162,12 @@ class ModelManager:
             log.error("failed to load model '%s': %s", name, exc.message)
             return exc.message
 
-    async def stop(self) -> None:
+    async def stop(self, deadline: float) -> None:
+        """Unload everything by ``deadline`` (``time.monotonic()``)."""
         if self._poll_task is not None:
             self._poll_task.cancel()
         await asyncio.gather(
-            *(self._unload_entry(entry) for entry in list(self.models.values())),
+            *(self._unload_entry(entry, deadline) for entry in list(self.models.values())),
             return_exceptions=True,
         )
         self.repository.close()
@@ -213,7 +215,7 @@ class ModelManager:
             old = entry.versions
             entry.versions, entry.error, entry.unloaded = loaded, "", []
             entry.fingerprint = source.fingerprint()
-            await asyncio.gather(*(v.unload(self.exit_timeout) for v in old.values()))
+            await asyncio.gather(*(v.unload(self._deadline()) for v in old.values()))
 
     async def _load_versions(self, source: ModelSource, override: str | None) -> dict[int, ModelVersion]:
         name = source.name
@@ -255,7 +257,7 @@ class ModelManager:
                 loaded[version] = model
                 await model.load()
         except TritonError:
-            await asyncio.gather(*(m.unload(1.0) for m in loaded.values()))
+            await asyncio.gather(*(m.unload(time.monotonic() + 1.0) for m in loaded.values()))
             raise
         return loaded
 
@@ -280,7 +282,7 @@ class ModelManager:
         except TritonError as exc:
             raise type(exc)(f"auto_complete_config of model '{name}' failed: {exc.message}") from None
         finally:
-            await worker.stop(timeout=5.0, finalize=False)
+            await worker.stop(time.monotonic() + 5.0, finalize=False)
         return cfg.parse_json(result, name)
 
     async def unload(self, name: str, unload_dependents: bool = False) -> None:
@@ -293,11 +295,14 @@ class ModelManager:
             raise NotFoundError(f"failed to unload '{name}', model is not found")
         await self._unload_entry(entry)
 
-    async def _unload_entry(self, entry: ModelEntry) -> None:
+    def _deadline(self) -> float:
+        return time.monotonic() + self.exit_timeout
+
+    async def _unload_entry(self, entry: ModelEntry, deadline: float | None = None) -> None:
         async with entry.lock:
             entry.error = ""
             # The versions stay listed (as UNLOADING) until their requests have drained.
-            await asyncio.gather(*(v.unload(self.exit_timeout) for v in entry.versions.values()))
+            await asyncio.gather(*(v.unload(deadline or self._deadline()) for v in entry.versions.values()))
             entry.unloaded = sorted(entry.versions)
             entry.versions = {}
 

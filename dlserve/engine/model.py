@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from dlserve.engine.proto import model_config_pb2 as mc
 from dlserve.engine.request import Request, Signature
 from dlserve.engine.batcher import DynamicBatcher
 from dlserve.engine.scheduler import DefaultScheduler, Scheduler
+from dlserve.engine.sequence import SequenceBatcher
 from dlserve.engine.statistics import ModelStatistics
 from dlserve.memory.arena import Arena, MemorySpace
 from dlserve.memory.dtypes import DataType
@@ -70,9 +72,13 @@ class ModelVersion:
             o.name: list(o.dims) for o in self.signature.outputs.values() if o.reshape is not None
         }
         self.instances: list[ModelInstance] = []
-        self.scheduler: Scheduler = (
-            DynamicBatcher(self) if config.HasField("dynamic_batching") else DefaultScheduler(self)
-        )
+        self.scheduler: Scheduler
+        if config.HasField("sequence_batching"):
+            self.scheduler = SequenceBatcher(self)
+        elif config.HasField("dynamic_batching"):
+            self.scheduler = DynamicBatcher(self)
+        else:
+            self.scheduler = DefaultScheduler(self)
         self.state = "LOADING"
         self.reason = ""
 
@@ -86,6 +92,12 @@ class ModelVersion:
             return False
         checks = await asyncio.gather(*(i.check_ready() for i in self.instances if i.ready))
         return any(checks)
+
+    @property
+    def pending(self) -> int:
+        """Requests not executing yet: queued, or sent to a worker behind another execute."""
+        waiting_in_workers = sum(max(0, i.in_flight - 1) for i in self.instances)
+        return self.scheduler.pending + waiting_in_workers
 
     def unready_reason(self) -> str:
         """Why a loaded version has no ready instance (workers died, restarting)."""
@@ -121,7 +133,7 @@ class ModelVersion:
         )
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
-            await asyncio.gather(*(i.stop(timeout=5.0) for i in self.instances))
+            await asyncio.gather(*(i.stop(time.monotonic() + 5.0) for i in self.instances))
             self.state, self.reason = "UNAVAILABLE", str(errors[0])
             raise errors[0]
         self.state, self.reason = "READY", ""
@@ -129,17 +141,17 @@ class ModelVersion:
     def _instance_changed(self, _instance: ModelInstance) -> None:
         self.scheduler.instance_state_changed()
 
-    async def unload(self, timeout: float) -> None:
-        """Stop taking requests, let in-flight ones finish (up to ``timeout``), stop workers."""
+    async def unload(self, deadline: float) -> None:
+        """Stop taking requests, let in-flight ones finish and stop the workers, all by
+        ``deadline`` (``time.monotonic()``)."""
         self.state = "UNLOADING"
-        if not await self.scheduler.drain(timeout):
+        if not await self.scheduler.drain(max(0.0, deadline - time.monotonic())):
             log.warning(
-                "model '%s' version %d still had requests in flight after %.1fs; stopping it",
+                "model '%s' version %d still had requests in flight at its unload deadline",
                 self.name,
                 self.version,
-                timeout,
             )
-        await asyncio.gather(*(instance.stop(timeout) for instance in self.instances))
+        await asyncio.gather(*(instance.stop(deadline) for instance in self.instances))
         self.scheduler.close()
         self.state, self.reason = "UNAVAILABLE", "unloaded"
 

@@ -21,7 +21,13 @@ import time
 from typing import TYPE_CHECKING
 
 from dlserve.engine.request import Request, Response
-from dlserve.errors import CancelledError, InternalError, TritonError, UnavailableError
+from dlserve.errors import (
+    CancelledError,
+    InternalError,
+    InvalidArgumentError,
+    TritonError,
+    UnavailableError,
+)
 
 if TYPE_CHECKING:
     from dlserve.engine.instance import ModelInstance, Timings
@@ -132,7 +138,7 @@ class Scheduler:
         queue_ns = [start - r.arrival_ns for r in batch]
 
         def done(result: list[Response] | TritonError, timings: Timings | None) -> None:
-            self._finished(instance, batch, queue_ns, result, timings)
+            self._finished(instance, batch, start, queue_ns, result, timings)
 
         try:
             instance.execute(batch, done)
@@ -143,12 +149,21 @@ class Scheduler:
         self,
         instance: ModelInstance,
         batch: list[Request],
+        start_ns: int,
         queue_ns: list[int],
         result: list[Response] | TritonError,
         timings: Timings | None,
     ) -> None:
         instance.in_flight -= 1
         self.in_flight -= 1
+        # A pipelined execute waited in the worker behind the previous one: that wait is
+        # queue time, not compute time, as Triton would count it.
+        waited = max(0, instance.last_done_ns - start_ns)
+        instance.last_done_ns = time.monotonic_ns()
+        if waited:
+            queue_ns = [q + waited for q in queue_ns]
+            if timings is not None:
+                timings.infer_ns = max(0, timings.infer_ns - waited)
         if isinstance(result, TritonError) or timings is None:
             error = result if isinstance(result, TritonError) else InternalError("execute failed")
             self.model.stats.execution_count += 1  # as Triton: a failed execute still ran
@@ -166,9 +181,27 @@ class Scheduler:
             # An error the model returns in a response still counts as a success, as
             # in Triton's statistics: the request was executed and answered.
             for request, response in zip(batch, result):
-                self._deliver(request, response, None)
+                if response is None:
+                    self._reschedule(request)
+                else:
+                    self._deliver(request, response, None)
+        self._completed(batch)
         self.dispatch()
         self._check_idle()
+
+    def _completed(self, batch: list[Request]) -> None:
+        """A batch finished (its responses are delivered); before the next dispatch."""
+
+    def _reschedule(self, request: Request) -> None:
+        """The model asked to run ``request`` again (TRITONSERVER_REQUEST_RELEASE_RESCHEDULE)."""
+        self._fail(
+            request,
+            InvalidArgumentError(
+                f"model '{self.model.name}' rescheduled a request, which needs "
+                "sequence_batching { iterative_sequence: true }"
+            ),
+            "BACKEND",
+        )
 
     def _check_idle(self) -> None:
         if not self.pending and not self.in_flight:

@@ -488,10 +488,12 @@ class Server:
         engine, loop, thread = self._engine, self._loop, self._thread
         if engine is None or loop is None:
             return
+        # One budget for the whole shutdown: the services drain, then the engine.
+        deadline = time.monotonic() + engine.settings.exit_timeout
         for service in list(self._services):  # no new requests from the network first
-            service.stop()
+            service.stop(deadline)
         try:
-            asyncio.run_coroutine_threadsafe(engine.stop(), loop).result()
+            asyncio.run_coroutine_threadsafe(engine.stop(deadline), loop).result()
         finally:
             loop.call_soon_threadsafe(loop.stop)
             if thread is not None:

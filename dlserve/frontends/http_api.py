@@ -472,11 +472,7 @@ def _encode_response(response: Response, outputs: list[OutputSpec], binary_defau
             "shape": list(tensor.shape),
         }
         if spec is not None and spec.shm is not None:
-            entry["parameters"] = {
-                "shared_memory_region": spec.shm.region,
-                "shared_memory_offset": spec.shm.offset,
-                "shared_memory_byte_size": tensor.size,
-            }
+            pass  # written into the client's region: like Triton, no data and no parameters
         elif (spec.parameters.get("binary_data", binary_default) if spec else binary_default):
             data = tensor.storage()
             entry["parameters"] = {"binary_data_size": int(data.nbytes)}

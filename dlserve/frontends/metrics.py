@@ -54,9 +54,8 @@ def _model_samples(engine: Engine) -> dict[str, list[str]]:
                 )
             out["nv_inference_count"].append(sample("nv_inference_count", labels, stats.inference_count))
             out["nv_inference_exec_count"].append(sample("nv_inference_exec_count", labels, stats.execution_count))
-            request_ns = d["success"].ns + d["fail"].ns
             for metric, ns in (
-                ("nv_inference_request_duration_us", request_ns),
+                ("nv_inference_request_duration_us", d["success"].ns),  # successes only, as Triton
                 ("nv_inference_queue_duration_us", d["queue"].ns),
                 ("nv_inference_compute_input_duration_us", d["compute_input"].ns),
                 ("nv_inference_compute_infer_duration_us", d["compute_infer"].ns),
@@ -64,7 +63,7 @@ def _model_samples(engine: Engine) -> dict[str, list[str]]:
             ):
                 out[metric].append(sample(metric, labels, ns // 1000))
             out["nv_inference_pending_request_count"].append(
-                sample("nv_inference_pending_request_count", labels, model.scheduler.pending)
+                sample("nv_inference_pending_request_count", labels, model.pending)
             )
     return out
 
@@ -156,6 +155,17 @@ def render(engine: Engine, cpu: CpuSampler | None = None) -> str:
     samples = _model_samples(engine)
     for name, kind, help_text in _MODEL_METRICS:
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", *samples[name]]
+    arena = engine.arena
+    for name, help_text, value in (
+        # dlserve uses no pinned memory; the gauges exist because dashboards expect them
+        ("nv_pinned_memory_pool_total_bytes", "Pinned memory pool total memory size, in bytes", 0),
+        ("nv_pinned_memory_pool_used_bytes", "Pinned memory pool used memory size, in bytes", 0),
+        ("dlserve_shm_arena_reserved_bytes", "Shared memory the server holds for tensors, in bytes",
+         arena.bytes_reserved if arena else 0),
+        ("dlserve_shm_arena_used_bytes", "Shared memory in use by tensors in the server's arena, in bytes",
+         arena.bytes_in_use if arena else 0),
+    ):
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", sample(name, (), value)]
     if cpu is not None:
         total, used = cpu.memory()
         for name, help_text, value in (
@@ -188,6 +198,6 @@ class MetricsEndpoint:
     async def start(self, host: str, port: int) -> int:
         return await self._http.start(host, port)
 
-    async def stop(self) -> None:
-        await self._http.stop()
+    async def stop(self, grace: float = 0.0) -> None:
+        await self._http.stop(grace)
 

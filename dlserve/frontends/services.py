@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import re
+import time
 from typing import Any
 
 import numpy as np
@@ -82,18 +83,22 @@ class Service:
         self._running = True
         self.server._attach(self)
 
-    def stop(self) -> None:
+    def stop(self, deadline: float | None = None) -> None:
+        """Stop accepting; let requests in flight finish until ``deadline``
+        (``time.monotonic()``; default: the server's exit timeout from now)."""
         if not self._running:
             return
         self._running = False
         self.server._detach(self)
+        if deadline is None:
+            deadline = time.monotonic() + float(self.server.options.exit_timeout)
         if self.server._loop is not None:
-            self.server._run(self._stop())
+            self.server._run(self._stop(max(0.0, deadline - time.monotonic())))
 
     async def _start(self) -> int:
         raise NotImplementedError
 
-    async def _stop(self) -> None:
+    async def _stop(self, grace: float) -> None:
         raise NotImplementedError
 
     def __enter__(self) -> Service:
@@ -144,9 +149,9 @@ class KServeHttp(Service):
         self._http = HttpServer(api, allocate_body, max_body=options.max_input_size)
         return await self._http.start(options.address, options.port, options.reuse_port)
 
-    async def _stop(self) -> None:
+    async def _stop(self, grace: float) -> None:
         if self._http is not None:
-            await self._http.stop(grace=float(self.server.options.exit_timeout))
+            await self._http.stop(grace)
             self._http = None
 
 
@@ -230,9 +235,9 @@ class KServeGrpc(Service):
         self._grpc = GrpcServer(DataPlane(self.server.engine, allow_client_shm=options.allow_client_shm), options)
         return await self._grpc.start()
 
-    async def _stop(self) -> None:
+    async def _stop(self, grace: float) -> None:
         if self._grpc is not None:
-            await self._grpc.stop(grace=float(self.server.options.exit_timeout))
+            await self._grpc.stop(grace)
             self._grpc = None
 
 
@@ -257,9 +262,9 @@ class Metrics(Service):
         self._http = MetricsEndpoint(self.server.engine)
         return await self._http.start(self.options.address, self.options.port)
 
-    async def _stop(self) -> None:
+    async def _stop(self, grace: float) -> None:
         if self._http is not None:
-            await self._http.stop()
+            await self._http.stop(grace)
             self._http = None
 
 

@@ -194,8 +194,11 @@ class Worker:
             responses = self._run(self.model.execute(requests))
         except Exception as exc:  # noqa: BLE001
             raise ModelFailure(self._failure(describe_exception(exc))) from None
-        self._check_responses(responses, len(requests))
-        wire = [self._response(resp, req) for resp, req in zip(responses, requests)]
+        self._check_responses(responses, requests)
+        wire = [
+            None if resp is None else self._response(resp, req)  # None: rescheduled
+            for resp, req in zip(responses, requests)
+        ]
         # Drop our views before replying so their releases ride on the reply.
         del requests, responses
         return wire
@@ -238,7 +241,8 @@ class Worker:
     def _failure(self, message: str) -> str:
         return f"Failed to process the request(s) for model '{self.instance_name}', message: {message}"
 
-    def _check_responses(self, responses: Any, expected: int) -> None:
+    def _check_responses(self, responses: Any, requests: list[InferenceRequest]) -> None:
+        expected = len(requests)
         if responses is None:
             raise ModelFailure(
                 self._failure(
@@ -260,7 +264,9 @@ class Worker:
                     f"and InferenceResponse(s) size is:{len(responses)}\n"
                 )
             )
-        for response in responses:
+        for response, request in zip(responses, requests):
+            if response is None and request.rescheduled():
+                continue
             if not isinstance(response, InferenceResponse):
                 raise ModelFailure(
                     self._failure(

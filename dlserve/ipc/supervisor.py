@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +34,13 @@ from dlserve.memory.shm import SHM_DIR
 log = logging.getLogger("dlserve.worker")
 
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(dlserve.__file__)))
+
+
+EXIT_GRACE_S = 2.0
+
+
+def _left(deadline: float) -> float:
+    return max(0.0, deadline - time.monotonic())
 
 
 def describe_exit(returncode: int | None) -> str:
@@ -169,20 +177,27 @@ class WorkerProcess:
     async def wait_exited(self) -> None:
         await self._exited.wait()
 
-    async def stop(self, timeout: float, finalize: bool = True) -> None:
-        """Ask the model to finalize, then make sure the process is gone."""
+    async def stop(self, deadline: float, finalize: bool = True) -> None:
+        """Ask the model to finalize, then make sure the process is gone, all by
+        ``deadline`` (``time.monotonic()``); a worker still busy then is killed."""
         self._stopping = True
         if self.process is None:
             return
+        finalized = not finalize
         if finalize and self.alive:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.request(Kind.FINALIZE, None), timeout)
+            try:
+                await asyncio.wait_for(self.request(Kind.FINALIZE, None), _left(deadline))
+                finalized = True
+            except Exception:  # noqa: BLE001 - a model that cannot finalize is killed below
+                pass
         if self.channel is not None:
             self.channel.close()
+        # A finalized worker is just exiting: give it a moment even past the deadline.
+        grace = max(_left(deadline), EXIT_GRACE_S) if finalized else _left(deadline)
         try:
-            await asyncio.wait_for(self._exited.wait(), timeout)
+            await asyncio.wait_for(self._exited.wait(), grace)
         except asyncio.TimeoutError:
-            log.warning("worker '%s' did not exit in %.1fs; killing it", self.instance_name, timeout)
+            log.warning("worker '%s' still running at shutdown; killing it", self.instance_name)
             with contextlib.suppress(ProcessLookupError):
                 self.process.kill()
             await self._exited.wait()

@@ -21,7 +21,12 @@ from dlserve.pb_utils.helpers import (
     triton_to_numpy_type,
     using_decoupled_model_transaction_policy,
 )
-from dlserve.pb_utils.inference import InferenceRequest, InferenceResponse
+from dlserve.pb_utils.inference import (
+    RELEASE_ALL,
+    RELEASE_RESCHEDULE,
+    InferenceRequest,
+    InferenceResponse,
+)
 from dlserve.pb_utils.logger import Logger
 from dlserve.pb_utils.metrics import MetricFamily
 from dlserve.pb_utils.model_config import ModelConfig
@@ -30,8 +35,8 @@ from dlserve.pb_utils.tensor import Tensor
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = 2
 TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
-TRITONSERVER_REQUEST_RELEASE_ALL = 1
-TRITONSERVER_REQUEST_RELEASE_RESCHEDULE = 2
+TRITONSERVER_REQUEST_RELEASE_ALL = RELEASE_ALL
+TRITONSERVER_REQUEST_RELEASE_RESCHEDULE = RELEASE_RESCHEDULE
 TRITONSERVER_MEMORY_CPU = 0
 TRITONSERVER_MEMORY_GPU = 2
 

@@ -31,6 +31,10 @@ def _parameters_json(parameters: dict[str, Any] | str | None, what: str) -> str:
     return json.dumps(parameters)
 
 
+RELEASE_ALL = 1
+RELEASE_RESCHEDULE = 2
+
+
 class InferenceRequest:
     """A request handed to ``execute`` (and, with the BLS issue, one a model sends)."""
 
@@ -98,6 +102,18 @@ class InferenceRequest:
 
     def inputs(self) -> list[Tensor]:
         return self._inputs
+
+    def set_release_flags(self, flags: int) -> None:
+        """``TRITONSERVER_REQUEST_RELEASE_RESCHEDULE`` asks for this request to run again
+        (iterative sequences): put ``None`` in its place in the list ``execute`` returns."""
+        if flags not in (RELEASE_ALL, RELEASE_RESCHEDULE):
+            raise TritonModelException(
+                f"release flags must be TRITONSERVER_REQUEST_RELEASE_ALL or _RESCHEDULE, got {flags}"
+            )
+        self._release_flags = flags
+
+    def rescheduled(self) -> bool:
+        return getattr(self, "_release_flags", RELEASE_ALL) == RELEASE_RESCHEDULE
 
     def request_id(self) -> str:
         return self._request_id

@@ -74,7 +74,7 @@ class SystemRegion:
     def __init__(self, layout: Layout) -> None:
         from multiprocessing import shared_memory
 
-        self.name = f"dlserve_perf_{os.getpid()}_{secrets.token_hex(4)}"
+        self.name = f"perf_client_{os.getpid()}_{secrets.token_hex(4)}"
         self.key = "/" + self.name
         self.byte_size = max(layout.size, ALIGN)
         self._shm = shared_memory.SharedMemory(name=self.name, create=True, size=self.byte_size)
@@ -103,7 +103,7 @@ class CudaRegion:
         import cupy
         import numpy as np
 
-        self.name = f"dlserve_perf_{os.getpid()}_{secrets.token_hex(4)}"
+        self.name = f"perf_client_{os.getpid()}_{secrets.token_hex(4)}"
         self.device_id = device_id
         self.byte_size = max(layout.size, ALIGN)
         with cupy.cuda.Device(device_id):

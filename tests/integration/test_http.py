@@ -478,12 +478,9 @@ def test_system_shared_memory_round_trip(client, regions):
         out.set_shared_memory("out_r", 64)
         result = client.infer("identity", [x], outputs=[out])
         entry = result.get_output("OUTPUT0")
-        assert entry["parameters"] == {
-            "shared_memory_region": "out_r",
-            "shared_memory_offset": 0,
-            "shared_memory_byte_size": 64,
-        }
-        assert "data" not in entry
+        # Like Triton: neither data nor parameters (perf_analyzer's C++ client reads any
+        # output "parameters" as binary data and fails without binary_data_size).
+        assert "data" not in entry and "parameters" not in entry
         np.testing.assert_array_equal(
             shm.get_contents_as_numpy(out_handle, np.float32, [16], offset=64), A
         )

@@ -364,9 +364,24 @@ def test_validate_decoupled_unsupported_for_now():
     cfg.validate(completed("model_transaction_policy { decoupled: false }"), "m")
 
 
-@pytest.mark.parametrize("block,which", [("sequence_batching { }", "sequence_batching"), ("ensemble_scheduling { }", "ensemble_scheduling")])
-def test_validate_other_schedulers_unsupported_for_now(block, which):
-    assert invalid(block) == f"UnsupportedError: model 'm': {which} is not supported yet"
+def test_validate_ensembles_unsupported():
+    assert invalid("ensemble_scheduling { }") == "UnsupportedError: model 'm': ensemble_scheduling is not supported"
+
+
+def test_sequence_batching_defaults_and_control_inputs():
+    config = completed("sequence_batching { }")
+    assert config.sequence_batching.max_sequence_idle_microseconds == 1_000_000
+    assert config.sequence_batching.WhichOneof("strategy_choice") == "direct"
+    cfg.validate(config, "m")
+    two_controls = (
+        'sequence_batching { control_input [ { name: "S" control [ { kind: CONTROL_SEQUENCE_START '
+        "int32_false_true: [ 0, 1 ] }, { kind: CONTROL_SEQUENCE_END int32_false_true: [ 0, 1 ] } ] } ] }"
+    )
+    assert "exactly one control" in invalid(two_controls)
+    no_values = 'sequence_batching { control_input [ { name: "S" control [ { kind: CONTROL_SEQUENCE_START } ] } ] }'
+    assert "int32_false_true" in invalid(no_values)
+    corrid = 'sequence_batching { control_input [ { name: "C" control [ { kind: CONTROL_SEQUENCE_CORRID } ] } ] }'
+    assert "CORRID needs data_type" in invalid(corrid)
 
 
 # -- repository: version policy ------------------------------------------------------------

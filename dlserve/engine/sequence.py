@@ -1,0 +1,283 @@
+"""Triton's sequence batcher: ``sequence_batching`` in config.pbtxt.
+
+A sequence is the stream of requests that share a correlation ID, from the one
+flagged START to the one flagged END. Every request of a sequence runs on the
+instance the sequence was given at its start, one at a time and in order, so a
+model can keep per-sequence state. An instance takes at most ``max_batch_size``
+sequences at once with the ``direct`` strategy (one batch slot each; further
+sequences wait for a slot) and ``max_candidate_sequences`` with ``oldest``; each
+``execute`` gets the next request of up to ``max_batch_size`` of its sequences,
+oldest first.
+
+The model sees the control inputs the config declares (START, END, READY, CORRID)
+as extra input tensors. A sequence that receives no request for
+``max_sequence_idle_microseconds`` is released; a later request without START is
+refused, as is one for a sequence whose instance died (its state is gone).
+Iterative sequences (``iterative_sequence: true``) let a model reschedule a
+request: it runs again, ahead of the sequence's later requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from dlserve.engine.proto import model_config_pb2 as mc
+from dlserve.engine.request import Request
+from dlserve.engine.scheduler import Scheduler
+from dlserve.errors import InvalidArgumentError, UnavailableError
+from dlserve.memory.dtypes import DataType
+from dlserve.memory.tensor import Tensor
+
+if TYPE_CHECKING:
+    from dlserve.engine.instance import ModelInstance
+    from dlserve.engine.model import ModelVersion
+
+START = 1
+END = 2
+DEFAULT_IDLE_US = 1_000_000
+_Kind = mc.ModelSequenceBatching.Control
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    key: int | str
+    instance: ModelInstance | None = None
+    queue: collections.deque[Request] = dataclasses.field(default_factory=collections.deque)
+    running: bool = False
+    ending: bool = False
+    idle: asyncio.TimerHandle | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ControlInput:
+    """How one control signal reaches the model: input name, kind, type, values."""
+
+    name: str
+    kind: int
+    data_type: DataType
+    values: tuple[Any, Any]  # (for false, for true); unused for CORRID
+
+    @staticmethod
+    def parse(model: str, spec: Any) -> ControlInput:
+        if len(spec.control) != 1:
+            raise InvalidArgumentError(
+                f"model '{model}', control input '{spec.name}': exactly one control is supported"
+            )
+        control = spec.control[0]
+        if control.kind == _Kind.CONTROL_SEQUENCE_CORRID:
+            if control.data_type == mc.TYPE_INVALID:
+                raise InvalidArgumentError(f"model '{model}', control input '{spec.name}': CORRID needs data_type")
+            return ControlInput(spec.name, control.kind, DataType(control.data_type), (None, None))
+        for field, data_type in (
+            ("int32_false_true", DataType.INT32),
+            ("fp32_false_true", DataType.FP32),
+            ("bool_false_true", DataType.BOOL),
+        ):
+            values = list(getattr(control, field))
+            if values:
+                if len(values) != 2:
+                    raise InvalidArgumentError(
+                        f"model '{model}', control input '{spec.name}': {field} needs 2 values"
+                    )
+                return ControlInput(spec.name, control.kind, data_type, (values[0], values[1]))
+        raise InvalidArgumentError(
+            f"model '{model}', control input '{spec.name}': give int32_false_true, "
+            "fp32_false_true or bool_false_true"
+        )
+
+    def tensor(self, request: Request, batching: bool) -> Tensor:
+        shape = (1, 1) if batching else (1,)
+        if self.kind == _Kind.CONTROL_SEQUENCE_CORRID:
+            if self.data_type is DataType.BYTES:
+                objects = np.array([str(request.correlation_id).encode()], dtype=np.object_)
+                return Tensor(DataType.BYTES, shape, objects=objects.reshape(shape))
+            value: Any = request.correlation_id
+        elif self.kind == _Kind.CONTROL_SEQUENCE_START:
+            value = self.values[bool(request.flags & START)]
+        elif self.kind == _Kind.CONTROL_SEQUENCE_END:
+            value = self.values[bool(request.flags & END)]
+        else:  # READY: this request is in the batch
+            value = self.values[1]
+        return Tensor(self.data_type, shape, data=np.full(shape, value, self.data_type.storage_dtype))
+
+
+class SequenceBatcher(Scheduler):
+    pipeline_depth = 1  # a sequence's next request waits for its previous one anyway
+
+    def __init__(self, model: ModelVersion) -> None:
+        super().__init__(model)
+        config = model.config.sequence_batching
+        self.idle_s = (config.max_sequence_idle_microseconds or DEFAULT_IDLE_US) / 1e6
+        self.max_batch = max(model.config.max_batch_size, 1)
+        self.batching = model.config.max_batch_size > 0
+        strategy = config.WhichOneof("strategy_choice") or "direct"
+        candidates = config.oldest.max_candidate_sequences if strategy == "oldest" else 0
+        self.slots = self.max_batch if strategy == "direct" else (candidates or 1 << 30)
+        self.controls = [ControlInput.parse(model.name, spec) for spec in config.control_input]
+        self._numeric_corrid = any(
+            c.kind == _Kind.CONTROL_SEQUENCE_CORRID and c.data_type is not DataType.BYTES
+            for c in self.controls
+        )
+        self.iterative = config.iterative_sequence
+        self.sequences: dict[int | str, Sequence] = {}
+        self.backlog: collections.deque[Sequence] = collections.deque()  # started, no slot yet
+
+    # -- queueing -----------------------------------------------------------------------
+    def _enqueue(self, request: Request) -> None:
+        key = request.correlation_id
+        name = self.model.name
+        if key in (0, "", None):
+            raise InvalidArgumentError(
+                f"inference request to model '{name}' must specify a non-zero or non-empty "
+                "correlation ID"
+            )
+        if isinstance(key, str) and self._numeric_corrid:
+            raise InvalidArgumentError(
+                f"inference request to model '{name}': the CORRID control input is numeric, "
+                f"but the correlation ID '{key}' is a string"
+            )
+        sequence = self.sequences.get(key)
+        if sequence is None:
+            if not request.flags & START:
+                raise InvalidArgumentError(
+                    f"inference request for sequence {key} to model '{name}' must specify the "
+                    "START flag on the first request of the sequence"
+                )
+            sequence = self.sequences[key] = Sequence(key)
+            self._assign(sequence)
+        if sequence.ending:
+            raise InvalidArgumentError(
+                f"inference request for sequence {key} to model '{name}' arrived after its END"
+            )
+        if sequence.idle is not None:
+            sequence.idle.cancel()
+            sequence.idle = None
+        if request.flags & END:
+            sequence.ending = True
+        sequence.queue.append(request)
+
+    def _assign(self, sequence: Sequence) -> None:
+        """Bind a new sequence to the ready instance with the fewest sequences, if one
+        has a free slot; otherwise it waits in the backlog."""
+        load = collections.Counter(s.instance for s in self.sequences.values() if s.instance is not None)
+        free = [i for i in self.instances if i.ready and load[i] < self.slots]
+        if free:
+            sequence.instance = min(free, key=lambda i: load[i])
+        else:
+            self.backlog.append(sequence)
+
+    @property
+    def pending(self) -> int:
+        return sum(len(s.queue) for s in self.sequences.values())
+
+    def _remove(self, request: Request) -> bool:
+        sequence = self.sequences.get(request.correlation_id)
+        if sequence is None:
+            return False
+        try:
+            sequence.queue.remove(request)
+        except ValueError:
+            return False
+        return True
+
+    def _take_all(self) -> list[Request]:
+        taken = [r for s in self.sequences.values() for r in s.queue]
+        for sequence in list(self.sequences.values()):
+            self._release(sequence)
+        return taken
+
+    # -- batches ------------------------------------------------------------------------
+    def dispatch(self) -> None:
+        """Work here belongs to instances: offer each free instance its sequences."""
+        for instance in self.instances:
+            if instance.ready and instance.in_flight < self.pipeline_depth:
+                batch = self._next_batch(instance)
+                if batch:
+                    self._execute(instance, batch)
+
+    def _next_batch(self, instance: ModelInstance) -> list[Request] | None:
+        ready = [
+            s for s in self.sequences.values()
+            if s.instance is instance and s.queue and not s.running
+        ]
+        if not ready:
+            return None
+        ready.sort(key=lambda s: s.queue[0].arrival_ns)
+        batch = []
+        for sequence in ready[: self.max_batch]:
+            sequence.running = True
+            request = sequence.queue.popleft()
+            for control in self.controls:
+                request.inputs[control.name] = control.tensor(request, self.batching)
+            batch.append(request)
+        return batch
+
+    def _completed(self, batch: list[Request]) -> None:
+        for request in batch:
+            sequence = self.sequences.get(request.correlation_id)
+            if sequence is None:
+                continue
+            sequence.running = False
+            if request.flags & END and not sequence.queue:
+                self._release(sequence)
+            elif not sequence.queue:
+                loop = asyncio.get_running_loop()
+                sequence.idle = loop.call_later(self.idle_s, self._expire, sequence)
+
+    def _reschedule(self, request: Request) -> None:
+        if not self.iterative:
+            super()._reschedule(request)
+            return
+        sequence = self.sequences.get(request.correlation_id)
+        if sequence is None:
+            super()._reschedule(request)
+            return
+        for control in self.controls:
+            request.inputs.pop(control.name, None)
+        sequence.queue.appendleft(request)
+
+    def _expire(self, sequence: Sequence) -> None:
+        """No request for the idle time: the sequence is over."""
+        sequence.idle = None
+        if not sequence.queue and not sequence.running and self.sequences.get(sequence.key) is sequence:
+            self._release(sequence)
+            self.dispatch()
+
+    def _release(self, sequence: Sequence) -> None:
+        if sequence.idle is not None:
+            sequence.idle.cancel()
+            sequence.idle = None
+        if self.sequences.get(sequence.key) is sequence:
+            del self.sequences[sequence.key]
+        if sequence in self.backlog:
+            self.backlog.remove(sequence)
+        while self.backlog:  # a slot may be free for a waiting sequence now
+            waiting = self.backlog.popleft()
+            self._assign(waiting)
+            if waiting.instance is None:
+                break
+
+    # -- instance health ----------------------------------------------------------------
+    def instance_state_changed(self) -> None:
+        """Sequences on an instance that died lost their state: fail and forget them."""
+        for sequence in [s for s in self.sequences.values() if s.instance is not None and not s.instance.ready]:
+            error = UnavailableError(
+                f"sequence {sequence.key} of model '{self.model.name}' was lost: "
+                f"{sequence.instance.last_error if sequence.instance else ''}; start it again"
+            )
+            queued = list(sequence.queue)
+            sequence.queue.clear()
+            self._release(sequence)
+            for request in queued:
+                self._fail(request, error)
+        super().instance_state_changed()
+
+    def close(self) -> None:
+        for sequence in list(self.sequences.values()):
+            if sequence.idle is not None:
+                sequence.idle.cancel()

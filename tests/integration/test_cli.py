@@ -1,0 +1,472 @@
+"""``dlserve`` on the command line: help, flag errors, and real ``dlserve serve``
+processes on free ports — inference with curl, metrics, draining on SIGTERM, SIGINT,
+explicit model control, ``--exit-on-error``, HTTP-only serving with a restricted API
+and a log file, and the bundled examples when no repository is given.
+
+Every server process is checked when it ends: exit status, no /dev/shm/dlserve_<pid>_*
+segment and no worker process (workers carry ``--segment-prefix dlserve_<pid>_...``).
+"""
+
+from __future__ import annotations
+
+import glob
+import http.client
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+
+from dlserve.cli import build_parser
+
+BIN = Path(sys.executable).parent
+DLSERVE = str(BIN / "dlserve")
+A = np.arange(16, dtype=np.float32)
+B = np.full(16, 2.0, dtype=np.float32)
+
+
+# -- helpers -----------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def request(
+    port: int, path: str, method: str = "GET", body: object = None, headers: dict | None = None,
+    timeout: float = 30,
+) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        data = json.dumps(body) if body is not None else None
+        conn.request(method, path, body=data, headers=headers or {})
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
+
+
+def refused(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) != 0
+
+
+def add_sub_body() -> dict:
+    return {
+        "inputs": [
+            {"name": "INPUT0", "datatype": "FP32", "shape": [16], "data": A.tolist()},
+            {"name": "INPUT1", "datatype": "FP32", "shape": [16], "data": B.tolist()},
+        ]
+    }
+
+
+def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [DLSERVE, *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+class Serve:
+    """A ``dlserve serve`` process on free 127.0.0.1 ports; output goes to files."""
+
+    def __init__(
+        self, workdir: Path, args: list[str], env: dict | None = None, ports: dict | None = None
+    ) -> None:
+        self.ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
+        self.ports.update(ports or {})
+        self.out = workdir / f"serve_{id(self)}.out"
+        self.err = workdir / f"serve_{id(self)}.err"
+        command = [DLSERVE, "serve", *args]
+        for service, port in self.ports.items():
+            command += [f"--{service}-address", "127.0.0.1", f"--{service}-port", str(port)]
+        with self.out.open("w") as out, self.err.open("w") as err:
+            self.proc = subprocess.Popen(command, stdout=out, stderr=err, cwd=workdir, env=env)
+        self.pid = self.proc.pid
+
+    @property
+    def stdout(self) -> str:
+        return self.out.read_text()
+
+    @property
+    def stderr(self) -> str:
+        return self.err.read_text()
+
+    def output(self) -> str:
+        return f"--- stdout\n{self.stdout}\n--- stderr\n{self.stderr}"
+
+    def wait_started(self, timeout: float = 60) -> Serve:
+        """Until it printed that its services are up (so the ports are its own)."""
+        deadline = time.monotonic() + timeout
+        while "dlserve: ready" not in self.stdout and "dlserve: started" not in self.stdout:
+            assert self.proc.poll() is None, f"exited with {self.proc.returncode}:\n{self.output()}"
+            assert time.monotonic() < deadline, f"not started after {timeout} s:\n{self.output()}"
+            time.sleep(0.05)
+        return self
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> tuple[int, float]:
+        """Send ``sig``; return (exit status, seconds it took to exit)."""
+        start = time.monotonic()
+        self.proc.send_signal(sig)
+        code = self.proc.wait(timeout=timeout)
+        return code, time.monotonic() - start
+
+    def workers(self) -> list[psutil.Process]:
+        """Live worker processes of this server (found by their segment prefix)."""
+        marker = f"dlserve_{self.pid}_"
+        found = []
+        for proc in psutil.process_iter(["cmdline", "status"]):
+            try:
+                if proc.info["status"] != psutil.STATUS_ZOMBIE and any(
+                    marker in part for part in proc.info["cmdline"] or []
+                ):
+                    found.append(proc)
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        return found
+
+    def assert_clean(self) -> None:
+        leaked = glob.glob(f"/dev/shm/dlserve_{self.pid}_*")
+        assert not leaked, f"shared memory left behind: {leaked}"
+        deadline = time.monotonic() + 2
+        while self.workers() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not self.workers(), f"worker processes left behind: {self.workers()}"
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for worker in self.workers():
+            worker.kill()
+
+
+@pytest.fixture
+def serve(tmp_path: Path):
+    """Start ``dlserve serve`` processes; any still running at the end are killed."""
+    started: list[Serve] = []
+
+    def start(*args: str, env: dict | None = None, ports: dict | None = None) -> Serve:
+        process = Serve(tmp_path, list(args), env, ports)
+        started.append(process)
+        return process
+
+    yield start
+    for process in started:
+        process.kill()
+
+
+# -- help and flag errors ------------------------------------------------------------------
+MAIN_FLAGS = [
+    "--model-repository", "--model-control-mode", "--load-model", "--exit-on-error",
+    "--exit-timeout-secs", "--strict-readiness", "--allow-http", "--http-port", "--allow-grpc",
+    "--grpc-port", "--allow-metrics", "--metrics-port", "--allow-client-shm",
+    "--http-restricted-api", "--grpc-restricted-protocol", "--log-file", "--log-verbose",
+    "--backend-config",
+]
+
+
+def test_help():
+    top = run_cli("--help")
+    assert top.returncode == 0, top.stderr
+    assert "serve" in top.stdout and "usage: dlserve" in top.stdout
+    serve_help = run_cli("serve", "--help")
+    assert serve_help.returncode == 0, serve_help.stderr
+    missing = [flag for flag in MAIN_FLAGS if flag not in serve_help.stdout]
+    assert not missing, missing
+    bare = run_cli()  # no command: the help, and a usage error status
+    assert bare.returncode == 2 and "serve" in bare.stdout
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--http-port", "70000"], "argument --http-port: port must be in [0, 65535], got 70000"),
+        (["--grpc-port", "-1"], "argument --grpc-port: port must be in [0, 65535], got -1"),
+        (["--metrics-port", "eighty"], "argument --metrics-port: invalid"),
+        (["--model-control-mode", "bogus"], "--model-control-mode: invalid choice: 'bogus'"),
+        (["--allow-http", "maybe"], "argument --allow-http: expected true or false, got 'maybe'"),
+        (["--exit-timeout-secs", "soon"], "--exit-timeout-secs: invalid int value: 'soon'"),
+        (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    ],
+)
+def test_bad_flags_exit_2_with_a_message(args, message):
+    result = run_cli("serve", *args)
+    assert result.returncode == 2, result
+    assert "usage: dlserve" in result.stderr
+    assert message in result.stderr, result.stderr
+    assert result.stdout == ""
+
+
+def test_boolean_flags_take_tritonservers_forms():
+    def parse(*args: str):
+        return build_parser().parse_args(["serve", *args])
+
+    assert parse().allow_http is True and parse().allow_client_shm is False
+    assert parse("--allow-http=false").allow_http is False
+    assert parse("--allow-http", "0").allow_http is False
+    assert parse("--allow-http", "OFF").allow_http is False
+    assert parse("--allow-client-shm").allow_client_shm is True
+    assert parse("--allow-client-shm=Yes").allow_client_shm is True
+    assert parse("--exit-on-error").exit_on_error is True and parse().exit_on_error is None
+    args = parse("--model-store", "a", "--model-repository", "b", "--load-model", "x",
+                 "--load-model=y")
+    assert args.model_repository == ["a", "b"] and args.load_model == ["x", "y"]
+
+
+def test_bad_backend_config_exits_with_a_message():
+    result = run_cli("serve", "--backend-config", "shm-default-byte-size")
+    assert result.returncode != 0
+    expected = "--backend-config 'shm-default-byte-size' must look like python,KEY=VALUE"
+    assert expected in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--http-thread-count", "0"], "thread_count must be a positive integer, got 0"),
+        (["--grpc-use-ssl", "true"], "use_ssl needs server_cert and server_key"),
+        (["--http-restricted-api", "inference"], "restriction 'inference' must look like"),
+    ],
+)
+def test_bad_service_options_exit_1_and_leave_nothing(serve, tmp_path, args, message):
+    empty = tmp_path / "empty_repo"
+    empty.mkdir()
+    process = serve("--model-repository", str(empty), *args)
+    code = process.proc.wait(timeout=30)
+    assert code == 1, process.output()
+    assert message in process.stderr, process.output()
+    process.assert_clean()
+
+
+def test_busy_port_exits_1_with_a_message(serve, make_repo):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        process = serve("--model-repository", str(make_repo("add_sub")), ports={"http": port})
+        code = process.proc.wait(timeout=30)
+    assert code == 1, process.output()
+    assert f"KServeHttp cannot listen on 127.0.0.1:{port}" in process.stderr, process.output()
+    process.assert_clean()
+
+
+# -- serving --------------------------------------------------------------------------------
+def test_serve_infers_with_curl_reports_metrics_and_drains_on_sigterm(serve, make_repo):
+    process = serve(
+        "--model-repository", str(make_repo("add_sub", "faulty")), "--exit-timeout-secs", "10",
+    ).wait_started()
+    http_port, grpc_port, metrics_port = (process.ports[k] for k in ("http", "grpc", "metrics"))
+    services = (("KServeHttp", http_port), ("KServeGrpc", grpc_port), ("Metrics", metrics_port))
+    for name, port in services:
+        assert f"dlserve: {name} listening on port {port}" in process.stdout
+    assert "dlserve: ready" in process.stdout
+    assert request(http_port, "/v2/health/ready")[0] == 200
+    assert len(process.workers()) == 2
+
+    if shutil.which("curl"):
+        curl = subprocess.run(
+            [
+                "curl", "-s", "-S", "-X", "POST", "-H", "Content-Type: application/json",
+                "-d", json.dumps(add_sub_body()), f"http://127.0.0.1:{http_port}/v2/models/add_sub/infer",
+            ],
+            capture_output=True, text=True, timeout=30, check=False,
+        )
+        assert curl.returncode == 0, curl.stderr
+        reply = json.loads(curl.stdout)
+    else:
+        status, body = request(http_port, "/v2/models/add_sub/infer", "POST", add_sub_body())
+        assert status == 200
+        reply = json.loads(body)
+    outputs = {o["name"]: o for o in reply["outputs"]}
+    assert outputs["OUTPUT0"]["data"] == (A + B).tolist()
+    assert outputs["OUTPUT1"]["data"] == (A - B).tolist()
+
+    import tritonclient.grpc as grpcclient
+
+    with grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}") as client:
+        assert client.is_server_ready() and client.is_model_ready("add_sub")
+
+    status, metrics = request(metrics_port, "/metrics")
+    assert status == 200
+    assert 'nv_inference_request_success{model="add_sub",version="1"} 1' in metrics.decode()
+
+    # SIGTERM while a 1.5 s request runs: it is answered, then the process exits
+    result: dict = {}
+
+    def slow() -> None:
+        body = {
+            "inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1], "data": [5.0]}],
+            "parameters": {"mode": "sleep:1.5"},
+        }
+        try:
+            result["reply"] = request(http_port, "/v2/models/faulty/infer", "POST", body)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            result["error"] = exc
+
+    thread = threading.Thread(target=slow)
+    thread.start()
+    time.sleep(0.5)  # the request is in the model by now
+    code, took = process.stop(signal.SIGTERM)
+    thread.join(timeout=30)
+    assert code == 0, process.output()
+    assert took < 10, f"exit took {took:.1f} s, over --exit-timeout-secs"
+    assert "error" not in result, result
+    status, body = result["reply"]
+    assert status == 200, body
+    assert {o["name"]: o["data"] for o in json.loads(body)["outputs"]}["OUTPUT0"] == [5.0]
+    assert "shutting down: finishing in-flight requests (up to 10 s)" in process.stderr
+    process.assert_clean()
+
+
+def test_exit_timeout_bounds_shutdown_with_a_stuck_request(serve, make_repo):
+    process = serve(
+        "--model-repository", str(make_repo("faulty")), "--exit-timeout-secs", "1",
+    ).wait_started()
+    port = process.ports["http"]
+    result: dict = {}
+
+    def stuck() -> None:
+        body = {
+            "inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1], "data": [1.0]}],
+            "parameters": {"mode": "sleep:30"},
+        }
+        try:
+            result["reply"] = request(port, "/v2/models/faulty/infer", "POST", body, timeout=40)
+        except Exception as exc:  # noqa: BLE001 - the server may drop it: expected
+            result["error"] = exc
+
+    thread = threading.Thread(target=stuck)
+    thread.start()
+    time.sleep(0.5)
+    code, took = process.stop(signal.SIGTERM, timeout=60)
+    thread.join(timeout=40)
+    assert code == 0, process.output()
+    assert "still had requests in flight" in process.stderr, process.output()
+    process.assert_clean()  # the stuck worker was ended
+    assert took < 2.5, f"exit took {took:.1f} s with --exit-timeout-secs 1"
+
+
+def test_sigint_http_only_restricted_api_and_log_file(serve, make_repo, tmp_path):
+    log_file = tmp_path / "server.log"
+    process = serve(
+        "--model-repository", str(make_repo("add_sub", "logger")),
+        "--allow-grpc", "false", "--allow-metrics=false",
+        "--http-restricted-api", "inference:x-key=secret",
+        "--log-file", str(log_file),
+    ).wait_started()
+    http_port = process.ports["http"]
+    assert "KServeHttp listening" in process.stdout
+    assert "KServeGrpc" not in process.stdout and "Metrics listening" not in process.stdout
+    assert refused(process.ports["grpc"]) and refused(process.ports["metrics"])
+    assert request(http_port, "/v2/health/ready")[0] == 200
+
+    status, body = request(http_port, "/v2/models/add_sub/infer", "POST", add_sub_body())
+    assert status == 403, body
+    assert "This API is restricted, expecting header 'x-key'" in json.loads(body)["error"]
+    status, _ = request(
+        http_port, "/v2/models/add_sub/infer", "POST", add_sub_body(), headers={"x-key": "wrong"}
+    )
+    assert status == 403
+    status, body = request(
+        http_port, "/v2/models/add_sub/infer", "POST", add_sub_body(), headers={"x-key": "secret"}
+    )
+    assert status == 200, body
+    assert request(http_port, "/v2/models/add_sub")[0] == 200  # metadata is not restricted
+
+    logger_body = {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1], "data": [1.0]}]}
+    status, _ = request(
+        http_port, "/v2/models/logger/infer", "POST", logger_body, headers={"x-key": "secret"}
+    )
+    assert status == 200
+
+    code, _ = process.stop(signal.SIGINT)
+    assert code == 0, process.output()
+    process.assert_clean()
+    log = log_file.read_text()
+    assert "logger model initialized" in log  # the model's pb_utils.Logger lines
+    assert "info message" in log and "error message" in log
+    assert "shutting down: finishing in-flight requests" in log
+
+
+def test_explicit_mode_loads_only_the_named_models(serve, make_repo):
+    process = serve(
+        "--model-repository", str(make_repo("add_sub", "identity")),
+        "--model-control-mode", "explicit", "--load-model", "add_sub",
+    ).wait_started()
+    port = process.ports["http"]
+    assert request(port, "/v2/health/ready")[0] == 200
+    assert request(port, "/v2/models/add_sub/ready")[0] == 200
+    assert request(port, "/v2/models/identity/ready")[0] == 400
+    status, body = request(port, "/v2/repository/index", "POST")
+    assert status == 200, body
+    index = {row["name"]: row for row in json.loads(body)}
+    assert index["add_sub"].get("state") == "READY"
+    assert index["identity"].get("state") != "READY"
+    assert len(process.workers()) == 1
+    # explicit mode: the repository API loads the other one
+    assert request(port, "/v2/repository/models/identity/load", "POST")[0] == 200
+    assert request(port, "/v2/models/identity/ready")[0] == 200
+    code, _ = process.stop()
+    assert code == 0, process.output()
+    process.assert_clean()
+
+
+def test_exit_on_error_stops_on_a_failing_model(serve, make_repo):
+    repo = make_repo("add_sub", "init_fail")
+    process = serve("--model-repository", str(repo), "--exit-on-error", "true")
+    code = process.proc.wait(timeout=60)
+    assert code != 0, process.output()
+    assert "cannot initialize: weights file is missing" in process.stderr, process.output()
+    assert "init_fail" in process.stderr
+    assert "dlserve: ready" not in process.stdout
+    process.assert_clean()
+
+
+def test_exit_on_error_false_keeps_serving_the_other_models(serve, make_repo):
+    process = serve(
+        "--model-repository", str(make_repo("add_sub", "init_fail")), "--exit-on-error=false",
+    ).wait_started()
+    port = process.ports["http"]
+    assert "dlserve: started (some models are not ready)" in process.stdout
+    assert request(port, "/v2/health/live")[0] == 200
+    assert request(port, "/v2/health/ready")[0] == 400  # strict readiness
+    assert request(port, "/v2/models/add_sub/ready")[0] == 200
+    assert request(port, "/v2/models/add_sub/infer", "POST", add_sub_body())[0] == 200
+    code, _ = process.stop()
+    assert code == 0, process.output()
+    process.assert_clean()
+
+
+def test_without_a_repository_it_serves_the_bundled_examples(serve, tmp_path):
+    # Hide torch/jax/tensorflow (workers included) so their examples fail fast; serving
+    # the examples must go on without them.
+    blockers = tmp_path / "blockers"
+    blockers.mkdir()
+    for module in ("torch", "jax", "tensorflow"):
+        (blockers / f"{module}.py").write_text(
+            f"raise ModuleNotFoundError(\"No module named '{module}'\", name='{module}')\n"
+        )
+    paths = [str(blockers), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p))
+    process = serve(env=env).wait_started(timeout=90)
+    port = process.ports["http"]
+    status, body = request(port, "/v2/repository/index", "POST")
+    assert status == 200
+    index = {row["name"]: row for row in json.loads(body)}
+    assert index["add_sub"]["state"] == "READY", index
+    assert {"identity", "string_upper", "pytorch_add_sub"} <= set(index)
+    assert request(port, "/v2/models/add_sub/ready")[0] == 200
+    assert index["pytorch_add_sub"].get("state") != "READY"
+    assert "dlserve: started (some models are not ready)" in process.stdout
+    code, _ = process.stop()
+    assert code == 0, process.output()
+    process.assert_clean()

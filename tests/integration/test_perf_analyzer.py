@@ -1,0 +1,190 @@
+"""NVIDIA's perf_analyzer (from the tritonclient 2.50.0 wheel, unmodified) against a
+``dlserve serve`` process: HTTP and gRPC, with and without system shared memory.
+
+perf_analyzer reads the model's metadata and config, then the statistics extension
+before and after each measurement window; the "Server ..." columns of its CSV come
+from those statistics, so non-zero compute-infer times prove they feed it.
+
+Needs ``scripts/setup_perf_analyzer.sh`` (installs ``.venv/perf_analyzer``); without it
+every test here skips. The server is SIGTERMed at the end and must exit 0, leaving no
+shared-memory segment and no worker process behind.
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import http.client
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from ..conftest import MODELS, pid_alive
+
+ROOT = Path(__file__).resolve().parents[2]
+# scripts/setup_perf_analyzer.sh installs into the venv ($VENV, default .venv of the checkout)
+PERF_ANALYZER = next(
+    (
+        path
+        for path in (
+            Path(sys.prefix) / "perf_analyzer" / "perf_analyzer",
+            ROOT / ".venv" / "perf_analyzer" / "perf_analyzer",
+        )
+        if path.exists()
+    ),
+    ROOT / ".venv" / "perf_analyzer" / "perf_analyzer",
+)
+DLSERVE = Path(sys.executable).parent / "dlserve"
+# --max-trials must be at least 3: perf_analyzer calls a measurement stable by comparing
+# the last 3 windows, so with 2 it always fails "to obtain stable measurement".
+QUICK = [
+    "--concurrency-range", "1",
+    "--measurement-interval", "500",
+    "--stability-percentage", "1000",
+    "--max-trials", "3",
+]
+SERVER_COLUMNS = [
+    "Server Queue", "Server Compute Input", "Server Compute Infer", "Server Compute Output",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def http_status(port: int, path: str) -> int | None:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+    try:
+        conn.request("GET", path)
+        return conn.getresponse().status
+    except OSError:
+        return None
+    finally:
+        conn.close()
+
+
+@pytest.fixture(scope="module")
+def perf_analyzer() -> Path:
+    if not PERF_ANALYZER.exists():
+        pytest.skip(f"{PERF_ANALYZER} missing: run scripts/setup_perf_analyzer.sh")
+    try:
+        probe = subprocess.run(
+            [PERF_ANALYZER, "--version"], capture_output=True, text=True, timeout=30, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        pytest.skip(f"perf_analyzer does not start: {exc}")
+    if probe.returncode != 0:
+        pytest.skip(f"perf_analyzer does not start: {(probe.stdout + probe.stderr).strip()[-300:]}")
+    return PERF_ANALYZER
+
+
+@pytest.fixture(scope="module")
+def server(perf_analyzer, tmp_path_factory: pytest.TempPathFactory):
+    """``dlserve serve`` on free ports; stopped with SIGTERM and checked at the end."""
+    work = tmp_path_factory.mktemp("pa")
+    repo = work / "repo"
+    for name in ("add_sub", "identity"):
+        shutil.copytree(MODELS / name, repo / name)
+    ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
+    log = (work / "serve.log").open("w")
+    proc = subprocess.Popen(
+        [
+            DLSERVE, "serve", "--model-repository", str(repo),
+            "--http-address", "127.0.0.1", "--http-port", str(ports["http"]),
+            "--grpc-address", "127.0.0.1", "--grpc-port", str(ports["grpc"]),
+            "--metrics-address", "127.0.0.1", "--metrics-port", str(ports["metrics"]),
+            "--allow-client-shm", "true",
+        ],
+        stdout=log, stderr=subprocess.STDOUT, cwd=work,
+    )
+
+    def output() -> str:
+        return (work / "serve.log").read_text()
+
+    try:
+        deadline = time.monotonic() + 60
+        while "dlserve: ready" not in output():  # printed once every service listens
+            assert proc.poll() is None, f"dlserve serve exited with {proc.returncode}:\n{output()}"
+            assert time.monotonic() < deadline, f"dlserve serve not ready in 60 s:\n{output()}"
+            time.sleep(0.05)
+        for name, port in (("KServeHttp", ports["http"]), ("KServeGrpc", ports["grpc"])):
+            assert f"dlserve: {name} listening on port {port}" in output()
+        assert http_status(ports["http"], "/v2/health/ready") == 200
+        workers = [child.pid for child in psutil.Process(proc.pid).children(recursive=True)]
+        assert len(workers) == 2, workers  # one instance each of add_sub and identity
+        yield {"ports": ports, "work": work}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(timeout=40)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            code = "killed after 40 s"
+        log.close()
+    assert code == 0, f"dlserve serve exited with {code}:\n{output()}"
+    leaked = glob.glob(f"/dev/shm/dlserve_{proc.pid}_*")
+    assert not leaked, f"shared memory left behind: {leaked}"
+    deadline = time.monotonic() + 2
+    while any(pid_alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [pid for pid in workers if pid_alive(pid)], "worker processes left behind"
+
+
+def run_perf_analyzer(
+    perf_analyzer: Path, server: dict, model: str, protocol: str, *extra: str
+) -> dict[str, str]:
+    """Run it; assert it succeeded; return the CSV row for concurrency 1."""
+    port = server["ports"][protocol]
+    out = server["work"] / f"{model}_{protocol}_{len(extra)}.csv"
+    result = subprocess.run(
+        [
+            perf_analyzer, "-m", model, "-u", f"127.0.0.1:{port}", "-i", protocol,
+            *QUICK, *extra, "-f", str(out),
+        ],
+        capture_output=True, text=True, timeout=60, cwd=server["work"], check=False,
+    )
+    report = f"perf_analyzer exited {result.returncode}:\n{result.stdout}\n{result.stderr}"
+    assert result.returncode == 0, report
+    with out.open() as f:
+        rows = [row for row in csv.DictReader(f) if row.get("Concurrency") == "1"]
+    assert len(rows) == 1, f"{out.read_text()}\n{report}"
+    row = rows[0]
+    assert float(row["Inferences/Second"]) > 0, row
+    for column in SERVER_COLUMNS:  # filled from the statistics extension
+        assert row.get(column, "").strip().isdigit(), (column, row)
+    assert int(row["Server Compute Infer"]) > 0, row
+    assert "Server:" in result.stdout and "Inference count:" in result.stdout, report
+    return row
+
+
+def test_add_sub_over_http(perf_analyzer, server):
+    run_perf_analyzer(perf_analyzer, server, "add_sub", "http")
+
+
+def test_add_sub_over_grpc(perf_analyzer, server):
+    run_perf_analyzer(perf_analyzer, server, "add_sub", "grpc")
+
+
+def test_identity_over_grpc_with_system_shared_memory(perf_analyzer, server):
+    run_perf_analyzer(
+        perf_analyzer, server, "identity", "grpc",
+        "--shape", "INPUT0:1024",
+        "--shared-memory", "system", "--output-shared-memory-size", "4096",
+    )
+
+
+def test_identity_over_http_with_system_shared_memory(perf_analyzer, server):
+    run_perf_analyzer(
+        perf_analyzer, server, "identity", "http",
+        "--shape", "INPUT0:1024", "--shared-memory", "system",
+    )

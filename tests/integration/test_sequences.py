@@ -1,0 +1,182 @@
+"""The sequence batcher: sequences stay on one instance, in order; control inputs;
+idle release; batching across sequences; iterative rescheduling; lost sequences;
+sequence parameters over HTTP and gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+import dlserve
+from dlserve import ModelControlMode
+
+from ..conftest import MODELS, ServerHarness
+
+START, END = 1, 2
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    repo = tmp_path_factory.mktemp("repo")
+    for name in ("accumulate", "iterative"):
+        shutil.copytree(MODELS / name, repo / name)
+    harness = ServerHarness()
+    srv = harness.start(repo, model_control_mode=ModelControlMode.EXPLICIT, startup_models=["accumulate", "iterative"])
+    yield srv
+    harness.close()
+
+
+def value(x: int) -> np.ndarray:
+    return np.array([[x]], dtype=np.int32)
+
+
+async def send(server: dlserve.Server, key: int | str, x: int, flags: int = 0, **kwargs: Any) -> Any:
+    async for response in server.model("accumulate").async_infer(
+        inputs={"INPUT": value(x)}, correlation_id=key, flags=flags, raise_on_error=False, **kwargs
+    ):
+        return response
+    raise AssertionError("no response")
+
+
+def total(response: Any) -> int:
+    assert response.error is None, response.error
+    return int(response.outputs["OUTPUT"].as_numpy()[0, 0])
+
+
+def instance(response: Any) -> str:
+    return response.outputs["INSTANCE"].to_bytes_array()[0, 0].decode()
+
+
+async def run_sequence(server: dlserve.Server, key: int | str, values: list[int]) -> list[Any]:
+    responses = []
+    for i, x in enumerate(values):
+        flags = (START if i == 0 else 0) | (END if i == len(values) - 1 else 0)
+        responses.append(await send(server, key, x, flags))
+    return responses
+
+
+def test_sequences_keep_their_state_and_instance(server):
+    async def run() -> list[list[Any]]:
+        return await asyncio.gather(*(run_sequence(server, 100 + k, [1, 2, 3, 4, 5]) for k in range(4)))
+
+    for responses in asyncio.run(run()):
+        assert [total(r) for r in responses] == [1, 3, 6, 10, 15]
+        assert len({instance(r) for r in responses}) == 1
+    used = {instance(rs[0]) for rs in asyncio.run(run())}
+    assert used == {"accumulate_0_0", "accumulate_0_1"}  # sequences were spread over both
+
+
+def test_requests_sent_together_run_in_order(server):
+    async def run() -> list[Any]:
+        flags = [START, 0, 0, 0, END]
+        return await asyncio.gather(*(send(server, 7, x, f) for x, f in zip([1, 2, 3, 4, 5], flags)))
+
+    assert [total(r) for r in asyncio.run(run())] == [1, 3, 6, 10, 15]
+
+
+def test_control_inputs_reach_the_model(server):
+    responses = asyncio.run(run_sequence(server, 4242, [1, 1, 1]))
+    controls = [r.outputs["CONTROLS"].as_numpy()[0].tolist() for r in responses]
+    assert controls == [[1, 0, 1, 4242], [0, 0, 1, 4242], [0, 1, 1, 4242]]
+
+
+def test_string_correlation_ids_and_numeric_corrid_control(server):
+    response = asyncio.run(send(server, "session-a", 1, START))
+    assert isinstance(response.error, dlserve.InvalidArgumentError)
+    assert "CORRID control input is numeric" in str(response.error)
+
+
+def test_requests_must_name_a_started_sequence(server):
+    response = asyncio.run(send(server, 0, 1, START))
+    assert "must specify a non-zero or non-empty correlation ID" in str(response.error)
+    response = asyncio.run(send(server, 555, 1))
+    assert "must specify the START flag on the first request of the sequence" in str(response.error)
+    response = asyncio.run(run_sequence(server, 556, [1, 2]))[-1]
+    late = asyncio.run(send(server, 556, 1))
+    assert total(response) == 3 and "START flag" in str(late.error)  # ended sequences are gone
+
+
+def test_idle_sequences_are_released(server):
+    assert total(asyncio.run(send(server, 77, 5, START))) == 5
+    time.sleep(0.8)  # max_sequence_idle_microseconds is 0.5 s
+    late = asyncio.run(send(server, 77, 1))
+    assert isinstance(late.error, dlserve.InvalidArgumentError) and "START flag" in str(late.error)
+
+
+def test_batches_hold_requests_of_several_sequences(server):
+    async def run() -> list[Any]:
+        # one instance is busy with a slow request while four sequences queue behind it
+        first = [asyncio.ensure_future(send(server, 900 + k, 1, START, parameters={"sleep": 0.3})) for k in range(2)]
+        await asyncio.sleep(0.1)
+        queued = [asyncio.ensure_future(send(server, 900 + k, 1, END)) for k in range(2)]
+        queued += [asyncio.ensure_future(send(server, 950 + k, 1, START | END)) for k in range(4)]
+        return [await f for f in first + queued]
+
+    responses = asyncio.run(run())
+    assert all(r.error is None for r in responses)
+    assert max(int(r.outputs["BATCH"].as_numpy()[0, 0]) for r in responses) > 1
+
+
+def test_iterative_sequence_reschedules(server):
+    async def run() -> Any:
+        async for response in server.model("iterative").async_infer(
+            inputs={"STEPS": value(4)}, correlation_id=31, flags=START | END
+        ):
+            return response
+
+    response = asyncio.run(run())
+    assert int(response.outputs["RUNS"].as_numpy()[0, 0]) == 4
+    stats = server.model("iterative").statistics()["model_stats"][0]
+    assert stats["execution_count"] >= 4
+
+
+def test_a_dead_instance_loses_its_sequences(server):
+    responses = asyncio.run(run_sequence(server, 3131, [1]))  # no END: the sequence stays open
+    first = asyncio.run(send(server, 3132, 1, START))
+    name = instance(first)
+    victim = next(i for i in server.engine.model("accumulate").instances if i.name == name)
+    restarts = victim.restarts
+    os.kill(victim.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while victim.restarts == restarts or not victim.ready:  # died, and came back
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    late = asyncio.run(send(server, 3132, 1))
+    assert isinstance(late.error, dlserve.InvalidArgumentError) and "START flag" in str(late.error)
+    assert total(asyncio.run(send(server, 3132, 2, START))) == 2  # it can start again
+    del responses
+
+
+def test_sequence_parameters_over_http_and_grpc(server):
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+
+    from dlserve.frontends import KServeGrpc, KServeHttp
+
+    http = KServeHttp(server, KServeHttp.Options(address="127.0.0.1", port=0))
+    grpc = KServeGrpc(server, KServeGrpc.Options(address="127.0.0.1", port=0))
+    with http, grpc:
+        for module, url in ((httpclient, f"127.0.0.1:{http.port}"), (grpcclient, f"127.0.0.1:{grpc.port}")):
+            client = module.InferenceServerClient(url)
+            totals = []
+            for i, x in enumerate([2, 3, 4]):
+                tensor = module.InferInput("INPUT", [1, 1], "INT32")
+                tensor.set_data_from_numpy(value(x))
+                result = client.infer(
+                    "accumulate",
+                    [tensor],
+                    sequence_id=61 if module is httpclient else 62,
+                    sequence_start=i == 0,
+                    sequence_end=i == 2,
+                )
+                totals.append(int(result.as_numpy("OUTPUT")[0, 0]))
+            assert totals == [2, 5, 9]
+            client.close()
