@@ -126,7 +126,6 @@ class DynamicBatcher(Scheduler):
     def _on_timer(self) -> None:
         self._timer = None
         self.dispatch()
-        self._check_idle()
 
     def _expire(self, now: int) -> None:
         """Apply the queue policies' timeouts to requests that waited too long."""

@@ -243,10 +243,13 @@ def validate(config: mc.ModelConfig, model_name: str, gpu_count: int = 0) -> Non
             f"model '{model_name}': parameter FORCE_CPU_ONLY_INPUT_TENSORS must be "
             f"'yes' or 'no', got '{force_cpu.string_value}'"
         )
-    if config.model_transaction_policy.decoupled:
-        raise UnsupportedError(
-            f"model '{model_name}': decoupled models (model_transaction_policy "
-            "{ decoupled: true }) are not supported yet"
+    concurrency = parameters.get("ASYNC_EXECUTE_CONCURRENCY")
+    if concurrency is not None and not (
+        concurrency.string_value.isdigit() and int(concurrency.string_value) >= 1
+    ):
+        raise InvalidArgumentError(
+            f"model '{model_name}': parameter ASYNC_EXECUTE_CONCURRENCY must be a positive "
+            f"integer, got '{concurrency.string_value}'"
         )
     if config.HasField("ensemble_scheduling"):
         raise UnsupportedError(f"model '{model_name}': ensemble_scheduling is not supported")

@@ -125,6 +125,7 @@ class Engine:
             segment_prefix=self.segment_prefix,
             worker_arena_bytes=s.worker_arena_bytes,
             custom_metrics=self.custom_metrics,
+            host=self,
             gpu_count=gpu_count(),
         )
         self.manager = ModelManager(
@@ -272,6 +273,13 @@ class Engine:
             raise UnavailableError("the server is stopping and takes no new requests")
         model = self.prepare(request)
         model.scheduler.submit(request)
+
+    @staticmethod
+    def cancel(request: Request) -> None:
+        """Cancel a submitted request (on the loop): it is answered CANCELLED at once;
+        a queued one never runs, an executing one's model sees ``is_cancelled()``."""
+        if request.owner is not None:
+            request.owner.cancel(request)
 
     def share(self, tensor: Tensor) -> Tensor:
         """The tensor in shared memory: itself if already there, else a copy in the arena."""

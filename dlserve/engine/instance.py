@@ -1,6 +1,11 @@
 """One model instance: a worker process, its lifecycle, and the execute round trip.
 
-An instance that dies (segfault, ``os._exit``, SIGKILL, OOM) fails its in-flight
+Each request sent to the worker gets a *handle*, by which the worker's responses
+(streamed through a response sender, before or after ``execute`` returns) and the
+server's cancellations name it. A request is *open* from its execute until its
+final response.
+
+An instance that dies (segfault, ``os._exit``, SIGKILL, OOM) fails its open
 requests at once with the reason, is marked not ready, and is restarted with
 exponential backoff; its ``initialize`` runs again, exactly as on first load.
 """
@@ -9,15 +14,18 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
+import itertools
 import json
 import logging
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from dlserve.engine.request import Request, Response, reshaped
+from dlserve.engine.calls import ModelCalls
+from dlserve.engine.request import STREAMING, Request, Response, reshaped
 from dlserve.errors import ErrorCode, InternalError, TritonError, UnavailableError
-from dlserve.ipc.protocol import Kind, Message
+from dlserve.ipc.protocol import STREAMED, Kind, Message
 from dlserve.ipc.supervisor import WorkerProcess
 from dlserve.memory.dtypes import DataType
 from dlserve.memory.tensor import Tensor
@@ -31,6 +39,10 @@ log = logging.getLogger("dlserve.engine")
 RESTART_BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 STABLE_AFTER_S = 30.0  # an instance up this long gets its backoff reset
 IS_READY_TIMEOUT_S = 5.0  # as Triton: a model's is_ready() that takes longer means "not ready"
+# Config parameter: how many executes of an ``async def execute`` model one instance
+# runs at once (1 = Triton's behaviour for non-decoupled models).
+ASYNC_CONCURRENCY_PARAMETER = "ASYNC_EXECUTE_CONCURRENCY"
+DEFAULT_ASYNC_CONCURRENCY = 16
 
 
 class InstanceState(enum.Enum):
@@ -71,6 +83,7 @@ class ModelInstance:
         self.serial = serial
         self.state = InstanceState.STARTING
         self.in_flight = 0  # executions sent to the worker and not answered yet
+        self.concurrency: int | None = None  # executes at once (async models); None: scheduler's
         self.last_done_ns = 0  # when the last execute finished (monotonic ns)
         self.restarts = 0
         self._restart_streak = 0  # restarts since the instance last stayed up a while
@@ -83,10 +96,19 @@ class ModelInstance:
         self._started_at = 0.0
         self._stopping = False
         self._log = logging.getLogger(f"dlserve.model.{model.name}")
+        self._handles = itertools.count(1)
+        self._executing: dict[int, Request] = {}  # handle -> request, from send to execute reply
+        self._streaming: dict[int, Request] = {}  # handle -> request, after it, until the final
+        self._held: dict[int, Response] = {}  # a default-mode model's response awaiting its final
+        self.calls = ModelCalls(self)
 
     @property
     def ready(self) -> bool:
         return self.state is InstanceState.READY
+
+    @property
+    def worker(self) -> WorkerProcess | None:
+        return self._worker
 
     @property
     def pid(self) -> int | None:
@@ -131,18 +153,27 @@ class ModelInstance:
             await worker.stop(time.monotonic() + 5.0, finalize=False)
             raise InternalError(f"failed to initialize model instance '{self.name}': {reason}") from None
         self.has_is_ready = bool(reply["has_is_ready"])
+        self.concurrency = self._async_concurrency() if reply["async_execute"] else None
         self._started_at = time.monotonic()
         self._set_state(InstanceState.READY)
+
+    def _async_concurrency(self) -> int:
+        entry = self.model.config.parameters.get(ASYNC_CONCURRENCY_PARAMETER)
+        return DEFAULT_ASYNC_CONCURRENCY if entry is None else int(entry.string_value)  # validated
 
     def _set_state(self, state: InstanceState) -> None:
         self.state = state
         self._on_state_change(self)
 
     def _on_worker_message(self, message: Message) -> None:
-        """Traffic the worker starts: log lines and custom metrics."""
+        """Traffic the worker starts: responses, BLS calls, log lines, custom metrics."""
         kind, corr, body = message
         metrics = self.model.resources.custom_metrics
-        if kind == Kind.LOG:
+        if kind == Kind.RESPONSE:
+            self._streamed(*body)
+        elif kind in (Kind.BLS, Kind.BLS_CANCEL, Kind.MODEL_CONTROL):
+            self.calls.handle(kind, corr, body)
+        elif kind == Kind.LOG:
             level, text = body
             self._log.log(PYTHON_LEVELS.get(LogLevel(level), logging.INFO), "%s", text)
         elif kind == Kind.METRIC:
@@ -167,6 +198,10 @@ class ModelInstance:
 
     def _on_worker_exit(self, description: str) -> None:
         self.last_error = description
+        self.calls.close()
+        # Requests whose execute returned but whose final never came; the ones still
+        # executing fail through their execute (see _report_death).
+        self._fail_streaming(f"{description} before sending the final response")
         if self._stopping:
             return
         self._set_state(InstanceState.RESTARTING)
@@ -224,8 +259,10 @@ class ModelInstance:
         model = self.model
         peer = worker.peer
         t0 = time.monotonic_ns()
+        handles = [next(self._handles) for _ in requests]
         body = [
             (
+                handle,
                 r.request_id,
                 r.correlation_id,
                 r.flags,
@@ -238,13 +275,19 @@ class ModelInstance:
                     for name, view in r.output_buffers.items()
                 ],
             )
-            for r in requests
+            for handle, r in zip(handles, requests)
         ]
         t1 = time.monotonic_ns()
         future = worker.submit(Kind.EXECUTE, body)
+        executing = self._executing
+        for handle, request in zip(handles, requests):
+            executing[handle] = request
+            request.cancel_hook = functools.partial(self._cancel, handle)
 
         def finished(future: asyncio.Future[Any]) -> None:
             t2 = time.monotonic_ns()
+            for handle in handles:
+                executing.pop(handle, None)
             error = future.exception()
             if isinstance(error, UnavailableError):  # the worker died mid-call
                 asyncio.ensure_future(self._report_death(worker, done))
@@ -253,13 +296,78 @@ class ModelInstance:
                 done(error if isinstance(error, TritonError) else InternalError(str(error)), None)
                 return
             try:
-                responses = [self._response(r, reply) for r, reply in zip(requests, future.result())]
+                results = [
+                    self._result(handle, request, reply)
+                    for handle, request, reply in zip(handles, requests, future.result())
+                ]
             except TritonError as exc:
                 done(exc, None)
                 return
-            done(responses, Timings(t1 - t0, t2 - t1, time.monotonic_ns() - t2))
+            done(results, Timings(t1 - t0, t2 - t1, time.monotonic_ns() - t2))
 
         future.add_done_callback(finished)
+
+    def _result(self, handle: int, request: Request, reply: Any) -> Response | None:
+        """What an execute reply says of one request (see Scheduler._finished)."""
+        if reply == STREAMED:
+            if not request.finished:
+                self._streaming[handle] = request
+            return STREAMING
+        request.cancel_hook = None
+        return self._response(request, reply)
+
+    def _streamed(self, handle: int, wire: Any, final: bool) -> None:
+        """A RESPONSE message: one response (or just the final flag) for a request."""
+        request = self._executing.get(handle) or self._streaming.get(handle)
+        if request is None or request.finished:
+            if wire is not None:
+                self._discard(wire)  # the request was cancelled: return its memory at once
+            self._streaming.pop(handle, None)
+            return
+        if final:
+            self._streaming.pop(handle, None)
+        response = self._response(request, wire) if wire is not None else None
+        if not self.model.decoupled:
+            # Default mode: the one response becomes final with the flag that closes it.
+            if not final:
+                if response is not None:
+                    self._held[handle] = response
+                return
+            held = self._held.pop(handle, None)
+            response = response or held
+        if response is None:
+            model = self.model
+            response = Response(model.name, model.version, request.request_id, flags_only=True)
+        response.final = final
+        self.model.scheduler.stream_response(request, response)
+
+    def _discard(self, wire: Any) -> None:
+        worker = self._worker
+        if worker is not None and worker.peer is not None:
+            for tensor_wire in wire[0]:
+                worker.peer.import_(tensor_wire)  # and dropped: its lease goes back
+
+    def _cancel(self, handle: int) -> None:
+        """Tell the worker; the scheduler answers the caller CANCELLED meanwhile."""
+        self._streaming.pop(handle, None)
+        self._held.pop(handle, None)
+        worker = self._worker
+        if worker is not None and worker.alive and worker.channel is not None:
+            worker.channel.notify(Kind.CANCEL, [handle])
+
+    def _fail_streaming(self, reason: str) -> None:
+        streaming, self._streaming = self._streaming, {}
+        self._held.clear()
+        error = InternalError(f"model instance '{self.name}': {reason}")
+        for request in streaming.values():
+            self.model.scheduler.fail(request, error)
+
+    def open_requests(self, handles: list[int] | None) -> list[Request]:
+        """The requests with these handles (all open ones for None) still open here."""
+        if handles is None:
+            return [*self._executing.values(), *self._streaming.values()]
+        found = (self._executing.get(h) or self._streaming.get(h) for h in handles)
+        return [r for r in found if r is not None]
 
     async def _report_death(self, worker: WorkerProcess, done: ExecuteCallback) -> None:
         """Fail the call with the worker's exit status (waited for briefly)."""
@@ -268,6 +376,7 @@ class ModelInstance:
         except asyncio.TimeoutError:
             pass
         reason = worker.exit_description or "worker process connection closed"
+        self.calls.close()
         done(
             InternalError(
                 f"Failed to process the request(s) for model instance '{self.name}', "
@@ -313,6 +422,8 @@ class ModelInstance:
             self._restart_task.cancel()
         if self._worker is not None:
             await self._worker.stop(deadline)
+        self.calls.close()
+        self._fail_streaming("the model was unloaded before it sent the final response")
         self._set_state(InstanceState.STOPPED)
 
     def kill(self) -> None:

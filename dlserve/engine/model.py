@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from dlserve.engine import config as cfg
+from dlserve.engine.calls import Host
 from dlserve.engine.custom_metrics import CustomMetrics
 from dlserve.engine.instance import ModelInstance
 from dlserve.engine.proto import model_config_pb2 as mc
@@ -39,6 +40,7 @@ class EngineResources:
     segment_prefix: str
     worker_arena_bytes: int
     custom_metrics: CustomMetrics
+    host: Host  # the engine, for the calls models make (BLS, model control)
     gpu_count: int = 0
     serial: int = 0
 
@@ -67,6 +69,7 @@ class ModelVersion:
         self.resources = resources
         self.stats = ModelStatistics(name, version)
         self.signature = Signature(config)
+        self.decoupled = bool(config.model_transaction_policy.decoupled)
         self.output_names = self.signature.output_names
         self.output_reshape: dict[str, list[int]] = {
             o.name: list(o.dims) for o in self.signature.outputs.values() if o.reshape is not None

@@ -23,7 +23,12 @@ from dlserve.memory.tensor import Tensor
 
 @dataclasses.dataclass(slots=True)
 class Response:
-    """One response to a request; ``final`` marks the last one."""
+    """One response to a request; ``final`` marks the last one.
+
+    ``flags_only`` marks a final that carries nothing (a decoupled model's
+    ``send(flags=TRITONSERVER_RESPONSE_COMPLETE_FINAL)``): frontends that stream
+    pass it on only when the client asked for empty finals.
+    """
 
     model_name: str
     model_version: int
@@ -32,9 +37,14 @@ class Response:
     parameters: dict[str, Any] = dataclasses.field(default_factory=dict)
     error: TritonError | None = None
     final: bool = True
+    flags_only: bool = False
 
 
 ResponseCallback = Callable[[Response], None]
+
+# In an execute's results, in place of a request's response: the request is answered
+# through responses its model streams (see Scheduler.stream_response).
+STREAMING: Any = object()
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -45,6 +55,12 @@ class Request:
     called on the engine's event loop for every response, the last with ``final``.
     ``output_buffers`` names outputs the worker should write straight into the given
     shared memory (a client's registered region), so the server never copies them.
+    ``chain`` names the models waiting on this request (BLS callers, outermost
+    first), so a call that would wait on itself is refused instead of hanging.
+
+    The engine fills in the rest: ``finished`` once the final response went out
+    (nothing is delivered after it), ``cancelled``, and while the request executes,
+    ``cancel_hook`` to tell its worker.
     """
 
     model_name: str
@@ -60,7 +76,12 @@ class Request:
     requested_outputs: list[str] | None = None
     # Shared memory (uint8 views) the worker writes named outputs into, e.g. a client's region.
     output_buffers: dict[str, np.ndarray] | None = None
+    chain: tuple[str, ...] = ()
     arrival_ns: int = dataclasses.field(default_factory=time.monotonic_ns)
+    finished: bool = False
+    cancelled: bool = False
+    owner: Any = None  # the scheduler that accepted it
+    cancel_hook: Callable[[], None] | None = None
 
     @property
     def label(self) -> str:

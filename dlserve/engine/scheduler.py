@@ -10,6 +10,11 @@ sequence batcher (:mod:`sequence`) keeps each sequence on one instance.
 When no instance is ready (all crashed and restarting), new and queued requests
 fail at once with UNAVAILABLE and the reason, rather than waiting on a restart
 that may never succeed.
+
+A request is *finished* once its final response is delivered; nothing is delivered
+for it after that, whatever arrives late (a cancelled request's real answer, a
+worker's error after the model already answered). Cancelling a request finishes it
+at once with CANCELLED, so no caller ever waits on a model that ignores cancellation.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from dlserve.engine.request import Request, Response
+from dlserve.engine.request import STREAMING, Request, Response
 from dlserve.errors import (
     CancelledError,
     InternalError,
@@ -48,6 +53,7 @@ class Scheduler:
     def __init__(self, model: ModelVersion) -> None:
         self.model = model
         self.in_flight = 0
+        self.unfinished = 0  # accepted requests whose final response has not gone out
         self._next = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -78,6 +84,9 @@ class Scheduler:
 
     # -- submission ---------------------------------------------------------------------
     def submit(self, request: Request) -> None:
+        request.owner = self
+        self.unfinished += 1
+        self._idle.clear()
         if self.model.state != "READY":
             self._fail(
                 request,
@@ -92,7 +101,6 @@ class Scheduler:
         except TritonError as exc:
             self._fail(request, exc, "REJECTED")
             return
-        self._idle.clear()
         self.dispatch()
 
     def _unavailable(self) -> UnavailableError:
@@ -111,6 +119,10 @@ class Scheduler:
                 return
             self._execute(instance, batch)
 
+    def has_room(self, instance: ModelInstance) -> bool:
+        """Ready, with room for another execute (async models take many at once)."""
+        return instance.ready and instance.in_flight < (instance.concurrency or self.pipeline_depth)
+
     def _pick(self) -> ModelInstance | None:
         """The least-loaded ready instance with room in its pipeline (ties round-robin)."""
         instances = self.instances
@@ -120,7 +132,7 @@ class Scheduler:
         for step in range(count):
             index = (self._next + step) % count
             instance = instances[index]
-            if not instance.ready or instance.in_flight >= self.pipeline_depth:
+            if not self.has_room(instance):
                 continue
             if best is None or instance.in_flight < best.in_flight:
                 best, best_index = instance, index
@@ -183,11 +195,10 @@ class Scheduler:
             for request, response in zip(batch, result):
                 if response is None:
                     self._reschedule(request)
-                else:
+                elif response is not STREAMING:  # those come through stream_response
                     self._deliver(request, response, None)
         self._completed(batch)
         self.dispatch()
-        self._check_idle()
 
     def _completed(self, batch: list[Request]) -> None:
         """A batch finished (its responses are delivered); before the next dispatch."""
@@ -203,29 +214,43 @@ class Scheduler:
             "BACKEND",
         )
 
-    def _check_idle(self) -> None:
-        if not self.pending and not self.in_flight:
-            self._idle.set()
-
     # -- responses ----------------------------------------------------------------------
+    def stream_response(self, request: Request, response: Response) -> None:
+        """A response the model sent through its response sender."""
+        self._deliver(request, response, None)
+
     def _deliver(self, request: Request, response: Response, failure: str | None) -> None:
-        self.model.stats.record_request(time.monotonic_ns() - request.arrival_ns, failure)
+        if request.finished:
+            return  # cancelled (or failed) already: the caller has its final answer
+        if response.final:
+            request.finished = True
+            request.cancel_hook = None
+            self.unfinished -= 1
+            self.model.stats.record_request(time.monotonic_ns() - request.arrival_ns, failure)
         try:
             request.on_response(response)
         except Exception:  # noqa: BLE001 - one caller's broken callback must not hurt others
             log.exception("response callback for request '%s' failed", request.request_id)
+        if not self.unfinished:
+            self._idle.set()
+
+    def fail(self, request: Request, error: TritonError) -> None:
+        """Answer a request with a final error from its model's side (e.g. it died)."""
+        self._fail(request, error, "BACKEND")
 
     def _fail(self, request: Request, error: TritonError, failure: str = "OTHER") -> None:
         response = Response(self.model.name, self.model.version, request.request_id, error=error)
         self._deliver(request, response, failure)
 
-    def cancel(self, request: Request) -> bool:
-        """Drop a request that is still queued, answering it CANCELLED."""
-        if not self._remove(request):
-            return False
+    def cancel(self, request: Request) -> None:
+        """Cancel a request: a queued one is dropped; an executing one's model sees
+        ``is_cancelled()`` turn True. Either way it is answered CANCELLED now."""
+        if request.finished:
+            return
+        request.cancelled = True
+        if not self._remove(request) and request.cancel_hook is not None:
+            request.cancel_hook()
         self._fail(request, CancelledError("request was cancelled"), "CANCELED")
-        self._check_idle()
-        return True
 
     def instance_state_changed(self) -> None:
         """No ready instance left: fail what is queued instead of letting it wait."""
@@ -233,7 +258,6 @@ class Scheduler:
             error = self._unavailable()
             for request in self._take_all():
                 self._fail(request, error)
-            self._check_idle()
         else:
             self.dispatch()
 

@@ -195,7 +195,7 @@ class SequenceBatcher(Scheduler):
     def dispatch(self) -> None:
         """Work here belongs to instances: offer each free instance its sequences."""
         for instance in self.instances:
-            if instance.ready and instance.in_flight < self.pipeline_depth:
+            if self.has_room(instance):
                 batch = self._next_batch(instance)
                 if batch:
                     self._execute(instance, batch)

@@ -250,8 +250,9 @@ class _Iterator:
         return result
 
     def cancel(self) -> None:
-        """Cancel the request if it is still queued (running ones finish)."""
-        self._server._on_loop(self._server._cancel, self._request)
+        """Cancel the request: the iterator ends with a CANCELLED response at once; a
+        queued request never runs, an executing one's ``is_cancelled()`` turns True."""
+        self._server._on_loop(Engine.cancel, self._request)
 
 
 class ResponseIterator(_Iterator):
@@ -439,13 +440,6 @@ class Server:
 
     def _on_loop(self, fn: Any, *args: Any) -> None:
         self.loop.call_soon_threadsafe(fn, *args)
-
-    def _cancel(self, request: Request) -> None:
-        if self._engine is not None and self._engine.manager is not None:
-            try:
-                self._engine.model(request.model_name, request.model_version).scheduler.cancel(request)
-            except TritonError:
-                pass
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import numpy as np
@@ -238,7 +239,8 @@ class DataPlane:
         return request
 
     async def infer(self, request: Request) -> Response:
-        """Run a one-response request and return its response (errors inside it)."""
+        """Run a one-response request and return its response (errors inside it).
+        If the caller is cancelled (its client went away), so is the request."""
         future: asyncio.Future[Response] = asyncio.get_running_loop().create_future()
 
         def deliver(response: Response) -> None:
@@ -247,8 +249,33 @@ class DataPlane:
 
         request.on_response = deliver
         self.engine.submit(request)
-        return await future
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self.engine.cancel(request)
+            raise
 
+    def stream(self, request: Request) -> AsyncGenerator[Response, None]:
+        """Submit a request (raising now if it is refused) and return a generator of
+        its responses as they come, the last one final. Closing the generator early
+        (its client went away) cancels the request."""
+        responses: asyncio.Queue[Response] = asyncio.Queue()
+        request.on_response = responses.put_nowait
+        self.engine.submit(request)
+        return self._responses(request, responses)
+
+    async def _responses(
+        self, request: Request, responses: asyncio.Queue[Response]
+    ) -> AsyncGenerator[Response, None]:
+        try:
+            while True:
+                response = await responses.get()
+                yield response
+                if response.final:
+                    return
+        finally:
+            if not request.finished:
+                self.engine.cancel(request)
 
 
 def _from_bytes(

@@ -74,7 +74,8 @@ GRPC_CODES = {
 }
 HEADER_PREFIX = "triton-grpc-protocol-"
 # Triton's reserved "triton_" request parameters (all others with the prefix are refused).
-TRITON_PARAMETERS = ("triton_enable_empty_final_response",)
+EMPTY_FINAL = "triton_enable_empty_final_response"
+TRITON_PARAMETERS = (EMPTY_FINAL,)
 FINAL_RESPONSE = "triton_final_response"
 # infer_compression_level -> the algorithm gRPC core picks for that level when the client
 # accepts gzip and deflate (its ranking: low = gzip, medium and high = deflate).
@@ -638,11 +639,9 @@ class InferenceServicer:
         return engine_request, shm_outputs
 
     def cancel(self, request: Request) -> None:
-        """Take a request whose caller went away off its model's queue (if still queued)."""
-        try:
-            self.engine.model(request.model_name, request.model_version).scheduler.cancel(request)
-        except TritonError:
-            pass
+        """The caller went away: cancel its request (dropped if queued; the model's
+        ``is_cancelled()`` turns True if executing)."""
+        self.engine.cancel(request)
 
     @_rpc("inference")
     async def ModelInfer(
@@ -709,7 +708,10 @@ class _Stream:
     def submit(self, message: pb.ModelInferRequest) -> None:
         try:
             request, shm_outputs = self.servicer.decode(message, self.context, unary=False)
-            request.on_response = functools.partial(self.deliver, request, shm_outputs)
+            empty_final = message.parameters.get(EMPTY_FINAL)
+            request.on_response = functools.partial(
+                self.deliver, request, shm_outputs, empty_final is not None and empty_final.bool_param
+            )
             self.pending.add(request)
             try:
                 self.servicer.engine.submit(request)
@@ -731,12 +733,21 @@ class _Stream:
         )
 
     def deliver(
-        self, request: Request, shm_outputs: dict[str, OutputSpec] | None, response: Response
+        self,
+        request: Request,
+        shm_outputs: dict[str, OutputSpec] | None,
+        empty_final: bool,
+        response: Response,
     ) -> None:
         if request not in self.pending:
             return  # cancelled meanwhile
         if response.final:
             self.pending.discard(request)
+        if response.flags_only and not empty_final:
+            # Only clients that asked for it get a final with nothing in it.
+            if not self.reading and not self.pending:
+                self.queue.put_nowait(None)
+            return
         error = response.error.message if response.error is not None else ""
         if not error:
             try:

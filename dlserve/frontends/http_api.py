@@ -22,6 +22,7 @@ import orjson
 from dlserve.engine.request import Response
 from dlserve.errors import ErrorCode, InvalidArgumentError, TritonError, UnsupportedError
 from dlserve.frontends.dataplane import DataPlane, InputSpec, OutputSpec, parse_version, shm_ref
+from dlserve.frontends.http_generate import GenerateApi
 from dlserve.frontends.restrictions import Restriction, rules_by_category
 from dlserve.frontends.http_server import HttpError, HttpRequest, HttpResponse, decode_body, encode_body
 from dlserve.memory.dtypes import DataType, numpy_dtype
@@ -69,6 +70,7 @@ class KServeHttpApi:
         self.rules = rules_by_category(restrictions or [])
         # Triton forwards headers the pattern finds anywhere in the name (RE2::PartialMatch).
         self.forward = re.compile(header_forward_pattern, re.IGNORECASE) if header_forward_pattern else None
+        generate = GenerateApi(dataplane)
         model = r"/v2/models/(?P<model>[^/]+)(?:/versions/(?P<version>[^/]+))?"
         shm = r"(?:/region/(?P<region>[^/]+))?"
         table: list[tuple[str, set[str], str, Route]] = [
@@ -81,6 +83,8 @@ class KServeHttpApi:
             (model + "/ready", {"GET"}, "health", self.model_ready),
             (model + "/config", {"GET"}, "model-config", self.model_config),
             (model + "/infer", {"POST"}, "inference", self.infer),
+            (model + "/generate", {"POST"}, "inference", generate.generate),
+            (model + "/generate_stream", {"POST"}, "inference", generate.generate_stream),
             (r"/v2/repository(?:/(?P<repo>[^/]+))?/index", {"POST"}, "model-repository", self.index),
             (r"/v2/repository(?:/(?P<repo>[^/]+))?/models/(?P<model>[^/]+)/load", {"POST"}, "model-repository", self.load),
             (r"/v2/repository(?:/(?P<repo>[^/]+))?/models/(?P<model>[^/]+)/unload", {"POST"}, "model-repository", self.unload),
@@ -245,6 +249,10 @@ class KServeHttpApi:
 
     # -- inference ------------------------------------------------------------------------
     async def infer(self, request: HttpRequest, args: dict[str, str]) -> HttpResponse:
+        if self.engine.model(args["model"], _version(args)).decoupled:
+            raise UnsupportedError(
+                "HTTP end point doesn't support models with decoupled transaction policy"
+            )
         header, binary = _split_body(request)
         try:
             body = orjson.loads(memoryview(header))

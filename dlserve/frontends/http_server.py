@@ -8,9 +8,12 @@ HTTP reaches the model with no copy after the kernel's, and send outputs from th
 worker's shared memory without copying them first.
 
 Per connection, requests are handled in order (pipelining-safe); a handler is an
-``async`` callable from :class:`HttpRequest` to :class:`HttpResponse`. Limits: a
-maximum body size (checked before anything is allocated), a header-size limit, and
-back-pressure — reading pauses while a slow client's responses pile up.
+``async`` callable from :class:`HttpRequest` to :class:`HttpResponse`. A response
+may instead stream its body (chunked transfer encoding, e.g. server-sent events).
+A client that disconnects cancels the handler serving it, so work done for nobody
+stops. Limits: a maximum body size (checked before anything is allocated), a
+header-size limit, and back-pressure — reading pauses while a slow client's
+responses pile up, and a stream waits for a slow reader.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import gzip
 import json
 import logging
 import zlib
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 from urllib.parse import unquote
 
@@ -67,6 +70,8 @@ class HttpResponse:
     body: list[Any] = dataclasses.field(default_factory=list)  # buffers written in order
     content_type: str = "application/json"
     headers: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    # Instead of ``body``: chunks sent as they come (chunked transfer encoding).
+    stream: AsyncGenerator[bytes, None] | None = None
 
 
 Handler = Callable[[HttpRequest], Awaitable[HttpResponse]]
@@ -100,6 +105,7 @@ class HttpConnection(asyncio.BufferedProtocol):
         self._reset_message()
         self._pending: collections.deque[HttpRequest | HttpError] = collections.deque()
         self._busy = False
+        self._task: asyncio.Task[None] | None = None
         self._closing = False
         self._broken = False  # a parse error was queued; ignore whatever follows
         self._writable = asyncio.Event()
@@ -188,9 +194,7 @@ class HttpConnection(asyncio.BufferedProtocol):
         )
         request.headers["_keep_alive"] = "1" if self._parser.should_keep_alive() else "0"
         self._pending.append(request)
-        if not self._busy:
-            self._busy = True
-            asyncio.get_running_loop().create_task(self._serve_pending())
+        self._serve_soon()
         if len(self._pending) > 16 and self.transport is not None:
             self.transport.pause_reading()
 
@@ -248,6 +252,8 @@ class HttpConnection(asyncio.BufferedProtocol):
         self._body_parts = []
         self._pending.clear()
         self._parser = None  # type: ignore[assignment]
+        if self._task is not None and not self._task.done():
+            self._task.cancel()  # the client is gone: stop working for it
 
     def pause_writing(self) -> None:
         self._writable.clear()
@@ -268,9 +274,12 @@ class HttpConnection(asyncio.BufferedProtocol):
         if self.transport is not None:
             self.transport.pause_reading()
         self._pending.append(HttpError(status, message))
+        self._serve_soon()
+
+    def _serve_soon(self) -> None:
         if not self._busy:
             self._busy = True
-            asyncio.get_running_loop().create_task(self._serve_pending())
+            self._task = asyncio.get_running_loop().create_task(self._serve_pending())
 
     async def _serve_pending(self) -> None:
         try:
@@ -283,7 +292,10 @@ class HttpConnection(asyncio.BufferedProtocol):
                     return
                 response = await self.server.dispatch(request)
                 keep_alive = request.headers.get("_keep_alive") == "1"
-                self._write(response, keep_alive)
+                if response.stream is not None:
+                    await self._write_stream(response, keep_alive)
+                else:
+                    self._write(response, keep_alive)
                 if not keep_alive:
                     if self.transport is not None:
                         self.transport.close()
@@ -294,6 +306,35 @@ class HttpConnection(asyncio.BufferedProtocol):
         finally:
             self._busy = False
 
+    def _head(self, response: HttpResponse, keep_alive: bool, framing: str) -> bytearray:
+        head = [f"HTTP/1.1 {response.status} {REASONS.get(response.status, 'Unknown')}", framing]
+        if response.stream is not None or response.body:
+            head.append(f"Content-Type: {response.content_type}")
+        head.extend(f"{k}: {v}" for k, v in response.headers)
+        if not keep_alive:
+            head.append("Connection: close")
+        return bytearray(("\r\n".join(head) + "\r\n\r\n").encode("latin-1"))
+
+    async def _write_stream(self, response: HttpResponse, keep_alive: bool) -> None:
+        """Send chunks as the stream yields them, waiting for a slow reader; a client
+        that goes away closes the stream (and so cancels what feeds it)."""
+        stream = response.stream
+        assert stream is not None
+        try:
+            if self.transport is None:
+                return
+            self.transport.write(self._head(response, keep_alive, "Transfer-Encoding: chunked"))
+            async for chunk in stream:
+                if self.transport is None:
+                    return
+                if chunk:
+                    self.transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+                    await self._writable.wait()
+            if self.transport is not None:
+                self.transport.write(b"0\r\n\r\n")
+        finally:
+            await stream.aclose()
+
     def _write(self, response: HttpResponse, keep_alive: bool) -> None:
         """Send a response: small ones in one write (one system call, one wake-up of
         the client); large parts are handed to the transport as they are, uncopied."""
@@ -302,16 +343,7 @@ class HttpConnection(asyncio.BufferedProtocol):
             return
         views = [memoryview(part).cast("B") for part in response.body]
         length = sum(v.nbytes for v in views)
-        head = [
-            f"HTTP/1.1 {response.status} {REASONS.get(response.status, 'Unknown')}",
-            f"Content-Length: {length}",
-        ]
-        if views:
-            head.append(f"Content-Type: {response.content_type}")
-        head.extend(f"{k}: {v}" for k, v in response.headers)
-        if not keep_alive:
-            head.append("Connection: close")
-        out = bytearray(("\r\n".join(head) + "\r\n\r\n").encode("latin-1"))
+        out = self._head(response, keep_alive, f"Content-Length: {length}")
         large: list[memoryview] = []
         for view in views:
             if large or view.nbytes > _COALESCE_MAX:

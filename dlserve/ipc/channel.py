@@ -124,6 +124,10 @@ class ServerChannel(asyncio.Protocol):
     def notify(self, kind: int, body: Any) -> None:
         self._write(encode(kind, 0, body))
 
+    def send(self, kind: int, corr: int, body: Any) -> None:
+        """A message that answers the worker's ``corr`` without being a reply (a stream)."""
+        self._write(encode(kind, corr, body))
+
     def queue_releases(self, leases: list[int]) -> None:
         """Thread-safe: hand leases back with the next write, or soon on its own."""
         self._releases.extend(leases)
@@ -157,17 +161,36 @@ class _Slot:
         self.body: Any = None
 
 
+class Stream:
+    """Where the messages the server sends for one BLS call collect (see :meth:`WorkerChannel.call`).
+
+    ``on_item`` runs on the reading thread, under the channel's lock, for every message
+    (and once with None if the channel closes): it must only hand the news on.
+    """
+
+    __slots__ = ("items", "closed", "on_item")
+
+    def __init__(self, on_item: Callable[[Any], None] | None = None) -> None:
+        self.items: collections.deque[Any] = collections.deque()
+        self.closed = False
+        self.on_item = on_item
+
+
 class WorkerChannel:
     """The worker's blocking end of the channel; safe to use from any thread."""
 
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
-        self._send_lock = threading.Lock()
+        # Re-entrant: a finalizer that sends (an abandoned response sender) may run
+        # in the middle of this thread's own send.
+        self._send_lock = threading.RLock()
         self._cond = threading.Condition(threading.Lock())
         self._reading = False
         self._closed = False
         self._inbox: collections.deque[Message] = collections.deque()
         self._slots: dict[int, _Slot] = {}
+        self._streams: dict[int, Stream] = {}
+        self.on_cancel: Callable[[list[int]], None] = lambda handles: None
         self._frames = FrameBuffer()
         self._ready: collections.deque[Message] = collections.deque()
         self._corr = itertools.count(1)
@@ -209,15 +232,34 @@ class WorkerChannel:
         return self._ready.popleft()
 
     def _route(self, message: Message) -> None:
+        """Hand a message to whoever it belongs to (called with the lock held)."""
         kind, corr, body = message
         if kind == Kind.REPLY or kind == Kind.ERROR:
             slot = self._slots.pop(corr, None)
             if slot is not None:
                 slot.done, slot.ok, slot.body = True, kind == Kind.REPLY, body
+        elif kind == Kind.BLS_RESPONSE:
+            stream = self._streams.get(corr)
+            if stream is not None:
+                if body[1]:  # final
+                    del self._streams[corr]
+                stream.items.append(body)
+                if stream.on_item is not None:
+                    stream.on_item(body)
+        elif kind == Kind.CANCEL:
+            # Now, not in turn: the request it cancels may be executing this very moment.
+            self.on_cancel(body)
         else:
             # RELEASE/RETIRE go through the inbox too, so they are applied in order
             # with the commands around them (a command may still use what they drop).
             self._inbox.append(message)
+
+    def _close_streams(self) -> None:
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream.closed = True
+            if stream.on_item is not None:
+                stream.on_item(None)
 
     def _wait(self, ready: Callable[[], bool]) -> None:
         """Block until ``ready()``; read frames for everybody while no one else does."""
@@ -239,6 +281,7 @@ class WorkerChannel:
                     self._reading = False
                 if message is None:
                     self._closed = True
+                    self._close_streams()
                 else:
                     self._route(message)
                 self._cond.notify_all()
@@ -260,6 +303,59 @@ class WorkerChannel:
             raise _raise_error(slot.body)
         return slot.body
 
+    def call(self, kind: int, body: Any, stream: Stream) -> int:
+        """Send a request whose answers arrive as a series of messages into ``stream``
+        (the last one final); returns its correlation id."""
+        corr = next(self._corr)
+        with self._cond:
+            if self._closed:
+                raise EOFError("server closed the channel")
+            self._streams[corr] = stream
+        self.send(kind, corr, body)
+        return corr
+
+    def wait_stream(self, stream: Stream) -> None:
+        """Block until ``stream`` has a message or the channel closed."""
+        self._wait(lambda: bool(stream.items) or stream.closed)
+
+    def serve_until(self, done: Callable[[], bool]) -> None:
+        """Read for everybody until ``done()``: for a helper thread standing in for a
+        main thread that waits on something other than the channel."""
+        try:
+            self._wait(done)
+        except EOFError:
+            pass
+
+    def poll(self) -> None:
+        """Route whatever has already arrived, without blocking: cancellation checks
+        from a model that keeps the main thread busy, so that nobody is reading."""
+        with self._cond:
+            if self._reading or self._closed:
+                return
+            self._reading = True
+        closed = False
+        try:
+            while True:
+                try:
+                    data = self._sock.recv(1 << 16, socket.MSG_DONTWAIT)
+                except (BlockingIOError, InterruptedError):
+                    break
+                if not data:
+                    closed = True
+                    break
+                self._ready.extend(self._frames.feed(data))
+        except OSError:
+            closed = True
+        finally:
+            with self._cond:
+                while self._ready:
+                    self._route(self._ready.popleft())
+                if closed:
+                    self._closed = True
+                    self._close_streams()
+                self._reading = False
+                self._cond.notify_all()
+
     def reply(self, corr: int, body: Any) -> None:
         self.send(Kind.REPLY, corr, body)
 
@@ -274,4 +370,4 @@ class WorkerChannel:
             pass
 
 
-__all__ = ["HEADER", "ServerChannel", "WorkerChannel"]
+__all__ = ["HEADER", "ServerChannel", "Stream", "WorkerChannel"]

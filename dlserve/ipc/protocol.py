@@ -35,6 +35,8 @@ class Kind(enum.IntEnum):
     FINALIZE = 12
     AUTO_COMPLETE = 13
     IS_READY = 14
+    CANCEL = 15  # no reply; body: list of request handles the server cancelled
+    BLS_RESPONSE = 16  # no reply; corr: the BLS call's; body: (response, final)
     # either direction, no reply
     RELEASE = 20  # body: list of lease ids the sender no longer uses
     RETIRE = 21  # body: list of segment names the sender has unlinked
@@ -43,9 +45,17 @@ class Kind(enum.IntEnum):
     METRIC_FAMILY = 31  # reply None or ERROR; body: (name, description, kind)
     METRIC = 32  # no reply; body: (op, family, labels, value or buckets)
     METRIC_VALUE = 33  # reply float; body: (family, labels)
+    RESPONSE = 34  # no reply; body: (request handle, response or None, final)
+    BLS = 35  # answered by BLS_RESPONSE messages with the same corr; body: see ipc.bls
+    BLS_CANCEL = 36  # no reply; body: corr of the BLS call to cancel
+    MODEL_CONTROL = 37  # reply; body: (operation, arguments)
 
 
 Message = tuple[int, int, Any]
+
+# In an EXECUTE reply, in place of a request's response: the request is answered
+# through RESPONSE messages (its response sender), before or after the reply.
+STREAMED = 0
 
 
 def encode(kind: int, corr: int, body: Any) -> bytes:

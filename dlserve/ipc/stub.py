@@ -26,11 +26,11 @@ from typing import Any
 
 from dlserve.errors import ErrorCode, TritonError
 from dlserve.ipc.channel import WorkerChannel
-from dlserve.ipc.protocol import Kind
+from dlserve.ipc.protocol import STREAMED, Kind
+from dlserve.ipc.runtime import WorkerRuntime, current_handles, encode_response
 from dlserve.ipc.tensors import Peer
 from dlserve.memory.arena import Arena, MemorySpace
 from dlserve.pb_utils import _runtime
-from dlserve.pb_utils.errors import TritonModelException
 from dlserve.pb_utils.inference import InferenceRequest, InferenceResponse
 from dlserve.pb_utils.model_config import ModelConfig
 from dlserve.pb_utils.tensor import Tensor
@@ -59,26 +59,6 @@ def describe_exception(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}\n\nAt:\n{where}" if where else f"{type(exc).__name__}: {exc}"
 
 
-class WorkerRuntime:
-    """What pb_utils reaches through :mod:`dlserve.pb_utils._runtime` in this process."""
-
-    def __init__(self, channel: WorkerChannel, arena: Arena) -> None:
-        self.channel = channel
-        self.arena = arena
-
-    def log(self, level: int, message: str) -> None:
-        self.channel.send(Kind.LOG, 0, (level, message))
-
-    def request(self, kind: int, body: Any) -> Any:
-        try:
-            return self.channel.request(kind, body)
-        except TritonError as exc:
-            raise TritonModelException(exc.message) from None
-
-    def notify(self, kind: int, body: Any) -> None:
-        self.channel.send(kind, 0, body)
-
-
 def load_module(model_file: str) -> ModuleType:
     """Import ``model.py`` with its version folder and model folder on ``sys.path``."""
     version_dir = os.path.dirname(os.path.abspath(model_file))
@@ -101,23 +81,50 @@ async def _await(awaitable: Any) -> Any:
 
 
 class Worker:
-    """Executes the commands the server sends, one at a time."""
+    """Executes the commands the server sends, in order.
 
-    def __init__(self, channel: WorkerChannel, peer: Peer, instance_name: str) -> None:
+    A model with ``async def execute`` gets its own event loop on a thread: each
+    EXECUTE starts a coroutine there and the main thread goes straight back to
+    reading the channel, so executes overlap (the server bounds how many) and the
+    coroutines' BLS calls and cancellations are read while they wait.
+    """
+
+    def __init__(self, channel: WorkerChannel, runtime: WorkerRuntime, instance_name: str) -> None:
         self.channel = channel
-        self.peer = peer
+        self.runtime = runtime
+        self.peer = runtime.peer
         self.instance_name = instance_name
         self.model: Any = None
-        self._loop = asyncio.new_event_loop()  # runs ``async def`` hooks, kept across calls
+        self.decoupled = False
+        self._loop = asyncio.new_event_loop()  # ``async def`` hooks of models with a sync execute
+        self._model_loop: asyncio.AbstractEventLoop | None = None
+        self._model_thread: threading.Thread | None = None
 
     def close(self) -> None:
+        loop = self._model_loop
+        if loop is not None and self._model_thread is not None:
+            loop.call_soon_threadsafe(loop.stop)
+            self._model_thread.join(5.0)
         self._loop.close()
 
     def _run(self, result: Any) -> Any:
         """Run the coroutine an ``async def`` hook returned to completion."""
-        if inspect.isawaitable(result):
+        if not inspect.isawaitable(result):
+            return result
+        if self._model_loop is None:
             return self._loop.run_until_complete(_await(result))
-        return result
+        future = asyncio.run_coroutine_threadsafe(_await(result), self._model_loop)
+        # The model's coroutines may be waiting on the channel meanwhile: keep it read.
+        threading.Thread(
+            target=self.channel.serve_until, args=(future.done,), name="channel-reader", daemon=True
+        ).start()
+        return future.result()
+
+    def _start_model_loop(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._model_loop = self.runtime.loop = loop
+        self._model_thread = threading.Thread(target=loop.run_forever, name="model-loop", daemon=True)
+        self._model_thread.start()
 
     def serve(self) -> None:
         while True:
@@ -127,10 +134,23 @@ class Worker:
                 return
             try:
                 if kind == Kind.EXECUTE:
-                    self.channel.reply(corr, self._execute(body))
+                    if self._model_loop is not None:
+                        requests = self._requests(body)
+                        asyncio.run_coroutine_threadsafe(
+                            self._execute_async(corr, requests), self._model_loop
+                        )
+                        del requests
+                    else:
+                        self.channel.reply(corr, self._execute(body))
                 elif kind == Kind.INIT:
                     self._initialize(body)
-                    self.channel.reply(corr, {"has_is_ready": hasattr(self.model, "is_ready")})
+                    self.channel.reply(
+                        corr,
+                        {
+                            "has_is_ready": hasattr(self.model, "is_ready"),
+                            "async_execute": self._model_loop is not None,
+                        },
+                    )
                 elif kind == Kind.AUTO_COMPLETE:
                     self.channel.reply(corr, self._auto_complete(body))
                 elif kind == Kind.IS_READY:
@@ -146,14 +166,20 @@ class Worker:
                     return
                 else:
                     self.channel.reply_error(corr, ErrorCode.UNSUPPORTED, f"unknown command {kind}")
-            except ModelFailure as exc:
-                self.channel.reply_error(corr, exc.code, str(exc))
-            except TritonError as exc:
-                self.channel.reply_error(corr, exc.code, exc.message)
-            except Exception as exc:  # noqa: BLE001 - any model error goes back to the server
-                self.channel.reply_error(corr, ErrorCode.INTERNAL, describe_exception(exc))
+            except BaseException as exc:  # noqa: BLE001 - any model error goes back to the server
+                self._reply_failure(corr, exc)
             # Views held by a failed call's traceback die only now; return them promptly.
             self.channel.flush_releases()
+
+    def _reply_failure(self, corr: int, exc: BaseException) -> None:
+        if isinstance(exc, ModelFailure):
+            self.channel.reply_error(corr, exc.code, str(exc))
+        elif isinstance(exc, TritonError):
+            self.channel.reply_error(corr, exc.code, exc.message)
+        elif isinstance(exc, Exception):
+            self.channel.reply_error(corr, ErrorCode.INTERNAL, describe_exception(exc))
+        else:
+            raise exc
 
     # -- lifecycle ----------------------------------------------------------------------
     def _auto_complete(self, body: dict[str, Any]) -> str:
@@ -171,11 +197,16 @@ class Worker:
         return json.dumps(result.as_dict())
 
     def _initialize(self, body: dict[str, Any]) -> None:
+        args = body["args"]
+        config = json.loads(args["model_config"])
+        self.decoupled = bool(config.get("model_transaction_policy", {}).get("decoupled", False))
         module = load_module(body["model_file"])
         self.model = module.TritonPythonModel()
+        if inspect.iscoroutinefunction(getattr(self.model, "execute", None)):
+            self._start_model_loop()
         initialize = getattr(self.model, "initialize", None)
         if initialize is not None:
-            self._run(initialize(body["args"]))
+            self._run(initialize(args))
 
     def _is_ready(self) -> bool:
         hook = getattr(self.model, "is_ready", None)
@@ -188,31 +219,53 @@ class Worker:
 
     # -- execute ------------------------------------------------------------------------
     def _execute(self, body: list[Any]) -> list[Any]:
-        inputs = self._inputs(body)
-        requests = [self._request(wire, tensors) for wire, tensors in zip(body, inputs)]
+        requests = self._requests(body)
+        token = current_handles.set(tuple(wire[0] for wire in body))
         try:
-            responses = self._run(self.model.execute(requests))
+            result = self.model.execute(requests)
         except Exception as exc:  # noqa: BLE001
-            raise ModelFailure(self._failure(describe_exception(exc))) from None
-        self._check_responses(responses, requests)
-        wire = [
-            None if resp is None else self._response(resp, req)  # None: rescheduled
-            for resp, req in zip(responses, requests)
-        ]
+            raise self._failed(requests, describe_exception(exc)) from None
+        finally:
+            current_handles.reset(token)
+        wire = self._replies(result, requests)
         # Drop our views before replying so their releases ride on the reply.
-        del requests, responses
+        del requests, result
         return wire
+
+    async def _execute_async(self, corr: int, requests: list[InferenceRequest]) -> None:
+        current_handles.set(tuple(r._exchange.handle for r in requests))  # type: ignore[union-attr]
+        try:
+            try:
+                result = await self.model.execute(requests)
+            except Exception as exc:  # noqa: BLE001
+                raise self._failed(requests, describe_exception(exc)) from None
+            wire = self._replies(result, requests)
+            del requests, result
+            self.channel.reply(corr, wire)
+        except Exception as exc:  # noqa: BLE001
+            self._reply_failure(corr, exc)
+            self.channel.flush_releases()
+
+    def _failed(self, requests: list[InferenceRequest], message: str) -> ModelFailure:
+        """Fail every request of the call; the server answers them all with the error."""
+        for request in requests:
+            request._exchange.closed = True  # type: ignore[union-attr]
+        return ModelFailure(self._failure(message))
+
+    def _requests(self, body: list[Any]) -> list[InferenceRequest]:
+        inputs = self._inputs(body)
+        return [self._request(wire, tensors) for wire, tensors in zip(body, inputs)]
 
     def _inputs(self, body: list[Any]) -> list[list[Tensor]]:
         """Each request's input tensors; a batch's inputs of one name are imported
         together (back to back in memory, see Peer.import_many)."""
         if len(body) == 1:
-            return [[Tensor(*self.peer.import_(wire)) for wire in body[0][6]]]
+            return [[Tensor(*self.peer.import_(wire)) for wire in body[0][7]]]
         by_name: dict[str, list[tuple[int, int, Any]]] = {}
         for index, request in enumerate(body):
-            for position, wire in enumerate(request[6]):
+            for position, wire in enumerate(request[7]):
                 by_name.setdefault(wire[0], []).append((index, position, wire))
-        inputs: list[list[Any]] = [[None] * len(request[6]) for request in body]
+        inputs: list[list[Any]] = [[None] * len(request[7]) for request in body]
         for group in by_name.values():
             imported = self.peer.import_many([wire for _, _, wire in group])
             for (index, position, _), (name, tensor) in zip(group, imported):
@@ -220,83 +273,79 @@ class Worker:
         return inputs
 
     def _request(self, wire: tuple[Any, ...], inputs: list[Tensor]) -> InferenceRequest:
-        request_id, correlation_id, flags, timeout, parameters, requested, _, buffers = wire
+        handle, request_id, correlation_id, flags, timeout, parameters, requested, _, buffers = wire
         destinations = None
         if buffers:
             destinations = {}
             for buffer in buffers:
                 name, tensor = self.peer.import_(buffer)
                 destinations[name] = tensor.storage()
+        exchange = self.runtime.exchange(handle, requested, destinations, self.decoupled)
         return InferenceRequest._received(
-            inputs,
-            requested,
-            request_id,
-            correlation_id,
-            flags,
-            timeout,
-            parameters,
-            destinations,
+            inputs, requested, request_id, correlation_id, flags, timeout, parameters, exchange
         )
 
     def _failure(self, message: str) -> str:
         return f"Failed to process the request(s) for model '{self.instance_name}', message: {message}"
 
+    def _replies(self, result: Any, requests: list[InferenceRequest]) -> list[Any]:
+        """The EXECUTE reply: per request a response, None (rescheduled) or
+        STREAMED (answered through its response sender)."""
+        if result is None:
+            return [self._streamed(request) for request in requests]
+        if self.decoupled:
+            raise self._failed(
+                requests,
+                "execute of a decoupled model must return None and send its responses "
+                f"through the response senders; it returned '{type(result).__name__}'",
+            )
+        self._check_responses(result, requests)
+        replies = []
+        for response, request in zip(result, requests):
+            exchange = request._exchange
+            assert exchange is not None
+            if response is None:
+                replies.append(self._streamed(request))
+                continue
+            if exchange.responses or exchange.closed:
+                raise self._failed(
+                    requests,
+                    "a request was answered both through its response sender and in the list "
+                    "execute returned",
+                )
+            exchange.closed = True
+            replies.append(encode_response(self.peer, response, exchange.requested, exchange.destinations))
+        return replies
+
+    @staticmethod
+    def _streamed(request: InferenceRequest) -> int | None:
+        if request.rescheduled():
+            request._exchange.closed = True  # type: ignore[union-attr]
+            return None
+        return STREAMED
+
     def _check_responses(self, responses: Any, requests: list[InferenceRequest]) -> None:
         expected = len(requests)
-        if responses is None:
-            raise ModelFailure(
-                self._failure(
-                    "execute returned None, but a model in default (non-decoupled) mode must "
-                    "return a list with one InferenceResponse per request"
-                )
-            )
         if not isinstance(responses, list):
-            raise ModelFailure(
-                self._failure(
-                    f"Expected a list in the execute return, found type '{type(responses)}'."
-                )
+            raise self._failed(
+                requests, f"Expected a list in the execute return, found type '{type(responses)}'."
             )
         if len(responses) != expected:
-            raise ModelFailure(
-                self._failure(
-                    "Number of InferenceResponse objects do not match the number of "
-                    f"InferenceRequest objects. InferenceRequest(s) size is:{expected}, "
-                    f"and InferenceResponse(s) size is:{len(responses)}\n"
-                )
+            raise self._failed(
+                requests,
+                "Number of InferenceResponse objects do not match the number of "
+                f"InferenceRequest objects. InferenceRequest(s) size is:{expected}, "
+                f"and InferenceResponse(s) size is:{len(responses)}\n",
             )
         for response, request in zip(responses, requests):
-            if response is None and request.rescheduled():
+            if response is None and (request.rescheduled() or request._sender is not None):
                 continue
             if not isinstance(response, InferenceResponse):
-                raise ModelFailure(
-                    self._failure(
-                        "each element of the execute return must be a pb_utils.InferenceResponse, "
-                        f"found type '{type(response)}'"
-                    )
+                raise self._failed(
+                    requests,
+                    "each element of the execute return must be a pb_utils.InferenceResponse, "
+                    f"found type '{type(response)}'",
                 )
-
-    def _response(self, response: InferenceResponse, request: InferenceRequest) -> tuple[Any, ...]:
-        error = response.error()
-        if error is not None:
-            return ((), (error.code(), error.message()), response.parameters())
-        requested = set(request.requested_output_names())
-        destinations = request._destinations or {}
-        outputs = []
-        for tensor in response.output_tensors():
-            name = tensor.name()
-            if name not in requested:
-                continue
-            destination = destinations.get(name)
-            if destination is None:
-                outputs.append(self.peer.export(name, tensor._tensor))
-                continue
-            try:
-                placed = tensor._tensor.write_into(destination)
-            except ValueError as exc:
-                message = f"output '{name}' {exc} (its shared memory region)"
-                return ((), (int(ErrorCode.INVALID_ARG), message), response.parameters())
-            outputs.append(self.peer.export(name, placed, by_reference=True))
-        return (outputs, None, response.parameters())
 
 
 def _watch_parent(parent: int, arena: Arena) -> None:
@@ -327,11 +376,12 @@ def main(argv: list[str] | None = None) -> int:
         on_retire=lambda name: channel.send(Kind.RETIRE, 0, [name]),
     )
     peer = Peer(space, arena, channel.queue_releases)
-    _runtime.install(WorkerRuntime(channel, arena))
+    runtime = WorkerRuntime(channel, peer, arena)
+    _runtime.install(runtime)
     threading.Thread(
         target=_watch_parent, args=(os.getppid(), arena), name="parent-watch", daemon=True
     ).start()
-    worker = Worker(channel, peer, args.instance_name)
+    worker = Worker(channel, runtime, args.instance_name)
     try:
         worker.serve()
     finally:

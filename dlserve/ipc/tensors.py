@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -55,15 +56,17 @@ class InlineSlab:
     def __init__(self) -> None:
         self._buffer = np.empty(0, dtype=np.uint8)
         self._position = 0
+        self._lock = threading.Lock()  # a worker imports on several threads (BLS, async execute)
 
     def _carve(self, size: int) -> np.ndarray:
-        start = self._position
-        if start + size > self._buffer.nbytes:
-            fresh = np.empty(max(self.SIZE, size + ALIGNMENT), dtype=np.uint8)
-            start = -fresh.ctypes.data % ALIGNMENT
-            self._buffer = fresh
-        self._position = start + (size + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
-        return self._buffer[start : start + size]
+        with self._lock:
+            start = self._position
+            if start + size > self._buffer.nbytes:
+                fresh = np.empty(max(self.SIZE, size + ALIGNMENT), dtype=np.uint8)
+                start = -fresh.ctypes.data % ALIGNMENT
+                self._buffer = fresh
+            self._position = start + (size + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+            return self._buffer[start : start + size]
 
     def copy(self, data: bytes) -> np.ndarray:
         """A writable, 64-byte aligned copy of ``data``."""

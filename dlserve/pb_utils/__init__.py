@@ -22,23 +22,28 @@ from dlserve.pb_utils.helpers import (
     using_decoupled_model_transaction_policy,
 )
 from dlserve.pb_utils.inference import (
+    MEMORY_CPU,
+    MEMORY_GPU,
     RELEASE_ALL,
     RELEASE_RESCHEDULE,
     InferenceRequest,
     InferenceResponse,
+    PreferredMemory,
 )
 from dlserve.pb_utils.logger import Logger
 from dlserve.pb_utils.metrics import MetricFamily
 from dlserve.pb_utils.model_config import ModelConfig
+from dlserve.pb_utils.model_control import is_model_ready, load_model, unload_model
+from dlserve.pb_utils.sender import RESPONSE_COMPLETE_FINAL, InferenceResponseSender
 from dlserve.pb_utils.tensor import Tensor
 
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = 2
-TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+TRITONSERVER_RESPONSE_COMPLETE_FINAL = RESPONSE_COMPLETE_FINAL
 TRITONSERVER_REQUEST_RELEASE_ALL = RELEASE_ALL
 TRITONSERVER_REQUEST_RELEASE_RESCHEDULE = RELEASE_RESCHEDULE
-TRITONSERVER_MEMORY_CPU = 0
-TRITONSERVER_MEMORY_GPU = 2
+TRITONSERVER_MEMORY_CPU = MEMORY_CPU
+TRITONSERVER_MEMORY_GPU = MEMORY_GPU
 
 __all__ = [
     "TRITONSERVER_MEMORY_CPU",
@@ -51,10 +56,12 @@ __all__ = [
     "TRITON_STRING_TO_NUMPY",
     "InferenceRequest",
     "InferenceResponse",
+    "InferenceResponseSender",
     "JoinedInputs",
     "Logger",
     "MetricFamily",
     "ModelConfig",
+    "PreferredMemory",
     "Tensor",
     "TritonError",
     "TritonModelException",
@@ -63,10 +70,13 @@ __all__ = [
     "get_input_tensor_by_name",
     "get_output_config_by_name",
     "get_output_tensor_by_name",
+    "is_model_ready",
     "join_inputs",
+    "load_model",
     "numpy_to_triton_type",
     "serialize_byte_tensor",
     "triton_string_to_numpy",
     "triton_to_numpy_type",
+    "unload_model",
     "using_decoupled_model_transaction_policy",
 ]

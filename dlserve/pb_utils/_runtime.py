@@ -1,9 +1,9 @@
 """The link between ``pb_utils`` and the worker process hosting the model.
 
 The worker installs its runtime here at start-up; pb_utils objects that need the
-server (logging, shared-memory allocation, later BLS and metrics) reach it through
+server (logging, metrics, responses, BLS, model control) reach it through
 :func:`current`. Outside a worker — a model imported by a unit test — there is no
-runtime and those objects fall back to local behaviour.
+runtime and those objects fall back to local behaviour or say they need a worker.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from dlserve.memory.arena import Arena
+    from dlserve.pb_utils.inference import InferenceRequest, InferenceResponse
+    from dlserve.pb_utils.sender import Exchange
 
 
 class Runtime(Protocol):
@@ -26,6 +28,22 @@ class Runtime(Protocol):
     def notify(self, kind: int, body: Any) -> None:
         """Send to the server without waiting."""
         ...
+
+    def send_response(self, exchange: Exchange, response: InferenceResponse | None, final: bool) -> None:
+        """Send one response (or, with None, just the final flag) for a received request."""
+        ...
+
+    def abandon(self, exchange: Exchange) -> None:
+        """The model dropped a request without sending its final response."""
+        ...
+
+    def is_cancelled(self, exchange: Exchange) -> bool: ...
+
+    def infer(self, request: InferenceRequest, decoupled: bool) -> Any:
+        """Run a BLS request and wait: a response, or an iterator of responses."""
+        ...
+
+    async def async_infer(self, request: InferenceRequest, decoupled: bool) -> Any: ...
 
 
 _current: Runtime | None = None

@@ -6,7 +6,9 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from dlserve.pb_utils import _runtime
 from dlserve.pb_utils.errors import TritonError, TritonModelException
+from dlserve.pb_utils.sender import Exchange, InferenceResponseSender
 from dlserve.pb_utils.tensor import Tensor
 
 
@@ -33,10 +35,35 @@ def _parameters_json(parameters: dict[str, Any] | str | None, what: str) -> str:
 
 RELEASE_ALL = 1
 RELEASE_RESCHEDULE = 2
+MEMORY_CPU = 0
+MEMORY_GPU = 2
+
+
+class PreferredMemory:
+    """Where a BLS call would like its outputs: ``PreferredMemory(TRITONSERVER_MEMORY_GPU, device_id=0)``.
+
+    A preference, as in Triton: outputs land in shared CPU memory when the
+    preferred device has no memory to offer (no CUDA here).
+    """
+
+    __slots__ = ("preferred_memory_type", "preferred_device_id")
+
+    def __init__(self, preferred_memory_type: int = MEMORY_CPU, preferred_device_id: int = 0) -> None:
+        if preferred_memory_type not in (MEMORY_CPU, MEMORY_GPU):
+            raise TritonModelException(
+                "preferred_memory_type must be TRITONSERVER_MEMORY_CPU or TRITONSERVER_MEMORY_GPU, "
+                f"got {preferred_memory_type!r}"
+            )
+        self.preferred_memory_type = int(preferred_memory_type)
+        self.preferred_device_id = int(preferred_device_id)
+
+    def __repr__(self) -> str:
+        kind = "GPU" if self.preferred_memory_type == MEMORY_GPU else "CPU"
+        return f"pb_utils.PreferredMemory({kind}, device_id={self.preferred_device_id})"
 
 
 class InferenceRequest:
-    """A request handed to ``execute`` (and, with the BLS issue, one a model sends)."""
+    """A request handed to ``execute``, or one a model builds to call another model (BLS)."""
 
     def __init__(
         self,
@@ -55,6 +82,12 @@ class InferenceRequest:
         for tensor in inputs:
             if not isinstance(tensor, Tensor):
                 raise TritonModelException("InferenceRequest inputs must be pb_utils.Tensor objects")
+        if isinstance(requested_output_names, str):
+            raise TritonModelException("requested_output_names must be a list of names, not a string")
+        if preferred_memory is not None and not isinstance(preferred_memory, PreferredMemory):
+            raise TritonModelException("preferred_memory must be a pb_utils.PreferredMemory")
+        if not isinstance(correlation_id, (int, str)) or isinstance(correlation_id, bool):
+            raise TritonModelException("correlation_id must be an int or a str")
         self._model_name = model_name
         self._model_version = int(model_version)
         self._inputs = list(inputs)
@@ -66,31 +99,29 @@ class InferenceRequest:
         self._parameters = _parameters_json(parameters, "request")
         self._preferred_memory = preferred_memory
         self._trace = trace
-        self._destinations: dict[str, Any] | None = None
+        self._exchange: Exchange | None = None
+        self._sender: InferenceResponseSender | None = None
 
     @classmethod
     def _received(
         cls,
         inputs: list[Tensor],
-        requested_output_names: Any,
+        requested_output_names: list[str],
         request_id: str,
         correlation_id: int | str,
         flags: int,
         timeout: int,
         parameters: str,
-        destinations: dict[str, Any] | None = None,
+        exchange: Exchange,
     ) -> InferenceRequest:
-        """A request handed to ``execute``: built from trusted values, no re-validation.
-
-        ``destinations`` maps output names to the shared memory (uint8 arrays) the
-        server wants them written into.
-        """
+        """A request handed to ``execute``: built from trusted values, no re-validation."""
         request = cls.__new__(cls)
-        request._destinations = destinations
+        request._exchange = exchange
+        request._sender = None
         request._model_name = ""
         request._model_version = -1
         request._inputs = inputs
-        request._requested = list(requested_output_names)
+        request._requested = requested_output_names
         request._request_id = request_id
         request._correlation_id = correlation_id
         request._flags = flags
@@ -102,6 +133,45 @@ class InferenceRequest:
 
     def inputs(self) -> list[Tensor]:
         return self._inputs
+
+    def get_response_sender(self) -> InferenceResponseSender:
+        """The sender for this request's responses (the same one on every call)."""
+        if self._exchange is None:
+            raise TritonModelException("only a request handed to execute has a response sender")
+        if self._sender is None:
+            self._sender = InferenceResponseSender(self._exchange)
+        return self._sender
+
+    def is_cancelled(self) -> bool:
+        """Whether the request was cancelled; cheap enough to poll in a loop."""
+        exchange = self._exchange
+        if exchange is None:
+            return False
+        runtime = _runtime.current()
+        return runtime is not None and runtime.is_cancelled(exchange)
+
+    def exec(self, decoupled: bool = False) -> Any:
+        """Run this request on its model (BLS) and wait: an ``InferenceResponse``, or
+        with ``decoupled=True`` an iterator over every response of a decoupled model.
+
+        Errors come back inside the response (``has_error()``), not raised.
+        """
+        return self._runtime("exec").infer(self, bool(decoupled))
+
+    async def async_exec(self, decoupled: bool = False) -> Any:
+        """``exec`` for ``async def execute``: other coroutines run while this waits."""
+        return await self._runtime("async_exec").async_infer(self, bool(decoupled))
+
+    def _runtime(self, what: str) -> Any:
+        if not self._model_name:
+            raise TritonModelException(f"{what}() needs a request built with a model_name")
+        runtime = _runtime.current()
+        if runtime is None:
+            raise TritonModelException(f"{what}() is only available inside a dlserve worker")
+        return runtime
+
+    def preferred_memory(self) -> PreferredMemory:
+        return self._preferred_memory or PreferredMemory()
 
     def set_release_flags(self, flags: int) -> None:
         """``TRITONSERVER_REQUEST_RELEASE_RESCHEDULE`` asks for this request to run again
@@ -168,6 +238,17 @@ class InferenceResponse:
         self._outputs = tensors
         self._error = error
         self._parameters = _parameters_json(parameters, "response")
+
+    @classmethod
+    def _received(
+        cls, outputs: list[Tensor], error: TritonError | None, parameters: str
+    ) -> InferenceResponse:
+        """A response a BLS call got back: trusted values, no re-validation."""
+        response = cls.__new__(cls)
+        response._outputs = outputs
+        response._error = error
+        response._parameters = parameters
+        return response
 
     def output_tensors(self) -> list[Tensor]:
         return self._outputs

@@ -255,7 +255,7 @@ def test_exception_in_execute_is_internal_with_the_python_message(server):
     [
         ("not_list", "Expected a list in the execute return, found type '<class 'dict'>'."),
         ("wrong_length", "Number of InferenceResponse objects do not match the number of InferenceRequest objects"),
-        ("none", "execute returned None"),
+        ("none", "without sending its final response: execute returned None"),
         ("not_response", "must be a pb_utils.InferenceResponse"),
     ],
 )

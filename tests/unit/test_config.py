@@ -358,10 +358,16 @@ def test_validate_execution_env_path_unsupported():
     assert message.startswith("UnsupportedError: model 'm': parameter EXECUTION_ENV_PATH")
 
 
-def test_validate_decoupled_unsupported_for_now():
-    message = invalid("model_transaction_policy { decoupled: true }")
-    assert message.startswith("UnsupportedError: model 'm': decoupled models")
-    cfg.validate(completed("model_transaction_policy { decoupled: false }"), "m")
+def test_validate_async_execute_concurrency():
+    for bad in ("0", "-2", "many", ""):
+        message = invalid(
+            'parameters { key: "ASYNC_EXECUTE_CONCURRENCY" value: { string_value: "%s" } }' % bad
+        )
+        assert "ASYNC_EXECUTE_CONCURRENCY must be a positive integer" in message
+    cfg.validate(
+        completed('parameters { key: "ASYNC_EXECUTE_CONCURRENCY" value: { string_value: "4" } }'), "m"
+    )
+    cfg.validate(completed("model_transaction_policy { decoupled: true }"), "m")
 
 
 def test_validate_ensembles_unsupported():

@@ -1,0 +1,239 @@
+"""Calls a model makes from its worker: BLS inference requests and model control.
+
+A BLS request becomes an ordinary engine request, scheduled like any other. Its
+tensors never get copied on the way: inputs arrive as references into the
+caller's shared memory (or into memory the caller got from the server), and the
+callee's outputs go back to the caller as references into the callee's memory;
+leases keep each block alive until the last process using it lets go.
+
+Calls that would wait on themselves are refused at once instead of hanging: a call
+into a model already waiting further up the call chain (a cycle), and a model
+calling itself with no other instance free to run the call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+from typing import TYPE_CHECKING, Any, Protocol
+
+from dlserve.engine.request import Request, Response, validate_request
+from dlserve.errors import (
+    InvalidArgumentError,
+    TritonError,
+    UnavailableError,
+    UnsupportedError,
+)
+from dlserve.ipc.protocol import Kind
+
+if TYPE_CHECKING:
+    from dlserve.engine.instance import ModelInstance
+    from dlserve.engine.model import ModelVersion
+
+log = logging.getLogger("dlserve.engine")
+
+
+class Host(Protocol):
+    """What a model's calls need of the engine."""
+
+    live: bool
+
+    def model(self, name: str, version: int = -1) -> ModelVersion: ...
+
+    async def load(self, name: str, parameters: dict[str, Any] | None = None) -> None: ...
+
+    async def unload(self, name: str, unload_dependents: bool = False) -> None: ...
+
+    async def model_ready(self, name: str, version: int = -1) -> bool: ...
+
+
+def _version(text: str) -> int:
+    if text in ("", "-1"):
+        return -1
+    try:
+        value = int(text)
+    except ValueError:
+        raise InvalidArgumentError(f"invalid model version '{text}'") from None
+    if value < 0:
+        raise InvalidArgumentError(f"invalid model version '{text}'")
+    return value
+
+
+class ModelCalls:
+    """The BLS and model-control traffic of one model instance's worker."""
+
+    def __init__(self, instance: ModelInstance) -> None:
+        self.instance = instance
+        self._calls: dict[int, Request] = {}  # corr of the worker's call -> its request
+
+    @property
+    def host(self) -> Host:
+        return self.instance.model.resources.host
+
+    def handle(self, kind: int, corr: int, body: Any) -> None:
+        if kind == Kind.BLS:
+            self._infer(corr, body)
+        elif kind == Kind.BLS_CANCEL:
+            request = self._calls.get(body)
+            if request is not None and request.owner is not None:
+                request.owner.cancel(request)
+        else:
+            asyncio.ensure_future(self._control(corr, body))
+
+    def close(self) -> None:
+        """The worker is gone: nobody waits for its calls any more."""
+        calls, self._calls = self._calls, {}
+        for request in calls.values():
+            if request.owner is not None:
+                request.owner.cancel(request)
+
+    # -- BLS -----------------------------------------------------------------------------
+    def _infer(self, corr: int, body: Any) -> None:
+        (
+            model_name,
+            version,
+            inputs_wire,
+            requested,
+            request_id,
+            correlation_id,
+            flags,
+            timeout_us,
+            parameters,
+            decoupled,
+            handles,
+        ) = body
+        worker = self.instance.worker
+        if worker is None or worker.peer is None:
+            return
+        try:
+            inputs = {}
+            for wire in inputs_wire:
+                name, tensor = worker.peer.import_(wire)
+                if name in inputs:
+                    raise InvalidArgumentError(f"input '{name}' already exists in request")
+                inputs[name] = tensor
+            request = Request(
+                model_name=model_name,
+                inputs=inputs,
+                on_response=functools.partial(self._respond, corr),
+                model_version=version,
+                request_id=request_id,
+                correlation_id=correlation_id,
+                flags=flags,
+                timeout_us=timeout_us,
+                parameters=json.loads(parameters) if parameters != "{}" else {},
+                requested_outputs=requested,
+                chain=self._chain(handles),
+            )
+            if not self.host.live:
+                raise UnavailableError("the server is stopping and takes no new requests")
+            target = self.host.model(model_name, version)
+            if target.decoupled and not decoupled:
+                raise UnsupportedError(
+                    f"model '{model_name}' is decoupled: call it with exec(decoupled=True) "
+                    "(or async_exec(decoupled=True)) and iterate its responses"
+                )
+            self._check_cycle(request, target)
+            validate_request(request, target.signature)
+        except TritonError as exc:
+            self._send(corr, ((), (int(exc.code), exc.message), "{}"), True)
+            return
+        self._calls[corr] = request
+        target.scheduler.submit(request)
+
+    def _chain(self, handles: list[int] | None) -> tuple[str, ...]:
+        """The models waiting on a call: those waiting on the requests it is made
+        for (all the instance's open ones if the model did not say), then ours."""
+        chain: list[str] = []
+        for request in self.instance.open_requests(handles):
+            chain.extend(name for name in request.chain if name not in chain)
+        caller = self.instance.model.name
+        if caller not in chain:
+            chain.append(caller)
+        return tuple(chain)
+
+    def _check_cycle(self, request: Request, target: ModelVersion) -> None:
+        name = target.name
+        if name not in request.chain:
+            return
+        caller = self.instance.model.name
+        path = " -> ".join((*request.chain, name))
+        if name != caller:
+            raise InvalidArgumentError(
+                f"BLS call cycle {path}: model '{name}' is waiting on this very call, "
+                "so the call would wait on itself forever"
+            )
+        if not any(i.ready and i.in_flight == 0 for i in target.instances if i is not self.instance):
+            raise UnavailableError(
+                f"model '{name}' called itself ({path}) with no other instance free to run "
+                "the call: it would wait on itself forever. Give it more instances "
+                "(instance_group count) or do the work without the self-call"
+            )
+
+    def _respond(self, corr: int, response: Response) -> None:
+        if response.final:
+            self._calls.pop(corr, None)
+        worker = self.instance.worker
+        if worker is None or worker.peer is None or not worker.alive:
+            return  # the caller died: the outputs are dropped with its leases
+        if response.flags_only:
+            self._send(corr, None, response.final)
+            return
+        parameters = json.dumps(response.parameters) if response.parameters else "{}"
+        if response.error is not None:
+            error = response.error
+            self._send(corr, ((), (int(error.code), error.message), parameters), response.final)
+            return
+        peer = worker.peer
+        try:
+            outputs = [peer.export(name, tensor) for name, tensor in response.outputs.items()]
+        except (TritonError, ValueError, MemoryError) as exc:
+            message = f"cannot hand the outputs of model '{response.model_name}' over: {exc}"
+            self._send(corr, ((), (int(InvalidArgumentError.code), message), "{}"), response.final)
+            return
+        self._send(corr, (outputs, None, parameters), response.final)
+
+    def _send(self, corr: int, wire: Any, final: bool) -> None:
+        worker = self.instance.worker
+        if worker is not None and worker.alive and worker.channel is not None:
+            worker.channel.send(Kind.BLS_RESPONSE, corr, (wire, final))
+
+    # -- model control ------------------------------------------------------------------
+    async def _control(self, corr: int, body: Any) -> None:
+        operation, arguments = body
+        result: Any = None
+        try:
+            name = arguments[0]
+            if name == self.instance.model.name and operation in ("load", "unload"):
+                raise InvalidArgumentError(
+                    f"model '{name}' cannot {operation} itself: its own "
+                    f"{operation} would wait for the very call asking for it"
+                )
+            if operation == "load":
+                _, config, files = arguments
+                parameters: dict[str, Any] = dict(files)
+                if config:
+                    parameters["config"] = config
+                await self.host.load(name, parameters)
+            elif operation == "unload":
+                await self.host.unload(name, bool(arguments[1]))
+            elif operation == "ready":
+                result = await self.host.model_ready(name, _version(arguments[1]))
+            else:
+                raise UnsupportedError(f"unknown model control operation '{operation}'")
+        except TritonError as exc:
+            error: TritonError | None = exc
+        except Exception as exc:  # noqa: BLE001 - the model gets the error, the server stays up
+            log.exception("model control call from '%s' failed", self.instance.name)
+            error = InvalidArgumentError(f"{operation} failed: {exc}")
+        else:
+            error = None
+        worker = self.instance.worker
+        if worker is None or not worker.alive or worker.channel is None:
+            return
+        if error is None:
+            worker.channel.reply(corr, result)
+        else:
+            worker.channel.reply_error(corr, error)

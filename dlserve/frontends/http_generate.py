@@ -1,0 +1,175 @@
+"""Triton's generate extension: ``/generate`` and ``/generate_stream`` (server-sent events).
+
+One flat JSON object in — keys naming model inputs become tensors, ``parameters``
+holds request parameters, anything else is a parameter too — and for each response
+one flat JSON object out, outputs as plain JSON values. This is the shape LLM
+clients (LangChain, OpenAI-style proxies) speak. ``generate`` answers a model with
+exactly one response; ``generate_stream`` sends every response as an SSE ``data:``
+event as it is produced, so it serves decoupled models, and a client that
+disconnects cancels its request.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import numpy as np
+import orjson
+
+from dlserve.engine.request import Request, Response, TensorSpec
+from dlserve.errors import InvalidArgumentError, TritonError
+from dlserve.frontends.dataplane import DataPlane, InputSpec, parse_version
+from dlserve.frontends.http_server import HttpRequest, HttpResponse, decode_body
+from dlserve.memory.dtypes import DataType, numpy_dtype
+from dlserve.memory.tensor import Tensor
+
+_NOT_INPUTS = ("id", "parameters")
+
+
+def _shape(dims: tuple[int, ...], count: int) -> list[int]:
+    """The config's dims with a wildcard filled in from ``count`` values (or [count])."""
+    known = math.prod(d for d in dims if d != -1)
+    wildcards = sum(1 for d in dims if d == -1)
+    if wildcards == 0 and known == count:
+        return list(dims)
+    if wildcards == 1 and known and count % known == 0:
+        return [count // known if d == -1 else d for d in dims]
+    return [count]
+
+
+def _input(name: str, spec: TensorSpec, value: Any, batching: bool) -> InputSpec:
+    """A JSON value (a scalar or a possibly nested list) as an input of the model."""
+    values = value if isinstance(value, list) else [value]
+    data_type = spec.data_type
+    try:
+        if data_type is DataType.BYTES:
+            array = np.asarray(values, dtype=object).reshape(-1)
+            if any(isinstance(v, (list, dict)) for v in array):
+                raise ValueError("strings must be a string or a list of strings")
+            array = np.array(
+                [v.encode() if isinstance(v, str) else str(v).encode() for v in array], dtype=object
+            )
+        elif data_type in (DataType.FP16, DataType.BF16):
+            array = np.asarray(values, dtype=np.float32).astype(numpy_dtype(data_type)).reshape(-1)
+        else:
+            array = np.asarray(values, dtype=numpy_dtype(data_type)).reshape(-1)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise InvalidArgumentError(
+            f"generate: input '{name}' cannot be read as {data_type.wire_name}: {exc}"
+        ) from None
+    shape = _shape(spec.dims, array.size)
+    if batching:
+        shape = [1, *shape]
+    return InputSpec(name, data_type.wire_name, shape, array=array.reshape(shape))
+
+
+def _json_value(tensor: Tensor) -> Any:
+    if tensor.data_type is DataType.BYTES:
+        values: list[Any] = [
+            v.decode("utf-8", "replace") for v in tensor.to_bytes_array().reshape(-1).tolist()
+        ]
+    else:
+        array = tensor.as_numpy().reshape(-1)
+        if tensor.data_type in (DataType.FP16, DataType.BF16):
+            array = array.astype(np.float32)
+        values = array.tolist()
+    return values[0] if len(values) == 1 else values
+
+
+def _event(obj: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+class GenerateApi:
+    """The two generate routes over the shared data plane."""
+
+    def __init__(self, dataplane: DataPlane) -> None:
+        self.dataplane = dataplane
+        self.engine = dataplane.engine
+
+    def _request(self, request: HttpRequest, args: dict[str, str]) -> Request:
+        model = self.engine.model(args["model"], parse_version(args.get("version")))
+        body = decode_body(request)
+        try:
+            document = orjson.loads(bytes(body)) if len(body) else None
+        except orjson.JSONDecodeError as exc:
+            raise InvalidArgumentError(f"failed to parse the request JSON buffer: {exc}") from None
+        if not isinstance(document, dict):
+            raise InvalidArgumentError("generate: the request body must be a JSON object")
+        request_id = document.get("id", "")
+        if not isinstance(request_id, str):
+            raise InvalidArgumentError("generate: 'id' must be a string")
+        parameters = document.get("parameters") or {}
+        if not isinstance(parameters, dict):
+            raise InvalidArgumentError("generate: 'parameters' must be a JSON object")
+        parameters = dict(parameters)
+        signature = model.signature
+        batching = signature.max_batch_size > 0
+        inputs = []
+        for key, value in document.items():
+            if key in _NOT_INPUTS:
+                continue
+            spec = signature.inputs.get(key)
+            if spec is None:
+                parameters[key] = value  # not an input: a parameter for the model
+            else:
+                inputs.append(_input(key, spec, value, batching))
+        return self.dataplane.build_request(
+            model.name, model.version, request_id, parameters, inputs, None
+        )
+
+    async def generate(self, request: HttpRequest, args: dict[str, str]) -> HttpResponse:
+        engine_request = self._request(request, args)
+        answer: Response | None = None
+        async for response in self.dataplane.stream(engine_request):
+            if response.error is not None:
+                raise response.error
+            if response.flags_only:
+                continue
+            if answer is not None:
+                raise InvalidArgumentError(
+                    f"generate: model '{response.model_name}' sent more than one response; "
+                    "use generate_stream to receive them all"
+                )
+            answer = response
+        if answer is None:
+            raise InvalidArgumentError(
+                f"generate: model '{engine_request.model_name}' sent no response"
+            )
+        return HttpResponse(200, [orjson.dumps(_flat(answer))])
+
+    async def generate_stream(self, request: HttpRequest, args: dict[str, str]) -> HttpResponse:
+        responses = self.dataplane.stream(self._request(request, args))
+        return HttpResponse(
+            200,
+            content_type="text/event-stream",
+            headers=[("Cache-Control", "no-cache")],
+            stream=self._events(responses),
+        )
+
+    async def _events(self, responses: AsyncGenerator[Response, None]) -> AsyncGenerator[bytes, None]:
+        try:
+            async for response in responses:
+                if response.error is not None:
+                    yield _event({"error": response.error.message})
+                    return
+                if not response.flags_only:
+                    yield _event(_flat(response))
+        except TritonError as exc:
+            yield _event({"error": exc.message})
+        finally:
+            await responses.aclose()  # a client that went away cancels the request
+
+
+def _flat(response: Response) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    if response.request_id:
+        result["id"] = response.request_id
+    result["model_name"] = response.model_name
+    result["model_version"] = str(response.model_version)
+    for name, tensor in response.outputs.items():
+        result[name] = _json_value(tensor)
+    return result
+

@@ -1,0 +1,282 @@
+"""The worker side of what a model asks of the server: responses, cancellation, BLS, logs.
+
+:class:`WorkerRuntime` is what ``pb_utils`` reaches through ``_runtime.current()``
+inside a worker. Everything here may be called from any thread of the model: the
+channel is thread-safe and nothing here blocks the event loop of an ``async def
+execute`` model except where the model asked to wait (``exec``).
+
+A response travels as ``(outputs, error, parameters)``: outputs are wire tensors
+(:mod:`dlserve.ipc.tensors`), error is None or ``(code, message)``, parameters a
+JSON object string. A flag-only final response travels as None.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import threading
+import weakref
+from typing import Any
+
+from dlserve.errors import ErrorCode, TritonError
+from dlserve.ipc.channel import Stream, WorkerChannel
+from dlserve.ipc.protocol import Kind
+from dlserve.ipc.tensors import Peer
+from dlserve.memory.arena import Arena
+from dlserve.pb_utils.errors import TritonError as ModelError
+from dlserve.pb_utils.errors import TritonModelException
+from dlserve.pb_utils.inference import InferenceRequest, InferenceResponse
+from dlserve.pb_utils.sender import Exchange
+from dlserve.pb_utils.tensor import Tensor
+
+# The handles of the requests the current code runs for (set around execute), so a
+# BLS call names its callers and the server can see call cycles.
+current_handles: contextvars.ContextVar[tuple[int, ...] | None] = contextvars.ContextVar(
+    "dlserve_current_handles", default=None
+)
+
+ABANDONED = (
+    "the model let go of the request without sending its final response: execute "
+    "returned None (or the response sender was dropped) before a send with "
+    "flags=TRITONSERVER_RESPONSE_COMPLETE_FINAL"
+)
+
+
+def encode_response(
+    peer: Peer,
+    response: InferenceResponse,
+    requested: list[str],
+    destinations: dict[str, Any] | None,
+) -> tuple[Any, ...]:
+    """A model's response on the wire: requested outputs only, written into the
+    server's shared memory where it named a destination."""
+    error = response.error()
+    if error is not None:
+        return ((), (error.code(), error.message()), response.parameters())
+    outputs = []
+    for tensor in response.output_tensors():
+        name = tensor.name()
+        if name not in requested:
+            continue
+        destination = None if destinations is None else destinations.get(name)
+        if destination is None:
+            outputs.append(peer.export(name, tensor._tensor))
+            continue
+        try:
+            placed = tensor._tensor.write_into(destination)
+        except ValueError as exc:
+            message = f"output '{name}' {exc} (its shared memory region)"
+            return ((), (int(ErrorCode.INVALID_ARG), message), response.parameters())
+        outputs.append(peer.export(name, placed, by_reference=True))
+    return (outputs, None, response.parameters())
+
+
+def _error_response(message: str, code: int = int(ErrorCode.INTERNAL)) -> InferenceResponse:
+    return InferenceResponse._received([], ModelError(message, code), "{}")
+
+
+class WorkerRuntime:
+    """What pb_utils reaches through :mod:`dlserve.pb_utils._runtime` in a worker."""
+
+    def __init__(self, channel: WorkerChannel, peer: Peer, arena: Arena) -> None:
+        self.channel = channel
+        self.peer = peer
+        self.arena = arena
+        # The model's own event loop (``async def execute``); the main thread always
+        # reads the channel for it, so its coroutines can wait without a thread each.
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._exchanges: weakref.WeakValueDictionary[int, Exchange] = weakref.WeakValueDictionary()
+        self._early_cancels: set[int] = set()  # cancelled before their execute was read
+        self._cancel_lock = threading.Lock()
+        channel.on_cancel = self._cancelled
+
+    # -- logs, metrics, model control --------------------------------------------------
+    def log(self, level: int, message: str) -> None:
+        self.channel.send(Kind.LOG, 0, (level, message))
+
+    def request(self, kind: int, body: Any) -> Any:
+        try:
+            return self.channel.request(kind, body)
+        except TritonError as exc:
+            raise TritonModelException(exc.message) from None
+        except EOFError:
+            raise TritonModelException("the server closed the connection") from None
+
+    def notify(self, kind: int, body: Any) -> None:
+        self.channel.send(kind, 0, body)
+
+    # -- received requests -------------------------------------------------------------
+    def exchange(
+        self, handle: int, requested: list[str], destinations: dict[str, Any] | None, decoupled: bool
+    ) -> Exchange:
+        """The link back to the server for a request about to be handed to execute."""
+        exchange = Exchange(handle, requested, destinations, decoupled)
+        with self._cancel_lock:
+            self._exchanges[handle] = exchange
+            if self._early_cancels:
+                if handle in self._early_cancels:
+                    exchange.cancelled = True
+                # Handles arrive in increasing order: smaller ones are long gone.
+                self._early_cancels = {h for h in self._early_cancels if h > handle}
+        return exchange
+
+    def _cancelled(self, handles: list[int]) -> None:
+        """CANCEL from the server (on whichever thread reads the channel)."""
+        with self._cancel_lock:
+            for handle in handles:
+                exchange = self._exchanges.get(handle)
+                if exchange is not None:
+                    exchange.cancelled = True
+                else:
+                    self._early_cancels.add(handle)
+
+    def is_cancelled(self, exchange: Exchange) -> bool:
+        if not exchange.cancelled:
+            self.channel.poll()  # nobody may be reading: look at what has arrived
+        return exchange.cancelled
+
+    def send_response(self, exchange: Exchange, response: InferenceResponse | None, final: bool) -> None:
+        wire = None
+        if response is not None:
+            wire = encode_response(self.peer, response, exchange.requested, exchange.destinations)
+        self.channel.send(Kind.RESPONSE, 0, (exchange.handle, wire, final))
+
+    def abandon(self, exchange: Exchange) -> None:
+        exchange.closed = True
+        try:
+            wire = ((), (int(ErrorCode.INTERNAL), ABANDONED), "{}")
+            self.channel.send(Kind.RESPONSE, 0, (exchange.handle, wire, True))
+        except Exception:  # noqa: BLE001 - runs in a finalizer: the server may be gone
+            pass
+
+    # -- BLS ---------------------------------------------------------------------------
+    def _call_body(self, request: InferenceRequest, decoupled: bool) -> tuple[Any, ...]:
+        inputs = [self.peer.export(tensor.name(), tensor._tensor) for tensor in request._inputs]
+        return (
+            request._model_name,
+            request._model_version,
+            inputs,
+            list(request._requested) or None,
+            request._request_id,
+            request._correlation_id,
+            request._flags,
+            request._timeout,
+            request._parameters,
+            decoupled,
+            current_handles.get(),
+        )
+
+    def _start(self, request: InferenceRequest, decoupled: bool, stream: Stream) -> int | InferenceResponse:
+        """Send the call; an error response instead if it cannot even be sent."""
+        try:
+            return self.channel.call(Kind.BLS, self._call_body(request, decoupled), stream)
+        except EOFError:
+            return _error_response("the server closed the connection", int(ErrorCode.UNAVAILABLE))
+        except (TritonError, ValueError, MemoryError) as exc:
+            return _error_response(f"cannot send the BLS request: {exc}")
+
+    def decode(self, body: Any) -> tuple[InferenceResponse, bool]:
+        """A BLS_RESPONSE message as the response the model sees, and its final flag."""
+        wire, final = body
+        if wire is None:
+            return InferenceResponse._received([], None, "{}"), final
+        outputs_wire, error, parameters = wire
+        if error is not None:
+            return InferenceResponse._received([], ModelError(error[1], error[0]), parameters), final
+        outputs = [Tensor(*self.peer.import_(w)) for w in outputs_wire]
+        return InferenceResponse._received(outputs, None, parameters), final
+
+    def infer(self, request: InferenceRequest, decoupled: bool) -> Any:
+        stream = Stream()
+        started = self._start(request, decoupled, stream)
+        if isinstance(started, InferenceResponse):
+            return iter([started]) if decoupled else started
+        iterator = ResponseIterator(self, started, stream)
+        return iterator if decoupled else iterator.single()
+
+    async def async_infer(self, request: InferenceRequest, decoupled: bool) -> Any:
+        loop = asyncio.get_running_loop()
+        if loop is not self.loop:
+            # A loop of the model's own making: nobody is sure to read the channel
+            # while it waits, so wait (and read) on a pool thread, as Triton does.
+            return await loop.run_in_executor(None, self.infer, request, decoupled)
+        iterator = ResponseIterator(self, 0, Stream(), loop)
+        started = self._start(request, decoupled, iterator.stream)
+        if isinstance(started, InferenceResponse):
+            return iter([started]) if decoupled else started
+        iterator.corr = started
+        if decoupled:
+            return iterator
+        return await iterator.__anext__()
+
+
+class ResponseIterator:
+    """The responses of a BLS call with ``decoupled=True``, in order, the last one
+    final; ``for`` blocks between them, ``async for`` (inside the model's event loop)
+    lets other coroutines run. Like Triton's, it yields the flag-only final response
+    as an empty one."""
+
+    def __init__(
+        self,
+        runtime: WorkerRuntime,
+        corr: int,
+        stream: Stream,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        self.runtime = runtime
+        self.corr = corr
+        self.stream = stream
+        self._done = False
+        self._arrived: asyncio.Event | None = None
+        if loop is not None:
+            arrived = self._arrived = asyncio.Event()
+            stream.on_item = lambda item: loop.call_soon_threadsafe(arrived.set)
+
+    def _take(self) -> InferenceResponse:
+        if self.stream.items:
+            response, final = self.runtime.decode(self.stream.items.popleft())
+            self._done = final
+            return response
+        self._done = True
+        return _error_response("the server closed the connection", int(ErrorCode.UNAVAILABLE))
+
+    def __iter__(self) -> ResponseIterator:
+        return self
+
+    def __next__(self) -> InferenceResponse:
+        if self._done:
+            raise StopIteration
+        if not self.stream.items:
+            try:
+                self.runtime.channel.wait_stream(self.stream)
+            except EOFError:
+                pass
+        return self._take()
+
+    def __aiter__(self) -> ResponseIterator:
+        return self
+
+    async def __anext__(self) -> InferenceResponse:
+        if self._done:
+            raise StopAsyncIteration
+        arrived = self._arrived
+        if arrived is None:  # made by a blocking exec(): wait on a pool thread
+            return await asyncio.get_running_loop().run_in_executor(None, self.__next__)
+        stream = self.stream
+        while not stream.items and not stream.closed:
+            arrived.clear()
+            if stream.items or stream.closed:
+                break
+            await arrived.wait()
+        return self._take()
+
+    def single(self) -> InferenceResponse:
+        """The one response of a non-decoupled call."""
+        return self.__next__()
+
+    def cancel(self) -> None:
+        """Cancel the call: the server cancels the request on the model it runs on
+        (queued: dropped; executing: its ``is_cancelled()`` turns True) and ends
+        this iterator with a CANCELLED response."""
+        if not self._done and self.corr:
+            self.runtime.channel.send(Kind.BLS_CANCEL, 0, self.corr)

@@ -1,0 +1,216 @@
+"""BLS (models calling models) and the model-loading API from inside models.
+
+Through the in-process API and tritonclient: results, zero-copy hand-over,
+errors returned in the response, decoupled calls and their cancellation, async
+calls, and calls that would wait on themselves (cycles, self-calls).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+
+import dlserve
+from dlserve import ModelControlMode
+from dlserve.errors import ErrorCode
+from dlserve.frontends import KServeHttp
+
+from ..conftest import MODELS, ServerHarness
+
+LOADED = ["bls", "bls_peer", "bls_pool", "bls_async", "identity", "decoupled", "async_overlap", "add_sub"]
+BIG = np.arange(64 * 1024, dtype=np.float32)  # 256 KiB: travels by reference
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    repo = tmp_path_factory.mktemp("repo")
+    for name in LOADED:
+        shutil.copytree(MODELS / name, repo / name)
+    harness = ServerHarness()
+    srv = harness.start(repo)
+    yield srv
+    harness.close()
+
+
+def call(server, model: str, data=BIG, **parameters):
+    (response,) = server.model(model).infer(
+        inputs={"INPUT0": data}, parameters=parameters, raise_on_error=False
+    )
+    info = None
+    if "INFO" in response.outputs:
+        info = json.loads(response.outputs["INFO"].to_bytes_array()[0])
+    return response, info
+
+
+def test_bls_result_and_zero_copy(server):
+    response, info = call(server, "bls", route="identity")
+    np.testing.assert_array_equal(np.from_dlpack(response.outputs["OUTPUT0"]), BIG)
+    # identity returned its input by reference; the caller got it back in the very
+    # memory it sent: no copy on the way there or back.
+    assert info == {"same_memory": True, "via": "identity"}
+
+
+def test_bls_chain_of_models(server):
+    response, info = call(server, "bls", route="bls_peer,identity")
+    assert response.error is None and info["via"] == "bls_peer"
+    np.testing.assert_array_equal(np.from_dlpack(response.outputs["OUTPUT0"]), BIG)
+
+
+def test_bls_errors_come_back_in_the_response(server):
+    response, _ = call(server, "bls", route="no_such_model")
+    assert isinstance(response.error, dlserve.TritonError)
+    assert "no_such_model" in response.error.message
+    response, _ = call(server, "bls", route="identity", mode="missing_input")
+    assert "missing required input(s) ['INPUT0']" in response.error.message
+
+
+def test_bls_call_cycle_is_refused(server):
+    response, _ = call(server, "bls", route="bls_peer,bls,identity")
+    assert isinstance(response.error, dlserve.InvalidArgumentError)
+    assert "BLS call cycle bls -> bls_peer -> bls" in response.error.message
+
+
+def test_bls_self_call_without_a_free_instance_is_refused(server):
+    response, _ = call(server, "bls", route="bls,identity")
+    assert isinstance(response.error, dlserve.UnavailableError)
+    assert "called itself" in response.error.message and "no other instance free" in response.error.message
+
+
+def test_bls_self_call_with_a_free_instance_runs(server):
+    response, info = call(server, "bls_pool", route="bls_pool,identity")
+    assert response.error is None and info["via"] == "bls_pool"
+    # one level deeper there is no free instance left
+    response, _ = call(server, "bls_pool", route="bls_pool,bls_pool,identity")
+    assert "no other instance free" in response.error.message
+
+
+def test_bls_decoupled_iterates_every_response(server):
+    response, info = call(server, "bls", data=np.array([3, 4, 5], np.float32), route="decoupled", mode="decoupled")
+    assert info["values"] == [3, 4, 5]
+    # like Triton, the flag-only final comes out as an empty last response
+    assert [r["outputs"] for r in info["responses"]] == [["OUT"], ["OUT"], ["OUT"], []]
+
+
+def test_bls_non_decoupled_call_into_a_decoupled_model_is_an_error(server):
+    response, _ = call(server, "bls", data=np.array([1], np.float32), route="decoupled")
+    assert "is decoupled: call it with exec(decoupled=True)" in response.error.message
+
+
+def test_bls_decoupled_call_into_a_plain_model_gives_one_response(server):
+    response, info = call(server, "bls", data=np.array([1], np.float32), route="add_sub", mode="decoupled")
+    # add_sub wants two inputs of 4: the error response is the only, final one
+    assert len(info["responses"]) == 1 and info["responses"][0]["error"] is not None
+
+
+def test_bls_cancel_ends_the_callee_stream(server):
+    response, info = call(
+        server,
+        "bls",
+        data=np.arange(100, dtype=np.float32),
+        route="decoupled",
+        mode="cancel",
+        inner_mode="thread",
+        delay_ms=20,
+    )
+    seen = info["responses"]
+    assert seen[0]["outputs"] == ["OUT"]
+    assert seen[-1]["error"][0] == int(ErrorCode.CANCELLED)
+    assert len(seen) < 10  # it did not stream all 100
+    # the callee saw the cancellation (at its next check) and stopped early
+    assert wait_for_note(server, "cancelled while streaming")
+
+
+def wait_for_note(server, note: str, timeout: float = 5.0) -> bool:
+    """Whether the decoupled test model records ``note`` within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        (response,) = server.model("decoupled").infer(
+            inputs={"IN": np.array([0], np.int32)}, parameters={"mode": "notes"}
+        )
+        if note in json.loads(response.outputs["INFO"].to_bytes_array()[0]):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_async_bls_calls_overlap(server):
+    response, info = call(server, "bls_async", mode="gather", count=4, sleep_ms=200)
+    assert info["errors"] == []
+    assert info["peak"] == 4  # all four calls ran at once in async_overlap
+
+
+@pytest.mark.parametrize("mode", ["stream", "cancel"])
+def test_async_bls_into_a_decoupled_model(server, mode):
+    data = np.arange(5, dtype=np.float32) if mode == "stream" else np.arange(100, dtype=np.float32)
+    response, info = call(server, "bls_async", data=data, mode=mode, delay_ms=10)
+    if mode == "stream":
+        assert info == {"values": [0, 1, 2, 3, 4], "count": 6, "errors": []}
+    else:
+        assert info["values"][0] == 0 and info["count"] < 20
+        assert info["errors"][-1][0] == int(ErrorCode.CANCELLED)
+
+
+def test_bls_through_http_with_tritonclient(server):
+    service = KServeHttp(server, KServeHttp.Options(address="127.0.0.1", port=0))
+    service.start()
+    try:
+        with httpclient.InferenceServerClient(f"127.0.0.1:{service.port}") as client:
+            tensor = httpclient.InferInput("INPUT0", list(BIG.shape), "FP32")
+            tensor.set_data_from_numpy(BIG, binary_data=True)
+            result = client.infer("bls", [tensor], parameters={"route": "bls_peer,identity"})
+            np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), BIG)
+    finally:
+        service.stop()
+
+
+def test_bls_leaves_no_leases_behind(server):
+    for _ in range(50):
+        call(server, "bls", route="identity")
+    engine = server.engine
+    for instance in engine.instances():
+        worker = instance.worker
+        assert worker is not None and worker.peer is not None
+    # Every lease the server granted a worker was returned once the calls were done.
+    leases = {i.name: i.worker.peer.lease_count for i in engine.instances()}
+    assert all(count == 0 for count in leases.values()), leases
+
+
+# -- model control from a model ----------------------------------------------------------------
+def control(server, **parameters):
+    (response,) = server.model("model_control").infer(
+        inputs={"INPUT0": np.zeros(1, np.float32)}, parameters=parameters
+    )
+    return json.loads(response.outputs["INFO"].to_bytes_array()[0])
+
+
+def test_model_loading_api_in_explicit_mode(make_repo, servers):
+    srv = servers.start(
+        make_repo("model_control", "identity"),
+        model_control_mode=ModelControlMode.EXPLICIT,
+        startup_models=["model_control"],
+    )
+    srv.model("model_control")  # loaded
+    assert control(srv, op="ready", target="identity") == {"ready": False}
+    assert control(srv, op="load", target="identity") == {"ok": True}
+    assert control(srv, op="ready", target="identity") == {"ready": True}
+    assert control(srv, op="ready", target="identity", version="1") == {"ready": True}
+    assert control(srv, op="ready", target="identity", version="7") == {"ready": False}
+    assert srv.model("identity").ready()
+    assert control(srv, op="unload", target="identity") == {"ok": True}
+    assert control(srv, op="ready", target="identity") == {"ready": False}
+    outcome = control(srv, op="load", target="no_such_model")
+    assert "no_such_model" in outcome["error"]
+    outcome = control(srv, op="unload", target="model_control")
+    assert "cannot unload itself" in outcome["error"]
+
+
+def test_model_loading_api_needs_explicit_mode(make_repo, servers):
+    srv = servers.start(make_repo("model_control", "identity"))
+    srv.model("model_control")
+    outcome = control(srv, op="load", target="identity")
+    assert "EXPLICIT" in outcome["error"]

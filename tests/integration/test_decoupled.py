@@ -1,0 +1,310 @@
+"""Decoupled models, the response sender in both modes, and ``async def execute``,
+through the in-process API and tritonclient's gRPC streaming (sync and aio)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import time
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as aioclient
+from tritonclient.utils import InferenceServerException
+
+import dlserve
+from dlserve.frontends import KServeGrpc
+
+from ..conftest import ServerHarness
+
+MODELS = ["decoupled", "default_sender", "async_overlap", "add_sub"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    repo = tmp_path_factory.mktemp("repo")
+    import shutil
+
+    from ..conftest import MODELS as SOURCE
+
+    for name in MODELS:
+        shutil.copytree(SOURCE / name, repo / name)
+    harness = ServerHarness()
+    srv = harness.start(repo)
+    yield srv
+    harness.close()
+
+
+@pytest.fixture(scope="module")
+def grpc_url(server):
+    service = KServeGrpc(server, KServeGrpc.Options(address="127.0.0.1", port=0))
+    service.start()
+    yield f"127.0.0.1:{service.port}"
+    service.stop()
+
+
+def stream(server, mode: str, values, **parameters):
+    """Every response of one request to the decoupled model, in order."""
+    return list(
+        server.model("decoupled").infer(
+            inputs={"IN": np.array(values, np.int32)},
+            parameters={"mode": mode, **parameters},
+            raise_on_error=False,
+        )
+    )
+
+
+def value_of(response) -> int | None:
+    out = response.outputs.get("OUT")
+    return None if out is None else int(np.from_dlpack(out)[0])
+
+
+def notes(server) -> list[str]:
+    (response,) = stream(server, "notes", [0])
+    return json.loads(response.outputs["INFO"].to_bytes_array()[0])
+
+
+# -- in-process ---------------------------------------------------------------------------
+def test_responses_in_order_then_a_flag_only_final(server):
+    responses = stream(server, "stream", [5, 6, 7])
+    assert [value_of(r) for r in responses] == [5, 6, 7, None]
+    assert [r.final for r in responses] == [False, False, False, True]
+    assert responses[-1].outputs == {} and responses[-1].error is None
+
+
+def test_final_flag_on_the_last_response(server):
+    responses = stream(server, "final_with_last", [1, 2])
+    assert [(value_of(r), r.final) for r in responses] == [(1, False), (2, True)]
+
+
+def test_responses_from_a_thread_after_execute_returned(server):
+    responses = stream(server, "thread", list(range(20)), delay_ms=1)
+    assert [value_of(r) for r in responses] == list(range(20)) + [None]
+
+
+def test_error_mid_stream_is_final_and_keeps_its_code(server):
+    responses = stream(server, "error_mid", [3, 4])
+    assert value_of(responses[0]) == 3 and not responses[0].final
+    assert isinstance(responses[1].error, dlserve.InvalidArgumentError)
+    assert responses[1].error.message == "failed halfway" and responses[1].final
+    assert len(responses) == 2
+
+
+def test_exception_after_a_response_fails_the_request(server):
+    responses = stream(server, "raise_after_one", [9])
+    assert value_of(responses[0]) == 9 and not responses[0].final
+    assert responses[-1].final and isinstance(responses[-1].error, dlserve.InternalError)
+    assert "execute broke after one response" in responses[-1].error.message
+
+
+def test_decoupled_execute_returning_a_list_is_an_error(server):
+    (response,) = stream(server, "return_list", [1])
+    assert response.final and "must return None" in response.error.message
+
+
+def test_dropped_sender_sends_a_final_error(server):
+    """A model that lets go of a request without its final must not hang the caller."""
+    responses = stream(server, "drop_sender", [2])
+    assert value_of(responses[0]) == 2
+    assert responses[-1].final
+    assert "without sending its final response" in responses[-1].error.message
+
+
+def test_sending_after_the_final_raises_in_the_model(server):
+    (response,) = stream(server, "send_after_final", [1])
+    assert value_of(response) == 1 and response.final
+    assert "Unable to send response. Response sender has been closed." in notes(server)
+
+
+def test_never_final_request_ends_when_cancelled(server):
+    iterator = server.model("decoupled").infer(
+        inputs={"IN": np.array([1], np.int32)}, parameters={"mode": "never_final"}, raise_on_error=False
+    )
+    first = next(iterator)
+    assert value_of(first) == 1 and not first.final
+    iterator.cancel()
+    (last,) = list(iterator)
+    assert last.final and isinstance(last.error, dlserve.CancelledError)
+
+
+def test_many_concurrent_streams(server):
+    async def run():
+        async def one(i):
+            responses = [
+                r
+                async for r in server.model("decoupled").async_infer(
+                    inputs={"IN": np.arange(i, i + 10, dtype=np.int32)},
+                    parameters={"mode": "thread"},
+                )
+            ]
+            return [value_of(r) for r in responses]
+
+        return await asyncio.gather(*(one(i) for i in range(30)))
+
+    results = asyncio.run(run())
+    assert results == [list(range(i, i + 10)) + [None] for i in range(30)]
+
+
+# -- the response sender in default mode -------------------------------------------------------
+def sender_mode(server, mode: str):
+    return list(
+        server.model("default_sender").infer(
+            inputs={"IN": np.array([1, 2], np.int32)}, parameters={"mode": mode}, raise_on_error=False
+        )
+    )
+
+
+@pytest.mark.parametrize("mode", ["send_final", "send_then_flag"])
+def test_default_mode_sender_gives_one_final_response(server, mode):
+    (response,) = sender_mode(server, mode)
+    assert response.final and response.error is None
+    np.testing.assert_array_equal(np.from_dlpack(response.outputs["OUT"]), [2, 4])
+
+
+def test_default_mode_sender_refuses_a_second_response_and_an_early_final(server):
+    def errors_of(mode):
+        (response,) = sender_mode(server, mode)
+        assert response.final and response.error is None  # the one allowed response went out
+        return json.loads(sender_mode(server, "last_errors")[0].outputs["INFO"].to_bytes_array()[0])
+
+    twice = errors_of("twice")
+    early = errors_of("final_first")
+    assert twice == ["Unable to send response. Non-decoupled model cannot send more than one response."]
+    assert early == [
+        "Unable to send response. Non-decoupled model cannot send complete final before sending a response."
+    ]
+
+
+def test_default_mode_execute_returning_none_without_answering_fails_the_request(server):
+    (response,) = sender_mode(server, "silent")
+    assert response.final and "without sending its final response" in response.error.message
+
+
+# -- async execute ---------------------------------------------------------------------------
+def test_async_execute_overlaps_up_to_the_configured_bound(server):
+    """ASYNC_EXECUTE_CONCURRENCY is 4: eight 200 ms requests take two rounds, not eight."""
+
+    async def run():
+        calls = [
+            server.model("async_overlap").async_infer(inputs={"IN": np.array([200], np.int32)})
+            for _ in range(8)
+        ]
+
+        async def first(iterator):
+            return [r async for r in iterator][0]
+
+        started = time.monotonic()
+        responses = await asyncio.gather(*(first(c) for c in calls))
+        return responses, time.monotonic() - started
+
+    responses, elapsed = asyncio.run(run())
+    peaks = [int(np.from_dlpack(r.outputs["OUT"])[0]) for r in responses]
+    assert max(peaks) == 4  # never more than the bound at once
+    assert elapsed < 8 * 0.2  # and they did overlap
+
+
+# -- gRPC streaming ---------------------------------------------------------------------------
+def stream_input(values) -> grpcclient.InferInput:
+    tensor = grpcclient.InferInput("IN", [len(values)], "INT32")
+    tensor.set_data_from_numpy(np.array(values, np.int32))
+    return tensor
+
+
+def collect(results: queue.Queue, until_final: bool, count: int | None = None) -> list:
+    got = []
+    while True:
+        result, error = results.get(timeout=20)
+        got.append((result, error))
+        response = result.get_response() if result is not None else None
+        final = (
+            response is not None
+            and "triton_final_response" in response.parameters
+            and response.parameters["triton_final_response"].bool_param
+        )
+        if (until_final and final) or (count is not None and len(got) == count):
+            return got
+
+
+def test_grpc_stream_without_empty_finals(grpc_url):
+    results: queue.Queue = queue.Queue()
+    with grpcclient.InferenceServerClient(grpc_url) as client:
+        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        client.async_stream_infer("decoupled", [stream_input([1, 2, 3])], request_id="a")
+        got = collect(results, until_final=False, count=3)
+        client.stop_stream()
+    assert [r.as_numpy("OUT").tolist() for r, _ in got] == [[1], [2], [3]]
+    assert all(r.get_response().id == "a" for r, _ in got)
+    assert results.empty()  # the flag-only final was not sent
+
+
+def test_grpc_stream_with_empty_final(grpc_url):
+    results: queue.Queue = queue.Queue()
+    with grpcclient.InferenceServerClient(grpc_url) as client:
+        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        client.async_stream_infer(
+            "decoupled", [stream_input([4, 5])], enable_empty_final_response=True
+        )
+        got = collect(results, until_final=True)
+        client.stop_stream()
+    assert [r.as_numpy("OUT") is not None for r, _ in got] == [True, True, False]
+    finals = [r.get_response().parameters["triton_final_response"].bool_param for r, _ in got]
+    assert finals == [False, False, True]
+
+
+def test_grpc_stream_error_mid_stream(grpc_url):
+    results: queue.Queue = queue.Queue()
+    with grpcclient.InferenceServerClient(grpc_url) as client:
+        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        client.async_stream_infer(
+            "decoupled", [stream_input([7, 8])], parameters={"mode": "error_mid"}
+        )
+        got = collect(results, until_final=False, count=2)
+        # the stream stays usable after an error
+        client.async_stream_infer("decoupled", [stream_input([1])])
+        after = collect(results, until_final=False, count=1)
+        client.stop_stream()
+    (first, error0), (second, error1) = got
+    assert first.as_numpy("OUT").tolist() == [7] and error0 is None
+    assert second is None and isinstance(error1, InferenceServerException)
+    assert "failed halfway" in error1.message()
+    assert after[0][0].as_numpy("OUT").tolist() == [1]
+
+
+def test_grpc_unary_infer_refuses_a_decoupled_model(grpc_url):
+    with grpcclient.InferenceServerClient(grpc_url) as client:
+        with pytest.raises(InferenceServerException) as info:
+            client.infer("decoupled", [stream_input([1])])
+    assert "doesn't support models with decoupled transaction policy" in info.value.message()
+    assert info.value.status() == "StatusCode.UNIMPLEMENTED"
+
+
+def test_grpc_aio_stream_interleaves_requests(grpc_url):
+    """Five requests streaming at once on one stream; each one's responses stay in order.
+    (The aio client cannot ask for empty finals, so it counts the responses.)"""
+
+    async def run():
+        async with aioclient.InferenceServerClient(grpc_url) as client:
+
+            async def requests():
+                for i in range(5):
+                    yield {
+                        "model_name": "decoupled",
+                        "inputs": [stream_input([i, i + 10, i + 20])],
+                        "request_id": str(i),
+                        "parameters": {"mode": "thread", "delay_ms": 2},
+                    }
+
+            by_id: dict[str, list] = {}
+            received = 0
+            async for result, error in client.stream_infer(requests()):
+                assert error is None
+                by_id.setdefault(result.get_response().id, []).append(int(result.as_numpy("OUT")[0]))
+                received += 1
+                if received == 15:
+                    break
+            return by_id
+
+    by_id = asyncio.run(run())
+    assert by_id == {str(i): [i, i + 10, i + 20] for i in range(5)}

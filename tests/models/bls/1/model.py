@@ -1,0 +1,78 @@
+"""BLS test model. Request parameters:
+
+- "route": comma-separated models to call in turn (each hop calls the next one
+  with the rest of the route); empty: answer OUTPUT0 = INPUT0 here.
+- "mode" (for this hop's call): "exec"; "decoupled" (call the decoupled test
+  model with IN = INPUT0 as int32 and collect everything); "cancel" (the same,
+  cancelling after the first response); "missing_input".
+
+INFO is a JSON object saying what happened (e.g. whether the output came back
+in the very memory of the input, i.e. without a copy).
+"""
+
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+def reply(output, info):
+    tensors = [pb_utils.Tensor("INFO", np.array([json.dumps(info).encode()], np.object_))]
+    if output is not None:
+        tensors.append(pb_utils.Tensor("OUTPUT0", output))
+    return pb_utils.InferenceResponse(tensors)
+
+
+def describe(response):
+    error = response.error()
+    return {
+        "outputs": [t.name() for t in response.output_tensors()],
+        "error": None if error is None else [error.code(), error.message()],
+    }
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.name = args["model_name"]
+
+    def execute(self, requests):
+        return [self.answer(request) for request in requests]
+
+    def answer(self, request):
+        params = json.loads(request.parameters())
+        route = [m for m in params.get("route", "").split(",") if m]
+        mode = params.get("mode", "exec")
+        x = pb_utils.get_input_tensor_by_name(request, "INPUT0")
+        if not route:
+            return reply(x.as_numpy(), {"model": self.name})
+        target, rest = route[0], ",".join(route[1:])
+        if mode in ("decoupled", "cancel"):
+            call = pb_utils.InferenceRequest(
+                model_name=target,
+                inputs=[pb_utils.Tensor("IN", x.as_numpy().astype(np.int32))],
+                requested_output_names=["OUT"],
+                parameters={"mode": params.get("inner_mode", "stream"), "delay_ms": params.get("delay_ms", 0)},
+            )
+            responses = call.exec(decoupled=True)
+            seen, values = [], []
+            for response in responses:
+                seen.append(describe(response))
+                out = pb_utils.get_output_tensor_by_name(response, "OUT")
+                if out is not None:
+                    values.append(int(out.as_numpy()[0]))
+                if mode == "cancel" and len(seen) == 1:
+                    responses.cancel()
+            return reply(None, {"responses": seen, "values": values})
+        inputs = [] if mode == "missing_input" else [x]
+        call = pb_utils.InferenceRequest(
+            model_name=target,
+            inputs=inputs,
+            requested_output_names=["OUTPUT0"],
+            parameters={"route": rest, "mode": params.get("inner_mode", "exec")},
+        )
+        answer = call.exec()
+        if answer.has_error():
+            return pb_utils.InferenceResponse(error=answer.error())
+        out = pb_utils.get_output_tensor_by_name(answer, "OUTPUT0").as_numpy()
+        same = out.__array_interface__["data"][0] == x.as_numpy().__array_interface__["data"][0]
+        return reply(out, {"same_memory": bool(same), "via": target})
