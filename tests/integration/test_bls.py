@@ -22,7 +22,17 @@ from dlserve.frontends import KServeHttp
 
 from ..conftest import MODELS, ServerHarness
 
-LOADED = ["bls", "bls_peer", "bls_pool", "bls_async", "identity", "decoupled", "async_overlap", "add_sub"]
+LOADED = [
+    "bls",
+    "bls_peer",
+    "bls_pool",
+    "bls_async",
+    "async_decoupled_bls",
+    "identity",
+    "decoupled",
+    "async_overlap",
+    "add_sub",
+]
 BIG = np.arange(64 * 1024, dtype=np.float32)  # 256 KiB: travels by reference
 
 
@@ -153,6 +163,17 @@ def test_async_bls_into_a_decoupled_model(server, mode):
     else:
         assert info["values"][0] == 0 and info["count"] < 20
         assert info["errors"][-1][0] == int(ErrorCode.CANCELLED)
+
+
+def test_async_bls_inside_a_decoupled_model(server):
+    responses = list(
+        server.model("async_decoupled_bls").infer(
+            inputs={"INPUT0": np.zeros(3, np.float32)}, parameters={"count": 5}
+        )
+    )
+    assert [r.final for r in responses] == [False] * 5 + [True]
+    values = sorted(int(np.from_dlpack(r.outputs["OUTPUT0"])[0]) for r in responses[:-1])
+    assert values == [0, 1, 2, 3, 4]
 
 
 def test_bls_through_http_with_tritonclient(server):

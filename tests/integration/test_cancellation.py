@@ -247,7 +247,7 @@ def soak(server, grpc_url) -> None:
             assert error is None
         client.stop_stream()
     big = np.ones(64 * 1024, np.float32)  # 256 KiB each way, by reference
-    for _ in range(100):
+    for _ in range(300):
         (response,) = server.model("bls").infer(inputs={"INPUT0": big}, parameters={"route": "identity"})
         assert response.error is None
 
@@ -256,7 +256,7 @@ def test_streams_and_bls_calls_leak_nothing(server, grpc_url):
     soak(server, grpc_url)  # warm up: arenas, slabs, caches reach their working size
     fds, shm, rss = open_fds(), segments(server), stub_rss(server)
     for _ in range(3):
-        soak(server, grpc_url)  # 3000 streamed responses and 300 BLS calls
+        soak(server, grpc_url)  # 3000 streamed responses and 900 BLS calls
     assert segments(server) <= shm
     assert len(open_fds() - fds) <= 2  # gRPC may keep a socket or two around
     grown = {name: stub_rss(server)[name] - before for name, before in rss.items()}

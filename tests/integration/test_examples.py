@@ -8,12 +8,14 @@ then prove, through their ZERO_COPY output, that they used the request's memory.
 
 from __future__ import annotations
 
+import asyncio
 import glob
 import importlib
 import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -26,8 +28,19 @@ from ..conftest import EXAMPLES, ServerHarness
 
 ROOT = EXAMPLES.parent.parent
 RUN_EXAMPLES = ROOT / "examples" / "run_examples.py"
+CLIENTS = ROOT / "examples" / "clients"
 
-PLAIN_MODELS = ["add_sub", "identity", "string_upper", "auto_complete"]
+PLAIN_MODELS = [
+    "add_sub",
+    "identity",
+    "string_upper",
+    "auto_complete",
+    "repeat",
+    "square",
+    "bls_sync",
+    "bls_async",
+    "bls_decoupled",
+]
 # model -> (module that must import, pip extra)
 FRAMEWORK_MODELS = {
     "pytorch_add_sub": ("torch", "torch"),
@@ -165,6 +178,158 @@ def test_auto_complete_serves_batches_of_up_to_four(server):
         server.model("auto_complete").infer(inputs={"INPUT0": five, "INPUT1": five})
 
 
+# -- repeat (decoupled) -------------------------------------------------------------------
+def scalar(response, name: str) -> int | None:
+    """The one value of output ``name``; None when the response does not have it."""
+    tensor = response.outputs.get(name)
+    return None if tensor is None else int(np.from_dlpack(tensor)[0])
+
+
+def repeat(server: dlserve.Server, values, delays=None, **kwargs):
+    inputs = {"IN": np.array(values, np.int32)}
+    if delays is not None:
+        inputs["DELAY"] = np.array(delays, np.uint32)
+    return server.model("repeat").infer(inputs=inputs, **kwargs)
+
+
+def test_repeat_streams_each_value_with_its_index_then_a_flag_only_final(server):
+    responses = list(repeat(server, [5, -1, 7]))
+    assert [(scalar(r, "OUT"), scalar(r, "IDX")) for r in responses] == [
+        (5, 0), (-1, 1), (7, 2), (None, None)
+    ]
+    assert [r.final for r in responses] == [False, False, False, True]
+    assert responses[-1].outputs == {} and all(r.error is None for r in responses)
+    out, idx = responses[0].outputs["OUT"], responses[0].outputs["IDX"]
+    assert (out.data_type, out.shape) == (DataType.INT32, (1,))
+    assert (idx.data_type, idx.shape) == (DataType.UINT32, (1,))
+
+
+def test_repeat_of_no_values_is_only_the_final(server):
+    (response,) = repeat(server, [])
+    assert response.final and response.outputs == {} and response.error is None
+
+
+def test_repeat_waits_delay_milliseconds_before_each_response(server):
+    started = time.monotonic()
+    responses = list(repeat(server, [1, 2], delays=[60, 60]))
+    assert [scalar(r, "OUT") for r in responses] == [1, 2, None]
+    assert time.monotonic() - started >= 0.12
+
+
+def test_repeat_refuses_delays_that_do_not_match_the_values(server):
+    with pytest.raises(dlserve.TritonError, match="DELAY has 1 elements, IN has 2: they must"):
+        list(repeat(server, [1, 2], delays=[0]))
+
+
+def test_repeat_cancelled_ends_with_a_cancelled_response(server):
+    iterator = repeat(server, range(50), delays=[20] * 50, raise_on_error=False)
+    first, second = next(iterator), next(iterator)
+    assert [scalar(first, "IDX"), scalar(second, "IDX")] == [0, 1]
+    iterator.cancel()
+    rest = list(iterator)
+    last = rest[-1]
+    assert last.final and isinstance(last.error, dlserve.CancelledError) and last.outputs == {}
+    # At most what was already on its way before the cancel, in order; never all 50.
+    assert [scalar(r, "IDX") for r in rest[:-1]] == list(range(2, len(rest) + 1))
+    assert len(rest) < 10
+    # The server is unharmed: the next request streams in full.
+    assert [scalar(r, "OUT") for r in repeat(server, [3, 4])] == [3, 4, None]
+
+
+# -- square (decoupled, async def execute) ------------------------------------------------
+def square(server: dlserve.Server, n: int, **kwargs):
+    return server.model("square").infer(inputs={"IN": np.array([n], np.int32)}, **kwargs)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_square_streams_n_responses_of_n_the_last_one_final(server, n):
+    responses = list(square(server, n))
+    assert [(scalar(r, "OUT"), r.final) for r in responses] == [(n, i == n - 1) for i in range(n)]
+    assert all(r.error is None for r in responses)
+
+
+def test_square_of_zero_is_a_single_flag_only_final(server):
+    (response,) = square(server, 0)
+    assert response.final and response.outputs == {} and response.error is None
+
+
+def test_square_of_a_negative_number_is_an_invalid_argument(server):
+    with pytest.raises(dlserve.InvalidArgumentError, match=r"IN must be >= 0, got -1"):
+        list(square(server, -1))
+    (response,) = square(server, -1, raise_on_error=False)
+    assert response.final and isinstance(response.error, dlserve.InvalidArgumentError)
+
+
+def test_square_streams_concurrent_requests_each_to_its_own_caller(server):
+    async def one(n: int) -> list[int | None]:
+        iterator = server.model("square").async_infer(inputs={"IN": np.array([n], np.int32)})
+        return [scalar(r, "OUT") async for r in iterator]
+
+    async def run():
+        return await asyncio.gather(*(one(n) for n in range(8)))
+
+    assert asyncio.run(run()) == [[n] * n if n else [None] for n in range(8)]
+
+
+# -- BLS ----------------------------------------------------------------------------------
+def test_bls_sync_returns_what_add_sub_computes(server):
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal(4).astype(np.float32)
+    b = rng.standard_normal(4).astype(np.float32)
+    response = infer_one(server, "bls_sync", inputs={"INPUT0": a, "INPUT1": b})
+    out0, out1 = response.outputs["OUTPUT0"], response.outputs["OUTPUT1"]
+    assert out0.data_type is DataType.FP32 and out0.shape == (4,)
+    np.testing.assert_array_equal(np.from_dlpack(out0), a + b)
+    np.testing.assert_array_equal(np.from_dlpack(out1), a - b)
+
+
+def test_bls_async_makes_two_add_sub_calls(server):
+    rng = np.random.default_rng(4)
+    a = rng.standard_normal(4).astype(np.float32)
+    b = rng.standard_normal(4).astype(np.float32)
+    response = infer_one(server, "bls_async", inputs={"INPUT0": a, "INPUT1": b})
+    np.testing.assert_array_equal(np.from_dlpack(response.outputs["OUTPUT0"]), a + b)
+    np.testing.assert_array_equal(np.from_dlpack(response.outputs["OUTPUT1"]), b - a)
+
+
+def test_bls_async_serves_concurrent_requests(server):
+    async def one(i: int) -> None:
+        a = np.full(4, i, np.float32)
+        b = np.arange(4, dtype=np.float32)
+        iterator = server.model("bls_async").async_infer(inputs={"INPUT0": a, "INPUT1": b})
+        (response,) = [r async for r in iterator]
+        np.testing.assert_array_equal(np.from_dlpack(response.outputs["OUTPUT0"]), a + b)
+        np.testing.assert_array_equal(np.from_dlpack(response.outputs["OUTPUT1"]), b - a)
+
+    async def run():
+        await asyncio.gather(*(one(i) for i in range(16)))
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("n", [4, 1, 0])
+def test_bls_decoupled_adds_up_what_square_streams(server, n):
+    response = infer_one(server, "bls_decoupled", inputs={"IN": np.array([n], np.int32)})
+    assert (scalar(response, "SUM"), scalar(response, "COUNT")) == (n * n, n)
+    assert response.outputs["SUM"].data_type is DataType.INT32
+
+
+def test_bls_decoupled_passes_square_errors_on(server):
+    with pytest.raises(dlserve.InvalidArgumentError, match=r"IN must be >= 0, got -2"):
+        infer_one(server, "bls_decoupled", inputs={"IN": np.array([-2], np.int32)})
+
+
+# -- the new clients, through their run(server) -------------------------------------------
+@pytest.mark.parametrize("model", ["repeat", "square", "bls_sync", "bls_async", "bls_decoupled"])
+def test_client_runs(server, model, monkeypatch):
+    # repeat and square stream over gRPC (KServeGrpc on a free port), bls_sync also
+    # calls over HTTP (KServeHttp); every client asserts its own results.
+    monkeypatch.syspath_prepend(str(CLIENTS))
+    client = importlib.import_module(f"{model}_client")
+    assert client.MODEL == model
+    client.run(server)
+
+
 # -- framework models ---------------------------------------------------------------------
 framework_models = pytest.mark.parametrize("model", list(FRAMEWORK_MODELS))
 
@@ -300,7 +465,7 @@ def test_run_examples_skips_examples_whose_framework_is_missing(no_frameworks):
         assert outcomes[name] == "ok", output
     for name, (module, extra) in FRAMEWORK_MODELS.items():
         assert outcomes[name] == skipped_for_lack_of(module, extra)
-    assert "4 ok, 3 skipped, 0 failed" in output
+    assert f"{len(PLAIN_MODELS)} ok, 3 skipped, 0 failed" in output
 
 
 def test_run_examples_fails_when_an_example_fails(tmp_path, no_frameworks):
