@@ -132,13 +132,16 @@ class ModelCalls:
             target = self.host.model(model_name, version)
             if target.decoupled and not decoupled:
                 raise UnsupportedError(
-                    f"model '{model_name}' is decoupled: call it with exec(decoupled=True) "
-                    "(or async_exec(decoupled=True)) and iterate its responses"
+                    f"Model {model_name} is using the decoupled transaction policy: call it "
+                    "with exec(decoupled=True) or async_exec(decoupled=True) and iterate "
+                    "its responses"
                 )
             self._check_cycle(request, target)
             validate_request(request, target.signature)
         except TritonError as exc:
-            self._send(corr, ((), (int(exc.code), exc.message), "{}"), True)
+            # Triton's prefix for a BLS request the server refused (not the callee's errors).
+            message = f"Model {model_name} - Error when running inference: {exc.message}"
+            self._send(corr, ((), (int(exc.code), message), "{}"), True)
             return
         self._calls[corr] = request
         target.scheduler.submit(request)

@@ -749,13 +749,13 @@ class _Stream:
                 self.queue.put_nowait(None)
             return
         error = response.error.message if response.error is not None else ""
-        if not error:
+        if not error and not response.flags_only:
             try:
                 infer = encode_response(response, shm_outputs)
             except Exception as exc:  # noqa: BLE001 - one bad response must not end the stream
                 log.exception("encoding a stream response failed")
                 error = f"{type(exc).__name__}: {exc}"
-        if error:  # Triton: the model name and id, no version, no outputs
+        if error or response.flags_only:  # Triton: the model name and id, no version, no outputs
             infer = pb.ModelInferResponse(model_name=response.model_name, id=response.request_id)
         infer.parameters[FINAL_RESPONSE].bool_param = response.final
         item = pb.ModelStreamInferResponse(error_message=error, infer_response=infer)

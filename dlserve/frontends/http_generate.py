@@ -19,13 +19,14 @@ import numpy as np
 import orjson
 
 from dlserve.engine.request import Request, Response, TensorSpec
-from dlserve.errors import InvalidArgumentError, TritonError
+from dlserve.errors import InvalidArgumentError
 from dlserve.frontends.dataplane import DataPlane, InputSpec, parse_version
 from dlserve.frontends.http_server import HttpRequest, HttpResponse, decode_body
 from dlserve.memory.dtypes import DataType, numpy_dtype
 from dlserve.memory.tensor import Tensor
 
 _NOT_INPUTS = ("id", "parameters")
+EVENT_STREAM = "text/event-stream; charset=utf-8"
 
 
 def _shape(dims: tuple[int, ...], count: int) -> list[int]:
@@ -78,10 +79,6 @@ def _json_value(tensor: Tensor) -> Any:
     return values[0] if len(values) == 1 else values
 
 
-def _event(obj: dict[str, Any]) -> bytes:
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
-
-
 class GenerateApi:
     """The two generate routes over the shared data plane."""
 
@@ -122,54 +119,67 @@ class GenerateApi:
 
     async def generate(self, request: HttpRequest, args: dict[str, str]) -> HttpResponse:
         engine_request = self._request(request, args)
-        answer: Response | None = None
+        answers: list[Response] = []
         async for response in self.dataplane.stream(engine_request):
             if response.error is not None:
                 raise response.error
-            if response.flags_only:
-                continue
-            if answer is not None:
-                raise InvalidArgumentError(
-                    f"generate: model '{response.model_name}' sent more than one response; "
-                    "use generate_stream to receive them all"
-                )
-            answer = response
-        if answer is None:
+            if not response.flags_only:
+                answers.append(response)
+        if len(answers) != 1:
+            # Triton answers this with status 200; an error status says what it is.
             raise InvalidArgumentError(
-                f"generate: model '{engine_request.model_name}' sent no response"
+                "generate expects model to produce exactly 1 response, use generate stream "
+                "for model that generates various number of responses"
             )
-        return HttpResponse(200, [orjson.dumps(_flat(answer))])
+        return HttpResponse(200, [_flat(answers[0])])
 
     async def generate_stream(self, request: HttpRequest, args: dict[str, str]) -> HttpResponse:
+        """Server-sent events, one per response. The status waits for the first
+        response: an error there is a 400 (with the error as the one event); an error
+        later comes as an ``{"error": ...}`` event in the 200 stream."""
         responses = self.dataplane.stream(self._request(request, args))
+        try:
+            first = await anext(responses)
+        except BaseException:
+            await responses.aclose()
+            raise
+        if first.error is not None:
+            await responses.aclose()
+            return HttpResponse(400, [_event(first)], EVENT_STREAM)
         return HttpResponse(
             200,
-            content_type="text/event-stream",
+            content_type=EVENT_STREAM,
             headers=[("Cache-Control", "no-cache")],
-            stream=self._events(responses),
+            stream=self._events(first, responses),
         )
 
-    async def _events(self, responses: AsyncGenerator[Response, None]) -> AsyncGenerator[bytes, None]:
+    async def _events(
+        self, first: Response, responses: AsyncGenerator[Response, None]
+    ) -> AsyncGenerator[bytes, None]:
         try:
+            if not first.flags_only:
+                yield _event(first)
             async for response in responses:
-                if response.error is not None:
-                    yield _event({"error": response.error.message})
-                    return
                 if not response.flags_only:
-                    yield _event(_flat(response))
-        except TritonError as exc:
-            yield _event({"error": exc.message})
+                    yield _event(response)
         finally:
             await responses.aclose()  # a client that went away cancels the request
 
 
-def _flat(response: Response) -> dict[str, Any]:
-    result: dict[str, Any] = {}
+def _event(response: Response) -> bytes:
+    if response.error is not None:
+        return b"data: " + orjson.dumps({"error": response.error.message}) + b"\n\n"
+    return b"data: " + _flat(response) + b"\n\n"
+
+
+def _flat(response: Response) -> bytes:
+    """One response as Triton's generate renders it: a flat object, keys sorted."""
+    result: dict[str, Any] = {
+        "model_name": response.model_name,
+        "model_version": str(response.model_version),
+    }
     if response.request_id:
         result["id"] = response.request_id
-    result["model_name"] = response.model_name
-    result["model_version"] = str(response.model_version)
     for name, tensor in response.outputs.items():
         result[name] = _json_value(tensor)
-    return result
-
+    return orjson.dumps(result, option=orjson.OPT_SORT_KEYS)

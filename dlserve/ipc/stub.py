@@ -296,8 +296,8 @@ class Worker:
         if self.decoupled:
             raise self._failed(
                 requests,
-                "execute of a decoupled model must return None and send its responses "
-                f"through the response senders; it returned '{type(result).__name__}'",
+                f"Python model '{self.instance_name}' is using the decoupled mode and the "
+                "execute function must return None.",
             )
         self._check_responses(result, requests)
         replies = []

@@ -108,7 +108,10 @@ def test_bls_decoupled_iterates_every_response(server):
 
 def test_bls_non_decoupled_call_into_a_decoupled_model_is_an_error(server):
     response, _ = call(server, "bls", data=np.array([1], np.float32), route="decoupled")
-    assert "is decoupled: call it with exec(decoupled=True)" in response.error.message
+    assert response.error.message.startswith(
+        "Model decoupled - Error when running inference: Model decoupled is using the decoupled"
+    )
+    assert "exec(decoupled=True)" in response.error.message
 
 
 def test_bls_decoupled_call_into_a_plain_model_gives_one_response(server):
