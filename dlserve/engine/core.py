@@ -7,7 +7,6 @@ and :meth:`share` must be called on the engine's event loop.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import glob
 import logging

@@ -22,11 +22,11 @@ import orjson
 from dlserve.engine.request import Response
 from dlserve.errors import ErrorCode, InvalidArgumentError, TritonError, UnsupportedError
 from dlserve.frontends.dataplane import DataPlane, InputSpec, OutputSpec, parse_version, shm_ref
+from dlserve.frontends import json_values
 from dlserve.frontends.http_generate import GenerateApi
 from dlserve.frontends.restrictions import Restriction, rules_by_category
-from dlserve.frontends.http_server import HttpError, HttpRequest, HttpResponse, decode_body, encode_body
-from dlserve.memory.dtypes import DataType, numpy_dtype
-from dlserve.memory.tensor import Tensor
+from dlserve.frontends.http_server import HttpRequest, HttpResponse, decode_body, encode_body
+from dlserve.memory.dtypes import DataType
 
 STATUS = {
     ErrorCode.INTERNAL: 500,
@@ -381,42 +381,14 @@ def _decode_inputs(raw_inputs: Any, binary: np.ndarray, request_id: str) -> list
     return specs
 
 
-_INTEGER_KINDS = {
-    DataType.UINT8, DataType.UINT16, DataType.UINT32, DataType.UINT64,
-    DataType.INT8, DataType.INT16, DataType.INT32, DataType.INT64,
-}
-
-
 def _json_data(name: str, datatype: str, shape: list[int], data: Any, label: str) -> np.ndarray:
-    """JSON ``data`` as a flat array of the input's type, refusing values that do not
-    fit it (a float for an integer type, a bool for a number, out-of-range integers)
-    rather than converting them silently."""
+    """JSON ``data`` as a flat array of the input's type (see :mod:`json_values`)."""
     try:
         data_type = DataType.from_wire(datatype)
     except ValueError:
         raise InvalidArgumentError(f"invalid datatype for input {name}") from None
     try:
-        flat = _flatten(data if isinstance(data, list) else [data])
-        kinds = set(map(type, flat))
-        if data_type is DataType.BYTES:
-            if kinds - {str}:
-                raise TypeError("BYTES data must be JSON strings")
-            array = np.empty(len(flat), dtype=np.object_)
-            array[:] = [s.encode("utf-8") for s in flat]
-        elif data_type is DataType.BOOL:
-            if kinds - {bool}:
-                raise TypeError("BOOL data must be JSON true/false")
-            array = np.array(flat, dtype=np.bool_)
-        elif data_type in (DataType.FP16, DataType.BF16):
-            raise TypeError(f"{data_type.name} data must be sent as binary data")
-        elif data_type in _INTEGER_KINDS:
-            if kinds - {int}:
-                raise TypeError(f"{data_type.name} data must be JSON integers")
-            array = np.array(flat, dtype=numpy_dtype(data_type))  # out of range: OverflowError
-        else:
-            if kinds - {int, float}:
-                raise TypeError(f"{data_type.name} data must be JSON numbers")
-            array = np.array(flat, dtype=numpy_dtype(data_type))
+        array = json_values.from_json(data_type, data)
     except (TypeError, ValueError, OverflowError) as exc:
         raise InvalidArgumentError(f"{label}Unable to parse 'data' of input '{name}': {exc}") from None
     count = math.prod(shape)
@@ -426,22 +398,6 @@ def _json_data(name: str, datatype: str, shape: list[int], data: Any, label: str
             f"shape {shape} needs {count}"
         )
     return array
-
-
-def _flatten(data: list[Any]) -> list[Any]:
-    out: list[Any] = []
-    stack = [iter(data)]
-    while stack:
-        for item in stack[-1]:
-            if isinstance(item, list):
-                if len(stack) > 64:
-                    raise ValueError("'data' is nested too deeply")
-                stack.append(iter(item))
-                break
-            out.append(item)
-        else:
-            stack.pop()
-    return out
 
 
 def _decode_outputs(raw: Any) -> list[OutputSpec] | None:
@@ -486,15 +442,10 @@ def _encode_response(response: Response, outputs: list[OutputSpec], binary_defau
             entry["parameters"] = {"binary_data_size": int(data.nbytes)}
             buffers.append(data.reshape(-1).view(np.uint8) if data.nbytes else b"")
         else:
-            entry["data"] = _json_values(tensor)
+            entry["data"] = json_values.to_json(tensor)
         entries.append(entry)
     result["outputs"] = entries
-    try:
-        header = orjson.dumps(result, option=orjson.OPT_SERIALIZE_NUMPY)
-    except TypeError:  # BYTES that are not UTF-8: written raw, as Triton does
-        header = json.dumps(result, ensure_ascii=False, default=_raw_default).encode(
-            "utf-8", "surrogateescape"
-        )
+    header = json_values.dumps(result)
     if not buffers:
         return HttpResponse(200, [header])
     return HttpResponse(
@@ -503,19 +454,3 @@ def _encode_response(response: Response, outputs: list[OutputSpec], binary_defau
         "application/octet-stream",
         [("Inference-Header-Content-Length", str(len(header)))],
     )
-
-
-def _json_values(tensor: Tensor) -> Any:
-    if tensor.data_type is DataType.BYTES:
-        values = tensor.to_bytes_array().reshape(-1)
-        return [v.decode("utf-8", "surrogateescape") for v in values.tolist()]
-    array = tensor.as_numpy().reshape(-1)
-    if tensor.data_type in (DataType.FP16, DataType.BF16):
-        return array.astype(np.float32)
-    return array
-
-
-def _raw_default(value: Any) -> Any:
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    raise TypeError(f"cannot encode {type(value).__name__}")

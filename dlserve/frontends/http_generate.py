@@ -20,12 +20,11 @@ import orjson
 
 from dlserve.engine.request import Request, Response, TensorSpec
 from dlserve.errors import InvalidArgumentError
+from dlserve.frontends import json_values
 from dlserve.frontends.dataplane import DataPlane, InputSpec, parse_version
 from dlserve.frontends.http_server import HttpRequest, HttpResponse, decode_body
-from dlserve.memory.dtypes import DataType, numpy_dtype
 from dlserve.memory.tensor import Tensor
 
-_NOT_INPUTS = ("id", "parameters")
 EVENT_STREAM = "text/event-stream; charset=utf-8"
 
 
@@ -42,40 +41,21 @@ def _shape(dims: tuple[int, ...], count: int) -> list[int]:
 
 def _input(name: str, spec: TensorSpec, value: Any, batching: bool) -> InputSpec:
     """A JSON value (a scalar or a possibly nested list) as an input of the model."""
-    values = value if isinstance(value, list) else [value]
-    data_type = spec.data_type
     try:
-        if data_type is DataType.BYTES:
-            array = np.asarray(values, dtype=object).reshape(-1)
-            if any(isinstance(v, (list, dict)) for v in array):
-                raise ValueError("strings must be a string or a list of strings")
-            array = np.array(
-                [v.encode() if isinstance(v, str) else str(v).encode() for v in array], dtype=object
-            )
-        elif data_type in (DataType.FP16, DataType.BF16):
-            array = np.asarray(values, dtype=np.float32).astype(numpy_dtype(data_type)).reshape(-1)
-        else:
-            array = np.asarray(values, dtype=numpy_dtype(data_type)).reshape(-1)
+        array = json_values.from_json(spec.data_type, value)
     except (TypeError, ValueError, OverflowError) as exc:
-        raise InvalidArgumentError(
-            f"generate: input '{name}' cannot be read as {data_type.wire_name}: {exc}"
-        ) from None
+        raise InvalidArgumentError(f"generate: input '{name}': {exc}") from None
     shape = _shape(spec.dims, array.size)
     if batching:
         shape = [1, *shape]
-    return InputSpec(name, data_type.wire_name, shape, array=array.reshape(shape))
+    return InputSpec(name, spec.data_type.wire_name, shape, array=array.reshape(shape))
 
 
 def _json_value(tensor: Tensor) -> Any:
-    if tensor.data_type is DataType.BYTES:
-        values: list[Any] = [
-            v.decode("utf-8", "replace") for v in tensor.to_bytes_array().reshape(-1).tolist()
-        ]
-    else:
-        array = tensor.as_numpy().reshape(-1)
-        if tensor.data_type in (DataType.FP16, DataType.BF16):
-            array = array.astype(np.float32)
-        values = array.tolist()
+    """One element as a scalar, anything else as a flat list."""
+    values = json_values.to_json(tensor)
+    if isinstance(values, np.ndarray):
+        values = values.tolist()
     return values[0] if len(values) == 1 else values
 
 
@@ -106,11 +86,11 @@ class GenerateApi:
         batching = signature.max_batch_size > 0
         inputs = []
         for key, value in document.items():
-            if key in _NOT_INPUTS:
+            if key == "parameters":
                 continue
             spec = signature.inputs.get(key)
             if spec is None:
-                parameters[key] = value  # not an input: a parameter for the model
+                parameters[key] = value  # not an input: a parameter ("id" too, as in Triton)
             else:
                 inputs.append(_input(key, spec, value, batching))
         return self.dataplane.build_request(
@@ -118,13 +98,17 @@ class GenerateApi:
         )
 
     async def generate(self, request: HttpRequest, args: dict[str, str]) -> HttpResponse:
-        engine_request = self._request(request, args)
         answers: list[Response] = []
-        async for response in self.dataplane.stream(engine_request):
-            if response.error is not None:
-                raise response.error
-            if not response.flags_only:
-                answers.append(response)
+        responses = self.dataplane.stream(self._request(request, args))
+        try:
+            async for response in responses:
+                if response.error is not None:
+                    # Triton: the model's error is the request's fault, whatever its code.
+                    return HttpResponse(400, [orjson.dumps({"error": response.error.message})])
+                if not response.flags_only:
+                    answers.append(response)
+        finally:
+            await responses.aclose()
         if len(answers) != 1:
             # Triton answers this with status 200; an error status says what it is.
             raise InvalidArgumentError(
@@ -132,6 +116,7 @@ class GenerateApi:
                 "for model that generates various number of responses"
             )
         return HttpResponse(200, [_flat(answers[0])])
+
 
     async def generate_stream(self, request: HttpRequest, args: dict[str, str]) -> HttpResponse:
         """Server-sent events, one per response. The status waits for the first
@@ -182,4 +167,4 @@ def _flat(response: Response) -> bytes:
         result["id"] = response.request_id
     for name, tensor in response.outputs.items():
         result[name] = _json_value(tensor)
-    return orjson.dumps(result, option=orjson.OPT_SORT_KEYS)
+    return json_values.dumps(result, sort_keys=True)

@@ -5,7 +5,6 @@ sequence parameters over HTTP and gRPC."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import shutil
 import signal

@@ -1,6 +1,5 @@
 import json
 
-import numpy as np
 import triton_python_backend_utils as pb_utils
 
 

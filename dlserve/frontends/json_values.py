@@ -1,0 +1,96 @@
+"""Tensor values as JSON, both ways, as Triton's HTTP frontend reads and writes them.
+
+Reading is strict: a value of the wrong JSON type for the tensor's data type (a
+float for an integer, a number for a bool, an out-of-range integer) is refused
+rather than converted, so a client bug shows up as an error instead of as
+silently different data. FP16 and BF16 only travel as binary data.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import orjson
+
+from dlserve.memory.dtypes import DataType, numpy_dtype
+from dlserve.memory.tensor import Tensor
+
+_INTEGER_KINDS = {
+    DataType.UINT8, DataType.UINT16, DataType.UINT32, DataType.UINT64,
+    DataType.INT8, DataType.INT16, DataType.INT32, DataType.INT64,
+}
+MAX_NESTING = 64
+
+
+def flatten(data: Any) -> list[Any]:
+    """A JSON value or (nested) list of them as one flat list, in row-major order."""
+    out: list[Any] = []
+    stack = [iter(data if isinstance(data, list) else [data])]
+    while stack:
+        for item in stack[-1]:
+            if isinstance(item, list):
+                if len(stack) > MAX_NESTING:
+                    raise ValueError("'data' is nested too deeply")
+                stack.append(iter(item))
+                break
+            out.append(item)
+        else:
+            stack.pop()
+    return out
+
+
+def from_json(data_type: DataType, data: Any) -> np.ndarray:
+    """JSON values as a flat array of ``data_type``; raises TypeError, ValueError or
+    OverflowError saying what does not fit."""
+    flat = flatten(data)
+    kinds = set(map(type, flat))
+    if data_type is DataType.BYTES:
+        if kinds - {str}:
+            raise TypeError("BYTES data must be JSON strings")
+        array = np.empty(len(flat), dtype=np.object_)
+        array[:] = [s.encode("utf-8") for s in flat]
+        return array
+    if data_type is DataType.BOOL:
+        if kinds - {bool}:
+            raise TypeError("BOOL data must be JSON true/false")
+        return np.array(flat, dtype=np.bool_)
+    if data_type in (DataType.FP16, DataType.BF16):
+        raise TypeError(f"{data_type.name} data must be sent as binary data")
+    if data_type in _INTEGER_KINDS:
+        if kinds - {int}:
+            raise TypeError(f"{data_type.name} data must be JSON integers")
+        return np.array(flat, dtype=numpy_dtype(data_type))  # out of range: OverflowError
+    if kinds - {int, float}:
+        raise TypeError(f"{data_type.name} data must be JSON numbers")
+    return np.array(flat, dtype=numpy_dtype(data_type))
+
+
+def to_json(tensor: Tensor) -> Any:
+    """A tensor's values, flat: strings for BYTES (bytes that are not UTF-8 kept as
+    they are, see :func:`dumps`), numbers otherwise (a numpy array, which orjson writes)."""
+    if tensor.data_type is DataType.BYTES:
+        values = tensor.to_bytes_array().reshape(-1)
+        return [v.decode("utf-8", "surrogateescape") for v in values.tolist()]
+    array = tensor.as_numpy().reshape(-1)
+    if tensor.data_type in (DataType.FP16, DataType.BF16):
+        return array.astype(np.float32)
+    return array
+
+
+def dumps(document: dict[str, Any], sort_keys: bool = False) -> bytes:
+    """The JSON bytes of a response document holding :func:`to_json` values."""
+    option = orjson.OPT_SERIALIZE_NUMPY | (orjson.OPT_SORT_KEYS if sort_keys else 0)
+    try:
+        return orjson.dumps(document, option=option)
+    except TypeError:  # BYTES that are not UTF-8: written raw, as Triton does
+        return json.dumps(document, ensure_ascii=False, sort_keys=sort_keys, default=_plain).encode(
+            "utf-8", "surrogateescape"
+        )
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    raise TypeError(f"cannot encode {type(value).__name__}")
