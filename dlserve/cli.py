@@ -16,6 +16,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from dlserve.perf import cli as perf_cli
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "models"
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -129,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     _bool_flag(shared, "--log-warning", True, "log warnings")
     _bool_flag(shared, "--log-error", True, "log errors")
     shared.add_argument("--log-file", default="", metavar="PATH")
+    perf_cli.add_parser(commands)
     return parser
 
 
@@ -221,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "serve":
         return serve(args)
+    if args.command == "perf":
+        return perf_cli.run(args)
     parser.print_help()
     return 2
 

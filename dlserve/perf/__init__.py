@@ -1,0 +1,23 @@
+"""``dlserve perf``: a perf_analyzer-class benchmark for KServe v2 servers and dlserve in-process.
+
+Modules (each small, each testable alone):
+
+* :mod:`.cli`       -- the ``perf`` subcommand: flags (perf_analyzer's names), validation.
+* :mod:`.inputs`    -- model metadata -> tensors: zero / random / perf_analyzer JSON data.
+* :mod:`.payloads`  -- requests encoded once, up front: HTTP bytes, gRPC bytes, in-process.
+* :mod:`.shm`       -- client shared memory (system; CUDA through cupy when present).
+* :mod:`.clients`   -- control plane (metadata, statistics, shm registration) and the
+  hot-path "slots" (one keep-alive HTTP connection, one gRPC call site or stream, ...);
+  :mod:`.clients.h2` is the lean HTTP/2 transport for unary gRPC calls.
+* :mod:`.load`      -- closed-loop concurrency and open-loop request rate on asyncio.
+* :mod:`.workers`   -- ``--processes N``: the same load in N processes, results merged.
+* :mod:`.measure`   -- windows, stability, percentiles, server-statistics deltas.
+* :mod:`.profile`   -- the sweep: levels, windows until stable, the result per level.
+* :mod:`.report`    -- console report, CSV (perf_analyzer's columns), JSON, plot, progress.
+"""
+
+from __future__ import annotations
+
+from dlserve.perf.cli import add_parser, run
+
+__all__ = ["add_parser", "run"]

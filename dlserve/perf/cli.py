@@ -1,0 +1,398 @@
+"""The ``dlserve perf`` subcommand: perf_analyzer's flags, checked into :class:`Settings`.
+
+Every bad value ends the command with exit status 2 and a one-line reason, the way
+argparse reports its own errors (``dlserve perf: error: ...``). Importing this module
+is cheap: the benchmark's machinery is imported when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+from typing import Any
+
+PROTOCOLS = ("http", "grpc", "inprocess")
+DEFAULT_URLS = {"http": "localhost:8000", "grpc": "localhost:8001"}
+
+EPILOG = """\
+examples:
+  dlserve perf -m add_sub                                   # HTTP, concurrency 1
+  dlserve perf -m add_sub -i grpc --concurrency-range 1:16:4 -f out.csv
+  dlserve perf -m identity --shape INPUT0:1024 --shared-memory system
+  dlserve perf -m add_sub --request-rate-range 500:2000:500 --request-distribution poisson
+  dlserve perf -m add_sub -i inprocess --model-repository tests/models
+
+exit status: 0 done, 1 a request failed or a measurement never became stable,
+2 bad flags.
+"""
+
+
+class UsageError(Exception):
+    """A flag value that cannot work; reported like argparse's errors (exit 2)."""
+
+
+@dataclasses.dataclass
+class Settings:
+    """Everything the benchmark needs, checked."""
+
+    model: str
+    version: str = ""
+    protocol: str = "http"
+    url: str = "localhost:8000"
+    model_repository: list[str] = dataclasses.field(default_factory=list)
+    batch_size: int = 1
+    mode: str = "concurrency"  # or "request_rate"
+    levels: list[float] = dataclasses.field(default_factory=lambda: [1])
+    sweep_unbounded: bool = False  # --concurrency-range start:0 -> grow until the latency limit
+    sweep_step: float = 1
+    distribution: str = "constant"
+    shapes: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    input_data: str = "random"
+    string_length: int = 128
+    string_data: str | None = None
+    shared_memory: str = "none"
+    output_shm_size: int = 102400
+    streaming: bool = False
+    grpc_transport: str = "h2"
+    measurement_interval_ms: int = 5000
+    stability_percentage: float = 10.0
+    max_trials: int = 10
+    percentile: int = -1
+    warmup_request_count: int = 0
+    latency_threshold_ms: int = 0
+    max_threads: int = 16
+    processes: int = 1
+    csv_file: str | None = None
+    json_file: str | None = None
+    plot_file: str | None = None
+    progress: bool = True
+    verbose: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# -- value parsers (argparse ``type=``: errors become "argument X: message", exit 2) ------
+def _int_at_least(minimum: int) -> Any:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got '{text}'") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got '{text}'") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got '{text}'")
+    return value
+
+
+def parse_range(text: str, kind: type) -> tuple[Any, Any, Any]:
+    """perf_analyzer's ``start[:end[:step]]``; a missing end is start, a missing step 1.
+
+    ``kind`` is int (concurrency: end 0 means "no limit") or float (request rate).
+    """
+    parts = text.split(":")
+    if not 1 <= len(parts) <= 3 or any(p.strip() == "" for p in parts):
+        raise argparse.ArgumentTypeError(f"expected start[:end[:step]], got '{text}'")
+    values = []
+    for part in parts:
+        try:
+            value = kind(part)
+        except ValueError:
+            what = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"'{part}' in '{text}' is not {what}") from None
+        if kind is float and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"'{part}' in '{text}' is not a finite number")
+        values.append(value)
+    start = values[0]
+    end = values[1] if len(values) > 1 else start
+    step = values[2] if len(values) > 2 else 1
+    if start <= 0:
+        raise argparse.ArgumentTypeError(f"start must be positive, got '{text}'")
+    if step <= 0:
+        raise argparse.ArgumentTypeError(f"step must be positive, got '{text}'")
+    if end != 0 and end < start:
+        raise argparse.ArgumentTypeError(f"end must not be below start, got '{text}'")
+    if kind is float and end == 0:
+        raise argparse.ArgumentTypeError(f"end must not be below start, got '{text}'")
+    return start, end, step
+
+
+def _concurrency_range(text: str) -> tuple[int, int, int]:
+    return parse_range(text, int)
+
+
+def _rate_range(text: str) -> tuple[float, float, float]:
+    return parse_range(text, float)
+
+
+def parse_shape(text: str) -> tuple[str, list[int]]:
+    """``NAME:d1,d2,...`` (dims without the batch dimension); the name may hold colons."""
+    name, sep, dims = text.rpartition(":")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME:d1,d2,..., got '{text}'")
+    shape = []
+    for dim in dims.split(","):
+        try:
+            value = int(dim)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"dimension '{dim}' in '{text}' is not an integer") from None
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"dimension {value} in '{text}' is negative")
+        shape.append(value)
+    return name, shape
+
+
+def _percentile(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got '{text}'") from None
+    if value != -1 and not 1 <= value <= 99:
+        raise argparse.ArgumentTypeError(f"must be in [1, 99] (or -1 for the average), got {value}")
+    return value
+
+
+def _protocol(text: str) -> str:
+    value = text.strip().lower()
+    if value not in PROTOCOLS:
+        raise argparse.ArgumentTypeError(f"invalid choice '{text}' (choose from {', '.join(PROTOCOLS)})")
+    return value
+
+
+# -- the parser ------------------------------------------------------------------------------
+def add_parser(commands: Any) -> argparse.ArgumentParser:
+    """Register ``perf`` on the ``dlserve`` subparsers."""
+    perf = commands.add_parser(
+        "perf",
+        help="benchmark a model over HTTP, gRPC or in-process (perf_analyzer's flags and output)",
+        description="Measure throughput and latency of a model the way perf_analyzer does: "
+        "measurement windows until the last 3 agree, per concurrency or request rate.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    perf.set_defaults(perf_parser=perf)
+    target = perf.add_argument_group("target")
+    target.add_argument("-m", "--model-name", dest="model", required=True, metavar="MODEL",
+                        help="the model to benchmark")
+    target.add_argument("-x", "--model-version", dest="version", default="", metavar="VERSION",
+                        help="model version (default: the server's choice, normally the latest)")
+    target.add_argument("-u", "--url", default=None, metavar="HOST:PORT",
+                        help="server address (default: localhost:8000 for HTTP, localhost:8001 for gRPC)")
+    target.add_argument("-i", "--protocol", type=_protocol, default="http", metavar="http|grpc|inprocess",
+                        help="http, grpc, or inprocess (dlserve's in-process API, no network) (default: http)")
+    target.add_argument("--model-repository", action="append", default=[], metavar="PATH",
+                        help="model repository for -i inprocess (repeatable)")
+
+    load = perf.add_argument_group("load")
+    load.add_argument("--concurrency-range", type=_concurrency_range, default=None, metavar="START:END:STEP",
+                      help="requests kept in flight, swept from START to END (default: 1); "
+                      "END 0 grows until --latency-threshold")
+    load.add_argument("--request-rate-range", type=_rate_range, default=None, metavar="START:END:STEP",
+                      help="requests per second, swept from START to END (open loop)")
+    load.add_argument("--request-distribution", choices=["constant", "poisson"], default="constant",
+                      help="time between requests in request-rate mode (default: constant)")
+    load.add_argument("-b", "--batch-size", type=_int_at_least(1), default=1, metavar="N",
+                      help="batch size of each request (default: 1)")
+    load.add_argument("--max-threads", type=_int_at_least(1), default=16, metavar="N",
+                      help="most requests in flight in request-rate mode (default: 16)")
+    load.add_argument("--processes", type=_int_at_least(1), default=1, metavar="N",
+                      help="spread the load over N worker processes, results merged (default: 1)")
+    load.add_argument("--streaming", action="store_true",
+                      help="gRPC only: send requests on ModelStreamInfer streams (one per slot)")
+    load.add_argument("--grpc-transport", choices=["h2", "grpcio"], default="h2",
+                      help="gRPC unary calls on dlserve perf's own lean HTTP/2 connection (h2) or "
+                      "through grpcio (grpcio; --streaming always uses grpcio) (default: h2)")
+    load.add_argument("-a", "--async", dest="async_mode", action="store_true",
+                      help="accepted for compatibility: requests are always asynchronous (asyncio)")
+    load.add_argument("--sync", action="store_true", help="accepted for compatibility")
+
+    data = perf.add_argument_group("input data")
+    data.add_argument("--shape", type=parse_shape, action="append", default=[], metavar="NAME:D1,D2,...",
+                      help="shape of an input with variable dimensions, without the batch dimension (repeatable)")
+    data.add_argument("--input-data", default="random", metavar="zero|random|FILE.json",
+                      help="zeros, random values, or a perf_analyzer JSON data file (default: random)")
+    data.add_argument("--string-length", type=_int_at_least(0), default=128, metavar="N",
+                      help="length of generated BYTES elements (default: 128)")
+    data.add_argument("--string-data", default=None, metavar="TEXT",
+                      help="use TEXT for every generated BYTES element")
+    data.add_argument("--shared-memory", choices=["none", "system", "cuda"], default="none",
+                      help="pass inputs and outputs through registered shared memory (default: none)")
+    data.add_argument("--output-shared-memory-size", type=_int_at_least(1), default=102400, metavar="BYTES",
+                      help="shared memory for each output (default: 102400)")
+
+    measure = perf.add_argument_group("measurement")
+    measure.add_argument("-p", "--measurement-interval", type=_int_at_least(1), default=5000, metavar="MS",
+                         help="measurement window in milliseconds (default: 5000)")
+    measure.add_argument("-s", "--stability-percentage", type=_positive_float, default=10.0, metavar="PCT",
+                         help="the last 3 windows must agree within this percentage (default: 10)")
+    measure.add_argument("-r", "--max-trials", type=_int_at_least(3), default=10, metavar="N",
+                         help="most windows per level before giving up on stability (>= 3; default: 10)")
+    measure.add_argument("--percentile", type=_percentile, default=-1, metavar="P",
+                         help="stabilise on and report this latency percentile (default: -1, the average)")
+    measure.add_argument("--warmup-request-count", type=_int_at_least(0), default=0, metavar="N",
+                         help="requests sent and discarded before measuring (default: 0)")
+    measure.add_argument("-l", "--latency-threshold", type=_int_at_least(0), default=0, metavar="MS",
+                         help="stop the sweep once latency passes this (default: 0, no limit)")
+
+    output = perf.add_argument_group("output")
+    output.add_argument("-f", "--latency-report-file", dest="csv_file", default=None, metavar="FILE.csv",
+                        help="write perf_analyzer's CSV")
+    output.add_argument("--json", dest="json_file", default=None, metavar="FILE.json",
+                        help="write every result as JSON")
+    output.add_argument("--plot", dest="plot_file", default=None, metavar="FILE.png",
+                        help="plot latency against throughput over the sweep (needs matplotlib: "
+                        "pip install 'dlserve[plot]')")
+    output.add_argument("--no-progress", dest="progress", action="store_false",
+                        help="no live progress line on stderr (it is off anyway when stderr is not a terminal)")
+    output.add_argument("-v", "--verbose", action="store_true", help="print every measurement window")
+    return perf
+
+
+def _sweep(start: Any, end: Any, step: Any) -> list[Any]:
+    if end == 0:
+        return [start]
+    values = []
+    index = 0
+    while True:
+        value = start + index * step
+        if value > end + (1e-9 * max(1.0, abs(end)) if isinstance(value, float) else 0):
+            break
+        values.append(round(value, 9) if isinstance(value, float) else value)
+        index += 1
+    return values
+
+
+def _url(protocol: str, url: str | None) -> str:
+    if protocol == "inprocess":
+        return ""
+    text = (url or DEFAULT_URLS[protocol]).strip()
+    for scheme in ("http://", "grpc://"):
+        if text.lower().startswith(scheme):
+            text = text[len(scheme):]
+    if text.lower().startswith("https://"):
+        raise UsageError("-u: https is not supported")
+    text = text.rstrip("/")
+    if "/" in text:
+        raise UsageError(f"-u: expected HOST:PORT, got '{url}' (a path prefix is not supported)")
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(f"-u: expected HOST:PORT, got '{url}'")
+    return text
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """Check the flags together; raise :class:`UsageError` for combinations that cannot work."""
+    if args.concurrency_range is not None and args.request_rate_range is not None:
+        raise UsageError("--concurrency-range and --request-rate-range cannot be used together")
+    if args.request_rate_range is not None:
+        mode, (start, end, step) = "request_rate", args.request_rate_range
+    else:
+        mode, (start, end, step) = "concurrency", args.concurrency_range or (1, 1, 1)
+    unbounded = mode == "concurrency" and end == 0
+    if unbounded and not args.latency_threshold:
+        raise UsageError("--concurrency-range with end 0 needs --latency-threshold (where to stop)")
+    protocol = args.protocol
+    if protocol == "inprocess":
+        if not args.model_repository:
+            raise UsageError("-i inprocess needs --model-repository PATH")
+        if args.url:
+            raise UsageError("-u has no meaning with -i inprocess")
+        if args.processes != 1:
+            raise UsageError("--processes must be 1 with -i inprocess (the server lives in this process)")
+    elif args.model_repository:
+        raise UsageError("--model-repository is for -i inprocess only")
+    if args.streaming and protocol != "grpc":
+        raise UsageError("--streaming needs -i grpc (it uses gRPC ModelStreamInfer)")
+    if args.shared_memory == "cuda":
+        if protocol == "inprocess":
+            raise UsageError("--shared-memory cuda is not supported with -i inprocess")
+        from dlserve.perf.shm import cuda_problem
+
+        problem = cuda_problem()
+        if problem:
+            raise UsageError(f"--shared-memory cuda needs CUDA: {problem}")
+    if args.version.strip() and not args.version.strip().isdigit():
+        raise UsageError(f"-x: a model version is a non-negative integer, got '{args.version}'")
+    shapes: dict[str, list[int]] = {}
+    for name, shape in args.shape:
+        if name in shapes and shapes[name] != shape:
+            raise UsageError(f"--shape: two different shapes for input '{name}'")
+        shapes[name] = shape
+    input_data = args.input_data
+    if input_data not in ("zero", "random"):
+        if os.path.isdir(input_data):
+            raise UsageError(f"--input-data: '{input_data}' is a directory; give a JSON file, zero or random")
+        if not os.path.isfile(input_data):
+            raise UsageError(f"--input-data: expected zero, random or a JSON file; '{input_data}' does not exist")
+    if args.plot_file:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError(
+                "--plot needs matplotlib, which is not installed: pip install 'dlserve[plot]'"
+            ) from None
+    for flag, path in (("-f", args.csv_file), ("--json", args.json_file), ("--plot", args.plot_file)):
+        if path:
+            folder = os.path.dirname(os.path.abspath(path))
+            if not os.path.isdir(folder):
+                raise UsageError(f"{flag}: folder '{folder}' does not exist")
+    return Settings(
+        model=args.model,
+        version=args.version.strip(),
+        protocol=protocol,
+        url=_url(protocol, args.url),
+        model_repository=list(args.model_repository),
+        batch_size=args.batch_size,
+        mode=mode,
+        levels=_sweep(start, end, step),
+        sweep_unbounded=unbounded,
+        sweep_step=step,
+        distribution=args.request_distribution,
+        shapes=shapes,
+        input_data=input_data,
+        string_length=args.string_length,
+        string_data=args.string_data,
+        shared_memory=args.shared_memory,
+        output_shm_size=args.output_shared_memory_size,
+        streaming=args.streaming,
+        grpc_transport=args.grpc_transport,
+        measurement_interval_ms=args.measurement_interval,
+        stability_percentage=args.stability_percentage,
+        max_trials=args.max_trials,
+        percentile=args.percentile,
+        warmup_request_count=args.warmup_request_count,
+        latency_threshold_ms=args.latency_threshold,
+        max_threads=args.max_threads,
+        processes=args.processes,
+        csv_file=args.csv_file,
+        json_file=args.json_file,
+        plot_file=args.plot_file,
+        progress=args.progress and sys.stderr.isatty(),
+        verbose=args.verbose,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """The handler of ``dlserve perf``: check the flags, run the benchmark, report."""
+    parser: argparse.ArgumentParser = args.perf_parser
+    try:
+        settings = settings_from_args(args)
+    except UsageError as exc:
+        parser.error(str(exc))  # exits 2
+    from dlserve.perf.profile import main
+
+    return main(settings)

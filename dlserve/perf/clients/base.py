@@ -1,0 +1,89 @@
+"""What every client provides; shared-memory set-up common to the network clients."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from dlserve.perf.inputs import ModelInfo
+from dlserve.perf.payloads import ShmPlan, plan_shm
+from dlserve.perf.shm import CudaRegion, ShmRef, SystemRegion, make_region
+
+
+class ServerError(Exception):
+    """The server answered a control request with an error (or could not be reached)."""
+
+
+class RequestError(Exception):
+    """An inference request failed."""
+
+
+class ControlClient:
+    """Blocking calls made outside the hot loop."""
+
+    def model_info(self, model: str, version: str) -> ModelInfo:
+        raise NotImplementedError
+
+    def statistics(self, model: str, version: str) -> dict[str, Any]:
+        """The statistics extension's JSON (``{"model_stats": [...]}``)."""
+        raise NotImplementedError
+
+    def register(self, region: SystemRegion | CudaRegion) -> None:
+        raise NotImplementedError
+
+    def unregister(self, region: SystemRegion | CudaRegion) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class Slot:
+    async def infer(self, payload: Any) -> tuple[int, int]:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        pass
+
+
+class DataPlane:
+    """Encodes the requests once (:meth:`setup`), then opens slots that send them."""
+
+    def __init__(self, settings: Any, info: ModelInfo, requests: list[dict[str, np.ndarray]],
+                 control: ControlClient) -> None:
+        self.settings = settings
+        self.info = info
+        self.requests = requests
+        self.control = control
+        self.payloads: list[Any] = []
+        self.region: SystemRegion | CudaRegion | None = None
+        self._registered = False
+
+    def shared_memory(self) -> tuple[list[dict[str, ShmRef]] | None, dict[str, ShmRef] | None]:
+        """With --shared-memory: make and register this process's region; the refs."""
+        if self.settings.shared_memory == "none":
+            return None, None
+        plan: ShmPlan = plan_shm(self.requests, self.info, self.settings.output_shm_size)
+        self.region = make_region(self.settings.shared_memory, plan.layout)
+        self.control.register(self.region)
+        self._registered = True
+        return plan.refs(self.region.name)
+
+    async def setup(self) -> None:
+        raise NotImplementedError
+
+    async def open_slot(self) -> Slot:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        region, self.region = self.region, None
+        if region is None:
+            return
+        try:
+            if self._registered:
+                self.control.unregister(region)
+        except ServerError:
+            pass
+        finally:
+            region.close()

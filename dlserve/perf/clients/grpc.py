@@ -1,0 +1,215 @@
+"""gRPC: a blocking stub for the control plane; for inference, the request bytes encoded
+up front go out as they are and responses are not decoded:
+
+* ``--grpc-transport h2`` (the default): unary calls on one hand-driven HTTP/2
+  connection per process (:mod:`.h2`), about a tenth of grpcio's CPU per call;
+* ``--grpc-transport grpcio``: generic calls on one ``grpc.aio`` channel per process
+  whose serializers are the identity.
+
+Unary slots share the connection (HTTP/2 multiplexes them). With ``--streaming`` each slot
+owns a ``ModelStreamInfer`` stream and waits for its request's response; a response whose
+first field is ``error_message`` (tag 0x0a) is the request's failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import grpc
+
+from dlserve.perf.clients.base import ControlClient, DataPlane, RequestError, ServerError, Slot
+from dlserve.perf.clients.h2 import H2Channel, H2Slot, grpc_message
+from dlserve.perf.inputs import ModelInfo
+from dlserve.perf.payloads import grpc_request
+from dlserve.perf.shm import CudaRegion, SystemRegion
+
+INFER = "/inference.GRPCInferenceService/ModelInfer"
+STREAM = "/inference.GRPCInferenceService/ModelStreamInfer"
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", 2**31 - 1),
+    ("grpc.max_receive_message_length", 2**31 - 1),
+]
+_now = time.perf_counter_ns
+
+
+class GrpcControl(ControlClient):
+    def __init__(self, url: str, timeout: float = 30.0) -> None:
+        from dlserve.frontends.proto import grpc_service_pb2 as pb
+        from dlserve.frontends.proto import grpc_service_pb2_grpc as pb_grpc
+
+        self.pb = pb
+        self.url = url
+        self.timeout = timeout
+        self.channel = grpc.insecure_channel(url, options=CHANNEL_OPTIONS)
+        self.stub = pb_grpc.GRPCInferenceServiceStub(self.channel)
+
+    def _call(self, method: str, request: Any) -> Any:
+        try:
+            return getattr(self.stub, method)(request, timeout=self.timeout)
+        except grpc.RpcError as exc:
+            code = exc.code() if hasattr(exc, "code") else None
+            details = exc.details() if hasattr(exc, "details") else str(exc)
+            if code == grpc.StatusCode.UNAVAILABLE:
+                raise ServerError(f"cannot reach the server at {self.url}: {details}") from None
+            raise ServerError(f"{method}: {details}") from None
+
+    def model_info(self, model: str, version: str) -> ModelInfo:
+        from google.protobuf import json_format
+
+        pb = self.pb
+        metadata = self._call("ModelMetadata", pb.ModelMetadataRequest(name=model, version=version))
+        config = self._call("ModelConfig", pb.ModelConfigRequest(name=model, version=version))
+        return ModelInfo.from_json(
+            json_format.MessageToDict(metadata, preserving_proto_field_name=True),
+            json_format.MessageToDict(config.config, preserving_proto_field_name=True),
+        )
+
+    def statistics(self, model: str, version: str) -> dict[str, Any]:
+        from google.protobuf import json_format
+
+        response = self._call("ModelStatistics", self.pb.ModelStatisticsRequest(name=model, version=version))
+        return json_format.MessageToDict(response, preserving_proto_field_name=True)
+
+    def register(self, region: SystemRegion | CudaRegion) -> None:
+        pb = self.pb
+        if isinstance(region, SystemRegion):
+            self._call("SystemSharedMemoryRegister", pb.SystemSharedMemoryRegisterRequest(
+                name=region.name, key=region.key, offset=0, byte_size=region.byte_size))
+        else:
+            self._call("CudaSharedMemoryRegister", pb.CudaSharedMemoryRegisterRequest(
+                name=region.name, raw_handle=region.raw_handle, device_id=region.device_id,
+                byte_size=region.byte_size))
+
+    def unregister(self, region: SystemRegion | CudaRegion) -> None:
+        pb = self.pb
+        if isinstance(region, SystemRegion):
+            self._call("SystemSharedMemoryUnregister", pb.SystemSharedMemoryUnregisterRequest(name=region.name))
+        else:
+            self._call("CudaSharedMemoryUnregister", pb.CudaSharedMemoryUnregisterRequest(name=region.name))
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class UnarySlot(Slot):
+    def __init__(self, call: Any) -> None:
+        self.call = call
+
+    async def infer(self, payload: bytes) -> tuple[int, int]:
+        try:
+            await self.call(payload)
+        except grpc.aio.AioRpcError as exc:
+            raise RequestError(f"gRPC {exc.code().name}: {exc.details()}") from None
+        return 0, 0
+
+
+class StreamSlot(Slot):
+    """One ModelStreamInfer stream; one request on it at a time."""
+
+    def __init__(self, method: Any, decoupled: bool) -> None:
+        self.method = method
+        self.decoupled = decoupled
+        self.call: Any = None
+
+    async def infer(self, payload: bytes) -> tuple[int, int]:
+        if self.call is None:
+            self.call = self.method()
+        call = self.call
+        try:
+            await call.write(payload)
+            while True:
+                response = await call.read()
+                if response is grpc.aio.EOF:
+                    self.call = None
+                    raise RequestError("the server ended the stream")
+                if response[:1] == b"\x0a":
+                    raise RequestError(_stream_error(response))
+                if not self.decoupled or _final(response):
+                    return 0, 0
+        except grpc.aio.AioRpcError as exc:
+            self.call = None
+            raise RequestError(f"gRPC {exc.code().name}: {exc.details()}") from None
+
+    async def close(self) -> None:
+        call, self.call = self.call, None
+        if call is not None:
+            try:
+                await call.done_writing()
+            except Exception:  # noqa: BLE001 - the stream may be gone already
+                pass
+            call.cancel()
+
+
+def _stream_error(response: bytes) -> str:
+    from dlserve.frontends.proto import grpc_service_pb2 as pb
+
+    return "stream error: " + pb.ModelStreamInferResponse.FromString(response).error_message
+
+
+def _final(response: bytes) -> bool:
+    from dlserve.frontends.proto import grpc_service_pb2 as pb
+
+    parsed = pb.ModelStreamInferResponse.FromString(response)
+    parameter = parsed.infer_response.parameters.get("triton_final_response")
+    return bool(parameter is not None and parameter.bool_param)
+
+
+class GrpcDataPlane(DataPlane):
+    async def setup(self) -> None:
+        shm_inputs, shm_outputs = self.shared_memory()
+        streaming = self.settings.streaming
+        parameters = {"triton_enable_empty_final_response": True} if streaming and self.info.decoupled else None
+        self.payloads = [
+            grpc_request(
+                self.info, self.settings.version, request,
+                None if shm_inputs is None else shm_inputs[i], shm_outputs, parameters,
+            )
+            for i, request in enumerate(self.requests)
+        ]
+        self.h2: H2Channel | None = None
+        if self.settings.grpc_transport == "h2" and not streaming:
+            self.h2 = H2Channel(self.settings.url, INFER)
+            self.payloads = [grpc_message(p) for p in self.payloads]
+            await self.h2.connect()
+            return
+        await self._grpcio()
+
+    async def _grpcio(self) -> None:
+        self.channel = grpc.aio.insecure_channel(self.settings.url, options=CHANNEL_OPTIONS)
+        # No serializers: the bytes given are sent as they are, the reply bytes returned.
+        self._unary = self.channel.unary_unary(INFER)
+        self._stream = self.channel.stream_stream(STREAM)
+        try:
+            await asyncio.wait_for(self.channel.channel_ready(), timeout=30)
+        except asyncio.TimeoutError:
+            raise RequestError(f"cannot connect to {self.settings.url}") from None
+
+    async def describe(self, framed: bytes) -> str:
+        """Why the server refused a request sent over h2: ask again through grpcio."""
+        if getattr(self, "channel", None) is None:
+            await self._grpcio()
+        try:
+            await self._unary(framed[5:], timeout=30)
+        except grpc.aio.AioRpcError as exc:
+            return f"gRPC {exc.code().name}: {exc.details()}"
+        return "the server answered without a response message"
+
+    async def open_slot(self) -> Slot:
+        if self.h2 is not None:
+            return H2Slot(self.h2, self.describe)
+        if self.settings.streaming:
+            return StreamSlot(self._stream, self.info.decoupled)
+        return UnarySlot(self._unary)
+
+    async def close(self) -> None:
+        channel = getattr(self, "channel", None)
+        h2 = getattr(self, "h2", None)
+        try:
+            if h2 is not None:
+                h2.close()
+            if channel is not None:
+                await channel.close()
+        finally:
+            await super().close()

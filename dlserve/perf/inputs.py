@@ -1,0 +1,316 @@
+"""What to send: the model's inputs (from its metadata and config) and their data.
+
+``--input-data`` follows perf_analyzer:
+
+* ``zero``   -- numeric inputs are zeros (BOOL: false).
+* ``random`` -- numeric inputs get random values (floats in [0, 1), integers in [0, 100),
+  BOOL random); one data set, sent with every request.
+* ``FILE.json`` -- perf_analyzer's JSON format::
+
+      {"data": [{"INPUT0": [1, 2, 3, 4], "INPUT1": {"content": [...], "shape": [2, 2]}},
+                {"INPUT0": {"b64": "<base64 of the raw little-endian tensor>"}, ...}]}
+
+  Each entry of ``data`` is one step; a list of lists (streams) is read as its steps in
+  order. Content may be flat or nested; BYTES content is a list of strings. A step
+  without ``shape`` uses the model's dims (with ``--shape`` for variable ones). Requests
+  cycle through the steps; with ``-b B`` a request takes B consecutive steps. The other
+  keys of the file (``validation_data``, ``parameters``) are ignored.
+
+BYTES elements in the zero and random modes are ``--string-data`` when given, else random
+printable strings of ``--string-length`` characters, as perf_analyzer's are.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import math
+import string
+from typing import Any
+
+import numpy as np
+
+from dlserve.perf.cli import UsageError
+
+NUMPY_TYPES: dict[str, Any] = {
+    "BOOL": np.bool_,
+    "UINT8": np.uint8,
+    "UINT16": np.uint16,
+    "UINT32": np.uint32,
+    "UINT64": np.uint64,
+    "INT8": np.int8,
+    "INT16": np.int16,
+    "INT32": np.int32,
+    "INT64": np.int64,
+    "FP16": np.float16,
+    "FP32": np.float32,
+    "FP64": np.float64,
+    "BYTES": np.object_,
+}
+_LETTERS = np.frombuffer((string.ascii_letters + string.digits).encode(), dtype=np.uint8)
+
+
+def numpy_type(datatype: str) -> Any:
+    if datatype == "BF16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    try:
+        return NUMPY_TYPES[datatype]
+    except KeyError:
+        raise UsageError(f"datatype {datatype} is not supported") from None
+
+
+@dataclasses.dataclass
+class TensorInfo:
+    name: str
+    datatype: str
+    dims: list[int]  # without the batch dimension
+
+
+@dataclasses.dataclass
+class ModelInfo:
+    name: str
+    version: str
+    inputs: list[TensorInfo]
+    outputs: list[TensorInfo]
+    max_batch_size: int = 0
+    decoupled: bool = False
+
+    @classmethod
+    def from_json(cls, metadata: dict[str, Any], config: dict[str, Any]) -> ModelInfo:
+        """From the KServe metadata JSON and Triton's config JSON (HTTP, gRPC or in-process)."""
+        max_batch = int(config.get("max_batch_size", 0) or 0)
+        policy = config.get("model_transaction_policy") or {}
+        versions = metadata.get("versions") or []
+
+        def tensors(entries: list[dict[str, Any]]) -> list[TensorInfo]:
+            out = []
+            for entry in entries:
+                dims = [int(d) for d in entry.get("shape", [])]
+                if max_batch > 0 and dims:
+                    dims = dims[1:]  # the -1 batch dimension
+                out.append(TensorInfo(entry["name"], entry["datatype"], dims))
+            return out
+
+        return cls(
+            name=metadata.get("name", ""),
+            version=str(versions[-1]) if versions else "",
+            inputs=tensors(metadata.get("inputs", [])),
+            outputs=tensors(metadata.get("outputs", [])),
+            max_batch_size=max_batch,
+            decoupled=bool(policy.get("decoupled", False)),
+        )
+
+
+def check_batch(info: ModelInfo, batch_size: int) -> None:
+    if batch_size > 1 and info.max_batch_size == 0:
+        raise UsageError(
+            f"-b {batch_size}: model '{info.name}' does not support batching (max_batch_size 0)"
+        )
+    if info.max_batch_size and batch_size > info.max_batch_size:
+        raise UsageError(
+            f"-b {batch_size} is above model '{info.name}''s max_batch_size {info.max_batch_size}"
+        )
+
+
+def resolve_shapes(info: ModelInfo, shapes: dict[str, list[int]]) -> dict[str, list[int]]:
+    """Each input's dims (no batch dimension): the model's, with ``--shape`` for variable ones."""
+    names = {t.name for t in info.inputs}
+    for name in shapes:
+        if name not in names:
+            raise UsageError(f"--shape: model '{info.name}' has no input '{name}' (inputs: {', '.join(sorted(names))})")
+    out = {}
+    for tensor in info.inputs:
+        given = shapes.get(tensor.name)
+        if given is None:
+            if any(d < 0 for d in tensor.dims):
+                raise UsageError(
+                    f"input '{tensor.name}' has a variable shape {tensor.dims}: give it with "
+                    f"--shape {tensor.name}:" + ",".join("1" if d < 0 else str(d) for d in tensor.dims)
+                )
+            out[tensor.name] = list(tensor.dims)
+            continue
+        if len(given) != len(tensor.dims) or any(d >= 0 and d != g for d, g in zip(tensor.dims, given)):
+            raise UsageError(
+                f"--shape {tensor.name}:{','.join(map(str, given))} does not fit the model's dims {tensor.dims}"
+            )
+        out[tensor.name] = list(given)
+    return out
+
+
+def random_strings(count: int, length: int, rng: np.random.Generator) -> np.ndarray:
+    letters = rng.choice(_LETTERS, size=(count, length)) if length else np.zeros((count, 0), np.uint8)
+    out = np.empty(count, dtype=np.object_)
+    for i in range(count):
+        out[i] = letters[i].tobytes()
+    return out
+
+
+def generated_tensor(
+    tensor: TensorInfo, shape: list[int], zero: bool, string_length: int, string_data: str | None,
+    rng: np.random.Generator,
+) -> np.ndarray:
+    count = math.prod(shape)
+    if tensor.datatype == "BYTES":
+        if string_data is not None:
+            flat = np.empty(count, dtype=np.object_)
+            flat[:] = [string_data.encode()] * count
+        else:
+            flat = random_strings(count, string_length, rng)
+        return flat.reshape(shape)
+    dtype = numpy_type(tensor.datatype)
+    if zero:
+        return np.zeros(shape, dtype=dtype)
+    if tensor.datatype == "BOOL":
+        return rng.integers(0, 2, size=shape).astype(np.bool_)
+    if tensor.datatype.startswith(("FP", "BF")):
+        return rng.random(size=shape, dtype=np.float64).astype(dtype)
+    return rng.integers(0, 100, size=shape).astype(dtype)
+
+
+def _step_tensor(tensor: TensorInfo, value: Any, default_shape: list[int] | None, where: str) -> np.ndarray:
+    shape = None
+    if isinstance(value, dict):
+        if "shape" in value:
+            shape = [int(d) for d in value["shape"]]
+        if "b64" in value:
+            raw = base64.b64decode(value["b64"])
+            if tensor.datatype == "BYTES":
+                content: Any = [raw]
+            else:
+                array = np.frombuffer(raw, dtype=numpy_type(tensor.datatype)).copy()
+                content = array
+        elif "content" in value:
+            content = value["content"]
+        else:
+            raise UsageError(f"{where}: input '{tensor.name}' needs 'content' or 'b64'")
+    else:
+        content = value
+    if shape is None:
+        shape = default_shape
+    if tensor.datatype == "BYTES":
+        flat = np.asarray(content, dtype=np.object_).reshape(-1)
+        array = np.empty(flat.size, dtype=np.object_)
+        for i, item in enumerate(flat):
+            array[i] = item.encode() if isinstance(item, str) else bytes(item)
+    elif isinstance(content, np.ndarray):
+        array = content.reshape(-1)
+    else:
+        try:
+            array = np.asarray(content, dtype=numpy_type(tensor.datatype)).reshape(-1)
+        except (TypeError, ValueError) as exc:
+            raise UsageError(f"{where}: input '{tensor.name}': {exc}") from None
+    if shape is None:
+        if any(d < 0 for d in tensor.dims):
+            raise UsageError(
+                f"{where}: input '{tensor.name}' has a variable shape {tensor.dims}: give a 'shape' "
+                f"in the file or --shape {tensor.name}:..."
+            )
+        shape = list(tensor.dims)
+    if math.prod(shape) != array.size:
+        raise UsageError(
+            f"{where}: input '{tensor.name}' has {array.size} elements, its shape {shape} needs {math.prod(shape)}"
+        )
+    return array.reshape(shape)
+
+
+def load_json_steps(path: str, info: ModelInfo, shapes: dict[str, list[int]]) -> list[dict[str, np.ndarray]]:
+    """The steps of a perf_analyzer JSON data file, one dict of batch-1 tensors each."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            document = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--input-data {path}: {exc}") from None
+    data = document.get("data") if isinstance(document, dict) else None
+    if not isinstance(data, list) or not data:
+        raise UsageError(f"--input-data {path}: expected {{\"data\": [{{...}}, ...]}} with at least one entry")
+    steps: list[dict[str, Any]] = []
+    for entry in data:
+        if isinstance(entry, list):  # a stream (sequence models): its steps in order
+            steps.extend(entry)
+        else:
+            steps.append(entry)
+    out = []
+    for index, step in enumerate(steps):
+        where = f"--input-data {path}: step {index}"
+        if not isinstance(step, dict):
+            raise UsageError(f"{where}: expected an object of input name -> data")
+        tensors = {}
+        for tensor in info.inputs:
+            if tensor.name not in step:
+                raise UsageError(f"{where}: no data for input '{tensor.name}'")
+            tensors[tensor.name] = _step_tensor(tensor, step[tensor.name], shapes.get(tensor.name), where)
+        unknown = set(step) - {t.name for t in info.inputs}
+        if unknown:
+            raise UsageError(f"{where}: model '{info.name}' has no input(s) {', '.join(sorted(unknown))}")
+        out.append(tensors)
+    return out
+
+
+def _batched(info: ModelInfo, steps: list[dict[str, np.ndarray]], batch_size: int) -> list[dict[str, np.ndarray]]:
+    """Requests from steps: with batching, request k stacks steps kB .. kB+B-1 (cyclic)."""
+    if info.max_batch_size == 0:
+        return steps
+    count = len(steps) // math.gcd(len(steps), batch_size)
+    requests = []
+    for k in range(count):
+        chosen = [steps[(k * batch_size + j) % len(steps)] for j in range(batch_size)]
+        request = {}
+        for tensor in info.inputs:
+            parts = [step[tensor.name] for step in chosen]
+            if len({p.shape for p in parts}) != 1:
+                raise UsageError(
+                    f"--input-data: input '{tensor.name}' has different shapes in the steps batched "
+                    "together; use steps of one shape or -b 1"
+                )
+            request[tensor.name] = np.stack(parts)
+        requests.append(request)
+    return requests
+
+
+def make_requests(
+    info: ModelInfo,
+    batch_size: int,
+    shapes: dict[str, list[int]],
+    input_data: str,
+    string_length: int = 128,
+    string_data: str | None = None,
+    seed: int | None = None,
+) -> list[dict[str, np.ndarray]]:
+    """The distinct requests to cycle through: input name -> array (with the batch dim
+    when the model batches)."""
+    check_batch(info, batch_size)
+    if input_data in ("zero", "random"):
+        dims = resolve_shapes(info, shapes)
+        rng = np.random.default_rng(seed)
+        step = {
+            t.name: generated_tensor(t, dims[t.name], input_data == "zero", string_length, string_data, rng)
+            for t in info.inputs
+        }
+        steps = [step]
+    else:
+        names = {t.name for t in info.inputs}
+        for name in shapes:
+            if name not in names:
+                raise UsageError(f"--shape: model '{info.name}' has no input '{name}'")
+        steps = load_json_steps(input_data, info, shapes)
+    return _batched(info, steps, batch_size)
+
+
+def serialize_bytes(array: np.ndarray) -> bytes:
+    """BYTES elements as Triton sends them: a 4-byte little-endian length, then the bytes."""
+    parts = []
+    for item in array.reshape(-1):
+        data = item.encode() if isinstance(item, str) else bytes(item)
+        parts.append(len(data).to_bytes(4, "little"))
+        parts.append(data)
+    return b"".join(parts)
+
+
+def raw_bytes(array: np.ndarray, datatype: str) -> bytes:
+    """A tensor's bytes on the wire (binary tensor extension / raw_input_contents)."""
+    if datatype == "BYTES":
+        return serialize_bytes(array)
+    return np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<"), copy=False).tobytes()

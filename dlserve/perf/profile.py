@@ -1,0 +1,222 @@
+"""The benchmark: read the model, make the requests, sweep the levels, report.
+
+Per level (a concurrency or a request rate): set the load, discard what ended before,
+then measure windows of ``--measurement-interval`` ms -- each with the server's
+statistics read at its end, so the window's server numbers are the delta -- until the
+last 3 are stable or ``--max-trials`` windows have passed. Like perf_analyzer, the sweep
+ends at a level that never became stable (reported, exit status 1) or whose latency
+passed ``--latency-threshold``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from dlserve.perf import report
+from dlserve.perf.cli import Settings, UsageError
+from dlserve.perf.clients import ControlClient, RequestError, ServerError, control_client
+from dlserve.perf.inputs import ModelInfo, make_requests
+from dlserve.perf.measure import LevelResult, ServerStats, Window, is_stable, summarize
+from dlserve.perf.workers import LoadGroup, new_event_loop
+
+
+class Failed(Exception):
+    """The benchmark could not go on (exit status 1)."""
+
+
+def _levels(settings: Settings) -> Iterator[float]:
+    if settings.sweep_unbounded:
+        start = settings.levels[0]
+        return (start + i * settings.sweep_step for i in itertools.count())
+    return iter(settings.levels)
+
+
+class Profiler:
+    def __init__(self, settings: Settings, info: ModelInfo, requests: list, control: ControlClient,
+                 server_stats: bool) -> None:
+        self.settings = settings
+        self.info = info
+        self.requests = requests
+        self.control = control
+        self.server_stats = server_stats
+        self.progress = report.Progress(settings.progress)
+        self.results: list[LevelResult] = []
+
+    async def _stats(self) -> ServerStats | None:
+        if not self.server_stats:
+            return None
+        try:
+            document = await asyncio.to_thread(self.control.statistics, self.settings.model, self.settings.version)
+        except ServerError as exc:
+            self.server_stats = False
+            print(f"dlserve perf: server statistics stopped working ({exc}); going on without them",
+                  file=sys.stderr)
+            return None
+        return ServerStats.from_json(document, self.settings.model, self.settings.version)
+
+    def _check(self, group: LoadGroup) -> None:
+        if group.error:
+            raise Failed(f"a request failed: {group.error}")
+
+    async def run(self) -> list[LevelResult]:
+        settings = self.settings
+        group = LoadGroup(settings, self.info, self.requests, self.control)
+        try:
+            self.progress.update("dlserve perf: connecting and encoding requests", force=True)
+            try:
+                await group.start()
+            except (RequestError, ServerError, RuntimeError) as exc:
+                raise Failed(str(exc)) from None
+            if settings.warmup_request_count:
+                self.progress.update(f"dlserve perf: {settings.warmup_request_count} warm-up requests", force=True)
+                concurrency = int(settings.levels[0]) if settings.mode == "concurrency" else 1
+                await group.warmup(settings.warmup_request_count, concurrency)
+                self._check(group)
+            for value in _levels(settings):
+                result = await self._level(group, value)
+                self.results.append(result)
+                report.print_out(report.level_text(result, settings.protocol, header=False) + "\n", self.progress)
+                warning = report.delayed_warning(result)
+                if warning:
+                    print(warning, file=sys.stderr)
+                if not result.stable:
+                    break
+                threshold = settings.latency_threshold_ms
+                if threshold and result.latency_us > threshold * 1000:
+                    break
+        finally:
+            self.progress.clear()
+            await group.stop()
+        return self.results
+
+    async def _level(self, group: LoadGroup, value: float) -> LevelResult:
+        settings = self.settings
+        mode = settings.mode
+        label = "concurrency" if mode == "concurrency" else "request rate"
+        shown = report.level_label(mode, value)
+        report.print_out(report.level_header(mode, value) + "\n", self.progress)
+        await group.set_level(mode, value)
+        self._check(group)
+        await group.collect()  # what ended before this level's load was set
+        before = await self._stats()
+        windows: list[Window] = []
+        interval = settings.measurement_interval_ms / 1000
+        for trial in range(1, settings.max_trials + 1):
+            end = time.monotonic() + interval
+            while True:
+                left = end - time.monotonic()
+                if left <= 0:
+                    break
+                self._check(group)
+                last = (
+                    f", last window {report.pa_number(windows[-1].throughput)} infer/sec"
+                    f" {int(windows[-1].latency_ns(settings.percentile) / 1000)} usec"
+                    if windows else ""
+                )
+                self.progress.update(
+                    f"dlserve perf: {label} {shown} | window {trial}/{settings.max_trials} "
+                    f"| {interval - left:.1f}/{interval:.1f} s{last}"
+                )
+                await asyncio.sleep(min(left, 0.1) if self.progress.enabled else left)
+            client = await group.collect()
+            self._check(group)
+            after = await self._stats()
+            server = after - before if after is not None and before is not None else None
+            before = after
+            window = Window(client, server, settings.batch_size)
+            windows.append(window)
+            if settings.verbose:
+                latencies = client.latencies_ns
+                avg, std = (latencies.mean() / 1000, latencies.std() / 1000) if client.count else (0, 0)
+                report.print_out(report.pass_text(trial, window.throughput, avg, std) + "\n", self.progress)
+            if is_stable(windows, settings.stability_percentage, settings.percentile):
+                return summarize(mode, value, windows, True, settings.percentile)
+        self.progress.clear()
+        what = "concurrency" if mode == "concurrency" else "request rate"
+        print(
+            f"dlserve perf: failed to obtain stable measurement within {settings.max_trials} measurement "
+            f"windows for {what} {shown}. Please try to increase the --measurement-interval.",
+            file=sys.stderr,
+        )
+        return summarize(mode, value, windows, False, settings.percentile)
+
+
+def _probe_statistics(control: ControlClient, settings: Settings) -> bool:
+    try:
+        document = control.statistics(settings.model, settings.version)
+    except ServerError:
+        return False
+    return ServerStats.from_json(document, settings.model, settings.version) is not None
+
+
+def benchmark(settings: Settings, server: Any = None) -> tuple[list[LevelResult], bool]:
+    """Run the whole benchmark (prints the console report); the results and whether the
+    server's statistics were available."""
+    control = control_client(settings, server)
+    try:
+        info = control.model_info(settings.model, settings.version)
+        if info.decoupled and not settings.streaming:
+            raise UsageError(
+                f"model '{settings.model}' is decoupled: benchmark it with -i grpc --streaming"
+            )
+        requests = make_requests(
+            info, settings.batch_size, settings.shapes, settings.input_data,
+            settings.string_length, settings.string_data,
+        )
+        server_stats = _probe_statistics(control, settings)
+        report.print_out(report.settings_text(settings, server_stats) + "\n")
+        profiler = Profiler(settings, info, requests, control, server_stats)
+        loop = new_event_loop()
+        task = loop.create_task(profiler.run())
+        try:
+            loop.add_signal_handler(signal.SIGINT, task.cancel)  # so the run cleans up (shm, workers)
+        except (NotImplementedError, RuntimeError, ValueError):
+            pass
+        try:
+            results = loop.run_until_complete(task)
+        except asyncio.CancelledError:
+            raise KeyboardInterrupt from None
+        finally:
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
+        return results, profiler.server_stats
+    finally:
+        control.close()
+
+
+def main(settings: Settings) -> int:
+    server = None
+    try:
+        if settings.protocol == "inprocess":
+            from dlserve.perf.clients.inprocess import start_server
+
+            server = start_server(settings.model_repository, settings.model)
+        results, server_stats = benchmark(settings, server)
+    except UsageError as exc:
+        print(f"dlserve perf: error: {exc}", file=sys.stderr)
+        return 2
+    except (Failed, ServerError, RequestError) as exc:
+        print(f"dlserve perf: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("dlserve perf: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        if server is not None:
+            server.stop()
+    if not results:
+        return 1
+    report.print_out(report.summary_text(results, settings.percentile))
+    if settings.csv_file:
+        report.write_csv(settings.csv_file, results, settings.mode, server_stats)
+    if settings.json_file:
+        report.write_json(settings.json_file, settings, results, server_stats)
+    if settings.plot_file:
+        report.write_plot(settings.plot_file, settings, results)
+    return 0 if all(r.stable for r in results) else 1

@@ -1,0 +1,294 @@
+"""``dlserve perf`` against a real ``dlserve serve`` process (free ports, a temporary
+repository with add_sub, identity, bytes_model and reshape): HTTP, gRPC, gRPC streaming,
+system shared memory, request rate, several processes, JSON input data, BYTES, batches,
+the CSV/JSON/plot outputs and failures; and ``-i inprocess`` with no server.
+
+gRPC runs use dlserve perf's own HTTP/2 client unless ``--grpc-transport grpcio``.
+Each run measures 3 windows of 200 ms with a stability percentage of 1000, so it is
+stable at once and takes about a second.
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import http.client
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ..conftest import MODELS
+
+DLSERVE = str(Path(sys.executable).parent / "dlserve")
+QUICK = ["-p", "200", "-s", "1000", "-r", "3"]
+PA_COLUMNS = (
+    "Concurrency,Inferences/Second,Client Send,Network+Server Send/Recv,Server Queue,"
+    "Server Compute Input,Server Compute Infer,Server Compute Output,Client Recv,"
+    "p50 latency,p90 latency,p95 latency,p99 latency"
+).split(",")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def ready(port: int) -> bool:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+    try:
+        conn.request("GET", "/v2/health/ready")
+        return conn.getresponse().status == 200
+    except OSError:
+        return False
+    finally:
+        conn.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    work = tmp_path_factory.mktemp("perf")
+    repo = work / "repo"
+    for name in ("add_sub", "identity", "bytes_model", "reshape"):
+        shutil.copytree(MODELS / name, repo / name)
+    ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
+    log_path = work / "serve.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            [
+                DLSERVE, "serve", "--model-repository", str(repo), "--allow-client-shm", "true",
+                "--http-address", "127.0.0.1", "--http-port", str(ports["http"]),
+                "--grpc-address", "127.0.0.1", "--grpc-port", str(ports["grpc"]),
+                "--metrics-address", "127.0.0.1", "--metrics-port", str(ports["metrics"]),
+            ],
+            stdout=log, stderr=subprocess.STDOUT, cwd=work,
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while not ready(ports["http"]):
+            assert proc.poll() is None, f"dlserve serve exited {proc.returncode}:\n{log_path.read_text()}"
+            assert time.monotonic() < deadline, f"not ready in 60 s:\n{log_path.read_text()}"
+            time.sleep(0.1)
+        yield {"ports": ports, "work": work, "repo": repo}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def perf(*args: str, expect: int = 0, timeout: float = 90) -> subprocess.CompletedProcess:
+    result = subprocess.run([DLSERVE, "perf", *args], capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == expect, (
+        f"exit {result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
+    )
+    return result
+
+
+def url(server, protocol: str) -> list[str]:
+    return ["-u", f"127.0.0.1:{server['ports'][protocol]}", "-i", protocol]
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with path.open() as f:
+        rows = list(csv.DictReader(f))
+    return rows
+
+
+def no_client_segments() -> list[str]:
+    return glob.glob("/dev/shm/perf_client_*")
+
+
+def check_server_columns(row: dict[str, str]) -> None:
+    for column in ("Server Queue", "Server Compute Input", "Server Compute Infer", "Server Compute Output"):
+        assert row[column].isdigit(), (column, row)
+    assert int(row["Server Compute Infer"]) > 0, row
+
+
+# -- HTTP, gRPC, streaming --------------------------------------------------------------------
+def test_http_sweep_with_csv_and_json(server, tmp_path):
+    out, doc = tmp_path / "out.csv", tmp_path / "out.json"
+    result = perf("-m", "add_sub", *url(server, "http"), *QUICK, "--concurrency-range", "1:2",
+                  "-f", str(out), "--json", str(doc))
+    assert "Request concurrency: 1" in result.stdout and "Request concurrency: 2" in result.stdout
+    assert "Avg HTTP time:" in result.stdout and "Server: " in result.stdout
+    assert "Inferences/Second vs. Client Average Batch Latency" in result.stdout
+    assert out.read_text().splitlines()[0] == ",".join(PA_COLUMNS)
+    rows = read_csv(out)
+    assert sorted(r["Concurrency"] for r in rows) == ["1", "2"]
+    for row in rows:
+        assert float(row["Inferences/Second"]) > 0
+        check_server_columns(row)
+        assert 0 < int(row["p50 latency"]) <= int(row["p90 latency"]) <= int(row["p99 latency"])
+    document = json.loads(doc.read_text())
+    assert document["protocol"] == "http" and document["server_statistics"] is True
+    assert [r["value"] for r in document["results"]] == [1, 2]
+    first = document["results"][0]
+    assert first["stable"] and first["request_count"] > 0 and first["server"]["success_count"] > 0
+    # every request the client counted in the window, the server counted too (±1 at the edges)
+    assert abs(first["server"]["success_count"] - first["request_count"]) <= 3
+
+
+def test_grpc(server, tmp_path):
+    out = tmp_path / "out.csv"
+    result = perf("-m", "add_sub", *url(server, "grpc"), *QUICK, "--concurrency-range", "2", "-f", str(out))
+    assert "Avg gRPC time:" in result.stdout
+    (row,) = read_csv(out)
+    assert row["Concurrency"] == "2" and float(row["Inferences/Second"]) > 0
+    check_server_columns(row)
+
+
+def test_grpc_through_grpcio(server, tmp_path):
+    out = tmp_path / "out.csv"
+    perf("-m", "add_sub", "-x", "1", *url(server, "grpc"), *QUICK, "--grpc-transport", "grpcio", "-f", str(out))
+    (row,) = read_csv(out)
+    check_server_columns(row)
+
+
+@pytest.mark.parametrize("extra", [["-i", "grpc"], ["-i", "grpc", "--grpc-transport", "grpcio"], ["-i", "http"]])
+def test_a_refused_request_ends_the_run_with_the_servers_message(server, tmp_path, extra):
+    data = tmp_path / "data.json"
+    data.write_text(json.dumps({"data": [{"INPUT0": {"content": [1.0] * 3, "shape": [3]},
+                                          "INPUT1": {"content": [1.0] * 3, "shape": [3]}}]}))
+    protocol = extra[1]
+    result = perf("-m", "add_sub", "-u", f"127.0.0.1:{server['ports'][protocol]}", *extra, *QUICK,
+                  "--input-data", str(data), expect=1)
+    assert "a request failed" in result.stderr and "Expected [16], got [3]" in result.stderr, result.stderr
+
+
+def test_grpc_streaming(server, tmp_path):
+    out = tmp_path / "out.json"
+    result = perf("-m", "add_sub", *url(server, "grpc"), *QUICK, "--streaming", "--json", str(out))
+    assert "Using gRPC streaming" in result.stdout
+    (level,) = json.loads(out.read_text())["results"]
+    assert level["request_count"] > 0 and level["server"]["success_count"] > 0
+
+
+# -- shared memory ----------------------------------------------------------------------------
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_system_shared_memory(server, tmp_path, protocol):
+    out = tmp_path / "out.csv"
+    before = set(no_client_segments())
+    result = perf("-m", "identity", *url(server, protocol), *QUICK, "--shape", "INPUT0:1024",
+                  "--shared-memory", "system", "--output-shared-memory-size", "4096", "-f", str(out))
+    assert "Using system shared memory" in result.stdout
+    (row,) = read_csv(out)
+    check_server_columns(row)
+    assert set(no_client_segments()) == before, "the client's segment was left behind"
+
+
+def test_output_shared_memory_too_small_fails_clearly(server):
+    result = perf("-m", "identity", *url(server, "grpc"), *QUICK, "--shape", "INPUT0:1024",
+                  "--shared-memory", "system", "--output-shared-memory-size", "16", expect=1)
+    assert "a request failed" in result.stderr
+
+
+# -- load modes, processes, data ---------------------------------------------------------------
+def test_request_rate_poisson(server, tmp_path):
+    out = tmp_path / "out.csv"
+    result = perf("-m", "add_sub", *url(server, "http"), *QUICK, "--request-rate-range", "100:200:100",
+                  "--request-distribution", "poisson", "-f", str(out))
+    assert "Request Rate: 100 inference requests per seconds" in result.stdout
+    rows = read_csv(out)
+    assert sorted(r["Request Rate"] for r in rows) == ["100", "200"]
+    for row in rows:
+        assert 30 < float(row["Inferences/Second"]) < 400, row
+
+
+def test_two_processes(server, tmp_path):
+    out = tmp_path / "out.json"
+    perf("-m", "add_sub", *url(server, "http"), *QUICK, "--concurrency-range", "4", "--processes", "2",
+         "--warmup-request-count", "20", "--json", str(out))
+    (level,) = json.loads(out.read_text())["results"]
+    assert level["value"] == 4 and level["request_count"] > 0
+    assert abs(level["server"]["success_count"] - level["request_count"]) <= 8
+
+
+def test_json_input_data_and_percentile(server, tmp_path):
+    data = tmp_path / "data.json"
+    data.write_text(json.dumps({"data": [
+        {"INPUT0": {"content": [1.0] * 8, "shape": [8]}},
+        {"INPUT0": {"content": [2.0] * 4, "shape": [4]}},
+    ]}))
+    out = tmp_path / "out.csv"
+    result = perf("-m", "identity", *url(server, "grpc"), *QUICK, "--input-data", str(data),
+                  "--percentile", "75", "-f", str(out))
+    assert "Stabilizing using p75latency" in result.stdout and "Avg latency" not in result.stdout
+    assert "p75 latency" in out.read_text().splitlines()[0]
+
+
+def test_bytes_model_with_string_length(server, tmp_path):
+    out = tmp_path / "out.json"
+    perf("-m", "bytes_model", "-x", "1", *url(server, "http"), *QUICK, "--shape", "INPUT0:4", "--string-length", "16",
+         "--input-data", "zero", "--json", str(out))
+    (level,) = json.loads(out.read_text())["results"]
+    assert level["request_count"] > 0
+
+
+def test_batches(server, tmp_path):
+    out = tmp_path / "out.json"
+    perf("-m", "reshape", *url(server, "grpc"), *QUICK, "-b", "3", "--json", str(out))
+    (level,) = json.loads(out.read_text())["results"]
+    assert level["batch_size"] == 3
+    # throughput counts inferences: 3 per request
+    assert level["throughput"] == pytest.approx(3 * level["request_count"] / level["duration_s"])
+    assert level["server"]["inference_count"] == pytest.approx(3 * level["server"]["success_count"], abs=6)
+
+
+def test_plot(server, tmp_path):
+    pytest.importorskip("matplotlib")
+    plot = tmp_path / "sweep.png"
+    perf("-m", "add_sub", *url(server, "http"), *QUICK, "--concurrency-range", "1:2", "--plot", str(plot))
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
+# -- failures -----------------------------------------------------------------------------------
+def test_unknown_model(server):
+    result = perf("-m", "nope", *url(server, "http"), *QUICK, expect=1)
+    assert "nope" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_variable_shape_without_shape(server):
+    result = perf("-m", "identity", *url(server, "http"), *QUICK, expect=2)
+    assert "--shape INPUT0:1" in result.stderr
+
+
+def test_batch_on_a_model_without_batching(server):
+    result = perf("-m", "add_sub", *url(server, "grpc"), *QUICK, "-b", "2", expect=2)
+    assert "does not support batching" in result.stderr
+
+
+def test_unstable_measurement_exits_1(server, tmp_path):
+    out = tmp_path / "out.csv"
+    result = perf("-m", "add_sub", *url(server, "http"), "-p", "100", "-s", "0.0001", "-r", "3",
+                  "-f", str(out), expect=1)
+    assert "failed to obtain stable measurement within 3 measurement windows for concurrency 1" in result.stderr
+    assert len(read_csv(out)) == 1  # still reported
+
+
+def test_no_server():
+    result = perf("-m", "add_sub", "-u", f"127.0.0.1:{free_port()}", *QUICK, expect=1)
+    assert "cannot reach the server" in result.stderr
+
+
+# -- in-process ----------------------------------------------------------------------------------
+def test_inprocess(tmp_path):
+    repo = tmp_path / "repo"
+    shutil.copytree(MODELS / "add_sub", repo / "add_sub")
+    out = tmp_path / "out.csv"
+    result = perf("-m", "add_sub", "-i", "inprocess", "--model-repository", str(repo), *QUICK,
+                  "--concurrency-range", "1:2", "--shared-memory", "system", "-f", str(out))
+    assert "Service Kind: dlserve in-process API" in result.stdout and "Avg in-process time" in result.stdout
+    rows = read_csv(out)
+    assert [r["Concurrency"] for r in sorted(rows, key=lambda r: r["Concurrency"])] == ["1", "2"]
+    for row in rows:
+        check_server_columns(row)

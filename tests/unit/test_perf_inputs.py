@@ -1,0 +1,215 @@
+"""``dlserve perf`` input data: zero / random / perf_analyzer JSON (BYTES, shapes, batches),
+and the requests encoded once (HTTP bytes, gRPC bytes, shared-memory plan)."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import numpy as np
+import pytest
+
+from dlserve.frontends.proto import grpc_service_pb2 as pb
+from dlserve.perf.cli import UsageError
+from dlserve.perf.inputs import ModelInfo, make_requests, resolve_shapes, serialize_bytes
+from dlserve.perf.payloads import grpc_request, http_request, infer_path, plan_shm
+from dlserve.perf.shm import ShmRef
+
+ADD_SUB = ModelInfo.from_json(
+    {"name": "add_sub", "versions": ["1"],
+     "inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [16]},
+                {"name": "INPUT1", "datatype": "FP32", "shape": [16]}],
+     "outputs": [{"name": "OUTPUT0", "datatype": "FP32", "shape": [16]},
+                 {"name": "OUTPUT1", "datatype": "FP32", "shape": [16]}]},
+    {"max_batch_size": 0},
+)
+IDENTITY = ModelInfo.from_json(
+    {"name": "identity", "inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [-1]}],
+     "outputs": [{"name": "OUTPUT0", "datatype": "FP32", "shape": [-1]}]},
+    {},
+)
+STRINGS = ModelInfo.from_json(
+    {"name": "bytes_model", "inputs": [{"name": "INPUT0", "datatype": "BYTES", "shape": [-1]}],
+     "outputs": [{"name": "OUTPUT0", "datatype": "BYTES", "shape": [-1]}]},
+    {"max_batch_size": 0},
+)
+BATCHED = ModelInfo.from_json(  # shapes as gRPC's JSON mapping gives them (int64 as strings)
+    {"name": "reshape", "inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": ["-1", "2", "2"]}],
+     "outputs": [{"name": "OUTPUT0", "datatype": "INT32", "shape": ["-1", "2", "2"]}]},
+    {"max_batch_size": 4, "model_transaction_policy": {"decoupled": False}},
+)
+
+
+def test_model_info():
+    assert ADD_SUB.version == "1" and [t.name for t in ADD_SUB.inputs] == ["INPUT0", "INPUT1"]
+    assert BATCHED.max_batch_size == 4 and BATCHED.inputs[0].dims == [2, 2]  # batch dim dropped
+    assert ModelInfo.from_json({"name": "d", "inputs": [], "outputs": []},
+                               {"model_transaction_policy": {"decoupled": True}}).decoupled
+
+
+def test_zero_and_random():
+    (zero,) = make_requests(ADD_SUB, 1, {}, "zero")
+    assert zero["INPUT0"].dtype == np.float32 and zero["INPUT0"].shape == (16,) and not zero["INPUT0"].any()
+    (rand,) = make_requests(ADD_SUB, 1, {}, "random", seed=1)
+    assert rand["INPUT0"].shape == (16,) and rand["INPUT0"].any()
+    assert ((rand["INPUT0"] >= 0) & (rand["INPUT0"] < 1)).all()
+
+
+def test_shapes_for_variable_dims():
+    (request,) = make_requests(IDENTITY, 1, {"INPUT0": [1024]}, "zero")
+    assert request["INPUT0"].shape == (1024,)
+    with pytest.raises(UsageError, match=r"variable shape \[-1\]: give it with --shape INPUT0:1"):
+        make_requests(IDENTITY, 1, {}, "zero")
+    with pytest.raises(UsageError, match="has no input 'INPUT9'"):
+        resolve_shapes(IDENTITY, {"INPUT9": [4]})
+    with pytest.raises(UsageError, match="does not fit the model's dims"):
+        resolve_shapes(ADD_SUB, {"INPUT0": [8]})
+
+
+def test_batches():
+    (request,) = make_requests(BATCHED, 3, {}, "random", seed=0)
+    assert request["INPUT0"].shape == (3, 2, 2) and request["INPUT0"].dtype == np.int32
+    with pytest.raises(UsageError, match="does not support batching"):
+        make_requests(ADD_SUB, 2, {}, "zero")
+    with pytest.raises(UsageError, match="above model 'reshape''s max_batch_size 4"):
+        make_requests(BATCHED, 5, {}, "zero")
+
+
+def test_bytes_inputs():
+    (request,) = make_requests(STRINGS, 1, {"INPUT0": [3]}, "random", string_length=7, seed=2)
+    values = request["INPUT0"]
+    assert values.dtype == np.object_ and values.shape == (3,)
+    assert all(isinstance(v, bytes) and len(v) == 7 and v.isalnum() for v in values)
+    (fixed,) = make_requests(STRINGS, 1, {"INPUT0": [2]}, "zero", string_data="hi")
+    assert list(fixed["INPUT0"]) == [b"hi", b"hi"]
+    assert serialize_bytes(fixed["INPUT0"]) == b"\x02\x00\x00\x00hi\x02\x00\x00\x00hi"
+
+
+def write(tmp_path, document) -> str:
+    path = tmp_path / "data.json"
+    path.write_text(json.dumps(document))
+    return str(path)
+
+
+def test_json_data(tmp_path):
+    a = list(range(16))
+    b64 = base64.b64encode(np.arange(16, dtype=np.float32).tobytes()).decode()
+    path = write(tmp_path, {"data": [
+        {"INPUT0": a, "INPUT1": {"content": [a[:8], a[8:]], "shape": [16]}},  # nested content
+        {"INPUT0": {"b64": b64}, "INPUT1": a},
+    ]})
+    requests = make_requests(ADD_SUB, 1, {}, path)
+    assert len(requests) == 2
+    assert requests[0]["INPUT1"].tolist() == [float(x) for x in a]
+    assert requests[1]["INPUT0"].tolist() == list(np.arange(16, dtype=np.float32))
+
+
+def test_json_bytes_and_shapes(tmp_path):
+    path = write(tmp_path, {"data": [[  # a stream: its steps in order
+        {"INPUT0": {"content": ["a", "bb", "ccc"], "shape": [3]}},
+        {"INPUT0": ["x"]},
+    ]]})
+    first, second = make_requests(STRINGS, 1, {"INPUT0": [1]}, path)
+    assert list(first["INPUT0"]) == [b"a", b"bb", b"ccc"] and first["INPUT0"].shape == (3,)
+    assert list(second["INPUT0"]) == [b"x"]
+
+
+def test_json_batched_cycles_steps(tmp_path):
+    steps = [{"INPUT0": [[i, i], [i, i]]} for i in range(3)]
+    requests = make_requests(BATCHED, 2, {}, write(tmp_path, {"data": steps}))
+    # 3 steps in batches of 2: requests (0,1) (2,0) (1,2), then it repeats
+    assert [r["INPUT0"][:, 0, 0].tolist() for r in requests] == [[0, 1], [2, 0], [1, 2]]
+
+
+@pytest.mark.parametrize(
+    ("document", "message"),
+    [
+        ({"rows": []}, "expected {\"data\""),
+        ({"data": []}, "at least one entry"),
+        ({"data": [{"INPUT0": [1.0] * 16}]}, "no data for input 'INPUT1'"),
+        ({"data": [{"INPUT0": [1.0] * 15, "INPUT1": [1.0] * 16}]}, "has 15 elements, its shape [16] needs 16"),
+        ({"data": [{"INPUT0": [1.0] * 16, "INPUT1": [1.0] * 16, "EXTRA": [1]}]}, "has no input(s) EXTRA"),
+        ({"data": [{"INPUT0": {"shape": [16]}, "INPUT1": [1.0] * 16}]}, "needs 'content' or 'b64'"),
+        ({"data": [{"INPUT0": ["x"] * 16, "INPUT1": [1.0] * 16}]}, "input 'INPUT0'"),
+    ],
+)
+def test_bad_json_data(tmp_path, document, message):
+    with pytest.raises(UsageError) as exc:
+        make_requests(ADD_SUB, 1, {}, write(tmp_path, document))
+    assert message in str(exc.value)
+
+
+def test_json_not_json(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text("{not json")
+    with pytest.raises(UsageError, match="--input-data"):
+        make_requests(ADD_SUB, 1, {}, str(path))
+
+
+def test_json_variable_shape_needs_a_shape(tmp_path):
+    with pytest.raises(UsageError, match="variable shape"):
+        make_requests(IDENTITY, 1, {}, write(tmp_path, {"data": [{"INPUT0": [1.0, 2.0]}]}))
+
+
+# -- encoded requests --------------------------------------------------------------------------
+def split_http(raw: bytes) -> tuple[list[str], dict[str, str], bytes]:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    headers = {k.lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:])}
+    return lines, headers, body
+
+
+def test_http_request_with_binary_tensors():
+    (request,) = make_requests(ADD_SUB, 1, {}, "random", seed=3)
+    raw = http_request("127.0.0.1:8000", ADD_SUB, "", request)
+    lines, headers, body = split_http(raw)
+    assert lines[0] == "POST /v2/models/add_sub/infer HTTP/1.1"
+    assert headers["host"] == "127.0.0.1:8000" and int(headers["content-length"]) == len(body)
+    json_size = int(headers["inference-header-content-length"])
+    document = json.loads(body[:json_size])
+    assert document["inputs"][0] == {"name": "INPUT0", "shape": [16], "datatype": "FP32",
+                                      "parameters": {"binary_data_size": 64}}
+    assert document["outputs"] == [{"name": "OUTPUT0", "parameters": {"binary_data": True}},
+                                   {"name": "OUTPUT1", "parameters": {"binary_data": True}}]
+    tensors = body[json_size:]
+    assert tensors == request["INPUT0"].tobytes() + request["INPUT1"].tobytes()
+    assert infer_path("a b", "2") == "/v2/models/a%20b/versions/2/infer"
+
+
+def test_http_request_with_shared_memory():
+    (request,) = make_requests(IDENTITY, 1, {"INPUT0": [4]}, "zero")
+    raw = http_request(
+        "h:1", IDENTITY, "1", request, {"INPUT0": ShmRef("r", 64, 16)}, {"OUTPUT0": ShmRef("r", 128, 100)}
+    )
+    lines, headers, body = split_http(raw)
+    assert lines[0] == "POST /v2/models/identity/versions/1/infer HTTP/1.1"
+    assert "inference-header-content-length" not in headers and headers["content-type"] == "application/json"
+    document = json.loads(body)
+    assert document["inputs"][0]["parameters"] == {
+        "shared_memory_region": "r", "shared_memory_byte_size": 16, "shared_memory_offset": 64}
+    assert document["outputs"][0]["parameters"]["shared_memory_byte_size"] == 100
+
+
+def test_grpc_request():
+    (request,) = make_requests(STRINGS, 1, {"INPUT0": [2]}, "zero", string_data="ab")
+    parsed = pb.ModelInferRequest.FromString(grpc_request(STRINGS, "", request))
+    assert parsed.model_name == "bytes_model" and parsed.inputs[0].datatype == "BYTES"
+    assert list(parsed.inputs[0].shape) == [2] and [o.name for o in parsed.outputs] == ["OUTPUT0"]
+    assert parsed.raw_input_contents[0] == b"\x02\x00\x00\x00ab" * 2
+    shm = pb.ModelInferRequest.FromString(grpc_request(
+        STRINGS, "3", request, {"INPUT0": ShmRef("r", 0, 12)}, {"OUTPUT0": ShmRef("r", 64, 50)},
+        {"triton_enable_empty_final_response": True},
+    ))
+    assert shm.model_version == "3" and not shm.raw_input_contents
+    assert shm.inputs[0].parameters["shared_memory_region"].string_param == "r"
+    assert shm.outputs[0].parameters["shared_memory_offset"].int64_param == 64
+    assert shm.parameters["triton_enable_empty_final_response"].bool_param
+
+
+def test_shared_memory_plan():
+    requests = make_requests(ADD_SUB, 1, {}, "zero")
+    plan = plan_shm(requests, ADD_SUB, 100)
+    inputs, outputs = plan.refs("region")
+    assert inputs[0]["INPUT0"] == ShmRef("region", 0, 64) and inputs[0]["INPUT1"] == ShmRef("region", 64, 64)
+    assert outputs["OUTPUT0"] == ShmRef("region", 128, 100) and outputs["OUTPUT1"].offset == 256
+    assert plan.layout.size == 384 and all(o % 64 == 0 for o, _ in plan.layout.blobs)
