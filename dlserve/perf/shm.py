@@ -54,7 +54,10 @@ def cuda_problem() -> str | None:
     try:
         import cupy
     except ImportError:
-        return "cupy is not installed (pip install 'dlserve[gpu]') and no other CUDA binding is used"
+        return (
+            "cupy is not installed (pip install 'dlserve[gpu-cuda12]' or 'dlserve[gpu-cuda13]') "
+            "and no other CUDA binding is used"
+        )
     except Exception as exc:  # noqa: BLE001 - a broken CUDA install raises anything
         return f"cupy does not import: {exc}"
     try:
