@@ -212,7 +212,10 @@ class Engine:
     def model_config(self, name: str, version: int = -1) -> dict[str, Any]:
         return self.model(name, version).config_json
 
-    def statistics(self, name: str = "", version: int = -1) -> dict[str, Any]:
+    def statistics(self, name: str = "", version: int = -1, instances: bool = False) -> dict[str, Any]:
+        """Triton's statistics extension; with ``instances`` (beyond Triton, so the network
+        frontends leave it out) each version also lists its instances' state, so a worker
+        restarting after a crash shows."""
         assert self.manager is not None
         if name:
             try:
@@ -229,7 +232,14 @@ class Engine:
             models = [
                 m for e in self.manager.models.values() for m in e.versions.values() if m.ready
             ]
-        return {"model_stats": [m.stats.as_dict() for m in models]}
+        return {"model_stats": [self._model_statistics(m, instances) for m in models]}
+
+    @staticmethod
+    def _model_statistics(model: ModelVersion, instances: bool) -> dict[str, Any]:
+        stats = model.stats.as_dict()
+        if instances:
+            stats["instances"] = [instance.status() for instance in model.instances]
+        return stats
 
     def repository_index(self, ready: bool = False) -> list[dict[str, Any]]:
         assert self.manager is not None

@@ -366,7 +366,9 @@ class Model:
         return self._server._run(self._server.engine.model_ready(self.name, self.version))
 
     def statistics(self) -> dict[str, Any]:
-        return self._server._call_sync(lambda e: e.statistics(self.name, self.version))
+        """Triton's statistics for this model, plus an ``instances`` list per version
+        (name, kind, device, state, pid, restarts, last error)."""
+        return self._server._call_sync(lambda e: e.statistics(self.name, self.version, instances=True))
 
     def batch_properties(self) -> ModelBatchFlag:
         config = self.config()

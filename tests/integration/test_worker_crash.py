@@ -115,10 +115,14 @@ def test_readiness_reflects_a_dead_worker_and_requests_fail_fast(server):
     assert entry.state == "UNAVAILABLE" and "was killed by SIGKILL" in entry.reason
     with pytest.raises(dlserve.UnavailableError, match="has no ready instance"):
         list(server.model("faulty").infer(inputs={"INPUT0": X}))
+    (down,) = server.model("faulty").statistics()["model_stats"][0]["instances"]
+    assert down["state"] == "RESTARTING" and "was killed by SIGKILL" in down["last_error"]
     release.set()
     wait_until(lambda: server.model("faulty").ready())
     assert worker_pid(server) != pid
     assert instance.restarts == 1
+    (up,) = server.model("faulty").statistics()["model_stats"][0]["instances"]
+    assert up["state"] == "READY" and up["restarts"] == 1 and up["pid"] == worker_pid(server)
 
 
 def test_repeated_crashes_back_off_and_recover(server):
