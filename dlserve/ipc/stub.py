@@ -76,6 +76,22 @@ def load_module(model_file: str) -> ModuleType:
     return module
 
 
+def select_device(device_id: int) -> None:
+    """Make ``device_id`` the current CUDA device before the model is imported, as
+    Triton's stub does for a KIND_GPU instance, so frameworks default to it."""
+    try:
+        import cupy
+    except ImportError:
+        raise ModelFailure(
+            f"KIND_GPU instance on device {device_id} needs cupy to select its device "
+            "(pip install 'dlserve[gpu-cuda12]' or 'dlserve[gpu-cuda13]')"
+        ) from None
+    try:
+        cupy.cuda.runtime.setDevice(device_id)
+    except Exception as exc:  # noqa: BLE001 - any CUDA failure is a load failure
+        raise ModelFailure(f"cannot select CUDA device {device_id}: {exc}") from None
+
+
 async def _await(awaitable: Any) -> Any:
     return await awaitable
 
@@ -200,6 +216,8 @@ class Worker:
         args = body["args"]
         config = json.loads(args["model_config"])
         self.decoupled = bool(config.get("model_transaction_policy", {}).get("decoupled", False))
+        if args["model_instance_kind"] == "GPU":
+            select_device(int(args["model_instance_device_id"]))
         module = load_module(body["model_file"])
         self.model = module.TritonPythonModel()
         if inspect.iscoroutinefunction(getattr(self.model, "execute", None)):

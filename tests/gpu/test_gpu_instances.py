@@ -1,0 +1,75 @@
+"""KIND_GPU instances on a CUDA machine: each instance's worker runs on its own
+device, selected before ``initialize``. Skipped without CUDA (cupy and a device)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+
+from ..conftest import ServerHarness
+
+
+def cuda_devices() -> int:
+    try:
+        import cupy
+    except ImportError:
+        return 0
+    try:
+        return int(cupy.cuda.runtime.getDeviceCount()) if cupy.is_available() else 0
+    except Exception:  # noqa: BLE001 - any CUDA failure means no GPU
+        return 0
+
+
+DEVICES = cuda_devices()
+pytestmark = pytest.mark.skipif(DEVICES == 0, reason="needs CUDA (cupy and a GPU)")
+
+MODEL = """
+import json
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        import cupy
+        self.seen = {
+            "current": int(cupy.cuda.runtime.getDevice()),
+            "device_id": int(args["model_instance_device_id"]),
+            "kind": args["model_instance_kind"],
+            "name": args["model_instance_name"],
+        }
+
+    def execute(self, requests):
+        out = np.array([json.dumps(self.seen).encode()], dtype=np.object_)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("INFO", out)]) for _ in requests]
+"""
+
+
+def config(gpus: list[int]) -> str:
+    return (
+        'backend: "python"\n'
+        'input [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
+        'output [ { name: "INFO" data_type: TYPE_STRING dims: [ 1 ] } ]\n'
+        f"instance_group [ {{ kind: KIND_GPU gpus: {gpus} }} ]\n"
+    )
+
+
+def test_each_gpu_instance_runs_on_its_device(make_repo):
+    gpus = list(range(min(DEVICES, 2)))
+    repo = make_repo(extra={"where": {"config.pbtxt": config(gpus), "1/model.py": MODEL}})
+    harness = ServerHarness()
+    try:
+        server = harness.start(repo)
+        model = server.model("where")
+        seen = set()
+        for _ in range(8 * len(gpus)):
+            (response,) = model.infer(inputs={"X": np.zeros(1, np.float32)})
+            info = json.loads(response.outputs["INFO"].to_bytes_array()[0])
+            assert info["kind"] == "GPU" and info["current"] == info["device_id"]
+            seen.add(info["device_id"])
+        assert seen == set(gpus)  # requests reached an instance on every listed device
+    finally:
+        harness.close()
