@@ -129,3 +129,29 @@ def servers() -> Iterator[ServerHarness]:
     harness = ServerHarness()
     yield harness
     harness.close()
+
+
+def serve(
+    tmp_path_factory: pytest.TempPathFactory, names: list[str], **options: object
+) -> Iterator[dlserve.Server]:
+    """For module-scoped fixtures (``yield from serve(...)``): a server over a new
+    repository holding these tests/models, checked for leaks when it stops."""
+    repo = tmp_path_factory.mktemp("repo")
+    for name in names:
+        shutil.copytree(MODELS / name, repo / name)
+    harness = ServerHarness()
+    try:
+        yield harness.start(repo, **options)
+    finally:
+        harness.close()
+
+
+def frontend(service_class: type, server: dlserve.Server) -> Iterator[int]:
+    """A KServeHttp or KServeGrpc service on a free 127.0.0.1 port, for the fixture's
+    lifetime; yields the port."""
+    service = service_class(server, service_class.Options(address="127.0.0.1", port=0))
+    service.start()
+    try:
+        yield service.port
+    finally:
+        service.stop()

@@ -254,16 +254,8 @@ class KServeHttpApi:
                 "HTTP end point doesn't support models with decoupled transaction policy"
             )
         header, binary = _split_body(request)
-        try:
-            body = orjson.loads(memoryview(header))
-        except orjson.JSONDecodeError as exc:
-            raise InvalidArgumentError(f"failed to parse the request JSON buffer: {exc}") from None
-        if not isinstance(body, dict):
-            raise InvalidArgumentError("the request JSON must be an object")
-        request_id = body.get("id", "")
-        if not isinstance(request_id, str):
-            raise InvalidArgumentError("'id' must be a string")
-        parameters = _object(body.get("parameters"), "parameters")
+        body = json_values.parse_object(memoryview(header))
+        request_id, parameters = json_values.id_and_parameters(body)
         if self.forward is not None:
             parameters = dict(parameters)
             for key, value in request.headers.items():
@@ -292,25 +284,9 @@ def _is_count(value: Any) -> bool:
 
 def _json_object(request: HttpRequest, allow_empty: bool = False) -> dict[str, Any]:
     body = decode_body(request)
-    if not len(body):
-        if allow_empty:
-            return {}
-        raise InvalidArgumentError("request body must be a JSON object")
-    try:
-        value = orjson.loads(bytes(body))
-    except orjson.JSONDecodeError as exc:
-        raise InvalidArgumentError(f"failed to parse the request JSON buffer: {exc}") from None
-    if not isinstance(value, dict):
-        raise InvalidArgumentError("request body must be a JSON object")
-    return value
-
-
-def _object(value: Any, what: str) -> dict[str, Any]:
-    if value is None:
+    if not len(body) and allow_empty:
         return {}
-    if not isinstance(value, dict):
-        raise InvalidArgumentError(f"'{what}' must be a JSON object")
-    return value
+    return json_values.parse_object(bytes(body))
 
 
 def _split_body(request: HttpRequest) -> tuple[Any, np.ndarray]:
@@ -350,7 +326,7 @@ def _decode_inputs(raw_inputs: Any, binary: np.ndarray, request_id: str) -> list
             raise InvalidArgumentError("each input needs 'name', 'datatype' and 'shape'")
         if not all(_is_count(d) for d in shape):
             raise InvalidArgumentError(f"{label}input '{name}': shape must be non-negative integers")
-        parameters = _object(item.get("parameters"), f"parameters of input '{name}'")
+        parameters = json_values.object_field(item.get("parameters"), f"parameters of input '{name}'")
         ref = shm_ref(parameters, f"input '{name}'")
         size = parameters.get("binary_data_size")
         has_data = "data" in item
@@ -409,7 +385,7 @@ def _decode_outputs(raw: Any) -> list[OutputSpec] | None:
     for item in raw:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             raise InvalidArgumentError("each requested output needs a 'name'")
-        parameters = _object(item.get("parameters"), f"parameters of output '{item['name']}'")
+        parameters = json_values.object_field(item.get("parameters"), f"parameters of output '{item['name']}'")
         if parameters.get("classification"):
             raise UnsupportedError("the classification extension is not supported")
         specs.append(OutputSpec(item["name"], parameters, shm_ref(parameters, f"output '{item['name']}'")))

@@ -68,19 +68,8 @@ class GenerateApi:
 
     def _request(self, request: HttpRequest, args: dict[str, str]) -> Request:
         model = self.engine.model(args["model"], parse_version(args.get("version")))
-        body = decode_body(request)
-        try:
-            document = orjson.loads(bytes(body)) if len(body) else None
-        except orjson.JSONDecodeError as exc:
-            raise InvalidArgumentError(f"failed to parse the request JSON buffer: {exc}") from None
-        if not isinstance(document, dict):
-            raise InvalidArgumentError("generate: the request body must be a JSON object")
-        request_id = document.get("id", "")
-        if not isinstance(request_id, str):
-            raise InvalidArgumentError("generate: 'id' must be a string")
-        parameters = document.get("parameters") or {}
-        if not isinstance(parameters, dict):
-            raise InvalidArgumentError("generate: 'parameters' must be a JSON object")
+        document = json_values.parse_object(bytes(decode_body(request)))
+        request_id, parameters = json_values.id_and_parameters(document)
         parameters = dict(parameters)
         signature = model.signature
         batching = signature.max_batch_size > 0

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from dlserve.errors import InvalidArgumentError
 from dlserve.memory.dtypes import DataType, numpy_dtype
 from dlserve.memory.tensor import Tensor
 
@@ -22,6 +23,34 @@ _INTEGER_KINDS = {
     DataType.INT8, DataType.INT16, DataType.INT32, DataType.INT64,
 }
 MAX_NESTING = 64
+
+
+def parse_object(data: Any) -> dict[str, Any]:
+    """A request body (bytes-like) that must hold one JSON object."""
+    try:
+        value = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidArgumentError(f"failed to parse the request JSON buffer: {exc}") from None
+    if not isinstance(value, dict):
+        raise InvalidArgumentError("request body must be a JSON object")
+    return value
+
+
+def object_field(value: Any, what: str) -> dict[str, Any]:
+    """An optional member that must be a JSON object (absent: empty)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InvalidArgumentError(f"'{what}' must be a JSON object")
+    return value
+
+
+def id_and_parameters(document: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """An inference request's ``id`` and ``parameters`` members, checked."""
+    request_id = document.get("id", "")
+    if not isinstance(request_id, str):
+        raise InvalidArgumentError("'id' must be a string")
+    return request_id, object_field(document.get("parameters"), "parameters")
 
 
 def flatten(data: Any) -> list[Any]:

@@ -3,6 +3,7 @@ framework is not installed (the example is skipped) from one that failed to load
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import dlserve
@@ -31,3 +32,24 @@ def ready_model(server: dlserve.Server, name: str) -> dlserve.Model:
         # "failed to initialize model instance '...': TritonModelException: torch is not ..."
         raise Skipped(first_line.rsplit("TritonModelException: ", 1)[-1])
     raise RuntimeError(f"model '{name}' is not ready: {reason}")
+
+
+def run_alone(run: Callable[[dlserve.Server], None], model: str, *dependencies: str) -> None:
+    """Run one example on its own: a server with only ``model`` (and the models it
+    calls) loaded, ``run(server)``, PASS (or ``skipped: ...`` when its framework is
+    missing), and the server stopped whatever happens."""
+    server = dlserve.Server(
+        dlserve.Options(
+            model_repository=str(MODELS),
+            model_control_mode=dlserve.ModelControlMode.EXPLICIT,
+            startup_models=[model, *dependencies],
+            exit_on_error=False,  # a missing framework is reported as "skipped" below
+        )
+    ).start()
+    try:
+        run(server)
+        print(f"PASS: {model}")
+    except Skipped as exc:
+        print(f"skipped: {exc}")
+    finally:
+        server.stop()

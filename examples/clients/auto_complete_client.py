@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 import dlserve
-from _common import MODELS, ready_model
+from _common import ready_model, run_alone
 
 MODEL = "auto_complete"
 
@@ -45,15 +45,4 @@ def run(server: dlserve.Server) -> None:
 
 
 if __name__ == "__main__":
-    server = dlserve.Server(
-        dlserve.Options(
-            model_repository=str(MODELS),
-            model_control_mode=dlserve.ModelControlMode.EXPLICIT,
-            startup_models=[MODEL],
-        )
-    ).start(wait_until_ready=True)
-    try:
-        run(server)
-        print("PASS: auto_complete")
-    finally:
-        server.stop()
+    run_alone(run, MODEL)

@@ -16,7 +16,7 @@ import asyncio
 import numpy as np
 
 import dlserve
-from _common import MODELS, ready_model
+from _common import ready_model, run_alone
 
 MODEL = "bls_async"
 DEPENDENCIES = ["add_sub"]  # the model bls_async calls
@@ -55,15 +55,4 @@ def run(server: dlserve.Server) -> None:
 
 
 if __name__ == "__main__":
-    server = dlserve.Server(
-        dlserve.Options(
-            model_repository=str(MODELS),
-            model_control_mode=dlserve.ModelControlMode.EXPLICIT,
-            startup_models=[MODEL, *DEPENDENCIES],  # bls_async calls add_sub: load both
-        )
-    ).start(wait_until_ready=True)
-    try:
-        run(server)
-        print("PASS: bls_async")
-    finally:
-        server.stop()
+    run_alone(run, MODEL, *DEPENDENCIES)

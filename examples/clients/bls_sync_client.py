@@ -15,7 +15,7 @@ import numpy as np
 import tritonclient.http as httpclient
 
 import dlserve
-from _common import MODELS, ready_model
+from _common import ready_model, run_alone
 from dlserve.frontends import KServeHttp
 
 MODEL = "bls_sync"
@@ -59,15 +59,4 @@ def run(server: dlserve.Server) -> None:
 
 
 if __name__ == "__main__":
-    server = dlserve.Server(
-        dlserve.Options(
-            model_repository=str(MODELS),
-            model_control_mode=dlserve.ModelControlMode.EXPLICIT,
-            startup_models=[MODEL, *DEPENDENCIES],  # bls_sync calls add_sub: load both
-        )
-    ).start(wait_until_ready=True)
-    try:
-        run(server)
-        print("PASS: bls_sync")
-    finally:
-        server.stop()
+    run_alone(run, MODEL, *DEPENDENCIES)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 import dlserve
-from _common import MODELS, Skipped, ready_model
+from _common import ready_model, run_alone
 
 MODEL = "pytorch_add_sub"
 # 4096 float32 = 16 KiB per input. Tensors of more than 4 KiB are placed in shared
@@ -42,18 +42,4 @@ def run(server: dlserve.Server) -> None:
 
 
 if __name__ == "__main__":
-    server = dlserve.Server(
-        dlserve.Options(
-            model_repository=str(MODELS),
-            model_control_mode=dlserve.ModelControlMode.EXPLICIT,
-            startup_models=[MODEL],
-            exit_on_error=False,  # a missing torch is reported as "skipped" below
-        )
-    ).start()
-    try:
-        run(server)
-        print("PASS: pytorch_add_sub")
-    except Skipped as exc:
-        print(f"skipped: {exc}")
-    finally:
-        server.stop()
+    run_alone(run, MODEL)

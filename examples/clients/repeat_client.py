@@ -20,7 +20,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 
 import dlserve
-from _common import MODELS, ready_model
+from _common import ready_model, run_alone
 from dlserve.frontends import KServeGrpc
 
 MODEL = "repeat"
@@ -154,15 +154,4 @@ def run(server: dlserve.Server) -> None:
 
 
 if __name__ == "__main__":
-    server = dlserve.Server(
-        dlserve.Options(
-            model_repository=str(MODELS),
-            model_control_mode=dlserve.ModelControlMode.EXPLICIT,
-            startup_models=[MODEL],
-        )
-    ).start(wait_until_ready=True)
-    try:
-        run(server)
-        print("PASS: repeat")
-    finally:
-        server.stop()
+    run_alone(run, MODEL)

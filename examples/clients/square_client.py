@@ -20,7 +20,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aioclient
 
 import dlserve
-from _common import MODELS, ready_model
+from _common import ready_model, run_alone
 from dlserve.frontends import KServeGrpc
 
 MODEL = "square"
@@ -112,15 +112,4 @@ def run(server: dlserve.Server) -> None:
 
 
 if __name__ == "__main__":
-    server = dlserve.Server(
-        dlserve.Options(
-            model_repository=str(MODELS),
-            model_control_mode=dlserve.ModelControlMode.EXPLICIT,
-            startup_models=[MODEL],
-        )
-    ).start(wait_until_ready=True)
-    try:
-        run(server)
-        print("PASS: square")
-    finally:
-        server.stop()
+    run_alone(run, MODEL)

@@ -14,7 +14,7 @@ import pytest
 import dlserve
 from dlserve import ModelControlMode
 
-from ..conftest import MODELS
+from ..conftest import serve
 
 BASE = {
     "backend": "python",
@@ -31,16 +31,7 @@ BASE = {
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    import shutil
-
-    from ..conftest import ServerHarness
-
-    repo = tmp_path_factory.mktemp("repo")
-    shutil.copytree(MODELS / "batcher", repo / "batcher")
-    harness = ServerHarness()
-    srv = harness.start(repo, model_control_mode=ModelControlMode.EXPLICIT)
-    yield srv
-    harness.close()
+    yield from serve(tmp_path_factory, ["batcher"], model_control_mode=ModelControlMode.EXPLICIT)
 
 
 def load(server: dlserve.Server, **config: Any) -> None:

@@ -8,7 +8,6 @@ calls, and calls that would wait on themselves (cycles, self-calls).
 from __future__ import annotations
 
 import json
-import shutil
 import time
 
 import numpy as np
@@ -20,7 +19,7 @@ from dlserve import ModelControlMode
 from dlserve.errors import ErrorCode
 from dlserve.frontends import KServeHttp
 
-from ..conftest import MODELS, ServerHarness
+from ..conftest import serve
 
 LOADED = [
     "bls",
@@ -38,13 +37,7 @@ BIG = np.arange(64 * 1024, dtype=np.float32)  # 256 KiB: travels by reference
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
-    repo = tmp_path_factory.mktemp("repo")
-    for name in LOADED:
-        shutil.copytree(MODELS / name, repo / name)
-    harness = ServerHarness()
-    srv = harness.start(repo)
-    yield srv
-    harness.close()
+    yield from serve(tmp_path_factory, LOADED)
 
 
 def call(server, model: str, data=BIG, **parameters):

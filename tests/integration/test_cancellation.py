@@ -9,7 +9,6 @@ import asyncio
 import glob
 import json
 import queue
-import shutil
 import socket
 import time
 
@@ -23,36 +22,25 @@ from tritonclient.utils import InferenceServerException
 import dlserve
 from dlserve.frontends import KServeGrpc, KServeHttp
 
-from ..conftest import MODELS, ServerHarness, open_fds
+from ..conftest import frontend, open_fds, serve
 
 LOADED = ["decoupled", "default_sender", "faulty", "bls", "identity"]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
-    repo = tmp_path_factory.mktemp("repo")
-    for name in LOADED:
-        shutil.copytree(MODELS / name, repo / name)
-    harness = ServerHarness()
-    srv = harness.start(repo)
-    yield srv
-    harness.close()
+    yield from serve(tmp_path_factory, LOADED)
 
 
 @pytest.fixture(scope="module")
 def grpc_url(server):
-    service = KServeGrpc(server, KServeGrpc.Options(address="127.0.0.1", port=0))
-    service.start()
-    yield f"127.0.0.1:{service.port}"
-    service.stop()
+    for port in frontend(KServeGrpc, server):
+        yield f"127.0.0.1:{port}"
 
 
 @pytest.fixture(scope="module")
 def http_port(server):
-    service = KServeHttp(server, KServeHttp.Options(address="127.0.0.1", port=0))
-    service.start()
-    yield service.port
-    service.stop()
+    yield from frontend(KServeHttp, server)
 
 
 def decoupled_notes(server) -> list[str]:

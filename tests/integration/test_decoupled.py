@@ -17,32 +17,20 @@ from tritonclient.utils import InferenceServerException
 import dlserve
 from dlserve.frontends import KServeGrpc
 
-from ..conftest import ServerHarness
+from ..conftest import frontend, serve
 
 MODELS = ["decoupled", "default_sender", "async_overlap", "add_sub"]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
-    repo = tmp_path_factory.mktemp("repo")
-    import shutil
-
-    from ..conftest import MODELS as SOURCE
-
-    for name in MODELS:
-        shutil.copytree(SOURCE / name, repo / name)
-    harness = ServerHarness()
-    srv = harness.start(repo)
-    yield srv
-    harness.close()
+    yield from serve(tmp_path_factory, MODELS)
 
 
 @pytest.fixture(scope="module")
 def grpc_url(server):
-    service = KServeGrpc(server, KServeGrpc.Options(address="127.0.0.1", port=0))
-    service.start()
-    yield f"127.0.0.1:{service.port}"
-    service.stop()
+    for port in frontend(KServeGrpc, server):
+        yield f"127.0.0.1:{port}"
 
 
 def stream(server, mode: str, values, **parameters):

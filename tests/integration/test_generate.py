@@ -18,7 +18,6 @@ import dataclasses
 import gzip
 import http.client
 import json
-import shutil
 import socket
 import subprocess
 import time
@@ -31,7 +30,7 @@ import requests
 
 from dlserve.frontends import KServeHttp
 
-from ..conftest import MODELS, ServerHarness
+from ..conftest import frontend, serve
 from .http_helpers import request
 
 LOADED = ["generate_echo", "generate_batched", "decoupled"]
@@ -57,17 +56,9 @@ ECHO_FIXED = {
 # -- server ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def port(tmp_path_factory: pytest.TempPathFactory):
-    repo = tmp_path_factory.mktemp("generate_repo")
-    for name in LOADED:
-        shutil.copytree(MODELS / name, repo / name)
-    harness = ServerHarness()
-    server = harness.start(repo)
-    assert server.ready()
-    service = KServeHttp(server, KServeHttp.Options(address="127.0.0.1", port=0))
-    service.start()
-    yield service.port
-    service.stop()
-    harness.close()
+    for server in serve(tmp_path_factory, LOADED):
+        assert server.ready()
+        yield from frontend(KServeHttp, server)
 
 
 def url(port: int, model: str, route: str = "generate") -> str:

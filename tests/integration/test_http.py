@@ -1675,8 +1675,8 @@ def test_query_strings_are_ignored_for_routing(port):
 # ==========================================================================================
 BAD_INFER_BODIES = {
     "malformed JSON": ("{not json", "failed to parse the request JSON buffer"),
-    "JSON array": ("[1, 2]", "must be an object"),
-    "JSON string": ('"inputs"', "must be an object"),
+    "JSON array": ("[1, 2]", "must be a JSON object"),
+    "JSON string": ('"inputs"', "must be a JSON object"),
     "inputs not a list": ('{"inputs": {"name": "INPUT0"}}', "'inputs'"),
     "inputs missing": ('{"outputs": []}', "'inputs'"),
     "input not an object": ('{"inputs": [5]}', "each input must be a JSON object"),

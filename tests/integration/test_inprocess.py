@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 from pathlib import Path
 
 import ml_dtypes
@@ -16,7 +15,7 @@ import pytest
 import dlserve
 from dlserve import DataType
 
-from ..conftest import MODELS, ServerHarness
+from ..conftest import serve
 
 LOADED = [
     "add_sub",
@@ -33,13 +32,7 @@ LOADED = [
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
-    repo = tmp_path_factory.mktemp("repo")
-    for name in LOADED:
-        shutil.copytree(MODELS / name, repo / name)
-    harness = ServerHarness()
-    srv = harness.start(repo)
-    yield srv
-    harness.close()
+    yield from serve(tmp_path_factory, LOADED)
 
 
 def infer_one(server: dlserve.Server, model: str, **kwargs):

@@ -134,8 +134,11 @@ def test_http_sweep_with_csv_and_json(server, tmp_path):
     assert [r["value"] for r in document["results"]] == [1, 2]
     first = document["results"][0]
     assert first["stable"] and first["request_count"] > 0 and first["server"]["success_count"] > 0
-    # every request the client counted in the window, the server counted too (±1 at the edges)
-    assert abs(first["server"]["success_count"] - first["request_count"]) <= 3
+    # The server counted the requests the client counted in the window, give or take the
+    # few that finished while the statistics were being read at its edges (more of them
+    # when the machine is busy: at most 2% of the window, or 3).
+    drift = abs(first["server"]["success_count"] - first["request_count"])
+    assert drift <= max(3, first["request_count"] // 50)
 
 
 def test_grpc(server, tmp_path):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
 import time
 from typing import Any
@@ -17,20 +16,15 @@ import pytest
 import dlserve
 from dlserve import ModelControlMode
 
-from ..conftest import MODELS, ServerHarness
+from ..conftest import serve
 
 START, END = 1, 2
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    repo = tmp_path_factory.mktemp("repo")
-    for name in ("accumulate", "iterative"):
-        shutil.copytree(MODELS / name, repo / name)
-    harness = ServerHarness()
-    srv = harness.start(repo, model_control_mode=ModelControlMode.EXPLICIT, startup_models=["accumulate", "iterative"])
-    yield srv
-    harness.close()
+    names = ["accumulate", "iterative"]
+    yield from serve(tmp_path_factory, names, model_control_mode=ModelControlMode.EXPLICIT, startup_models=names)
 
 
 def value(x: int) -> np.ndarray:
