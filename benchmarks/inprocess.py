@@ -6,7 +6,7 @@
     engine loop -> worker -> back), of a request submitted on the engine's own loop
     (what a frontend pays: no thread hops), and the server's own ``compute_infer``
     (the execute round trip to the worker, as Triton's statistics define it).
-    With ``--triton``, real Triton (tools/reference-servers) serves the same model in
+    With ``--triton``, real Triton (benchmarks/peers.py) serves the same model in
     the same run and its ``compute_infer`` is read from its statistics endpoint.
 (b) identity on 1 MiB and 64 MiB FP32: a tensor already in shared memory
     (``server.allocate_tensor``), a numpy input (copied once into shared memory),
@@ -21,9 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,8 +33,10 @@ import numpy as np
 import dlserve
 from dlserve.engine.request import Request
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import peers
+
 ROOT = Path(__file__).resolve().parents[1]
-REFERENCE = ROOT.parent / "shared" / "tools" / "reference-servers"
 MODELS = ROOT / "tests" / "models"
 
 
@@ -91,24 +91,14 @@ def compute_infer_us(stats: dict[str, Any]) -> float:
 
 
 def triton_add_sub(n: int) -> dict[str, float] | None:
-    """Serve add_sub from real Triton and read its per-request compute_infer."""
-    anchors = Path(os.environ.get("ANCHORS", "/tmp/anchors"))
-    start = REFERENCE / "start_triton.sh"
-    if not start.exists() or not (anchors / "venv-triton").exists():
-        print(f"(Triton skipped: run {REFERENCE}/setup.sh first)", file=sys.stderr)
+    """Serve add_sub from real Triton (benchmarks/peers.py) and read its per-request compute_infer."""
+    if peers.missing_peers(mlserver=False):
+        print(f"(Triton skipped: run {peers.REFERENCE}/setup.sh first)", file=sys.stderr)
         return None
-    repo = Path(tempfile.mkdtemp(prefix="triton-repo-"))
-    shutil.copytree(MODELS / "add_sub", repo / "add_sub")
-    env = dict(os.environ, MODELS=str(repo))
-    # cwd elsewhere: the checkout holds our triton_python_backend_utils.py shim, which
-    # Triton's own stub would otherwise import instead of its real module.
-    subprocess.run(
-        ["bash", str(start), str(anchors)], check=True, env=env, capture_output=True, cwd=repo
-    )
-    try:
-        import tritonclient.http as http
+    import tritonclient.http as http
 
-        client = http.InferenceServerClient("127.0.0.1:18000")
+    with peers.repository([MODELS / "add_sub"]) as repo, peers.triton(repo, ["add_sub"]) as server:
+        client = http.InferenceServerClient(server.url("http"))
         a = np.arange(16, dtype=np.float32)
         inputs = []
         for name in ("INPUT0", "INPUT1"):
@@ -121,21 +111,14 @@ def triton_add_sub(n: int) -> dict[str, float] | None:
         for _ in range(n):
             client.infer("add_sub", inputs)
         after = client.get_inference_statistics("add_sub")
+        client.close()
 
-        def infer_ns(stats: dict[str, Any]) -> tuple[int, int]:
-            entry = stats["model_stats"][0]["inference_stats"]["compute_infer"]
-            return int(entry["ns"]), int(entry["count"])
+    def infer_ns(stats: dict[str, Any]) -> tuple[int, int]:
+        entry = stats["model_stats"][0]["inference_stats"]["compute_infer"]
+        return int(entry["ns"]), int(entry["count"])
 
-        (ns0, c0), (ns1, c1) = infer_ns(before), infer_ns(after)
-        return {"compute_infer_us": (ns1 - ns0) / max(c1 - c0, 1) / 1000}
-    finally:
-        pid = int((anchors / "triton.pid").read_text())
-        subprocess.run(["kill", str(pid)], check=False)
-        for _ in range(100):
-            if not Path(f"/proc/{pid}").exists():
-                break
-            time.sleep(0.1)
-        shutil.rmtree(repo, ignore_errors=True)
+    (ns0, c0), (ns1, c1) = infer_ns(before), infer_ns(after)
+    return {"compute_infer_us": (ns1 - ns0) / max(c1 - c0, 1) / 1000}
 
 
 def bench_identity(server: dlserve.Server, nbytes: int, n: int) -> dict[str, float]:

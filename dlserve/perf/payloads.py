@@ -59,6 +59,15 @@ def _shm_parameters(ref: ShmRef) -> dict[str, object]:
     }
 
 
+def json_data(array: np.ndarray) -> list[object]:
+    """A tensor's values for a JSON request: flat, strings for BYTES."""
+    if array.dtype == np.object_:
+        return [v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v) for v in array.reshape(-1)]
+    if array.dtype == np.float16:
+        array = array.astype(np.float32)
+    return array.reshape(-1).tolist()
+
+
 def http_request(
     host: str,
     info: ModelInfo,
@@ -67,8 +76,14 @@ def http_request(
     shm_inputs: dict[str, ShmRef] | None = None,
     shm_outputs: dict[str, ShmRef] | None = None,
     parameters: dict[str, object] | None = None,
+    json_inputs: bool = False,
+    json_outputs: bool = False,
 ) -> bytes:
-    """One complete HTTP/1.1 request (keep-alive), ready for ``transport.write``."""
+    """One complete HTTP/1.1 request (keep-alive), ready for ``transport.write``.
+
+    Tensors travel with Triton's binary extension unless ``json_inputs`` /
+    ``json_outputs`` ask for plain KServe v2 JSON (servers without the extension).
+    """
     types = {t.name: t.datatype for t in info.inputs}
     header_inputs = []
     blobs = []
@@ -76,6 +91,8 @@ def http_request(
         entry: dict[str, object] = {"name": name, "shape": list(array.shape), "datatype": types[name]}
         if shm_inputs is not None:
             entry["parameters"] = _shm_parameters(shm_inputs[name])
+        elif json_inputs:
+            entry["data"] = json_data(array)
         else:
             blob = raw_bytes(array, types[name])
             entry["parameters"] = {"binary_data_size": len(blob)}
@@ -86,7 +103,7 @@ def http_request(
         if shm_outputs is not None:
             outputs.append({"name": tensor.name, "parameters": _shm_parameters(shm_outputs[tensor.name])})
         else:
-            outputs.append({"name": tensor.name, "parameters": {"binary_data": True}})
+            outputs.append({"name": tensor.name, "parameters": {"binary_data": not json_outputs}})
     document: dict[str, object] = {"inputs": header_inputs, "outputs": outputs}
     if parameters:
         document["parameters"] = parameters

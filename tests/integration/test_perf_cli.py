@@ -237,6 +237,14 @@ def test_bytes_model_with_string_length(server, tmp_path):
     assert level["request_count"] > 0
 
 
+def test_json_tensors_over_http(server, tmp_path):
+    out = tmp_path / "out.json"
+    perf("-m", "add_sub", *url(server, "http"), *QUICK, "--input-tensor-format", "json",
+         "--output-tensor-format", "json", "--json", str(out))
+    (level,) = json.loads(out.read_text())["results"]
+    assert level["request_count"] > 0 and level["server"]["success_count"] > 0
+
+
 def test_batches(server, tmp_path):
     out = tmp_path / "out.json"
     perf("-m", "reshape", *url(server, "grpc"), *QUICK, "-b", "3", "--json", str(out))

@@ -176,6 +176,21 @@ def test_http_request_with_binary_tensors():
     assert infer_path("a b", "2") == "/v2/models/a%20b/versions/2/infer"
 
 
+def test_http_request_with_json_tensors():
+    """For servers without Triton's binary extension (MLServer): plain KServe v2 JSON."""
+    (request,) = make_requests(STRINGS, 1, {"INPUT0": [2]}, "zero", string_data="ab")
+    raw = http_request("h:1", STRINGS, "", request, json_inputs=True, json_outputs=True)
+    lines, headers, body = split_http(raw)
+    assert "inference-header-content-length" not in headers and headers["content-type"] == "application/json"
+    document = json.loads(body)
+    assert document["inputs"] == [{"name": "INPUT0", "shape": [2], "datatype": "BYTES", "data": ["ab", "ab"]}]
+    assert document["outputs"] == [{"name": "OUTPUT0", "parameters": {"binary_data": False}}]
+    (numbers,) = make_requests(ADD_SUB, 1, {}, "random", seed=1)
+    document = json.loads(split_http(http_request("h:1", ADD_SUB, "", numbers, json_inputs=True))[2])
+    assert document["inputs"][0]["data"] == numbers["INPUT0"].tolist()
+    assert document["outputs"][0]["parameters"] == {"binary_data": True}
+
+
 def test_http_request_with_shared_memory():
     (request,) = make_requests(IDENTITY, 1, {"INPUT0": [4]}, "zero")
     raw = http_request(

@@ -119,6 +119,8 @@ def test_sweeps_and_urls():
         (["--request-distribution", "uniform"], "invalid choice: 'uniform'"),
         (["--shared-memory", "posix"], "invalid choice: 'posix'"),
         (["--streaming"], "--streaming needs -i grpc"),
+        (["-i", "grpc", "--input-tensor-format", "json"], "json are for -i http"),
+        (["--output-tensor-format", "text"], "invalid choice: 'text'"),
         (["-i", "inprocess"], "-i inprocess needs --model-repository"),
         (["-i", "inprocess", "--model-repository", ".", "--processes", "2"], "--processes must be 1"),
         (["--model-repository", "."], "--model-repository is for -i inprocess only"),

@@ -15,6 +15,11 @@ class ServerError(Exception):
     """The server answered a control request with an error (or could not be reached)."""
 
 
+class MissingEndpoint(ServerError):
+    """The server does not offer this (Triton extension) endpoint at all: a plain
+    KServe v2 server such as MLServer has no model configuration."""
+
+
 class RequestError(Exception):
     """An inference request failed."""
 

@@ -19,7 +19,14 @@ from typing import Any
 
 import grpc
 
-from dlserve.perf.clients.base import ControlClient, DataPlane, RequestError, ServerError, Slot
+from dlserve.perf.clients.base import (
+    ControlClient,
+    DataPlane,
+    MissingEndpoint,
+    RequestError,
+    ServerError,
+    Slot,
+)
 from dlserve.perf.clients.h2 import H2Channel, H2Slot, grpc_message
 from dlserve.perf.inputs import ModelInfo
 from dlserve.perf.payloads import grpc_request
@@ -53,6 +60,8 @@ class GrpcControl(ControlClient):
             details = exc.details() if hasattr(exc, "details") else str(exc)
             if code == grpc.StatusCode.UNAVAILABLE:
                 raise ServerError(f"cannot reach the server at {self.url}: {details}") from None
+            if code == grpc.StatusCode.UNIMPLEMENTED:
+                raise MissingEndpoint(f"{method}: {details}") from None
             raise ServerError(f"{method}: {details}") from None
 
     def model_info(self, model: str, version: str) -> ModelInfo:
@@ -60,10 +69,13 @@ class GrpcControl(ControlClient):
 
         pb = self.pb
         metadata = self._call("ModelMetadata", pb.ModelMetadataRequest(name=model, version=version))
-        config = self._call("ModelConfig", pb.ModelConfigRequest(name=model, version=version))
+        try:  # Triton's model configuration extension: batching, decoupled
+            response = self._call("ModelConfig", pb.ModelConfigRequest(name=model, version=version))
+            config = json_format.MessageToDict(response.config, preserving_proto_field_name=True)
+        except MissingEndpoint:
+            config = {}  # a plain KServe v2 server: the metadata alone
         return ModelInfo.from_json(
-            json_format.MessageToDict(metadata, preserving_proto_field_name=True),
-            json_format.MessageToDict(config.config, preserving_proto_field_name=True),
+            json_format.MessageToDict(metadata, preserving_proto_field_name=True), config
         )
 
     def statistics(self, model: str, version: str) -> dict[str, Any]:

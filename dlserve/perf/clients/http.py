@@ -17,7 +17,14 @@ import time
 from typing import Any
 from urllib.parse import quote
 
-from dlserve.perf.clients.base import ControlClient, DataPlane, RequestError, ServerError, Slot
+from dlserve.perf.clients.base import (
+    ControlClient,
+    DataPlane,
+    MissingEndpoint,
+    RequestError,
+    ServerError,
+    Slot,
+)
 from dlserve.perf.inputs import ModelInfo
 from dlserve.perf.payloads import http_request
 from dlserve.perf.shm import CudaRegion, SystemRegion
@@ -60,6 +67,8 @@ class HttpControl(ControlClient):
                 self._conn = None
                 if attempt:
                     raise ServerError(f"cannot reach the server at {self.url}: {exc}") from None
+        if response.status == 404 and path.endswith("/config"):
+            raise MissingEndpoint(f"{method} {path}: 404")
         if response.status != 200:
             try:
                 message = json.loads(payload).get("error") or payload.decode(errors="replace")
@@ -70,7 +79,10 @@ class HttpControl(ControlClient):
 
     def model_info(self, model: str, version: str) -> ModelInfo:
         metadata = self._call("GET", _model_path(model, version))
-        config = self._call("GET", _model_path(model, version) + "/config")
+        try:  # Triton's model configuration extension: batching, decoupled
+            config = self._call("GET", _model_path(model, version) + "/config")
+        except MissingEndpoint:
+            config = {}  # a plain KServe v2 server: the metadata alone
         return ModelInfo.from_json(metadata, config)
 
     def statistics(self, model: str, version: str) -> dict[str, Any]:
@@ -228,6 +240,7 @@ class HttpDataPlane(DataPlane):
             http_request(
                 host, self.info, self.settings.version, request,
                 None if shm_inputs is None else shm_inputs[i], shm_outputs,
+                json_inputs=self.settings.json_inputs, json_outputs=self.settings.json_outputs,
             )
             for i, request in enumerate(self.requests)
         ]

@@ -1,6 +1,6 @@
 """bls_identity: hands INPUT0 to identity_fp32 with a blocking BLS call and returns its OUTPUT0.
 
-Used by benchmarks/bls_streaming.py to price a BLS call whose tensor is large: the input
+Used by the BLS section of benchmarks/run.py to price a BLS call whose tensor is large: the input
 tensor is passed on as it arrived and the callee's output returned as it came back.
 """
 import triton_python_backend_utils as pb_utils

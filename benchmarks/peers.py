@@ -1,0 +1,836 @@
+"""Servers and clients shared by the benchmarks: dlserve, real Triton and MLServer as context
+managers on free loopback ports, and the load generators that measure them.
+
+Servers (each in its own session, so that stopping it also stops what it spawned: Triton's
+Python-backend stubs, MLServer's worker pool, dlserve's workers), on a model repository
+assembled in a temporary folder from model folders::
+
+    with peers.repository([EXAMPLES / "add_sub"]) as repo:
+        with peers.dlserve(repo, ["add_sub"]) as server:  # dlserve serve --model-repository repo
+            ...                                           # server.url("grpc") -> "127.0.0.1:PORT"
+        with peers.triton(repo, ["add_sub"]) as server:   # tritonserver 2.51 (nvidia-pytriton wheel)
+            ...
+    # peers.mlserver(repo, models): MLServer 1.7.1 on a folder of MLServer model folders
+
+Each waits until the server and the named models are ready. Leaving the block stops the server
+(SIGTERM, then SIGKILL to its whole process group) and removes any /dev/shm segment it left
+behind (dlserve's ``dlserve_<pid>_*``, the regions named on the command lines of Triton's
+stubs); it is left on Ctrl-C as well (and on SIGTERM inside :func:`stop_on_sigterm`).
+
+Clients, all returning a :class:`Measurement` (per-concurrency :class:`Level` rows, the exact
+command, the client's CPU use); perf_analyzer and dlserve perf take the same arguments and the
+same :class:`Window` (measurement interval, stability percentage, trials) and, when no window
+becomes stable, are run once more with the check off (``relaxed``)::
+
+    peers.perf_analyzer(args, url, window)  # NVIDIA's C++ perf_analyzer (tritonclient 2.50 wheel)
+    peers.dlserve_perf(args, url, window)   # dlserve's perf_analyzer-compatible load generator
+    peers.loadgen(url, protocol, model, concurrency, duration, warmup)  # tritonclient, Python
+
+The peers come from ../shared/tools/reference-servers (``setup.sh`` installs them into
+``$ANCHORS``, default ``${TMPDIR:-/tmp}/anchors``); :func:`ensure_peers` runs it when they are
+missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import glob
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH_MODELS = ROOT / "benchmarks" / "models"
+EXAMPLES = ROOT / "examples" / "models"
+REFERENCE = Path(
+    os.environ.get("REFERENCE_SERVERS", ROOT.parent / "shared" / "tools" / "reference-servers")
+)
+ANCHORS = Path(os.environ.get("ANCHORS", Path(os.environ.get("TMPDIR", "/tmp")) / "anchors"))
+TRITON_VENV = ANCHORS / "venv-triton"
+TRITON_SITE = TRITON_VENV / "lib" / "python3.11" / "site-packages"
+TRITON_HOME = TRITON_SITE / "pytriton" / "tritonserver"
+MLSERVER_BIN = ANCHORS / "venv-mlserver" / "bin" / "mlserver"
+PERF_ANALYZER = ANCHORS / "pa" / "perf_analyzer"
+PA_SH = REFERENCE / "pa.sh"
+LOADGEN = REFERENCE / "loadgen.py"
+DLSERVE_BIN = Path(sys.executable).parent / "dlserve"
+SHM = "/dev/shm"
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- setup
+
+
+def missing_peers(mlserver: bool = True) -> list[Path]:
+    needed = [
+        PERF_ANALYZER,
+        ANCHORS / "palib" / "libcudart.so.12",
+        TRITON_HOME / "bin" / "tritonserver",
+        PA_SH,
+    ]
+    if mlserver:
+        needed.append(MLSERVER_BIN)
+    return [path for path in needed if not path.exists()]
+
+
+def ensure_peers(mlserver: bool = True) -> None:
+    """Run the reference setup.sh when Triton, perf_analyzer (or MLServer) are not in $ANCHORS."""
+    missing = missing_peers(mlserver)
+    if not missing:
+        return
+    setup = REFERENCE / "setup.sh"
+    if not setup.exists():
+        raise SystemExit(
+            f"peers missing ({', '.join(map(str, missing))}) and no {setup} to install them"
+        )
+    log(f"peers missing in {ANCHORS}: {', '.join(p.name for p in missing)}")
+    log(
+        f"running bash {setup} (about a minute: pip installs Triton 2.51 via nvidia-pytriton, "
+        "perf_analyzer from the tritonclient 2.50 wheel, MLServer 1.7.1; apt installs libb64-0d)"
+    )
+    subprocess.run(["bash", str(setup)], check=True, env=dict(os.environ, ANCHORS=str(ANCHORS)))
+    still = missing_peers(mlserver)
+    if still:
+        raise SystemExit(f"setup.sh ran but these are still missing: {', '.join(map(str, still))}")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def http_json(port: int, path: str, timeout: float = 5.0) -> Any:
+    """GET 127.0.0.1:port/path as JSON (None on any failure)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as response:
+            return json.loads(response.read() or b"null") if response.status == 200 else None
+    except (OSError, ValueError, urllib.error.HTTPError):
+        return None
+
+
+def http_ok(port: int, path: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+# ---------------------------------------------------------------- model repositories
+
+_SKIP = shutil.ignore_patterns("__pycache__", "*.pyc")
+
+
+@contextlib.contextmanager
+def repository(sources: Iterable[Path], extra: Iterable[Path] = ()) -> Iterator[Path]:
+    """A fresh temporary model repository holding a copy of each model folder in ``sources``
+    (and of the files in ``extra``, e.g. MLServer's runtimes.py); removed, with the server
+    logs kept next to it, on exit."""
+    work = Path(tempfile.mkdtemp(prefix="dlserve-bench-"))
+    repo = work / "models"
+    repo.mkdir()
+    try:
+        for source in sources:
+            shutil.copytree(source, repo / source.name, ignore=_SKIP)
+        for path in extra:
+            shutil.copy2(path, repo / path.name)
+        yield repo
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- /dev/shm
+
+
+def shm_names() -> set[str]:
+    try:
+        return set(os.listdir(SHM))
+    except OSError:
+        return set()
+
+
+def mapped_shm_names() -> set[str]:
+    """Names of /dev/shm segments some live process maps or holds open."""
+    names: set[str] = set()
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        try:
+            with open(maps, encoding="utf-8", errors="replace") as f:
+                for line in f:
+                    at = line.find("/dev/shm/")
+                    if at >= 0:
+                        names.add(line[at + 9 :].split()[0])
+        except OSError:
+            continue
+    for fd in glob.glob("/proc/[0-9]*/fd/*"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("/dev/shm/"):
+                names.add(target[9:].split()[0])
+    return names
+
+
+class ShmLedger:
+    """Segments our servers and clients created: removed when they are left behind."""
+
+    def __init__(self) -> None:
+        self.seen: set[str] = set()
+        self.removed: list[str] = []
+        self.pending: dict[str, str] = {}  # client leftovers still mapped: name -> who
+
+    def note(self, names: Iterable[str]) -> None:
+        self.seen.update(names)
+
+    def sweep(self, names: Iterable[str], who: str) -> None:
+        for name in sorted(set(names)):
+            path = os.path.join(SHM, name)
+            if os.path.exists(path):
+                log(f"  /dev/shm/{name} left behind by {who}: removing it")
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                self.removed.append(f"{name} ({who})")
+
+    def candidates(self, names: set[str], who: str) -> None:
+        """Left by a client: removed now unless some process maps them, else by ``settle``."""
+        self.note(names)
+        self.pending.update(dict.fromkeys(names, who))
+        self.settle()
+
+    def settle(self) -> None:
+        """Remove the pending leftovers no live process maps (or has open) any more."""
+        left = {n: who for n, who in self.pending.items() if os.path.exists(os.path.join(SHM, n))}
+        if left:
+            mapped = mapped_shm_names()
+            for name, who in left.items():
+                if name not in mapped:
+                    self.sweep([name], who)
+            left = {n: who for n, who in left.items() if n in mapped}
+        self.pending = left
+
+    def summary(self) -> str:
+        self.settle()
+        text = (
+            f"/dev/shm: {len(self.seen)} segments of our servers and clients seen, "
+            f"{len(self.removed)} left behind (removed)"
+        )
+        if self.pending:
+            text += f"; {', '.join(self.pending)} still mapped by some process: left alone"
+        return text
+
+
+SHM_LEDGER = ShmLedger()
+
+
+# ---------------------------------------------------------------- servers
+
+
+def _kill_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+@dataclass
+class Server:
+    """One server process on 127.0.0.1; a context manager (start on enter, stop on exit)."""
+
+    name: str  # "dlserve", "Triton", "MLServer"
+    command: list[str]
+    repo: Path
+    ports: dict[str, int]  # http, grpc, metrics
+    env: dict[str, str] | None = None
+    models: list[str] = field(default_factory=list)  # each must be ready
+    shown_env: str = ""  # environment assignments to show before the command
+    version: str = ""
+    proc: subprocess.Popen | None = None
+    log_path: Path | None = None
+    segments: set[str] = field(default_factory=set)
+
+    def url(self, protocol: str) -> str:
+        return f"127.0.0.1:{self.ports['grpc' if protocol.startswith('grpc') else 'http']}"
+
+    def shown_command(self) -> str:
+        """The command line with the ports and the repository as placeholders."""
+        text = " ".join(self.command)
+        text = text.replace(str(self.repo), "REPO")
+        for key, port in self.ports.items():
+            text = re.sub(rf"\b{port}\b", f"${key.upper()}_PORT", text)
+        return (self.shown_env + " " if self.shown_env else "") + text
+
+    def __enter__(self) -> Server:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self, timeout: float = 180.0) -> None:
+        self.log_path = self.repo.parent / f"{self.name}.log"
+        log(f"starting {self.name}: {' '.join(self.command)}")
+        with open(self.log_path, "wb") as out:
+            # cwd = the repository, outside the checkout: the checkout's triton_python_backend_utils.py
+            # shim must not shadow Triton's own module in Triton's stubs.
+            self.proc = subprocess.Popen(
+                self.command,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=self.repo,
+                env=self.env,
+                start_new_session=True,
+            )
+        started = time.monotonic()
+        try:
+            self._wait_ready(started + timeout)
+        except BaseException:
+            self.stop()
+            raise
+        info = http_json(self.ports["http"], "/v2") or {}
+        self.version = str(info.get("version", ""))
+        self.note_segments()
+        log(
+            f"  {self.name} {self.version} ready after {time.monotonic() - started:.1f} s "
+            f"(HTTP {self.ports['http']}, gRPC {self.ports['grpc']})"
+        )
+
+    def _wait_ready(self, deadline: float) -> None:
+        assert self.proc is not None
+        port = self.ports["http"]
+        paths = ["/v2/health/ready", *(f"/v2/models/{m}/ready" for m in self.models)]
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{self.name} exited with {self.proc.returncode} while starting:\n{self.log_tail()}"
+                )
+            if all(http_ok(port, path) for path in paths):
+                return
+            time.sleep(0.3)
+        raise RuntimeError(f"{self.name} not ready after {deadline:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 30) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def note_segments(self, pid: int | None = None) -> None:
+        """Remember the server's /dev/shm segments, to remove any it leaves behind once stopped."""
+        if pid is None:
+            if self.proc is None:
+                return
+            pid = self.proc.pid
+        found = {n for n in shm_names() if n.startswith(f"dlserve_{pid}_")}
+        if self.name == "Triton":  # each stub gets its region's name as its second argument
+            for proc in glob.glob("/proc/[0-9]*"):
+                try:
+                    argv = Path(proc, "cmdline").read_bytes().split(b"\0")
+                    pgid = os.getpgid(int(os.path.basename(proc)))
+                except (OSError, ValueError):
+                    continue
+                if (
+                    pgid == pid
+                    and len(argv) > 2
+                    and argv[0].endswith(b"triton_python_backend_stub")
+                ):
+                    found.add(argv[2].decode().lstrip("/"))
+        self.segments |= found
+        SHM_LEDGER.note(found)
+
+    def stats(self, model: str) -> dict[str, int]:
+        """inference_count and execution_count of a model (statistics extension; {} without it)."""
+        document = http_json(self.ports["http"], f"/v2/models/{model}/stats") or {}
+        for entry in document.get("model_stats", []):
+            return {
+                key: int(entry.get(key, 0) or 0) for key in ("inference_count", "execution_count")
+            }
+        return {}
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        self.note_segments(proc.pid)
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                log(f"  {self.name} still running 30 s after SIGTERM: SIGKILL")
+        _kill_group(proc.pid, signal.SIGKILL)  # whatever it spawned and left (stubs, workers)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+        for _ in range(100):
+            if not _group_alive(proc.pid):
+                break
+            time.sleep(0.1)
+        leftovers = {n for n in shm_names() if n.startswith(f"dlserve_{proc.pid}_")} | self.segments
+        SHM_LEDGER.sweep(leftovers & shm_names(), self.name)
+        SHM_LEDGER.settle()  # clients' regions the server held registered
+        log(f"  {self.name} stopped")
+
+
+def _ports() -> dict[str, int]:
+    ports: dict[str, int] = {}
+    while len(set(ports.values())) < 3:
+        ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
+    return ports
+
+
+def dlserve(repo: Path, models: list[str] | None = None) -> Server:
+    ports = _ports()
+    command = [
+        str(DLSERVE_BIN),
+        "serve",
+        "--model-repository",
+        str(repo),
+        "--http-address",
+        "127.0.0.1",
+        "--http-port",
+        str(ports["http"]),
+        "--grpc-address",
+        "127.0.0.1",
+        "--grpc-port",
+        str(ports["grpc"]),
+        "--metrics-address",
+        "127.0.0.1",
+        "--metrics-port",
+        str(ports["metrics"]),
+        "--allow-client-shm",
+        "true",
+        "--http-max-input-size",
+        str(1 << 28),
+        "--grpc-max-message-size",
+        str(1 << 28),
+    ]
+    return Server("dlserve", command, repo, ports, models=list(models or []))
+
+
+def _triton_libdir() -> str:
+    python = TRITON_VENV / "bin" / "python"
+    out = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_config_var('LIBDIR'))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return out.stdout.strip()
+
+
+def triton(repo: Path, models: list[str] | None = None) -> Server:
+    """Triton 2.51 with its Python backend, started as reference-servers/start_triton.sh starts it
+    (the stub for Python 3.11 next to libtriton_python.so; LD_LIBRARY_PATH led by the LIBDIR of
+    the venv's Python, whose libpython the stub embeds; the venv's bin first on PATH so the stub
+    finds the venv's numpy), on free ports instead of start_triton.sh's fixed ones."""
+    stub = TRITON_HOME / "backends" / "python" / "triton_python_backend_stub"
+    if not stub.exists():
+        shutil.copy2(
+            TRITON_HOME / "python_backend_stubs" / "3.11" / "triton_python_backend_stub", stub
+        )
+    ports = _ports()
+    libs = f"{_triton_libdir()}:{TRITON_SITE / 'nvidia_pytriton.libs'}"
+    env = dict(
+        os.environ,
+        LD_LIBRARY_PATH=libs
+        + (":" + os.environ["LD_LIBRARY_PATH"] if os.environ.get("LD_LIBRARY_PATH") else ""),
+        PATH=f"{TRITON_VENV / 'bin'}:{os.environ.get('PATH', '')}",
+    )
+    env.pop("VIRTUAL_ENV", None)
+    env.pop("PYTHONPATH", None)
+    command = [
+        str(TRITON_HOME / "bin" / "tritonserver"),
+        "--model-repository",
+        str(repo),
+        "--backend-directory",
+        str(TRITON_HOME / "backends"),
+        "--cache-directory",
+        str(TRITON_HOME / "caches"),
+        "--http-address",
+        "127.0.0.1",
+        "--http-port",
+        str(ports["http"]),
+        "--grpc-address",
+        "127.0.0.1",
+        "--grpc-port",
+        str(ports["grpc"]),
+        "--metrics-address",
+        "127.0.0.1",
+        "--metrics-port",
+        str(ports["metrics"]),
+        "--allow-metrics",
+        "true",
+        "--allow-gpu-metrics",
+        "false",
+        "--allow-cpu-metrics",
+        "true",
+        "--log-verbose",
+        "0",
+    ]
+    shown = f"LD_LIBRARY_PATH={libs} PATH={TRITON_VENV / 'bin'}:$PATH"
+    return Server(
+        "Triton", command, repo, ports, env=env, models=list(models or []), shown_env=shown
+    )
+
+
+def mlserver(repo: Path, models: list[str]) -> Server:
+    """MLServer 1.7.1 serving the MLServer model folders in ``repo`` (with reference-servers'
+    runtimes.py); its settings.json is written with free ports. Default parallel workers (1):
+    the model runs in a worker process, as in Triton's Python backend and in dlserve."""
+    ports = _ports()
+    settings = json.loads((REFERENCE / "mlserver" / "settings.json").read_text())
+    settings.update(
+        http_port=ports["http"],
+        grpc_port=ports["grpc"],
+        metrics_port=ports["metrics"],
+        host="127.0.0.1",
+    )
+    (repo / "settings.json").write_text(json.dumps(settings, indent=2) + "\n")
+    env = dict(os.environ)
+    env.pop("VIRTUAL_ENV", None)
+    env.pop("PYTHONPATH", None)
+    command = [str(MLSERVER_BIN), "start", str(repo)]
+    return Server("MLServer", command, repo, ports, env=env, models=models)
+
+
+# ---------------------------------------------------------------- measurements
+
+
+@dataclass
+class Level:
+    concurrency: int
+    throughput: float  # inferences/s
+    p50_us: float
+    p99_us: float
+    compute_infer_us: float | None = None  # server side (perf_analyzer's "Server Compute Infer")
+
+
+@dataclass
+class Measurement:
+    tool: str  # "perf_analyzer", "dlserve perf", "loadgen"
+    command: list[str]
+    levels: list[Level] = field(default_factory=list)
+    cpu_cores: float = 0.0  # client CPU: cores busy on average over the run
+    wall_s: float = 0.0
+    relaxed: bool = False  # measured again without the stability check
+    error: str | None = None
+    attempts: list[list[str]] = field(default_factory=list)  # every command run, in order
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and bool(self.levels)
+
+    def at(self, concurrency: int | None = None) -> Level | None:
+        if not self.ok:
+            return None
+        if concurrency is None:
+            return self.levels[0]
+        return next((lv for lv in self.levels if lv.concurrency == concurrency), None)
+
+
+def _run(
+    command: list[str], timeout: float, env: dict[str, str] | None = None
+) -> tuple[int, str, float, float]:
+    """Run a client in its own session (so that a timeout or Ctrl-C stops all of it):
+    (exit status, output, wall seconds, CPU cores used)."""
+    before = os.times()
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+        cwd=tempfile.gettempdir(),
+    )
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        output += f"\n(killed after {timeout:.0f} s)"
+    except BaseException:
+        _kill_group(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+    finally:
+        _kill_group(proc.pid, signal.SIGKILL)  # anything it left running
+    wall = time.monotonic() - start
+    after = os.times()
+    cpu = (after.children_user - before.children_user) + (
+        after.children_system - before.children_system
+    )
+    return proc.returncode, output, wall, cpu / wall if wall > 0 else 0.0
+
+
+def _levels_from_csv(path: Path) -> list[Level]:
+    if not path.exists() or not path.stat().st_size:
+        return []
+    with path.open() as f:
+        rows = list(csv.DictReader(f))
+    levels = []
+    for row in rows:
+        infer = row.get("Server Compute Infer")
+        levels.append(
+            Level(
+                concurrency=int(float(row["Concurrency"])),
+                throughput=float(row["Inferences/Second"]),
+                p50_us=float(row["p50 latency"]),
+                p99_us=float(row["p99 latency"]),
+                compute_infer_us=float(infer) if infer not in (None, "") else None,
+            )
+        )
+    return sorted(levels, key=lambda lv: lv.concurrency)
+
+
+@dataclass
+class Window:
+    """perf_analyzer's measurement flags, used identically by dlserve perf."""
+
+    interval_ms: int = 3000
+    stability: float = 30.0
+    trials: int = 4
+
+    def flags(self, stability: float | None = None) -> list[str]:
+        s = self.stability if stability is None else stability
+        return [
+            "--measurement-interval",
+            str(self.interval_ms),
+            "--stability-percentage",
+            f"{s:g}",
+            "--max-trials",
+            str(self.trials),
+        ]
+
+
+RELAXED = 1000.0  # -s 1000: the stability check as good as off
+
+
+def _levels_in(args: list[str]) -> int:
+    if "--concurrency-range" not in args:
+        return 1
+    start, _, rest = args[args.index("--concurrency-range") + 1].partition(":")
+    end, _, step = rest.partition(":")
+    if not end:
+        return 1
+    return len(range(int(start), int(end) + 1, int(step or 1)))
+
+
+def _sweep_client_segments(before: set[str], tool: str, tensors: bool) -> None:
+    """Remove the /dev/shm regions a client created and left (it was killed, or failed):
+    perf_analyzer's (``INPUT0_0_0``, ``OUTPUT0``...) and dlserve perf's (``perf_client_<pid>_*``)
+    that appeared during its run. One a server still maps (registered) is removed once no
+    process maps it any more (after the server stops)."""
+    new = shm_names() - before
+    found = {n for n in new if n.startswith("perf_client_")}
+    if tensors:
+        found |= {n for n in new if re.fullmatch(r"[A-Za-z][A-Za-z0-9]*(_\d+_\d+)?", n)}
+    if found:
+        SHM_LEDGER.candidates(found, tool)
+
+
+def _client(
+    tool: str,
+    base: list[str],
+    args: list[str],
+    url: str,
+    window: Window,
+    env: dict[str, str] | None,
+    relax: bool,
+) -> Measurement:
+    """Run perf_analyzer or dlserve perf once with ``window``'s flags; when it fails to become
+    stable (or fails) and ``relax``, once more with the check as good as off (marked relaxed)."""
+    stabilities = [window.stability] + ([RELAXED] if relax and window.stability < RELAXED else [])
+    timeout = 60 + 2.5 * _levels_in(args) * window.trials * window.interval_ms / 1000
+    result = Measurement(tool, [])
+    attempts: list[list[str]] = []
+    expected = _levels_in(args)
+    for attempt, stability in enumerate(stabilities):
+        with tempfile.TemporaryDirectory(prefix="dlserve-bench-") as tmp:
+            out = Path(tmp) / "out.csv"
+            command = [*base, *args, "-u", url, *window.flags(stability), "-f", str(out)]
+            attempts.append(command)
+            before = shm_names()
+            try:
+                rc, output, wall, cores = _run(command, timeout, env)
+            finally:  # also when interrupted: the client was killed and may have left its regions
+                _sweep_client_segments(before, tool, tensors="--shared-memory" in args)
+            levels = _levels_from_csv(out) if rc == 0 else []
+        result = Measurement(
+            tool, command, levels, cores, wall, relaxed=attempt > 0, attempts=attempts
+        )
+        if result.ok and len(levels) == expected:
+            return result
+        # perf_analyzer may stop a sweep at a level that never became stable, exit 0 and write
+        # only the levels before it: that is a failed measurement too
+        lines = [line for line in output.strip().splitlines() if line.strip()]
+        unstable = [line for line in lines if "stable" in line.lower()]
+        if rc == 0 and levels:
+            lines = unstable[-1:] + [
+                f"only {len(levels)} of {expected} concurrency levels measured"
+            ]
+        result.error = " | ".join(lines[-2:])[-300:] or f"exit status {rc}"
+        result.levels = []
+    return result
+
+
+def perf_analyzer(args: list[str], url: str, window: Window, relax: bool = True) -> Measurement:
+    """NVIDIA perf_analyzer, through reference-servers/pa.sh (``args`` without -u and the window)."""
+    env = dict(
+        os.environ,
+        ANCHORS=str(ANCHORS),
+        PA_TIMEOUT=str(
+            int(60 + 2.5 * _levels_in(args) * window.trials * window.interval_ms / 1000)
+        ),
+    )
+    return _client("perf_analyzer", ["bash", str(PA_SH)], args, url, window, env, relax)
+
+
+def dlserve_perf(args: list[str], url: str, window: Window, relax: bool = True) -> Measurement:
+    """``dlserve perf`` with the same arguments perf_analyzer would get."""
+    return _client(
+        "dlserve perf", [str(DLSERVE_BIN), "perf", "--no-progress"], args, url, window, None, relax
+    )
+
+
+def loadgen(
+    url: str,
+    protocol: str,
+    model: str,
+    concurrency: int,
+    duration: float,
+    warmup: float,
+    json_tensors: bool = False,
+    elements: int = 1024,
+) -> Measurement:
+    """reference-servers/loadgen.py: tritonclient's sync clients, one thread per request in flight.
+    The only client here that drives MLServer's REST API (JSON tensors: MLServer has no binary
+    tensor extension)."""
+    command = [
+        sys.executable,
+        str(LOADGEN),
+        "--url",
+        url,
+        "--protocol",
+        protocol,
+        "--model",
+        model,
+        *(["--n", str(elements)] if model != "add_sub" else []),
+        "--concurrency",
+        str(concurrency),
+        "--duration",
+        f"{duration:g}",
+        "--warmup",
+        f"{warmup:g}",
+        *(["--json"] if json_tensors else []),
+    ]
+    rc, output, wall, cores = _run(command, 60 + 3 * (duration + warmup))
+    result = Measurement("loadgen", command, cpu_cores=cores, wall_s=wall)
+    document: dict[str, Any] = {}
+    for line in reversed(output.strip().splitlines()):
+        with contextlib.suppress(ValueError):
+            document = json.loads(line)
+            break
+    problems = (
+        [f"{document['wrong_replies']} wrong replies"] if document.get("wrong_replies") else []
+    )
+    problems += document.get("errors", []) + ([document["error"]] if "error" in document else [])
+    if rc != 0 or problems or not document.get("count"):
+        tail = " | ".join(output.strip().splitlines()[-2:])[-300:]
+        result.error = "; ".join(map(str, problems)) or tail or f"exit status {rc}"
+        return result
+    result.levels = [
+        Level(
+            concurrency,
+            float(document["infer_per_s"]),
+            float(document["p50_us"]),
+            float(document["p99_us"]),
+        )
+    ]
+    return result
+
+
+# ---------------------------------------------------------------- the machine
+
+
+def machine() -> dict[str, str]:
+    """CPU model, cores, memory, kernel, OS, Python and the versions of the pieces measured."""
+    import platform
+
+    def first(path: str, key: str) -> str:
+        with contextlib.suppress(OSError):
+            for line in Path(path).read_text().splitlines():
+                if line.startswith(key):
+                    return line.split(":", 1)[1].strip()
+        return "?"
+
+    def version(python: Path | str, package: str) -> str:
+        code = f"import importlib.metadata as m; print(m.version({package!r}))"
+        out = subprocess.run([str(python), "-c", code], capture_output=True, text=True, check=False)
+        return out.stdout.strip() or "?"
+
+    mem_kib = first("/proc/meminfo", "MemTotal").split()[0]
+    os_name = "?"
+    with contextlib.suppress(OSError):
+        for line in Path("/etc/os-release").read_text().splitlines():
+            if line.startswith("PRETTY_NAME="):
+                os_name = line.split("=", 1)[1].strip('"')
+    pa_wheel = sorted((ANCHORS / "dl").glob("tritonclient-*.whl"))
+    return {
+        "CPU": first("/proc/cpuinfo", "model name"),
+        "cores": f"{os.cpu_count()} (client and server share them)",
+        "memory": f"{int(mem_kib) / (1 << 20):.1f} GiB" if mem_kib.isdigit() else "?",
+        "kernel": platform.release(),
+        "OS": os_name,
+        "Python": f"{platform.python_version()} ({sys.executable})",
+        "dlserve": version(sys.executable, "dlserve"),
+        "Triton": f"tritonserver (python backend) from nvidia-pytriton {version(TRITON_VENV / 'bin' / 'python', 'nvidia-pytriton')}",
+        "MLServer": version(ANCHORS / "venv-mlserver" / "bin" / "python", "mlserver"),
+        "perf_analyzer": f"from the {pa_wheel[0].name if pa_wheel else 'tritonclient 2.50.0'} wheel",
+        "tritonclient (loadgen, checks)": version(sys.executable, "tritonclient"),
+        "numpy (dlserve / Triton / MLServer)": " / ".join(
+            version(p, "numpy")
+            for p in (
+                sys.executable,
+                TRITON_VENV / "bin" / "python",
+                ANCHORS / "venv-mlserver" / "bin" / "python",
+            )
+        ),
+    }
+
+
+@contextlib.contextmanager
+def stop_on_sigterm() -> Iterator[None]:
+    """Turn SIGTERM into KeyboardInterrupt, so that every ``finally`` (server stops) runs."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
