@@ -6,6 +6,10 @@ it starts fast and never drags in the frontends. It serves commands in order:
 AUTO_COMPLETE (in a throwaway worker), INIT, EXECUTE..., FINALIZE; end of file on
 the socket means the server is gone, and a watchdog thread catches a server that
 dies while the model is busy. Either way the worker unlinks its own segments.
+
+What the model asks of the server while it runs (responses sent through a response
+sender, BLS calls, cancellation checks, logs, metrics, model control) goes through
+:class:`dlserve.ipc.runtime.WorkerRuntime`, from any thread.
 """
 
 from __future__ import annotations
