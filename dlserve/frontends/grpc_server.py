@@ -55,8 +55,7 @@ from dlserve.errors import (
 )
 from dlserve.frontends.dataplane import DataPlane, InputSpec, OutputSpec, shm_ref
 from dlserve.frontends.proto import grpc_service_pb2 as pb
-from dlserve.frontends.proto import grpc_service_pb2_grpc as pb_grpc
-from dlserve.frontends.proto import health_pb2, health_pb2_grpc
+from dlserve.frontends.proto import health_pb2
 from dlserve.frontends.restrictions import Restriction, rules_by_category
 from dlserve.memory.dtypes import DataType
 
@@ -832,6 +831,47 @@ def server_credentials(options: Any) -> grpc.ServerCredentials:
     )
 
 
+class _Handlers(grpc.GenericRpcHandler):
+    """Every method of both services, found with one dict lookup per call."""
+
+    def __init__(self, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
+        self._handlers = handlers
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        return self._handlers.get(handler_call_details.method)
+
+
+def method_handlers(servicer: InferenceServicer) -> grpc.GenericRpcHandler:
+    """The method handlers of ``inference.GRPCInferenceService`` and ``grpc.health.v1.Health``.
+
+    Registered as one generic handler rather than as grpc's "registered methods" (what the
+    generated ``add_*_to_server`` do as well): grpc.aio's server keeps one pending
+    request-call future per registered method and waits on all of them with
+    ``asyncio.wait`` for every call it accepts, about 20 futures' worth of callbacks per
+    call; a generic handler has one.
+    """
+    handlers: dict[str, grpc.RpcMethodHandler] = {}
+    services = (
+        (pb.DESCRIPTOR.services_by_name["GRPCInferenceService"], pb, servicer),
+        (health_pb2.DESCRIPTOR.services_by_name["Health"], health_pb2, HealthServicer(servicer)),
+    )
+    for service, module, implementation in services:
+        for method in service.methods:
+            behaviour = getattr(implementation, method.name)
+            request = getattr(module, method.input_type.name).FromString
+            response = getattr(module, method.output_type.name).SerializeToString
+            if method.client_streaming and method.server_streaming:
+                make = grpc.stream_stream_rpc_method_handler
+            elif method.server_streaming:
+                make = grpc.unary_stream_rpc_method_handler
+            else:
+                make = grpc.unary_unary_rpc_method_handler
+            handlers[f"/{service.full_name}/{method.name}"] = make(
+                behaviour, request_deserializer=request, response_serializer=response
+            )
+    return _Handlers(handlers)
+
+
 class GrpcServer:
     """The gRPC frontend: ``await start()`` on the engine's loop, ``await stop()`` there too."""
 
@@ -855,8 +895,7 @@ class GrpcServer:
         options = self.options
         credentials = server_credentials(options) if options.use_ssl else None
         server = grpc.aio.server(options=server_options(options))
-        pb_grpc.add_GRPCInferenceServiceServicer_to_server(self.servicer, server)
-        health_pb2_grpc.add_HealthServicer_to_server(HealthServicer(self.servicer), server)
+        server.add_generic_rpc_handlers((method_handlers(self.servicer),))
         address = self.address
         try:
             if credentials is not None:
