@@ -164,8 +164,7 @@ def main() -> int:
         infer_avg = compute_infer_us(model.statistics())
         del before
         identity = {
-            size: bench_identity(server, size, n)
-            for size, n in ((1 << 20, 500), (64 << 20, 30))
+            size: bench_identity(server, size, n) for size, n in ((1 << 20, 500), (64 << 20, 30))
         }
     finally:
         server.stop()
@@ -175,14 +174,22 @@ def main() -> int:
     print("### (a) add_sub through a worker process\n")
     print("| path | p50 µs | p99 µs |")
     print("|---|---:|---:|")
-    print(f"| in-process sync API (caller thread → engine loop → worker → back) | {sync[0]:.0f} | {sync[1]:.0f} |")
-    print(f"| submitted on the engine loop (what a frontend pays) | {on_loop[0]:.0f} | {on_loop[1]:.0f} |")
+    print(
+        f"| in-process sync API (caller thread → engine loop → worker → back) | {sync[0]:.0f} | {sync[1]:.0f} |"
+    )
+    print(
+        f"| submitted on the engine loop (what a frontend pays) | {on_loop[0]:.0f} | {on_loop[1]:.0f} |"
+    )
     print()
     print("| server statistic | dlserve | Triton | dlserve / Triton |")
     print("|---|---:|---:|---:|")
     t = triton["compute_infer_us"] if triton else None
     ratio = f"{infer_avg / t:.2f}" if t else "—"
-    print(f"| compute_infer, avg µs/request | {infer_avg:.0f} | {t:.0f} | {ratio} |" if t else f"| compute_infer, avg µs/request | {infer_avg:.0f} | — | — |")
+    print(
+        f"| compute_infer, avg µs/request | {infer_avg:.0f} | {t:.0f} | {ratio} |"
+        if t
+        else f"| compute_infer, avg µs/request | {infer_avg:.0f} | — | — |"
+    )
     print("\n### (b) identity, FP32\n")
     print("| size | in shared memory p50 ms | numpy input (1 copy) p50 ms | memcpy p50 ms |")
     print("|---|---:|---:|---:|")
@@ -190,7 +197,20 @@ def main() -> int:
         print(
             f"| {size >> 20} MiB | {r['shared_p50'] / 1000:.3f} | {r['numpy_p50'] / 1000:.3f} | {r['memcpy_p50'] / 1000:.3f} |"
         )
-    print("\n" + json.dumps({"add_sub": {"sync": sync, "on_loop": on_loop, "compute_infer_avg_us": infer_avg, "triton": triton}, "identity": identity}))
+    print(
+        "\n"
+        + json.dumps(
+            {
+                "add_sub": {
+                    "sync": sync,
+                    "on_loop": on_loop,
+                    "compute_infer_avg_us": infer_avg,
+                    "triton": triton,
+                },
+                "identity": identity,
+            }
+        )
+    )
     return 0
 
 

@@ -3,6 +3,7 @@
 Used by the BLS section of benchmarks/run.py to price a BLS call whose tensor is large: the input
 tensor is passed on as it arrived and the callee's output returned as it came back.
 """
+
 import triton_python_backend_utils as pb_utils
 
 
