@@ -293,7 +293,8 @@ class HttpConnection(asyncio.BufferedProtocol):
                 response = await self.server.dispatch(request)
                 keep_alive = request.headers.get("_keep_alive") == "1"
                 if response.stream is not None:
-                    await self._write_stream(response, keep_alive)
+                    if not await self._write_stream(response, keep_alive):
+                        return
                 else:
                     self._write(response, keep_alive)
                 if not keep_alive:
@@ -315,23 +316,33 @@ class HttpConnection(asyncio.BufferedProtocol):
             head.append("Connection: close")
         return bytearray(("\r\n".join(head) + "\r\n\r\n").encode("latin-1"))
 
-    async def _write_stream(self, response: HttpResponse, keep_alive: bool) -> None:
+    async def _write_stream(self, response: HttpResponse, keep_alive: bool) -> bool:
         """Send chunks as the stream yields them, waiting for a slow reader; a client
-        that goes away closes the stream (and so cancels what feeds it)."""
+        that goes away closes the stream (and so cancels what feeds it). False when the
+        connection cannot go on: gone, or the stream failed after its head was sent (no
+        status can be sent any more, so the connection is closed rather than left with a
+        response that never ends)."""
         stream = response.stream
         assert stream is not None
         try:
             if self.transport is None:
-                return
+                return False
             self.transport.write(self._head(response, keep_alive, "Transfer-Encoding: chunked"))
             async for chunk in stream:
                 if self.transport is None:
-                    return
+                    return False
                 if chunk:
                     self.transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
                     await self._writable.wait()
+            if self.transport is None:
+                return False
+            self.transport.write(b"0\r\n\r\n")
+            return True
+        except Exception:  # noqa: BLE001 - a stream bug must end this response, not hang it
+            log.exception("a streamed response failed after its head was sent")
             if self.transport is not None:
-                self.transport.write(b"0\r\n\r\n")
+                self.transport.close()
+            return False
         finally:
             await stream.aclose()
 

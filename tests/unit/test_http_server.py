@@ -1,0 +1,66 @@
+"""The HTTP server on its own (a real socket, handlers of the test's making): what happens to
+a chunked response whose stream fails after its head went out."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncGenerator
+
+from dlserve.frontends.http_server import HttpRequest, HttpResponse, HttpServer
+
+
+async def _failing_stream() -> AsyncGenerator[bytes, None]:
+    yield b"data: first\n\n"
+    raise RuntimeError("encoding broke")
+
+
+async def _handler(request: HttpRequest) -> HttpResponse:
+    if request.path == "/stream":
+        return HttpResponse(content_type="text/event-stream", stream=_failing_stream())
+    return HttpResponse(body=[b'{"ok":true}'])
+
+
+def _read_until_closed(sock: socket.socket) -> bytes:
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def test_a_stream_that_fails_after_its_head_closes_the_connection() -> None:
+    """No status can follow a sent head: the connection is closed (the client sees the
+    response end early) instead of hanging, and the server keeps serving others."""
+
+    async def main() -> None:
+        server = HttpServer(_handler)
+        port = await server.start("127.0.0.1", 0)
+        loop = asyncio.get_running_loop()
+        try:
+
+            def client() -> tuple[bytes, bytes]:
+                with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                    # a second request pipelined behind the stream: it must not be served on a
+                    # connection whose previous response was cut off
+                    sock.sendall(
+                        b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n"
+                        b"GET /other HTTP/1.1\r\nHost: x\r\n\r\n"
+                    )
+                    broken = _read_until_closed(sock)
+                with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                    sock.sendall(b"GET /other HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                    fine = _read_until_closed(sock)
+                return broken, fine
+
+            broken, fine = await loop.run_in_executor(None, client)
+        finally:
+            await server.stop()
+        head, _, body = broken.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200")
+        assert b"Transfer-Encoding: chunked" in head
+        assert b"data: first" in body
+        assert not body.endswith(b"0\r\n\r\n")  # never terminated as if complete
+        assert b'{"ok":true}' not in body
+        assert fine.startswith(b"HTTP/1.1 200") and fine.endswith(b'{"ok":true}')
+
+    asyncio.run(main())
