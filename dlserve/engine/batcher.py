@@ -62,7 +62,7 @@ class DynamicBatcher(Scheduler):
         self._deadlines: list[tuple[int, int, Request]] = []  # heap of (deadline_ns, order, request)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0
-        self._held: dict[int, tuple[Request, Response, str | None]] = {}
+        self._held: dict[int, tuple[Request, Response, str | None] | None] = {}
         self._next_to_deliver = 0
         self._order_of: dict[int, int] = {}  # id(request) -> arrival order, for preserve_ordering
 
@@ -199,9 +199,17 @@ class DynamicBatcher(Scheduler):
         if order is None:
             super()._deliver(request, response, failure)
             return
-        self._held[order] = (request, response, failure)
+        if request.cancelled:
+            # A cancelled request is answered now, like every cancel; its place in
+            # the order is kept, empty, for the requests after it.
+            super()._deliver(request, response, failure)
+            self._held[order] = None
+        else:
+            self._held[order] = (request, response, failure)
         while self._next_to_deliver in self._held:
-            super()._deliver(*self._held.pop(self._next_to_deliver))
+            held = self._held.pop(self._next_to_deliver)
+            if held is not None:
+                super()._deliver(*held)
             self._next_to_deliver += 1
 
     def close(self) -> None:

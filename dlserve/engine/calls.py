@@ -19,8 +19,9 @@ import json
 import logging
 from typing import TYPE_CHECKING, Any, Protocol
 
-from dlserve.engine.request import Request, Response, validate_request
+from dlserve.engine.request import Request, Response, parse_version, validate_request
 from dlserve.errors import (
+    InternalError,
     InvalidArgumentError,
     TritonError,
     UnavailableError,
@@ -31,6 +32,7 @@ from dlserve.ipc.protocol import Kind
 if TYPE_CHECKING:
     from dlserve.engine.instance import ModelInstance
     from dlserve.engine.model import ModelVersion
+    from dlserve.ipc.supervisor import WorkerProcess
 
 log = logging.getLogger("dlserve.engine")
 
@@ -49,24 +51,13 @@ class Host(Protocol):
     async def model_ready(self, name: str, version: int = -1) -> bool: ...
 
 
-def _version(text: str) -> int:
-    if text in ("", "-1"):
-        return -1
-    try:
-        value = int(text)
-    except ValueError:
-        raise InvalidArgumentError(f"invalid model version '{text}'") from None
-    if value < 0:
-        raise InvalidArgumentError(f"invalid model version '{text}'")
-    return value
-
-
 class ModelCalls:
     """The BLS and model-control traffic of one model instance's worker."""
 
     def __init__(self, instance: ModelInstance) -> None:
         self.instance = instance
         self._calls: dict[int, Request] = {}  # corr of the worker's call -> its request
+        self._controls: set[asyncio.Future[None]] = set()  # model-control calls running
 
     @property
     def host(self) -> Host:
@@ -80,7 +71,11 @@ class ModelCalls:
             if request is not None and request.owner is not None:
                 request.owner.cancel(request)
         else:
-            asyncio.ensure_future(self._control(corr, body))
+            # The reply goes to the worker that asked: a restarted worker numbers its
+            # calls afresh, so a late reply must not reach its successor.
+            task = asyncio.ensure_future(self._control(self.instance.worker, corr, body))
+            self._controls.add(task)
+            task.add_done_callback(self._controls.discard)
 
     def close(self) -> None:
         """The worker is gone: nobody waits for its calls any more."""
@@ -138,10 +133,11 @@ class ModelCalls:
                 )
             self._check_cycle(request, target)
             validate_request(request, target.signature)
-        except TritonError as exc:
+        except Exception as exc:  # noqa: BLE001 - refused in the response, never left waiting
+            error = exc if isinstance(exc, TritonError) else InternalError(str(exc))
             # Triton's prefix for a BLS request the server refused (not the callee's errors).
-            message = f"Model {model_name} - Error when running inference: {exc.message}"
-            self._send(corr, ((), (int(exc.code), message), "{}"), True)
+            message = f"Model {model_name} - Error when running inference: {error.message}"
+            self._send(corr, ((), (int(error.code), message), "{}"), True)
             return
         self._calls[corr] = request
         target.scheduler.submit(request)
@@ -189,22 +185,22 @@ class ModelCalls:
             error = response.error
             self._send(corr, ((), (int(error.code), error.message), parameters), response.final)
             return
-        peer = worker.peer
         try:
-            outputs = [peer.export(name, tensor) for name, tensor in response.outputs.items()]
-        except (TritonError, ValueError, MemoryError) as exc:
+            with worker.peer.exports() as out:
+                outputs = [out.add(name, tensor) for name, tensor in response.outputs.items()]
+        except Exception as exc:  # noqa: BLE001 - the caller gets the error instead of waiting forever
             message = f"cannot hand the outputs of model '{response.model_name}' over: {exc}"
             self._send(corr, ((), (int(InvalidArgumentError.code), message), "{}"), response.final)
             return
         self._send(corr, (outputs, None, parameters), response.final)
 
     def _send(self, corr: int, wire: Any, final: bool) -> None:
-        worker = self.instance.worker
-        if worker is not None and worker.alive and worker.channel is not None:
-            worker.channel.send(Kind.BLS_RESPONSE, corr, (wire, final))
+        channel = self.instance.channel
+        if channel is not None:
+            channel.send(Kind.BLS_RESPONSE, corr, (wire, final))
 
     # -- model control ------------------------------------------------------------------
-    async def _control(self, corr: int, body: Any) -> None:
+    async def _control(self, worker: WorkerProcess | None, corr: int, body: Any) -> None:
         operation, arguments = body
         result: Any = None
         try:
@@ -223,7 +219,8 @@ class ModelCalls:
             elif operation == "unload":
                 await self.host.unload(name, bool(arguments[1]))
             elif operation == "ready":
-                result = await self.host.model_ready(name, _version(arguments[1]))
+                version = arguments[1]  # "-1", like "", is the server's choice
+                result = await self.host.model_ready(name, -1 if version == "-1" else parse_version(version))
             else:
                 raise UnsupportedError(f"unknown model control operation '{operation}'")
         except TritonError as exc:
@@ -233,10 +230,10 @@ class ModelCalls:
             error = InvalidArgumentError(f"{operation} failed: {exc}")
         else:
             error = None
-        worker = self.instance.worker
-        if worker is None or not worker.alive or worker.channel is None:
-            return
+        channel = self.instance.channel
+        if worker is not self.instance.worker or channel is None:
+            return  # the worker that asked is gone
         if error is None:
-            worker.channel.reply(corr, result)
+            channel.reply(corr, result)
         else:
-            worker.channel.reply_error(corr, error)
+            channel.reply_error(corr, error)

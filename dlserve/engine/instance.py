@@ -33,6 +33,7 @@ from dlserve.pb_utils.logger import PYTHON_LEVELS, LogLevel
 
 if TYPE_CHECKING:
     from dlserve.engine.model import ModelVersion
+    from dlserve.ipc.channel import ServerChannel
 
 log = logging.getLogger("dlserve.engine")
 
@@ -111,6 +112,12 @@ class ModelInstance:
         return self._worker
 
     @property
+    def channel(self) -> ServerChannel | None:
+        """The channel to the worker while it is alive (None otherwise)."""
+        worker = self._worker
+        return worker.channel if worker is not None and worker.alive else None
+
+    @property
     def pid(self) -> int | None:
         return None if self._worker is None else self._worker.pid
 
@@ -186,8 +193,8 @@ class ModelInstance:
             except TritonError as exc:
                 self._log.warning("metric update from '%s' refused: %s", self.name, exc.message)
         elif kind in (Kind.METRIC_FAMILY, Kind.METRIC_VALUE):
-            channel = self._worker.channel if self._worker is not None else None
-            if channel is None or not channel.connected:
+            channel = self.channel
+            if channel is None:
                 return
             try:
                 result = metrics.declare(*body) if kind == Kind.METRIC_FAMILY else metrics.value(*body)
@@ -260,23 +267,24 @@ class ModelInstance:
         peer = worker.peer
         t0 = time.monotonic_ns()
         handles = [next(self._handles) for _ in requests]
-        body = [
-            (
-                handle,
-                r.request_id,
-                r.correlation_id,
-                r.flags,
-                r.timeout_us,
-                json.dumps(r.parameters) if r.parameters else "{}",
-                model.output_names if r.requested_outputs is None else r.requested_outputs,
-                [peer.export(name, tensor) for name, tensor in r.inputs.items()],
-                None if not r.output_buffers else [
-                    peer.export(name, Tensor(DataType.UINT8, view.shape, data=view), by_reference=True)
-                    for name, view in r.output_buffers.items()
-                ],
-            )
-            for handle, r in zip(handles, requests)
-        ]
+        with peer.exports() as out:
+            body = [
+                (
+                    handle,
+                    r.request_id,
+                    r.correlation_id,
+                    r.flags,
+                    r.timeout_us,
+                    json.dumps(r.parameters) if r.parameters else "{}",
+                    model.output_names if r.requested_outputs is None else r.requested_outputs,
+                    [out.add(name, tensor) for name, tensor in r.inputs.items()],
+                    None if not r.output_buffers else [
+                        out.add(name, Tensor(DataType.UINT8, view.shape, data=view), by_reference=True)
+                        for name, view in r.output_buffers.items()
+                    ],
+                )
+                for handle, r in zip(handles, requests)
+            ]
         t1 = time.monotonic_ns()
         future = worker.submit(Kind.EXECUTE, body)
         executing = self._executing
@@ -288,6 +296,19 @@ class ModelInstance:
             t2 = time.monotonic_ns()
             for handle in handles:
                 executing.pop(handle, None)
+            try:
+                complete(future, t2)
+            finally:
+                # A response a default-mode model sent without its final belongs to a request
+                # still open here; one whose execute failed or answered otherwise is dropped
+                # (and its memory goes back to the worker).
+                held = self._held
+                if held:
+                    for handle in handles:
+                        if handle not in self._streaming:
+                            held.pop(handle, None)
+
+        def complete(future: asyncio.Future[Any], t2: int) -> None:
             error = future.exception()
             if isinstance(error, UnavailableError):  # the worker died mid-call
                 asyncio.ensure_future(self._report_death(worker, done))
@@ -344,16 +365,15 @@ class ModelInstance:
     def _discard(self, wire: Any) -> None:
         worker = self._worker
         if worker is not None and worker.peer is not None:
-            for tensor_wire in wire[0]:
-                worker.peer.import_(tensor_wire)  # and dropped: its lease goes back
+            worker.peer.discard(wire[0])
 
     def _cancel(self, handle: int) -> None:
         """Tell the worker; the scheduler answers the caller CANCELLED meanwhile."""
         self._streaming.pop(handle, None)
         self._held.pop(handle, None)
-        worker = self._worker
-        if worker is not None and worker.alive and worker.channel is not None:
-            worker.channel.notify(Kind.CANCEL, [handle])
+        channel = self.channel
+        if channel is not None:
+            channel.notify(Kind.CANCEL, [handle])
 
     def _fail_streaming(self, reason: str) -> None:
         streaming, self._streaming = self._streaming, {}
@@ -411,9 +431,9 @@ class ModelInstance:
 
     def forget_segment(self, name: str) -> None:
         """Tell the worker to drop its mapping of a segment (e.g. an unregistered client region)."""
-        worker = self._worker
-        if worker is not None and worker.alive and worker.channel is not None:
-            worker.channel.notify(Kind.RETIRE, [name])
+        channel = self.channel
+        if channel is not None:
+            channel.notify(Kind.RETIRE, [name])
 
     async def stop(self, deadline: float) -> None:
         """Finalize and end the worker by ``deadline`` (``time.monotonic()``)."""

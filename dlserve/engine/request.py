@@ -89,6 +89,19 @@ class Request:
         return f"[request id: {self.request_id or '<id_unknown>'}] "
 
 
+def parse_version(version: str | int | None) -> int:
+    """A model version as a client names it: absent or empty for the server's choice (-1)."""
+    if version in (None, ""):
+        return -1
+    try:
+        value = int(version)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"invalid model version '{version}'") from None
+    if value < 0:
+        raise InvalidArgumentError(f"invalid model version '{version}'")
+    return value
+
+
 def _shape_text(shape: Any) -> str:
     return "[" + ",".join(str(int(d)) for d in shape) + "]"
 

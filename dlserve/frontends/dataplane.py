@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from dlserve.engine.core import Engine
-from dlserve.engine.request import Request, Response
+from dlserve.engine.request import Request, Response, parse_version
 from dlserve.errors import InvalidArgumentError, NotFoundError, UnsupportedError
 from dlserve.memory.dtypes import DataType
 from dlserve.memory.tensor import Tensor
@@ -72,18 +72,6 @@ class OutputSpec:
     name: str
     parameters: dict[str, Any] = dataclasses.field(default_factory=dict)
     shm: ShmRef | None = None
-
-
-def parse_version(version: str | int | None) -> int:
-    if version in (None, ""):
-        return -1
-    try:
-        value = int(version)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        raise InvalidArgumentError(f"invalid model version '{version}'") from None
-    if value < 0:
-        raise InvalidArgumentError(f"invalid model version '{version}'")
-    return value
 
 
 def shm_ref(parameters: dict[str, Any], what: str) -> ShmRef | None:
@@ -174,10 +162,6 @@ class DataPlane:
             )
         if data_type is DataType.BYTES:
             return Tensor(data_type, shape, objects=array.reshape(shape))
-        if data_type in (DataType.FP16, DataType.BF16) and array.dtype.kind != "u":
-            raise InvalidArgumentError(
-                f"{label}input '{spec.name}': {data_type.name} data must be sent as binary data"
-            )
         return Tensor(data_type, shape, data=array.reshape(shape))
 
     def build_request(

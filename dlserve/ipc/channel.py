@@ -168,12 +168,30 @@ class Stream:
     (and once with None if the channel closes): it must only hand the news on.
     """
 
-    __slots__ = ("items", "closed", "on_item")
+    __slots__ = ("items", "closed", "on_item", "discard")
 
-    def __init__(self, on_item: Callable[[Any], None] | None = None) -> None:
+    def __init__(self) -> None:
         self.items: collections.deque[Any] = collections.deque()
         self.closed = False
-        self.on_item = on_item
+        self.on_item: Callable[[Any], None] | None = None
+        self.discard: Callable[[Any], None] | None = None  # set: nobody reads any more
+
+    def abandon(self, discard: Callable[[Any], None]) -> None:
+        """Nobody will read this stream again: what it holds, and whatever still
+        arrives for it, goes to ``discard``. Takes no lock (it runs in finalizers):
+        the reader appends before it checks ``discard``, so no item slips through."""
+        self.discard = discard
+        self.drain()
+
+    def drain(self) -> None:
+        discard = self.discard
+        assert discard is not None
+        while True:
+            try:
+                item = self.items.popleft()
+            except IndexError:
+                return
+            discard(item)
 
 
 class WorkerChannel:
@@ -244,7 +262,9 @@ class WorkerChannel:
                 if body[1]:  # final
                     del self._streams[corr]
                 stream.items.append(body)
-                if stream.on_item is not None:
+                if stream.discard is not None:
+                    stream.drain()
+                elif stream.on_item is not None:
                     stream.on_item(body)
         elif kind == Kind.CANCEL:
             # Now, not in turn: the request it cancels may be executing this very moment.

@@ -53,22 +53,23 @@ def encode_response(
     error = response.error()
     if error is not None:
         return ((), (error.code(), error.message()), response.parameters())
-    outputs = []
-    for tensor in response.output_tensors():
-        name = tensor.name()
-        if name not in requested:
-            continue
-        destination = None if destinations is None else destinations.get(name)
-        if destination is None:
-            outputs.append(peer.export(name, tensor._tensor))
-            continue
-        try:
-            placed = tensor._tensor.write_into(destination)
-        except ValueError as exc:
-            message = f"output '{name}' {exc} (its shared memory region)"
-            return ((), (int(ErrorCode.INVALID_ARG), message), response.parameters())
-        outputs.append(peer.export(name, placed, by_reference=True))
-    return (outputs, None, response.parameters())
+    with peer.exports() as out:
+        for tensor in response.output_tensors():
+            name = tensor.name()
+            if name not in requested:
+                continue
+            destination = None if destinations is None else destinations.get(name)
+            if destination is None:
+                out.add(name, tensor._tensor)
+                continue
+            try:
+                placed = tensor._tensor.write_into(destination)
+            except ValueError as exc:
+                out.revoke()
+                message = f"output '{name}' {exc} (its shared memory region)"
+                return ((), (int(ErrorCode.INVALID_ARG), message), response.parameters())
+            out.add(name, placed, by_reference=True)
+    return (out.wires, None, response.parameters())
 
 
 def _error_response(message: str, code: int = int(ErrorCode.INTERNAL)) -> InferenceResponse:
@@ -151,7 +152,8 @@ class WorkerRuntime:
 
     # -- BLS ---------------------------------------------------------------------------
     def _call_body(self, request: InferenceRequest, decoupled: bool) -> tuple[Any, ...]:
-        inputs = [self.peer.export(tensor.name(), tensor._tensor) for tensor in request._inputs]
+        with self.peer.exports() as out:
+            inputs = [out.add(tensor.name(), tensor._tensor) for tensor in request._inputs]
         return (
             request._model_name,
             request._model_version,
@@ -166,14 +168,25 @@ class WorkerRuntime:
             current_handles.get(),
         )
 
-    def _start(self, request: InferenceRequest, decoupled: bool, stream: Stream) -> int | InferenceResponse:
-        """Send the call; an error response instead if it cannot even be sent."""
+    def _start(self, request: InferenceRequest, decoupled: bool, stream: Stream) -> int:
+        """Send the call; its correlation id, or 0 when it could not even be sent: then
+        its one response, an error, is in ``stream`` already."""
         try:
             return self.channel.call(Kind.BLS, self._call_body(request, decoupled), stream)
-        except EOFError:
-            return _error_response("the server closed the connection", int(ErrorCode.UNAVAILABLE))
+        except (EOFError, OSError):
+            error = (int(ErrorCode.UNAVAILABLE), "the server closed the connection")
         except (TritonError, ValueError, MemoryError) as exc:
-            return _error_response(f"cannot send the BLS request: {exc}")
+            error = (int(ErrorCode.INTERNAL), f"cannot send the BLS request: {exc}")
+        stream.items.append((((), error, "{}"), True))
+        return 0
+
+    def discard(self, body: Any) -> None:
+        """A BLS_RESPONSE message nobody will read: its outputs' memory goes back now
+        (the worker may be idle, with no reply about to carry the releases)."""
+        wire = body[0]
+        if wire is not None and wire[0]:
+            self.peer.discard(wire[0])
+            self.channel.flush_releases()
 
     def decode(self, body: Any) -> tuple[InferenceResponse, bool]:
         """A BLS_RESPONSE message as the response the model sees, and its final flag."""
@@ -187,11 +200,8 @@ class WorkerRuntime:
         return InferenceResponse._received(outputs, None, parameters), final
 
     def infer(self, request: InferenceRequest, decoupled: bool) -> Any:
-        stream = Stream()
-        started = self._start(request, decoupled, stream)
-        if isinstance(started, InferenceResponse):
-            return iter([started]) if decoupled else started
-        iterator = ResponseIterator(self, started, stream)
+        iterator = ResponseIterator(self, Stream())
+        iterator.corr = self._start(request, decoupled, iterator.stream)
         return iterator if decoupled else iterator.single()
 
     async def async_infer(self, request: InferenceRequest, decoupled: bool) -> Any:
@@ -200,14 +210,9 @@ class WorkerRuntime:
             # A loop of the model's own making: nobody is sure to read the channel
             # while it waits, so wait (and read) on a pool thread, as Triton does.
             return await loop.run_in_executor(None, self.infer, request, decoupled)
-        iterator = ResponseIterator(self, 0, Stream(), loop)
-        started = self._start(request, decoupled, iterator.stream)
-        if isinstance(started, InferenceResponse):
-            return iter([started]) if decoupled else started
-        iterator.corr = started
-        if decoupled:
-            return iterator
-        return await iterator.__anext__()
+        iterator = ResponseIterator(self, Stream(), loop)
+        iterator.corr = self._start(request, decoupled, iterator.stream)
+        return iterator if decoupled else await iterator.__anext__()
 
 
 class ResponseIterator:
@@ -217,14 +222,10 @@ class ResponseIterator:
     as an empty one."""
 
     def __init__(
-        self,
-        runtime: WorkerRuntime,
-        corr: int,
-        stream: Stream,
-        loop: asyncio.AbstractEventLoop | None = None,
+        self, runtime: WorkerRuntime, stream: Stream, loop: asyncio.AbstractEventLoop | None = None
     ) -> None:
         self.runtime = runtime
-        self.corr = corr
+        self.corr = 0  # the call's correlation id, once sent (0: it never was)
         self.stream = stream
         self._done = False
         self._arrived: asyncio.Event | None = None
@@ -269,6 +270,17 @@ class ResponseIterator:
                 break
             await arrived.wait()
         return self._take()
+
+    def __del__(self) -> None:
+        # The model stopped reading before the final response (a ``break``, a cancelled
+        # coroutine): cancel the call, and give back the memory of every response it
+        # will never read, those already here and those still to come.
+        if not self._done:
+            self.stream.abandon(self.runtime.discard)
+            try:
+                self.cancel()
+            except Exception:  # noqa: BLE001 - runs in a finalizer: the server may be gone
+                pass
 
     def single(self) -> InferenceResponse:
         """The one response of a non-decoupled call."""

@@ -35,6 +35,7 @@ from dlserve.ipc.runtime import WorkerRuntime, current_handles, encode_response
 from dlserve.ipc.tensors import Peer
 from dlserve.memory.arena import Arena, MemorySpace
 from dlserve.pb_utils import _runtime
+from dlserve.pb_utils.helpers import using_decoupled_model_transaction_policy
 from dlserve.pb_utils.inference import InferenceRequest, InferenceResponse
 from dlserve.pb_utils.model_config import ModelConfig
 from dlserve.pb_utils.tensor import Tensor
@@ -219,7 +220,7 @@ class Worker:
     def _initialize(self, body: dict[str, Any]) -> None:
         args = body["args"]
         config = json.loads(args["model_config"])
-        self.decoupled = bool(config.get("model_transaction_policy", {}).get("decoupled", False))
+        self.decoupled = using_decoupled_model_transaction_policy(config)
         if args["model_instance_kind"] == "GPU":
             select_device(int(args["model_instance_device_id"]))
         module = load_module(body["model_file"])

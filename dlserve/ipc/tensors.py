@@ -147,6 +147,14 @@ class Peer:
             self._granted[lease] = anchor
         return (name, int(tensor.data_type), tensor.shape, (anchor.segment.name, offset, nbytes, lease))
 
+    def exports(self) -> Exports:
+        """Build one message's tensors with ``with peer.exports() as out: out.add(...)``."""
+        return Exports(self)
+
+    def revoke(self, wires: list[WireTensor]) -> None:
+        """Wires we made that the peer will never see: drop the holds filed for them."""
+        self.release(_leases(wires))
+
     def release(self, leases: list[int]) -> None:
         """The peer no longer uses these leases."""
         granted = self._granted
@@ -179,6 +187,12 @@ class Peer:
         raws = self._slab.copy_many([wire[3] for wire in wires])
         return [(w[0], _tensor(w[0], w[1], w[2], raw)) for w, raw in zip(wires, raws)]
 
+    def discard(self, wires: list[WireTensor]) -> None:
+        """Received tensors nobody will look at: their leases go straight back, unmapped."""
+        leases = _leases(wires)
+        if leases and not self.closed:
+            self._send_releases(leases)
+
     def _import_ref(self, ref: tuple[str, int, int, int]) -> tuple[np.ndarray, int]:
         segment_name, offset, nbytes, lease = ref
         segment = self.space.segment(segment_name)
@@ -198,4 +212,37 @@ class Peer:
             self._send_releases([lease])
 
 
-__all__ = ["Peer", "WireTensor"]
+def _leases(wires: list[WireTensor]) -> list[int]:
+    """The lease ids of wire tensors (inline ones and memory handed back have none)."""
+    return [wire[3][3] for wire in wires if type(wire[3]) is not bytes and wire[3][3]]
+
+
+class Exports:
+    """The tensors of one message being built. If building it fails, the holds filed
+    for them are dropped: the peer never sees them, so it would never release them."""
+
+    __slots__ = ("peer", "wires")
+
+    def __init__(self, peer: Peer) -> None:
+        self.peer = peer
+        self.wires: list[WireTensor] = []
+
+    def add(self, name: str, tensor: Tensor, by_reference: bool = False) -> WireTensor:
+        wire = self.peer.export(name, tensor, by_reference)
+        self.wires.append(wire)
+        return wire
+
+    def revoke(self) -> None:
+        """The message will not be sent after all (it is replaced by an error)."""
+        self.peer.revoke(self.wires)
+        self.wires = []
+
+    def __enter__(self) -> Exports:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> None:
+        if exc_type is not None:
+            self.revoke()
+
+
+__all__ = ["Exports", "Peer", "WireTensor"]

@@ -231,6 +231,38 @@ def test_preserve_ordering_across_instances(server):
     assert asyncio.run(completion_order(True)) == [0, 1]  # delivered in arrival order
 
 
+def test_preserve_ordering_still_answers_a_cancelled_request_at_once(server):
+    """Request 1 waits behind request 0 for its turn; cancelled meanwhile, it is answered
+    CANCELLED now (not after request 0, and not with the model's late answer), and its
+    empty place does not hold up the requests after it."""
+    group = [{"count": 3, "kind": "KIND_CPU"}]
+    load(server, max_batch_size=1, instance_group=group, dynamic_batching={"preserve_ordering": True})
+
+    async def run() -> tuple[list[tuple[int, str]], float]:
+        done: list[tuple[int, str]] = []
+        start = time.monotonic()
+
+        async def one(index: int, sleep: float, cancel_after: float | None = None) -> None:
+            iterator = server.model("batcher").async_infer(
+                inputs={"INPUT0": rows(value=index)}, parameters={"sleep": sleep}, raise_on_error=False
+            )
+            if cancel_after is not None:
+                asyncio.get_running_loop().call_later(cancel_after, iterator.cancel)
+            async for response in iterator:
+                code = response.error.code.name if response.error is not None else "OK"
+                done.append((index, code))
+                if index == 1:
+                    cancelled_at.append(time.monotonic() - start)
+
+        cancelled_at: list[float] = []
+        await asyncio.gather(one(0, 0.8), one(1, 0.8, cancel_after=0.2), one(2, 0.0))
+        return done, cancelled_at[0]
+
+    done, cancelled_after = asyncio.run(run())
+    assert done == [(1, "CANCELLED"), (0, "OK"), (2, "OK")]
+    assert cancelled_after < 0.6  # answered when cancelled, not when request 0 finished
+
+
 def test_batch_config_is_rendered_with_tritons_defaults(server):
     load(server, dynamic_batching={"max_queue_delay_microseconds": 100})
     config = server.model("batcher").config()["dynamic_batching"]

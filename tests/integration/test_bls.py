@@ -197,6 +197,26 @@ def test_bls_leaves_no_leases_behind(server):
     assert all(count == 0 for count in leases.values()), leases
 
 
+def test_bls_stream_left_early_gives_back_what_it_never_read(server):
+    """A model that leaves ``for r in exec(decoupled=True)`` after one response: the call
+    is cancelled and the responses it never read (already delivered, or still coming)
+    return their memory, so no lease stays granted to any worker."""
+    for _ in range(20):
+        response, info = call(
+            server, "bls", data=np.arange(200, dtype=np.float32), route="decoupled", mode="first_only"
+        )
+        assert response.error is None and info == {"first": 0.0}
+    engine = server.engine
+
+    def leases() -> dict[str, int]:
+        return {i.name: i.worker.peer.lease_count for i in engine.instances()}
+
+    deadline = time.monotonic() + 5
+    while any(leases().values()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not any(leases().values()), leases()
+
+
 # -- model control from a model ----------------------------------------------------------------
 def control(server, **parameters):
     (response,) = server.model("model_control").infer(

@@ -170,6 +170,15 @@ def test_default_mode_execute_returning_none_without_answering_fails_the_request
     assert response.final and "without sending its final response" in response.error.message
 
 
+def test_default_mode_execute_raising_after_a_response_fails_and_drops_that_response(server):
+    """The response sent without its final is held for it; the failed execute ends the
+    request, so the held response (and the worker memory behind it) is let go."""
+    (response,) = sender_mode(server, "send_then_raise")
+    assert response.final and "failed after sending a response" in response.error.message
+    for instance in server.engine.instances():
+        assert not instance._held, instance.name
+
+
 # -- async execute ---------------------------------------------------------------------------
 def test_async_execute_overlaps_up_to_the_configured_bound(server):
     """ASYNC_EXECUTE_CONCURRENCY is 4: eight 200 ms requests take two rounds, not eight."""

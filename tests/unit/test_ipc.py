@@ -381,3 +381,30 @@ def test_close_clears_leases_and_stops_releases(sides):
     server.peer.close()
     assert server.peer.closed and server.peer.lease_count == 0
     assert server.arena.bytes_in_use == 0  # the holds were the only references
+
+
+def test_a_message_that_fails_to_build_drops_the_holds_of_its_tensors(sides):
+    server, _ = sides
+    big = Tensor.from_numpy(np.ones(4000, dtype=np.float32))
+    with pytest.raises(RuntimeError):
+        with server.peer.exports() as out:
+            out.add("A", big)
+            out.add("B", big)
+            assert server.peer.lease_count == 2
+            raise RuntimeError("the third output could not be placed")
+    assert server.peer.lease_count == 0  # the peer never saw them: nothing left held for it
+    assert server.arena.bytes_in_use == 0
+    with server.peer.exports() as out:  # built and sent: the holds stay for the peer
+        wire = out.add("A", big)
+    assert out.wires == [wire] and server.peer.lease_count == 1
+
+
+def test_discarded_wires_send_their_leases_back_unmapped(sides):
+    server, worker = sides
+    big = Tensor.from_numpy(np.ones(4000, dtype=np.float32))
+    small = Tensor.from_numpy(np.ones(4, dtype=np.float32))
+    wires = [server.peer.export("A", big), server.peer.export("B", small), server.peer.export("C", big)]
+    worker.peer.discard(wires)
+    assert leases_sent(worker) == [wires[0][3][3], wires[2][3][3]]  # the inline one has none
+    server.peer.release(leases_sent(worker))
+    assert server.peer.lease_count == 0

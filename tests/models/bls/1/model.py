@@ -4,7 +4,8 @@
   with the rest of the route); empty: answer OUTPUT0 = INPUT0 here.
 - "mode" (for this hop's call): "exec"; "decoupled" (call the decoupled test
   model with IN = INPUT0 as int32 and collect everything); "cancel" (the same,
-  cancelling after the first response); "missing_input".
+  cancelling after the first response); "first_only" (the same with 8 KiB responses,
+  leaving the loop after the first); "missing_input".
 
 INFO is a JSON object saying what happened (e.g. whether the output came back
 in the very memory of the input, i.e. without a copy).
@@ -63,6 +64,18 @@ class TritonPythonModel:
                 if mode == "cancel" and len(seen) == 1:
                     responses.cancel()
             return reply(None, {"responses": seen, "values": values})
+        if mode == "first_only":
+            # reads the first of a stream of 8 KiB responses and lets the call go
+            call = pb_utils.InferenceRequest(
+                model_name=target,
+                inputs=[pb_utils.Tensor("IN", x.as_numpy().astype(np.int32))],
+                requested_output_names=["BIG"],
+                parameters={"mode": "big"},
+            )
+            for response in call.exec(decoupled=True):
+                first = float(pb_utils.get_output_tensor_by_name(response, "BIG").as_numpy()[0])
+                break
+            return reply(None, {"first": first})
         inputs = [] if mode == "missing_input" else [x]
         call = pb_utils.InferenceRequest(
             model_name=target,

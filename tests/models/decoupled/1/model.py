@@ -67,6 +67,14 @@ class TritonPythonModel:
                 thread = threading.Thread(target=self.wait_cancel, args=(request, mode))
                 thread.start()
                 self.threads.append(thread)
+            elif mode == "big":
+                # 8 KiB responses (they travel by reference), as many as fit before a cancel
+                for v in values:
+                    if request.is_cancelled():
+                        break
+                    big = pb_utils.Tensor("BIG", np.full(2048, v, np.float32))
+                    sender.send(pb_utils.InferenceResponse([big]))
+                sender.send(flags=FINAL)
             elif mode == "notes":
                 sender.send(info(json.dumps(self.notes)), flags=FINAL)
             else:

@@ -50,5 +50,8 @@ class TritonPythonModel:
             elif mode == "last_errors":
                 note = pb_utils.Tensor("INFO", np.array([json.dumps(self.last).encode()], np.object_))
                 sender.send(pb_utils.InferenceResponse([note]), flags=FINAL)
+            elif mode == "send_then_raise":
+                sender.send(response)  # not final: the server holds it for its final
+                raise RuntimeError("failed after sending a response")
             # mode "silent": returns None without answering
         return None
