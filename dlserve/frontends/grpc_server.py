@@ -549,7 +549,7 @@ class InferenceServicer:
         version = parse_version(request.model_version)
         # The model first, as Triton does: an unknown model wins over a bad input.
         model = self.engine.model(model_name, version)
-        if unary and model.config.model_transaction_policy.decoupled:
+        if unary and model.decoupled:
             raise UnsupportedError(
                 "ModelInfer RPC doesn't support models with decoupled transaction policy"
             )
@@ -637,21 +637,13 @@ class InferenceServicer:
         )
         return engine_request, shm_outputs
 
-    def cancel(self, request: Request) -> None:
-        """The caller went away: cancel its request (dropped if queued; the model's
-        ``is_cancelled()`` turns True if executing)."""
-        self.engine.cancel(request)
-
     @_rpc("inference")
     async def ModelInfer(
         self, request: pb.ModelInferRequest, context: Any
     ) -> pb.ModelInferResponse:
         engine_request, shm_outputs = self.decode(request, context)
-        try:
-            response = await self.dataplane.infer(engine_request)
-        except asyncio.CancelledError:  # the client cancelled or its deadline passed
-            self.cancel(engine_request)
-            raise
+        # A client that cancels or whose deadline passes cancels its request in there.
+        response = await self.dataplane.infer(engine_request)
         if response.error is not None:
             raise response.error
         if self.compression is not None:
@@ -765,7 +757,7 @@ class _Stream:
     def cancel_pending(self) -> None:
         pending, self.pending = self.pending, set()
         for request in pending:
-            self.servicer.cancel(request)
+            self.servicer.engine.cancel(request)
 
 
 class HealthServicer:

@@ -254,7 +254,7 @@ class KServeHttpApi:
                 "HTTP end point doesn't support models with decoupled transaction policy"
             )
         header, binary = _split_body(request)
-        body = json_values.parse_object(memoryview(header))
+        body = json_values.parse_object(header)
         request_id, parameters = json_values.id_and_parameters(body)
         if self.forward is not None:
             parameters = dict(parameters)
@@ -286,7 +286,7 @@ def _json_object(request: HttpRequest, allow_empty: bool = False) -> dict[str, A
     body = decode_body(request)
     if not len(body) and allow_empty:
         return {}
-    return json_values.parse_object(bytes(body))
+    return json_values.parse_object(body)
 
 
 def _split_body(request: HttpRequest) -> tuple[Any, np.ndarray]:

@@ -68,7 +68,7 @@ class GenerateApi:
 
     def _request(self, request: HttpRequest, args: dict[str, str]) -> Request:
         model = self.engine.model(args["model"], parse_version(args.get("version")))
-        document = json_values.parse_object(bytes(decode_body(request)))
+        document = json_values.parse_object(decode_body(request))
         request_id, parameters = json_values.id_and_parameters(document)
         parameters = dict(parameters)
         signature = model.signature

@@ -26,9 +26,10 @@ MAX_NESTING = 64
 
 
 def parse_object(data: Any) -> dict[str, Any]:
-    """A request body (bytes-like) that must hold one JSON object."""
+    """A request body (any contiguous buffer: read in place, never copied) that must hold
+    one JSON object."""
     try:
-        value = orjson.loads(data)
+        value = orjson.loads(memoryview(data))
     except orjson.JSONDecodeError as exc:
         raise InvalidArgumentError(f"failed to parse the request JSON buffer: {exc}") from None
     if not isinstance(value, dict):

@@ -31,35 +31,19 @@ from typing import Any
 
 import numpy as np
 
+from dlserve.memory.bytes_codec import serialize_bytes
+from dlserve.memory.dtypes import DataType, numpy_dtype
 from dlserve.perf.cli import UsageError
 
-NUMPY_TYPES: dict[str, Any] = {
-    "BOOL": np.bool_,
-    "UINT8": np.uint8,
-    "UINT16": np.uint16,
-    "UINT32": np.uint32,
-    "UINT64": np.uint64,
-    "INT8": np.int8,
-    "INT16": np.int16,
-    "INT32": np.int32,
-    "INT64": np.int64,
-    "FP16": np.float16,
-    "FP32": np.float32,
-    "FP64": np.float64,
-    "BYTES": np.object_,
-}
 _LETTERS = np.frombuffer((string.ascii_letters + string.digits).encode(), dtype=np.uint8)
 
 
-def numpy_type(datatype: str) -> Any:
-    if datatype == "BF16":
-        import ml_dtypes
-
-        return ml_dtypes.bfloat16
+def numpy_type(datatype: str) -> np.dtype[Any]:
+    """The numpy dtype of a wire datatype name (object for BYTES, bfloat16 for BF16)."""
     try:
-        return NUMPY_TYPES[datatype]
-    except KeyError:
-        raise UsageError(f"datatype {datatype} is not supported") from None
+        return numpy_dtype(DataType.from_wire(datatype))
+    except (ValueError, TypeError) as exc:
+        raise UsageError(f"datatype {datatype} is not supported: {exc}") from None
 
 
 @dataclasses.dataclass
@@ -299,18 +283,8 @@ def make_requests(
     return _batched(info, steps, batch_size)
 
 
-def serialize_bytes(array: np.ndarray) -> bytes:
-    """BYTES elements as Triton sends them: a 4-byte little-endian length, then the bytes."""
-    parts = []
-    for item in array.reshape(-1):
-        data = item.encode() if isinstance(item, str) else bytes(item)
-        parts.append(len(data).to_bytes(4, "little"))
-        parts.append(data)
-    return b"".join(parts)
-
-
 def raw_bytes(array: np.ndarray, datatype: str) -> bytes:
     """A tensor's bytes on the wire (binary tensor extension / raw_input_contents)."""
     if datatype == "BYTES":
-        return serialize_bytes(array)
+        return serialize_bytes(array).tobytes()
     return np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<"), copy=False).tobytes()

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from dlserve.perf.clients import DataPlane, RequestError, Slot
+from dlserve.perf.clients import DataPlane, Slot
 from dlserve.perf.measure import ClientWindow
 
 _now = time.perf_counter_ns
@@ -115,8 +115,6 @@ class LoadGenerator:
                 index += 1
                 if index == count:
                     index = 0
-        except RequestError as exc:
-            self._fail(exc)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - any client failure ends the run with its reason
@@ -182,10 +180,7 @@ class LoadGenerator:
         start = _now()
         try:
             send, recv = await slot.infer(payload)
-        except RequestError as exc:
-            self._fail(exc)
-            return
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - any client failure ends the run with its reason
             self._fail(exc)
             return
         end = _now()

@@ -44,11 +44,12 @@ def plan_shm(requests: list[dict[str, np.ndarray]], info: ModelInfo, output_size
     return ShmPlan(layout, inputs, outputs)
 
 
-def infer_path(model: str, version: str) -> str:
+def model_path(model: str, version: str) -> str:
+    """``/v2/models/<model>[/versions/<version>]``, each part URL-quoted."""
     path = "/v2/models/" + quote(model, safe="")
     if version:
         path += "/versions/" + quote(version, safe="")
-    return path + "/infer"
+    return path
 
 
 def _shm_parameters(ref: ShmRef) -> dict[str, object]:
@@ -110,7 +111,7 @@ def http_request(
     head = json.dumps(document, separators=(",", ":")).encode()
     body = head + b"".join(blobs)
     lines = [
-        f"POST {infer_path(info.name, version)} HTTP/1.1",
+        f"POST {model_path(info.name, version)}/infer HTTP/1.1",
         f"Host: {host}",
         f"Content-Length: {len(body)}",
     ]

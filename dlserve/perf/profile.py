@@ -109,16 +109,16 @@ class Profiler:
         interval = settings.measurement_interval_ms / 1000
         for trial in range(1, settings.max_trials + 1):
             end = time.monotonic() + interval
+            last = (
+                f", last window {report.pa_number(windows[-1].throughput)} infer/sec"
+                f" {int(windows[-1].latency_ns(settings.percentile) / 1000)} usec"
+                if windows and self.progress.enabled else ""
+            )
             while True:
                 left = end - time.monotonic()
                 if left <= 0:
                     break
                 self._check(group)
-                last = (
-                    f", last window {report.pa_number(windows[-1].throughput)} infer/sec"
-                    f" {int(windows[-1].latency_ns(settings.percentile) / 1000)} usec"
-                    if windows else ""
-                )
                 self.progress.update(
                     f"dlserve perf: {label} {shown} | window {trial}/{settings.max_trials} "
                     f"| {interval - left:.1f}/{interval:.1f} s{last}"

@@ -11,8 +11,8 @@ import pytest
 
 from dlserve.frontends.proto import grpc_service_pb2 as pb
 from dlserve.perf.cli import UsageError
-from dlserve.perf.inputs import ModelInfo, make_requests, resolve_shapes, serialize_bytes
-from dlserve.perf.payloads import grpc_request, http_request, infer_path, plan_shm
+from dlserve.perf.inputs import ModelInfo, make_requests, raw_bytes, resolve_shapes
+from dlserve.perf.payloads import grpc_request, http_request, model_path, plan_shm
 from dlserve.perf.shm import ShmRef
 
 ADD_SUB = ModelInfo.from_json(
@@ -82,7 +82,7 @@ def test_bytes_inputs():
     assert all(isinstance(v, bytes) and len(v) == 7 and v.isalnum() for v in values)
     (fixed,) = make_requests(STRINGS, 1, {"INPUT0": [2]}, "zero", string_data="hi")
     assert list(fixed["INPUT0"]) == [b"hi", b"hi"]
-    assert serialize_bytes(fixed["INPUT0"]) == b"\x02\x00\x00\x00hi\x02\x00\x00\x00hi"
+    assert raw_bytes(fixed["INPUT0"], "BYTES") == b"\x02\x00\x00\x00hi\x02\x00\x00\x00hi"
 
 
 def write(tmp_path, document) -> str:
@@ -173,7 +173,7 @@ def test_http_request_with_binary_tensors():
                                    {"name": "OUTPUT1", "parameters": {"binary_data": True}}]
     tensors = body[json_size:]
     assert tensors == request["INPUT0"].tobytes() + request["INPUT1"].tobytes()
-    assert infer_path("a b", "2") == "/v2/models/a%20b/versions/2/infer"
+    assert model_path("a b", "2") == "/v2/models/a%20b/versions/2"
 
 
 def test_http_request_with_json_tensors():

@@ -127,10 +127,9 @@ class H2Connection(asyncio.Protocol):
     def _close(self, reason: str) -> None:
         if self.closed is None:
             self.closed = reason
-        streams, self.streams = self.streams, {}
-        for stream in streams.values():
-            if not stream.waiter.done():
-                stream.waiter.set_exception(RequestError(f"gRPC connection: {reason}"))
+        for stream_id in list(self.streams):
+            self._end(stream_id, RequestError(f"gRPC connection: {reason}"))
+        self._wake()
 
     @property
     def usable(self) -> bool:
@@ -210,12 +209,10 @@ class H2Connection(asyncio.Protocol):
                     if length:
                         stream.got_data = True
                     if flags & END_STREAM:
-                        self._finish(stream_id, stream)
+                        self._end(stream_id)
             elif kind == HEADERS:
                 if flags & END_STREAM:
-                    stream = self.streams.get(stream_id)
-                    if stream is not None:
-                        self._finish(stream_id, stream)
+                    self._end(stream_id)
             else:
                 self._control(kind, flags, stream_id, buffer[pos + 9 : end])
             pos = end
@@ -224,10 +221,18 @@ class H2Connection(asyncio.Protocol):
             self.transport.write(frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", self.received)))
             self.received = 0
 
-    def _finish(self, stream_id: int, stream: _Stream) -> None:
-        del self.streams[stream_id]
-        if not stream.waiter.done():
-            stream.waiter.set_result(stream.got_data)
+    def _end(self, stream_id: int, error: RequestError | None = None) -> None:
+        """A stream is over (answered, reset, or cut off with the connection): its call
+        learns the outcome and a call waiting for a free stream slot wakes up."""
+        stream = self.streams.pop(stream_id, None)
+        if stream is not None and not stream.waiter.done():
+            if error is None:
+                stream.waiter.set_result(stream.got_data)
+            else:
+                stream.waiter.set_exception(error)
+        self._wake()
+
+    def _wake(self) -> None:
         if self.slot_freed is not None:
             self.slot_freed.set()
 
@@ -261,10 +266,8 @@ class H2Connection(asyncio.Protocol):
                     stream.window += increment
             self._flush()
         elif kind == RST_STREAM:
-            stream = self.streams.pop(stream_id, None)
-            if stream is not None and not stream.waiter.done():
-                (code,) = struct.unpack_from(">I", payload)
-                stream.waiter.set_exception(RequestError(f"the server reset the stream (HTTP/2 error {code})"))
+            (code,) = struct.unpack_from(">I", payload)
+            self._end(stream_id, RequestError(f"the server reset the stream (HTTP/2 error {code})"))
         elif kind == GOAWAY:
             last, code = struct.unpack_from(">II", payload)
             last &= 0x7FFFFFFF
@@ -272,9 +275,8 @@ class H2Connection(asyncio.Protocol):
             reason = f"the server sent GOAWAY (error {code}{', ' + detail if detail else ''})"
             self.closed = self.closed or reason
             for sid in [s for s in self.streams if s > last]:
-                stream = self.streams.pop(sid)
-                if not stream.waiter.done():
-                    stream.waiter.set_exception(RequestError(f"gRPC connection: {reason}"))
+                self._end(sid, RequestError(f"gRPC connection: {reason}"))
+            self._wake()  # calls waiting for a slot go on to a new connection
         # PRIORITY, PUSH_PROMISE (disabled), CONTINUATION, unknown types: nothing to do
 
 
@@ -330,7 +332,8 @@ class H2Slot(Slot):
         connection = self.channel.connection
         if connection is None or not connection.usable:
             connection = await self.channel.connect()
-        while len(connection.streams) >= connection.max_streams:  # the server's stream limit
+        while connection.usable and len(connection.streams) >= connection.max_streams:
+            # the server's stream limit: wait for a stream to end (or the connection to)
             connection.slot_freed = connection.slot_freed or asyncio.Event()
             connection.slot_freed.clear()
             await connection.slot_freed.wait()

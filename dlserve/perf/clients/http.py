@@ -26,17 +26,10 @@ from dlserve.perf.clients.base import (
     Slot,
 )
 from dlserve.perf.inputs import ModelInfo
-from dlserve.perf.payloads import http_request
+from dlserve.perf.payloads import http_request, model_path
 from dlserve.perf.shm import CudaRegion, SystemRegion
 
 _now = time.perf_counter_ns
-
-
-def _model_path(model: str, version: str) -> str:
-    path = "/v2/models/" + quote(model, safe="")
-    if version:
-        path += "/versions/" + quote(version, safe="")
-    return path
 
 
 def split_url(url: str) -> tuple[str, int]:
@@ -78,15 +71,15 @@ class HttpControl(ControlClient):
         return json.loads(payload) if payload else None
 
     def model_info(self, model: str, version: str) -> ModelInfo:
-        metadata = self._call("GET", _model_path(model, version))
+        metadata = self._call("GET", model_path(model, version))
         try:  # Triton's model configuration extension: batching, decoupled
-            config = self._call("GET", _model_path(model, version) + "/config")
+            config = self._call("GET", model_path(model, version) + "/config")
         except MissingEndpoint:
             config = {}  # a plain KServe v2 server: the metadata alone
         return ModelInfo.from_json(metadata, config)
 
     def statistics(self, model: str, version: str) -> dict[str, Any]:
-        return self._call("GET", _model_path(model, version) + "/stats")
+        return self._call("GET", model_path(model, version) + "/stats")
 
     def register(self, region: SystemRegion | CudaRegion) -> None:
         name = quote(region.name, safe="")
