@@ -388,6 +388,14 @@ def _ports() -> dict[str, int]:
     return ports
 
 
+def _listen_flags(ports: dict[str, int]) -> list[str]:
+    """Loopback addresses and ports: flags both tritonserver and dlserve serve take."""
+    flags = []
+    for service in ("http", "grpc", "metrics"):
+        flags += [f"--{service}-address", "127.0.0.1", f"--{service}-port", str(ports[service])]
+    return flags
+
+
 def dlserve(repo: Path, models: list[str] | None = None) -> Server:
     ports = _ports()
     command = [
@@ -395,18 +403,7 @@ def dlserve(repo: Path, models: list[str] | None = None) -> Server:
         "serve",
         "--model-repository",
         str(repo),
-        "--http-address",
-        "127.0.0.1",
-        "--http-port",
-        str(ports["http"]),
-        "--grpc-address",
-        "127.0.0.1",
-        "--grpc-port",
-        str(ports["grpc"]),
-        "--metrics-address",
-        "127.0.0.1",
-        "--metrics-port",
-        str(ports["metrics"]),
+        *_listen_flags(ports),
         "--allow-client-shm",
         "true",
         "--http-max-input-size",
@@ -456,18 +453,7 @@ def triton(repo: Path, models: list[str] | None = None) -> Server:
         str(TRITON_HOME / "backends"),
         "--cache-directory",
         str(TRITON_HOME / "caches"),
-        "--http-address",
-        "127.0.0.1",
-        "--http-port",
-        str(ports["http"]),
-        "--grpc-address",
-        "127.0.0.1",
-        "--grpc-port",
-        str(ports["grpc"]),
-        "--metrics-address",
-        "127.0.0.1",
-        "--metrics-port",
-        str(ports["metrics"]),
+        *_listen_flags(ports),
         "--allow-metrics",
         "true",
         "--allow-gpu-metrics",

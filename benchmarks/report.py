@@ -122,13 +122,19 @@ def report_loadgen_check(served: dict[str, Served]) -> list[str]:
     return lines
 
 
-def report_identity(served: dict[str, Served], plan: Plan) -> list[str]:
+def throughput_and_p50(labels: list[str]) -> list[Row]:
+    """Two rows per case: its throughput and its median latency."""
     rows: list[Row] = []
-    for label, _, _ in identity_cases(plan):
+    for label in labels:
         rows += [
             (f"{label}: infer/s ↑", metric(label), 1),
             (f"{label}: p50 µs ↓", metric(label, key="p50_us"), 0),
         ]
+    return rows
+
+
+def report_identity(served: dict[str, Served], plan: Plan) -> list[str]:
+    rows = throughput_and_p50([label for label, _, _ in identity_cases(plan)])
     lines = [
         (
             "Model: identity_fp32 (FP32[-1] in, a copy out; reference-servers/models), perf_analyzer, "
@@ -147,12 +153,7 @@ def report_identity(served: dict[str, Served], plan: Plan) -> list[str]:
 
 
 def report_bytes(served: dict[str, Served], plan: Plan) -> list[str]:
-    rows: list[Row] = []
-    for label, _ in bytes_cases(plan):
-        rows += [
-            (f"{label}: infer/s ↑", metric(label), 1),
-            (f"{label}: p50 µs ↓", metric(label, key="p50_us"), 0),
-        ]
+    rows = throughput_and_p50([label for label, _ in bytes_cases(plan)])
     lines = [
         (
             "Model: string_upper (examples/models: BYTES[-1] in, each element upper-cased out), "
@@ -293,8 +294,7 @@ def report_batching(served: dict[str, Served], plan: Plan) -> list[str]:
     rows: list[Row] = []
     for label, _ in batching_cases(plan):
         rows += [
-            (f"{label}: infer/s ↑", metric(label), 1),
-            (f"{label}: p50 µs ↓", metric(label, key="p50_us"), 0),
+            *throughput_and_p50([label]),
             (f"{label}: average batch (server) ↑", metric(label, key="batch"), 2),
             (f"{label}: execute() calls/s", metric(label, key="executions_per_s"), 0),
         ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import socket
 from typing import Any
 
 import numpy as np
@@ -9,6 +11,16 @@ import numpy as np
 from dlserve.perf.inputs import ModelInfo
 from dlserve.perf.payloads import ShmPlan, plan_shm
 from dlserve.perf.shm import CudaRegion, ShmRef, SystemRegion, make_region
+
+
+def no_delay(transport: asyncio.BaseTransport) -> None:
+    """Small requests leave at once (no Nagle wait for the previous one's ACK)."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass
 
 
 class ServerError(Exception):

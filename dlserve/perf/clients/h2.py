@@ -25,11 +25,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import socket
 import struct
 from typing import Any
 
-from dlserve.perf.clients.base import RequestError, Slot
+from dlserve.perf.clients.base import RequestError, Slot, no_delay
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, RST_STREAM, SETTINGS, PING, GOAWAY, WINDOW_UPDATE = 0, 1, 3, 4, 6, 7, 8
@@ -108,12 +107,7 @@ class H2Connection(asyncio.Protocol):
     # -- connection -------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except OSError:
-                pass
+        no_delay(transport)
         settings = struct.pack(">HI", 0x2, 0) + struct.pack(">HI", 0x4, MAX_WINDOW)  # no push; wide windows
         self.transport.write(
             PREFACE + frame(SETTINGS, 0, 0, settings)

@@ -12,7 +12,6 @@ import asyncio
 import base64
 import http.client
 import json
-import socket
 import time
 from typing import Any
 from urllib.parse import quote
@@ -24,6 +23,7 @@ from dlserve.perf.clients.base import (
     RequestError,
     ServerError,
     Slot,
+    no_delay,
 )
 from dlserve.perf.inputs import ModelInfo
 from dlserve.perf.payloads import http_request, model_path
@@ -120,12 +120,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except OSError:
-                pass
+        no_delay(transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
