@@ -118,6 +118,12 @@ def to_json(config: mc.ModelConfig) -> dict[str, Any]:
     return message_to_json(config)
 
 
+def environment_path(config: mc.ModelConfig) -> str:
+    """The model's EXECUTION_ENV_PATH parameter ("" when it runs in the server's Python)."""
+    entry = config.parameters.get("EXECUTION_ENV_PATH")
+    return "" if entry is None else entry.string_value
+
+
 def complete(config: mc.ModelConfig, model_name: str, gpu_count: int = 0) -> None:
     """Fill in the defaults Triton fills in before a Python model loads."""
     if not config.name:
@@ -232,11 +238,6 @@ def validate(config: mc.ModelConfig, model_name: str, gpu_count: int = 0) -> Non
         elif group.gpus and group.kind == InstanceGroup.KIND_CPU:
             raise InvalidArgumentError(f"{where}: kind KIND_CPU cannot list gpus {list(group.gpus)}")
     parameters = config.parameters
-    if "EXECUTION_ENV_PATH" in parameters:
-        raise UnsupportedError(
-            f"model '{model_name}': parameter EXECUTION_ENV_PATH (custom execution "
-            "environments) is not supported yet"
-        )
     force_cpu = parameters.get("FORCE_CPU_ONLY_INPUT_TENSORS")
     if force_cpu is not None and force_cpu.string_value not in ("yes", "no"):
         raise InvalidArgumentError(

@@ -26,6 +26,7 @@ from dlserve.engine.model import EngineResources, ModelVersion
 from dlserve.engine.repository import Repository
 from dlserve.engine.request import Request, validate_request
 from dlserve.errors import InternalError, InvalidArgumentError, NotFoundError, UnavailableError
+from dlserve.ipc.environments import Environments
 from dlserve.ipc.supervisor import unlink_segments
 from dlserve.ipc.tensors import INLINE_MAX
 from dlserve.memory.arena import Arena, MemorySpace
@@ -104,6 +105,7 @@ class Engine:
         # pid first so remove_stale_segments can tell a dead server's leftovers.
         self.segment_prefix = f"{SEGMENT_NAMESPACE}{os.getpid()}_{uuid.uuid4().hex[:8]}"
         self.arena: Arena | None = None
+        self.environments = Environments()  # EXECUTION_ENV_PATH environments, shared by models
         self.manager: ModelManager | None = None
         self.custom_metrics = CustomMetrics()
         self.regions = SystemRegions(self.space, SEGMENT_NAMESPACE, on_forget=self._forget_everywhere)
@@ -125,6 +127,7 @@ class Engine:
             worker_arena_bytes=s.worker_arena_bytes,
             custom_metrics=self.custom_metrics,
             host=self,
+            environments=self.environments,
             gpu_count=gpu_count(),
         )
         self.manager = ModelManager(
@@ -175,6 +178,7 @@ class Engine:
         if self.arena is not None:
             self.arena.close()
         unlink_segments(self.segment_prefix)
+        self.environments.close()
 
     # -- health and metadata -------------------------------------------------------------
     def ready(self) -> bool:

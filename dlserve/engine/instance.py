@@ -144,6 +144,7 @@ class ModelInstance:
             arena=resources.arena,
             on_message=self._on_worker_message,
             on_exit=self._on_worker_exit,
+            environment=self.model.environment,
         )
         self._worker = worker
         await worker.start()

@@ -264,6 +264,9 @@ class ModelManager:
     async def _auto_complete(self, name: str, config: mc.ModelConfig, model_file: Any) -> mc.ModelConfig:
         """Run ``auto_complete_config`` in a throwaway worker, as Triton does."""
         resources = self.resources
+        environment = await resources.environments.for_model(
+            cfg.environment_path(config), model_file.parent.parent, name
+        )
         worker = WorkerProcess(
             instance_name=f"{name}_auto_complete",
             segment_prefix=f"{resources.segment_prefix}_a{resources.next_serial()}",
@@ -272,6 +275,7 @@ class ModelManager:
             arena=resources.arena,
             on_message=lambda message: None,
             on_exit=lambda description: None,
+            environment=environment,
         )
         await worker.start()
         try:

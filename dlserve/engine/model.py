@@ -19,6 +19,8 @@ from dlserve.engine.batcher import DynamicBatcher
 from dlserve.engine.scheduler import DefaultScheduler, Scheduler
 from dlserve.engine.sequence import SequenceBatcher
 from dlserve.engine.statistics import ModelStatistics
+from dlserve.errors import TritonError
+from dlserve.ipc.environments import Environments, ExecutionEnvironment
 from dlserve.memory.arena import Arena, MemorySpace
 from dlserve.memory.dtypes import DataType
 
@@ -41,6 +43,7 @@ class EngineResources:
     worker_arena_bytes: int
     custom_metrics: CustomMetrics
     host: Host  # the engine, for the calls models make (BLS, model control)
+    environments: Environments  # EXECUTION_ENV_PATH environments, unpacked once
     gpu_count: int = 0
     serial: int = 0
 
@@ -84,6 +87,7 @@ class ModelVersion:
             self.scheduler = DefaultScheduler(self)
         self.state = "LOADING"
         self.reason = ""
+        self.environment: ExecutionEnvironment | None = None  # the Python its workers run in
 
     @property
     def ready(self) -> bool:
@@ -127,6 +131,13 @@ class ModelVersion:
     async def load(self) -> None:
         """Start every instance; if any fails, stop the others and raise its error."""
         resources = self.resources
+        try:
+            self.environment = await resources.environments.for_model(
+                cfg.environment_path(self.config), self.model_dir, self.name
+            )
+        except TritonError as exc:
+            self.state, self.reason = "UNAVAILABLE", str(exc)
+            raise
         self.instances = [
             ModelInstance(self, name, kind, device, resources.next_serial(), self._instance_changed)
             for name, kind, device in self._instance_plan()

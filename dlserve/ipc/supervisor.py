@@ -23,18 +23,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import dlserve
 from dlserve.errors import UnavailableError
 from dlserve.ipc.channel import ServerChannel
+from dlserve.ipc.environments import PACKAGE_ROOT, ExecutionEnvironment
 from dlserve.ipc.protocol import Kind, Message
 from dlserve.ipc.tensors import Peer
 from dlserve.memory.arena import Arena, MemorySpace
 from dlserve.memory.shm import SHM_DIR
 
 log = logging.getLogger("dlserve.worker")
-
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(dlserve.__file__)))
-
 
 EXIT_GRACE_S = 2.0
 
@@ -75,7 +72,7 @@ class WorkerProcess:
         arena: Arena,
         on_message: Callable[[Message], None],
         on_exit: Callable[[str], None],
-        env: dict[str, str] | None = None,
+        environment: ExecutionEnvironment | None = None,
     ) -> None:
         self.instance_name = instance_name
         self.segment_prefix = segment_prefix
@@ -84,7 +81,7 @@ class WorkerProcess:
         self._arena = arena
         self._on_message = on_message
         self._on_exit = on_exit
-        self._env = env
+        self._environment = environment
         self.process: subprocess.Popen[bytes] | None = None
         self.channel: ServerChannel | None = None
         self.peer: Peer | None = None
@@ -103,16 +100,18 @@ class WorkerProcess:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        env = dict(os.environ if self._env is None else self._env)
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH", "")) if p
-        )
+        if self._environment is None:
+            python = [sys.executable, "-m", "dlserve.ipc.stub"]
+            env = dict(os.environ)
+            env["PYTHONPATH"] = os.pathsep.join(
+                p for p in (PACKAGE_ROOT, env.get("PYTHONPATH", "")) if p
+            )
+        else:
+            python, env = self._environment.launch(dict(os.environ))
         try:
             self.process = subprocess.Popen(
                 [
-                    sys.executable,
-                    "-m",
-                    "dlserve.ipc.stub",
+                    *python,
                     "--fd",
                     str(theirs.fileno()),
                     "--segment-prefix",

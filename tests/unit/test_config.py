@@ -353,11 +353,6 @@ def test_validate_force_cpu_only_input_tensors_ok(value):
     cfg.validate(completed(f'parameters {{ key: "FORCE_CPU_ONLY_INPUT_TENSORS" value: {{ string_value: "{value}" }} }}'), "m")
 
 
-def test_validate_execution_env_path_unsupported():
-    message = invalid('parameters { key: "EXECUTION_ENV_PATH" value: { string_value: "/env.tar.gz" } }')
-    assert message.startswith("UnsupportedError: model 'm': parameter EXECUTION_ENV_PATH")
-
-
 def test_validate_async_execute_concurrency():
     for bad in ("0", "-2", "many", ""):
         message = invalid(

@@ -1,0 +1,205 @@
+"""Custom execution environments (Triton's ``EXECUTION_ENV_PATH``): the Python a model's
+workers run in, when the model needs packages the server's own Python lacks.
+
+A model's config names either a packed environment (a ``.tar.gz`` / ``.tgz`` / ``.tar`` made
+by conda-pack, or any tarball of an environment with ``bin/python``) or an unpacked
+environment directory; ``$$TRITON_MODEL_DIRECTORY`` stands for the model's directory::
+
+    parameters: {
+      key: "EXECUTION_ENV_PATH",
+      value: {string_value: "$$TRITON_MODEL_DIRECTORY/python3.11.tar.gz"}
+    }
+
+As in Triton, an archive is unpacked once per path and modification time (a changed archive
+is unpacked again) into a fresh ``dlserve_env_*`` folder under the temporary directory,
+shared by every model naming it and removed when the server stops; its entries may not
+reach outside that folder (no absolute paths, no ``..``, no writing through a link). The
+environment's Python must be the server's minor version, as Triton's stub requires.
+
+Workers start with the environment's ``bin/python``, its ``bin`` first on ``PATH`` and its
+``lib`` first on ``LD_LIBRARY_PATH`` (what ``bin/activate`` would do). The environment's own
+packages come first; dlserve itself, and any package the environment lacks, come from the
+server's Python after them (so an environment need only hold what the model adds).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import shutil
+import site
+import sys
+import sysconfig
+import tarfile
+import tempfile
+import threading
+from pathlib import Path
+
+from dlserve.errors import InvalidArgumentError
+
+log = logging.getLogger("dlserve.worker")
+
+# The folder holding the dlserve package (and triton_python_backend_utils beside it).
+PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+PARAMETER = "EXECUTION_ENV_PATH"
+MODEL_DIRECTORY = "$$TRITON_MODEL_DIRECTORY"
+ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar")
+# Run by the environment's Python: put the server's paths after its own, then start the stub.
+_BOOTSTRAP = (
+    "import os, runpy, sys; "
+    "sys.path.extend(os.environ.pop('DLSERVE_FALLBACK_PATH').split(os.pathsep)); "
+    "runpy.run_module('dlserve.ipc.stub', run_name='__main__', alter_sys=True)"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutionEnvironment:
+    """A ready environment: where it is and how a worker starts in it."""
+
+    root: Path
+
+    @property
+    def python(self) -> Path:
+        return self.root / "bin" / "python"
+
+    def launch(self, base: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+        """The command that starts the stub (its own arguments follow) and the process
+        environment, from the server's environment ``base``."""
+        env = dict(base)
+        env.pop("PYTHONHOME", None)
+        env.pop("PYTHONPATH", None)
+        env["PATH"] = os.pathsep.join(p for p in (str(self.root / "bin"), base.get("PATH", "")) if p)
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(
+            p for p in (str(self.root / "lib"), base.get("LD_LIBRARY_PATH", "")) if p
+        )
+        marker = "CONDA_PREFIX" if (self.root / "conda-meta").is_dir() else "VIRTUAL_ENV"
+        env[marker] = str(self.root)
+        env["DLSERVE_FALLBACK_PATH"] = os.pathsep.join(_server_paths())
+        return [str(self.python), "-c", _BOOTSTRAP], env
+
+
+def _server_paths() -> list[str]:
+    """Where the server's Python finds dlserve, triton_python_backend_utils and their
+    dependencies."""
+    paths = [PACKAGE_ROOT, *site.getsitepackages(), sysconfig.get_paths()["purelib"]]
+    return list(dict.fromkeys(p for p in paths if os.path.isdir(p)))
+
+
+class Environments:
+    """The execution environments of one server: archives unpacked once, removed at stop."""
+
+    def __init__(self) -> None:
+        self._unpacked: dict[tuple[str, int], Path] = {}
+        self._lock = threading.Lock()
+
+    def resolve(self, value: str, model_dir: Path, model_name: str) -> ExecutionEnvironment:
+        """The environment a model's ``EXECUTION_ENV_PATH`` names, unpacked if needed.
+        Blocking (an archive may take seconds): call it off the event loop."""
+        where = f"model '{model_name}': parameter {PARAMETER}"
+        path = Path(value.replace(MODEL_DIRECTORY, str(model_dir))).expanduser()
+        if not path.is_absolute():
+            path = model_dir / path
+        if path.is_dir():
+            root = path
+        elif path.is_file() and path.name.endswith(ARCHIVE_SUFFIXES):
+            root = self._unpack(path, where)
+        elif path.exists():
+            raise InvalidArgumentError(
+                f"{where}: '{path}' is neither an environment directory nor an archive "
+                f"({', '.join(ARCHIVE_SUFFIXES)})"
+            )
+        else:
+            raise InvalidArgumentError(f"{where}: '{path}' does not exist")
+        environment = ExecutionEnvironment(root)
+        _check_python(environment, where)
+        return environment
+
+    async def for_model(
+        self, value: str, model_dir: Path, model_name: str
+    ) -> ExecutionEnvironment | None:
+        """:meth:`resolve` off the event loop; None when the model names no environment."""
+        if not value:
+            return None
+        return await asyncio.to_thread(self.resolve, value, model_dir, model_name)
+
+    def _unpack(self, archive: Path, where: str) -> Path:
+        real = os.path.realpath(archive)
+        key = (real, archive.stat().st_mtime_ns)
+        with self._lock:
+            root = self._unpacked.get(key)
+            if root is not None and root.is_dir():
+                return root
+            stale = [k for k in self._unpacked if k[0] == real]
+            for old in stale:  # the archive changed: its old contents go
+                shutil.rmtree(self._unpacked.pop(old), ignore_errors=True)
+            root = Path(tempfile.mkdtemp(prefix="dlserve_env_"))
+            try:
+                _extract(archive, root, where)
+            except BaseException:
+                shutil.rmtree(root, ignore_errors=True)
+                raise
+            log.info("unpacked execution environment %s into %s", archive, root)
+            self._unpacked[key] = root
+            return root
+
+    def close(self) -> None:
+        """Remove every unpacked environment (the server is stopping)."""
+        with self._lock:
+            roots, self._unpacked = list(self._unpacked.values()), {}
+        for root in roots:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def _inside(root: str, path: str) -> bool:
+    return path == root or path.startswith(root + os.sep)
+
+
+def _extract(archive: Path, root: Path, where: str) -> None:
+    """Unpack ``archive`` into ``root``, refusing any entry that would land outside it."""
+    base = os.path.realpath(root)
+    try:
+        with tarfile.open(archive) as tar:
+            for member in tar:
+                name = member.name
+                if os.path.isabs(name) or ".." in Path(name).parts:
+                    raise InvalidArgumentError(
+                        f"{where}: archive entry '{name}' would be written outside the environment"
+                    )
+                # realpath resolves links unpacked before: no writing through one that leads out
+                target = os.path.realpath(os.path.join(base, name))
+                if not _inside(base, target):
+                    raise InvalidArgumentError(
+                        f"{where}: archive entry '{name}' would be written outside the "
+                        "environment (through a link)"
+                    )
+                if member.islnk():
+                    linked = os.path.realpath(os.path.join(base, member.linkname))
+                    if not _inside(base, linked):
+                        raise InvalidArgumentError(
+                            f"{where}: archive entry '{name}' is a hard link to "
+                            f"'{member.linkname}', outside the environment"
+                        )
+                if member.isdev():
+                    raise InvalidArgumentError(f"{where}: archive entry '{name}' is a device file")
+                tar.extract(member, base, **_NO_FILTER)
+    except (tarfile.TarError, OSError) as exc:
+        raise InvalidArgumentError(f"{where}: cannot unpack '{archive}': {exc}") from None
+
+
+# Our checks above replace tarfile's extraction filters (which refuse the absolute symlinks
+# a virtual environment's bin/python is); say so where Python has them, to keep it quiet.
+_NO_FILTER = {"filter": "fully_trusted"} if hasattr(tarfile, "fully_trusted_filter") else {}
+
+
+def _check_python(environment: ExecutionEnvironment, where: str) -> None:
+    if not os.access(environment.python, os.X_OK):
+        raise InvalidArgumentError(f"{where}: '{environment.root}' has no bin/python")
+    ours = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    found = sorted(p.name for p in (environment.root / "lib").glob("python3.*") if p.is_dir())
+    if found and ours not in found:
+        raise InvalidArgumentError(
+            f"{where}: the environment has {', '.join(found)} but this server runs {ours}; "
+            "the versions must match (build the environment with the server's Python)"
+        )

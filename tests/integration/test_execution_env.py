@@ -1,0 +1,160 @@
+"""Custom execution environments (EXECUTION_ENV_PATH): a model's workers run in the Python of
+an environment directory or of an archive unpacked once, with the environment's packages
+first; archives that would write outside their folder and environments of another Python
+are refused with a clear error, and nothing unpacked outlives the server."""
+
+from __future__ import annotations
+
+import glob
+import io
+import json
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import dlserve
+from dlserve import ModelControlMode
+
+PY = f"python{sys.version_info.major}.{sys.version_info.minor}"
+
+MODEL = '''
+import json
+import sys
+
+import numpy as np
+import only_in_env  # the server's own Python does not have it
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        info = {"prefix": sys.prefix, "where": only_in_env.WHERE, "executable": sys.executable}
+        text = np.array([json.dumps(info).encode()], np.object_)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("INFO", text)]) for _ in requests]
+'''
+
+
+def config(env_path: str) -> str:
+    return f"""
+backend: "python"
+max_batch_size: 0
+input [ {{ name: "IN" data_type: TYPE_FP32 dims: [ 1 ] }} ]
+output [ {{ name: "INFO" data_type: TYPE_STRING dims: [ 1 ] }} ]
+parameters: {{ key: "EXECUTION_ENV_PATH" value: {{ string_value: "{env_path}" }} }}
+"""
+
+
+@pytest.fixture(scope="module")
+def environment(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A virtual environment (of the server's Python, without pip) holding one module of
+    its own."""
+    root = tmp_path_factory.mktemp("envs") / "env"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True)
+    (root / "lib" / PY / "site-packages" / "only_in_env.py").write_text('WHERE = "env"\n')
+    return root
+
+
+def packed(environment: Path, archive: Path) -> Path:
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(environment, arcname=".")
+    return archive
+
+
+def unpacked_dirs() -> set[str]:
+    return set(glob.glob(str(Path(tempfile.gettempdir()) / "dlserve_env_*")))
+
+
+def info_of(server: dlserve.Server, model: str = "probe") -> dict[str, str]:
+    (response,) = server.model(model).infer(inputs={"IN": np.zeros(1, np.float32)})
+    return json.loads(response.outputs["INFO"].to_bytes_array()[0])
+
+
+def test_workers_run_in_an_environment_directory(make_repo, servers, environment):
+    repo = make_repo(extra={"probe": {"config.pbtxt": config(str(environment)), "1/model.py": MODEL}})
+    server = servers.start(repo)
+    info = info_of(server)
+    assert info["prefix"] == str(environment)
+    assert info["where"] == "env"  # the environment's own package
+    assert info["executable"].startswith(str(environment))
+
+
+def test_an_archive_is_unpacked_once_and_removed_with_the_server(make_repo, servers, environment):
+    before = unpacked_dirs()
+    files = {"config.pbtxt": config("$$TRITON_MODEL_DIRECTORY/env.tar.gz"), "1/model.py": MODEL}
+    repo = make_repo(extra={"probe": files, "probe2": files})
+    for name in ("probe", "probe2"):
+        packed(environment, repo / name / "env.tar.gz")
+    server = servers.start(repo)
+    first, second = info_of(server, "probe"), info_of(server, "probe2")
+    new = unpacked_dirs() - before
+    assert len(new) == 2  # one per archive (the two models name different files)
+    assert {first["prefix"], second["prefix"]} == new
+    assert first["where"] == second["where"] == "env"
+    servers.stop(server)
+    assert unpacked_dirs() - before == set()
+
+
+def test_a_model_needing_its_environment_fails_to_load_without_it(make_repo, servers):
+    files = {"config.pbtxt": config("").replace("parameters", "# parameters"), "1/model.py": MODEL}
+    server = servers.start(make_repo(extra={"probe": files}), model_control_mode=ModelControlMode.EXPLICIT)
+    with pytest.raises(dlserve.InvalidArgumentError, match="only_in_env"):
+        server.load("probe")
+
+
+def evil_archive(path: Path, name: str, link: str | None = None) -> None:
+    with tarfile.open(path, "w:gz") as tar:
+        if link is not None:
+            entry = tarfile.TarInfo("escape")
+            entry.type, entry.linkname = tarfile.SYMTYPE, link
+            tar.addfile(entry)
+        data = b"pwned\n"
+        entry = tarfile.TarInfo(name)
+        entry.size = len(data)
+        tar.addfile(entry, io.BytesIO(data))
+
+
+@pytest.mark.parametrize(
+    ("entry", "link"),
+    [("../outside.txt", None), ("/tmp/dlserve_zip_slip.txt", None), ("escape/outside.txt", "..")],
+    ids=["dot-dot", "absolute", "through-a-link"],
+)
+def test_an_archive_writing_outside_its_folder_is_refused(make_repo, servers, tmp_path, entry, link):
+    before = unpacked_dirs()
+    repo = make_repo(extra={"probe": {"config.pbtxt": config("$$TRITON_MODEL_DIRECTORY/env.tar.gz"), "1/model.py": MODEL}})
+    evil_archive(repo / "probe" / "env.tar.gz", entry, link)
+    server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT)
+    with pytest.raises(dlserve.InvalidArgumentError, match="would be written outside the environment"):
+        server.load("probe")
+    assert not Path("/tmp/dlserve_zip_slip.txt").exists()
+    assert not list(Path(tempfile.gettempdir()).glob("outside.txt"))
+    assert unpacked_dirs() - before == set()  # the half-unpacked folder went too
+    assert not server.model("probe").ready()
+
+
+def test_an_environment_of_another_python_is_refused(make_repo, servers, tmp_path):
+    fake = tmp_path / "old-env"
+    (fake / "bin").mkdir(parents=True)
+    (fake / "lib" / "python3.9" / "site-packages").mkdir(parents=True)
+    python = fake / "bin" / "python"
+    python.write_text("#!/bin/sh\nexit 1\n")
+    python.chmod(0o755)
+    repo = make_repo(extra={"probe": {"config.pbtxt": config(str(fake)), "1/model.py": MODEL}})
+    server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT)
+    with pytest.raises(dlserve.InvalidArgumentError, match=f"has python3.9 but this server runs {PY}"):
+        server.load("probe")
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [("/no/such/env", "does not exist"), ("$$TRITON_MODEL_DIRECTORY/1/model.py", "neither an environment directory nor an archive")],
+)
+def test_a_path_that_is_no_environment_is_refused(make_repo, servers, value, message):
+    repo = make_repo(extra={"probe": {"config.pbtxt": config(value), "1/model.py": MODEL}})
+    server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT)
+    with pytest.raises(dlserve.InvalidArgumentError, match=f"model 'probe': parameter EXECUTION_ENV_PATH: .*{message}"):
+        server.load("probe")
