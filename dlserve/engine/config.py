@@ -132,6 +132,10 @@ def complete(config: mc.ModelConfig, model_name: str, gpu_count: int = 0) -> Non
         config.backend = SUPPORTED_BACKEND
     if not config.HasField("version_policy"):
         config.version_policy.latest.num_versions = 1
+    if config.platform == "ensemble":
+        # no model file, instances or optimization: the steps' models have those
+        config.model_transaction_policy.SetInParent()
+        return
     if not config.default_model_filename:
         config.default_model_filename = DEFAULT_MODEL_FILENAME
     if not config.HasField("optimization"):
@@ -208,11 +212,12 @@ def validate(config: mc.ModelConfig, model_name: str, gpu_count: int = 0) -> Non
             f"model '{model_name}': config.pbtxt 'name' is '{config.name}', but it must "
             "match the model's folder name"
         )
-    if config.platform or config.backend != SUPPORTED_BACKEND:
+    ensemble = config.platform == "ensemble"
+    if not ensemble and (config.platform or config.backend != SUPPORTED_BACKEND):
         wanted = config.platform or config.backend
         raise UnsupportedError(
             f"model '{model_name}': dlserve serves Python-backend models only "
-            f"(backend: \"python\"), this config asks for '{wanted}'"
+            f"(backend: \"python\") and ensembles of them, this config asks for '{wanted}'"
         )
     if config.max_batch_size < 0:
         raise InvalidArgumentError(
@@ -252,8 +257,11 @@ def validate(config: mc.ModelConfig, model_name: str, gpu_count: int = 0) -> Non
             f"model '{model_name}': parameter ASYNC_EXECUTE_CONCURRENCY must be a positive "
             f"integer, got '{concurrency.string_value}'"
         )
-    if config.HasField("ensemble_scheduling"):
-        raise UnsupportedError(f"model '{model_name}': ensemble_scheduling is not supported")
+    if ensemble != config.HasField("ensemble_scheduling"):
+        raise InvalidArgumentError(
+            f"model '{model_name}': ensemble_scheduling goes with platform \"ensemble\", and "
+            "an ensemble needs it"
+        )
     if config.HasField("sequence_batching"):
         names = {t.name for t in config.input}
         for spec in config.sequence_batching.control_input:

@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 from dlserve.engine import config as cfg
+from dlserve.engine import ensemble
 from dlserve.engine.model import EngineResources, ModelVersion
 from dlserve.engine.proto import model_config_pb2 as mc
 from dlserve.engine.repository import (
@@ -235,21 +236,28 @@ class ModelManager:
             config.backend = cfg.SUPPORTED_BACKEND
         if not config.HasField("version_policy"):
             config.version_policy.latest.num_versions = 1
+        is_ensemble = config.platform == ensemble.PLATFORM
         filename = config.default_model_filename or cfg.DEFAULT_MODEL_FILENAME
         available = [
-            v for v in source.versions_on_disk() if (source.path / str(v) / filename).is_file()
+            v
+            for v in source.versions_on_disk()
+            if is_ensemble or (source.path / str(v) / filename).is_file()
         ]
         versions = select_versions(config.version_policy, available)
         if not versions:
+            holding = "exists" if is_ensemble else f"holds '{filename}'"
             raise InvalidArgumentError(
-                f"failed to load model '{name}': no version folder holds '{filename}' "
+                f"failed to load model '{name}': no version folder {holding} "
                 f"(version folders with it: {available or 'none'})"
             )
         model_file = source.path / str(max(versions)) / filename
-        if self.auto_complete and defines_auto_complete(model_file):
+        if not is_ensemble and self.auto_complete and defines_auto_complete(model_file):
             config = await self._auto_complete(name, config, model_file)
         cfg.complete(config, name, self.resources.gpu_count)
         cfg.validate(config, name, self.resources.gpu_count)
+        if is_ensemble:
+            ensemble.validate(config, name)
+            await self._load_steps(name, config)
         loaded: dict[int, ModelVersion] = {}
         try:
             for version in versions:
@@ -260,6 +268,22 @@ class ModelManager:
             await asyncio.gather(*(m.unload(time.monotonic() + 1.0) for m in loaded.values()))
             raise
         return loaded
+
+    async def _load_steps(self, name: str, config: mc.ModelConfig) -> None:
+        """In explicit mode, loading an ensemble loads the models of its steps that are
+        not loaded yet, as Triton does (in the other modes they load with the rest)."""
+        if self.control_mode is not ModelControlMode.EXPLICIT:
+            return
+        for step in {s.model for s in ensemble.steps_of(config)}:
+            entry = self.models.get(step)
+            if entry is None or not entry.versions:
+                try:
+                    await self.load(step, _internal=True)
+                except TritonError as exc:
+                    raise InvalidArgumentError(
+                        f"failed to load ensemble '{name}': its step model '{step}' did not "
+                        f"load: {exc.message}"
+                    ) from None
 
     async def _auto_complete(self, name: str, config: mc.ModelConfig, model_file: Any) -> mc.ModelConfig:
         """Run ``auto_complete_config`` in a throwaway worker, as Triton does."""
@@ -290,14 +314,24 @@ class ModelManager:
         return cfg.parse_json(result, name)
 
     async def unload(self, name: str, unload_dependents: bool = False) -> None:
-        """Unload every version of ``name``. (Dependents arrive with BLS/ensembles.)"""
+        """Unload every version of ``name``; with ``unload_dependents``, an ensemble's
+        step models go too."""
         self._check_api_allowed()
         entry = self.models.get(name)
         if entry is None:
             if isinstance(self.repository.scan().get(name), ModelSource):
                 return  # known but not loaded: nothing to do, as in Triton
             raise NotFoundError(f"failed to unload '{name}', model is not found")
+        steps = {
+            step.model
+            for version in entry.versions.values()
+            if unload_dependents and version.is_ensemble
+            for step in ensemble.steps_of(version.config)
+        }
         await self._unload_entry(entry)
+        for step in sorted(steps):
+            if step in self.models:
+                await self._unload_entry(self.models[step])
 
     def _deadline(self) -> float:
         return time.monotonic() + self.exit_timeout

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from dlserve.engine import config as cfg
+from dlserve.engine import ensemble
 from dlserve.engine.calls import Host
 from dlserve.engine.custom_metrics import CustomMetrics
 from dlserve.engine.instance import ModelInstance
@@ -78,8 +79,11 @@ class ModelVersion:
             o.name: list(o.dims) for o in self.signature.outputs.values() if o.reshape is not None
         }
         self.instances: list[ModelInstance] = []
+        self.is_ensemble = config.platform == ensemble.PLATFORM
         self.scheduler: Scheduler
-        if config.HasField("sequence_batching"):
+        if self.is_ensemble:
+            self.scheduler = ensemble.EnsembleScheduler(self)
+        elif config.HasField("sequence_batching"):
             self.scheduler = SequenceBatcher(self)
         elif config.HasField("dynamic_batching"):
             self.scheduler = DynamicBatcher(self)
@@ -91,12 +95,18 @@ class ModelVersion:
 
     @property
     def ready(self) -> bool:
+        if self.is_ensemble:  # no instances of its own
+            return self.state == "READY"
         return self.state == "READY" and any(instance.ready for instance in self.instances)
 
     async def check_ready(self) -> bool:
         """Readiness including the models' own ``is_ready()`` hooks."""
         if not self.ready:
             return False
+        if self.is_ensemble:  # ready when every step's model is
+            steps = {(s.model, s.version) for s in ensemble.steps_of(self.config)}
+            host = self.resources.host
+            return all(await asyncio.gather(*(host.model_ready(m, v) for m, v in steps)))
         checks = await asyncio.gather(*(i.check_ready() for i in self.instances if i.ready))
         return any(checks)
 
@@ -131,6 +141,9 @@ class ModelVersion:
     async def load(self) -> None:
         """Start every instance; if any fails, stop the others and raise its error."""
         resources = self.resources
+        if self.is_ensemble:
+            self.state, self.reason = "READY", ""
+            return
         try:
             self.environment = await resources.environments.for_model(
                 cfg.environment_path(self.config), self.model_dir, self.name

@@ -365,8 +365,13 @@ def test_validate_async_execute_concurrency():
     cfg.validate(completed("model_transaction_policy { decoupled: true }"), "m")
 
 
-def test_validate_ensembles_unsupported():
-    assert invalid("ensemble_scheduling { }") == "UnsupportedError: model 'm': ensemble_scheduling is not supported"
+def test_validate_ensemble_scheduling_goes_with_the_ensemble_platform():
+    expected = (
+        "InvalidArgumentError: model 'm': ensemble_scheduling goes with platform \"ensemble\", "
+        "and an ensemble needs it"
+    )
+    assert invalid("ensemble_scheduling { }") == expected
+    assert invalid('platform: "ensemble"') == expected
 
 
 def test_sequence_batching_defaults_and_control_inputs():

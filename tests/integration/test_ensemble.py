@@ -1,0 +1,200 @@
+"""Ensembles: requests through other models' steps, over the in-process API and tritonclient;
+step failures, cancellation, statistics, explicit-mode loading and config errors."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+import dlserve
+from dlserve import ModelControlMode
+from dlserve.frontends import KServeGrpc
+
+from ..conftest import frontend, serve
+
+LOADED = ["pipeline", "add_sub", "identity", "faulty"]
+
+GUARDED = """
+name: "guarded"
+platform: "ensemble"
+input [ { name: "X" data_type: TYPE_FP32 dims: [ -1 ] } ]
+output [ { name: "Y" data_type: TYPE_FP32 dims: [ -1 ] } ]
+ensemble_scheduling {
+  step [
+    { model_name: "identity" model_version: -1
+      input_map { key: "INPUT0" value: "X" } output_map { key: "OUTPUT0" value: "copy" } },
+    { model_name: "faulty" model_version: -1
+      input_map { key: "INPUT0" value: "copy" } output_map { key: "OUTPUT0" value: "Y" } }
+  ]
+}
+"""
+
+A = np.arange(16, dtype=np.float32)
+B = np.full(16, 2.0, np.float32)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    yield from serve(
+        tmp_path_factory, LOADED, model_control_mode=ModelControlMode.EXPLICIT, startup_models=LOADED
+    )
+
+
+def load_guarded(server: dlserve.Server) -> None:
+    """The guarded ensemble, through the repository API with its config and an empty version."""
+    server.load("guarded", {"config": config_json(GUARDED), "file:1/.keep": b""})
+
+
+def config_json(text: str) -> str:
+    from google.protobuf import json_format, text_format
+
+    from dlserve.engine.proto import model_config_pb2 as mc
+
+    return json_format.MessageToJson(text_format.Parse(text, mc.ModelConfig()))
+
+
+def outputs(response) -> dict[str, list[float]]:
+    return {name: np.from_dlpack(t).tolist() for name, t in response.outputs.items()}
+
+
+def test_a_request_flows_through_the_steps(server):
+    (response,) = server.model("pipeline").infer(inputs={"A": A, "B": B})
+    assert response.error is None
+    assert outputs(response) == {"SUM": (A + B).tolist(), "DIFF": (A - B).tolist()}
+
+
+def test_only_the_requested_outputs_come_back(server):
+    (response,) = server.model("pipeline").infer(inputs={"A": A, "B": B}, requested_output_names=["DIFF"])
+    assert outputs(response) == {"DIFF": (A - B).tolist()}
+
+
+def test_tritonclient_grpc_sees_an_ordinary_model(server):
+    for port in frontend(KServeGrpc, server):
+        with grpcclient.InferenceServerClient(f"127.0.0.1:{port}") as client:
+            assert client.get_model_metadata("pipeline").platform == "ensemble"
+            a, b = grpcclient.InferInput("A", [16], "FP32"), grpcclient.InferInput("B", [16], "FP32")
+            a.set_data_from_numpy(A)
+            b.set_data_from_numpy(B)
+            result = client.infer("pipeline", [a, b])
+            np.testing.assert_array_equal(result.as_numpy("SUM"), A + B)
+            np.testing.assert_array_equal(result.as_numpy("DIFF"), A - B)
+            config = client.get_model_config("pipeline", as_json=True)["config"]
+            assert [s["model_name"] for s in config["ensemble_scheduling"]["step"]] == [
+                "add_sub",
+                "identity",
+                "identity",
+            ]
+
+
+def test_statistics_count_each_request_once_and_the_steps_count_theirs(server):
+    def stats(model: str) -> dict:
+        return server.model(model).statistics()["model_stats"][0]
+
+    before, steps_before = stats("pipeline"), stats("identity")["inference_count"]
+    for _ in range(3):
+        (response,) = server.model("pipeline").infer(inputs={"A": A, "B": B})
+        assert response.error is None
+    after = stats("pipeline")
+    assert after["inference_stats"]["success"]["count"] - before["inference_stats"]["success"]["count"] == 3
+    assert after["execution_count"] - before["execution_count"] == 3
+    assert stats("identity")["inference_count"] - steps_before == 6  # two identity steps each
+
+
+def test_a_failing_step_fails_the_request_with_its_error(server):
+    load_guarded(server)
+    x = np.arange(5, dtype=np.float32)
+    (ok,) = server.model("guarded").infer(inputs={"X": x})
+    assert outputs(ok) == {"Y": x.tolist()}
+    (failed,) = server.model("guarded").infer(
+        inputs={"X": x}, parameters={"mode": "raise"}, raise_on_error=False
+    )
+    assert isinstance(failed.error, dlserve.InternalError)
+    assert failed.error.message.startswith("in ensemble 'guarded', step 'faulty': ")
+    assert "boom" in failed.error.message
+    (coded,) = server.model("guarded").infer(
+        inputs={"X": x}, parameters={"mode": "error:INVALID_ARG"}, raise_on_error=False
+    )
+    assert isinstance(coded.error, dlserve.InvalidArgumentError)
+
+
+def test_cancelling_the_ensemble_cancels_the_running_step(server):
+    load_guarded(server)
+
+    async def run() -> tuple[object, float]:
+        iterator = server.model("guarded").async_infer(
+            inputs={"X": np.ones(3, np.float32)}, parameters={"mode": "sleep:3"}, raise_on_error=False
+        )
+        asyncio.get_running_loop().call_later(0.3, iterator.cancel)
+        start = time.monotonic()
+        async for response in iterator:
+            return response, time.monotonic() - start
+        raise AssertionError("no response")
+
+    response, took = asyncio.run(run())
+    assert isinstance(response.error, dlserve.CancelledError)
+    assert took < 2.0  # answered at the cancel, not after the 3 s step
+    # the step request was cancelled too: faulty is free again well before its sleep ends
+    (after,) = server.model("guarded").infer(inputs={"X": np.ones(3, np.float32)})
+    assert after.error is None
+
+
+def test_a_step_model_that_is_not_loaded_is_a_clear_error(make_repo, servers):
+    repo = make_repo("pipeline", "identity")  # add_sub is missing
+    server = servers.start(repo)
+    assert not server.model("pipeline").ready()  # ready only when every step's model is
+    (response,) = server.model("pipeline").infer(inputs={"A": A, "B": B}, raise_on_error=False)
+    assert response.error.message.startswith("in ensemble 'pipeline', step 'add_sub': ")
+
+
+def test_explicit_mode_loading_an_ensemble_loads_its_steps(make_repo, servers):
+    server = servers.start(
+        make_repo("pipeline", "add_sub", "identity"), model_control_mode=ModelControlMode.EXPLICIT
+    )
+    server.load("pipeline")
+    assert server.model("add_sub").ready() and server.model("identity").ready()
+    assert server.model("pipeline").ready()
+    (response,) = server.model("pipeline").infer(inputs={"A": A, "B": B})
+    assert outputs(response)["SUM"] == (A + B).tolist()
+    server.unload("pipeline", unload_dependents=True)  # the steps' models go with it
+    assert not any(server.model(m).ready() for m in ("pipeline", "add_sub", "identity"))
+
+
+@pytest.mark.parametrize(
+    ("steps", "message"),
+    [
+        ("", "ensemble_scheduling must have at least one step"),
+        (
+            '{ model_name: "identity" input_map { key: "INPUT0" value: "nowhere" } '
+            'output_map { key: "OUTPUT0" value: "Y" } }',
+            "reads ['nowhere'], which no step makes",
+        ),
+        (
+            '{ model_name: "identity" input_map { key: "INPUT0" value: "X" } '
+            'output_map { key: "OUTPUT0" value: "other" } }',
+            "no step makes the ensemble output 'Y'",
+        ),
+        (
+            '{ model_name: "identity" input_map { key: "INPUT0" value: "X" } output_map { key: "OUTPUT0" value: "Y" } }, '
+            '{ model_name: "identity" input_map { key: "INPUT0" value: "X" } output_map { key: "OUTPUT0" value: "Y" } }',
+            "tensor 'Y' is made twice",
+        ),
+        (
+            '{ model_name: "identity" input_map { key: "INPUT0" value: "b" } output_map { key: "OUTPUT0" value: "a" } }, '
+            '{ model_name: "identity" input_map { key: "INPUT0" value: "a" } output_map { key: "OUTPUT0" value: "b" } }, '
+            '{ model_name: "identity" input_map { key: "INPUT0" value: "X" } output_map { key: "OUTPUT0" value: "Y" } }',
+            "wait on each other's outputs (a cycle)",
+        ),
+    ],
+    ids=["no-steps", "unknown-tensor", "output-not-made", "made-twice", "cycle"],
+)
+def test_a_bad_ensemble_config_is_refused_with_the_reason(make_repo, servers, steps, message):
+    server = servers.start(make_repo("identity"), model_control_mode=ModelControlMode.EXPLICIT)
+    text = GUARDED.replace("guarded", "bad").split("ensemble_scheduling")[0]
+    text += f"ensemble_scheduling {{ step [ {steps} ] }}" if steps else "ensemble_scheduling { }"
+    with pytest.raises(dlserve.InvalidArgumentError, match=re.escape(message)):
+        server.load("bad", {"config": config_json(text), "file:1/.keep": b""})
