@@ -4,8 +4,10 @@ step failures, cancellation, statistics, explicit-mode loading and config errors
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,6 +20,7 @@ from dlserve.frontends import KServeGrpc
 from ..conftest import frontend, serve
 
 LOADED = ["pipeline", "add_sub", "identity", "faulty"]
+REFERENCE = Path(__file__).parents[1] / "data" / "triton_reference"  # captured from Triton 2.51
 
 GUARDED = """
 name: "guarded"
@@ -89,6 +92,15 @@ def test_tritonclient_grpc_sees_an_ordinary_model(server):
                 "identity",
                 "identity",
             ]
+
+
+def test_config_and_metadata_are_rendered_as_triton_renders_them(server):
+    reference = json.loads((REFERENCE / "ensemble_pipeline.json").read_text())
+    config = server.model("pipeline").config()
+    # Newer than Triton 2.51's model_config.proto (our proto follows Triton's current one).
+    assert config["ensemble_scheduling"].pop("max_inflight_requests") == 0
+    assert config == reference["config"]  # maps compare regardless of order
+    assert server.model("pipeline").metadata() == reference["metadata"]
 
 
 def test_statistics_count_each_request_once_and_the_steps_count_theirs(server):
