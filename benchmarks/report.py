@@ -173,6 +173,7 @@ def report_bls(served: dict[str, Served], plan: Plan) -> list[str]:
     rows: list[Row] = []
     for protocol in ("grpc",) if plan.quick else ("grpc", "http"):
         direct, bls = f"add_sub {protocol}", f"bls_sync {protocol}"
+        ensemble = f"ensemble_add_sub {protocol}"
         rows += [
             (f"add_sub {protocol} p50 µs ↓", metric(direct, key="p50_us"), 0),
             (f"bls_sync {protocol} p50 µs ↓", metric(bls, key="p50_us"), 0),
@@ -192,17 +193,25 @@ def report_bls(served: dict[str, Served], plan: Plan) -> list[str]:
             ),
             (f"add_sub {protocol} infer/s ↑", metric(direct), 1),
             (f"bls_sync {protocol} infer/s ↑", metric(bls), 1),
+            (
+                f"Ensemble overhead {protocol}: p50(ensemble_add_sub) − p50(add_sub) µs ↓",
+                combine(minus, metric(ensemble, key="p50_us"), metric(direct, key="p50_us")),
+                0,
+            ),
+            (f"ensemble_add_sub {protocol} infer/s ↑", metric(ensemble), 1),
         ]
     lines = [
         (
             "Models (examples/models, reference-servers/models, benchmarks/models): add_sub; bls_sync "
             "(one blocking BLS call to add_sub per request); identity_fp32; bls_identity (hands its "
-            "FP32[-1] INPUT0 to identity_fp32 with a blocking BLS call); repeat (decoupled). "
+            "FP32[-1] INPUT0 to identity_fp32 with a blocking BLS call); ensemble_add_sub (add_sub as a "
+            "one-step ensemble: the same call as bls_sync, made by the server); repeat (decoupled). "
             "perf_analyzer at concurrency 1; MiB cases with the stability check off. MLServer has no "
-            "BLS, decoupled models or Triton-style dynamic batching: these sections are dlserve vs Triton."
+            "BLS, ensembles, decoupled models or Triton-style dynamic batching: these sections are "
+            "dlserve vs Triton."
         ),
         "",
-        "### BLS overhead per call (concurrency 1)",
+        "### BLS and ensemble overhead per call (concurrency 1)",
         "",
         *table(rows, served, names),
     ]

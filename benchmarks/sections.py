@@ -194,7 +194,7 @@ def bls_cases(plan: Plan) -> list[tuple[str, list[str], bool]]:
     """(label, perf_analyzer arguments, big); the label names the protocol."""
     out = []
     for protocol in ("grpc",) if plan.quick else ("grpc", "http"):
-        for model in ("add_sub", "bls_sync"):
+        for model in ("add_sub", "bls_sync", "ensemble_add_sub"):
             out.append(
                 (
                     f"{model} {protocol}",
@@ -219,7 +219,7 @@ def bls_cases(plan: Plan) -> list[tuple[str, list[str], bool]]:
 
 def measure_bls(server: Server, plan: Plan, out: Results) -> None:
     url = server.url("grpc")
-    problems = clients.check_add_sub(url, ("add_sub", "bls_sync"), n=4)
+    problems = clients.check_add_sub(url, ("add_sub", "bls_sync", "ensemble_add_sub"), n=4)
     problems += clients.check_identity(url, ("bls_identity",), (TINY, BIG))
     out["problems"] = problems
     for label, args, big in bls_cases(plan):
@@ -288,13 +288,14 @@ def sections() -> dict[str, Section]:
             Section("bytes", "BYTES: string_upper", [EXAMPLES / "string_upper"], measure_bytes),
             Section(
                 "bls",
-                "BLS and decoupled streaming",
+                "BLS, ensembles and decoupled streaming",
                 [
                     EXAMPLES / "add_sub",
                     EXAMPLES / "bls_sync",
                     EXAMPLES / "repeat",
                     ref / "identity_fp32",
                     BENCH_MODELS / "bls_identity",
+                    BENCH_MODELS / "ensemble_add_sub",
                 ],
                 measure_bls,
             ),
