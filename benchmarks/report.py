@@ -33,12 +33,13 @@ def report_add_sub(served: dict[str, Served], plan: Plan, plots: Path, link: str
     protocols = (("http", "HTTP"), ("grpc", "gRPC"))
     rows: dict[str, list[Row]] = {"pa": [], "dp": [], "lg": []}
     for protocol, shown in protocols:
-        for c in (1, 16):
+        for c in (1, 4, 16):  # the targets name concurrency 1 and 4
             for tool in ("pa", "dp"):
                 rows[tool] += [
                     (f"{shown} c{c}: infer/s ↑", metric(f"{tool} {protocol}", c), 1),
                     (f"{shown} c{c}: p50 µs ↓", metric(f"{tool} {protocol}", c, "p50_us"), 0),
                 ]
+        for c in (1, 16):
             lg = f"lg {protocol} c{c}"
             what = f"{shown}{' (JSON tensors)' if protocol == 'http' else ''} c{c}"
             rows["lg"] += [

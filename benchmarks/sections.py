@@ -31,7 +31,7 @@ class Plan:
     """How much to measure: the full run or --quick."""
 
     quick: bool
-    sweep: str = "1:16:5"  # --concurrency-range of the add_sub sweeps
+    sweep: str = "1:16:3"  # --concurrency-range of the add_sub sweeps (1, 4, 7, ... 16)
     small: Window = field(default_factory=lambda: Window(2000, 30, 4))  # small tensors
     big: Window = field(default_factory=lambda: Window(3000, 1000, 3))  # MiB tensors: stability off
     loadgen_s: float = 4.0
