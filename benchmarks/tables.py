@@ -82,7 +82,9 @@ def table(rows: list[Row], served: dict[str, Served], names: list[str]) -> list[
         for peer in others:
             b = get(served.get(peer, Served(peer)).results)
             cells.append(fmt(b, digits))
-            cells.append(f"**{a[0] / b[0]:.2f}×**" if a[0] is not None and b[0] else "—")
+            # a ratio of differences that can be negative (an overhead within noise) means nothing
+            meaningful = a[0] is not None and b[0] is not None and a[0] > 0 and b[0] > 0
+            cells.append(f"**{a[0] / b[0]:.2f}×**" if meaningful else "—")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return lines
 
