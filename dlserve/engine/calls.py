@@ -166,12 +166,22 @@ class ModelCalls:
                 f"BLS call cycle {path}: model '{name}' is waiting on this very call, "
                 "so the call would wait on itself forever"
             )
-        if not any(i.ready and i.in_flight == 0 for i in target.instances if i is not self.instance):
+        if not any(self._has_room_for_a_self_call(i) for i in target.instances):
             raise UnavailableError(
                 f"model '{name}' called itself ({path}) with no other instance free to run "
                 "the call: it would wait on itself forever. Give it more instances "
                 "(instance_group count) or do the work without the self-call"
             )
+
+    def _has_room_for_a_self_call(self, instance: ModelInstance) -> bool:
+        """An ``async def execute`` instance runs up to its concurrency at once, the
+        caller's own execute included; any other is free only when idle (its next
+        execute would wait behind the one making the call)."""
+        if not instance.ready:
+            return False
+        if instance.concurrency:
+            return instance.in_flight < instance.concurrency
+        return instance is not self.instance and instance.in_flight == 0
 
     def _respond(self, corr: int, response: Response) -> None:
         if response.final:

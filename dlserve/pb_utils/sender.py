@@ -114,7 +114,8 @@ class InferenceResponseSender:
 
     def is_cancelled(self) -> bool:
         """Whether the request was cancelled (its client went away, or a BLS caller
-        cancelled it). Cheap: reads a flag the server set; no round trip."""
+        cancelled it). Cheap, never a round trip: a flag the server sets, and while it
+        is unset one non-blocking look at the channel when nothing else reads it."""
         runtime = _runtime.current()
         return runtime is not None and runtime.is_cancelled(self._exchange)
 

@@ -92,6 +92,14 @@ def test_bls_self_call_with_a_free_instance_runs(server):
     assert "no other instance free" in response.error.message
 
 
+def test_an_async_model_calls_itself_on_its_one_instance(server):
+    """An ``async def execute`` instance runs several executes at once, so its own call
+    has room on it: not refused as a self-call with no free instance."""
+    response, info = call(server, "bls_async", mode="self", depth=2)
+    assert response.error is None
+    assert info == {"depth": 2, "inner": {"depth": 1, "inner": {"bottom": True}}}
+
+
 def test_bls_decoupled_iterates_every_response(server):
     response, info = call(server, "bls", data=np.array([3, 4, 5], np.float32), route="decoupled", mode="decoupled")
     assert info["values"] == [3, 4, 5]

@@ -5,6 +5,7 @@
 - "stream": ``async for`` over ``async_exec(decoupled=True)`` of the decoupled
   test model, IN = INPUT0 as int32; INFO has the values and the final count.
 - "cancel": the same, cancelling after the first response.
+- "self": calls itself with "depth" - 1 (down to 0) through ``async_exec``.
 """
 
 import asyncio
@@ -43,6 +44,21 @@ class TritonPythonModel:
             errors = [a.error().message() for a in answers if a.has_error()]
             peaks = [int(pb_utils.get_output_tensor_by_name(a, "OUT").as_numpy()[0]) for a in answers if not a.has_error()]
             return reply({"errors": errors, "peak": max(peaks, default=0)})
+        if mode == "self":
+            # calls itself "depth" times over: one instance runs several async executes at once
+            depth = params.get("depth", 1)
+            if depth == 0:
+                return reply({"bottom": True})
+            answer = await pb_utils.InferenceRequest(
+                model_name="bls_async",
+                inputs=[pb_utils.Tensor("INPUT0", x)],
+                requested_output_names=["INFO"],
+                parameters={"mode": "self", "depth": depth - 1},
+            ).async_exec()
+            if answer.has_error():
+                return reply({"error": answer.error().message()})
+            inner = json.loads(pb_utils.get_output_tensor_by_name(answer, "INFO").as_numpy()[0])
+            return reply({"depth": depth, "inner": inner})
         call = pb_utils.InferenceRequest(
             model_name="decoupled",
             inputs=[pb_utils.Tensor("IN", x.astype(np.int32))],
