@@ -32,6 +32,7 @@ CLIENTS = [
     "bls_sync_client",
     "bls_async_client",
     "bls_decoupled_client",
+    "pipeline_client",
     "pytorch_add_sub_client",
     "jax_add_sub_client",
     "tensorflow_add_sub_client",

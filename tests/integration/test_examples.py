@@ -40,7 +40,9 @@ PLAIN_MODELS = [
     "bls_sync",
     "bls_async",
     "bls_decoupled",
+    "pipeline",
 ]
+ENSEMBLES = ["pipeline"]  # no model.py: the server runs their steps
 # model -> (module that must import, pip extra)
 FRAMEWORK_MODELS = {
     "pytorch_add_sub": ("torch", "torch"),
@@ -81,6 +83,9 @@ def test_repository_holds_every_example_and_nothing_else():
     for name in names:
         assert (EXAMPLES / name / "config.pbtxt").is_file(), name
         assert (EXAMPLES / name / "README.md").is_file(), name
+        if name in ENSEMBLES:
+            assert 'platform: "ensemble"' in (EXAMPLES / name / "config.pbtxt").read_text(), name
+            continue
         source = (EXAMPLES / name / "1" / "model.py").read_text()
         assert "import triton_python_backend_utils as pb_utils" in source, name
         assert "class TritonPythonModel" in source, name
@@ -320,7 +325,9 @@ def test_bls_decoupled_passes_square_errors_on(server):
 
 
 # -- the new clients, through their run(server) -------------------------------------------
-@pytest.mark.parametrize("model", ["repeat", "square", "bls_sync", "bls_async", "bls_decoupled"])
+@pytest.mark.parametrize(
+    "model", ["repeat", "square", "bls_sync", "bls_async", "bls_decoupled", "pipeline"]
+)
 def test_client_runs(server, model, monkeypatch):
     # repeat and square stream over gRPC (KServeGrpc on a free port), bls_sync also
     # calls over HTTP (KServeHttp); every client asserts its own results.
