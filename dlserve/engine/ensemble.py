@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from dlserve.engine.proto import model_config_pb2 as mc
 from dlserve.engine.request import Request, Response
 from dlserve.engine.scheduler import Scheduler
-from dlserve.errors import InvalidArgumentError, TritonError, UnavailableError, UnsupportedError
+from dlserve.errors import InvalidArgumentError, TritonError, UnsupportedError
 from dlserve.memory.tensor import Tensor
 
 if TYPE_CHECKING:
@@ -108,14 +108,8 @@ class EnsembleScheduler(Scheduler):
         return []
 
     def submit(self, request: Request) -> None:
-        request.owner = self
-        self.unfinished += 1
-        self._idle.clear()
-        if self.model.state != "READY":
-            model = self.model
-            self._fail(request, UnavailableError(f"model '{model.name}' version {model.version} is not ready"))
-            return
-        _Run(self, request).advance()
+        if self._accept(request):
+            _Run(self, request).advance()
 
 
 class _Run:
@@ -169,8 +163,8 @@ class _Run:
             self._fail(step, exc)
 
     def _answered(self, index: int, step: Step, response: Response) -> None:
-        if self.request.finished:
-            return
+        if self.request.finished or index not in self.running:
+            return  # the ensemble request is answered already, or cancelled its steps
         if response.error is not None:
             self._fail(step, response.error)
             return

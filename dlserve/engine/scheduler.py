@@ -84,14 +84,7 @@ class Scheduler:
 
     # -- submission ---------------------------------------------------------------------
     def submit(self, request: Request) -> None:
-        request.owner = self
-        self.unfinished += 1
-        self._idle.clear()
-        if self.model.state != "READY":
-            self._fail(
-                request,
-                UnavailableError(f"model '{self.model.name}' version {self.model.version} is not ready"),
-            )
+        if not self._accept(request):
             return
         if not any(instance.ready for instance in self.instances):
             self._fail(request, self._unavailable())
@@ -102,6 +95,20 @@ class Scheduler:
             self._fail(request, exc, "REJECTED")
             return
         self.dispatch()
+
+    def _accept(self, request: Request) -> bool:
+        """Take ``request`` on (it is ours until its final response); False when it was
+        answered at once because the model version is not ready."""
+        request.owner = self
+        self.unfinished += 1
+        self._idle.clear()
+        if self.model.state != "READY":
+            self._fail(
+                request,
+                UnavailableError(f"model '{self.model.name}' version {self.model.version} is not ready"),
+            )
+            return False
+        return True
 
     def _unavailable(self) -> UnavailableError:
         model = self.model

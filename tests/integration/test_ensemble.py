@@ -147,12 +147,19 @@ def test_cancelling_the_ensemble_cancels_the_running_step(server):
             return response, time.monotonic() - start
         raise AssertionError("no response")
 
+    failed_before = stats_of(server, "guarded")["inference_stats"]["fail"]["count"]
     response, took = asyncio.run(run())
     assert isinstance(response.error, dlserve.CancelledError)
+    assert response.error.message == "request was cancelled"  # the ensemble's own, not a step's
     assert took < 2.0  # answered at the cancel, not after the 3 s step
     # the step request was cancelled too: faulty is free again well before its sleep ends
     (after,) = server.model("guarded").infer(inputs={"X": np.ones(3, np.float32)})
     assert after.error is None
+    assert stats_of(server, "guarded")["inference_stats"]["fail"]["count"] == failed_before + 1
+
+
+def stats_of(server: dlserve.Server, model: str) -> dict:
+    return server.model(model).statistics()["model_stats"][0]
 
 
 def test_a_step_model_that_is_not_loaded_is_a_clear_error(make_repo, servers):
