@@ -7,8 +7,10 @@ answers when every step is done. Tensors move between steps by reference: a step
 still in the worker memory that produced it, is the next step's input, with no copy.
 
 Composing models are ordinary models: their own schedulers (batching included) and
-statistics apply to the requests an ensemble sends them. Decoupled composing models (many
-responses per step) are refused with a clear error.
+statistics apply to the requests an ensemble sends them. A decoupled step (a model that
+streams) needs a decoupled ensemble: each of its responses flows on through the steps
+that read it and becomes one response of the ensemble; the last one is final (or, when
+the stream's end comes after it, a flag-only final follows), as Triton does.
 """
 
 from __future__ import annotations
@@ -109,37 +111,74 @@ class EnsembleScheduler(Scheduler):
 
     def submit(self, request: Request) -> None:
         if self._accept(request):
-            _Run(self, request).advance()
+            _Run(self, request).root.advance()
+
+
+class _Branch:
+    """Steps run on one set of tensors. A request starts as one branch; each response of
+    a decoupled step starts another, holding that response's tensors, for the steps that
+    read them (so a streaming step streams through the steps after it)."""
+
+    def __init__(self, run: _Run, tensors: dict[str, Tensor], waiting: list[int]) -> None:
+        self.run = run
+        self.tensors = tensors
+        self.waiting = waiting
+        self.running: dict[int, Request] = {}
+        # decoupled steps started here -> the steps after them, run per response instead
+        self.downstream: dict[int, list[int]] = {}
+
+    def advance(self) -> None:
+        """Start every step whose inputs all exist; end the branch when none is left."""
+        steps = self.run.steps
+        for index in [i for i in self.waiting if set(steps[i].inputs.values()) <= self.tensors.keys()]:
+            self.waiting.remove(index)
+            self.run.start(self, index)
+            if self.run.request.finished:
+                return
+        if not self.waiting and not self.running and not self.run.request.finished:
+            self.run.branch_done(self)
+
+    def fork(self, index: int) -> None:
+        """A decoupled step starts: the steps reading what it makes (directly or not)
+        leave this branch, to run once per response in branches of their own."""
+        steps = self.run.steps
+        made = set(steps[index].outputs.values())
+        downstream: list[int] = []
+        changed = True
+        while changed:
+            changed = False
+            for i in self.waiting:
+                if i not in downstream and made & set(steps[i].inputs.values()):
+                    downstream.append(i)
+                    made |= set(steps[i].outputs.values())
+                    changed = True
+        self.waiting = [i for i in self.waiting if i not in downstream]
+        self.downstream[index] = sorted(downstream)
 
 
 class _Run:
-    """One request on its way through the steps."""
+    """One request on its way through the steps, in one or more branches."""
 
     def __init__(self, scheduler: EnsembleScheduler, request: Request) -> None:
         self.scheduler = scheduler
+        self.steps = scheduler.steps
         self.request = request
-        self.tensors: dict[str, Tensor] = dict(request.inputs)
-        self.waiting = list(range(len(scheduler.steps)))
-        self.running: dict[int, Request] = {}
+        self.branches: list[_Branch] = []
         request.cancel_hook = self.cancel
+        self.root = self._branch(dict(request.inputs), list(range(len(self.steps))))
 
-    def advance(self) -> None:
-        """Start every step whose inputs all exist; answer when no step is left."""
-        steps = self.scheduler.steps
-        for index in [i for i in self.waiting if set(steps[i].inputs.values()) <= self.tensors.keys()]:
-            self.waiting.remove(index)
-            self._start(index, steps[index])
-            if self.request.finished:
-                return
-        if not self.waiting and not self.running and not self.request.finished:
-            self._answer()
+    def _branch(self, tensors: dict[str, Tensor], waiting: list[int]) -> _Branch:
+        branch = _Branch(self, tensors, waiting)
+        self.branches.append(branch)
+        return branch
 
-    def _start(self, index: int, step: Step) -> None:
+    def start(self, branch: _Branch, index: int) -> None:
+        step = self.steps[index]
         request = self.request
         call = Request(
             model_name=step.model,
-            inputs={name: self.tensors[tensor] for name, tensor in step.inputs.items()},
-            on_response=functools.partial(self._answered, index, step),
+            inputs={name: branch.tensors[tensor] for name, tensor in step.inputs.items()},
+            on_response=functools.partial(self._answered, branch, index),
             model_version=step.version,
             request_id=request.request_id,
             correlation_id=request.correlation_id,
@@ -152,66 +191,105 @@ class _Run:
         try:
             target = model.resources.host.model(step.model, step.version)
             if target.decoupled:
-                raise UnsupportedError(
-                    f"model '{step.model}' is decoupled: decoupled models in ensembles are "
-                    "not supported"
-                )
-            self.running[index] = call
+                if not model.decoupled:
+                    raise UnsupportedError(
+                        f"model '{step.model}' is decoupled, so the ensemble must be too "
+                        "(model_transaction_policy { decoupled: true })"
+                    )
+                branch.fork(index)
+            branch.running[index] = call
             model.resources.host.submit(call)
         except TritonError as exc:
-            self.running.pop(index, None)
-            self._fail(step, exc)
+            branch.running.pop(index, None)
+            self._fail(exc)
 
-    def _answered(self, index: int, step: Step, response: Response) -> None:
-        if self.request.finished or index not in self.running:
+    def _answered(self, branch: _Branch, index: int, response: Response) -> None:
+        if self.request.finished or index not in branch.running:
             return  # the ensemble request is answered already, or cancelled its steps
+        step = self.steps[index]
         if response.error is not None:
-            self._fail(step, response.error)
+            self._fail(response.error)
             return
-        if not response.final:
+        downstream = branch.downstream.get(index)
+        if downstream is not None:  # a decoupled step: each response starts a branch
+            if response.outputs:
+                tensors = dict(branch.tensors)
+                if not self._take(step, response, tensors):
+                    return
+                self._branch(tensors, list(downstream)).advance()
+            if not response.final:
+                return
+        elif not response.final:
             return
-        self.running.pop(index, None)
-        for name, tensor in response.outputs.items():
-            self.tensors[step.outputs[name]] = tensor
+        elif not self._take(step, response, branch.tensors):
+            return
+        branch.running.pop(index, None)
+        branch.advance()
+
+    def _take(self, step: Step, response: Response, tensors: dict[str, Tensor]) -> bool:
+        """The step's outputs into ``tensors`` under their ensemble names."""
         missing = sorted(set(step.outputs) - response.outputs.keys())
         if missing:
-            self._fail(step, InvalidArgumentError(f"it did not return {missing}"))
-            return
-        self.advance()
+            self._fail(InvalidArgumentError(f"model '{step.model}' did not return {missing}"))
+            return False
+        for name, tensor in response.outputs.items():
+            tensors[step.outputs[name]] = tensor
+        return True
 
-    def _fail(self, step: Step, error: TritonError) -> None:
+    def branch_done(self, branch: _Branch) -> None:
+        """A branch ran its last step: it answers (unless a decoupled step's responses
+        answer for it), and the answer is final when no branch is left."""
+        self.branches.remove(branch)
+        final = not self.branches
+        if not branch.downstream:
+            self._answer(branch.tensors, final)
+        elif final:  # the last answer went out before the stream's end was known
+            ensemble = self.scheduler.model
+            response = Response(ensemble.name, ensemble.version, self.request.request_id, flags_only=True)
+            self._deliver(response)
+
+    def _fail(self, error: TritonError) -> None:
         """A step failed: the ensemble request fails with its error; the other steps
         still running are cancelled."""
         ensemble = self.scheduler.model
-        message = f"in ensemble '{ensemble.name}', step '{step.model}': {error.message}"
+        message = f"in ensemble '{ensemble.name}', {error.message}"  # Triton 2.51's words
         self.cancel()
         error = TritonError.from_code(error.code, message)
         response = Response(ensemble.name, ensemble.version, self.request.request_id, error=error)
         self.scheduler._deliver(self.request, response, "BACKEND")
 
     def cancel(self) -> None:
-        running, self.running = self.running, {}
-        self.waiting = []
-        for call in running.values():
-            if call.owner is not None:
-                call.owner.cancel(call)
+        branches, self.branches = self.branches, []
+        for branch in branches:
+            running, branch.running = branch.running, {}
+            branch.waiting = []
+            for call in running.values():
+                if call.owner is not None:
+                    call.owner.cancel(call)
 
-    def _answer(self) -> None:
+    def _answer(self, tensors: dict[str, Tensor], final: bool) -> None:
         ensemble = self.scheduler.model
         request = self.request
         wanted = request.requested_outputs
         names = wanted if wanted is not None else [t.name for t in ensemble.config.output]
         response = Response(ensemble.name, ensemble.version, request.request_id)
-        response.outputs = {name: self.tensors[name] for name in names}
-        # One execution per request, as Triton counts an ensemble's. Triton adds up the
-        # steps' own times; here the steps' wall time counts as compute, and each step's
-        # model has the exact breakdown in its own statistics.
-        ensemble.stats.record_execution(
-            batch_size=ensemble.batch_size_of(request),
-            request_count=1,
-            queue_ns=[0],
-            input_ns=0,
-            infer_ns=time.monotonic_ns() - request.arrival_ns,
-            output_ns=0,
-        )
+        response.outputs = {name: tensors[name] for name in names if name in tensors}
+        response.final = final
+        self._deliver(response)
+
+    def _deliver(self, response: Response) -> None:
+        request = self.request
+        if response.final:
+            ensemble = self.scheduler.model
+            # One execution per request, as Triton counts an ensemble's. Triton adds up
+            # the steps' own times; here the steps' wall time counts as compute, and each
+            # step's model has the exact breakdown in its own statistics.
+            ensemble.stats.record_execution(
+                batch_size=ensemble.batch_size_of(request),
+                request_count=1,
+                queue_ns=[0],
+                input_ns=0,
+                infer_ns=time.monotonic_ns() - request.arrival_ns,
+                output_ns=0,
+            )
         self.scheduler._deliver(request, response, None)

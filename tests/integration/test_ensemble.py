@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import queue
 import re
 import time
 from pathlib import Path
@@ -19,7 +20,7 @@ from dlserve.frontends import KServeGrpc
 
 from ..conftest import frontend, serve
 
-LOADED = ["pipeline", "add_sub", "identity", "faulty"]
+LOADED = ["pipeline", "add_sub", "identity", "faulty", "stream_double", "decoupled", "double"]
 REFERENCE = Path(__file__).parents[1] / "data" / "triton_reference"  # captured from Triton 2.51
 
 GUARDED = """
@@ -126,7 +127,7 @@ def test_a_failing_step_fails_the_request_with_its_error(server):
         inputs={"X": x}, parameters={"mode": "raise"}, raise_on_error=False
     )
     assert isinstance(failed.error, dlserve.InternalError)
-    assert failed.error.message.startswith("in ensemble 'guarded', step 'faulty': ")
+    assert failed.error.message.startswith("in ensemble 'guarded', ")
     assert "boom" in failed.error.message
     (coded,) = server.model("guarded").infer(
         inputs={"X": x}, parameters={"mode": "error:INVALID_ARG"}, raise_on_error=False
@@ -158,6 +159,79 @@ def test_cancelling_the_ensemble_cancels_the_running_step(server):
     assert stats_of(server, "guarded")["inference_stats"]["fail"]["count"] == failed_before + 1
 
 
+# -- decoupled steps -----------------------------------------------------------------------
+# What Triton 2.51 answered for the same repository (tests/models: stream_double,
+# decoupled, double), over a tritonclient gRPC stream: each streamed value flows on
+# through double as one response, the last one final; no values, one flag-only final.
+
+
+def stream(server: dlserve.Server, values: list[int], **parameters):
+    return list(
+        server.model("stream_double").infer(
+            inputs={"IN": np.array(values, np.int32)}, parameters=parameters, raise_on_error=False
+        )
+    )
+
+
+@pytest.mark.parametrize("mode", ["stream", "thread"])  # sent in execute, or later from a thread
+def test_a_streaming_step_streams_through_the_steps_after_it(server, mode):
+    responses = stream(server, [5, 6, 7], mode=mode, delay_ms=20)
+    assert [outputs(r) for r in responses] == [{"OUT": [10]}, {"OUT": [12]}, {"OUT": [14]}]
+    assert [r.final for r in responses] == [False, False, True]
+
+
+def test_a_stream_of_nothing_is_one_flag_only_final(server):
+    (response,) = stream(server, [])
+    assert response.final and response.error is None and not response.outputs
+
+
+def test_an_error_mid_stream_ends_the_ensemble_with_it(server):
+    responses = stream(server, [5, 6, 7], mode="error_mid")
+    assert responses[-1].final
+    assert responses[-1].error.message == "in ensemble 'stream_double', failed halfway"
+    assert isinstance(responses[-1].error, dlserve.InvalidArgumentError)
+
+
+def test_a_decoupled_ensemble_streams_over_grpc(server):
+    for port in frontend(KServeGrpc, server):
+        with grpcclient.InferenceServerClient(f"127.0.0.1:{port}") as client:
+            results: queue.Queue = queue.Queue()
+            client.start_stream(callback=lambda result, error: results.put((result, error)))
+            values = grpcclient.InferInput("IN", [3], "INT32")
+            values.set_data_from_numpy(np.array([5, 6, 7], np.int32))
+            client.async_stream_infer("stream_double", [values], enable_empty_final_response=True)
+            got = []
+            while not got or not got[-1][1]:
+                result, error = results.get(timeout=10)
+                assert error is None
+                final = result.get_response().parameters["triton_final_response"].bool_param
+                got.append((result.as_numpy("OUT").tolist(), final))
+            client.stop_stream()
+    assert got == [([10], False), ([12], False), ([14], True)]
+
+
+def test_a_streaming_step_needs_a_decoupled_ensemble(server):
+    server.load("not_decoupled", {"config": config_json(STREAMING_NOT_DECOUPLED), "file:1/.keep": b""})
+    (response,) = server.model("not_decoupled").infer(
+        inputs={"IN": np.array([1], np.int32)}, raise_on_error=False
+    )
+    assert "is decoupled, so the ensemble must be too" in response.error.message
+
+
+STREAMING_NOT_DECOUPLED = """
+name: "not_decoupled"
+platform: "ensemble"
+input [ { name: "IN" data_type: TYPE_INT32 dims: [ -1 ] } ]
+output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+ensemble_scheduling {
+  step [
+    { model_name: "decoupled" model_version: -1
+      input_map { key: "IN" value: "IN" } output_map { key: "OUT" value: "OUT" } }
+  ]
+}
+"""
+
+
 def stats_of(server: dlserve.Server, model: str) -> dict:
     return server.model(model).statistics()["model_stats"][0]
 
@@ -167,7 +241,8 @@ def test_a_step_model_that_is_not_loaded_is_a_clear_error(make_repo, servers):
     server = servers.start(repo)
     assert not server.model("pipeline").ready()  # ready only when every step's model is
     (response,) = server.model("pipeline").infer(inputs={"A": A, "B": B}, raise_on_error=False)
-    assert response.error.message.startswith("in ensemble 'pipeline', step 'add_sub': ")
+    assert response.error.message.startswith("in ensemble 'pipeline', ")
+    assert "add_sub" in response.error.message
 
 
 def test_explicit_mode_loading_an_ensemble_loads_its_steps(make_repo, servers):
