@@ -310,12 +310,13 @@ def report_batching(served: dict[str, Served], plan: Plan) -> list[str]:
         ]
     lines = [
         (
-            "Model: benchmarks/models/add_sub_batched (add_sub over FP32[-1, 16], `max_batch_size: 16`, "
+            "Models: benchmarks/models/add_sub_batched (add_sub over FP32[-1, 16], `max_batch_size: 16`, "
             "`dynamic_batching { }`, one instance; each execute() joins its requests' inputs, waits a "
-            "fixed 2 ms -- a stand-in for a per-call cost such as a kernel launch -- and splits the answer). "
-            "perf_analyzer at concurrency 16, batch size 1 per request. Average batch = Δ inference_count "
-            "/ Δ execution_count from the server's statistics extension around the perf_analyzer run. "
-            "Without batching this model peaks at 500 infer/s."
+            "fixed 2 ms -- a stand-in for a per-call cost such as a kernel launch -- and splits the answer) "
+            "and add_sub_unbatched, the same model without `dynamic_batching` (one request per execute(), "
+            "so at most 500 infer/s). perf_analyzer at concurrency 16, batch size 1 per request. Average "
+            "batch = Δ inference_count / Δ execution_count from the server's statistics extension around "
+            "the perf_analyzer run."
         ),
         "",
         *table(rows, served, ["dlserve", "Triton"]),
@@ -446,7 +447,7 @@ def render(
             lines.append(f"- streaming: benchmarks/clients.py `streaming(url, {plan.stream_s:g})`")
         if key == "batching":
             lines.append(
-                "- statistics: `GET /v2/models/add_sub_batched/stats` before and after each run"
+                "- statistics: `GET /v2/models/$MODEL/stats` before and after each run"
             )
         if key == "add_sub":
             lines.append(

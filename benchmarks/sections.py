@@ -236,19 +236,24 @@ def measure_bls(server: Server, plan: Plan, out: Results) -> None:
     log(f"    {server.name:8s} stream        repeat, {STREAM_LEN} responses per request: {shown}")
 
 
+BATCHING_MODELS = ("add_sub_batched", "add_sub_unbatched")  # the same model with and without
+
+
 def batching_cases(plan: Plan) -> list[tuple[str, list[str]]]:
     return [
-        (f"{protocol} c16", ["-m", "add_sub_batched", "-i", protocol, "--concurrency-range", "16"])
+        (f"{model} {protocol} c16", ["-m", model, "-i", protocol, "--concurrency-range", "16"])
+        for model in BATCHING_MODELS
         for protocol in (("grpc",) if plan.quick else ("http", "grpc"))
     ]
 
 
 def measure_batching(server: Server, plan: Plan, out: Results) -> None:
-    out["problems"] = clients.check_add_sub(server.url("grpc"), ("add_sub_batched",), batched=True)
+    out["problems"] = clients.check_add_sub(server.url("grpc"), BATCHING_MODELS, batched=True)
     for label, args in batching_cases(plan):
-        before = server.stats("add_sub_batched")
+        model = args[1]
+        before = server.stats(model)
         out[label] = m = pa_or_perf(measure.perf_analyzer, server, args, plan.small)
-        after = server.stats("add_sub_batched")
+        after = server.stats(model)
         executions = after.get("execution_count", 0) - before.get("execution_count", 0)
         if executions > 0:
             m.extra["batch"] = (after["inference_count"] - before["inference_count"]) / executions
@@ -300,7 +305,10 @@ def sections() -> dict[str, Section]:
                 measure_bls,
             ),
             Section(
-                "batching", "Dynamic batching", [BENCH_MODELS / "add_sub_batched"], measure_batching
+                "batching",
+                "Dynamic batching",
+                [BENCH_MODELS / model for model in BATCHING_MODELS],
+                measure_batching,
             ),
         )
     }

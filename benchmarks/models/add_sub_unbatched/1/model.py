@@ -1,0 +1,1 @@
+../../add_sub_batched/1/model.py
