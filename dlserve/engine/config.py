@@ -24,6 +24,7 @@ ModelConfig = mc.ModelConfig
 InstanceGroup = mc.ModelInstanceGroup
 DEFAULT_MODEL_FILENAME = "model.py"
 SUPPORTED_BACKEND = "python"
+ENSEMBLE_PLATFORM = "ensemble"
 
 
 def parse_text(text: str, model_name: str) -> mc.ModelConfig:
@@ -132,7 +133,7 @@ def complete(config: mc.ModelConfig, model_name: str, gpu_count: int = 0) -> Non
         config.backend = SUPPORTED_BACKEND
     if not config.HasField("version_policy"):
         config.version_policy.latest.num_versions = 1
-    if config.platform == "ensemble":
+    if config.platform == ENSEMBLE_PLATFORM:
         # no model file, instances or optimization: the steps' models have those
         config.model_transaction_policy.SetInParent()
         return
@@ -212,7 +213,7 @@ def validate(config: mc.ModelConfig, model_name: str, gpu_count: int = 0) -> Non
             f"model '{model_name}': config.pbtxt 'name' is '{config.name}', but it must "
             "match the model's folder name"
         )
-    ensemble = config.platform == "ensemble"
+    ensemble = config.platform == ENSEMBLE_PLATFORM
     if not ensemble and (config.platform or config.backend != SUPPORTED_BACKEND):
         wanted = config.platform or config.backend
         raise UnsupportedError(

@@ -29,8 +29,6 @@ from dlserve.memory.tensor import Tensor
 if TYPE_CHECKING:
     from dlserve.engine.model import ModelVersion
 
-PLATFORM = "ensemble"
-
 
 @dataclasses.dataclass(frozen=True)
 class Step:

@@ -236,7 +236,7 @@ class ModelManager:
             config.backend = cfg.SUPPORTED_BACKEND
         if not config.HasField("version_policy"):
             config.version_policy.latest.num_versions = 1
-        is_ensemble = config.platform == ensemble.PLATFORM
+        is_ensemble = config.platform == cfg.ENSEMBLE_PLATFORM
         filename = config.default_model_filename or cfg.DEFAULT_MODEL_FILENAME
         available = [
             v

@@ -79,7 +79,7 @@ class ModelVersion:
             o.name: list(o.dims) for o in self.signature.outputs.values() if o.reshape is not None
         }
         self.instances: list[ModelInstance] = []
-        self.is_ensemble = config.platform == ensemble.PLATFORM
+        self.is_ensemble = config.platform == cfg.ENSEMBLE_PLATFORM
         self.scheduler: Scheduler
         if self.is_ensemble:
             self.scheduler = ensemble.EnsembleScheduler(self)
