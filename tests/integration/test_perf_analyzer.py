@@ -1,5 +1,6 @@
 """NVIDIA's perf_analyzer (from the tritonclient 2.50.0 wheel, unmodified) against a
-``dlserve serve`` process: HTTP and gRPC, with and without system shared memory.
+``dlserve serve`` process: HTTP and gRPC, with and without system shared memory, and an
+ensemble.
 
 perf_analyzer reads the model's metadata and config, then the statistics extension
 before and after each measurement window; the "Server ..." columns of its CSV come
@@ -92,7 +93,7 @@ def server(perf_analyzer, tmp_path_factory: pytest.TempPathFactory):
     """``dlserve serve`` on free ports; stopped with SIGTERM and checked at the end."""
     work = tmp_path_factory.mktemp("pa")
     repo = work / "repo"
-    for name in ("add_sub", "identity"):
+    for name in ("add_sub", "identity", "pipeline"):
         shutil.copytree(MODELS / name, repo / name)
     ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
     log = (work / "serve.log").open("w")
@@ -188,3 +189,9 @@ def test_identity_over_http_with_system_shared_memory(perf_analyzer, server):
         perf_analyzer, server, "identity", "http",
         "--shape", "INPUT0:1024", "--shared-memory", "system",
     )
+
+
+def test_an_ensemble_over_grpc(perf_analyzer, server):
+    """perf_analyzer reads an ensemble's config, then the statistics of the ensemble and of
+    its step models (add_sub, identity) for its server-side columns."""
+    run_perf_analyzer(perf_analyzer, server, "pipeline", "grpc")
