@@ -80,6 +80,20 @@ class ExecutionEnvironment:
         return [str(self.python), "-c", _BOOTSTRAP], env
 
 
+class ServerPython:
+    """The server's own Python, for models that name no environment: the stub as a module,
+    dlserve first on ``PYTHONPATH``."""
+
+    def launch(self, base: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+        """As :meth:`ExecutionEnvironment.launch`."""
+        env = dict(base)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_ROOT, base.get("PYTHONPATH", "")) if p)
+        return [sys.executable, "-m", "dlserve.ipc.stub"], env
+
+
+SERVER_PYTHON = ServerPython()
+
+
 def _server_paths() -> list[str]:
     """Where the server's Python finds dlserve, triton_python_backend_utils and their
     dependencies."""

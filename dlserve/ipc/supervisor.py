@@ -1,7 +1,8 @@
 """Starting, watching and stopping one worker process, from the server's event loop.
 
-A :class:`WorkerProcess` spawns ``python -m dlserve.ipc.stub`` with one end of a
-socket pair, wraps the other in a :class:`ServerChannel`, and learns of the
+A :class:`WorkerProcess` spawns the stub (``python -m dlserve.ipc.stub``, in the server's
+Python or the model's execution environment: :mod:`dlserve.ipc.environments`) with one end
+of a socket pair, wraps the other in a :class:`ServerChannel`, and learns of the
 worker's death two ways at once: end of file on the channel (in-flight requests
 fail immediately) and a pidfd that becomes readable when the process exits (for
 its exit status). When it is gone, every segment it owned is unlinked — a worker
@@ -18,14 +19,13 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 from dlserve.errors import UnavailableError
 from dlserve.ipc.channel import ServerChannel
-from dlserve.ipc.environments import PACKAGE_ROOT, ExecutionEnvironment
+from dlserve.ipc.environments import SERVER_PYTHON, ExecutionEnvironment
 from dlserve.ipc.protocol import Kind, Message
 from dlserve.ipc.tensors import Peer
 from dlserve.memory.arena import Arena, MemorySpace
@@ -100,14 +100,7 @@ class WorkerProcess:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        if self._environment is None:
-            python = [sys.executable, "-m", "dlserve.ipc.stub"]
-            env = dict(os.environ)
-            env["PYTHONPATH"] = os.pathsep.join(
-                p for p in (PACKAGE_ROOT, env.get("PYTHONPATH", "")) if p
-            )
-        else:
-            python, env = self._environment.launch(dict(os.environ))
+        python, env = (self._environment or SERVER_PYTHON).launch(dict(os.environ))
         try:
             self.process = subprocess.Popen(
                 [
