@@ -89,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="python backend settings: shm-default-byte-size, shm-growth-byte-size",
     )
     models.add_argument("--id", default="dlserve", help="server id reported by metadata")
+    models.add_argument("--busy-poll-us", type=int, default=1000, metavar="MICROSECONDS",
+                        help="the most the server and the models' workers poll for an expected "
+                        "message before sleeping; each learns how long pays "
+                        "(default: 1000; 0 = never)")
 
     http = serve.add_argument_group("HTTP")
     _bool_flag(http, "--allow-http", True, "serve KServe v2 HTTP/REST")
@@ -175,6 +179,7 @@ def serve(args: argparse.Namespace) -> int:
         log_verbose=args.log_verbose,
         backend_configuration=_backend_config(args.backend_config),
         repository_poll_secs=args.repository_poll_secs,
+        busy_poll_us=args.busy_poll_us,
     )
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

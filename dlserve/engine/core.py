@@ -64,6 +64,7 @@ class EngineSettings:
     poll_interval: float = 15.0
     arena_bytes: int = 64 * _MIB
     worker_arena_bytes: int = 16 * _MIB
+    busy_poll_us: int = 1000
     log: LogSettings = dataclasses.field(default_factory=LogSettings)
 
 
@@ -125,6 +126,7 @@ class Engine:
             arena=self.arena,
             segment_prefix=self.segment_prefix,
             worker_arena_bytes=s.worker_arena_bytes,
+            busy_poll_us=s.busy_poll_us,
             custom_metrics=self.custom_metrics,
             host=self,
             environments=self.environments,

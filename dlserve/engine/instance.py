@@ -145,6 +145,7 @@ class ModelInstance:
             on_message=self._on_worker_message,
             on_exit=self._on_worker_exit,
             environment=self.model.environment,
+            poll_us=resources.busy_poll_us,
         )
         self._worker = worker
         await worker.start()

@@ -42,6 +42,7 @@ class EngineResources:
     arena: Arena
     segment_prefix: str
     worker_arena_bytes: int
+    busy_poll_us: int  # see dlserve.ipc.polling
     custom_metrics: CustomMetrics
     host: Host  # the engine, for the calls models make (BLS, model control)
     environments: Environments  # EXECUTION_ENV_PATH environments, unpacked once

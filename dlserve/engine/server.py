@@ -73,8 +73,10 @@ class Options:
     strict_readiness, exit_timeout, log_file, log_info/warn/error, log_verbose,
     and ``backend_configuration["python"]`` keys ``shm-default-byte-size`` and
     ``shm-growth-byte-size`` (each worker's shared-memory arena). The rest are
-    accepted for compatibility. ``shm_arena_size`` (dlserve's own) sizes the
-    server's arena for request inputs; ``repository_poll_secs`` sets the POLL period.
+    accepted for compatibility. dlserve's own: ``shm_arena_size`` sizes the
+    server's arena for request inputs; ``repository_poll_secs`` sets the POLL period;
+    ``busy_poll_us`` is the most the server and the models' workers poll for an
+    expected message before they sleep (:mod:`dlserve.ipc.polling`; 0 = never).
     """
 
     model_repository: str | list[str] = dataclasses.field(default_factory=list)
@@ -115,6 +117,7 @@ class Options:
     metrics_configuration: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
     shm_arena_size: int = 64 * _MIB
     repository_poll_secs: float = 15.0
+    busy_poll_us: int = 1000
 
     def engine_settings(self) -> EngineSettings:
         repos = self.model_repository
@@ -130,6 +133,8 @@ class Options:
             raise InvalidArgumentError("shm-default-byte-size must be at least 1 MiB")
         if self.exit_timeout < 0:
             raise InvalidArgumentError("exit_timeout must be >= 0")
+        if not 0 <= self.busy_poll_us <= 10_000:
+            raise InvalidArgumentError("busy_poll_us must be between 0 and 10000")
         return EngineSettings(
             model_repositories=repositories,
             server_id=self.server_id,
@@ -142,6 +147,7 @@ class Options:
             poll_interval=float(self.repository_poll_secs),
             arena_bytes=int(self.shm_arena_size),
             worker_arena_bytes=worker_bytes,
+            busy_poll_us=int(self.busy_poll_us),
             log=self.log_settings(),
         )
 

@@ -24,6 +24,7 @@ import dataclasses
 import gzip
 import json
 import logging
+import time
 import zlib
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
@@ -31,6 +32,8 @@ from urllib.parse import unquote
 
 import httptools
 import numpy as np
+
+from dlserve.ipc.polling import PollWindow, loop_poller
 
 log = logging.getLogger("dlserve.http")
 
@@ -110,6 +113,11 @@ class HttpConnection(asyncio.BufferedProtocol):
         self._broken = False  # a parse error was queued; ignore whatever follows
         self._writable = asyncio.Event()
         self._writable.set()
+        # After answering a keep-alive client, the loop polls for its next request
+        # (dlserve.ipc.polling), as long as such waits have been short.
+        self._next_request = PollWindow(server.poll_limit)
+        self._poller = loop_poller(asyncio.get_running_loop())
+        self._idle_since = 0.0
 
     # -- message state ---------------------------------------------------------------
     def _reset_message(self) -> None:
@@ -209,6 +217,10 @@ class HttpConnection(asyncio.BufferedProtocol):
         return self._scratch_view
 
     def buffer_updated(self, nbytes: int) -> None:
+        if self._idle_since:
+            self._next_request.record(time.perf_counter() - self._idle_since)
+            self._idle_since = 0.0
+            self._poller.done(self)
         if self._broken:
             return
         if self._direct is not None:
@@ -244,6 +256,7 @@ class HttpConnection(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._closing = True
         self.transport = None
+        self._poller.done(self)
         self.server.connections.discard(self)
         self._writable.set()
         # Drop a half-received body now (it may be a 64 MiB shared-memory block) rather
@@ -365,6 +378,9 @@ class HttpConnection(asyncio.BufferedProtocol):
         for view in large:
             if view.nbytes:
                 transport.write(view)
+        if keep_alive and not self._pending and self._next_request.seconds:
+            self._idle_since = time.perf_counter()
+            self._poller.poll(self, self._next_request.seconds)
 
 
 def decode_body(request: HttpRequest) -> Any:
@@ -416,12 +432,15 @@ class HttpServer:
         handler: Handler,
         allocate_body: BodyAllocator | None = None,
         max_body: int = 1 << 26,
+        poll_limit: float = 0.0,
     ) -> None:
         """``allocate_body(n)`` gives the memory a large body is read into (default:
-        ordinary memory; the KServe frontend passes shared memory)."""
+        ordinary memory; the KServe frontend passes shared memory). ``poll_limit``:
+        the most the loop polls for a keep-alive client's next request (seconds)."""
         self.handler = handler
         self.allocate_body = allocate_body or (lambda nbytes: np.empty(nbytes, dtype=np.uint8))
         self.max_body = max_body
+        self.poll_limit = poll_limit
         self.connections: set[HttpConnection] = set()
         self._server: asyncio.AbstractServer | None = None
 

@@ -146,7 +146,12 @@ class KServeHttp(Service):
             assert engine.arena is not None
             return np.frombuffer(engine.arena.allocate(nbytes), dtype=np.uint8)
 
-        self._http = HttpServer(api, allocate_body, max_body=options.max_input_size)
+        self._http = HttpServer(
+            api,
+            allocate_body,
+            max_body=options.max_input_size,
+            poll_limit=engine.settings.busy_poll_us / 1e6,
+        )
         return await self._http.start(options.address, options.port, options.reuse_port)
 
     async def _stop(self, grace: float) -> None:

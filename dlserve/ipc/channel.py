@@ -10,6 +10,10 @@ The common case — one thread, one execute at a time — costs no thread switch
 
 Both ends bundle pending RELEASE messages into the next write, so returning
 shared memory costs no extra system call in steady state.
+
+Both ends poll for a while before they sleep (:mod:`dlserve.ipc.polling`): the
+server's loop while a request it sent is unanswered, the worker before it blocks
+in ``recv``.
 """
 
 from __future__ import annotations
@@ -19,10 +23,12 @@ import collections
 import itertools
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 from dlserve.errors import ErrorCode, TritonError, UnavailableError
+from dlserve.ipc.polling import PollWindow, loop_poller, recv_polling
 from dlserve.ipc.protocol import HEADER, FrameBuffer, Kind, Message, encode
 
 
@@ -38,6 +44,7 @@ class ServerChannel(asyncio.Protocol):
         self,
         on_message: Callable[[Message], None],
         on_lost: Callable[[], None],
+        poll_limit: float = 0.0,
     ) -> None:
         self._on_message = on_message
         self._on_lost = on_lost
@@ -50,6 +57,9 @@ class ServerChannel(asyncio.Protocol):
         self._out: list[bytes] = []
         self._out_scheduled = False
         self._loop = asyncio.get_running_loop()
+        self._poller = loop_poller(self._loop)
+        self._reply_wait = PollWindow(poll_limit)
+        self._waiting_since = 0.0  # when a request went out with none other pending
         self.on_release: Callable[[list[int]], None] = lambda leases: None
         self.on_retire: Callable[[list[str]], None] = lambda names: None
 
@@ -61,6 +71,9 @@ class ServerChannel(asyncio.Protocol):
         for kind, corr, body in self._frames.feed(data):
             if kind == Kind.REPLY or kind == Kind.ERROR:
                 future = self._pending.pop(corr, None)
+                if not self._pending:
+                    self._reply_wait.record(time.perf_counter() - self._waiting_since)
+                    self._poller.done(self)
                 if future is not None and not future.done():
                     if kind == Kind.REPLY:
                         future.set_result(body)
@@ -77,6 +90,7 @@ class ServerChannel(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
+        self._poller.done(self)
         pending, self._pending = self._pending, {}
         for future in pending.values():
             if not future.done():
@@ -112,6 +126,9 @@ class ServerChannel(asyncio.Protocol):
         corr = next(self._corr)
         future = self._loop.create_future()
         self._write(encode(kind, corr, body))
+        if not self._pending:
+            self._waiting_since = time.perf_counter()
+            self._poller.poll(self, self._reply_wait.seconds)
         self._pending[corr] = future
         return future
 
@@ -199,6 +216,8 @@ class WorkerChannel:
 
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
+        self._read_window: PollWindow | None = None
+        self._quiet_threads = 0
         # Re-entrant: a finalizer that sends (an abandoned response sender) may run
         # in the middle of this thread's own send.
         self._send_lock = threading.RLock()
@@ -243,11 +262,25 @@ class WorkerChannel:
     def _read_message(self) -> Message:
         """Read one message from the socket; only the thread in the reader role calls it."""
         while not self._ready:
-            data = self._sock.recv(1 << 16)
+            window = self._read_window
+            if window is not None and threading.active_count() <= self._quiet_threads:
+                data = recv_polling(self._sock, window)
+            else:
+                data = self._sock.recv(1 << 16)
             if not data:
                 raise EOFError("server closed the channel")
             self._ready.extend(self._frames.feed(data))
         return self._ready.popleft()
+
+    def poll_reads(self, limit: float) -> None:
+        """Poll up to ``limit`` seconds before blocking for a message (ipc.polling), but
+        only while no thread runs beyond those running now. Polling holds the GIL
+        between its reads, so it would keep the model's own threads (a decoupled
+        model's sender, an async model's loop) waiting for it for up to the
+        interpreter's 5 ms switch interval."""
+        if limit > 0:
+            self._read_window = PollWindow(limit)
+            self._quiet_threads = threading.active_count()
 
     def _route(self, message: Message) -> None:
         """Hand a message to whoever it belongs to (called with the lock held)."""

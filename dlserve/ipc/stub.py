@@ -386,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--segment-prefix", required=True)
     parser.add_argument("--arena-bytes", type=int, required=True)
     parser.add_argument("--instance-name", required=True)
+    parser.add_argument("--poll-us", type=int, default=0)
     args = parser.parse_args(argv)
 
     sock = socket.socket(fileno=args.fd)
@@ -404,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     threading.Thread(
         target=_watch_parent, args=(os.getppid(), arena), name="parent-watch", daemon=True
     ).start()
+    channel.poll_reads(args.poll_us / 1e6)
     worker = Worker(channel, runtime, args.instance_name)
     try:
         worker.serve()

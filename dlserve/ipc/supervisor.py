@@ -73,6 +73,7 @@ class WorkerProcess:
         on_message: Callable[[Message], None],
         on_exit: Callable[[str], None],
         environment: ExecutionEnvironment | None = None,
+        poll_us: int = 0,
     ) -> None:
         self.instance_name = instance_name
         self.segment_prefix = segment_prefix
@@ -82,6 +83,7 @@ class WorkerProcess:
         self._on_message = on_message
         self._on_exit = on_exit
         self._environment = environment
+        self._poll_us = poll_us  # the most either end polls before it sleeps (ipc.polling)
         self.process: subprocess.Popen[bytes] | None = None
         self.channel: ServerChannel | None = None
         self.peer: Peer | None = None
@@ -113,6 +115,8 @@ class WorkerProcess:
                     str(self._arena_bytes),
                     "--instance-name",
                     self.instance_name,
+                    "--poll-us",
+                    str(self._poll_us),
                 ],
                 pass_fds=[theirs.fileno()],
                 env=env,
@@ -121,7 +125,7 @@ class WorkerProcess:
         finally:
             theirs.close()
         _, channel = await loop.create_unix_connection(
-            lambda: ServerChannel(self._on_message, self._lost), sock=ours
+            lambda: ServerChannel(self._on_message, self._lost, self._poll_us / 1e6), sock=ours
         )
         self.channel = channel
         self.peer = Peer(self._space, self._arena, channel.queue_releases)

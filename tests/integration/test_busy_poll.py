@@ -1,0 +1,47 @@
+"""Polling before sleeping (dlserve.ipc.polling) in a running server: it stops once
+traffic stops, and it can be turned off."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+import dlserve
+
+
+def cpu_seconds(processes: list[psutil.Process]) -> float:
+    return sum(sum(p.cpu_times()[:2]) for p in processes)
+
+
+def test_a_polling_server_uses_no_cpu_once_traffic_stops(servers, make_repo):
+    server = servers.start(make_repo("add_sub"), busy_poll_us=10_000)  # polls up to 10 ms
+    model = server.model("add_sub")
+    a = np.arange(16, dtype=np.float32)
+    for _ in range(300):  # dense traffic: both sides learn to poll
+        (response,) = model.infer(inputs={"INPUT0": a, "INPUT1": a})
+        assert response.error is None
+    time.sleep(0.2)
+    me = psutil.Process()
+    processes = [me, *me.children(recursive=True)]
+    before = cpu_seconds(processes)
+    time.sleep(1.0)
+    used = cpu_seconds(processes) - before
+    # polling one CPU for the second would use ~1 s; sleeping uses next to nothing
+    assert used < 0.25, f"{used:.3f} CPU seconds used in an idle second"
+
+
+def test_polling_can_be_turned_off(servers, make_repo):
+    server = servers.start(make_repo("add_sub"), busy_poll_us=0)
+    a = np.arange(16, dtype=np.float32)
+    (response,) = server.model("add_sub").infer(inputs={"INPUT0": a, "INPUT1": a})
+    assert np.from_dlpack(response.outputs["OUTPUT0"]).tolist() == (a + a).tolist()
+
+
+@pytest.mark.parametrize("value", [-1, 10_001])
+def test_a_poll_limit_out_of_range_is_refused(value):
+    options = dlserve.Options(model_repository="/nowhere", busy_poll_us=value)
+    with pytest.raises(dlserve.InvalidArgumentError, match="busy_poll_us must be between 0 and"):
+        options.engine_settings()
