@@ -8,7 +8,19 @@ import threading
 
 import pytest
 
+from dlserve.ipc import polling
 from dlserve.ipc.polling import PollWindow, loop_poller, recv_polling
+
+
+@pytest.fixture
+def spare_cpu(monkeypatch):
+    """Polling as on an idle machine (whatever else this one runs meanwhile)."""
+    monkeypatch.setattr(polling, "cpu_to_spare", lambda: True)
+
+
+@pytest.fixture
+def busy_machine(monkeypatch):
+    monkeypatch.setattr(polling, "cpu_to_spare", lambda: False)
 
 # -- PollWindow --------------------------------------------------------------------------------
 
@@ -70,7 +82,7 @@ def test_recv_polling_returns_what_is_already_there(pair):
     assert window.seconds == 0.001
 
 
-def test_recv_polling_catches_a_message_that_lands_while_it_polls(pair):
+def test_recv_polling_catches_a_message_that_lands_while_it_polls(pair, spare_cpu):
     a, b = pair
     window = PollWindow(0.5)  # polls for up to half a second: the message comes first
     sender = threading.Timer(0.01, b.sendall, args=(b"soon",))
@@ -99,7 +111,7 @@ def test_recv_polling_reports_end_of_file(pair):
 # -- LoopPoller ------------------------------------------------------------------------------
 
 
-def test_the_poller_keeps_the_loop_awake_until_the_deadline_or_done():
+def test_the_poller_keeps_the_loop_awake_until_the_deadline_or_done(spare_cpu):
     async def run() -> list[bool]:
         loop = asyncio.get_running_loop()
         poller = loop_poller(loop)
@@ -122,3 +134,46 @@ def test_the_poller_keeps_the_loop_awake_until_the_deadline_or_done():
         return seen
 
     assert asyncio.run(run()) == [False, True, False, True, False, False]
+
+
+def test_nobody_polls_on_a_busy_machine(pair, busy_machine):
+    a, b = pair
+    window = PollWindow(0.5)
+    sender = threading.Timer(0.01, b.sendall, args=(b"soon",))
+    sender.start()
+    assert recv_polling(a, window) == b"soon"  # slept in recv, and still got it
+    sender.join()
+
+    async def run() -> bool:
+        poller = loop_poller(asyncio.get_running_loop())
+        poller.poll("reply", 10.0)
+        return poller.polling
+
+    assert asyncio.run(run()) is False
+
+
+def test_a_cpu_is_spare_while_no_runnable_task_waits_for_one(tmp_path):
+    loadavg = tmp_path / "loadavg"
+    loadavg.write_text("0.50 0.40 0.30 2/150 4242\n")
+    queues = [polling._RunQueue(str(loadavg), cpus=2)]
+    assert queues[-1].cpu_to_spare()  # one task per CPU
+    loadavg.write_text("2.50 1.40 0.30 3/150 4242\n")
+    queues.append(polling._RunQueue(str(loadavg), cpus=2))
+    assert not queues[-1].cpu_to_spare()  # one waits
+    queues.append(polling._RunQueue(str(tmp_path / "missing"), cpus=2))
+    assert queues[-1].cpu_to_spare()  # no /proc: nothing to go by
+    for queue in queues:
+        queue.close()
+
+
+def test_a_reading_of_the_run_queue_holds_while_it_is_fresh(tmp_path):
+    loadavg = tmp_path / "loadavg"
+    loadavg.write_text("0.50 0.40 0.30 1/150 4242\n")
+    cached = polling._RunQueue(str(loadavg), cpus=1, fresh=3600.0)
+    always = polling._RunQueue(str(loadavg), cpus=1, fresh=0.0)
+    assert cached.cpu_to_spare() and always.cpu_to_spare()
+    loadavg.write_text("0.50 0.40 0.30 9/150 4242\n")
+    assert cached.cpu_to_spare()  # the reading of a moment ago still holds
+    assert not always.cpu_to_spare()
+    cached.close()
+    always.close()
