@@ -1,6 +1,6 @@
 """In-process benchmark: the engine and its worker processes, no network.
 
-    python benchmarks/inprocess.py [--requests N] [--triton]
+    python benchmarks/inprocess.py [--requests N] [--triton] [--busy-poll-us N]
 
 (a) add_sub through a worker: latency of the sync in-process API (caller thread ->
     engine loop -> worker -> back), of a request submitted on the engine's own loop
@@ -147,12 +147,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--triton", action="store_true", help="measure real Triton in the same run")
+    parser.add_argument(
+        "--busy-poll-us", type=int, default=dlserve.Options.busy_poll_us,
+        help="the server's busy_poll_us (0: processes sleep at once; see dlserve/ipc/polling.py)",
+    )
     args = parser.parse_args()
 
     repo = Path(tempfile.mkdtemp(prefix="dlserve-bench-"))
     for name in ("add_sub", "identity"):
         shutil.copytree(MODELS / name, repo / name)
-    options = dlserve.Options(model_repository=str(repo), shm_arena_size=160 << 20)
+    options = dlserve.Options(
+        model_repository=str(repo), shm_arena_size=160 << 20, busy_poll_us=args.busy_poll_us
+    )
     server = dlserve.Server(options).start(wait_until_ready=True)
     try:
         a = np.arange(16, dtype=np.float32)
