@@ -3,9 +3,10 @@
 Putting a process to sleep and waking it from another CPU is the dominant cost of a
 message between two processes on a virtual machine: the waker sends an
 inter-processor interrupt, the halted vCPU has to be resumed, and it runs with cold
-caches. On the 2-vCPU development VM an add_sub round trip between the server and
-a worker took ~150-200 µs when both sides slept and ~55 µs when they polled, and both
-used *less* CPU per request while polling (measurements in benchmarks/RESULTS.md).
+caches. On the 2-vCPU development VM an add_sub request through a worker took
+~210-250 µs when both sides slept and 60-170 µs when they polled (depending on how
+busy the host was), and both processes used *less* CPU per request while polling
+(benchmarks/RESULTS.md, "In-process").
 
 So whoever expects a message soon polls for it for a while before sleeping: a worker
 waiting for its next command or a reply, the server's loop waiting for a worker's
