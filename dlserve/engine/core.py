@@ -39,6 +39,7 @@ log = logging.getLogger("dlserve.engine")
 
 SEGMENT_NAMESPACE = "dlserve_"  # reserved: clients may never register a region here
 EXTENSIONS = [
+    "classification",
     "model_repository",
     "model_repository(unload_dependents)",
     "model_configuration",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterable
 from typing import Any
 
 import numpy as np
@@ -21,6 +21,7 @@ import numpy as np
 from dlserve.engine.core import Engine
 from dlserve.engine.request import Request, Response, parse_version
 from dlserve.errors import InvalidArgumentError, NotFoundError, UnsupportedError
+from dlserve.frontends import classification
 from dlserve.memory.dtypes import DataType
 from dlserve.memory.tensor import Tensor
 
@@ -42,6 +43,7 @@ RESERVED_PARAMETERS = frozenset(
 SHM_REGION = "shared_memory_region"
 SHM_OFFSET = "shared_memory_offset"
 SHM_BYTE_SIZE = "shared_memory_byte_size"
+CLASSIFICATION = "classification"
 
 
 @dataclasses.dataclass
@@ -69,9 +71,25 @@ class InputSpec:
 
 @dataclasses.dataclass
 class OutputSpec:
+    """A requested output. ``class_count`` > 0: answered as its top entries
+    (the classification extension, :mod:`dlserve.frontends.classification`)."""
+
     name: str
     parameters: dict[str, Any] = dataclasses.field(default_factory=dict)
     shm: ShmRef | None = None
+    class_count: int = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        count = self.parameters.get(CLASSIFICATION, 0)
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise InvalidArgumentError(
+                f"output '{self.name}': '{CLASSIFICATION}' must be a non-negative integer"
+            )
+        if count and self.shm is not None:
+            raise InvalidArgumentError(
+                f"output '{self.name}': a classification cannot be written to shared memory"
+            )
+        self.class_count = count
 
 
 def shm_ref(parameters: dict[str, Any], what: str) -> ShmRef | None:
@@ -221,6 +239,25 @@ class DataPlane:
                     )
             request.output_buffers = buffers or None
         return request
+
+    def classified(self, response: Response, outputs: Iterable[OutputSpec]) -> Response:
+        """``response`` with each output asked for as a classification replaced by its
+        top entries (``classification.top_k``); the response itself when none was."""
+        counts = {spec.name: spec.class_count for spec in outputs if spec.class_count}
+        if not counts or response.error is not None or not response.outputs:
+            return response
+        model = self.engine.model(response.model_name, response.model_version)
+        label_files = {o.name: o.label_filename for o in model.config.output if o.label_filename}
+        replaced = dict(response.outputs)
+        for name, count in counts.items():
+            tensor = replaced.get(name)
+            if tensor is None:
+                continue
+            label_file = label_files.get(name)
+            names = classification.labels(model.model_dir / label_file) if label_file else []
+            batched = model.config.max_batch_size > 0
+            replaced[name] = classification.top_k(name, tensor, count, batched, names)
+        return dataclasses.replace(response, outputs=replaced)
 
     async def infer(self, request: Request) -> Response:
         """Run a one-response request and return its response (errors inside it).

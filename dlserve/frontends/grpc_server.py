@@ -247,9 +247,10 @@ def _decode_contents(tensor: Any, data_type: DataType | None, model_name: str) -
 
 # -- responses -------------------------------------------------------------------------------------
 def encode_response(
-    response: Response, shm_outputs: dict[str, OutputSpec] | None
+    response: Response, specs: dict[str, OutputSpec] | None
 ) -> pb.ModelInferResponse:
-    """A successful engine response as a ModelInferResponse (outputs as raw contents)."""
+    """A successful engine response as a ModelInferResponse (outputs as raw contents;
+    ``specs``: the requested outputs that need more than that, by name)."""
     message = pb.ModelInferResponse(
         model_name=response.model_name,
         model_version=str(response.model_version),
@@ -259,9 +260,8 @@ def encode_response(
     raws: list[bytes] = []
     for name, tensor in response.outputs.items():
         output = outputs.add(name=name, datatype=tensor.data_type.wire_name, shape=tensor.shape)
-        spec = shm_outputs.get(name) if shm_outputs else None
-        if spec is not None:
-            assert spec.shm is not None
+        spec = specs.get(name) if specs else None
+        if spec is not None and spec.shm is not None:
             parameters = output.parameters
             parameters["shared_memory_region"].string_param = spec.shm.region
             parameters["shared_memory_byte_size"].int64_param = tensor.size
@@ -544,7 +544,8 @@ class InferenceServicer:
     def decode(
         self, request: pb.ModelInferRequest, context: Any, unary: bool = True
     ) -> tuple[Request, dict[str, OutputSpec] | None]:
-        """The engine request for a ModelInferRequest, and its shared-memory outputs."""
+        """The engine request for a ModelInferRequest, and the requested outputs that
+        need care (written to shared memory, or classified), by name."""
         model_name = request.model_name
         version = parse_version(request.model_version)
         # The model first, as Triton does: an unknown model wins over a bad input.
@@ -613,42 +614,42 @@ class InferenceServicer:
                 f"in shared memory) but got {raw_count} for model '{model_name}'"
             )
         outputs: list[OutputSpec] | None = None
-        shm_outputs: dict[str, OutputSpec] | None = None
+        specs: dict[str, OutputSpec] | None = None  # outputs to shared memory or classified
         if request.outputs:
             outputs = []
             for output in request.outputs:
                 output_parameters = (
                     _plain_parameters(output.parameters) if output.parameters else {}
                 )
-                if output_parameters.get("classification"):
-                    raise UnsupportedError("the classification extension is not supported")
                 spec_out = OutputSpec(
                     output.name,
                     output_parameters,
                     shm_ref(output_parameters, f"output '{output.name}'"),
                 )
                 outputs.append(spec_out)
-                if spec_out.shm is not None:
-                    if shm_outputs is None:
-                        shm_outputs = {}
-                    shm_outputs[spec_out.name] = spec_out
+                if spec_out.shm is not None or spec_out.class_count:
+                    if specs is None:
+                        specs = {}
+                    specs[spec_out.name] = spec_out
         engine_request = self.dataplane.build_request(
             model_name, version if version >= 0 else None, request.id, parameters, inputs, outputs
         )
-        return engine_request, shm_outputs
+        return engine_request, specs
 
     @_rpc("inference")
     async def ModelInfer(
         self, request: pb.ModelInferRequest, context: Any
     ) -> pb.ModelInferResponse:
-        engine_request, shm_outputs = self.decode(request, context)
+        engine_request, specs = self.decode(request, context)
         # A client that cancels or whose deadline passes cancels its request in there.
         response = await self.dataplane.infer(engine_request)
         if response.error is not None:
             raise response.error
+        if specs:
+            response = self.dataplane.classified(response, specs.values())
         if self.compression is not None:
             context.set_compression(self.compression)
-        return encode_response(response, shm_outputs)
+        return encode_response(response, specs)
 
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: Any
@@ -698,10 +699,10 @@ class _Stream:
 
     def submit(self, message: pb.ModelInferRequest) -> None:
         try:
-            request, shm_outputs = self.servicer.decode(message, self.context, unary=False)
+            request, specs = self.servicer.decode(message, self.context, unary=False)
             empty_final = message.parameters.get(EMPTY_FINAL)
             request.on_response = functools.partial(
-                self.deliver, request, shm_outputs, empty_final is not None and empty_final.bool_param
+                self.deliver, request, specs, empty_final is not None and empty_final.bool_param
             )
             self.pending.add(request)
             try:
@@ -726,7 +727,7 @@ class _Stream:
     def deliver(
         self,
         request: Request,
-        shm_outputs: dict[str, OutputSpec] | None,
+        specs: dict[str, OutputSpec] | None,
         empty_final: bool,
         response: Response,
     ) -> None:
@@ -742,7 +743,9 @@ class _Stream:
         error = response.error.message if response.error is not None else ""
         if not error and not response.flags_only:
             try:
-                infer = encode_response(response, shm_outputs)
+                if specs:
+                    response = self.servicer.dataplane.classified(response, specs.values())
+                infer = encode_response(response, specs)
             except Exception as exc:  # noqa: BLE001 - one bad response must not end the stream
                 log.exception("encoding a stream response failed")
                 error = f"{type(exc).__name__}: {exc}"

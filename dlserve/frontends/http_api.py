@@ -269,6 +269,7 @@ class KServeHttpApi:
         response = await self.dataplane.infer(engine_request)
         if response.error is not None:
             return error_response(response.error)
+        response = self.dataplane.classified(response, outputs or [])
         binary_default = bool(parameters.get("binary_data_output", False))
         return _encode_response(response, outputs or [], binary_default)
 
@@ -386,8 +387,6 @@ def _decode_outputs(raw: Any) -> list[OutputSpec] | None:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             raise InvalidArgumentError("each requested output needs a 'name'")
         parameters = json_values.object_field(item.get("parameters"), f"parameters of output '{item['name']}'")
-        if parameters.get("classification"):
-            raise UnsupportedError("the classification extension is not supported")
         specs.append(OutputSpec(item["name"], parameters, shm_ref(parameters, f"output '{item['name']}'")))
     return specs
 

@@ -606,14 +606,17 @@ def test_bad_requests(client, stub):
         "INVALID_ARGUMENT",
         "unexpected inference output 'NOPE' for model 'add_sub'",
     )
-    code, _ = status(
+    code, text = status(
         lambda: client.infer(
             "add_sub",
             add_sub_inputs(),
-            outputs=[grpcclient.InferRequestedOutput("OUTPUT0", class_count=2)],
+            outputs=[grpcclient.InferRequestedOutput("OUTPUT0", class_count=-2)],
         )
     )
-    assert code == "UNIMPLEMENTED"
+    assert (code, text) == (
+        "INVALID_ARGUMENT",
+        "output 'OUTPUT0': 'classification' must be a non-negative integer",
+    )
 
     # raw_input_contents: one per input, the right number of bytes
     too_few = raw_request()

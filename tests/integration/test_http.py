@@ -1703,11 +1703,27 @@ BAD_INFER_BODIES = {
         "failed to parse",
     ),
     "invalid UTF-8": (b'{"id": "\xff\xfe", "inputs": []}', "failed to parse"),
-    "classification": (
+    "negative classification": (
         json_infer(
-            [identity_input()], outputs=[{"name": "OUTPUT0", "parameters": {"classification": 2}}]
+            [identity_input()], outputs=[{"name": "OUTPUT0", "parameters": {"classification": -2}}]
         ),
-        "classification",
+        "'classification' must be a non-negative integer",
+    ),
+    "classification into shared memory": (
+        json_infer(
+            [identity_input()],
+            outputs=[
+                {
+                    "name": "OUTPUT0",
+                    "parameters": {
+                        "classification": 2,
+                        "shared_memory_region": "r",
+                        "shared_memory_byte_size": 64,
+                    },
+                }
+            ],
+        ),
+        "a classification cannot be written to shared memory",
     ),
 }
 
@@ -1716,8 +1732,7 @@ BAD_INFER_BODIES = {
 def test_bad_infer_bodies(port, label):
     body, fragment = BAD_INFER_BODIES[label]
     reply = request(port, "POST", "/v2/models/identity/infer", body)
-    status = 501 if label == "classification" else 400
-    assert_error(reply, status, fragment)
+    assert_error(reply, 400, fragment)
     assert_serving(port)
 
 

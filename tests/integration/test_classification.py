@@ -1,0 +1,110 @@
+"""Triton's classification extension (an output asked for with ``class_count``) through
+unmodified tritonclient HTTP and gRPC, checked against what Triton 2.51 answered for the
+same requests (tests/data/triton_reference/classification.json)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from dlserve.errors import InvalidArgumentError
+from dlserve.frontends import KServeGrpc, KServeHttp
+from dlserve.frontends.classification import top_k
+from dlserve.memory.dtypes import DataType
+from dlserve.memory.tensor import Tensor
+
+from ..conftest import frontend, serve
+
+REFERENCE = json.loads(
+    (Path(__file__).parents[1] / "data" / "triton_reference" / "classification.json").read_text()
+)
+SCORES = np.array(REFERENCE["input"]["data"], np.float32)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    yield from serve(tmp_path_factory, ["classifier", "classifier_nobatch"])
+
+
+@pytest.fixture(scope="module")
+def urls(server):
+    for http_port in frontend(KServeHttp, server):
+        for grpc_port in frontend(KServeGrpc, server):
+            yield {"http": f"127.0.0.1:{http_port}", "grpc": f"127.0.0.1:{grpc_port}"}
+
+
+def ask(urls, protocol: str, model: str, outputs: list, data: np.ndarray = SCORES):
+    """What tritonclient reads back: per output (values, shape, datatype)."""
+    module = httpclient if protocol == "http" else grpcclient
+    with module.InferenceServerClient(urls[protocol]) as client:
+        scores = module.InferInput("SCORES", list(data.shape), "FP32")
+        scores.set_data_from_numpy(data)
+        requested = [
+            module.InferRequestedOutput(name, binary_data=binary, class_count=count)
+            if protocol == "http"
+            else module.InferRequestedOutput(name, class_count=count)
+            for name, count, binary in outputs
+        ]
+        result = client.infer(model, [scores], outputs=requested)
+        answer = {}
+        for name, _, _ in outputs:
+            array = result.as_numpy(name)
+            output = result.get_output(name)
+            datatype = output["datatype"] if protocol == "http" else output.datatype
+            if array.dtype == object:  # bytes, or str when the output came as JSON
+                values = [v.decode() if isinstance(v, bytes) else v for v in array.reshape(-1)]
+            else:
+                values = array.tolist()
+            answer[name] = [values, list(array.shape), datatype]
+        return answer
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+@pytest.mark.parametrize("case", sorted(REFERENCE["cases"]))
+def test_classification_answers_as_triton_does(urls, protocol, case):
+    spec = REFERENCE["cases"][case]
+    assert ask(urls, protocol, spec["model"], spec["outputs"]) == spec["triton"][protocol]
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_a_negative_class_count_is_refused(urls, protocol):
+    with pytest.raises(InferenceServerException) as caught:
+        ask(urls, protocol, "classifier", [["PROBS", -1, True]])
+    assert caught.value.status() in ("400", "StatusCode.INVALID_ARGUMENT")
+    assert "'classification' must be a non-negative integer" in caught.value.message()
+    # the server stays up and answers the next request
+    assert ask(urls, protocol, "classifier", [["PROBS", 1, True]])["PROBS"][1] == [2, 1]
+
+
+def test_the_server_lists_the_extension(urls):
+    with httpclient.InferenceServerClient(urls["http"]) as client:
+        assert "classification" in client.get_server_metadata()["extensions"]
+
+
+# -- top_k itself ----------------------------------------------------------------------------
+
+
+def test_integers_print_as_integers_and_labels_stop_at_the_files_end():
+    tensor = Tensor.from_object(np.array([[3, 9, 9, 1]], np.int64))
+    out = top_k("OUT", tensor, 3, batched=True, labels=["a", "b"])
+    assert out.data_type is DataType.BYTES and list(out.shape) == [1, 3]
+    assert [v.decode() for v in out.as_numpy().reshape(-1)] == ["9:1:b", "9:2", "3:0:a"]
+
+
+def test_unsigned_values_rank_by_value():
+    tensor = Tensor.from_object(np.array([1, 255, 7], np.uint8))
+    out = top_k("OUT", tensor, 2, batched=False, labels=[])
+    assert [v.decode() for v in out.as_numpy()] == ["255:1", "7:2"]
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.bool_, np.object_])
+def test_types_without_an_order_triton_ranks_are_refused(dtype):
+    values = np.array([b"x", b"y"], dtype) if dtype is np.object_ else np.array([0, 1], dtype)
+    with pytest.raises(InvalidArgumentError, match="class result not available for output 'OUT'"):
+        top_k("OUT", Tensor.from_object(values), 1, batched=False, labels=[])
