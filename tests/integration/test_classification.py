@@ -5,6 +5,7 @@ same requests (tests/data/triton_reference/classification.json)."""
 from __future__ import annotations
 
 import json
+import queue
 from pathlib import Path
 
 import numpy as np
@@ -108,3 +109,19 @@ def test_types_without_an_order_triton_ranks_are_refused(dtype):
     values = np.array([b"x", b"y"], dtype) if dtype is np.object_ else np.array([0, 1], dtype)
     with pytest.raises(InvalidArgumentError, match="class result not available for output 'OUT'"):
         top_k("OUT", Tensor.from_object(values), 1, batched=False, labels=[])
+
+
+def test_a_grpc_stream_classifies_too(urls):
+    results: queue.Queue = queue.Queue()
+    with grpcclient.InferenceServerClient(urls["grpc"]) as client:
+        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        scores = grpcclient.InferInput("SCORES", list(SCORES.shape), "FP32")
+        scores.set_data_from_numpy(SCORES)
+        outputs = [grpcclient.InferRequestedOutput("PROBS", class_count=2)]
+        client.async_stream_infer("classifier", [scores], outputs=outputs)
+        result, error = results.get(timeout=10)
+        client.stop_stream()
+    assert error is None
+    expected = REFERENCE["cases"]["batched k=2 binary"]["triton"]["grpc"]["PROBS"]
+    assert [v.decode() for v in result.as_numpy("PROBS").reshape(-1)] == expected[0]
+    assert list(result.as_numpy("PROBS").shape) == expected[1]
