@@ -57,12 +57,20 @@ def top_k(name: str, tensor: Tensor, count: int, batched: bool, labels: list[str
     return Tensor(DataType.BYTES, shape, objects=objects.reshape(shape))
 
 
-def labels(path: Path) -> list[str]:
-    """The lines of a label file, read again only when it changes."""
+def labels(model_dir: Path, label_filename: str) -> list[str]:
+    """The lines of a model's label file, read again only when it changes. The file
+    must lie inside the model's directory: a config (which a repository client may
+    load) must not make a response carry some other file."""
+    root = model_dir.resolve()
+    path = (root / label_filename).resolve()
+    if not path.is_relative_to(root):
+        raise InvalidArgumentError(
+            f"label file '{label_filename}' lies outside the directory of its model"
+        )
     try:
         stamp = os.stat(path).st_mtime_ns
     except OSError:
-        raise InvalidArgumentError(f"label file '{path}' cannot be read") from None
+        raise InvalidArgumentError(f"label file '{label_filename}' cannot be read") from None
     return _read_labels(str(path), stamp)
 
 

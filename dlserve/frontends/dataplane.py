@@ -248,14 +248,14 @@ class DataPlane:
             return response
         model = self.engine.model(response.model_name, response.model_version)
         label_files = {o.name: o.label_filename for o in model.config.output if o.label_filename}
+        batched = model.config.max_batch_size > 0
         replaced = dict(response.outputs)
         for name, count in counts.items():
             tensor = replaced.get(name)
             if tensor is None:
                 continue
             label_file = label_files.get(name)
-            names = classification.labels(model.model_dir / label_file) if label_file else []
-            batched = model.config.max_batch_size > 0
+            names = classification.labels(model.model_dir, label_file) if label_file else []
             replaced[name] = classification.top_k(name, tensor, count, batched, names)
         return dataclasses.replace(response, outputs=replaced)
 

@@ -16,7 +16,7 @@ from tritonclient.utils import InferenceServerException
 
 from dlserve.errors import InvalidArgumentError
 from dlserve.frontends import KServeGrpc, KServeHttp
-from dlserve.frontends.classification import top_k
+from dlserve.frontends.classification import labels, top_k
 from dlserve.memory.dtypes import DataType
 from dlserve.memory.tensor import Tensor
 
@@ -125,3 +125,15 @@ def test_a_grpc_stream_classifies_too(urls):
     expected = REFERENCE["cases"]["batched k=2 binary"]["triton"]["grpc"]["PROBS"]
     assert [v.decode() for v in result.as_numpy("PROBS").reshape(-1)] == expected[0]
     assert list(result.as_numpy("PROBS").shape) == expected[1]
+
+
+def test_a_label_file_outside_the_model_directory_is_not_read(tmp_path):
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "labels.txt").write_text("cat\ndog\r\n")
+    (tmp_path / "secret.txt").write_text("not a label\n")
+    assert labels(model_dir, "labels.txt") == ["cat", "dog"]
+    with pytest.raises(InvalidArgumentError, match="lies outside the directory of its model"):
+        labels(model_dir, "../secret.txt")
+    with pytest.raises(InvalidArgumentError, match="'missing.txt' cannot be read"):
+        labels(model_dir, "missing.txt")
