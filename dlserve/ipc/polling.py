@@ -43,38 +43,36 @@ _MARGIN = 1.5  # a window covers the last wait that fit the limit with this much
 
 class _RunQueue:
     """How many tasks are runnable on the machine right now: the fourth field of
-    /proc/loadavg ("running/total"), read through a descriptor kept open (~3 µs) at
-    most once per ``fresh`` seconds. Without /proc, there is always a CPU to spare."""
+    /proc/loadavg ("running/total"), read (open, read, close: ~7 µs) at most once per
+    ``fresh`` seconds, and only once somebody asks: nothing is opened at import and
+    no descriptor is held. Without /proc, there is always a CPU to spare."""
 
     def __init__(
         self, path: str = "/proc/loadavg", cpus: int | None = None, fresh: float = 0.001
     ) -> None:
+        self._path = path
+        self._cpus = cpus  # usable_cpus() at the first reading unless given
         self._fresh = fresh
-        try:
-            self._fd: int | None = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            self._fd = None
-        self._cpus = usable_cpus() if cpus is None else cpus
         self._read_at = 0.0
         self._spare = True
 
     def cpu_to_spare(self) -> bool:
-        if self._fd is None:
-            return True
         now = time.perf_counter()
         if now - self._read_at >= self._fresh:
             self._read_at = now
+            if self._cpus is None:
+                self._cpus = usable_cpus()
             try:
-                running = int(os.pread(self._fd, 128, 0).split()[3].split(b"/")[0])
+                fd = os.open(self._path, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    text = os.read(fd, 128)
+                finally:
+                    os.close(fd)
+                running = int(text.split()[3].split(b"/")[0])
             except (OSError, ValueError, IndexError):
                 running = 0
             self._spare = running <= self._cpus  # the caller counts itself: none waits for a CPU
         return self._spare
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
 
 
 def usable_cpus(cgroup: Path = Path("/sys/fs/cgroup")) -> int:

@@ -156,15 +156,10 @@ def test_nobody_polls_on_a_busy_machine(pair, busy_machine):
 def test_a_cpu_is_spare_while_no_runnable_task_waits_for_one(tmp_path):
     loadavg = tmp_path / "loadavg"
     loadavg.write_text("0.50 0.40 0.30 2/150 4242\n")
-    queues = [polling._RunQueue(str(loadavg), cpus=2)]
-    assert queues[-1].cpu_to_spare()  # one task per CPU
+    assert polling._RunQueue(str(loadavg), cpus=2).cpu_to_spare()  # one task per CPU
     loadavg.write_text("2.50 1.40 0.30 3/150 4242\n")
-    queues.append(polling._RunQueue(str(loadavg), cpus=2))
-    assert not queues[-1].cpu_to_spare()  # one waits
-    queues.append(polling._RunQueue(str(tmp_path / "missing"), cpus=2))
-    assert queues[-1].cpu_to_spare()  # no /proc: nothing to go by
-    for queue in queues:
-        queue.close()
+    assert not polling._RunQueue(str(loadavg), cpus=2).cpu_to_spare()  # one waits
+    assert polling._RunQueue(str(tmp_path / "missing"), cpus=2).cpu_to_spare()  # no /proc
 
 
 def test_a_reading_of_the_run_queue_holds_while_it_is_fresh(tmp_path):
@@ -176,8 +171,6 @@ def test_a_reading_of_the_run_queue_holds_while_it_is_fresh(tmp_path):
     loadavg.write_text("0.50 0.40 0.30 9/150 4242\n")
     assert cached.cpu_to_spare()  # the reading of a moment ago still holds
     assert not always.cpu_to_spare()
-    cached.close()
-    always.close()
 
 
 def test_a_cgroup_cpu_quota_caps_the_cpus_polling_counts_on(tmp_path):
