@@ -1,10 +1,16 @@
-"""What the example clients share: where the models are, and telling a model whose
-framework is not installed (the example is skipped) from one that failed to load."""
+"""What the example clients share: where the models are, telling a model whose
+framework is not installed (the example is skipped) from one that failed to load,
+a KServe frontend for the duration of a block, and tritonclient inputs from arrays."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tritonclient.utils import np_to_triton_dtype
 
 import dlserve
 
@@ -32,6 +38,29 @@ def ready_model(server: dlserve.Server, name: str) -> dlserve.Model:
         # "failed to initialize model instance '...': TritonModelException: torch is not ..."
         raise Skipped(first_line.rsplit("TritonModelException: ", 1)[-1])
     raise RuntimeError(f"model '{name}' is not ready: {reason}")
+
+
+@contextlib.contextmanager
+def frontend(server: dlserve.Server, service_class: type) -> Iterator[str]:
+    """A ``KServeHttp`` or ``KServeGrpc`` service in front of ``server`` on a free
+    127.0.0.1 port (port=0) for the block; yields its ``host:port``."""
+    service = service_class(server, service_class.Options(address="127.0.0.1", port=0))
+    service.start()
+    try:
+        yield f"127.0.0.1:{service.port}"
+    finally:
+        service.stop()
+
+
+def client_inputs(client_module: Any, **arrays: np.ndarray) -> list[Any]:
+    """``InferInput``s of ``client_module`` (tritonclient.http or tritonclient.grpc)
+    holding ``arrays``, their datatypes taken from the arrays."""
+    inputs = []
+    for name, data in arrays.items():
+        tensor = client_module.InferInput(name, list(data.shape), np_to_triton_dtype(data.dtype))
+        tensor.set_data_from_numpy(data)
+        inputs.append(tensor)
+    return inputs
 
 
 def run_alone(run: Callable[[dlserve.Server], None], model: str, *dependencies: str) -> None:

@@ -15,7 +15,7 @@ import numpy as np
 import tritonclient.http as httpclient
 
 import dlserve
-from _common import ready_model, run_alone
+from _common import client_inputs, frontend, ready_model, run_alone
 from dlserve.frontends import KServeHttp
 
 MODEL = "bls_sync"
@@ -40,22 +40,13 @@ def run(server: dlserve.Server) -> None:
     assert np.allclose(output1, input0 - input1), "bls_sync: wrong difference"
 
     # The same over HTTP: a KServe HTTP service on a free port (port=0), tritonclient.http.
-    service = KServeHttp(server, KServeHttp.Options(address="127.0.0.1", port=0))
-    service.start()
-    try:
-        with httpclient.InferenceServerClient(f"127.0.0.1:{service.port}") as client:
-            inputs = []
-            for name, data in (("INPUT0", input0), ("INPUT1", input1)):
-                tensor = httpclient.InferInput(name, list(data.shape), "FP32")
-                tensor.set_data_from_numpy(data)
-                inputs.append(tensor)
-            result = client.infer(MODEL, inputs)
-            output0, output1 = result.as_numpy("OUTPUT0"), result.as_numpy("OUTPUT1")
-            print(f"bls_sync over HTTP: OUTPUT0 {output0}, OUTPUT1 {output1}")
-            assert np.allclose(output0, input0 + input1), "bls_sync: wrong sum (HTTP)"
-            assert np.allclose(output1, input0 - input1), "bls_sync: wrong difference (HTTP)"
-    finally:
-        service.stop()
+    with frontend(server, KServeHttp) as url, httpclient.InferenceServerClient(url) as client:
+        inputs = client_inputs(httpclient, INPUT0=input0, INPUT1=input1)
+        result = client.infer(MODEL, inputs)
+        output0, output1 = result.as_numpy("OUTPUT0"), result.as_numpy("OUTPUT1")
+        print(f"bls_sync over HTTP: OUTPUT0 {output0}, OUTPUT1 {output1}")
+        assert np.allclose(output0, input0 + input1), "bls_sync: wrong sum (HTTP)"
+        assert np.allclose(output1, input0 - input1), "bls_sync: wrong difference (HTTP)"
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 
 import dlserve
-from _common import ready_model, run_alone
+from _common import client_inputs, frontend, ready_model, run_alone
 from dlserve.frontends import KServeGrpc
 
 MODEL = "pipeline"
@@ -35,23 +35,13 @@ def run(server: dlserve.Server) -> None:
     assert np.allclose(difference, input0 - input1), "pipeline: wrong difference"
 
     # The same over gRPC: a KServe gRPC service on a free port (port=0), tritonclient.grpc.
-    service = KServeGrpc(server, KServeGrpc.Options(address="127.0.0.1", port=0))
-    service.start()
-    try:
-        with grpcclient.InferenceServerClient(f"127.0.0.1:{service.port}") as client:
-            assert client.get_model_metadata(MODEL).platform == "ensemble"
-            inputs = []
-            for name, data in (("INPUT0", input0), ("INPUT1", input1)):
-                tensor = grpcclient.InferInput(name, list(data.shape), "FP32")
-                tensor.set_data_from_numpy(data)
-                inputs.append(tensor)
-            result = client.infer(MODEL, inputs)
-            total, difference = result.as_numpy("SUM"), result.as_numpy("DIFF")
-            print(f"pipeline over gRPC: SUM {total}, DIFF {difference}")
-            assert np.allclose(total, input0 + input1), "pipeline: wrong sum (gRPC)"
-            assert np.allclose(difference, input0 - input1), "pipeline: wrong difference (gRPC)"
-    finally:
-        service.stop()
+    with frontend(server, KServeGrpc) as url, grpcclient.InferenceServerClient(url) as client:
+        assert client.get_model_metadata(MODEL).platform == "ensemble"
+        result = client.infer(MODEL, client_inputs(grpcclient, INPUT0=input0, INPUT1=input1))
+        total, difference = result.as_numpy("SUM"), result.as_numpy("DIFF")
+        print(f"pipeline over gRPC: SUM {total}, DIFF {difference}")
+        assert np.allclose(total, input0 + input1), "pipeline: wrong sum (gRPC)"
+        assert np.allclose(difference, input0 - input1), "pipeline: wrong difference (gRPC)"
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 
 import dlserve
-from _common import ready_model, run_alone
+from _common import client_inputs, frontend, ready_model, run_alone
 from dlserve.frontends import KServeGrpc
 
 MODEL = "repeat"
@@ -29,15 +29,10 @@ TIMEOUT = 30  # seconds to wait for any one response
 
 def repeat_inputs(values, delays_ms=None) -> list[grpcclient.InferInput]:
     """IN (INT32) and, if given, DELAY (UINT32: milliseconds before each response)."""
-    tensors = [("IN", np.array(values, dtype=np.int32), "INT32")]
+    arrays = {"IN": np.array(values, dtype=np.int32)}
     if delays_ms is not None:
-        tensors.append(("DELAY", np.array(delays_ms, dtype=np.uint32), "UINT32"))
-    inputs = []
-    for name, data, datatype in tensors:
-        tensor = grpcclient.InferInput(name, list(data.shape), datatype)
-        tensor.set_data_from_numpy(data)
-        inputs.append(tensor)
-    return inputs
+        arrays["DELAY"] = np.array(delays_ms, dtype=np.uint32)
+    return client_inputs(grpcclient, **arrays)
 
 
 def is_final(result: grpcclient.InferResult) -> bool:
@@ -122,35 +117,29 @@ def cancel_a_long_request(client: grpcclient.InferenceServerClient) -> None:
 
 def run(server: dlserve.Server) -> None:
     ready_model(server, MODEL)
-    service = KServeGrpc(server, KServeGrpc.Options(address="127.0.0.1", port=0))  # a free port
-    service.start()
-    try:
-        url = f"127.0.0.1:{service.port}"
-        with grpcclient.InferenceServerClient(url) as client:
-            stream_two_requests(client)
+    with frontend(server, KServeGrpc) as url, grpcclient.InferenceServerClient(url) as client:
+        stream_two_requests(client)
 
-            before = client.get_inference_statistics(MODEL).model_stats[0].inference_stats
-            cancel_a_long_request(client)
+        before = client.get_inference_statistics(MODEL).model_stats[0].inference_stats
+        cancel_a_long_request(client)
 
-            # The server is fine: live, the model ready, and the next stream works as before.
-            # (Not is_server_ready(): it is False while any model of the server failed to
-            # load, as when run_examples.py runs without a framework installed.)
-            assert client.is_server_live() and client.is_model_ready(MODEL), "repeat: not ready"
-            stream_two_requests(client)
-            # The server notices the cancelled stream on its own time: give it a moment.
-            deadline = time.monotonic() + TIMEOUT
-            while True:
-                after = client.get_inference_statistics(MODEL).model_stats[0].inference_stats
-                failed = after.fail.count - before.fail.count
-                succeeded = after.success.count - before.success.count
-                if failed or time.monotonic() > deadline:
-                    break
-                time.sleep(0.01)
-            print(f"repeat: the server counted the cancelled request as failed ({failed}), "
-                  f"the {succeeded} after it as successes")
-            assert failed == 1 and succeeded == 2, "repeat: unexpected statistics"
-    finally:
-        service.stop()
+        # The server is fine: live, the model ready, and the next stream works as before.
+        # (Not is_server_ready(): it is False while any model of the server failed to
+        # load, as when run_examples.py runs without a framework installed.)
+        assert client.is_server_live() and client.is_model_ready(MODEL), "repeat: not ready"
+        stream_two_requests(client)
+        # The server notices the cancelled stream on its own time: give it a moment.
+        deadline = time.monotonic() + TIMEOUT
+        while True:
+            after = client.get_inference_statistics(MODEL).model_stats[0].inference_stats
+            failed = after.fail.count - before.fail.count
+            succeeded = after.success.count - before.success.count
+            if failed or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        print(f"repeat: the server counted the cancelled request as failed ({failed}), "
+              f"the {succeeded} after it as successes")
+        assert failed == 1 and succeeded == 2, "repeat: unexpected statistics"
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aioclient
 
 import dlserve
-from _common import ready_model, run_alone
+from _common import client_inputs, frontend, ready_model, run_alone
 from dlserve.frontends import KServeGrpc
 
 MODEL = "square"
@@ -28,9 +28,7 @@ TIMEOUT = 30  # seconds to wait for any one response
 
 
 def square_input(n: int) -> list[grpcclient.InferInput]:
-    tensor = grpcclient.InferInput("IN", [1], "INT32")
-    tensor.set_data_from_numpy(np.array([n], dtype=np.int32))
-    return [tensor]
+    return client_inputs(grpcclient, IN=np.array([n], dtype=np.int32))
 
 
 def is_final(result: grpcclient.InferResult) -> bool:
@@ -101,14 +99,9 @@ async def stream_with_the_aio_client(url: str) -> None:
 
 def run(server: dlserve.Server) -> None:
     ready_model(server, MODEL)
-    service = KServeGrpc(server, KServeGrpc.Options(address="127.0.0.1", port=0))  # a free port
-    service.start()
-    try:
-        url = f"127.0.0.1:{service.port}"
+    with frontend(server, KServeGrpc) as url:
         stream_with_the_sync_client(url)
         asyncio.run(stream_with_the_aio_client(url))
-    finally:
-        service.stop()
 
 
 if __name__ == "__main__":
