@@ -54,8 +54,6 @@ class ServerChannel(asyncio.Protocol):
         self._corr = itertools.count(1)
         self._releases: list[int] = []
         self._flush_scheduled = False
-        self._out: list[bytes] = []
-        self._out_scheduled = False
         self._loop = asyncio.get_running_loop()
         self._poller = loop_poller(self._loop)
         self._reply_wait = PollWindow(poll_limit)
@@ -103,23 +101,16 @@ class ServerChannel(asyncio.Protocol):
         return self._transport is not None
 
     def _write(self, frame: bytes) -> None:
-        """Queue a frame; everything queued in one loop turn goes out in one write
-        (one system call and one wake-up of the worker for a burst of requests)."""
+        """Send a frame now, any releases waiting to go back bundled behind it.
+
+        Now, not at the end of the loop turn: the rest of the turn can be long (a batch
+        that just finished writes all its HTTP responses in it), and the worker would sit
+        idle that long before it saw its next execute."""
         if self._transport is None:
             raise UnavailableError("worker process is not running")
-        self._out.append(frame)
-        if not self._out_scheduled:
-            self._out_scheduled = True
-            self._loop.call_soon(self._send_out)
-
-    def _send_out(self) -> None:
-        self._out_scheduled = False
-        frames, self._out = self._out, []
-        if self._transport is None:
-            return
-        if self._releases:  # after the messages: they may still refer to what is released
-            frames.append(encode(Kind.RELEASE, 0, self._take_releases()))
-        self._transport.write(b"".join(frames))
+        if self._releases:  # after the message: it may still refer to what is released
+            frame += encode(Kind.RELEASE, 0, self._take_releases())
+        self._transport.write(frame)
 
     def request(self, kind: int, body: Any) -> asyncio.Future[Any]:
         """Send a request; the future resolves to the reply body or raises its error."""
@@ -161,7 +152,7 @@ class ServerChannel(asyncio.Protocol):
 
     def _flush(self) -> None:
         self._flush_scheduled = False
-        if self._releases and self._transport is not None and not self._out_scheduled:
+        if self._releases and self._transport is not None:
             self._transport.write(encode(Kind.RELEASE, 0, self._take_releases()))
 
     def close(self) -> None:
