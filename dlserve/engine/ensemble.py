@@ -161,6 +161,8 @@ class _Run:
         self.scheduler = scheduler
         self.steps = scheduler.steps
         self.request = request
+        self.started_ns = time.monotonic_ns()
+        self.calls: list[Request] = []  # every step request made, for the statistics
         self.branches: list[_Branch] = []
         request.cancel_hook = self.cancel
         self.root = self._branch(dict(request.inputs), list(range(len(self.steps))))
@@ -196,6 +198,7 @@ class _Run:
                     )
                 branch.fork(index)
             branch.running[index] = call
+            self.calls.append(call)
             model.resources.host.submit(call)
         except TritonError as exc:
             branch.running.pop(index, None)
@@ -278,16 +281,24 @@ class _Run:
     def _deliver(self, response: Response) -> None:
         request = self.request
         if response.final:
-            ensemble = self.scheduler.model
-            # One execution per request, as Triton counts an ensemble's. Triton adds up
-            # the steps' own times; here the steps' wall time counts as compute, and each
-            # step's model has the exact breakdown in its own statistics.
-            ensemble.stats.record_execution(
-                batch_size=ensemble.batch_size_of(request),
-                request_count=1,
-                queue_ns=[0],
-                input_ns=0,
-                infer_ns=time.monotonic_ns() - request.arrival_ns,
-                output_ns=0,
-            )
+            self._record(request)
         self.scheduler._deliver(request, response, None)
+
+    def _record(self, request: Request) -> None:
+        """One execution per request, as Triton counts an ensemble's: its queue time is
+        its own (until the steps start), its compute times the sums of its steps' (an
+        execution of a decoupled step still running when the last answer goes out
+        counts as far as it got)."""
+        calls = self.calls
+        request.compute_input_ns = sum(call.compute_input_ns for call in calls)
+        request.compute_infer_ns = sum(call.compute_infer_ns for call in calls)
+        request.compute_output_ns = sum(call.compute_output_ns for call in calls)
+        ensemble = self.scheduler.model
+        ensemble.stats.record_execution(
+            batch_size=ensemble.batch_size_of(request),
+            request_count=1,
+            queue_ns=[self.started_ns - request.arrival_ns],
+            input_ns=request.compute_input_ns,
+            infer_ns=request.compute_infer_ns,
+            output_ns=request.compute_output_ns,
+        )

@@ -59,8 +59,9 @@ class Request:
     first), so a call that would wait on itself is refused instead of hanging.
 
     The engine fills in the rest: ``finished`` once the final response went out
-    (nothing is delivered after it), ``cancelled``, and while the request executes,
-    ``cancel_hook`` to tell its worker.
+    (nothing is delivered after it), ``cancelled``, while the request executes
+    ``cancel_hook`` to tell its worker, and the ``compute_*_ns`` its executions took
+    (Triton's compute_input/infer/output; an ensemble adds up its steps' for its own).
     """
 
     model_name: str
@@ -82,6 +83,9 @@ class Request:
     cancelled: bool = False
     owner: Any = None  # the scheduler that accepted it
     cancel_hook: Callable[[], None] | None = None
+    compute_input_ns: int = 0
+    compute_infer_ns: int = 0
+    compute_output_ns: int = 0
 
     @property
     def label(self) -> str:

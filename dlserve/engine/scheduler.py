@@ -200,6 +200,9 @@ class Scheduler:
             # An error the model returns in a response still counts as a success, as
             # in Triton's statistics: the request was executed and answered.
             for request, response in zip(batch, result):
+                request.compute_input_ns += timings.input_ns
+                request.compute_infer_ns += timings.infer_ns
+                request.compute_output_ns += timings.output_ns
                 if response is None:
                     self._reschedule(request)
                 elif response is not STREAMING:  # those come through stream_response

@@ -104,18 +104,37 @@ def test_config_and_metadata_are_rendered_as_triton_renders_them(server):
     assert server.model("pipeline").metadata() == reference["metadata"]
 
 
-def test_statistics_count_each_request_once_and_the_steps_count_theirs(server):
+def test_statistics_count_each_request_once_and_sum_the_steps_compute_times(server):
+    """As Triton 2.51 counts an ensemble (checked on it with examples/models/pipeline):
+    one execution per request, its own queue time, and compute times that are the sums
+    of its steps' compute times."""
     def stats(model: str) -> dict:
         return server.model(model).statistics()["model_stats"][0]
 
-    before, steps_before = stats("pipeline"), stats("identity")["inference_count"]
+    def ns(entry: dict, key: str) -> int:
+        return int(entry["inference_stats"][key]["ns"])
+
+    steps = ("add_sub", "identity")
+    before = {m: stats(m) for m in ("pipeline", *steps)}
     for _ in range(3):
         (response,) = server.model("pipeline").infer(inputs={"A": A, "B": B})
         assert response.error is None
-    after = stats("pipeline")
-    assert after["inference_stats"]["success"]["count"] - before["inference_stats"]["success"]["count"] == 3
-    assert after["execution_count"] - before["execution_count"] == 3
-    assert stats("identity")["inference_count"] - steps_before == 6  # two identity steps each
+    after = {m: stats(m) for m in ("pipeline", *steps)}
+    ensemble, was = after["pipeline"], before["pipeline"]
+    successes = ensemble["inference_stats"]["success"]["count"]
+    assert successes - was["inference_stats"]["success"]["count"] == 3
+    assert ensemble["execution_count"] - was["execution_count"] == 3
+    identity_runs = after["identity"]["inference_count"] - before["identity"]["inference_count"]
+    assert identity_runs == 6  # two identity steps each
+    for key in ("compute_input", "compute_infer", "compute_output"):
+        spent = ns(ensemble, key) - ns(was, key)
+        assert spent > 0
+        assert spent == sum(ns(after[m], key) - ns(before[m], key) for m in steps), key
+    (batch,) = [row for row in ensemble["batch_stats"] if row["batch_size"] == 1]
+    assert int(batch["compute_infer"]["ns"]) == ns(ensemble, "compute_infer")
+    # Its queue time is its own wait before the steps start, not the steps' queues.
+    queued = ns(ensemble, "queue") - ns(was, "queue")
+    assert 0 <= queued < ns(ensemble, "compute_infer") - ns(was, "compute_infer")
 
 
 def test_a_failing_step_fails_the_request_with_its_error(server):
