@@ -20,6 +20,7 @@ import importlib.util
 import inspect
 import json
 import os
+import signal
 import socket
 import sys
 import threading
@@ -388,6 +389,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--instance-name", required=True)
     parser.add_argument("--poll-us", type=int, default=0)
     args = parser.parse_args(argv)
+    # Ctrl-C in a terminal reaches the whole process group: the server shuts down in
+    # order (the model's finalize included); a worker stopped by it would crash instead.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     sock = socket.socket(fileno=args.fd)
     channel = WorkerChannel(sock)

@@ -89,7 +89,11 @@ class Serve:
         for service, port in self.ports.items():
             command += [f"--{service}-address", "127.0.0.1", f"--{service}-port", str(port)]
         with self.out.open("w") as out, self.err.open("w") as err:
-            self.proc = subprocess.Popen(command, stdout=out, stderr=err, cwd=workdir, env=env)
+            # In a session of its own, as a server started from a shell is in its own process
+            # group: a test can send a terminal's Ctrl-C to that group.
+            self.proc = subprocess.Popen(
+                command, stdout=out, stderr=err, cwd=workdir, env=env, start_new_session=True
+            )
         self.pid = self.proc.pid
 
     @property
@@ -395,6 +399,33 @@ def test_sigint_http_only_restricted_api_and_log_file(serve, make_repo, tmp_path
     assert "logger model initialized" in log  # the model's pb_utils.Logger lines
     assert "info message" in log and "error message" in log
     assert "shutting down: finishing in-flight requests" in log
+
+
+FINALIZER = {
+    "config.pbtxt": 'name: "finalizer"\nbackend: "python"\n'
+    'input [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
+    'output [ { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] } ]\n',
+    "1/model.py": "import os\n\n\nclass TritonPythonModel:\n"
+    "    def execute(self, requests):\n        return []\n\n"
+    "    def finalize(self):\n"
+    "        with open(os.environ['FINALIZE_MARKER'], 'w') as out:\n"
+    "            out.write('finalized')\n",
+}
+
+
+def test_ctrl_c_to_the_process_group_still_finalizes_the_models(serve, make_repo, tmp_path):
+    """A terminal's Ctrl-C reaches the server and its workers: the workers leave the
+    shutdown to the server, so the model's finalize runs and nothing crashes."""
+    marker = tmp_path / "finalized"
+    process = serve(
+        "--model-repository", str(make_repo(extra={"finalizer": FINALIZER})),
+        env={**os.environ, "FINALIZE_MARKER": str(marker)},
+    ).wait_started()
+    os.killpg(process.pid, signal.SIGINT)
+    assert process.proc.wait(timeout=30) == 0, process.output()
+    process.assert_clean()
+    assert marker.read_text() == "finalized", process.output()
+    assert "KeyboardInterrupt" not in process.stderr, process.output()
 
 
 def test_explicit_mode_loads_only_the_named_models(serve, make_repo):
