@@ -31,6 +31,7 @@ _EXPORTS = {
     "Options": "dlserve.engine.server",
     "RateLimitMode": "dlserve.engine.server",
     "Server": "dlserve.engine.server",
+    "TraceSettings": "dlserve.engine.tracing",
     "AlreadyExistsError": "dlserve.errors",
     "CancelledError": "dlserve.errors",
     "InternalError": "dlserve.errors",

@@ -135,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     _bool_flag(shared, "--log-warning", True, "log warnings")
     _bool_flag(shared, "--log-error", True, "log errors")
     shared.add_argument("--log-file", default="", metavar="PATH")
+    shared.add_argument("--trace-config", action="append", default=[], metavar="[triton,]SETTING=VALUE",
+                        help="request tracing, as tritonserver: file=PATH, level=TIMESTAMPS, rate=N, "
+                        "count=N, log-frequency=N (repeatable)")
     perf_cli.add_parser(commands)
     return parser
 
@@ -148,6 +151,39 @@ def _backend_config(entries: list[str]) -> dict[str, dict[str, str]]:
             raise SystemExit(f"dlserve: --backend-config '{entry}' must look like python,KEY=VALUE")
         config.setdefault(backend, {})[key] = value
     return config
+
+
+_TRACE_KEYS = {"file": "file", "level": "level", "rate": "rate", "count": "count",
+               "log-frequency": "log_frequency", "mode": "mode"}
+
+
+def _trace_settings(entries: list[str]) -> Any:
+    """``--trace-config`` entries (``[triton,]setting=value``) as TraceSettings."""
+    from dlserve.engine.tracing import TraceSettings
+
+    settings = TraceSettings()
+    levels: list[str] = []
+    for entry in entries:
+        mode, _, setting = entry.rpartition(",")
+        key, sep, value = setting.partition("=")
+        field = _TRACE_KEYS.get(key)
+        if mode not in ("", "triton") or not sep or field is None:
+            raise SystemExit(
+                f"dlserve: --trace-config '{entry}' must look like [triton,]SETTING=VALUE with SETTING "
+                f"one of {', '.join(_TRACE_KEYS)} (only Triton's trace files are written)"
+            )
+        if field == "level":
+            levels.append(value.upper())
+        elif field in ("file", "mode"):
+            setattr(settings, field, value)
+        else:
+            try:
+                setattr(settings, field, int(value))
+            except ValueError:
+                raise SystemExit(f"dlserve: --trace-config {key} must be an integer, got '{value}'") from None
+    if levels:
+        settings.level = tuple(levels)
+    return settings
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -180,6 +216,7 @@ def serve(args: argparse.Namespace) -> int:
         backend_configuration=_backend_config(args.backend_config),
         repository_poll_secs=args.repository_poll_secs,
         busy_poll_us=args.busy_poll_us,
+        trace=_trace_settings(args.trace_config),
     )
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -25,7 +25,14 @@ from dlserve.engine.manager import ModelControlMode, ModelManager
 from dlserve.engine.model import EngineResources, ModelVersion
 from dlserve.engine.repository import Repository
 from dlserve.engine.request import Request, validate_request
-from dlserve.errors import InternalError, InvalidArgumentError, NotFoundError, UnavailableError
+from dlserve.engine.tracing import Tracer, TraceSettings
+from dlserve.errors import (
+    InternalError,
+    InvalidArgumentError,
+    NotFoundError,
+    TritonError,
+    UnavailableError,
+)
 from dlserve.ipc.environments import Environments
 from dlserve.ipc.supervisor import unlink_segments
 from dlserve.ipc.tensors import INLINE_MAX
@@ -38,15 +45,18 @@ from dlserve.memory.tensor import Tensor
 log = logging.getLogger("dlserve.engine")
 
 SEGMENT_NAMESPACE = "dlserve_"  # reserved: clients may never register a region here
-EXTENSIONS = [
+EXTENSIONS = [  # Triton's order; cuda_shared_memory is left out (no CUDA here)
     "classification",
+    "sequence",
     "model_repository",
     "model_repository(unload_dependents)",
+    "schedule_policy",
     "model_configuration",
     "system_shared_memory",
     "binary_tensor_data",
     "parameters",
     "statistics",
+    "trace",
     "logging",
 ]
 _MIB = 1 << 20
@@ -67,6 +77,7 @@ class EngineSettings:
     worker_arena_bytes: int = 16 * _MIB
     busy_poll_us: int = 1000
     log: LogSettings = dataclasses.field(default_factory=LogSettings)
+    trace: TraceSettings = dataclasses.field(default_factory=TraceSettings)
 
 
 def gpu_count() -> int:
@@ -111,7 +122,11 @@ class Engine:
         self.manager: ModelManager | None = None
         self.custom_metrics = CustomMetrics()
         self.regions = SystemRegions(self.space, SEGMENT_NAMESPACE, on_forget=self._forget_everywhere)
+        self.tracer = Tracer(settings.trace, self._knows)
         self.live = False
+
+    def _knows(self, name: str) -> bool:
+        return self.manager is not None and name in self.manager.models
 
     # -- lifecycle ----------------------------------------------------------------------
     async def start(self) -> list[str]:
@@ -151,6 +166,7 @@ class Engine:
             deadline = time.monotonic() + self.settings.exit_timeout
         if self.manager is not None:
             await self.manager.stop(deadline)
+        self.tracer.close()
         self._release_memory()
 
     def kill(self) -> None:
@@ -158,6 +174,7 @@ class Engine:
         self.live = False
         if self.manager is not None:
             self.manager.kill()
+        self.tracer.close()
         self._release_memory()
 
     def instances(self) -> list[Any]:
@@ -283,11 +300,29 @@ class Engine:
         validate_request(request, model.signature)
         return model
 
-    def submit(self, request: Request) -> None:
-        """Validate and queue a request (on the loop); responses go to ``on_response``."""
-        if not self.live:
-            raise UnavailableError("the server is stopping and takes no new requests")
-        model = self.prepare(request)
+    def submit(self, request: Request, sample: bool = True) -> None:
+        """Validate and queue a request (on the loop); responses go to ``on_response``.
+        ``sample``: trace it if the trace settings pick it (False for a step of
+        something traced or not already)."""
+        try:
+            if not self.live:
+                raise UnavailableError("the server is stopping and takes no new requests")
+            model = self.prepare(request)
+        except TritonError:
+            if request.trace is not None:
+                request.trace.discard()
+            raise
+        self.enqueue(model, request, sample)
+
+    def enqueue(self, model: ModelVersion, request: Request, sample: bool = True) -> None:
+        """Queue a request :meth:`prepare` accepted (on the loop)."""
+        trace = request.trace
+        if trace is None and sample and self.tracer.enabled:
+            trace = request.trace = self.tracer.start(model.name, request.request_id)
+        if trace is not None:
+            trace.model_version = model.version
+            trace.record("REQUEST_START", request.arrival_ns)
+            trace.record("QUEUE_START")
         model.scheduler.submit(request)
 
     @staticmethod

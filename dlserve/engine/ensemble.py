@@ -186,6 +186,7 @@ class _Run:
             timeout_us=request.timeout_us,
             parameters=request.parameters,
             requested_outputs=list(step.outputs),
+            trace=None if request.trace is None else request.trace.child(step.model, request.request_id),
         )
         model = self.scheduler.model
         try:
@@ -199,7 +200,7 @@ class _Run:
                 branch.fork(index)
             branch.running[index] = call
             self.calls.append(call)
-            model.resources.host.submit(call)
+            model.resources.host.submit(call, sample=False)
         except TritonError as exc:
             branch.running.pop(index, None)
             self._fail(exc)

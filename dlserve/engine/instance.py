@@ -326,7 +326,15 @@ class ModelInstance:
             except TritonError as exc:
                 done(exc, None)
                 return
-            done(results, Timings(t1 - t0, t2 - t1, time.monotonic_ns() - t2))
+            t3 = time.monotonic_ns()
+            for request in requests:
+                trace = request.trace
+                if trace is not None:
+                    trace.record("COMPUTE_START", t0)
+                    trace.record("COMPUTE_INPUT_END", t1)
+                    trace.record("COMPUTE_OUTPUT_START", t2)
+                    trace.record("COMPUTE_END", t3)
+            done(results, Timings(t1 - t0, t2 - t1, t3 - t2))
 
         future.add_done_callback(finished)
 

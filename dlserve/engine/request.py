@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from dlserve.engine.proto import model_config_pb2 as mc
+from dlserve.engine.tracing import Trace
 from dlserve.errors import InvalidArgumentError, TritonError
 from dlserve.memory.dtypes import DataType
 from dlserve.memory.tensor import Tensor
@@ -86,6 +87,7 @@ class Request:
     compute_input_ns: int = 0
     compute_infer_ns: int = 0
     compute_output_ns: int = 0
+    trace: Trace | None = None  # set when the request is sampled for tracing
 
     @property
     def label(self) -> str:

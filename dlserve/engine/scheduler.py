@@ -237,10 +237,18 @@ class Scheduler:
             request.cancel_hook = None
             self.unfinished -= 1
             self.model.stats.record_request(time.monotonic_ns() - request.arrival_ns, failure)
+        trace = request.trace
+        if trace is not None:
+            if trace.parent_id is None:  # as Triton: a step's answer goes to its ensemble
+                trace.record("INFER_RESPONSE_COMPLETE")
+            if response.final:
+                trace.record("REQUEST_END")
         try:
             request.on_response(response)
         except Exception:  # noqa: BLE001 - one caller's broken callback must not hurt others
             log.exception("response callback for request '%s' failed", request.request_id)
+        if trace is not None and response.final:
+            trace.release_soon()
         if not self.unfinished:
             self._idle.set()
 

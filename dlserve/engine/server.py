@@ -24,6 +24,7 @@ from dlserve.engine.core import Engine, EngineSettings
 from dlserve.engine.logs import LogSettings
 from dlserve.engine.manager import ModelControlMode
 from dlserve.engine.request import Request, Response
+from dlserve.engine.tracing import TraceSettings
 from dlserve.errors import (
     InternalError,
     InvalidArgumentError,
@@ -76,7 +77,8 @@ class Options:
     accepted for compatibility. dlserve's own: ``shm_arena_size`` sizes the
     server's arena for request inputs; ``repository_poll_secs`` sets the POLL period;
     ``busy_poll_us`` is the most the server and the models' workers poll for an
-    expected message before they sleep (:mod:`dlserve.ipc.polling`; 0 = never).
+    expected message before they sleep (:mod:`dlserve.ipc.polling`; 0 = never);
+    ``trace`` holds tritonserver's ``--trace-config`` settings (:mod:`dlserve.engine.tracing`).
     """
 
     model_repository: str | list[str] = dataclasses.field(default_factory=list)
@@ -118,6 +120,7 @@ class Options:
     shm_arena_size: int = 64 * _MIB
     repository_poll_secs: float = 15.0
     busy_poll_us: int = 1000
+    trace: TraceSettings = dataclasses.field(default_factory=TraceSettings)
 
     def engine_settings(self) -> EngineSettings:
         repos = self.model_repository
@@ -135,6 +138,7 @@ class Options:
             raise InvalidArgumentError("exit_timeout must be >= 0")
         if not 0 <= self.busy_poll_us <= 10_000:
             raise InvalidArgumentError("busy_poll_us must be between 0 and 10000")
+        self.trace.values()  # raises on a bad setting
         return EngineSettings(
             model_repositories=repositories,
             server_id=self.server_id,
@@ -149,6 +153,7 @@ class Options:
             worker_arena_bytes=worker_bytes,
             busy_poll_us=int(self.busy_poll_us),
             log=self.log_settings(),
+            trace=self.trace,
         )
 
     def log_settings(self) -> LogSettings:
@@ -321,7 +326,7 @@ class Model:
         for name, tensor in engine_request.inputs.items():
             engine_request.inputs[name] = engine.share(tensor)
         model = engine.prepare(engine_request)
-        self._server._on_loop(model.scheduler.submit, engine_request)
+        self._server._on_loop(engine.enqueue, model, engine_request)
         return engine_request
 
     def infer(

@@ -13,13 +13,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
-from collections.abc import AsyncGenerator, Iterable
+from collections.abc import AsyncGenerator, Callable, Iterable
 from typing import Any
 
 import numpy as np
 
 from dlserve.engine.core import Engine
 from dlserve.engine.request import Request, Response, parse_version
+from dlserve.engine.tracing import Trace
 from dlserve.errors import InvalidArgumentError, NotFoundError, UnsupportedError
 from dlserve.frontends import classification
 from dlserve.memory.dtypes import DataType
@@ -259,9 +260,15 @@ class DataPlane:
             replaced[name] = classification.top_k(name, tensor, count, batched, names)
         return dataclasses.replace(response, outputs=replaced)
 
-    async def infer(self, request: Request) -> Response:
+    async def infer(
+        self, request: Request, traced: Callable[[Trace], None] | None = None
+    ) -> Response:
         """Run a one-response request and return its response (errors inside it).
-        If the caller is cancelled (its client went away), so is the request."""
+        If the caller is cancelled (its client went away), so is the request.
+
+        ``traced(trace)`` runs as soon as a request picked for tracing is queued: the
+        frontend records when it received the request there, and may ``hold()`` the
+        trace until it has sent the response (then ``release()`` it, sent or not)."""
         future: asyncio.Future[Response] = asyncio.get_running_loop().create_future()
 
         def deliver(response: Response) -> None:
@@ -270,6 +277,8 @@ class DataPlane:
 
         request.on_response = deliver
         self.engine.submit(request)
+        if traced is not None and request.trace is not None:
+            traced(request.trace)
         try:
             return await future
         except asyncio.CancelledError:

@@ -38,6 +38,7 @@ import asyncio
 import functools
 import logging
 import re
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -46,6 +47,7 @@ import numpy as np
 from google.protobuf import json_format
 
 from dlserve.engine.request import Request, Response
+from dlserve.engine.tracing import Trace
 from dlserve.errors import (
     ErrorCode,
     InvalidArgumentError,
@@ -515,9 +517,28 @@ class InferenceServicer:
     # -- trace and logging --------------------------------------------------------------
     @_rpc("trace")
     async def TraceSetting(self, request: Any, context: Any) -> pb.TraceSettingResponse:
-        raise UnsupportedError(
-            "trace settings are not supported: dlserve does not implement tracing"
-        )
+        tracer, model = self.engine.tracer, request.model_name or None
+        if request.settings:
+            changes: dict[str, Any] = {}
+            for key, entry in request.settings.items():
+                values = list(entry.value)
+                if not values:  # no value: back to the default
+                    changes[key] = None
+                elif key == "trace_level":
+                    changes[key] = values
+                elif len(values) == 1:
+                    changes[key] = values[0]
+                else:
+                    raise InvalidArgumentError(
+                        f"trace setting '{key}' takes one value, got {len(values)}"
+                    )
+            settings = tracer.update(model, changes)
+        else:
+            settings = tracer.settings(model)
+        response = pb.TraceSettingResponse()
+        for key, value in settings.items():
+            response.settings[key].value.extend(value if isinstance(value, list) else [value])
+        return response
 
     @_rpc("logging")
     async def LogSettings(self, request: Any, context: Any) -> pb.LogSettingsResponse:
@@ -640,16 +661,33 @@ class InferenceServicer:
     async def ModelInfer(
         self, request: pb.ModelInferRequest, context: Any
     ) -> pb.ModelInferResponse:
+        received = time.monotonic_ns()
         engine_request, specs = self.decode(request, context)
-        # A client that cancels or whose deadline passes cancels its request in there.
-        response = await self.dataplane.infer(engine_request)
-        if response.error is not None:
-            raise response.error
-        if specs:
-            response = self.dataplane.classified(response, specs.values())
-        if self.compression is not None:
-            context.set_compression(self.compression)
-        return encode_response(response, specs)
+        held: list[Trace] = []
+
+        def traced(trace: Trace) -> None:
+            # grpcio reads and writes the messages: when the handler got the request and
+            # when it hands the response back are what can be seen of them here.
+            trace.record("GRPC_WAITREAD_END", received)
+            trace.hold()
+            held.append(trace)
+
+        try:
+            # A client that cancels or whose deadline passes cancels its request in there.
+            response = await self.dataplane.infer(engine_request, traced)
+            if response.error is not None:
+                raise response.error
+            if specs:
+                response = self.dataplane.classified(response, specs.values())
+            if self.compression is not None:
+                context.set_compression(self.compression)
+            encoded = encode_response(response, specs)
+            for trace in held:
+                trace.record("GRPC_SEND_START")
+            return encoded
+        finally:
+            for trace in held:
+                trace.release()
 
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: Any
@@ -698,6 +736,7 @@ class _Stream:
                 self.queue.put_nowait(None)
 
     def submit(self, message: pb.ModelInferRequest) -> None:
+        received = time.monotonic_ns()
         try:
             request, specs = self.servicer.decode(message, self.context, unary=False)
             empty_final = message.parameters.get(EMPTY_FINAL)
@@ -710,6 +749,8 @@ class _Stream:
             except BaseException:
                 self.pending.discard(request)
                 raise
+            if request.trace is not None:
+                request.trace.record("GRPC_WAITREAD_END", received)
         except TritonError as exc:
             self.refuse(message, exc.message)
         except Exception as exc:  # noqa: BLE001 - a bug answers this request, not the stream
@@ -753,6 +794,8 @@ class _Stream:
             infer = pb.ModelInferResponse(model_name=response.model_name, id=response.request_id)
         infer.parameters[FINAL_RESPONSE].bool_param = response.final
         item = pb.ModelStreamInferResponse(error_message=error, infer_response=infer)
+        if request.trace is not None:  # still open: this runs inside the engine's delivery
+            request.trace.record("GRPC_SEND_START")
         self.queue.put_nowait(item)
         if not self.reading and not self.pending:
             self.queue.put_nowait(None)

@@ -10,6 +10,7 @@ Triton's HTTP frontend. Status codes come from the error's Triton code (see
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import math
 import re
@@ -20,6 +21,7 @@ import numpy as np
 import orjson
 
 from dlserve.engine.request import Response
+from dlserve.engine.tracing import Trace
 from dlserve.errors import ErrorCode, InvalidArgumentError, TritonError, UnsupportedError
 from dlserve.frontends.dataplane import DataPlane, InputSpec, OutputSpec, parse_version, shm_ref
 from dlserve.frontends import json_values
@@ -95,6 +97,7 @@ class KServeHttpApi:
             (r"/v2/cudasharedmemory/region/(?P<region>[^/]+)/register", {"POST"}, "shared-memory", self.cuda_register),
             (r"/v2/cudasharedmemory" + shm + "/unregister", {"POST"}, "shared-memory", self.cuda_unregister),
             (r"/v2/logging", {"GET", "POST"}, "logging", self.logging),
+            (r"/v2(?:/models/(?P<model>[^/]+))?/trace/setting", {"GET", "POST"}, "trace", self.trace_setting),
         ]
         self._routes = [(re.compile(f"^{p}$"), methods, category, fn) for p, methods, category, fn in table]
         self._matched: dict[str, tuple[set[str], str, Route, dict[str, str]]] = {}
@@ -247,6 +250,13 @@ class KServeHttpApi:
             settings.update(_json_object(request))
         return json_response(settings.as_dict())
 
+    # -- trace ----------------------------------------------------------------------------
+    async def trace_setting(self, request: HttpRequest, args: dict[str, str]) -> HttpResponse:
+        tracer, model = self.engine.tracer, args.get("model")
+        if request.method == "POST":
+            return json_response(tracer.update(model, _json_object(request, allow_empty=True)))
+        return json_response(tracer.settings(model))
+
     # -- inference ------------------------------------------------------------------------
     async def infer(self, request: HttpRequest, args: dict[str, str]) -> HttpResponse:
         if self.engine.model(args["model"], _version(args)).decoupled:
@@ -266,12 +276,29 @@ class KServeHttpApi:
         engine_request = self.dataplane.build_request(
             args["model"], args.get("version"), request_id, parameters, inputs, outputs
         )
-        response = await self.dataplane.infer(engine_request)
+        response = await self.dataplane.infer(engine_request, functools.partial(_traced, request))
         if response.error is not None:
             return error_response(response.error)
         response = self.dataplane.classified(response, outputs or [])
         binary_default = bool(parameters.get("binary_data_output", False))
         return _encode_response(response, outputs or [], binary_default)
+
+
+def _traced(request: HttpRequest, trace: Trace) -> None:
+    """A request picked for tracing: when it was read, and (the trace held until then)
+    when its response was written."""
+    start, end = request.received_ns
+    trace.record("HTTP_RECV_START", start)
+    trace.record("HTTP_RECV_END", end)
+    trace.hold()
+
+    def sent(start_ns: int, end_ns: int) -> None:
+        if start_ns:
+            trace.record("HTTP_SEND_START", start_ns)
+            trace.record("HTTP_SEND_END", end_ns)
+        trace.release()
+
+    request.on_sent = sent
 
 
 # -- request decoding -----------------------------------------------------------------------

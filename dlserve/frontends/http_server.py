@@ -62,6 +62,15 @@ class HttpRequest:
     headers: dict[str, str]
     body: Any  # bytes, or a uint8 numpy view of shared memory for large bodies
     connection: HttpConnection | None = None
+    received_ns: tuple[int, int] = (0, 0)  # monotonic: first byte read, message complete
+    # Set by a handler that wants to know when its response went out: called once with
+    # the write's start and end (monotonic ns), or (0, 0) if it never did.
+    on_sent: Callable[[int, int], None] | None = None
+
+    def sent(self, start_ns: int, end_ns: int) -> None:
+        on_sent, self.on_sent = self.on_sent, None
+        if on_sent is not None:
+            on_sent(start_ns, end_ns)
 
     def header(self, name: str, default: str = "") -> str:
         return self.headers.get(name, default)
@@ -106,6 +115,7 @@ class HttpConnection(asyncio.BufferedProtocol):
         self._direct: np.ndarray | None = None  # body block being filled straight from the socket
         self._filled = 0
         self._reset_message()
+        self._begun_ns = 0
         self._pending: collections.deque[HttpRequest | HttpError] = collections.deque()
         self._busy = False
         self._task: asyncio.Task[None] | None = None
@@ -133,6 +143,7 @@ class HttpConnection(asyncio.BufferedProtocol):
     # -- httptools callbacks ---------------------------------------------------------
     def on_message_begin(self) -> None:
         self._reset_message()
+        self._begun_ns = time.monotonic_ns()
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -199,6 +210,7 @@ class HttpConnection(asyncio.BufferedProtocol):
             headers=self._headers,
             body=body,
             connection=self,
+            received_ns=(self._begun_ns, time.monotonic_ns()),
         )
         request.headers["_keep_alive"] = "1" if self._parser.should_keep_alive() else "0"
         self._pending.append(request)
@@ -303,13 +315,20 @@ class HttpConnection(asyncio.BufferedProtocol):
                     if self.transport is not None:
                         self.transport.close()
                     return
-                response = await self.server.dispatch(request)
+                try:
+                    response = await self.server.dispatch(request)
+                except BaseException:
+                    request.sent(0, 0)
+                    raise
                 keep_alive = request.headers.get("_keep_alive") == "1"
                 if response.stream is not None:
+                    request.sent(0, 0)
                     if not await self._write_stream(response, keep_alive):
                         return
                 else:
-                    self._write(response, keep_alive)
+                    start = time.monotonic_ns()
+                    written = self._write(response, keep_alive)
+                    request.sent(start if written else 0, time.monotonic_ns() if written else 0)
                 if not keep_alive:
                     if self.transport is not None:
                         self.transport.close()
@@ -359,12 +378,13 @@ class HttpConnection(asyncio.BufferedProtocol):
         finally:
             await stream.aclose()
 
-    def _write(self, response: HttpResponse, keep_alive: bool) -> None:
+    def _write(self, response: HttpResponse, keep_alive: bool) -> bool:
         """Send a response: small ones in one write (one system call, one wake-up of
-        the client); large parts are handed to the transport as they are, uncopied."""
+        the client); large parts are handed to the transport as they are, uncopied.
+        False if the client is gone."""
         transport = self.transport
         if transport is None:
-            return
+            return False
         views = [memoryview(part).cast("B") for part in response.body]
         length = sum(v.nbytes for v in views)
         out = self._head(response, keep_alive, f"Content-Length: {length}")
@@ -381,6 +401,7 @@ class HttpConnection(asyncio.BufferedProtocol):
         if keep_alive and not self._pending and self._next_request.seconds:
             self._idle_since = time.perf_counter()
             self._poller.poll(self, self._next_request.seconds)
+        return True
 
 
 def decode_body(request: HttpRequest) -> Any:

@@ -428,6 +428,41 @@ def test_ctrl_c_to_the_process_group_still_finalizes_the_models(serve, make_repo
     assert "KeyboardInterrupt" not in process.stderr, process.output()
 
 
+def test_trace_config_writes_tritons_trace_file(serve, make_repo, tmp_path):
+    file = tmp_path / "trace.json"
+    process = serve(
+        "--model-repository", str(make_repo("add_sub")),
+        "--trace-config", f"triton,file={file}", "--trace-config", "level=TIMESTAMPS",
+        "--trace-config", "rate=1", "--trace-config", "count=2",
+    ).wait_started()
+    port = process.ports["http"]
+    status, body = request(port, "/v2/trace/setting")
+    assert status == 200 and json.loads(body)["trace_count"] == "2"
+    for _ in range(3):
+        assert request(port, "/v2/models/add_sub/infer", "POST", add_sub_body())[0] == 200
+    assert process.stop()[0] == 0, process.output()
+    process.assert_clean()
+    entries = json.loads(file.read_text())
+    heads = [e for e in entries if "model_name" in e]
+    assert [(h["model_name"], h["model_version"]) for h in heads] == [("add_sub", 1)] * 2
+    events = {e["timestamps"][0]["name"] for e in entries if e["id"] == heads[0]["id"] and "timestamps" in e}
+    assert {"HTTP_RECV_START", "REQUEST_START", "COMPUTE_START", "HTTP_SEND_END"} <= events
+
+
+@pytest.mark.parametrize(
+    "flag,message",
+    [
+        ("opentelemetry,url=http://x", "must look like [triton,]SETTING=VALUE"),
+        ("rate=often", "rate must be an integer"),
+        ("level=LOUD", "unknown trace level 'LOUD'"),
+    ],
+)
+def test_bad_trace_config_exits_with_a_message(flag, message, tmp_path):
+    result = run_cli("serve", "--model-repository", str(tmp_path), "--trace-config", flag)
+    assert result.returncode != 0
+    assert message in result.stderr, result.stderr
+
+
 def test_explicit_mode_loads_only_the_named_models(serve, make_repo):
     process = serve(
         "--model-repository", str(make_repo("add_sub", "identity")),

@@ -795,10 +795,10 @@ def test_log_settings(server, client):
     assert client.get_log_settings(as_json=True)["settings"] == original
 
 
-def test_trace_and_cuda_shared_memory(client):
-    with pytest.raises(InferenceServerException, match="trace") as info:
-        client.get_trace_settings()
-    assert info.value.status() == "StatusCode.UNIMPLEMENTED"
+def test_trace_settings_and_cuda_shared_memory(client):
+    # Tracing is off by default, as in Triton (test_trace.py covers it turned on).
+    settings = client.get_trace_settings(as_json=True)["settings"]
+    assert settings["trace_level"]["value"] == ["OFF"] and settings["trace_rate"]["value"] == ["1000"]
     assert len(client.get_cuda_shared_memory_status().regions) == 0
     with pytest.raises(InferenceServerException) as info:
         client.register_cuda_shared_memory("gpu", b"\x00" * 64, 0, 64)

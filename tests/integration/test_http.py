@@ -271,7 +271,7 @@ def test_server_metadata(client, port):
 
 def test_server_metadata_lists_the_http_extensions_it_implements(client):
     extensions = client.get_server_metadata()["extensions"]
-    for name in ("binary_tensor_data", "system_shared_memory", "logging"):
+    for name in ("binary_tensor_data", "system_shared_memory", "logging", "trace"):
         assert name in extensions
 
 
@@ -1645,7 +1645,8 @@ def test_execute_exceptions_are_500(client, port):
         ("GET", "/v2/foo", 404),
         ("GET", "/", 404),
         ("GET", "/v2/models", 404),
-        ("GET", "/v2/trace/setting", 404),
+        ("GET", "/v2/trace/settings", 404),
+        ("PUT", "/v2/trace/setting", 405),
         ("POST", "/v2/health/live", 405),
         ("DELETE", "/v2/models/add_sub", 405),
         ("GET", "/v2/models/add_sub/infer", 405),

@@ -213,7 +213,11 @@ def test_two_processes(server, tmp_path):
          "--warmup-request-count", "20", "--json", str(out))
     (level,) = json.loads(out.read_text())["results"]
     assert level["value"] == 4 and level["request_count"] > 0
-    assert abs(level["server"]["success_count"] - level["request_count"]) <= 8
+    # The window's two ends are read a moment apart on each side (the client processes
+    # first, the server's statistics next): requests that finish in between count on one
+    # side only, a few per millisecond at this rate.
+    skew = abs(level["server"]["success_count"] - level["request_count"])
+    assert skew <= max(8, level["request_count"] // 100), level
 
 
 def test_json_input_data_and_percentile(server, tmp_path):

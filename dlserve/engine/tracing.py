@@ -1,0 +1,345 @@
+"""Triton's request tracing in its "triton" mode: sampled requests' timestamps in a JSON file.
+
+Settings (``--trace-config``, the trace extension's ``trace/setting`` endpoints) live in
+one :class:`Tracer`: server-wide values, and per model only the values a client set for
+that model (the others follow the server-wide ones). Every ``trace_rate``-th request of a
+scope is traced while ``trace_count`` (-1: no limit) lasts; a scope is the model when it
+set that value itself, else the server.
+
+A :class:`Trace` collects a request's timestamps (``time.monotonic_ns``, the clock of
+Triton's files) from whoever sees them: the frontend (HTTP_RECV_*, HTTP_SEND_*, GRPC_*),
+the engine (REQUEST_START, QUEUE_START, INFER_RESPONSE_COMPLETE, REQUEST_END) and the
+model instance (COMPUTE_*). An ensemble's steps get child traces (``parent_id``). A trace
+is written when its last holder lets it go: the engine after the final response, and a
+frontend that took a hold after it sent that response.
+
+Files are Triton's: a JSON array of ``{"id", "model_name", "model_version", "request_id",
+"parent_id"}`` and one ``{"id", "timestamps": [{"name", "ns"}]}`` per event. With
+``log_frequency`` 0 every trace goes to ``trace_file`` (streamed as it completes, the array
+closed at stop); with N > 0 each N traces go to ``trace_file.0``, ``trace_file.1``, ...
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import IO, Any
+
+from dlserve.errors import InvalidArgumentError, UnsupportedError
+
+log = logging.getLogger("dlserve.trace")
+
+LEVELS = ("OFF", "TIMESTAMPS")
+_NAMES = ("trace_file", "trace_level", "trace_rate", "trace_count", "log_frequency", "trace_mode")
+_SERVER_WIDE = ("trace_file", "log_frequency", "trace_mode")
+
+
+@dataclasses.dataclass
+class TraceSettings:
+    """Start-up settings, as ``--trace-config`` gives them."""
+
+    file: str = ""
+    level: tuple[str, ...] = ("OFF",)
+    rate: int = 1000
+    count: int = -1
+    log_frequency: int = 0
+    mode: str = "triton"
+
+    def values(self) -> dict[str, Any]:
+        """The settings under their trace-extension names, checked."""
+        values: dict[str, Any] = {"trace_file": self.file, "trace_mode": "triton"}
+        if self.mode != "triton":
+            raise UnsupportedError(_unsupported_mode(self.mode))
+        for name, value in (
+            ("trace_level", list(self.level)),
+            ("trace_rate", str(self.rate)),
+            ("trace_count", str(self.count)),
+            ("log_frequency", str(self.log_frequency)),
+        ):
+            values[name] = _parse(name, value)
+        return values
+
+
+def _unsupported_mode(mode: str) -> str:
+    return f"trace mode '{mode}' is not supported: dlserve writes Triton's trace files"
+
+
+def _integer(name: str, value: Any, least: int) -> int:
+    if not isinstance(value, str):
+        raise InvalidArgumentError(
+            f"trace setting '{name}' must be a string, got {json.dumps(value)}"
+        )
+    try:
+        number = int(value)
+    except ValueError:
+        raise InvalidArgumentError(f"Unable to parse '{name}', got: {value}") from None
+    if number < least:
+        raise InvalidArgumentError(
+            f"Unable to parse '{name}'. Expecting value >= {least}, got:{value}"
+        )
+    return number
+
+
+def _parse(name: str, value: Any) -> Any:
+    """A setting's wire value (a string; a list of strings for trace_level) as we keep it."""
+    if name == "trace_level":
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise InvalidArgumentError("trace setting 'trace_level' must be an array of strings")
+        levels = tuple(dict.fromkeys(v.upper() for v in value))
+        for level in levels:
+            if level == "TENSORS":
+                raise UnsupportedError("trace level TENSORS is not supported; use TIMESTAMPS")
+            if level not in LEVELS:
+                raise InvalidArgumentError(f"unknown trace level '{level}' (use OFF or TIMESTAMPS)")
+        if not levels or (len(levels) > 1 and "OFF" in levels):
+            raise InvalidArgumentError("trace_level must be OFF, or TIMESTAMPS")
+        return levels
+    if name == "trace_rate":
+        return _integer(name, value, 1)
+    if name == "trace_count":
+        return _integer(name, value, -1)
+    if name == "log_frequency":
+        return _integer(name, value, 0)
+    if not isinstance(value, str):
+        raise InvalidArgumentError(f"trace setting '{name}' must be a string")
+    return value
+
+
+def _wire(name: str, value: Any) -> Any:
+    return list(value) if name == "trace_level" else str(value)
+
+
+class Trace:
+    """One traced request: its identity and timestamps (see the module docstring)."""
+
+    __slots__ = (
+        "tracer", "id", "parent_id", "model_name", "model_version", "request_id", "events",
+        "_holds", "_discarded",
+    )
+
+    def __init__(
+        self, tracer: Tracer, model_name: str, request_id: str, parent_id: int | None = None
+    ) -> None:
+        self.tracer = tracer
+        self.id = next(tracer._ids)
+        self.parent_id = parent_id
+        self.model_name = model_name
+        self.model_version = -1  # the engine fills it in when it resolves the model
+        self.request_id = request_id
+        self.events: list[tuple[str, int]] = []
+        self._holds = 1  # the engine's, let go after the final response
+        self._discarded = False
+
+    def record(self, name: str, ns: int | None = None) -> None:
+        self.events.append((name, time.monotonic_ns() if ns is None else ns))
+
+    def child(self, model_name: str, request_id: str) -> Trace:
+        """The trace of a request this one makes (an ensemble step)."""
+        return Trace(self.tracer, model_name, request_id, parent_id=self.id)
+
+    def hold(self) -> None:
+        """Keep the trace open past the engine's part (a frontend that still sends)."""
+        self._holds += 1
+
+    def release(self) -> None:
+        self._holds -= 1
+        if self._holds == 0 and not self._discarded:
+            self.tracer._finished(self)
+
+    def release_soon(self) -> None:
+        """Release after the current loop turn, so that a frontend answering inside it
+        (its response callback, a hold taken right after submit) is still counted."""
+        try:
+            asyncio.get_running_loop().call_soon(self.release)
+        except RuntimeError:  # no loop any more (the server is being killed)
+            self.release()
+
+    def discard(self) -> None:
+        """The request never started (refused before it was queued): write nothing."""
+        self._discarded = True
+        self.release()
+
+    def entries(self) -> list[dict[str, Any]]:
+        head: dict[str, Any] = {
+            "id": self.id, "model_name": self.model_name, "model_version": self.model_version
+        }
+        if self.request_id:
+            head["request_id"] = self.request_id
+        if self.parent_id is not None:
+            head["parent_id"] = self.parent_id
+        return [head] + [
+            {"id": self.id, "timestamps": [{"name": name, "ns": ns}]} for name, ns in self.events
+        ]
+
+
+class _Writer:
+    """Trace files: one streamed array (log_frequency 0) or numbered files of N traces."""
+
+    def __init__(self) -> None:
+        self._stream: IO[str] | None = None
+        self._batch: list[Trace] = []
+        self._index = 0
+
+    def add(self, path: str, trace: Trace, log_frequency: int) -> None:
+        try:
+            if log_frequency == 0:
+                self._streamed(path, trace)
+            else:
+                self._batch.append(trace)
+                if len(self._batch) >= log_frequency:
+                    self._write_batch(path)
+        except OSError as exc:
+            log.error("cannot write trace file %s: %s", path, exc)
+
+    def _streamed(self, path: str, trace: Trace) -> None:
+        entries = ",".join(json.dumps(entry, separators=(",", ":")) for entry in trace.entries())
+        if self._stream is None:
+            self._stream = open(path, "w", encoding="utf-8")  # noqa: SIM115 - open until close()
+            self._stream.write("[" + entries)
+        else:
+            self._stream.write("," + entries)
+
+    def _write_batch(self, path: str) -> None:
+        batch, self._batch = self._batch, []
+        entries = [entry for trace in batch for entry in trace.entries()]
+        target = f"{path}.{self._index}"
+        # Written aside (a hidden name no "PATH.*" matches), then renamed: whoever
+        # watches the folder sees each file whole.
+        folder, name = os.path.split(target)
+        scratch = os.path.join(folder, f".{name}.tmp")
+        with open(scratch, "w", encoding="utf-8") as out:
+            json.dump(entries, out, separators=(",", ":"))
+        os.replace(scratch, target)
+        self._index += 1
+
+    def close(self, path: str) -> None:
+        try:
+            if self._batch:
+                self._write_batch(path)
+            if self._stream is not None:
+                self._stream.write("]")
+                self._stream.close()
+                self._stream = None
+        except OSError as exc:
+            log.error("cannot write trace file %s: %s", path, exc)
+
+
+class Tracer:
+    """The server's trace settings, sampling and trace file (see the module docstring)."""
+
+    def __init__(self, settings: TraceSettings, has_model: Callable[[str], bool]) -> None:
+        self._startup = settings.values()
+        self._global = dict(self._startup)
+        self._models: dict[str, dict[str, Any]] = {}
+        self._has_model = has_model
+        self._seen: dict[str | None, int] = {}  # requests counted toward the rate, per scope
+        self._left: dict[str | None, int] = {}  # traces left of trace_count, per scope
+        self._ids = itertools.count(1)
+        self._writer = _Writer()
+        self._left[None] = self._global["trace_count"]
+        self.enabled = False  # may any request be traced now (a cheap check per request)
+        self._refresh()
+
+    # -- settings -----------------------------------------------------------------------
+    def settings(self, model: str | None = None) -> dict[str, Any]:
+        """The settings in effect, server-wide or for ``model``, in the wire form."""
+        if model is not None:
+            self._check_model(model)
+        override = self._models.get(model, {}) if model is not None else {}
+        values = {**self._global, **override}
+        values["trace_count"] = self._left[model if "trace_count" in override else None]
+        return {name: _wire(name, values[name]) for name in _NAMES}
+
+    def update(self, model: str | None, changes: dict[str, Any]) -> dict[str, Any]:
+        """Apply a partial update (a None value clears: a model's back to the server's,
+        the server's back to its start-up value) and return the settings now in effect."""
+        if model is not None:
+            self._check_model(model)
+        parsed: dict[str, Any] = {}
+        for name, value in changes.items():
+            if name not in _NAMES:
+                raise InvalidArgumentError(f"unknown trace setting '{name}'")
+            if name == "trace_file":
+                raise UnsupportedError(
+                    "trace file location can not be updated through network protocol"
+                )
+            if value is None:
+                parsed[name] = None
+                continue
+            if name == "trace_mode":
+                if value != "triton":
+                    raise UnsupportedError(_unsupported_mode(str(value)))
+                continue
+            if model is not None and name in _SERVER_WIDE:
+                raise InvalidArgumentError(
+                    f"'{name}' is a server-wide trace setting: set it without a model"
+                )
+            parsed[name] = _parse(name, value)
+        scope = self._global if model is None else self._models.setdefault(model, {})
+        for name, value in parsed.items():
+            if value is None:
+                if model is None:
+                    scope[name] = self._startup[name]
+                else:
+                    scope.pop(name, None)
+            else:
+                scope[name] = value
+            if name == "trace_count":  # a new count starts over
+                if model is None:
+                    self._left[None] = scope[name]
+                elif name in scope:
+                    self._left[model] = scope[name]
+                else:
+                    self._left.pop(model, None)
+            elif name == "trace_rate":
+                self._seen.pop(model, None)
+        if model is not None and not scope:
+            del self._models[model]
+        self._refresh()
+        return self.settings(model)
+
+    def _check_model(self, model: str) -> None:
+        if not self._has_model(model):
+            raise InvalidArgumentError(f"Request for unknown model : {model}")
+
+    def _refresh(self) -> None:
+        scopes = [self._global, *({**self._global, **m} for m in self._models.values())]
+        self.enabled = bool(self._global["trace_file"]) and any(
+            values["trace_level"] != ("OFF",) for values in scopes
+        )
+
+    # -- tracing ------------------------------------------------------------------------
+    def start(self, model_name: str, request_id: str) -> Trace | None:
+        """A new trace for a request to ``model_name``, or None when it is not sampled."""
+        if not self.enabled:
+            return None
+        override = self._models.get(model_name, {})
+        level = override.get("trace_level", self._global["trace_level"])
+        if level == ("OFF",):
+            return None
+        rate_scope = model_name if "trace_rate" in override else None
+        rate = override.get("trace_rate", self._global["trace_rate"])
+        seen = self._seen.get(rate_scope, 0) + 1
+        self._seen[rate_scope] = seen
+        if seen % rate:
+            return None
+        count_scope = model_name if "trace_count" in override else None
+        left = self._left[count_scope]
+        if left == 0:
+            return None
+        if left > 0:
+            self._left[count_scope] = left - 1
+        return Trace(self, model_name, request_id)
+
+    def _finished(self, trace: Trace) -> None:
+        self._writer.add(self._global["trace_file"], trace, self._global["log_frequency"])
+
+    def close(self) -> None:
+        """The server stops: write what is left and end the file."""
+        self._writer.close(self._global["trace_file"])

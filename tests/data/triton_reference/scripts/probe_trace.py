@@ -1,0 +1,70 @@
+"""What a server writes into its trace files and answers on the trace-setting endpoints
+(how trace.json was made: python probe_trace.py HTTP_URL GRPC_URL TRACE_DIR against
+Triton 2.51 serving examples/models pipeline, add_sub and identity, started with
+--trace-config triton,file=TRACE_DIR/trace.json --trace-config level=TIMESTAMPS
+--trace-config rate=1 --trace-config triton,log-frequency=1, so that each trace is in a
+file of its own as soon as it is complete). Timestamps are left out: only the event
+names of each trace, its model and its parent."""
+
+import glob, json, sys, time, urllib.error, urllib.request
+import numpy as np
+import tritonclient.grpc as grpc
+import tritonclient.http as http
+
+url_http, url_grpc, trace_dir = sys.argv[1:4]
+a = np.arange(4, dtype=np.float32)
+
+
+def infer(module, url, model, request_id):
+    client = module.InferenceServerClient(url)
+    inputs = [module.InferInput("INPUT0", [4], "FP32"), module.InferInput("INPUT1", [4], "FP32")]
+    for i in inputs:
+        i.set_data_from_numpy(a)
+    client.infer(model, inputs, request_id=request_id)
+
+
+def setting(method, path, body=None):
+    request = urllib.request.Request(
+        f"http://{url_http}{path}", data=None if body is None else json.dumps(body).encode(), method=method
+    )
+    try:
+        return 200, json.loads(urllib.request.urlopen(request).read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+infer(http, url_http, "add_sub", "http-add_sub")
+infer(grpc, url_grpc, "add_sub", "grpc-add_sub")
+infer(http, url_http, "pipeline", "http-pipeline")
+time.sleep(1)
+traces = []
+for path in sorted(glob.glob(f"{trace_dir}/trace.json.*"), key=lambda p: int(p.rsplit(".", 1)[1])):
+    by_id = {}
+    for entry in json.load(open(path)):
+        trace = by_id.setdefault(entry["id"], {"events": []})
+        if "model_name" in entry:
+            trace.update({k: v for k, v in entry.items() if k not in ("id",)})
+        for stamp in entry.get("timestamps", []):
+            trace["events"].append(stamp["name"])
+    ids = {i: n for n, i in enumerate(sorted(by_id))}
+    for i, trace in sorted(by_id.items()):
+        if "parent_id" in trace:
+            trace["parent_id"] = "set"
+        trace["events"].sort()
+        traces.append(trace)
+settings = [
+    ("GET", "/v2/trace/setting", None),
+    ("POST", "/v2/models/add_sub/trace/setting", {"trace_rate": "2"}),
+    ("POST", "/v2/trace/setting", {"trace_rate": "5", "trace_count": "7"}),
+    ("GET", "/v2/models/add_sub/trace/setting", None),
+    ("GET", "/v2/models/identity/trace/setting", None),
+    ("POST", "/v2/models/add_sub/trace/setting", {"trace_rate": None}),
+    ("POST", "/v2/trace/setting", {"trace_rate": None}),
+    ("POST", "/v2/trace/setting", {"trace_count": "-5"}),
+    ("POST", "/v2/trace/setting", {"trace_rate": "x"}),
+    ("POST", "/v2/trace/setting", {"trace_file": "/tmp/elsewhere.json"}),
+    ("POST", "/v2/models/nosuch/trace/setting", {"trace_rate": "3"}),
+    ("POST", "/v2/trace/setting", {"trace_level": ["OFF"]}),
+]
+answers = [[method, path, body, *setting(method, path, body)] for method, path, body in settings]
+print(json.dumps({"traces": traces, "settings": answers}, indent=1))

@@ -1,0 +1,286 @@
+"""Triton's request tracing (``--trace-config``, the trace extension) through unmodified
+tritonclient HTTP and gRPC and the in-process API: the trace files and the setting
+endpoints, checked against what Triton 2.51 wrote and answered for the same requests
+(tests/data/triton_reference/trace.json, made with scripts/probe_trace.py)."""
+
+from __future__ import annotations
+
+import copy
+import glob
+import json
+import shutil
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+import dlserve
+from dlserve.frontends import KServeGrpc, KServeHttp
+
+from ..conftest import EXAMPLES, ServerHarness, frontend
+
+REFERENCE_FILE = Path(__file__).parents[1] / "data" / "triton_reference" / "trace.json"
+REFERENCE = json.loads(REFERENCE_FILE.read_text())
+A = np.arange(4, dtype=np.float32)
+# What grpcio does not let a handler see: when it started waiting for the request, and when
+# the response was written. Triton records both; dlserve writes only what it observes.
+UNSEEN_GRPC = {"GRPC_WAITREAD_START", "GRPC_SEND_END"}
+ORDER = [  # the order a request passes these points in
+    "HTTP_RECV_START", "HTTP_RECV_END", "GRPC_WAITREAD_END", "REQUEST_START", "QUEUE_START",
+    "COMPUTE_START", "COMPUTE_INPUT_END", "COMPUTE_OUTPUT_START", "COMPUTE_END",
+    "INFER_RESPONSE_COMPLETE", "REQUEST_END", "GRPC_SEND_START", "HTTP_SEND_START", "HTTP_SEND_END",
+]
+
+
+def start(tmp_path: Path, **trace: object) -> tuple[ServerHarness, dlserve.Server, Path]:
+    repo = tmp_path / "repo"
+    for name in ("pipeline", "add_sub", "identity"):
+        shutil.copytree(EXAMPLES / name, repo / name)
+    file = tmp_path / "trace.json"
+    harness = ServerHarness()
+    settings = dlserve.TraceSettings(file=str(file), level=("TIMESTAMPS",), rate=1, **trace)
+    server = harness.start(repo, trace=settings)
+    deadline = time.monotonic() + 60
+    while not server.ready():
+        assert time.monotonic() < deadline, "models not ready"
+        time.sleep(0.05)
+    return harness, server, file
+
+
+@pytest.fixture
+def traced(tmp_path):
+    """A server tracing every request, each trace in a file of its own (log_frequency 1),
+    with HTTP and gRPC frontends: (server, urls, trace file)."""
+    harness, server, file = start(tmp_path, log_frequency=1)
+    try:
+        for http_port in frontend(KServeHttp, server):
+            for grpc_port in frontend(KServeGrpc, server):
+                urls = {"http": f"127.0.0.1:{http_port}", "grpc": f"127.0.0.1:{grpc_port}"}
+                yield server, urls, file
+    finally:
+        harness.close()
+
+
+def infer(urls: dict, protocol: str, model: str, request_id: str = "") -> None:
+    module = httpclient if protocol == "http" else grpcclient
+    with module.InferenceServerClient(urls[protocol]) as client:
+        inputs = [module.InferInput(name, [4], "FP32") for name in ("INPUT0", "INPUT1")]
+        for tensor in inputs:
+            tensor.set_data_from_numpy(A)
+        client.infer(model, inputs, request_id=request_id)
+
+
+def read_traces(paths: list[str]) -> list[dict]:
+    """The traces in trace files: per id its header fields and its (name, ns) events."""
+    traces: dict[int, dict] = {}
+    for path in paths:
+        for entry in json.loads(Path(path).read_text()):
+            trace = traces.setdefault(entry["id"], {"id": entry["id"], "events": []})
+            if "model_name" in entry:
+                trace.update({k: v for k, v in entry.items() if k != "id"})
+            trace["events"] += [(s["name"], s["ns"]) for s in entry.get("timestamps", [])]
+    return list(traces.values())
+
+
+def numbered(file: Path, count: int, timeout: float = 10) -> list[str]:
+    """The first ``count`` numbered trace files (file.0, file.1, ...), once written."""
+    deadline = time.monotonic() + timeout
+    while True:
+        paths = sorted(glob.glob(f"{file}.*"), key=lambda p: int(p.rsplit(".", 1)[1]))
+        if len(paths) >= count or time.monotonic() > deadline:
+            return paths
+        time.sleep(0.02)
+
+
+def in_order(trace: dict) -> None:
+    stamps = dict(trace["events"])
+    assert len(stamps) == len(trace["events"]), f"an event twice: {trace['events']}"
+    seen = [(name, stamps[name]) for name in ORDER if name in stamps]
+    assert [ns for _, ns in seen] == sorted(ns for _, ns in seen), seen
+
+
+def setting(url: str, method: str, path: str, body: object = None) -> tuple[int, object]:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(f"http://{url}{path}", data=data, method=method)
+    try:
+        with urllib.request.urlopen(request) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+# -- the trace files ------------------------------------------------------------------------
+def test_traces_have_tritons_events_in_order_for_http_grpc_and_an_ensemble(traced):
+    server, urls, file = traced
+    infer(urls, "http", "add_sub", "http-add_sub")
+    infer(urls, "grpc", "add_sub", "grpc-add_sub")
+    infer(urls, "http", "pipeline", "http-pipeline")
+    traces = read_traces(numbered(file, 6))
+    assert len(traces) == 6
+    expected = copy.deepcopy(REFERENCE["traces"])
+    for trace in expected:
+        if trace["request_id"] == "grpc-add_sub":
+            trace["events"] = sorted(set(trace["events"]) - UNSEEN_GRPC)
+    ids = {t["id"] for t in traces}
+    pipeline = next(t for t in traces if t["model_name"] == "pipeline")
+    got = []
+    for trace in traces:
+        in_order(trace)
+        assert trace.get("parent_id") in (None, pipeline["id"]) and trace["id"] in ids
+        entry = {k: v for k, v in trace.items() if k not in ("id", "events", "parent_id")}
+        entry["events"] = sorted(name for name, _ in trace["events"])
+        if "parent_id" in trace:
+            entry["parent_id"] = "set"
+        got.append(entry)
+    key = lambda t: (t["request_id"], t["model_name"], "parent_id" in t)  # noqa: E731
+    assert sorted(got, key=key) == sorted(expected, key=key)
+    # The steps ran inside their ensemble's time.
+    stamps = dict(pipeline["events"])
+    for step in (t for t in traces if t.get("parent_id") == pipeline["id"]):
+        inner = dict(step["events"])
+        assert stamps["REQUEST_START"] <= inner["REQUEST_START"]
+        assert inner["REQUEST_START"] <= inner["REQUEST_END"] <= stamps["REQUEST_END"]
+
+
+def test_the_in_process_api_traces_without_frontend_events(traced):
+    server, _, file = traced
+    model = server.model("add_sub")
+    responses = list(model.infer(inputs={"INPUT0": A, "INPUT1": A}, request_id="local"))
+    assert responses[0].error is None
+    (trace,) = read_traces(numbered(file, 1))
+    assert trace["request_id"] == "local" and trace["model_version"] == 1
+    names = {name for name, _ in trace["events"]}
+    assert names == {
+        "REQUEST_START", "QUEUE_START", "COMPUTE_START", "COMPUTE_INPUT_END",
+        "COMPUTE_OUTPUT_START", "COMPUTE_END", "INFER_RESPONSE_COMPLETE", "REQUEST_END",
+    }
+    in_order(trace)
+
+
+def test_one_file_holds_every_trace_as_a_json_array_at_stop(tmp_path):
+    harness, server, file = start(tmp_path)  # log_frequency 0: one file
+    try:
+        for http_port in frontend(KServeHttp, server):
+            for n in range(3):
+                infer({"http": f"127.0.0.1:{http_port}"}, "http", "add_sub", f"r{n}")
+    finally:
+        harness.close()  # stops the server: the array is closed
+    traces = read_traces([str(file)])
+    assert sorted(t["request_id"] for t in traces) == ["r0", "r1", "r2"]
+    assert not glob.glob(f"{file}.*")
+
+
+def test_a_refused_request_leaves_no_trace_and_the_next_is_traced(traced):
+    server, urls, file = traced
+    with httpclient.InferenceServerClient(urls["http"]) as client:
+        wrong = httpclient.InferInput("INPUT0", [3], "FP32")
+        wrong.set_data_from_numpy(np.zeros(3, np.float32))
+        with pytest.raises(InferenceServerException):
+            client.infer("add_sub", [wrong], request_id="refused")
+    infer(urls, "http", "add_sub", "accepted")
+    time.sleep(0.2)
+    assert [t["request_id"] for t in read_traces(numbered(file, 1))] == ["accepted"]
+
+
+# -- sampling ---------------------------------------------------------------------------------
+def test_rate_and_count_pick_which_requests_are_traced(traced):
+    _, urls, file = traced
+    with httpclient.InferenceServerClient(urls["http"]) as client:
+        assert client.update_trace_settings(settings={"trace_rate": "2"})["trace_rate"] == "2"
+        for n in range(4):
+            infer(urls, "http", "add_sub", f"rate-{n}")
+        assert [t["request_id"] for t in read_traces(numbered(file, 2))] == ["rate-1", "rate-3"]
+        settings = client.update_trace_settings(settings={"trace_rate": "1", "trace_count": "1"})
+        assert settings["trace_count"] == "1"
+        for n in range(3):
+            infer(urls, "http", "add_sub", f"count-{n}")
+        traced_ids = [t["request_id"] for t in read_traces(numbered(file, 3))]
+        assert traced_ids == ["rate-1", "rate-3", "count-0"]
+        assert client.get_trace_settings()["trace_count"] == "0"  # what is left, as Triton
+
+
+def test_a_models_own_level_turns_its_tracing_off(traced):
+    _, urls, file = traced
+    with grpcclient.InferenceServerClient(urls["grpc"]) as client:
+        answer = client.update_trace_settings("add_sub", {"trace_level": ["OFF"]}, as_json=True)
+        assert answer["settings"]["trace_level"]["value"] == ["OFF"]
+    infer(urls, "grpc", "add_sub", "off")
+    infer(urls, "http", "pipeline", "on")
+    traces = read_traces(numbered(file, 4))
+    assert {t["request_id"] for t in traces} == {"on"}  # the pipeline's add_sub step too
+
+
+# -- the setting endpoints ------------------------------------------------------------------
+def test_http_settings_answer_as_triton(traced):
+    _, urls, file = traced
+    for method, path, body, status, answer in REFERENCE["settings"]:
+        got_status, got = setting(urls["http"], method, path, body)
+        if isinstance(answer, dict) and "trace_file" in answer:
+            answer = {**answer, "trace_file": str(file)}
+        assert (got_status, got) == (status, answer), (method, path, body)
+
+
+def test_grpc_settings_and_errors(traced):
+    _, urls, file = traced
+    with grpcclient.InferenceServerClient(urls["grpc"]) as client:
+        settings = client.get_trace_settings(as_json=True)["settings"]
+        assert settings["trace_file"]["value"] == [str(file)]
+        assert settings["trace_level"]["value"] == ["TIMESTAMPS"]
+        updated = client.update_trace_settings("add_sub", {"trace_rate": "9"}, as_json=True)
+        assert updated["settings"]["trace_rate"]["value"] == ["9"]
+        identity = client.get_trace_settings("identity", as_json=True)["settings"]
+        assert identity["trace_rate"]["value"] == ["1"]
+        cleared = client.update_trace_settings("add_sub", {"trace_rate": None}, as_json=True)
+        assert cleared["settings"]["trace_rate"]["value"] == ["1"]
+        cases = [
+            (None, {"trace_file": "/tmp/elsewhere"}, "UNIMPLEMENTED", "can not be updated"),
+            ("nosuch", {"trace_rate": "2"}, "INVALID_ARGUMENT", "unknown model : nosuch"),
+            (None, {"trace_rate": "x"}, "INVALID_ARGUMENT", "Unable to parse 'trace_rate'"),
+            (None, {"trace_level": ["TENSORS"]}, "UNIMPLEMENTED", "TENSORS is not supported"),
+            (None, {"trace_level": ["LOUD"]}, "INVALID_ARGUMENT", "unknown trace level 'LOUD'"),
+            ("add_sub", {"log_frequency": "5"}, "INVALID_ARGUMENT", "server-wide"),
+            (None, {"trace_mode": "opentelemetry"}, "UNIMPLEMENTED", "not supported"),
+            (None, {"sampling": "1"}, "INVALID_ARGUMENT", "unknown trace setting 'sampling'"),
+        ]
+        for model, changes, code, message in cases:
+            with pytest.raises(InferenceServerException) as info:
+                client.update_trace_settings(model, changes)
+            assert code in str(info.value.status()) and message in info.value.message(), changes
+        assert client.is_server_live()
+
+
+def test_bad_http_settings_are_clear_errors(traced):
+    _, urls, _ = traced
+    cases = [
+        ({"trace_level": "TIMESTAMPS"}, 400, "must be an array of strings"),
+        ({"trace_rate": 3}, 400, "must be a string"),
+        ({"trace_rate": "0"}, 400, "Expecting value >= 1"),
+        ({"log_frequency": "-1"}, 400, "Expecting value >= 0"),
+        ([1], 400, "JSON object"),
+    ]
+    for body, status, message in cases:
+        got_status, got = setting(urls["http"], "POST", "/v2/trace/setting", body)
+        assert got_status == status and message in got["error"], (body, got)
+    assert setting(urls["http"], "GET", "/v2/trace/setting")[0] == 200
+
+
+def test_trace_is_listed_as_an_extension(traced):
+    _, urls, _ = traced
+    with httpclient.InferenceServerClient(urls["http"]) as client:
+        assert "trace" in client.get_server_metadata()["extensions"]
+
+
+def test_options_refuse_bad_trace_settings(tmp_path):
+    for settings, message in [
+        (dlserve.TraceSettings(rate=0), "trace_rate"),
+        (dlserve.TraceSettings(level=("SOMETIMES",)), "unknown trace level"),
+        (dlserve.TraceSettings(mode="opentelemetry"), "not supported"),
+    ]:
+        with pytest.raises(dlserve.TritonError, match=message):
+            dlserve.Options(model_repository=str(tmp_path), trace=settings).engine_settings()

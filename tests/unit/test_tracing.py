@@ -1,0 +1,95 @@
+"""The tracer on its own: settings scopes, sampling, holds, and the files it writes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dlserve.engine.tracing import Tracer, TraceSettings
+from dlserve.errors import InvalidArgumentError, UnsupportedError
+
+
+def tracer(tmp_path, **settings: object) -> Tracer:
+    values = {"file": str(tmp_path / "trace.json"), "level": ("TIMESTAMPS",), "rate": 1, **settings}
+    return Tracer(TraceSettings(**values), has_model=lambda name: name in ("a", "b"))
+
+
+def finish(trace) -> None:
+    trace.record("REQUEST_START", 1)
+    trace.release()
+
+
+def test_a_models_settings_follow_the_servers_except_what_it_set(tmp_path):
+    t = tracer(tmp_path)
+    assert t.update("a", {"trace_rate": "3"})["trace_rate"] == "3"
+    t.update(None, {"trace_rate": "5", "trace_level": ["TIMESTAMPS"], "trace_count": "9"})
+    assert t.settings("a")["trace_rate"] == "3" and t.settings("a")["trace_count"] == "9"
+    assert t.settings("b")["trace_rate"] == "5"
+    assert t.update("a", {"trace_rate": None})["trace_rate"] == "5"  # back to the server's
+    assert t.update(None, {"trace_rate": None})["trace_rate"] == "1"  # back to start-up
+    with pytest.raises(InvalidArgumentError, match="unknown model : c"):
+        t.settings("c")
+    with pytest.raises(UnsupportedError, match="can not be updated"):
+        t.update(None, {"trace_file": "x"})
+
+
+def test_rate_and_count_have_the_scope_that_set_them(tmp_path):
+    t = tracer(tmp_path, rate=2)
+    picked = [t.start("a", str(n)) is not None for n in range(4)]
+    assert picked == [False, True, False, True]
+    t.update("b", {"trace_count": "1", "trace_rate": "1"})
+    assert [t.start("b", "x") is not None for _ in range(3)] == [True, False, False]
+    assert t.settings("b")["trace_count"] == "0" and t.settings("a")["trace_count"] == "-1"
+    t.update(None, {"trace_level": ["OFF"]})
+    assert t.start("a", "x") is None
+    assert t.start("b", "x") is None  # its count is spent
+
+
+def test_no_file_or_level_off_traces_nothing(tmp_path):
+    assert not Tracer(TraceSettings(level=("TIMESTAMPS",)), lambda name: True).enabled
+    t = tracer(tmp_path, level=("OFF",))
+    assert not t.enabled and t.start("a", "x") is None
+    t.update("a", {"trace_level": ["TIMESTAMPS"]})
+    assert t.enabled and t.start("a", "x") is not None and t.start("b", "x") is None
+
+
+def test_a_trace_is_written_when_its_last_holder_lets_go(tmp_path):
+    t = tracer(tmp_path, log_frequency=1)
+    trace = t.start("a", "held")
+    trace.hold()
+    finish(trace)
+    assert not (tmp_path / "trace.json.0").exists()
+    trace.record("HTTP_SEND_END", 2)
+    trace.release()
+    entries = json.loads((tmp_path / "trace.json.0").read_text())
+    head = {"id": trace.id, "model_name": "a", "model_version": -1, "request_id": "held"}
+    assert entries[0] == head
+    assert [e["timestamps"][0]["name"] for e in entries[1:]] == ["REQUEST_START", "HTTP_SEND_END"]
+    dropped = t.start("a", "dropped")
+    dropped.discard()
+    t.close()
+    assert not (tmp_path / "trace.json.1").exists()
+
+
+def test_files_of_n_traces_and_the_rest_at_close(tmp_path):
+    t = tracer(tmp_path, log_frequency=2)
+    for n in range(5):
+        trace = t.start("a", f"r{n}")
+        child = trace.child("b", f"r{n}")
+        finish(child)
+        finish(trace)
+    t.close()
+    files = [json.loads((tmp_path / f"trace.json.{i}").read_text()) for i in range(5)]
+    heads = [[e for e in f if "model_name" in e] for f in files]
+    assert [len(h) for h in heads] == [2, 2, 2, 2, 2]
+    assert heads[0][0]["parent_id"] == heads[0][1]["id"]
+
+
+def test_one_streamed_array_without_a_log_frequency(tmp_path):
+    t = tracer(tmp_path)
+    for n in range(3):
+        finish(t.start("a", f"r{n}"))
+    t.close()
+    entries = json.loads((tmp_path / "trace.json").read_text())
+    assert [e["request_id"] for e in entries if "model_name" in e] == ["r0", "r1", "r2"]
