@@ -32,6 +32,7 @@ from dlserve.ipc.protocol import Kind
 if TYPE_CHECKING:
     from dlserve.engine.instance import ModelInstance
     from dlserve.engine.model import ModelVersion
+    from dlserve.engine.tracing import Tracer
     from dlserve.ipc.supervisor import WorkerProcess
 
 log = logging.getLogger("dlserve.engine")
@@ -44,7 +45,11 @@ class Host(Protocol):
 
     def model(self, name: str, version: int = -1) -> ModelVersion: ...
 
+    tracer: Tracer
+
     def submit(self, request: Request, sample: bool = True) -> None: ...
+
+    def enqueue(self, model: ModelVersion, request: Request, sample: bool = True) -> None: ...
 
     async def load(self, name: str, parameters: dict[str, Any] | None = None) -> None: ...
 
@@ -100,6 +105,7 @@ class ModelCalls:
             parameters,
             decoupled,
             handles,
+            trace_id,
         ) = body
         worker = self.instance.worker
         if worker is None or worker.peer is None:
@@ -135,6 +141,10 @@ class ModelCalls:
                 )
             self._check_cycle(request, target)
             validate_request(request, target.signature)
+            if trace_id:  # the model passed on a traced request's trace (trace=request.trace())
+                parent = self.host.tracer.open_trace(trace_id)
+                if parent is not None:
+                    request.trace = parent.child(model_name, request_id)
         except Exception as exc:  # noqa: BLE001 - refused in the response, never left waiting
             error = exc if isinstance(exc, TritonError) else InternalError(str(exc))
             # Triton's prefix for a BLS request the server refused (not the callee's errors).
@@ -142,7 +152,7 @@ class ModelCalls:
             self._send(corr, ((), (int(error.code), message), "{}"), True)
             return
         self._calls[corr] = request
-        target.scheduler.submit(request)
+        self.host.enqueue(target, request, sample=False)
 
     def _chain(self, handles: list[int] | None) -> tuple[str, ...]:
         """The models waiting on a call: those waiting on the requests it is made

@@ -284,6 +284,7 @@ class ModelInstance:
                         out.add(name, Tensor(DataType.UINT8, view.shape, data=view), by_reference=True)
                         for name, view in r.output_buffers.items()
                     ],
+                    0 if r.trace is None else r.trace.id,  # for the model's BLS calls
                 )
                 for handle, r in zip(handles, requests)
             ]

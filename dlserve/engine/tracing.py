@@ -135,6 +135,7 @@ class Trace:
         self.events: list[tuple[str, int]] = []
         self._holds = 1  # the engine's, let go after the final response
         self._discarded = False
+        tracer._open[self.id] = self
 
     def record(self, name: str, ns: int | None = None) -> None:
         self.events.append((name, time.monotonic_ns() if ns is None else ns))
@@ -149,8 +150,10 @@ class Trace:
 
     def release(self) -> None:
         self._holds -= 1
-        if self._holds == 0 and not self._discarded:
-            self.tracer._finished(self)
+        if self._holds == 0:
+            del self.tracer._open[self.id]
+            if not self._discarded:
+                self.tracer._finished(self)
 
     def release_soon(self) -> None:
         """Release after the current loop turn, so that a frontend answering inside it
@@ -241,6 +244,7 @@ class Tracer:
         self._seen: dict[str | None, int] = {}  # requests counted toward the rate, per scope
         self._left: dict[str | None, int] = {}  # traces left of trace_count, per scope
         self._ids = itertools.count(1)
+        self._open: dict[int, Trace] = {}  # traces not written yet, by id
         self._writer = _Writer()
         self._left[None] = self._global["trace_count"]
         self.enabled = False  # may any request be traced now (a cheap check per request)
@@ -336,6 +340,10 @@ class Tracer:
         if left > 0:
             self._left[count_scope] = left - 1
         return Trace(self, model_name, request_id)
+
+    def open_trace(self, trace_id: int) -> Trace | None:
+        """A trace still collecting events (a model hands it to the requests it makes)."""
+        return self._open.get(trace_id)
 
     def _finished(self, trace: Trace) -> None:
         self._writer.add(self._global["trace_file"], trace, self._global["log_frequency"])

@@ -166,6 +166,7 @@ class WorkerRuntime:
             request._parameters,
             decoupled,
             current_handles.get(),
+            request._trace._id if request._trace is not None else 0,
         )
 
     def _start(self, request: InferenceRequest, decoupled: bool, stream: Stream) -> int:

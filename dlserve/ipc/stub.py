@@ -297,7 +297,8 @@ class Worker:
         return inputs
 
     def _request(self, wire: tuple[Any, ...], inputs: list[Tensor]) -> InferenceRequest:
-        handle, request_id, correlation_id, flags, timeout, parameters, requested, _, buffers = wire
+        (handle, request_id, correlation_id, flags, timeout, parameters, requested, _, buffers,
+         trace_id) = wire
         destinations = None
         if buffers:
             destinations = {}
@@ -306,7 +307,8 @@ class Worker:
                 destinations[name] = tensor.storage()
         exchange = self.runtime.exchange(handle, requested, destinations, self.decoupled)
         return InferenceRequest._received(
-            inputs, requested, request_id, correlation_id, flags, timeout, parameters, exchange
+            inputs, requested, request_id, correlation_id, flags, timeout, parameters, exchange,
+            trace_id,
         )
 
     def _failure(self, message: str) -> str:

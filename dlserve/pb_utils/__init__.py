@@ -28,6 +28,7 @@ from dlserve.pb_utils.inference import (
     RELEASE_RESCHEDULE,
     InferenceRequest,
     InferenceResponse,
+    InferenceTrace,
     PreferredMemory,
 )
 from dlserve.pb_utils.logger import Logger
@@ -57,6 +58,7 @@ __all__ = [
     "InferenceRequest",
     "InferenceResponse",
     "InferenceResponseSender",
+    "InferenceTrace",
     "JoinedInputs",
     "Logger",
     "MetricFamily",

@@ -62,6 +62,25 @@ class PreferredMemory:
         return f"pb_utils.PreferredMemory({kind}, device_id={self.preferred_device_id})"
 
 
+class InferenceTrace:
+    """A request's trace (``request.trace()``). Passed on to a request the model makes
+    (``pb_utils.InferenceRequest(..., trace=request.trace())``), it makes that call's trace
+    a child of the request's, when the request is traced."""
+
+    def __init__(self) -> None:
+        self._id = 0  # the server's trace id; 0: not traced
+
+    @classmethod
+    def _of(cls, trace_id: int) -> InferenceTrace:
+        trace = cls()
+        trace._id = trace_id
+        return trace
+
+    def get_context(self) -> str | None:
+        """The OpenTelemetry context; None, as dlserve writes Triton's trace files only."""
+        return None
+
+
 class InferenceRequest:
     """A request handed to ``execute``, or one a model builds to call another model (BLS)."""
 
@@ -86,6 +105,8 @@ class InferenceRequest:
             raise TritonModelException("requested_output_names must be a list of names, not a string")
         if preferred_memory is not None and not isinstance(preferred_memory, PreferredMemory):
             raise TritonModelException("preferred_memory must be a pb_utils.PreferredMemory")
+        if trace is not None and not isinstance(trace, InferenceTrace):
+            raise TritonModelException("trace must be a pb_utils.InferenceTrace (request.trace())")
         if not isinstance(correlation_id, (int, str)) or isinstance(correlation_id, bool):
             raise TritonModelException("correlation_id must be an int or a str")
         self._model_name = model_name
@@ -113,6 +134,7 @@ class InferenceRequest:
         timeout: int,
         parameters: str,
         exchange: Exchange,
+        trace_id: int = 0,
     ) -> InferenceRequest:
         """A request handed to ``execute``: built from trusted values, no re-validation."""
         request = cls.__new__(cls)
@@ -128,7 +150,7 @@ class InferenceRequest:
         request._timeout = timeout
         request._parameters = parameters
         request._preferred_memory = None
-        request._trace = None
+        request._trace = InferenceTrace._of(trace_id) if trace_id else None
         return request
 
     def inputs(self) -> list[Tensor]:
@@ -169,6 +191,10 @@ class InferenceRequest:
         if runtime is None:
             raise TritonModelException(f"{what}() is only available inside a dlserve worker")
         return runtime
+
+    def trace(self) -> InferenceTrace:
+        """This request's trace, to hand on to the requests made for it (BLS)."""
+        return self._trace if self._trace is not None else InferenceTrace()
 
     def preferred_memory(self) -> PreferredMemory:
         return self._preferred_memory or PreferredMemory()

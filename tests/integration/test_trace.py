@@ -23,7 +23,7 @@ from tritonclient.utils import InferenceServerException
 import dlserve
 from dlserve.frontends import KServeGrpc, KServeHttp
 
-from ..conftest import EXAMPLES, ServerHarness, frontend
+from ..conftest import EXAMPLES, MODELS, ServerHarness, frontend
 
 REFERENCE_FILE = Path(__file__).parents[1] / "data" / "triton_reference" / "trace.json"
 REFERENCE = json.loads(REFERENCE_FILE.read_text())
@@ -42,6 +42,7 @@ def start(tmp_path: Path, **trace: object) -> tuple[ServerHarness, dlserve.Serve
     repo = tmp_path / "repo"
     for name in ("pipeline", "add_sub", "identity"):
         shutil.copytree(EXAMPLES / name, repo / name)
+    shutil.copytree(MODELS / "bls_traced", repo / "bls_traced")
     file = tmp_path / "trace.json"
     harness = ServerHarness()
     settings = dlserve.TraceSettings(file=str(file), level=("TIMESTAMPS",), rate=1, **trace)
@@ -67,13 +68,13 @@ def traced(tmp_path):
         harness.close()
 
 
-def infer(urls: dict, protocol: str, model: str, request_id: str = "") -> None:
+def infer(urls: dict, protocol: str, model: str, request_id: str = "") -> object:
     module = httpclient if protocol == "http" else grpcclient
     with module.InferenceServerClient(urls[protocol]) as client:
         inputs = [module.InferInput(name, [4], "FP32") for name in ("INPUT0", "INPUT1")]
         for tensor in inputs:
             tensor.set_data_from_numpy(A)
-        client.infer(model, inputs, request_id=request_id)
+        return client.infer(model, inputs, request_id=request_id)
 
 
 def read_traces(paths: list[str]) -> list[dict]:
@@ -116,23 +117,26 @@ def setting(url: str, method: str, path: str, body: object = None) -> tuple[int,
 
 
 # -- the trace files ------------------------------------------------------------------------
-def test_traces_have_tritons_events_in_order_for_http_grpc_and_an_ensemble(traced):
+def test_traces_have_tritons_events_in_order_for_http_grpc_an_ensemble_and_bls(traced):
     server, urls, file = traced
     infer(urls, "http", "add_sub", "http-add_sub")
     infer(urls, "grpc", "add_sub", "grpc-add_sub")
     infer(urls, "http", "pipeline", "http-pipeline")
-    traces = read_traces(numbered(file, 6))
-    assert len(traces) == 6
+    # bls_traced passes trace=request.trace() to its add_sub call, which makes it a child
+    context = infer(urls, "http", "bls_traced", "http-bls").as_numpy("TRACE_CONTEXT")[0].decode()
+    assert context == REFERENCE["bls_trace_context"] == "None"  # get_context(): no OpenTelemetry
+    traces = read_traces(numbered(file, 8))
+    assert len(traces) == 8
     expected = copy.deepcopy(REFERENCE["traces"])
     for trace in expected:
         if trace["request_id"] == "grpc-add_sub":
             trace["events"] = sorted(set(trace["events"]) - UNSEEN_GRPC)
-    ids = {t["id"] for t in traces}
+    parents = {t["id"] for t in traces if t["model_name"] in ("pipeline", "bls_traced")}
     pipeline = next(t for t in traces if t["model_name"] == "pipeline")
     got = []
     for trace in traces:
         in_order(trace)
-        assert trace.get("parent_id") in (None, pipeline["id"]) and trace["id"] in ids
+        assert trace.get("parent_id") in (None, *parents)
         entry = {k: v for k, v in trace.items() if k not in ("id", "events", "parent_id")}
         entry["events"] = sorted(name for name, _ in trace["events"])
         if "parent_id" in trace:

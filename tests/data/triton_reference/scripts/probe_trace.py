@@ -1,6 +1,7 @@
 """What a server writes into its trace files and answers on the trace-setting endpoints
 (how trace.json was made: python probe_trace.py HTTP_URL GRPC_URL TRACE_DIR against
-Triton 2.51 serving examples/models pipeline, add_sub and identity, started with
+Triton 2.51 serving examples/models pipeline, add_sub and identity and
+tests/models/bls_traced, started with
 --trace-config triton,file=TRACE_DIR/trace.json --trace-config level=TIMESTAMPS
 --trace-config rate=1 --trace-config triton,log-frequency=1, so that each trace is in a
 file of its own as soon as it is complete). Timestamps are left out: only the event
@@ -20,7 +21,7 @@ def infer(module, url, model, request_id):
     inputs = [module.InferInput("INPUT0", [4], "FP32"), module.InferInput("INPUT1", [4], "FP32")]
     for i in inputs:
         i.set_data_from_numpy(a)
-    client.infer(model, inputs, request_id=request_id)
+    return client.infer(model, inputs, request_id=request_id)
 
 
 def setting(method, path, body=None):
@@ -36,6 +37,7 @@ def setting(method, path, body=None):
 infer(http, url_http, "add_sub", "http-add_sub")
 infer(grpc, url_grpc, "add_sub", "grpc-add_sub")
 infer(http, url_http, "pipeline", "http-pipeline")
+context = infer(http, url_http, "bls_traced", "http-bls").as_numpy("TRACE_CONTEXT")[0].decode()
 time.sleep(1)
 traces = []
 for path in sorted(glob.glob(f"{trace_dir}/trace.json.*"), key=lambda p: int(p.rsplit(".", 1)[1])):
@@ -67,4 +69,4 @@ settings = [
     ("POST", "/v2/trace/setting", {"trace_level": ["OFF"]}),
 ]
 answers = [[method, path, body, *setting(method, path, body)] for method, path, body in settings]
-print(json.dumps({"traces": traces, "settings": answers}, indent=1))
+print(json.dumps({"traces": traces, "bls_trace_context": context, "settings": answers}, indent=1))
