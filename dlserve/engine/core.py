@@ -7,6 +7,7 @@ and :meth:`share` must be called on the engine's event loop.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import glob
 import logging
@@ -166,6 +167,7 @@ class Engine:
             deadline = time.monotonic() + self.settings.exit_timeout
         if self.manager is not None:
             await self.manager.stop(deadline)
+        await asyncio.sleep(0)  # traces let go in the last turn are written first
         self.tracer.close()
         self._release_memory()
 

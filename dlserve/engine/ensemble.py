@@ -186,7 +186,6 @@ class _Run:
             timeout_us=request.timeout_us,
             parameters=request.parameters,
             requested_outputs=list(step.outputs),
-            trace=None if request.trace is None else request.trace.child(step.model, request.request_id),
         )
         model = self.scheduler.model
         try:
@@ -200,6 +199,8 @@ class _Run:
                 branch.fork(index)
             branch.running[index] = call
             self.calls.append(call)
+            if request.trace is not None:  # made last: submit discards it if it refuses
+                call.trace = request.trace.child(step.model, request.request_id)
             model.resources.host.submit(call, sample=False)
         except TritonError as exc:
             branch.running.pop(index, None)

@@ -291,9 +291,15 @@ class ModelInstance:
         t1 = time.monotonic_ns()
         future = worker.submit(Kind.EXECUTE, body)
         executing = self._executing
+        traces = []
         for handle, request in zip(handles, requests):
             executing[handle] = request
             request.cancel_hook = functools.partial(self._cancel, handle)
+            if request.trace is not None:
+                # Open until the execute returns, for its compute times: a model may end
+                # the request before that (its response sender, a cancellation).
+                request.trace.hold()
+                traces.append(request.trace)
 
         def finished(future: asyncio.Future[Any]) -> None:
             t2 = time.monotonic_ns()
@@ -302,6 +308,8 @@ class ModelInstance:
             try:
                 complete(future, t2)
             finally:
+                for trace in traces:
+                    trace.release()
                 # A response a default-mode model sent without its final belongs to a request
                 # still open here; one whose execute failed or answered otherwise is dropped
                 # (and its memory goes back to the worker).
@@ -328,13 +336,11 @@ class ModelInstance:
                 done(exc, None)
                 return
             t3 = time.monotonic_ns()
-            for request in requests:
-                trace = request.trace
-                if trace is not None:
-                    trace.record("COMPUTE_START", t0)
-                    trace.record("COMPUTE_INPUT_END", t1)
-                    trace.record("COMPUTE_OUTPUT_START", t2)
-                    trace.record("COMPUTE_END", t3)
+            for trace in traces:
+                trace.record("COMPUTE_START", t0)
+                trace.record("COMPUTE_INPUT_END", t1)
+                trace.record("COMPUTE_OUTPUT_START", t2)
+                trace.record("COMPUTE_END", t3)
             done(results, Timings(t1 - t0, t2 - t1, t3 - t2))
 
         future.add_done_callback(finished)

@@ -27,6 +27,7 @@ import itertools
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import IO, Any
@@ -182,23 +183,30 @@ class Trace:
 
 
 class _Writer:
-    """Trace files: one streamed array (log_frequency 0) or numbered files of N traces."""
+    """Trace files: one streamed array (log_frequency 0) or numbered files of N traces.
+    Locked: the server's loop writes, and a server being killed closes from another thread."""
 
     def __init__(self) -> None:
+        self._lock = threading.Lock()
         self._stream: IO[str] | None = None
         self._batch: list[Trace] = []
         self._index = 0
+        self._closed = False
 
     def add(self, path: str, trace: Trace, log_frequency: int) -> None:
-        try:
-            if log_frequency == 0:
-                self._streamed(path, trace)
-            else:
-                self._batch.append(trace)
-                if len(self._batch) >= log_frequency:
-                    self._write_batch(path)
-        except OSError as exc:
-            log.error("cannot write trace file %s: %s", path, exc)
+        with self._lock:
+            if self._closed:  # finished after the server stopped: the file is complete
+                log.debug("trace %d finished after the trace file was closed", trace.id)
+                return
+            try:
+                if log_frequency == 0:
+                    self._streamed(path, trace)
+                else:
+                    self._batch.append(trace)
+                    if len(self._batch) >= log_frequency:
+                        self._write_batch(path)
+            except OSError as exc:
+                log.error("cannot write trace file %s: %s", path, exc)
 
     def _streamed(self, path: str, trace: Trace) -> None:
         entries = ",".join(json.dumps(entry, separators=(",", ":")) for entry in trace.entries())
@@ -222,15 +230,19 @@ class _Writer:
         self._index += 1
 
     def close(self, path: str) -> None:
-        try:
-            if self._batch:
-                self._write_batch(path)
-            if self._stream is not None:
-                self._stream.write("]")
-                self._stream.close()
-                self._stream = None
-        except OSError as exc:
-            log.error("cannot write trace file %s: %s", path, exc)
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                if self._batch:
+                    self._write_batch(path)
+                if self._stream is not None:
+                    self._stream.write("]")
+                    self._stream.close()
+                    self._stream = None
+            except OSError as exc:
+                log.error("cannot write trace file %s: %s", path, exc)
 
 
 class Tracer:
@@ -255,14 +267,18 @@ class Tracer:
         """The settings in effect, server-wide or for ``model``, in the wire form."""
         if model is not None:
             self._check_model(model)
-        override = self._models.get(model, {}) if model is not None else {}
-        values = {**self._global, **override}
-        values["trace_count"] = self._left[model if "trace_count" in override else None]
+        scope = model if model in self._models else None
+        values = {**self._global, **self._models.get(scope or "", {})}
+        values["trace_count"] = self._left[scope]  # what is left of it, as Triton shows
         return {name: _wire(name, values[name]) for name in _NAMES}
 
     def update(self, model: str | None, changes: dict[str, Any]) -> dict[str, Any]:
         """Apply a partial update (a None value clears: a model's back to the server's,
-        the server's back to its start-up value) and return the settings now in effect."""
+        the server's back to its start-up value) and return the settings now in effect.
+
+        As in Triton, a model with settings of its own samples on its own: its rate
+        counter and what is left of its count start over whenever its settings change
+        (the count it did not set from what is left of the server's)."""
         if model is not None:
             self._check_model(model)
         parsed: dict[str, Any] = {}
@@ -285,28 +301,34 @@ class Tracer:
                     f"'{name}' is a server-wide trace setting: set it without a model"
                 )
             parsed[name] = _parse(name, value)
-        scope = self._global if model is None else self._models.setdefault(model, {})
-        for name, value in parsed.items():
-            if value is None:
-                if model is None:
-                    scope[name] = self._startup[name]
+        if model is None:
+            for name, value in parsed.items():
+                self._global[name] = self._startup[name] if value is None else value
+            if "trace_count" in parsed:
+                self._left[None] = self._global["trace_count"]
+            for name in list(self._models):
+                self._restart(name)
+            self._seen[None] = 0
+        else:
+            own = self._models.setdefault(model, {})
+            for name, value in parsed.items():
+                if value is None:
+                    own.pop(name, None)
                 else:
-                    scope.pop(name, None)
+                    own[name] = value
+            if own:
+                self._restart(model)
             else:
-                scope[name] = value
-            if name == "trace_count":  # a new count starts over
-                if model is None:
-                    self._left[None] = scope[name]
-                elif name in scope:
-                    self._left[model] = scope[name]
-                else:
-                    self._left.pop(model, None)
-            elif name == "trace_rate":
+                del self._models[model]
                 self._seen.pop(model, None)
-        if model is not None and not scope:
-            del self._models[model]
+                self._left.pop(model, None)
         self._refresh()
         return self.settings(model)
+
+    def _restart(self, model: str) -> None:
+        """A model's own sampling starts over (its settings or the server's changed)."""
+        self._seen[model] = 0
+        self._left[model] = self._models[model].get("trace_count", self._left[None])
 
     def _check_model(self, model: str) -> None:
         if not self._has_model(model):
@@ -323,22 +345,19 @@ class Tracer:
         """A new trace for a request to ``model_name``, or None when it is not sampled."""
         if not self.enabled:
             return None
-        override = self._models.get(model_name, {})
-        level = override.get("trace_level", self._global["trace_level"])
-        if level == ("OFF",):
+        scope = model_name if model_name in self._models else None
+        own = self._models.get(model_name, {})
+        if own.get("trace_level", self._global["trace_level"]) == ("OFF",):
             return None
-        rate_scope = model_name if "trace_rate" in override else None
-        rate = override.get("trace_rate", self._global["trace_rate"])
-        seen = self._seen.get(rate_scope, 0) + 1
-        self._seen[rate_scope] = seen
-        if seen % rate:
+        left = self._left[scope]
+        if left == 0:  # spent: requests no longer count toward the rate either
             return None
-        count_scope = model_name if "trace_count" in override else None
-        left = self._left[count_scope]
-        if left == 0:
+        seen = self._seen.get(scope, 0) + 1
+        self._seen[scope] = seen
+        if seen % own.get("trace_rate", self._global["trace_rate"]):
             return None
         if left > 0:
-            self._left[count_scope] = left - 1
+            self._left[scope] = left - 1
         return Trace(self, model_name, request_id)
 
     def open_trace(self, trace_id: int) -> Trace | None:

@@ -663,6 +663,8 @@ class InferenceServicer:
     ) -> pb.ModelInferResponse:
         received = time.monotonic_ns()
         engine_request, specs = self.decode(request, context)
+        if not self.engine.tracer.enabled:
+            return await self._answer(engine_request, specs, context)
         held: list[Trace] = []
 
         def traced(trace: Trace) -> None:
@@ -673,21 +675,31 @@ class InferenceServicer:
             held.append(trace)
 
         try:
-            # A client that cancels or whose deadline passes cancels its request in there.
-            response = await self.dataplane.infer(engine_request, traced)
-            if response.error is not None:
-                raise response.error
-            if specs:
-                response = self.dataplane.classified(response, specs.values())
-            if self.compression is not None:
-                context.set_compression(self.compression)
-            encoded = encode_response(response, specs)
-            for trace in held:
-                trace.record("GRPC_SEND_START")
-            return encoded
+            return await self._answer(engine_request, specs, context, traced, held)
         finally:
             for trace in held:
                 trace.release()
+
+    async def _answer(
+        self,
+        engine_request: Request,
+        specs: dict[str, OutputSpec] | None,
+        context: Any,
+        traced: Callable[[Trace], None] | None = None,
+        held: list[Trace] | None = None,
+    ) -> pb.ModelInferResponse:
+        # A client that cancels or whose deadline passes cancels its request in there.
+        response = await self.dataplane.infer(engine_request, traced)
+        if response.error is not None:
+            raise response.error
+        if specs:
+            response = self.dataplane.classified(response, specs.values())
+        if self.compression is not None:
+            context.set_compression(self.compression)
+        encoded = encode_response(response, specs)
+        for trace in held or ():
+            trace.record("GRPC_SEND_START")
+        return encoded
 
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: Any

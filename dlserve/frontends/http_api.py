@@ -276,7 +276,8 @@ class KServeHttpApi:
         engine_request = self.dataplane.build_request(
             args["model"], args.get("version"), request_id, parameters, inputs, outputs
         )
-        response = await self.dataplane.infer(engine_request, functools.partial(_traced, request))
+        traced = functools.partial(_traced, request) if self.engine.tracer.enabled else None
+        response = await self.dataplane.infer(engine_request, traced)
         if response.error is not None:
             return error_response(response.error)
         response = self.dataplane.classified(response, outputs or [])

@@ -325,10 +325,14 @@ class HttpConnection(asyncio.BufferedProtocol):
                     request.sent(0, 0)
                     if not await self._write_stream(response, keep_alive):
                         return
-                else:
-                    start = time.monotonic_ns()
-                    written = self._write(response, keep_alive)
-                    request.sent(start if written else 0, time.monotonic_ns() if written else 0)
+                elif request.on_sent is None:
+                    self._write(response, keep_alive)
+                else:  # someone wants to know when it went out
+                    start, written = time.monotonic_ns(), False
+                    try:
+                        written = self._write(response, keep_alive)
+                    finally:
+                        request.sent(start if written else 0, time.monotonic_ns() if written else 0)
                 if not keep_alive:
                     if self.transport is not None:
                         self.transport.close()

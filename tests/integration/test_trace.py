@@ -42,7 +42,8 @@ def start(tmp_path: Path, **trace: object) -> tuple[ServerHarness, dlserve.Serve
     repo = tmp_path / "repo"
     for name in ("pipeline", "add_sub", "identity"):
         shutil.copytree(EXAMPLES / name, repo / name)
-    shutil.copytree(MODELS / "bls_traced", repo / "bls_traced")
+    for name in ("bls_traced", "decoupled"):
+        shutil.copytree(MODELS / name, repo / name)
     file = tmp_path / "trace.json"
     harness = ServerHarness()
     settings = dlserve.TraceSettings(file=str(file), level=("TIMESTAMPS",), rate=1, **trace)
@@ -64,6 +65,11 @@ def traced(tmp_path):
             for grpc_port in frontend(KServeGrpc, server):
                 urls = {"http": f"127.0.0.1:{http_port}", "grpc": f"127.0.0.1:{grpc_port}"}
                 yield server, urls, file
+        # Every trace was let go: written, or dropped for a request refused before it ran.
+        deadline = time.monotonic() + 5
+        while server.engine.tracer._open and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not server.engine.tracer._open, sorted(server.engine.tracer._open)
     finally:
         harness.close()
 
@@ -165,6 +171,19 @@ def test_the_in_process_api_traces_without_frontend_events(traced):
         "COMPUTE_OUTPUT_START", "COMPUTE_END", "INFER_RESPONSE_COMPLETE", "REQUEST_END",
     }
     in_order(trace)
+
+
+def test_a_decoupled_model_that_answers_inside_execute_keeps_its_compute_times(traced):
+    """Its final response reaches the server before execute's own reply does."""
+    server, _, file = traced
+    responses = list(server.model("decoupled").infer(inputs={"IN": np.array([1, 2, 3], np.int32)}))
+    assert [r.final for r in responses][-1] and len(responses) >= 3
+    (trace,) = read_traces(numbered(file, 1))
+    names = [name for name, _ in trace["events"]]
+    for event in ("COMPUTE_START", "COMPUTE_INPUT_END", "COMPUTE_OUTPUT_START", "COMPUTE_END"):
+        assert names.count(event) == 1, names
+    assert names.count("INFER_RESPONSE_COMPLETE") == len(responses)
+    assert names.count("REQUEST_END") == 1
 
 
 def test_one_file_holds_every_trace_as_a_json_array_at_stop(tmp_path):

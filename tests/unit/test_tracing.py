@@ -34,16 +34,24 @@ def test_a_models_settings_follow_the_servers_except_what_it_set(tmp_path):
         t.update(None, {"trace_file": "x"})
 
 
-def test_rate_and_count_have_the_scope_that_set_them(tmp_path):
-    t = tracer(tmp_path, rate=2)
+def test_a_model_with_settings_of_its_own_samples_on_its_own(tmp_path):
+    """As Triton: every trace_rate-th request of its scope, while its count lasts; a
+    model with any setting of its own is a scope, which starts over when settings change."""
+    t = tracer(tmp_path, rate=2, count=3)
     picked = [t.start("a", str(n)) is not None for n in range(4)]
     assert picked == [False, True, False, True]
-    t.update("b", {"trace_count": "1", "trace_rate": "1"})
+    assert t.settings("a")["trace_count"] == "1"
+    t.update("b", {"trace_rate": "1"})  # b's own count: what is left of the server's
     assert [t.start("b", "x") is not None for _ in range(3)] == [True, False, False]
-    assert t.settings("b")["trace_count"] == "0" and t.settings("a")["trace_count"] == "-1"
+    assert t.settings("b")["trace_count"] == "0" and t.settings("a")["trace_count"] == "1"
+    t.update("b", {"trace_count": "2"})
+    assert [t.start("b", "x") is not None for _ in range(3)] == [True, True, False]
+    assert t.start("a", "x") is None and t.start("a", "x") is not None  # the 6th: its last
+    assert [t.start("a", str(n)) is None for n in range(3)] == [True, True, True]
+    t.update(None, {"trace_count": "2"})  # new settings: sampling starts over
+    assert [t.start("a", str(n)) is not None for n in range(4)] == [False, True, False, True]
     t.update(None, {"trace_level": ["OFF"]})
-    assert t.start("a", "x") is None
-    assert t.start("b", "x") is None  # its count is spent
+    assert t.start("a", "x") is None and t.start("b", "x") is None
 
 
 def test_no_file_or_level_off_traces_nothing(tmp_path):
@@ -84,6 +92,17 @@ def test_files_of_n_traces_and_the_rest_at_close(tmp_path):
     heads = [[e for e in f if "model_name" in e] for f in files]
     assert [len(h) for h in heads] == [2, 2, 2, 2, 2]
     assert heads[0][0]["parent_id"] == heads[0][1]["id"]
+
+
+def test_a_trace_finishing_after_close_leaves_the_file_whole(tmp_path):
+    t = tracer(tmp_path)
+    finish(t.start("a", "early"))
+    late = t.start("a", "late")
+    t.close()
+    finish(late)
+    t.close()
+    entries = json.loads((tmp_path / "trace.json").read_text())
+    assert [e["request_id"] for e in entries if "model_name" in e] == ["early"]
 
 
 def test_one_streamed_array_without_a_log_frequency(tmp_path):
