@@ -14,9 +14,12 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dlserve.perf import cli as perf_cli
+
+if TYPE_CHECKING:
+    from dlserve.engine.tracing import TraceSettings
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "models"
 _TRUE = {"1", "true", "yes", "on"}
@@ -157,9 +160,9 @@ _TRACE_KEYS = {"file": "file", "level": "level", "rate": "rate", "count": "count
                "log-frequency": "log_frequency", "mode": "mode"}
 
 
-def _trace_settings(entries: list[str]) -> Any:
+def _trace_settings(entries: list[str]) -> TraceSettings:
     """``--trace-config`` entries (``[triton,]setting=value``) as TraceSettings."""
-    from dlserve.engine.tracing import TraceSettings
+    from dlserve.engine.tracing import TraceSettings  # the engine loads only to serve
 
     settings = TraceSettings()
     levels: list[str] = []

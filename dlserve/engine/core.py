@@ -304,8 +304,8 @@ class Engine:
 
     def submit(self, request: Request, sample: bool = True) -> None:
         """Validate and queue a request (on the loop); responses go to ``on_response``.
-        ``sample``: trace it if the trace settings pick it (False for a step of
-        something traced or not already)."""
+        With ``sample`` False it is never picked for tracing: a request made for
+        another (an ensemble's step) is traced only as a child of a traced one."""
         try:
             if not self.live:
                 raise UnavailableError("the server is stopping and takes no new requests")

@@ -162,7 +162,7 @@ class _Run:
         self.steps = scheduler.steps
         self.request = request
         self.started_ns = time.monotonic_ns()
-        self.calls: list[Request] = []  # every step request made, for the statistics
+        self.compute_ns = [0, 0, 0]  # the finished steps' compute input, infer, output
         self.branches: list[_Branch] = []
         request.cancel_hook = self.cancel
         self.root = self._branch(dict(request.inputs), list(range(len(self.steps))))
@@ -198,7 +198,6 @@ class _Run:
                     )
                 branch.fork(index)
             branch.running[index] = call
-            self.calls.append(call)
             if request.trace is not None:  # made last: submit discards it if it refuses
                 call.trace = request.trace.child(step.model, request.request_id)
             model.resources.host.submit(call, sample=False)
@@ -226,7 +225,11 @@ class _Run:
             return
         elif not self._take(step, response, branch.tensors):
             return
-        branch.running.pop(index, None)
+        call = branch.running.pop(index)
+        compute = self.compute_ns
+        compute[0] += call.compute_input_ns
+        compute[1] += call.compute_infer_ns
+        compute[2] += call.compute_output_ns
         branch.advance()
 
     def _take(self, step: Step, response: Response, tensors: dict[str, Tensor]) -> bool:
@@ -288,13 +291,11 @@ class _Run:
 
     def _record(self, request: Request) -> None:
         """One execution per request, as Triton counts an ensemble's: its queue time is
-        its own (until the steps start), its compute times the sums of its steps' (an
-        execution of a decoupled step still running when the last answer goes out
-        counts as far as it got)."""
-        calls = self.calls
-        request.compute_input_ns = sum(call.compute_input_ns for call in calls)
-        request.compute_infer_ns = sum(call.compute_infer_ns for call in calls)
-        request.compute_output_ns = sum(call.compute_output_ns for call in calls)
+        its own (until the steps start), its compute times the sums of its steps' (a
+        decoupled step whose execute returns after its final response adds nothing)."""
+        request.compute_input_ns, request.compute_infer_ns, request.compute_output_ns = (
+            self.compute_ns
+        )
         ensemble = self.scheduler.model
         ensemble.stats.record_execution(
             batch_size=ensemble.batch_size_of(request),
