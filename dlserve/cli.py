@@ -139,8 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     _bool_flag(shared, "--log-error", True, "log errors")
     shared.add_argument("--log-file", default="", metavar="PATH")
     shared.add_argument("--trace-config", action="append", default=[], metavar="[triton,]SETTING=VALUE",
-                        help="request tracing, as tritonserver: file=PATH, level=TIMESTAMPS, rate=N, "
-                        "count=N, log-frequency=N (repeatable)")
+                        help="request tracing, as tritonserver: file=PATH, level=TIMESTAMPS|TENSORS, "
+                        "rate=N, count=N, log-frequency=N (repeatable)")
     perf_cli.add_parser(commands)
     return parser
 

@@ -325,6 +325,7 @@ class Engine:
             trace.model_version = model.version
             trace.record("REQUEST_START", request.arrival_ns)
             trace.record("QUEUE_START")
+            trace.record_tensors("TENSOR_QUEUE_INPUT", request.inputs)
         model.scheduler.submit(request)
 
     @staticmethod

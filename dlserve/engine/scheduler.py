@@ -239,6 +239,8 @@ class Scheduler:
             self.model.stats.record_request(time.monotonic_ns() - request.arrival_ns, failure)
         trace = request.trace
         if trace is not None:
+            if response.outputs:
+                trace.record_tensors("TENSOR_BACKEND_OUTPUT", response.outputs)
             if trace.parent_id is None:  # as Triton: a step's answer goes to its ensemble
                 trace.record("INFER_RESPONSE_COMPLETE")
             if response.final:

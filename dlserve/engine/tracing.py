@@ -13,6 +13,11 @@ model instance (COMPUTE_*). An ensemble's steps get child traces (``parent_id``)
 is written when its last holder lets it go: the engine after the final response, and a
 frontend that took a hold after it sent that response.
 
+Level TENSORS adds the request's inputs as they are queued and each response's outputs
+(``{"id", "activity": "TENSOR_QUEUE_INPUT" | "TENSOR_BACKEND_OUTPUT", "tensor": {"name",
+"data", "shape", "dtype"}}``, the values written as Triton writes them: comma-separated,
+floats as C++'s ``%g``, BYTES elements quoted; FP16 and BF16 left empty, as Triton does).
+
 Files are Triton's: a JSON array of ``{"id", "model_name", "model_version", "request_id",
 "parent_id"}`` and one ``{"id", "timestamps": [{"name", "ns"}]}`` per event. With
 ``log_frequency`` 0 every trace goes to ``trace_file`` (streamed as it completes, the array
@@ -33,10 +38,12 @@ from collections.abc import Callable
 from typing import IO, Any
 
 from dlserve.errors import InvalidArgumentError, UnsupportedError
+from dlserve.memory.dtypes import DataType
+from dlserve.memory.tensor import Tensor
 
 log = logging.getLogger("dlserve.trace")
 
-LEVELS = ("OFF", "TIMESTAMPS")
+LEVELS = ("OFF", "TIMESTAMPS", "TENSORS")
 _NAMES = ("trace_file", "trace_level", "trace_rate", "trace_count", "log_frequency", "trace_mode")
 _SERVER_WIDE = ("trace_file", "log_frequency", "trace_mode")
 
@@ -94,12 +101,12 @@ def _parse(name: str, value: Any) -> Any:
             raise InvalidArgumentError("trace setting 'trace_level' must be an array of strings")
         levels = tuple(dict.fromkeys(v.upper() for v in value))
         for level in levels:
-            if level == "TENSORS":
-                raise UnsupportedError("trace level TENSORS is not supported; use TIMESTAMPS")
             if level not in LEVELS:
-                raise InvalidArgumentError(f"unknown trace level '{level}' (use OFF or TIMESTAMPS)")
+                raise InvalidArgumentError(
+                    f"unknown trace level '{level}' (use OFF, TIMESTAMPS and/or TENSORS)"
+                )
         if not levels or (len(levels) > 1 and "OFF" in levels):
-            raise InvalidArgumentError("trace_level must be OFF, or TIMESTAMPS")
+            raise InvalidArgumentError("trace_level must be OFF, or TIMESTAMPS and/or TENSORS")
         return levels
     if name == "trace_rate":
         return _integer(name, value, 1)
@@ -120,12 +127,17 @@ class Trace:
     """One traced request: its identity and timestamps (see the module docstring)."""
 
     __slots__ = (
-        "tracer", "id", "parent_id", "model_name", "model_version", "request_id", "events",
-        "_holds", "_discarded",
+        "tracer", "id", "parent_id", "model_name", "model_version", "request_id", "levels",
+        "events", "tensors", "_holds", "_discarded",
     )
 
     def __init__(
-        self, tracer: Tracer, model_name: str, request_id: str, parent_id: int | None = None
+        self,
+        tracer: Tracer,
+        model_name: str,
+        request_id: str,
+        levels: tuple[str, ...],
+        parent_id: int | None = None,
     ) -> None:
         self.tracer = tracer
         self.id = next(tracer._ids)
@@ -133,17 +145,29 @@ class Trace:
         self.model_name = model_name
         self.model_version = -1  # the engine fills it in when it resolves the model
         self.request_id = request_id
+        self.levels = levels
         self.events: list[tuple[str, int]] = []
+        self.tensors: list[dict[str, Any]] | None = [] if "TENSORS" in levels else None
         self._holds = 1  # the engine's, let go after the final response
         self._discarded = False
         tracer._open[self.id] = self
 
     def record(self, name: str, ns: int | None = None) -> None:
-        self.events.append((name, time.monotonic_ns() if ns is None else ns))
+        if "TIMESTAMPS" in self.levels:
+            self.events.append((name, time.monotonic_ns() if ns is None else ns))
+
+    def record_tensors(self, activity: str, tensors: dict[str, Tensor]) -> None:
+        """TENSOR_QUEUE_INPUT (a request's inputs) or TENSOR_BACKEND_OUTPUT (a response's
+        outputs), when the level asks for tensors."""
+        if self.tensors is not None:
+            self.tensors.extend(
+                {"id": self.id, "activity": activity, "tensor": _tensor_entry(name, tensor)}
+                for name, tensor in tensors.items()
+            )
 
     def child(self, model_name: str, request_id: str) -> Trace:
         """The trace of a request this one makes (an ensemble step)."""
-        return Trace(self.tracer, model_name, request_id, parent_id=self.id)
+        return Trace(self.tracer, model_name, request_id, self.levels, parent_id=self.id)
 
     def hold(self) -> None:
         """Keep the trace open past the engine's part (a frontend that still sends)."""
@@ -177,9 +201,35 @@ class Trace:
             head["request_id"] = self.request_id
         if self.parent_id is not None:
             head["parent_id"] = self.parent_id
-        return [head] + [
-            {"id": self.id, "timestamps": [{"name": name, "ns": ns}]} for name, ns in self.events
+        return [
+            head,
+            *(
+                {"id": self.id, "timestamps": [{"name": name, "ns": ns}]}
+                for name, ns in self.events
+            ),
+            *(self.tensors or ()),
         ]
+
+
+def _tensor_entry(name: str, tensor: Tensor) -> dict[str, str]:
+    """A tensor as Triton's trace files show it (see the module docstring)."""
+    data_type = tensor.data_type
+    if data_type is DataType.BYTES:
+        values = [
+            '"' + item.decode("utf-8", "replace") + '"' for item in tensor.to_bytes_array().ravel()
+        ]
+    elif data_type in (DataType.FP16, DataType.BF16):
+        values = []
+    elif data_type in (DataType.FP32, DataType.FP64):
+        values = [format(x, "g") for x in tensor.storage().ravel().tolist()]
+    else:  # integers, and BOOL as 0 / 1
+        values = [str(int(x)) for x in tensor.storage().ravel().tolist()]
+    return {
+        "name": name,
+        "data": ",".join(values),
+        "shape": ",".join(str(d) for d in tensor.shape),
+        "dtype": data_type.wire_name,
+    }
 
 
 class _Writer:
@@ -347,7 +397,8 @@ class Tracer:
             return None
         scope = model_name if model_name in self._models else None
         own = self._models.get(model_name, {})
-        if own.get("trace_level", self._global["trace_level"]) == ("OFF",):
+        levels = own.get("trace_level", self._global["trace_level"])
+        if levels == ("OFF",):
             return None
         left = self._left[scope]
         if left == 0:  # spent: requests no longer count toward the rate either
@@ -358,7 +409,7 @@ class Tracer:
             return None
         if left > 0:
             self._left[scope] = left - 1
-        return Trace(self, model_name, request_id)
+        return Trace(self, model_name, request_id, levels)
 
     def open_trace(self, trace_id: int) -> Trace | None:
         """A trace still collecting events (a model hands it to the requests it makes)."""

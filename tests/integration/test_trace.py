@@ -40,7 +40,7 @@ ORDER = [  # the order a request passes these points in
 
 def start(tmp_path: Path, **trace: object) -> tuple[ServerHarness, dlserve.Server, Path]:
     repo = tmp_path / "repo"
-    for name in ("pipeline", "add_sub", "identity"):
+    for name in ("pipeline", "add_sub", "identity", "string_upper"):
         shutil.copytree(EXAMPLES / name, repo / name)
     for name in ("bls_traced", "decoupled"):
         shutil.copytree(MODELS / name, repo / name)
@@ -186,6 +186,25 @@ def test_a_decoupled_model_that_answers_inside_execute_keeps_its_compute_times(t
     assert names.count("REQUEST_END") == 1
 
 
+def test_level_tensors_writes_the_tensors_as_triton_does(traced):
+    _, urls, file = traced
+    with httpclient.InferenceServerClient(urls["http"]) as client:
+        level = client.update_trace_settings(settings={"trace_level": ["TIMESTAMPS", "TENSORS"]})
+        assert level["trace_level"] == ["TIMESTAMPS", "TENSORS"]
+        x = np.array([0.5, 1.25, -3.0, 1e-7], np.float32)
+        inputs = [httpclient.InferInput(name, [4], "FP32") for name in ("INPUT0", "INPUT1")]
+        inputs[0].set_data_from_numpy(x)
+        inputs[1].set_data_from_numpy(x * 3)
+        client.infer("add_sub", inputs, request_id="tensors-add_sub")
+        text = httpclient.InferInput("INPUT0", [2], "BYTES")
+        text.set_data_from_numpy(np.array([b"ab", b"c,d"], dtype=np.object_))
+        client.infer("string_upper", [text], request_id="tensors-string_upper")
+    entries = [e for path in numbered(file, 2) for e in json.loads(Path(path).read_text())]
+    tensors = [{k: v for k, v in e.items() if k != "id"} for e in entries if "tensor" in e]
+    assert tensors == REFERENCE["tensors"]
+    assert sum("timestamps" in e for e in entries) > 10  # TIMESTAMPS is still on
+
+
 def test_one_file_holds_every_trace_as_a_json_array_at_stop(tmp_path):
     harness, server, file = start(tmp_path)  # log_frequency 0: one file
     try:
@@ -265,7 +284,6 @@ def test_grpc_settings_and_errors(traced):
             (None, {"trace_file": "/tmp/elsewhere"}, "UNIMPLEMENTED", "can not be updated"),
             ("nosuch", {"trace_rate": "2"}, "INVALID_ARGUMENT", "unknown model : nosuch"),
             (None, {"trace_rate": "x"}, "INVALID_ARGUMENT", "Unable to parse 'trace_rate'"),
-            (None, {"trace_level": ["TENSORS"]}, "UNIMPLEMENTED", "TENSORS is not supported"),
             (None, {"trace_level": ["LOUD"]}, "INVALID_ARGUMENT", "unknown trace level 'LOUD'"),
             ("add_sub", {"log_frequency": "5"}, "INVALID_ARGUMENT", "server-wide"),
             (None, {"trace_mode": "opentelemetry"}, "UNIMPLEMENTED", "not supported"),

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from dlserve.engine.tracing import Tracer, TraceSettings
 from dlserve.errors import InvalidArgumentError, UnsupportedError
+from dlserve.memory.tensor import Tensor
 
 
 def tracer(tmp_path, **settings: object) -> Tracer:
@@ -112,3 +114,23 @@ def test_one_streamed_array_without_a_log_frequency(tmp_path):
     t.close()
     entries = json.loads((tmp_path / "trace.json").read_text())
     assert [e["request_id"] for e in entries if "model_name" in e] == ["r0", "r1", "r2"]
+
+
+def test_tensor_entries_are_written_as_triton_writes_them(tmp_path):
+    t = tracer(tmp_path, level=("TENSORS",), log_frequency=1)
+    trace = t.start("a", "r")
+    trace.record("REQUEST_START", 1)  # TENSORS alone: no timestamps
+    trace.record_tensors("TENSOR_QUEUE_INPUT", {
+        "B": Tensor.from_numpy(np.array([[True], [False]])),
+        "I": Tensor.from_numpy(np.array([-1, 2], np.int8)),
+        "H": Tensor.from_numpy(np.array([1.5], np.float16)),
+        "D": Tensor.from_numpy(np.array([1e20, 0.1], np.float64)),
+    })
+    trace.release()
+    entries = json.loads((tmp_path / "trace.json.0").read_text())
+    assert not [e for e in entries if "timestamps" in e]
+    tensors = {e["tensor"]["name"]: e["tensor"] for e in entries if "tensor" in e}
+    assert tensors["B"] == {"name": "B", "data": "1,0", "shape": "2,1", "dtype": "BOOL"}
+    assert tensors["I"]["data"] == "-1,2"  # numbers (Triton writes INT8 as raw characters)
+    assert tensors["H"]["data"] == ""  # as Triton: FP16 and BF16 are not written out
+    assert tensors["D"]["data"] == "1e+20,0.1"  # C++'s default float format

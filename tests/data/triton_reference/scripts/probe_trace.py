@@ -5,7 +5,11 @@ tests/models/bls_traced, started with
 --trace-config triton,file=TRACE_DIR/trace.json --trace-config level=TIMESTAMPS
 --trace-config rate=1 --trace-config triton,log-frequency=1, so that each trace is in a
 file of its own as soon as it is complete). Timestamps are left out: only the event
-names of each trace, its model and its parent."""
+names of each trace, its model and its parent.
+
+With a fourth argument, "tensors", against the same Triton started with level=TENSORS
+(instead of TIMESTAMPS) and examples/models string_upper added: the tensor entries it
+writes for add_sub and string_upper requests (its "tensors" part)."""
 
 import glob, json, sys, time, urllib.error, urllib.request
 import numpy as np
@@ -14,6 +18,28 @@ import tritonclient.http as http
 
 url_http, url_grpc, trace_dir = sys.argv[1:4]
 a = np.arange(4, dtype=np.float32)
+
+
+def written():
+    """Every entry of the numbered trace files, in file order."""
+    paths = sorted(glob.glob(f"{trace_dir}/trace.json.*"), key=lambda p: int(p.rsplit(".", 1)[1]))
+    return [entry for path in paths for entry in json.load(open(path))]
+
+
+if sys.argv[4:] == ["tensors"]:
+    client = http.InferenceServerClient(url_http)
+    x = np.array([0.5, 1.25, -3.0, 1e-7], np.float32)
+    inputs = [http.InferInput("INPUT0", [4], "FP32"), http.InferInput("INPUT1", [4], "FP32")]
+    inputs[0].set_data_from_numpy(x)
+    inputs[1].set_data_from_numpy(x * 3)
+    client.infer("add_sub", inputs, request_id="tensors-add_sub")
+    text = http.InferInput("INPUT0", [2], "BYTES")
+    text.set_data_from_numpy(np.array([b"ab", b"c,d"], dtype=np.object_))
+    client.infer("string_upper", [text], request_id="tensors-string_upper")
+    time.sleep(1)
+    entries = [{k: v for k, v in e.items() if k != "id"} for e in written() if "tensor" in e]
+    print(json.dumps(entries, indent=1))
+    sys.exit(0)
 
 
 def infer(module, url, model, request_id):
