@@ -44,7 +44,8 @@ from dlserve.memory.tensor import Tensor
 log = logging.getLogger("dlserve.trace")
 
 LEVELS = ("OFF", "TIMESTAMPS", "TENSORS")
-_NAMES = ("trace_file", "trace_level", "trace_rate", "trace_count", "log_frequency", "trace_mode")
+# In the order Triton answers them.
+_NAMES = ("trace_level", "trace_rate", "trace_count", "log_frequency", "trace_file", "trace_mode")
 _SERVER_WIDE = ("trace_file", "log_frequency", "trace_mode")
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import csv
 import glob
 import http.client
+import json
 import shutil
 import signal
 import socket
@@ -104,6 +105,8 @@ def server(perf_analyzer, tmp_path_factory: pytest.TempPathFactory):
             "--grpc-address", "127.0.0.1", "--grpc-port", str(ports["grpc"]),
             "--metrics-address", "127.0.0.1", "--metrics-port", str(ports["metrics"]),
             "--allow-client-shm", "true",
+            # a trace file for perf_analyzer's --trace-* options to turn tracing on into
+            "--trace-config", f"triton,file={work / 'trace.json'}",
         ],
         stdout=log, stderr=subprocess.STDOUT, cwd=work,
     )
@@ -195,3 +198,37 @@ def test_an_ensemble_over_grpc(perf_analyzer, server):
     """perf_analyzer reads an ensemble's config, then the statistics of the ensemble and of
     its step models (add_sub, identity) for its server-side columns."""
     run_perf_analyzer(perf_analyzer, server, "pipeline", "grpc")
+
+
+def test_perf_analyzers_trace_options_set_the_servers_tracing(perf_analyzer, server):
+    """perf_analyzer's --trace-level/--trace-rate/--trace-count/--log-frequency go through
+    the trace extension; the server then writes Triton's trace files (as Triton 2.51 does
+    for the same flags: files of --log-frequency traces until the count is spent)."""
+    run_perf_analyzer(
+        perf_analyzer, server, "add_sub", "http",
+        "--trace-level", "TIMESTAMPS", "--trace-rate", "10", "--trace-count", "6",
+        "--log-frequency", "3",
+    )
+    port = server["ports"]["http"]
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        conn.request("GET", "/v2/trace/setting")
+        settings = json.loads(conn.getresponse().read())
+        # back off, so that no other test here is traced
+        conn.request("POST", "/v2/trace/setting", body=json.dumps({"trace_level": ["OFF"]}))
+        assert conn.getresponse().status == 200
+    finally:
+        conn.close()
+    assert settings["trace_level"] == ["TIMESTAMPS"] and settings["trace_rate"] == "10"
+    assert settings["trace_count"] == "0" and settings["log_frequency"] == "3"
+    files = [server["work"] / f"trace.json.{index}" for index in (0, 1)]
+    deadline = time.monotonic() + 5
+    while not all(f.exists() for f in files) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for path in files:
+        entries = json.loads(path.read_text())
+        heads = [e for e in entries if "model_name" in e]
+        assert [h["model_name"] for h in heads] == ["add_sub"] * 3, path
+        names = {e["timestamps"][0]["name"] for e in entries if "timestamps" in e}
+        assert {"HTTP_RECV_START", "COMPUTE_START", "HTTP_SEND_END"} <= names
+    assert not (server["work"] / "trace.json.2").exists()
