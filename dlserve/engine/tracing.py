@@ -3,15 +3,17 @@
 Settings (``--trace-config``, the trace extension's ``trace/setting`` endpoints) live in
 one :class:`Tracer`: server-wide values, and per model only the values a client set for
 that model (the others follow the server-wide ones). Every ``trace_rate``-th request of a
-scope is traced while ``trace_count`` (-1: no limit) lasts; a scope is the model when it
-set that value itself, else the server.
+scope is traced while that scope's ``trace_count`` (-1: no limit) lasts. As in Triton's
+tracer, a model with any setting of its own is a scope of its own, the server the scope
+of every other model, and a scope's counters start over whenever its settings change.
 
 A :class:`Trace` collects a request's timestamps (``time.monotonic_ns``, the clock of
 Triton's files) from whoever sees them: the frontend (HTTP_RECV_*, HTTP_SEND_*, GRPC_*),
 the engine (REQUEST_START, QUEUE_START, INFER_RESPONSE_COMPLETE, REQUEST_END) and the
-model instance (COMPUTE_*). An ensemble's steps get child traces (``parent_id``). A trace
-is written when its last holder lets it go: the engine after the final response, and a
-frontend that took a hold after it sent that response.
+model instance (COMPUTE_*). An ensemble's steps, and BLS calls a model hands the trace
+to, get child traces (``parent_id``). A trace is written when its last holder lets it
+go: the engine after the final response, the instance when the execute returns, and a
+frontend that took a hold when it has sent the response.
 
 Level TENSORS adds the request's inputs as they are queued and each response's outputs
 (``{"id", "activity": "TENSOR_QUEUE_INPUT" | "TENSOR_BACKEND_OUTPUT", "tensor": {"name",
