@@ -141,6 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
     shared.add_argument("--trace-config", action="append", default=[], metavar="[triton,]SETTING=VALUE",
                         help="request tracing, as tritonserver: file=PATH, level=TIMESTAMPS|TENSORS, "
                         "rate=N, count=N, log-frequency=N (repeatable)")
+    for setting in _OLD_TRACE_FLAGS:  # tritonserver's older spellings, still accepted there
+        shared.add_argument(f"--trace-{setting}", action="append", default=[], metavar="VALUE",
+                            dest=_old_trace_dest(setting),
+                            help=f"deprecated spelling of --trace-config {setting}=VALUE")
     perf_cli.add_parser(commands)
     return parser
 
@@ -158,6 +162,22 @@ def _backend_config(entries: list[str]) -> dict[str, dict[str, str]]:
 
 _TRACE_KEYS = {"file": "file", "level": "level", "rate": "rate", "count": "count",
                "log-frequency": "log_frequency", "mode": "mode"}
+_OLD_TRACE_FLAGS = ("file", "level", "rate", "count", "log-frequency")  # --trace-<setting>
+
+
+def _old_trace_dest(setting: str) -> str:
+    return "trace_" + setting.replace("-", "_")
+
+
+def _trace_entries(args: argparse.Namespace) -> list[str]:
+    """Every trace setting given, the old ``--trace-<setting>`` flags first (as
+    ``setting=value``), so that ``--trace-config`` wins where both name one."""
+    old = [
+        f"{setting}={value}"
+        for setting in _OLD_TRACE_FLAGS
+        for value in getattr(args, _old_trace_dest(setting))
+    ]
+    return old + args.trace_config
 
 
 def _trace_settings(entries: list[str]) -> TraceSettings:
@@ -219,7 +239,7 @@ def serve(args: argparse.Namespace) -> int:
         backend_configuration=_backend_config(args.backend_config),
         repository_poll_secs=args.repository_poll_secs,
         busy_poll_us=args.busy_poll_us,
-        trace=_trace_settings(args.trace_config),
+        trace=_trace_settings(_trace_entries(args)),
     )
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -449,6 +449,20 @@ def test_trace_config_writes_tritons_trace_file(serve, make_repo, tmp_path):
     assert {"HTTP_RECV_START", "REQUEST_START", "COMPUTE_START", "HTTP_SEND_END"} <= events
 
 
+def test_tritonservers_older_trace_flags_are_accepted():
+    from dlserve.cli import _trace_entries, _trace_settings
+    from dlserve.engine.tracing import TraceSettings
+
+    args = build_parser().parse_args([
+        "serve", "--trace-file", "/tmp/t.json", "--trace-level", "TIMESTAMPS",
+        "--trace-level", "TENSORS", "--trace-rate", "5", "--trace-count", "9",
+        "--trace-log-frequency", "2", "--trace-config", "rate=7",  # --trace-config wins
+    ])
+    assert _trace_settings(_trace_entries(args)) == TraceSettings(
+        file="/tmp/t.json", level=("TIMESTAMPS", "TENSORS"), rate=7, count=9, log_frequency=2
+    )
+
+
 @pytest.mark.parametrize(
     "flag,message",
     [
