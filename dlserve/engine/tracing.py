@@ -97,8 +97,12 @@ def _integer(name: str, value: Any, least: int) -> int:
     return number
 
 
+_LEAST = {"trace_rate": 1, "trace_count": -1, "log_frequency": 0}  # the integer settings
+
+
 def _parse(name: str, value: Any) -> Any:
-    """A setting's wire value (a string; a list of strings for trace_level) as we keep it."""
+    """A setting's wire value (a string; a list of strings for trace_level) as we keep it.
+    Only level and the integer settings are parsed: file and mode are never updated."""
     if name == "trace_level":
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise InvalidArgumentError("trace setting 'trace_level' must be an array of strings")
@@ -111,15 +115,7 @@ def _parse(name: str, value: Any) -> Any:
         if not levels or (len(levels) > 1 and "OFF" in levels):
             raise InvalidArgumentError("trace_level must be OFF, or TIMESTAMPS and/or TENSORS")
         return levels
-    if name == "trace_rate":
-        return _integer(name, value, 1)
-    if name == "trace_count":
-        return _integer(name, value, -1)
-    if name == "log_frequency":
-        return _integer(name, value, 0)
-    if not isinstance(value, str):
-        raise InvalidArgumentError(f"trace setting '{name}' must be a string")
-    return value
+    return _integer(name, value, _LEAST[name])
 
 
 def _wire(name: str, value: Any) -> Any:
@@ -320,9 +316,9 @@ class Tracer:
         """The settings in effect, server-wide or for ``model``, in the wire form."""
         if model is not None:
             self._check_model(model)
-        scope = model if model in self._models else None
-        values = {**self._global, **self._models.get(scope or "", {})}
-        values["trace_count"] = self._left[scope]  # what is left of it, as Triton shows
+        own = self._models.get(model, {}) if model is not None else {}
+        values = {**self._global, **own}
+        values["trace_count"] = self._left[model if own else None]  # what is left, as Triton shows
         return {name: _wire(name, values[name]) for name in _NAMES}
 
     def update(self, model: str | None, changes: dict[str, Any]) -> dict[str, Any]:
