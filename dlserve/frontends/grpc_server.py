@@ -1,7 +1,8 @@
 """The KServe v2 gRPC API with Triton's extensions (``inference.GRPCInferenceService``).
 
-A ``grpc.aio`` server on the engine's event loop: every handler is a plain coroutine
-that calls the engine or the shared :class:`DataPlane` directly, with no thread hop.
+Served by our own gRPC-over-HTTP/2 transport on the engine's event loop
+(:mod:`dlserve.frontends.grpc_transport`): every handler is a plain coroutine that calls
+the engine or the shared :class:`DataPlane` directly, with no thread hop.
 Wire semantics follow Triton's gRPC frontend, including its error texts where a
 client could tell the difference (captured in ``tests/data/triton_reference``):
 
@@ -25,11 +26,11 @@ client could tell the difference (captured in ``tests/data/triton_reference``):
 * A call cancelled by its client (or past its deadline) stops waiting; a request still
   queued is taken off the queue.
 
-``KServeGrpc.Options`` map onto gRPC channel arguments (:func:`server_options`): message
-size limits, keepalive and ping policy, connection age, ``SO_REUSEPORT``; TLS and mutual
-TLS use ``grpc.ssl_server_credentials``; ``infer_compression_level`` compresses inference
-responses. ``infer_thread_count``, ``infer_allocation_pool_size`` and
-``max_response_pool_size`` are accepted for compatibility: every call runs on the loop.
+``KServeGrpc.Options`` set the transport (:func:`transport_settings`): message size
+limits, keepalive and ping policy, connection age, ``SO_REUSEPORT``, TLS and mutual
+TLS; ``infer_compression_level`` compresses inference responses. ``infer_thread_count``,
+``infer_allocation_pool_size`` and ``max_response_pool_size`` are accepted for
+compatibility: every call runs on the loop.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import asyncio
 import functools
 import logging
 import re
+import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -56,6 +58,7 @@ from dlserve.errors import (
     UnsupportedError,
 )
 from dlserve.frontends.dataplane import DataPlane, InputSpec, OutputSpec, shm_ref
+from dlserve.frontends.grpc_transport import Abort, GrpcTransport, Method, Settings, tls_context
 from dlserve.frontends.proto import grpc_service_pb2 as pb
 from dlserve.frontends.proto import health_pb2
 from dlserve.frontends.restrictions import Restriction, rules_by_category
@@ -80,11 +83,7 @@ TRITON_PARAMETERS = (EMPTY_FINAL,)
 FINAL_RESPONSE = "triton_final_response"
 # infer_compression_level -> the algorithm gRPC core picks for that level when the client
 # accepts gzip and deflate (its ranking: low = gzip, medium and high = deflate).
-_COMPRESSION = {
-    1: grpc.Compression.Gzip,
-    2: grpc.Compression.Deflate,
-    3: grpc.Compression.Deflate,
-}
+_COMPRESSION = {1: "gzip", 2: "deflate", 3: "deflate"}
 _STOL = re.compile(r"\s*([+-]?\d+)")
 _INT64_MAX = (1 << 63) - 1
 
@@ -300,7 +299,7 @@ def _rpc(protocol: str) -> Callable[[Handler], Handler]:
                 return await method(self, request, context)
             except TritonError as exc:
                 await context.abort(_status(exc), exc.message)
-            except (asyncio.CancelledError, grpc.aio.AbortError):
+            except (asyncio.CancelledError, Abort):
                 raise
             except Exception as exc:  # noqa: BLE001 - a bug must still answer the call
                 log.exception("gRPC %s failed", method.__name__)
@@ -841,85 +840,52 @@ class HealthServicer:
 
 
 # -- the server ------------------------------------------------------------------------------------
-def server_options(options: Any) -> list[tuple[str, Any]]:
-    """gRPC channel arguments for KServeGrpc.Options."""
-    args: list[tuple[str, Any]] = [
-        ("grpc.so_reuseport", 1 if options.reuse_port else 0),
-        ("grpc.max_send_message_length", options.max_message_size),
-        ("grpc.max_receive_message_length", options.max_message_size),
-        ("grpc.keepalive_time_ms", options.keepalive_time_ms),
-        ("grpc.keepalive_timeout_ms", options.keepalive_timeout_ms),
-        ("grpc.keepalive_permit_without_calls", int(bool(options.keepalive_permit_without_calls))),
-        ("grpc.http2.max_pings_without_data", options.http2_max_pings_without_data),
-        (
-            "grpc.http2.min_ping_interval_without_data_ms",
-            options.http2_min_recv_ping_interval_without_data_ms,
-        ),
-        ("grpc.http2.max_ping_strikes", options.http2_max_ping_strikes),
-    ]
-    if options.max_connection_age_ms:
-        args.append(("grpc.max_connection_age_ms", options.max_connection_age_ms))
-    if options.max_connection_age_grace_ms:
-        args.append(("grpc.max_connection_age_grace_ms", options.max_connection_age_grace_ms))
-    return args
+def transport_settings(options: Any) -> Settings:
+    """The transport's settings from KServeGrpc.Options (grpc's server options, same names)."""
+    return Settings(**{field: getattr(options, field) for field in Settings.__dataclass_fields__})
 
 
-def _read(path: str, what: str) -> bytes:
+def _read(path: str, what: str) -> None:
     try:
-        with open(path, "rb") as f:
-            return f.read()
+        with open(path, "rb"):
+            pass
     except OSError as exc:
         raise InvalidArgumentError(f"unable to read the {what} '{path}': {exc.strerror}") from None
 
 
-def server_credentials(options: Any) -> grpc.ServerCredentials:
-    key = _read(options.server_key, "server key")
-    cert = _read(options.server_cert, "server certificate")
-    root = _read(options.root_cert, "root certificate") if options.root_cert else None
-    return grpc.ssl_server_credentials(
-        [(key, cert)], root_certificates=root, require_client_auth=bool(options.use_mutual_auth)
-    )
+def server_tls(options: Any) -> ssl.SSLContext:
+    _read(options.server_key, "server key")
+    _read(options.server_cert, "server certificate")
+    if options.root_cert:
+        _read(options.root_cert, "root certificate")
+    try:
+        return tls_context(
+            options.server_cert,
+            options.server_key,
+            options.root_cert or None,
+            bool(options.use_mutual_auth),
+        )
+    except ssl.SSLError as exc:
+        raise InvalidArgumentError(f"unable to use the TLS key and certificates: {exc}") from None
 
 
-class _Handlers(grpc.GenericRpcHandler):
-    """Every method of both services, found with one dict lookup per call."""
-
-    def __init__(self, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
-        self._handlers = handlers
-
-    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
-        return self._handlers.get(handler_call_details.method)
-
-
-def method_handlers(servicer: InferenceServicer) -> grpc.GenericRpcHandler:
-    """The method handlers of ``inference.GRPCInferenceService`` and ``grpc.health.v1.Health``.
-
-    Registered as one generic handler rather than as grpc's "registered methods" (what the
-    generated ``add_*_to_server`` do as well): grpc.aio's server keeps one pending
-    request-call future per registered method and waits on all of them with
-    ``asyncio.wait`` for every call it accepts, about 20 futures' worth of callbacks per
-    call; a generic handler has one.
-    """
-    handlers: dict[str, grpc.RpcMethodHandler] = {}
+def methods(servicer: InferenceServicer) -> dict[str, Method]:
+    """The methods of ``inference.GRPCInferenceService`` and ``grpc.health.v1.Health``, by path."""
+    table: dict[str, Method] = {}
     services = (
         (pb.DESCRIPTOR.services_by_name["GRPCInferenceService"], pb, servicer),
         (health_pb2.DESCRIPTOR.services_by_name["Health"], health_pb2, HealthServicer(servicer)),
     )
     for service, module, implementation in services:
         for method in service.methods:
-            behaviour = getattr(implementation, method.name)
-            request = getattr(module, method.input_type.name).FromString
-            response = getattr(module, method.output_type.name).SerializeToString
-            if method.client_streaming and method.server_streaming:
-                make = grpc.stream_stream_rpc_method_handler
-            elif method.server_streaming:
-                make = grpc.unary_stream_rpc_method_handler
-            else:
-                make = grpc.unary_unary_rpc_method_handler
-            handlers[f"/{service.full_name}/{method.name}"] = make(
-                behaviour, request_deserializer=request, response_serializer=response
+            table[f"/{service.full_name}/{method.name}"] = Method(
+                behaviour=getattr(implementation, method.name),
+                decode=getattr(module, method.input_type.name).FromString,
+                encode=getattr(module, method.output_type.name).SerializeToString,
+                client_streaming=method.client_streaming,
+                server_streaming=method.server_streaming,
             )
-    return _Handlers(handlers)
+    return table
 
 
 class GrpcServer:
@@ -930,7 +896,7 @@ class GrpcServer:
         self.options = options
         self.restrictions = options._restrictions
         self.servicer = InferenceServicer(dataplane, self.restrictions, options)
-        self._server: grpc.aio.Server | None = None
+        self._transport: GrpcTransport | None = None
 
     @property
     def address(self) -> str:
@@ -940,33 +906,25 @@ class GrpcServer:
         return f"{host}:{self.options.port}"
 
     async def start(self) -> int:
-        if self._server is not None:
+        if self._transport is not None:
             raise UnavailableError("the gRPC server is already running")
         options = self.options
-        credentials = server_credentials(options) if options.use_ssl else None
-        server = grpc.aio.server(options=server_options(options))
-        server.add_generic_rpc_handlers((method_handlers(self.servicer),))
-        address = self.address
+        tls = server_tls(options) if options.use_ssl else None
+        transport = GrpcTransport(methods(self.servicer), transport_settings(options))
         try:
-            if credentials is not None:
-                port = server.add_secure_port(address, credentials)
-            else:
-                port = server.add_insecure_port(address)
-        except RuntimeError as exc:
-            await server.stop(None)
-            raise UnavailableError(f"failed to bind the gRPC service to {address}: {exc}") from None
-        if not port:
-            await server.stop(None)
-            raise UnavailableError(f"failed to bind the gRPC service to {address}")
-        await server.start()
-        self._server = server
-        return int(port)
+            port = await transport.listen(options.address, options.port, tls, options.reuse_port)
+        except OSError as exc:
+            raise UnavailableError(
+                f"failed to bind the gRPC service to {self.address}: {exc.strerror or exc}"
+            ) from None
+        self._transport = transport
+        return port
 
     async def stop(self, grace: float | None = 5.0) -> None:
         """Stop accepting calls; in-flight calls get up to ``grace`` seconds, then are cancelled."""
-        server, self._server = self._server, None
-        if server is not None:
-            await server.stop(grace)
+        transport, self._transport = self._transport, None
+        if transport is not None:
+            await transport.stop(grace)
 
 
 __all__ = ["GRPC_CODES", "GrpcServer", "encode_response"]

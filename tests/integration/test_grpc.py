@@ -29,7 +29,7 @@ import dlserve
 from dlserve import ModelControlMode
 from dlserve.engine import scheduler
 from dlserve.frontends import KServeGrpc
-from dlserve.frontends.grpc_server import server_options
+from dlserve.frontends.grpc_server import transport_settings
 from dlserve.frontends.proto import grpc_service_pb2 as pb
 from dlserve.frontends.proto import grpc_service_pb2_grpc as pb_grpc
 from dlserve.frontends.proto import health_pb2, health_pb2_grpc
@@ -1028,7 +1028,7 @@ def test_compression_and_message_size(server):
         service.stop()
 
 
-def test_server_options_become_channel_arguments():
+def test_options_become_transport_settings():
     options = KServeGrpc.Options(
         keepalive_time_ms=1000,
         keepalive_timeout_ms=2000,
@@ -1040,21 +1040,14 @@ def test_server_options_become_channel_arguments():
         max_connection_age_grace_ms=7000,
         max_message_size=1 << 20,
     )
-    assert dict(server_options(options)) == {
-        "grpc.so_reuseport": 0,
-        "grpc.max_send_message_length": 1 << 20,
-        "grpc.max_receive_message_length": 1 << 20,
-        "grpc.keepalive_time_ms": 1000,
-        "grpc.keepalive_timeout_ms": 2000,
-        "grpc.keepalive_permit_without_calls": 1,
-        "grpc.http2.max_pings_without_data": 3,
-        "grpc.http2.min_ping_interval_without_data_ms": 4000,
-        "grpc.http2.max_ping_strikes": 5,
-        "grpc.max_connection_age_ms": 6000,
-        "grpc.max_connection_age_grace_ms": 7000,
-    }
-    defaults = dict(server_options(KServeGrpc.Options(reuse_port=True)))
-    assert defaults["grpc.so_reuseport"] == 1 and "grpc.max_connection_age_ms" not in defaults
+    settings = transport_settings(options)
+    assert (settings.keepalive_time_ms, settings.keepalive_timeout_ms) == (1000, 2000)
+    assert settings.keepalive_permit_without_calls is True
+    assert settings.http2_max_pings_without_data == 3
+    assert settings.http2_min_recv_ping_interval_without_data_ms == 4000
+    assert settings.http2_max_ping_strikes == 5
+    assert (settings.max_connection_age_ms, settings.max_connection_age_grace_ms) == (6000, 7000)
+    assert settings.max_message_size == 1 << 20
 
 
 def test_forward_header_pattern(server):
