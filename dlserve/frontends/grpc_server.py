@@ -58,7 +58,8 @@ from dlserve.errors import (
     UnsupportedError,
 )
 from dlserve.frontends.dataplane import DataPlane, InputSpec, OutputSpec, shm_ref
-from dlserve.frontends.grpc_transport import Abort, GrpcTransport, Method, Settings, tls_context
+from dlserve.frontends.grpc_calls import Abort, Method
+from dlserve.frontends.grpc_transport import GrpcTransport, Settings, tls_context
 from dlserve.frontends.proto import grpc_service_pb2 as pb
 from dlserve.frontends.proto import health_pb2
 from dlserve.frontends.restrictions import Restriction, rules_by_category

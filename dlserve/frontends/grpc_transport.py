@@ -1,4 +1,4 @@
-"""gRPC over HTTP/2, served straight from the event loop: calls in, coroutines run, answers out.
+"""gRPC's HTTP/2 transport, served from the event loop: connections, frames, flow control.
 
 Why not grpcio: its asyncio server spends about 300 µs of CPU per unary call on this
 class of machine (completion-queue thread, Cython callbacks, a future per call), about
@@ -13,39 +13,35 @@ What a gRPC server owes its clients, and where it is done:
   both directions (receive windows are opened wide and topped up; sends wait for the
   peer's windows), CONTINUATION, padding, RST_STREAM, GOAWAY on stop (calls in flight
   get the grace period, then are cancelled).
-* gRPC over HTTP/2: length-prefixed messages split across DATA frames or sharing one,
-  ``grpc-timeout`` (the call is cancelled and answered DEADLINE_EXCEEDED),
-  ``grpc-encoding``/``grpc-accept-encoding`` (gzip and deflate), status and
-  percent-encoded message in the trailers (or a trailers-only answer), ``-bin``
-  metadata, message-size limits (RESOURCE_EXHAUSTED, with grpc's wording).
+* gRPC over HTTP/2 (one call per stream, in :mod:`dlserve.frontends.grpc_calls`):
+  length-prefixed messages split across DATA frames or sharing one, ``grpc-timeout``
+  (the call is cancelled and answered DEADLINE_EXCEEDED), ``grpc-encoding`` and
+  ``grpc-accept-encoding`` (gzip and deflate), status and percent-encoded message in
+  the trailers (or a trailers-only answer), ``-bin`` metadata, message-size limits
+  (RESOURCE_EXHAUSTED, with grpc's wording).
 * Keepalive and abuse policy as grpc's server options describe them: pings every
-  ``keepalive_time_ms`` and the connection closed when one goes unanswered for
+  ``keepalive_time_ms`` (at most ``http2_max_pings_without_data`` between sends of
+  data) and the connection closed when one goes unanswered for
   ``keepalive_timeout_ms``; a client that pings an idle connection more often than
   ``http2_min_recv_ping_interval_without_data_ms`` gets a strike, and after
   ``http2_max_ping_strikes`` a GOAWAY ``too_many_pings``; ``max_connection_age_ms``
   (+ grace) ends a connection with GOAWAY.
 * TLS and mutual TLS through :mod:`ssl` with ALPN ``h2``.
-
-A call's handler gets a :class:`CallContext` with the part of grpc's servicer context
-the servicer uses: ``invocation_metadata()``, ``await abort(code, details)``,
-``set_compression(name)``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import collections
 import logging
 import ssl
 import time
-import zlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NoReturn
 
 import grpc
 
+from dlserve.frontends.grpc_calls import Abort, CallContext, Method
 from dlserve.frontends.http2 import (
     ACK,
     COMPRESSION_ERROR,
@@ -77,7 +73,6 @@ from dlserve.frontends.http2 import (
     HeaderDecoder,
     HPACKError,
     frame,
-    literal,
 )
 
 log = logging.getLogger("dlserve.frontends.grpc")
@@ -85,38 +80,6 @@ log = logging.getLogger("dlserve.frontends.grpc")
 RECEIVE_FRAME = 1 << 20  # the DATA frame size we accept: fewer frames for big tensors
 HEADER_LIST_LIMIT = 1 << 16
 TOP_UP = 1 << 30  # received bytes after which a window is opened again
-_TIMEOUT_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
-_CODECS = ("gzip", "deflate")
-_WBITS = {"gzip": 31, "deflate": 15}  # gRPC's "deflate" is the zlib format
-_OK_HEADERS = b"\x88" + literal(31, "application/grpc")  # :status 200 (static 8), content-type
-_HEADER_BLOCKS = {
-    name: _OK_HEADERS + literal("grpc-encoding", name) for name in ("identity", *_CODECS)
-}
-_OK_TRAILERS = literal("grpc-status", "0")
-# HTTP/2 header fields that are transport, not call metadata (grpc hides them as well)
-_NOT_METADATA = frozenset(
-    ("content-type", "te", "grpc-timeout", "grpc-encoding", "grpc-accept-encoding")
-)
-
-
-class Abort(Exception):
-    """Ends a call with a non-OK status (what ``await context.abort(...)`` raises)."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self.code = code
-        self.details = details
-
-
-@dataclass(frozen=True)
-class Method:
-    """One RPC: how its messages are read and written and which coroutine serves it."""
-
-    behaviour: Callable[..., Any]
-    decode: Callable[[bytes], Any]
-    encode: Callable[[Any], bytes]
-    client_streaming: bool
-    server_streaming: bool
 
 
 @dataclass(frozen=True)
@@ -132,116 +95,6 @@ class Settings:
     http2_max_ping_strikes: int = 2
     max_connection_age_ms: int = 0
     max_connection_age_grace_ms: int = 0
-
-
-def _percent_encode(text: str) -> bytes:
-    """grpc-message's encoding: printable ASCII but '%' as is, the rest as %XX of UTF-8."""
-    return b"".join(
-        bytes([byte]) if 0x20 <= byte <= 0x7E and byte != 0x25 else b"%%%02X" % byte
-        for byte in text.encode()
-    )
-
-
-def _timeout(value: str) -> float | None:
-    try:
-        return int(value[:-1]) * _TIMEOUT_UNITS[value[-1]]
-    except (KeyError, ValueError, IndexError):
-        return None
-
-
-def trailers(code: grpc.StatusCode, details: str) -> bytes:
-    block = literal("grpc-status", str(code.value[0]))
-    if details:
-        block += literal("grpc-message", _percent_encode(details))
-    return block
-
-
-class CallContext:
-    """One call on one stream: its metadata, and its state on the way in and out."""
-
-    __slots__ = (
-        "connection", "stream_id", "method", "metadata", "encoding", "accepts", "compression",
-        "window", "outbox", "started", "finished", "remote_closed", "task", "messages",
-        "prefix", "flag", "body", "filled", "received", "deadline", "timer", "expired",
-    )  # fmt: skip
-
-    def __init__(self, connection: Connection, stream_id: int, method: Method | None) -> None:
-        self.connection = connection
-        self.stream_id = stream_id
-        self.method = method
-        self.metadata: list[tuple[str, str | bytes]] = []
-        self.encoding = "identity"  # of the client's messages
-        self.accepts: tuple[str, ...] = ()
-        self.compression: str | None = None  # of ours, once set and accepted
-        self.window = connection.peer_window
-        self.outbox: collections.deque[bytes | memoryview] = collections.deque()
-        self.started = False  # response headers sent
-        self.finished = False  # trailers queued
-        self.remote_closed = False
-        self.task: asyncio.Task[None] | None = None
-        self.messages: asyncio.Queue[bytes | None] | list[bytes] = []
-        self.prefix = b""  # a message prefix split across frames
-        self.flag = 0  # of the message being filled: compressed or not
-        self.body: bytearray | None = None  # a message being filled
-        self.filled = 0
-        self.received = 0  # DATA bytes since this stream's window was last opened
-        self.deadline: float | None = None
-        self.timer: asyncio.TimerHandle | None = None
-        self.expired = False
-
-    # -- what handlers use ---------------------------------------------------------------
-    def invocation_metadata(self) -> list[tuple[str, str | bytes]]:
-        return self.metadata
-
-    async def abort(self, code: grpc.StatusCode, details: str = "") -> NoReturn:
-        raise Abort(code, details)
-
-    def set_compression(self, name: str) -> None:
-        if name in self.accepts:
-            self.compression = name
-
-    def cancelled(self) -> bool:
-        return self.task is not None and self.task.cancelled()
-
-    def time_remaining(self) -> float | None:
-        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
-
-    # -- answers ---------------------------------------------------------------------------
-    def send_message(self, payload: bytes) -> None:
-        """Queue one response message (after the response headers, if not yet sent)."""
-        if self.finished:
-            return
-        limit = self.connection.settings.max_message_size
-        if len(payload) > limit:
-            raise Abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"Sent message larger than max ({len(payload)} vs. {limit})",
-            )
-        flag = b"\x00"
-        if self.compression is not None:
-            compressor = zlib.compressobj(wbits=_WBITS[self.compression])
-            payload = compressor.compress(payload) + compressor.flush()
-            flag = b"\x01"
-        head = b""
-        if not self.started:
-            self.started = True
-            block = _HEADER_BLOCKS[self.compression or "identity"]
-            head = HEAD.pack((len(block) << 8) | HEADERS, END_HEADERS, self.stream_id) + block
-        self.connection.send_data(self, head, flag + len(payload).to_bytes(4, "big") + payload)
-
-    def finish(self, code: grpc.StatusCode = grpc.StatusCode.OK, details: str = "") -> None:
-        """Queue the trailers (a trailers-only answer if nothing was sent): the call is over."""
-        if self.finished:
-            return
-        self.finished = True
-        if code == grpc.StatusCode.OK:
-            block = _OK_TRAILERS
-        else:
-            block = trailers(code, details)
-        if not self.started:
-            self.started = True
-            block = _OK_HEADERS + block
-        self.connection.send_trailers(self, block)
 
 
 class Connection(asyncio.Protocol):
@@ -267,6 +120,7 @@ class Connection(asyncio.Protocol):
         self.going_away = False
         self.closed = False
         self.ping_strikes = 0
+        self.pings_without_data = 0
         self.last_ping_received = 0.0
         self.ping_sent_at: float | None = None
         self.timers: list[asyncio.TimerHandle] = []
@@ -324,12 +178,16 @@ class Connection(asyncio.Protocol):
             return
         if self.ping_sent_at is not None:
             return  # the last one is still out; _ping_overdue closes if it stays so
-        if not self.calls and not self.settings.keepalive_permit_without_calls:
+        s = self.settings
+        if not self.calls and not s.keepalive_permit_without_calls:
             return
+        if 0 < s.http2_max_pings_without_data <= self.pings_without_data:
+            return  # grpc's limit on pings sent while no data is
+        self.pings_without_data += 1
         self.ping_sent_at = time.monotonic()
         self.transport.write(frame(PING, 0, 0, b"dlserve\x00"))
         self.timers.append(
-            self.loop.call_later(self.settings.keepalive_timeout_ms / 1000, self._ping_overdue)
+            self.loop.call_later(s.keepalive_timeout_ms / 1000, self._ping_overdue)
         )
 
     def _ping_overdue(self) -> None:
@@ -428,73 +286,12 @@ class Connection(asyncio.Protocol):
             self.transport.write(frame(WINDOW_UPDATE, 0, stream_id, U32.pack(call.received)))
             call.received = 0
         try:
-            self._messages(call, view, start, end)
+            call.feed(view, start, end)
         except Abort as abort:
             self._refuse(call, abort.code, abort.details)
             return
         if flags & END_STREAM:
             self._remote_end(call)
-
-    def _messages(self, call: CallContext, view: memoryview, start: int, end: int) -> None:
-        """Cut gRPC messages (1-byte flag, 4-byte length, body) out of a DATA payload."""
-        while start < end:
-            if call.body is not None:
-                take = min(len(call.body) - call.filled, end - start)
-                call.body[call.filled : call.filled + take] = view[start : start + take]
-                call.filled += take
-                start += take
-                if call.filled == len(call.body):
-                    body, call.body = call.body, None
-                    self._message(call, call.flag, body)
-                continue
-            if not call.prefix and end - start >= 5:
-                prefix = bytes(view[start : start + 5])
-                start += 5
-            else:
-                take = min(5 - len(call.prefix), end - start)
-                call.prefix += bytes(view[start : start + take])
-                start += take
-                if len(call.prefix) < 5:
-                    return
-                prefix, call.prefix = call.prefix, b""
-            length = int.from_bytes(prefix[1:5], "big")
-            limit = self.settings.max_message_size
-            if length > limit:
-                raise Abort(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"Received message larger than max ({length} vs. {limit})",
-                )
-            if end - start >= length:
-                self._message(call, prefix[0], bytes(view[start : start + length]))
-                start += length
-            else:
-                call.flag = prefix[0]
-                call.body = bytearray(length)
-                call.filled = 0
-
-    def _message(self, call: CallContext, compressed: int, body: bytes | bytearray) -> None:
-        if compressed:
-            if call.encoding not in _WBITS:
-                raise Abort(
-                    grpc.StatusCode.UNIMPLEMENTED,
-                    f"Compressed message with grpc-encoding '{call.encoding}' is not supported",
-                )
-            limit = self.settings.max_message_size
-            inflater = zlib.decompressobj(wbits=_WBITS[call.encoding])
-            try:
-                body = inflater.decompress(body, limit + 1)
-            except zlib.error as exc:
-                raise Abort(grpc.StatusCode.INTERNAL, f"bad compressed message: {exc}") from None
-            if len(body) > limit:
-                raise Abort(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"Received message larger than max ({len(body)} vs. {limit})",
-                )
-        messages = call.messages
-        if isinstance(messages, list):
-            messages.append(body)
-        else:
-            messages.put_nowait(body)
 
     def _headers(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
         if kind == CONTINUATION:
@@ -535,30 +332,10 @@ class Connection(asyncio.Protocol):
         self._start(stream_id, headers, bool(stream_flags & END_STREAM))
 
     def _start(self, stream_id: int, headers: list[tuple[str, str]], ended: bool) -> None:
-        path = ""
-        call = CallContext(self, stream_id, None)
-        metadata = call.metadata
-        for name, value in headers:
-            if name[0] == ":":
-                if name == ":path":
-                    path = value
-            elif name in _NOT_METADATA:
-                if name == "grpc-timeout":
-                    seconds = _timeout(value)
-                    if seconds is not None:
-                        call.deadline = time.monotonic() + seconds
-                        call.timer = self.loop.call_later(seconds, self._expire, call)
-                elif name == "grpc-encoding":
-                    call.encoding = value
-                elif name == "grpc-accept-encoding":
-                    call.accepts = tuple(part.strip() for part in value.split(","))
-            elif name.endswith("-bin"):
-                try:
-                    metadata.append((name, base64.b64decode(value + "==")))
-                except ValueError:
-                    metadata.append((name, value.encode()))
-            else:
-                metadata.append((name, value))
+        call = CallContext(self, stream_id)
+        path, seconds = call.read_headers(headers)
+        if seconds is not None:
+            call.timer = self.loop.call_later(seconds, self._expire, call)
         self.calls[stream_id] = call
         method = self.server.methods.get(path)
         if method is None:
@@ -567,7 +344,7 @@ class Connection(asyncio.Protocol):
         call.method = method
         if method.client_streaming:
             call.messages = asyncio.Queue()
-            call.task = self.loop.create_task(self._run(call))
+            call.task = self.loop.create_task(call.run())
         if ended:
             self._remote_end(call)
 
@@ -590,7 +367,7 @@ class Connection(asyncio.Protocol):
                     f"a unary call takes one request message, got {len(messages)}",
                 )
                 return
-            call.task = self.loop.create_task(self._run(call))
+            call.task = self.loop.create_task(call.run())
 
     def _expire(self, call: CallContext) -> None:
         call.expired = True
@@ -666,7 +443,7 @@ class Connection(asyncio.Protocol):
         transport = self.transport
         if transport is None:
             return
-        self.ping_strikes = 0
+        self.ping_strikes = self.pings_without_data = 0
         size = len(message)
         if (
             not call.outbox
@@ -698,7 +475,7 @@ class Connection(asyncio.Protocol):
 
     def _send_trailers(self, call: CallContext, block: bytes) -> None:
         transport = self.transport
-        self.ping_strikes = 0
+        self.ping_strikes = self.pings_without_data = 0
         if transport is not None:
             flags = END_HEADERS | END_STREAM
             out = HEAD.pack((len(block) << 8) | HEADERS, flags, call.stream_id) + block
@@ -764,49 +541,6 @@ class Connection(asyncio.Protocol):
             call.timer.cancel()
         self.calls.pop(call.stream_id, None)
         self.server.ended(self)
-
-    # -- running calls ---------------------------------------------------------------------
-    async def _run(self, call: CallContext) -> None:
-        method = call.method
-        assert method is not None
-        messages = call.messages
-        try:
-            try:
-                if isinstance(messages, asyncio.Queue):
-                    request: Any = _requests(messages, method.decode)
-                else:
-                    request = method.decode(messages[0])
-                    messages.clear()
-            except Exception as exc:  # noqa: BLE001 - a client's bytes, not our bug
-                raise Abort(grpc.StatusCode.INTERNAL, f"unparsable request: {exc}") from None
-            if method.server_streaming:
-                async for response in method.behaviour(request, call):
-                    call.send_message(method.encode(response))
-            else:
-                response = await method.behaviour(request, call)
-                call.send_message(method.encode(response))
-            call.finish()
-        except Abort as abort:
-            call.finish(abort.code, abort.details)
-        except asyncio.CancelledError:
-            if call.expired:
-                call.finish(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
-            elif not call.finished:
-                call.finish(grpc.StatusCode.CANCELLED, "Cancelled")
-        except Exception as exc:  # noqa: BLE001 - a bug must still answer the call
-            log.exception("gRPC call %s failed", call.stream_id)
-            call.finish(grpc.StatusCode.UNKNOWN, f"Exception calling application: {exc}")
-
-
-async def _requests(
-    messages: asyncio.Queue[bytes | None], decode: Callable[[bytes], Any]
-) -> AsyncIterator[Any]:
-    while True:
-        message = await messages.get()
-        if message is None:
-            return
-        yield decode(message)
-
 
 def tls_context(cert: bytes | str, key: str, root: str | None, mutual: bool) -> ssl.SSLContext:
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
@@ -874,4 +608,4 @@ class GrpcTransport:
         await server.wait_closed()
 
 
-__all__ = ["Abort", "CallContext", "GrpcTransport", "Method", "Settings", "tls_context"]
+__all__ = ["Connection", "GrpcTransport", "Settings", "tls_context"]

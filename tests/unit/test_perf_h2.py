@@ -10,10 +10,11 @@ import struct
 import pytest
 
 from dlserve.perf.clients import RequestError
-from dlserve.perf.clients.h2 import (
+from dlserve.frontends.http2 import (
     DATA, END_HEADERS, END_STREAM, GOAWAY, HEADERS, PING, PREFACE, RST_STREAM, SETTINGS,
-    WINDOW_UPDATE, H2Connection, _hpack_int, frame, grpc_message, request_headers,
+    WINDOW_UPDATE, frame, hpack_int,
 )
+from dlserve.perf.clients.h2 import H2Connection, grpc_message, request_headers
 
 HEADERS_BLOCK = request_headers("/inference.GRPCInferenceService/ModelInfer", "127.0.0.1:8001")
 
@@ -62,9 +63,9 @@ def answer(stream: int, message: bytes = b"\x00\x00\x00\x00\x02hi") -> bytes:
 
 
 def test_hpack_integers():
-    assert _hpack_int(10, 5, 0) == b"\x0a"
-    assert _hpack_int(1337, 5, 0) == b"\x1f\x9a\x0a"  # RFC 7541 C.1.2
-    assert _hpack_int(31, 4, 0) == b"\x0f\x10"
+    assert hpack_int(10, 5, 0) == b"\x0a"
+    assert hpack_int(1337, 5, 0) == b"\x1f\x9a\x0a"  # RFC 7541 C.1.2
+    assert hpack_int(31, 4, 0) == b"\x0f\x10"
     assert grpc_message(b"abc") == b"\x00\x00\x00\x00\x03abc"
 
 

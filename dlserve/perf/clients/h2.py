@@ -28,37 +28,27 @@ import collections
 import struct
 from typing import Any
 
+from dlserve.frontends.http2 import (
+    ACK,
+    DATA,
+    DEFAULT_WINDOW,
+    END_HEADERS,
+    END_STREAM,
+    GOAWAY,
+    HEAD,
+    HEADERS,
+    MAX_FRAME,
+    MAX_WINDOW,
+    PING,
+    PREFACE,
+    RST_STREAM,
+    SETTINGS,
+    WINDOW_UPDATE,
+    frame,
+    hpack_int,
+    hpack_string,
+)
 from dlserve.perf.clients.base import RequestError, Slot, no_delay
-
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-DATA, HEADERS, RST_STREAM, SETTINGS, PING, GOAWAY, WINDOW_UPDATE = 0, 1, 3, 4, 6, 7, 8
-END_STREAM, ACK, END_HEADERS, PADDED = 0x1, 0x1, 0x4, 0x8
-MAX_FRAME = 16384
-MAX_WINDOW = 2**31 - 1
-DEFAULT_WINDOW = 65535
-_HEAD = struct.Struct(">IBI")  # (length << 8 | type), flags, stream id
-
-
-def frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
-    return _HEAD.pack((len(payload) << 8) | kind, flags, stream) + payload
-
-
-def _hpack_int(value: int, prefix_bits: int, first: int) -> bytes:
-    limit = (1 << prefix_bits) - 1
-    if value < limit:
-        return bytes([first | value])
-    out = [first | limit]
-    value -= limit
-    while value >= 128:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def _hpack_string(text: str) -> bytes:
-    data = text.encode()
-    return _hpack_int(len(data), 7, 0) + data  # no Huffman
 
 
 def request_headers(path: str, authority: str) -> bytes:
@@ -66,11 +56,11 @@ def request_headers(path: str, authority: str) -> bytes:
     return b"".join([
         b"\x83",  # :method POST (static 3)
         b"\x86",  # :scheme http (static 6)
-        _hpack_int(4, 4, 0x00) + _hpack_string(path),  # :path (name: static 4)
-        _hpack_int(1, 4, 0x00) + _hpack_string(authority),  # :authority (static 1)
-        _hpack_int(31, 4, 0x00) + _hpack_string("application/grpc"),  # content-type (static 31)
-        b"\x00" + _hpack_string("te") + _hpack_string("trailers"),
-        _hpack_int(58, 4, 0x00) + _hpack_string("dlserve-perf"),  # user-agent (static 58)
+        hpack_int(4, 4, 0x00) + hpack_string(path),  # :path (name: static 4)
+        hpack_int(1, 4, 0x00) + hpack_string(authority),  # :authority (static 1)
+        hpack_int(31, 4, 0x00) + hpack_string("application/grpc"),  # content-type (static 31)
+        b"\x00" + hpack_string("te") + hpack_string("trailers"),
+        hpack_int(58, 4, 0x00) + hpack_string("dlserve-perf"),  # user-agent (static 58)
     ])
 
 
@@ -145,11 +135,11 @@ class H2Connection(asyncio.Protocol):
             self.send_window -= size
             stream.window -= size
             self.transport.write(
-                _HEAD.pack((len(headers) << 8) | HEADERS, END_HEADERS, stream_id) + headers
-                + _HEAD.pack((size << 8) | DATA, END_STREAM, stream_id) + message
+                HEAD.pack((len(headers) << 8) | HEADERS, END_HEADERS, stream_id) + headers
+                + HEAD.pack((size << 8) | DATA, END_STREAM, stream_id) + message
             )
             return waiter
-        self.transport.write(_HEAD.pack((len(headers) << 8) | HEADERS, END_HEADERS, stream_id) + headers)
+        self.transport.write(HEAD.pack((len(headers) << 8) | HEADERS, END_HEADERS, stream_id) + headers)
         view = memoryview(message)
         stream.pending.extend(view[i : i + MAX_FRAME] for i in range(0, size, MAX_FRAME))
         self.blocked.append(stream_id)
@@ -178,7 +168,7 @@ class H2Connection(asyncio.Protocol):
                 last = not stream.pending
                 self.send_window -= len(chunk)
                 stream.window -= len(chunk)
-                transport.write(_HEAD.pack((len(chunk) << 8) | DATA, END_STREAM if last else 0, stream_id))
+                transport.write(HEAD.pack((len(chunk) << 8) | DATA, END_STREAM if last else 0, stream_id))
                 transport.write(chunk)
             self.blocked.popleft()
 
@@ -187,7 +177,7 @@ class H2Connection(asyncio.Protocol):
         buffer = self.buffer + data if self.buffer else data
         size = len(buffer)
         pos = 0
-        unpack = _HEAD.unpack_from
+        unpack = HEAD.unpack_from
         while size - pos >= 9:
             word, flags, stream_id = unpack(buffer, pos)
             length = word >> 8

@@ -1,0 +1,302 @@
+"""One gRPC call on an HTTP/2 stream: its metadata, its messages in, its answer out.
+
+A :class:`CallContext` is also what the call's handler gets as its context: the part
+of grpc's servicer context the servicer uses (``invocation_metadata()``,
+``await abort(code, details)``, ``set_compression(name)``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import collections
+import logging
+import time
+import zlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import grpc
+
+from dlserve.frontends.http2 import END_HEADERS, HEAD, HEADERS, literal
+
+if TYPE_CHECKING:
+    from dlserve.frontends.grpc_transport import Connection
+
+log = logging.getLogger("dlserve.frontends.grpc")
+
+_TIMEOUT_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
+_CODECS = ("gzip", "deflate")
+_WBITS = {"gzip": 31, "deflate": 15}  # gRPC's "deflate" is the zlib format
+_OK_HEADERS = b"\x88" + literal(31, "application/grpc")  # :status 200 (static 8), content-type
+_HEADER_BLOCKS = {
+    name: _OK_HEADERS + literal("grpc-encoding", name) for name in ("identity", *_CODECS)
+}
+_OK_TRAILERS = literal("grpc-status", "0")
+# HTTP/2 header fields that are transport, not call metadata (grpc hides them as well)
+_NOT_METADATA = frozenset(
+    ("content-type", "te", "grpc-timeout", "grpc-encoding", "grpc-accept-encoding")
+)
+
+
+class Abort(Exception):
+    """Ends a call with a non-OK status (what ``await context.abort(...)`` raises)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+@dataclass(frozen=True)
+class Method:
+    """One RPC: how its messages are read and written and which coroutine serves it."""
+
+    behaviour: Callable[..., Any]
+    decode: Callable[[bytes], Any]
+    encode: Callable[[Any], bytes]
+    client_streaming: bool
+    server_streaming: bool
+
+
+def _percent_encode(text: str) -> bytes:
+    """grpc-message's encoding: printable ASCII but '%' as is, the rest as %XX of UTF-8."""
+    return b"".join(
+        bytes([byte]) if 0x20 <= byte <= 0x7E and byte != 0x25 else b"%%%02X" % byte
+        for byte in text.encode()
+    )
+
+
+def _timeout(value: str) -> float | None:
+    try:
+        return int(value[:-1]) * _TIMEOUT_UNITS[value[-1]]
+    except (KeyError, ValueError, IndexError):
+        return None
+
+
+def trailers(code: grpc.StatusCode, details: str) -> bytes:
+    block = literal("grpc-status", str(code.value[0]))
+    if details:
+        block += literal("grpc-message", _percent_encode(details))
+    return block
+
+
+class CallContext:
+    """One call on one stream: its metadata, and its state on the way in and out."""
+
+    __slots__ = (
+        "connection", "stream_id", "method", "metadata", "encoding", "accepts", "compression",
+        "window", "outbox", "started", "finished", "remote_closed", "task", "messages",
+        "prefix", "flag", "body", "filled", "received", "deadline", "timer", "expired",
+    )  # fmt: skip
+
+    def __init__(self, connection: Connection, stream_id: int) -> None:
+        self.connection = connection
+        self.stream_id = stream_id
+        self.method: Method | None = None
+        self.metadata: list[tuple[str, str | bytes]] = []
+        self.encoding = "identity"  # of the client's messages
+        self.accepts: tuple[str, ...] = ()
+        self.compression: str | None = None  # of ours, once set and accepted
+        self.window = connection.peer_window
+        self.outbox: collections.deque[bytes | memoryview] = collections.deque()
+        self.started = False  # response headers sent
+        self.finished = False  # trailers queued
+        self.remote_closed = False
+        self.task: asyncio.Task[None] | None = None
+        self.messages: asyncio.Queue[bytes | None] | list[bytes] = []
+        self.prefix = b""  # a message prefix split across frames
+        self.flag = 0  # of the message being filled: compressed or not
+        self.body: bytearray | None = None  # a message being filled
+        self.filled = 0
+        self.received = 0  # DATA bytes since this stream's window was last opened
+        self.deadline: float | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.expired = False
+
+    # -- requests in ----------------------------------------------------------------------
+    def read_headers(self, headers: list[tuple[str, str]]) -> tuple[str, float | None]:
+        """Take the call's settings and metadata from its request headers; returns
+        the method's path and the timeout in seconds, if any."""
+        path = ""
+        seconds = None
+        metadata = self.metadata
+        for name, value in headers:
+            if name[0] == ":":
+                if name == ":path":
+                    path = value
+            elif name in _NOT_METADATA:
+                if name == "grpc-timeout":
+                    seconds = _timeout(value)
+                    if seconds is not None:
+                        self.deadline = time.monotonic() + seconds
+                elif name == "grpc-encoding":
+                    self.encoding = value
+                elif name == "grpc-accept-encoding":
+                    self.accepts = tuple(part.strip() for part in value.split(","))
+            elif name.endswith("-bin"):
+                try:
+                    metadata.append((name, base64.b64decode(value + "==")))
+                except ValueError:
+                    metadata.append((name, value.encode()))
+            else:
+                metadata.append((name, value))
+        return path, seconds
+
+    def feed(self, view: memoryview, start: int, end: int) -> None:
+        """Cut gRPC messages (1-byte flag, 4-byte length, body) out of a DATA payload."""
+        while start < end:
+            if self.body is not None:
+                take = min(len(self.body) - self.filled, end - start)
+                self.body[self.filled : self.filled + take] = view[start : start + take]
+                self.filled += take
+                start += take
+                if self.filled == len(self.body):
+                    body, self.body = self.body, None
+                    self._deliver(self.flag, body)
+                continue
+            if not self.prefix and end - start >= 5:
+                prefix = bytes(view[start : start + 5])
+                start += 5
+            else:
+                take = min(5 - len(self.prefix), end - start)
+                self.prefix += bytes(view[start : start + take])
+                start += take
+                if len(self.prefix) < 5:
+                    return
+                prefix, self.prefix = self.prefix, b""
+            length = int.from_bytes(prefix[1:5], "big")
+            limit = self.connection.settings.max_message_size
+            if length > limit:
+                raise Abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"Received message larger than max ({length} vs. {limit})",
+                )
+            if end - start >= length:
+                self._deliver(prefix[0], bytes(view[start : start + length]))
+                start += length
+            else:
+                self.flag = prefix[0]
+                self.body = bytearray(length)
+                self.filled = 0
+
+    def _deliver(self, compressed: int, body: bytes | bytearray) -> None:
+        if compressed:
+            if self.encoding not in _WBITS:
+                raise Abort(
+                    grpc.StatusCode.UNIMPLEMENTED,
+                    f"Compressed message with grpc-encoding '{self.encoding}' is not supported",
+                )
+            limit = self.connection.settings.max_message_size
+            inflater = zlib.decompressobj(wbits=_WBITS[self.encoding])
+            try:
+                body = inflater.decompress(body, limit + 1)
+            except zlib.error as exc:
+                raise Abort(grpc.StatusCode.INTERNAL, f"bad compressed message: {exc}") from None
+            if len(body) > limit:
+                raise Abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"Received message larger than max ({len(body)} vs. {limit})",
+                )
+        messages = self.messages
+        if isinstance(messages, list):
+            messages.append(body)
+        else:
+            messages.put_nowait(body)
+
+    # -- what handlers use ---------------------------------------------------------------
+    def invocation_metadata(self) -> list[tuple[str, str | bytes]]:
+        return self.metadata
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> NoReturn:
+        raise Abort(code, details)
+
+    def set_compression(self, name: str) -> None:
+        if name in self.accepts:
+            self.compression = name
+
+    def cancelled(self) -> bool:
+        return self.task is not None and self.task.cancelled()
+
+    def time_remaining(self) -> float | None:
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+    # -- answers ---------------------------------------------------------------------------
+    def send_message(self, payload: bytes) -> None:
+        """Queue one response message (after the response headers, if not yet sent)."""
+        if self.finished:
+            return
+        limit = self.connection.settings.max_message_size
+        if len(payload) > limit:
+            raise Abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"Sent message larger than max ({len(payload)} vs. {limit})",
+            )
+        flag = b"\x00"
+        if self.compression is not None:
+            compressor = zlib.compressobj(wbits=_WBITS[self.compression])
+            payload = compressor.compress(payload) + compressor.flush()
+            flag = b"\x01"
+        head = b""
+        if not self.started:
+            self.started = True
+            block = _HEADER_BLOCKS[self.compression or "identity"]
+            head = HEAD.pack((len(block) << 8) | HEADERS, END_HEADERS, self.stream_id) + block
+        self.connection.send_data(self, head, flag + len(payload).to_bytes(4, "big") + payload)
+
+    def finish(self, code: grpc.StatusCode = grpc.StatusCode.OK, details: str = "") -> None:
+        """Queue the trailers (a trailers-only answer if nothing was sent): the call is over."""
+        if self.finished:
+            return
+        self.finished = True
+        if code == grpc.StatusCode.OK:
+            block = _OK_TRAILERS
+        else:
+            block = trailers(code, details)
+        if not self.started:
+            self.started = True
+            block = _OK_HEADERS + block
+        self.connection.send_trailers(self, block)
+
+    async def run(self) -> None:
+        """Decode, call the behaviour, answer: the whole call, as the stream's task."""
+        method = self.method
+        assert method is not None
+        messages = self.messages
+        try:
+            try:
+                if isinstance(messages, asyncio.Queue):
+                    request: Any = _requests(messages, method.decode)
+                else:
+                    request = method.decode(messages[0])
+                    messages.clear()
+            except Exception as exc:  # noqa: BLE001 - a client's bytes, not our bug
+                raise Abort(grpc.StatusCode.INTERNAL, f"unparsable request: {exc}") from None
+            if method.server_streaming:
+                async for response in method.behaviour(request, self):
+                    self.send_message(method.encode(response))
+            else:
+                response = await method.behaviour(request, self)
+                self.send_message(method.encode(response))
+            self.finish()
+        except Abort as abort:
+            self.finish(abort.code, abort.details)
+        except asyncio.CancelledError:
+            if self.expired:
+                self.finish(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+            elif not self.finished:
+                self.finish(grpc.StatusCode.CANCELLED, "Cancelled")
+        except Exception as exc:  # noqa: BLE001 - a bug must still answer the call
+            log.exception("gRPC call %s failed", self.stream_id)
+            self.finish(grpc.StatusCode.UNKNOWN, f"Exception calling application: {exc}")
+
+
+async def _requests(
+    messages: asyncio.Queue[bytes | None], decode: Callable[[bytes], Any]
+) -> AsyncIterator[Any]:
+    while True:
+        message = await messages.get()
+        if message is None:
+            return
+        yield decode(message)
