@@ -100,6 +100,7 @@ class CallContext:
         self.accepts: tuple[str, ...] = ()
         self.compression: str | None = None  # of ours, once set and accepted
         self.window = connection.peer_window
+        # DATA still waiting for window (views), then possibly the trailers (bytes)
         self.outbox: collections.deque[bytes | memoryview] = collections.deque()
         self.started = False  # response headers sent
         self.finished = False  # trailers queued
@@ -199,6 +200,12 @@ class CallContext:
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"Received message larger than max ({len(body)} vs. {limit})",
                 )
+            if not inflater.eof or inflater.unused_data:
+                raise Abort(
+                    grpc.StatusCode.INTERNAL,
+                    "bad compressed message: "
+                    + ("cut short" if not inflater.eof else "bytes after its end"),
+                )
         messages = self.messages
         if isinstance(messages, list):
             messages.append(body)
@@ -223,27 +230,31 @@ class CallContext:
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
     # -- answers ---------------------------------------------------------------------------
-    def send_message(self, payload: bytes) -> None:
-        """Queue one response message (after the response headers, if not yet sent)."""
+    def send_message(self, payload: bytes | list[bytes | memoryview]) -> None:
+        """Queue one response message (after the response headers, if not yet sent);
+        a list is one serialized message in pieces, sent without joining them."""
         if self.finished:
             return
+        pieces = [payload] if isinstance(payload, bytes) else payload
+        size = sum(memoryview(piece).nbytes for piece in pieces)
         limit = self.connection.settings.max_message_size
-        if len(payload) > limit:
+        if size > limit:
             raise Abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"Sent message larger than max ({len(payload)} vs. {limit})",
+                f"Sent message larger than max ({size} vs. {limit})",
             )
         flag = b"\x00"
         if self.compression is not None:
             compressor = zlib.compressobj(wbits=_WBITS[self.compression])
-            payload = compressor.compress(payload) + compressor.flush()
+            pieces = [b"".join(compressor.compress(piece) for piece in pieces) + compressor.flush()]
+            size = len(pieces[0])
             flag = b"\x01"
         head = b""
         if not self.started:
             self.started = True
             block = _HEADER_BLOCKS[self.compression or "identity"]
             head = HEAD.pack((len(block) << 8) | HEADERS, END_HEADERS, self.stream_id) + block
-        self.connection.send_data(self, head, flag + len(payload).to_bytes(4, "big") + payload)
+        self.connection.send_data(self, head, flag + size.to_bytes(4, "big"), pieces, size)
 
     def finish(self, code: grpc.StatusCode = grpc.StatusCode.OK, details: str = "") -> None:
         """Queue the trailers (a trailers-only answer if nothing was sent): the call is over."""

@@ -41,12 +41,13 @@ import logging
 import re
 import ssl
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, NamedTuple
 
 import grpc
 import numpy as np
 from google.protobuf import json_format
+from google.protobuf.message import DecodeError, Message
 
 from dlserve.engine.request import Request, Response
 from dlserve.engine.tracing import Trace
@@ -248,18 +249,40 @@ def _decode_contents(tensor: Any, data_type: DataType | None, model_name: str) -
 
 
 # -- responses -------------------------------------------------------------------------------------
+# What a handler answers: a message, or an inference response serialized as pieces to send.
+Answer = Message | list[bytes | memoryview]
+_RAW_OUTPUT = b"\x32"  # ModelInferResponse.raw_output_contents: field 6, length-delimited
+_INFER_RESPONSE = b"\x12"  # ModelStreamInferResponse.infer_response: field 2, length-delimited
+_INLINE = 1 << 16  # raw outputs up to this size are copied into the message; larger ones are not
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
 def encode_response(
-    response: Response, specs: dict[str, OutputSpec] | None
-) -> pb.ModelInferResponse:
-    """A successful engine response as a ModelInferResponse (outputs as raw contents;
-    ``specs``: the requested outputs that need more than that, by name)."""
+    response: Response, specs: dict[str, OutputSpec] | None, final: bool | None = None
+) -> list[bytes | memoryview]:
+    """A successful engine response as a serialized ModelInferResponse, in pieces to be
+    sent in order (``specs``: the requested outputs that need more than raw contents, by
+    name; ``final``: the ``triton_final_response`` parameter of a streamed response).
+
+    Outputs go in ``raw_output_contents``, written after the rest of the message (a
+    repeated field's entries may follow the other fields on the wire): a large output
+    is a view of the tensor's memory, so it reaches the socket without being copied.
+    """
     message = pb.ModelInferResponse(
         model_name=response.model_name,
         model_version=str(response.model_version),
         id=response.request_id,
     )
     outputs = message.outputs
-    raws: list[bytes] = []
+    raws: list[memoryview] = []
     for name, tensor in response.outputs.items():
         output = outputs.add(name=name, datatype=tensor.data_type.wire_name, shape=tensor.shape)
         spec = specs.get(name) if specs else None
@@ -269,18 +292,97 @@ def encode_response(
             parameters["shared_memory_byte_size"].int64_param = tensor.size
             if spec.shm.offset:
                 parameters["shared_memory_offset"].int64_param = spec.shm.offset
-            raws.append(b"")  # keeps raw_output_contents[i] aligned with outputs[i]
+            raws.append(memoryview(b""))  # keeps raw_output_contents[i] aligned with outputs[i]
         else:
-            # The one copy out of shared memory (protobuf needs bytes).
-            raws.append(tensor.storage().tobytes())
-    message.raw_output_contents.extend(raws)
+            raws.append(memoryview(tensor.storage().reshape(-1).view(np.uint8)))
     if response.parameters:
         _set_parameters(message.parameters, response.parameters)
-    return message
+    if final is not None:
+        message.parameters[FINAL_RESPONSE].bool_param = final
+    pieces: list[bytes | memoryview] = []
+    head = bytearray(message.SerializeToString())
+    for raw in raws:
+        head += _RAW_OUTPUT + _varint(raw.nbytes)
+        if raw.nbytes <= _INLINE:
+            head += raw
+        else:
+            pieces += (bytes(head), raw)
+            head = bytearray()
+    if head or not pieces:
+        pieces.append(bytes(head))
+    return pieces
+
+
+def encode_stream_response(pieces: list[bytes | memoryview]) -> list[bytes | memoryview]:
+    """A ModelStreamInferResponse carrying the ModelInferResponse in ``pieces``."""
+    size = sum(memoryview(piece).nbytes for piece in pieces)
+    return [_INFER_RESPONSE + _varint(size), *pieces]
 
 
 def _status(error: TritonError) -> grpc.StatusCode:
     return GRPC_CODES.get(error.code, grpc.StatusCode.UNKNOWN)
+
+
+# -- requests --------------------------------------------------------------------------------------
+class InferCall(NamedTuple):
+    """A ModelInferRequest as received: the message, and its raw input contents."""
+
+    message: pb.ModelInferRequest
+    raws: Sequence[bytes | memoryview]
+
+
+_RAW_INPUT = 7  # ModelInferRequest.raw_input_contents
+_SCAN_FROM = 1 << 16  # messages from this size have their raw inputs cut out, not parsed
+
+
+def _varint_at(data: bytes | bytearray, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+
+
+def parse_infer_request(body: bytes | bytearray) -> InferCall:
+    """Parse a ModelInferRequest. From 64 KiB up, the raw input contents become views of
+    ``body`` instead of parsed copies: the top-level fields are walked (a dozen or so),
+    the other fields parsed from their own bytes, the tensors left where they arrived."""
+    if len(body) < _SCAN_FROM:
+        message = pb.ModelInferRequest.FromString(body)
+        return InferCall(message, message.raw_input_contents)
+    view = memoryview(body)
+    kept: list[memoryview] = []
+    raws: list[memoryview] = []
+    pos, size = 0, len(body)
+    try:
+        while pos < size:
+            tag, at = _varint_at(body, pos)
+            kind = tag & 7
+            if kind == 2:
+                length, start = _varint_at(body, at)
+                end = start + length
+                if end > size:
+                    raise DecodeError("truncated message")
+                if tag >> 3 == _RAW_INPUT:
+                    raws.append(view[start:end])
+                    pos = end
+                    continue
+            elif kind == 0:
+                end = _varint_at(body, at)[1]
+            elif kind in (1, 5):
+                end = at + (8 if kind == 1 else 4)
+            else:
+                raise DecodeError(f"wire type {kind}")
+            if end > size:
+                raise DecodeError("truncated message")
+            kept.append(view[pos:end])
+            pos = end
+    except IndexError:
+        raise DecodeError("truncated message") from None
+    return InferCall(pb.ModelInferRequest.FromString(b"".join(kept)), raws)
 
 
 # -- the servicer ----------------------------------------------------------------------------------
@@ -563,10 +665,11 @@ class InferenceServicer:
 
     # -- inference ------------------------------------------------------------------------
     def decode(
-        self, request: pb.ModelInferRequest, context: Any, unary: bool = True
+        self, inbound: InferCall, context: Any, unary: bool = True
     ) -> tuple[Request, dict[str, OutputSpec] | None]:
         """The engine request for a ModelInferRequest, and the requested outputs that
         need care (written to shared memory, or classified), by name."""
+        request, raws = inbound
         model_name = request.model_name
         version = parse_version(request.model_version)
         # The model first, as Triton does: an unknown model wins over a bad input.
@@ -580,7 +683,6 @@ class InferenceServicer:
             for key, value in context.invocation_metadata() or ():
                 if isinstance(value, str) and self.forward.search(key):
                     parameters[key] = value
-        raws = request.raw_input_contents
         raw_count = len(raws)
         index = 0
         inputs = []
@@ -658,9 +760,7 @@ class InferenceServicer:
         return engine_request, specs
 
     @_rpc("inference")
-    async def ModelInfer(
-        self, request: pb.ModelInferRequest, context: Any
-    ) -> pb.ModelInferResponse:
+    async def ModelInfer(self, request: InferCall, context: Any) -> list[bytes | memoryview]:
         received = time.monotonic_ns()
         engine_request, specs = self.decode(request, context)
         if not self.engine.tracer.enabled:
@@ -687,7 +787,7 @@ class InferenceServicer:
         context: Any,
         traced: Callable[[Trace], None] | None = None,
         held: list[Trace] | None = None,
-    ) -> pb.ModelInferResponse:
+    ) -> list[bytes | memoryview]:
         # A client that cancels or whose deadline passes cancels its request in there.
         response = await self.dataplane.infer(engine_request, traced)
         if response.error is not None:
@@ -702,8 +802,8 @@ class InferenceServicer:
         return encoded
 
     async def ModelStreamInfer(
-        self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: Any
-    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        self, request_iterator: AsyncIterator[InferCall], context: Any
+    ) -> AsyncIterator[Answer]:
         rules = self.rules["inference"]
         if rules:
             await self.check_restricted(rules, context)
@@ -734,11 +834,11 @@ class _Stream:
     def __init__(self, servicer: InferenceServicer, context: Any) -> None:
         self.servicer = servicer
         self.context = context
-        self.queue: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        self.queue: asyncio.Queue[Answer | None] = asyncio.Queue()
         self.pending: set[Request] = set()
         self.reading = True
 
-    async def read(self, requests: AsyncIterator[pb.ModelInferRequest]) -> None:
+    async def read(self, requests: AsyncIterator[InferCall]) -> None:
         try:
             async for message in requests:
                 self.submit(message)
@@ -747,10 +847,11 @@ class _Stream:
             if not self.pending:
                 self.queue.put_nowait(None)
 
-    def submit(self, message: pb.ModelInferRequest) -> None:
+    def submit(self, inbound: InferCall) -> None:
         received = time.monotonic_ns()
+        message = inbound.message
         try:
-            request, specs = self.servicer.decode(message, self.context, unary=False)
+            request, specs = self.servicer.decode(inbound, self.context, unary=False)
             empty_final = message.parameters.get(EMPTY_FINAL)
             request.on_response = functools.partial(
                 self.deliver, request, specs, empty_final is not None and empty_final.bool_param
@@ -794,18 +895,19 @@ class _Stream:
                 self.queue.put_nowait(None)
             return
         error = response.error.message if response.error is not None else ""
+        item: Answer | None = None
         if not error and not response.flags_only:
             try:
                 if specs:
                     response = self.servicer.dataplane.classified(response, specs.values())
-                infer = encode_response(response, specs)
+                item = encode_stream_response(encode_response(response, specs, response.final))
             except Exception as exc:  # noqa: BLE001 - one bad response must not end the stream
                 log.exception("encoding a stream response failed")
                 error = f"{type(exc).__name__}: {exc}"
-        if error or response.flags_only:  # Triton: the model name and id, no version, no outputs
+        if item is None:  # Triton: the model name and id, no version, no outputs
             infer = pb.ModelInferResponse(model_name=response.model_name, id=response.request_id)
-        infer.parameters[FINAL_RESPONSE].bool_param = response.final
-        item = pb.ModelStreamInferResponse(error_message=error, infer_response=infer)
+            infer.parameters[FINAL_RESPONSE].bool_param = response.final
+            item = pb.ModelStreamInferResponse(error_message=error, infer_response=infer)
         if request.trace is not None:  # still open: this runs inside the engine's delivery
             request.trace.record("GRPC_SEND_START")
         self.queue.put_nowait(item)
@@ -870,6 +972,11 @@ def server_tls(options: Any) -> ssl.SSLContext:
         raise InvalidArgumentError(f"unable to use the TLS key and certificates: {exc}") from None
 
 
+def _serialized(answer: Answer) -> bytes | list[bytes | memoryview]:
+    """An answer on the wire: inference answers come serialized already (as pieces)."""
+    return answer if isinstance(answer, list) else answer.SerializeToString()
+
+
 def methods(servicer: InferenceServicer) -> dict[str, Method]:
     """The methods of ``inference.GRPCInferenceService`` and ``grpc.health.v1.Health``, by path."""
     table: dict[str, Method] = {}
@@ -879,10 +986,14 @@ def methods(servicer: InferenceServicer) -> dict[str, Method]:
     )
     for service, module, implementation in services:
         for method in service.methods:
+            if method.input_type.name == "ModelInferRequest":
+                decode: Callable[[bytes], Any] = parse_infer_request
+            else:
+                decode = getattr(module, method.input_type.name).FromString
             table[f"/{service.full_name}/{method.name}"] = Method(
                 behaviour=getattr(implementation, method.name),
-                decode=getattr(module, method.input_type.name).FromString,
-                encode=getattr(module, method.output_type.name).SerializeToString,
+                decode=decode,
+                encode=_serialized,
                 client_streaming=method.client_streaming,
                 server_streaming=method.server_streaming,
             )

@@ -20,9 +20,9 @@ What a gRPC server owes its clients, and where it is done:
   the trailers (or a trailers-only answer), ``-bin`` metadata, message-size limits
   (RESOURCE_EXHAUSTED, with grpc's wording).
 * Keepalive and abuse policy as grpc's server options describe them: pings every
-  ``keepalive_time_ms`` (at most ``http2_max_pings_without_data`` between sends of
-  data) and the connection closed when one goes unanswered for
-  ``keepalive_timeout_ms``; a client that pings an idle connection more often than
+  ``keepalive_time_ms`` and the connection closed when one goes unanswered for
+  ``keepalive_timeout_ms`` (``http2_max_pings_without_data`` limits clients only, in
+  grpc as here); a client that pings an idle connection more often than
   ``http2_min_recv_ping_interval_without_data_ms`` gets a strike, and after
   ``http2_max_ping_strikes`` a GOAWAY ``too_many_pings``; ``max_connection_age_ms``
   (+ grace) ends a connection with GOAWAY.
@@ -38,6 +38,7 @@ import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -90,7 +91,6 @@ class Settings:
     keepalive_time_ms: int = 7_200_000
     keepalive_timeout_ms: int = 20_000
     keepalive_permit_without_calls: bool = False
-    http2_max_pings_without_data: int = 2
     http2_min_recv_ping_interval_without_data_ms: int = 300_000
     http2_max_ping_strikes: int = 2
     max_connection_age_ms: int = 0
@@ -120,10 +120,9 @@ class Connection(asyncio.Protocol):
         self.going_away = False
         self.closed = False
         self.ping_strikes = 0
-        self.pings_without_data = 0
         self.last_ping_received = 0.0
         self.ping_sent_at: float | None = None
-        self.timers: list[asyncio.TimerHandle] = []
+        self.timers: dict[str, asyncio.TimerHandle] = {}
 
     # -- lifetime --------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -151,47 +150,39 @@ class Connection(asyncio.Protocol):
         )
         s = self.settings
         if s.keepalive_time_ms > 0:
-            self._every(s.keepalive_time_ms / 1000, self._keepalive)
+            self._later("keepalive", s.keepalive_time_ms, self._keepalive)
         if s.max_connection_age_ms > 0:
-            self.timers.append(
-                self.loop.call_later(s.max_connection_age_ms / 1000, self._aged)
-            )
+            self._later("age", s.max_connection_age_ms, self._aged)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
         self.server.connections.discard(self)
-        for timer in self.timers:
+        for timer in self.timers.values():
             timer.cancel()
         for call in list(self.calls.values()):
             self._drop(call)
 
-    def _every(self, seconds: float, action: Callable[[], None]) -> None:
-        def tick() -> None:
-            action()
-            if self.transport is not None:
-                self.timers.append(self.loop.call_later(seconds, tick))
-
-        self.timers.append(self.loop.call_later(seconds, tick))
+    def _later(self, name: str, ms: int, action: Callable[..., None], *args: Any) -> None:
+        """Run ``action`` in ``ms`` milliseconds: the connection's one timer of that name."""
+        self.timers[name] = self.loop.call_later(ms / 1000, action, *args)
 
     def _keepalive(self) -> None:
+        """Every keepalive_time_ms: a PING, unless one is still out (grpc's servers
+        ignore http2_max_pings_without_data, and so does this one)."""
+        s = self.settings
         if self.transport is None:
             return
+        self._later("keepalive", s.keepalive_time_ms, self._keepalive)
         if self.ping_sent_at is not None:
-            return  # the last one is still out; _ping_overdue closes if it stays so
-        s = self.settings
+            return  # the last one is still out; its own timer closes if it stays so
         if not self.calls and not s.keepalive_permit_without_calls:
             return
-        if 0 < s.http2_max_pings_without_data <= self.pings_without_data:
-            return  # grpc's limit on pings sent while no data is
-        self.pings_without_data += 1
-        self.ping_sent_at = time.monotonic()
+        sent = self.ping_sent_at = time.monotonic()
         self.transport.write(frame(PING, 0, 0, b"dlserve\x00"))
-        self.timers.append(
-            self.loop.call_later(s.keepalive_timeout_ms / 1000, self._ping_overdue)
-        )
+        self._later("ping", s.keepalive_timeout_ms, self._ping_overdue, sent)
 
-    def _ping_overdue(self) -> None:
-        if self.ping_sent_at is not None and self.transport is not None:
+    def _ping_overdue(self, sent: float) -> None:
+        if self.ping_sent_at == sent and self.transport is not None:
             log.info("gRPC keepalive ping unanswered; closing the connection")
             self.transport.abort()
 
@@ -199,7 +190,7 @@ class Connection(asyncio.Protocol):
         self.go_away()
         grace = self.settings.max_connection_age_grace_ms
         if grace > 0:
-            self.timers.append(self.loop.call_later(grace / 1000, self.close))
+            self._later("grace", grace, self.close)
 
     def go_away(self, code: int = NO_ERROR, debug: bytes = b"") -> None:
         """No new calls on this connection; those in flight go on."""
@@ -437,14 +428,22 @@ class Connection(asyncio.Protocol):
         return self.ping_strikes > s.http2_max_ping_strikes
 
     # -- frames out ------------------------------------------------------------------------
-    def send_data(self, call: CallContext, head: bytes, message: bytes) -> None:
-        """Send ``head`` (frames that need no window) and one framed message as DATA,
-        now if the windows allow, else as they open."""
+    def send_data(
+        self,
+        call: CallContext,
+        head: bytes,
+        prefix: bytes,
+        pieces: list[bytes | memoryview],
+        size: int,
+    ) -> None:
+        """Send ``head`` (frames that need no window), then a message's 5-byte prefix
+        and its ``size`` bytes in ``pieces`` as DATA: now if the windows allow, else as
+        they open. Pieces are sent as they are: views stay views until the socket."""
         transport = self.transport
         if transport is None:
             return
-        self.ping_strikes = self.pings_without_data = 0
-        size = len(message)
+        self.ping_strikes = 0
+        size += len(prefix)
         if (
             not call.outbox
             and size <= self.peer_frame
@@ -453,14 +452,18 @@ class Connection(asyncio.Protocol):
         ):
             self.send_window -= size
             call.window -= size
-            transport.write(head + HEAD.pack((size << 8) | DATA, 0, call.stream_id) + message)
+            data = HEAD.pack((size << 8) | DATA, 0, call.stream_id)
+            transport.write(b"".join((head, data, prefix, *pieces)))
             return
         if head:
             transport.write(head)
-        view = memoryview(message)
         step = self.peer_frame
         queued = not call.outbox
-        call.outbox.extend(view[i : i + step] for i in range(0, size, step))
+        outbox = call.outbox
+        outbox.append(memoryview(prefix))  # (a bytes entry would be the trailers)
+        for piece in pieces:
+            view = memoryview(piece).cast("B")
+            outbox.extend(view[i : i + step] for i in range(0, view.nbytes, step))
         if queued:
             self.blocked.append(call)
         self._flush()
@@ -475,7 +478,7 @@ class Connection(asyncio.Protocol):
 
     def _send_trailers(self, call: CallContext, block: bytes) -> None:
         transport = self.transport
-        self.ping_strikes = self.pings_without_data = 0
+        self.ping_strikes = 0
         if transport is not None:
             flags = END_HEADERS | END_STREAM
             out = HEAD.pack((len(block) << 8) | HEADERS, flags, call.stream_id) + block
@@ -486,11 +489,14 @@ class Connection(asyncio.Protocol):
         self._forget(call)
 
     def _flush(self) -> None:
-        """Send what the windows allow of the calls waiting, in order."""
+        """Send what the windows allow of the calls waiting, in order; a call whose
+        stream window is closed waits without holding up the others."""
         transport = self.transport
+        if transport is None:
+            return
         parts: list[bytes | memoryview] = []
-        while self.blocked and transport is not None:
-            call = self.blocked[0]
+        waiting: collections.deque[CallContext] = collections.deque()
+        for call in self.blocked:
             outbox = call.outbox
             while outbox:
                 chunk = outbox[0]
@@ -502,8 +508,7 @@ class Connection(asyncio.Protocol):
                     break
                 allowed = min(self.send_window, call.window)
                 if allowed <= 0:
-                    transport.writelines(parts)
-                    return
+                    break
                 if len(chunk) > allowed:
                     outbox[0] = chunk[allowed:]
                     chunk = chunk[:allowed]
@@ -513,8 +518,10 @@ class Connection(asyncio.Protocol):
                 call.window -= len(chunk)
                 parts.append(HEAD.pack((len(chunk) << 8) | DATA, 0, call.stream_id))
                 parts.append(chunk)
-            self.blocked.popleft()
-        if parts and transport is not None:
+            if outbox:
+                waiting.append(call)
+        self.blocked = waiting
+        if parts:
             transport.writelines(parts)
 
     def _refuse(self, call: CallContext, code: grpc.StatusCode, details: str) -> None:

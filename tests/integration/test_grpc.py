@@ -23,6 +23,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aioclient
 import tritonclient.utils.shared_memory as shm
 from google.protobuf import json_format, text_format
+from google.protobuf.message import DecodeError
 from tritonclient.utils import InferenceServerException
 
 import dlserve
@@ -1008,6 +1009,70 @@ def test_restricted_protocols(server):
         start_grpc(server, restricted_protocols=["bogus:h=v"])
 
 
+def test_large_tensors_both_ways(client, stub):
+    """Tensors above the size from which the server cuts raw inputs out of the request
+    (instead of parsing them) and sends outputs as views: unary and streamed, several
+    raw inputs, typed fields after the raw contents on the wire."""
+    rng = np.random.default_rng(7)
+    a = rng.random(1 << 17, dtype=np.float32)  # 512 KiB
+    result = client.infer("identity", [fp32_input("INPUT0", a)])
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a)
+
+    f64 = rng.random((2, 1 << 16))  # 1 MiB
+    request = pb.ModelInferRequest(model_name="dtypes_echo", id="big")
+    request.raw_input_contents.extend([a.tobytes(), f64.tobytes()])
+    # the inputs after the raw contents on the wire: protobuf does not fix the order
+    request.inputs.add(name="IN_FP32", datatype="FP32", shape=[1, a.size])
+    request.inputs.add(name="IN_FP64", datatype="FP64", shape=list(f64.shape))
+    request.outputs.add(name="OUT_FP32")
+    request.outputs.add(name="OUT_FP64")
+    reordered = (
+        pb.ModelInferRequest(raw_input_contents=request.raw_input_contents).SerializeToString()
+        + pb.ModelInferRequest(
+            model_name="dtypes_echo", id="big", inputs=request.inputs, outputs=request.outputs
+        ).SerializeToString()
+    )
+
+    def check(response: pb.ModelInferResponse) -> None:
+        assert response.id == "big" and [o.name for o in response.outputs] == [
+            "OUT_FP32",
+            "OUT_FP64",
+        ]
+        got = response.raw_output_contents
+        np.testing.assert_array_equal(np.frombuffer(got[0], np.float32), a)
+        np.testing.assert_array_equal(np.frombuffer(got[1], np.float64).reshape(f64.shape), f64)
+
+    for body in (request.SerializeToString(), reordered):
+        check(stub.ModelInfer(pb.ModelInferRequest.FromString(body), timeout=30))
+    streamed = list(stub.ModelStreamInfer(iter([request, request]), timeout=30))
+    assert [r.error_message for r in streamed] == ["", ""]
+    for item in streamed:
+        check(item.infer_response)
+        assert item.infer_response.parameters["triton_final_response"].bool_param
+
+
+def test_parse_infer_request_cuts_raw_inputs_out():
+    from dlserve.frontends.grpc_server import parse_infer_request
+
+    big = bytes(range(256)) * 512  # 128 KiB: above the scanning threshold
+    request = pb.ModelInferRequest(model_name="m", model_version="2", id="x")
+    request.inputs.add(name="IN", datatype="UINT8", shape=[len(big)])
+    request.outputs.add(name="OUT")
+    request.parameters["k"].string_param = "v"
+    request.raw_input_contents.extend([big, b"", b"tail"])
+    body = bytearray(request.SerializeToString())
+    message, raws = parse_infer_request(body)
+    assert [bytes(raw) for raw in raws] == [big, b"", b"tail"]
+    assert isinstance(raws[0], memoryview) and raws[0].obj is body  # a view, not a copy
+    assert not message.raw_input_contents
+    request.ClearField("raw_input_contents")
+    assert message == request
+    with pytest.raises(DecodeError):
+        parse_infer_request(body[: len(body) - 2])
+    small, raws = parse_infer_request(pb.ModelInferRequest(model_name="m").SerializeToString())
+    assert small.model_name == "m" and not raws
+
+
 def test_compression_and_message_size(server):
     service = start_grpc(
         server,
@@ -1043,7 +1108,6 @@ def test_options_become_transport_settings():
     settings = transport_settings(options)
     assert (settings.keepalive_time_ms, settings.keepalive_timeout_ms) == (1000, 2000)
     assert settings.keepalive_permit_without_calls is True
-    assert settings.http2_max_pings_without_data == 3
     assert settings.http2_min_recv_ping_interval_without_data_ms == 4000
     assert settings.http2_max_ping_strikes == 5
     assert (settings.max_connection_age_ms, settings.max_connection_age_grace_ms) == (6000, 7000)
