@@ -89,6 +89,7 @@ class CallContext:
         "connection", "stream_id", "method", "metadata", "encoding", "accepts", "compression",
         "window", "outbox", "started", "finished", "remote_closed", "task", "messages",
         "prefix", "flag", "body", "filled", "received", "deadline", "timer", "expired",
+        "started_ns", "after_send",
     )  # fmt: skip
 
     def __init__(self, connection: Connection, stream_id: int) -> None:
@@ -115,6 +116,9 @@ class CallContext:
         self.deadline: float | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.expired = False
+        self.started_ns = time.monotonic_ns()  # when the call's HEADERS came
+        # called with True once the answer is handed to the connection (False: it never was)
+        self.after_send: Callable[[bool], None] | None = None
 
     # -- requests in ----------------------------------------------------------------------
     def read_headers(self, headers: list[tuple[str, str]]) -> tuple[str, float | None]:
@@ -290,6 +294,7 @@ class CallContext:
             else:
                 response = await method.behaviour(request, self)
                 self.send_message(method.encode(response))
+                self._sent(True)
             self.finish()
         except Abort as abort:
             self.finish(abort.code, abort.details)
@@ -301,6 +306,13 @@ class CallContext:
         except Exception as exc:  # noqa: BLE001 - a bug must still answer the call
             log.exception("gRPC call %s failed", self.stream_id)
             self.finish(grpc.StatusCode.UNKNOWN, f"Exception calling application: {exc}")
+        finally:
+            self._sent(False)
+
+    def _sent(self, sent: bool) -> None:
+        hook, self.after_send = self.after_send, None
+        if hook is not None:
+            hook(sent)
 
 
 async def _requests(

@@ -768,17 +768,19 @@ class InferenceServicer:
         held: list[Trace] = []
 
         def traced(trace: Trace) -> None:
-            # grpcio reads and writes the messages: when the handler got the request and
-            # when it hands the response back are what can be seen of them here.
+            trace.record("GRPC_WAITREAD_START", context.started_ns)
             trace.record("GRPC_WAITREAD_END", received)
             trace.hold()
             held.append(trace)
 
-        try:
-            return await self._answer(engine_request, specs, context, traced, held)
-        finally:
+        def sent(done: bool) -> None:
             for trace in held:
+                if done:
+                    trace.record("GRPC_SEND_END")
                 trace.release()
+
+        context.after_send = sent
+        return await self._answer(engine_request, specs, context, traced, held)
 
     async def _answer(
         self,
