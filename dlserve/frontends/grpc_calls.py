@@ -234,9 +234,10 @@ class CallContext:
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
     # -- answers ---------------------------------------------------------------------------
-    def send_message(self, payload: bytes | list[bytes | memoryview]) -> None:
+    def send_message(self, payload: bytes | list[bytes | memoryview], last: bool = False) -> None:
         """Queue one response message (after the response headers, if not yet sent);
-        a list is one serialized message in pieces, sent without joining them."""
+        a list is one serialized message in pieces, sent without joining them. ``last``:
+        the call ends with it, OK, the trailers going out in the same write."""
         if self.finished:
             return
         pieces = [payload] if isinstance(payload, bytes) else payload
@@ -258,7 +259,13 @@ class CallContext:
             self.started = True
             block = _HEADER_BLOCKS[self.compression or "identity"]
             head = HEAD.pack((len(block) << 8) | HEADERS, END_HEADERS, self.stream_id) + block
-        self.connection.send_data(self, head, flag + size.to_bytes(4, "big"), pieces, size)
+        if last:
+            self.finished = True
+            if self.timer is not None:
+                self.timer.cancel()  # answered: the deadline no longer matters
+        self.connection.send_data(
+            self, head, flag + size.to_bytes(4, "big"), pieces, size, _OK_TRAILERS if last else None
+        )
 
     def finish(self, code: grpc.StatusCode = grpc.StatusCode.OK, details: str = "") -> None:
         """Queue the trailers (a trailers-only answer if nothing was sent): the call is over."""
@@ -293,7 +300,7 @@ class CallContext:
                     self.send_message(method.encode(response))
             else:
                 response = await method.behaviour(request, self)
-                self.send_message(method.encode(response))
+                self.send_message(method.encode(response), last=True)
                 self._sent(True)
             self.finish()
         except Abort as abort:
