@@ -11,6 +11,7 @@ import asyncio
 import base64
 import collections
 import logging
+import re
 import time
 import zlib
 from collections.abc import AsyncIterator, Callable
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dlserve.frontends.grpc")
 
+_TIMEOUT = re.compile(r"([0-9]{1,8})([HMSmun])")
 _TIMEOUT_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
 _CODECS = ("gzip", "deflate")
 _WBITS = {"gzip": 31, "deflate": 15}  # gRPC's "deflate" is the zlib format
@@ -38,6 +40,14 @@ _OK_TRAILERS = literal("grpc-status", "0")
 _NOT_METADATA = frozenset(
     ("content-type", "te", "grpc-timeout", "grpc-encoding", "grpc-accept-encoding")
 )
+
+
+class HttpRefusal(Exception):
+    """Not a gRPC call at all: answered with an HTTP status (the header ``block``)."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(status)
+        self.block = literal(8, str(status))  # :status (static 8)
 
 
 class Abort(Exception):
@@ -69,10 +79,9 @@ def _percent_encode(text: str) -> bytes:
 
 
 def _timeout(value: str) -> float | None:
-    try:
-        return int(value[:-1]) * _TIMEOUT_UNITS[value[-1]]
-    except (KeyError, ValueError, IndexError):
-        return None
+    """grpc-timeout's seconds: 1 to 8 ASCII digits and a unit (None if malformed)."""
+    match = _TIMEOUT.fullmatch(value)
+    return int(match[1]) * _TIMEOUT_UNITS[match[2]] if match else None
 
 
 def trailers(code: grpc.StatusCode, details: str) -> bytes:
@@ -88,7 +97,7 @@ class CallContext:
     __slots__ = (
         "connection", "stream_id", "method", "metadata", "encoding", "accepts", "compression",
         "window", "outbox", "started", "finished", "remote_closed", "task", "messages",
-        "prefix", "flag", "body", "filled", "received", "deadline", "timer", "expired",
+        "prefix", "flag", "body", "expected", "received", "timer", "expired",
         "started_ns", "after_send",
     )  # fmt: skip
 
@@ -111,9 +120,8 @@ class CallContext:
         self.prefix = b""  # a message prefix split across frames
         self.flag = 0  # of the message being filled: compressed or not
         self.body: bytearray | None = None  # a message being filled
-        self.filled = 0
+        self.expected = 0  # the length of that message
         self.received = 0  # DATA bytes since this stream's window was last opened
-        self.deadline: float | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.expired = False
         self.started_ns = time.monotonic_ns()  # when the call's HEADERS came
@@ -123,19 +131,23 @@ class CallContext:
     # -- requests in ----------------------------------------------------------------------
     def read_headers(self, headers: list[tuple[str, str]]) -> tuple[str, float | None]:
         """Take the call's settings and metadata from its request headers; returns
-        the method's path and the timeout in seconds, if any."""
-        path = ""
+        the method's path and the timeout in seconds, if any. Raises
+        :class:`HttpRefusal` for a request that is not a gRPC call (gRPC over HTTP/2:
+        405 for a method other than POST, 415 for a content-type not application/grpc)."""
+        path = method = content_type = ""
         seconds = None
         metadata = self.metadata
         for name, value in headers:
-            if name[0] == ":":
+            if name.startswith(":"):
                 if name == ":path":
                     path = value
+                elif name == ":method":
+                    method = value
             elif name in _NOT_METADATA:
-                if name == "grpc-timeout":
+                if name == "content-type":
+                    content_type = value
+                elif name == "grpc-timeout":
                     seconds = _timeout(value)
-                    if seconds is not None:
-                        self.deadline = time.monotonic() + seconds
                 elif name == "grpc-encoding":
                     self.encoding = value
                 elif name == "grpc-accept-encoding":
@@ -147,17 +159,20 @@ class CallContext:
                     metadata.append((name, value.encode()))
             else:
                 metadata.append((name, value))
+        if method != "POST":
+            raise HttpRefusal(405)
+        if not content_type.startswith("application/grpc"):
+            raise HttpRefusal(415)
         return path, seconds
 
     def feed(self, view: memoryview, start: int, end: int) -> None:
         """Cut gRPC messages (1-byte flag, 4-byte length, body) out of a DATA payload."""
         while start < end:
             if self.body is not None:
-                take = min(len(self.body) - self.filled, end - start)
-                self.body[self.filled : self.filled + take] = view[start : start + take]
-                self.filled += take
+                take = min(self.expected - len(self.body), end - start)
+                self.body += view[start : start + take]
                 start += take
-                if self.filled == len(self.body):
+                if len(self.body) == self.expected:
                     body, self.body = self.body, None
                     self._deliver(self.flag, body)
                 continue
@@ -181,10 +196,11 @@ class CallContext:
             if end - start >= length:
                 self._deliver(prefix[0], bytes(view[start : start + length]))
                 start += length
-            else:
+            else:  # grown as the bytes come, not allocated at the size a client announces
                 self.flag = prefix[0]
-                self.body = bytearray(length)
-                self.filled = 0
+                self.expected = length
+                self.body = bytearray(view[start:end])
+                start = end
 
     def _deliver(self, compressed: int, body: bytes | bytearray) -> None:
         if compressed:
@@ -212,6 +228,10 @@ class CallContext:
                 )
         messages = self.messages
         if isinstance(messages, list):
+            if messages:  # refused now, not kept until the client ends its side
+                raise Abort(
+                    grpc.StatusCode.UNIMPLEMENTED, "a unary call takes one request message"
+                )
             messages.append(body)
         else:
             messages.put_nowait(body)
@@ -226,12 +246,6 @@ class CallContext:
     def set_compression(self, name: str) -> None:
         if name in self.accepts:
             self.compression = name
-
-    def cancelled(self) -> bool:
-        return self.task is not None and self.task.cancelled()
-
-    def time_remaining(self) -> float | None:
-        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
     # -- answers ---------------------------------------------------------------------------
     def send_message(self, payload: bytes | list[bytes | memoryview], last: bool = False) -> None:
@@ -260,9 +274,7 @@ class CallContext:
             block = _HEADER_BLOCKS[self.compression or "identity"]
             head = HEAD.pack((len(block) << 8) | HEADERS, END_HEADERS, self.stream_id) + block
         if last:
-            self.finished = True
-            if self.timer is not None:
-                self.timer.cancel()  # answered: the deadline no longer matters
+            self.finished = True  # (the deadline still holds until the answer is out)
         self.connection.send_data(
             self, head, flag + size.to_bytes(4, "big"), pieces, size, _OK_TRAILERS if last else None
         )
@@ -329,4 +341,8 @@ async def _requests(
         message = await messages.get()
         if message is None:
             return
-        yield decode(message)
+        try:
+            request = decode(message)
+        except Exception as exc:  # noqa: BLE001 - a client's bytes, not our bug
+            raise Abort(grpc.StatusCode.INTERNAL, f"unparsable request: {exc}") from None
+        yield request

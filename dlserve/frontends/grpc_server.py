@@ -337,13 +337,14 @@ _SCAN_FROM = 1 << 16  # messages from this size have their raw inputs cut out, n
 
 def _varint_at(data: bytes | bytearray, pos: int) -> tuple[int, int]:
     value = shift = 0
-    while True:
+    while shift < 64:
         byte = data[pos]
         pos += 1
         value |= (byte & 0x7F) << shift
         if byte < 0x80:
             return value, pos
         shift += 7
+    raise DecodeError("varint longer than 10 bytes")
 
 
 def parse_infer_request(body: bytes | bytearray) -> InferCall:
@@ -817,6 +818,8 @@ class InferenceServicer:
             while True:
                 item = await stream.queue.get()
                 if item is None:
+                    if stream.failure is not None:
+                        raise stream.failure  # a message that was no request ends the call
                     break
                 yield item
         finally:
@@ -839,11 +842,15 @@ class _Stream:
         self.queue: asyncio.Queue[Answer | None] = asyncio.Queue()
         self.pending: set[Request] = set()
         self.reading = True
+        self.failure: Abort | None = None
 
     async def read(self, requests: AsyncIterator[InferCall]) -> None:
         try:
             async for message in requests:
                 self.submit(message)
+        except Abort as abort:
+            self.failure = abort
+            self.queue.put_nowait(None)
         finally:
             self.reading = False
             if not self.pending:

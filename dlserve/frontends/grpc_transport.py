@@ -42,9 +42,10 @@ from typing import Any
 
 import grpc
 
-from dlserve.frontends.grpc_calls import Abort, CallContext, Method
+from dlserve.frontends.grpc_calls import Abort, CallContext, HttpRefusal, Method
 from dlserve.frontends.http2 import (
     ACK,
+    CANCEL,
     COMPRESSION_ERROR,
     CONTINUATION,
     DATA,
@@ -52,10 +53,13 @@ from dlserve.frontends.http2 import (
     END_HEADERS,
     END_STREAM,
     ENHANCE_YOUR_CALM,
+    FLOW_CONTROL_ERROR,
+    FRAME_SIZE_ERROR,
     GOAWAY,
     HEAD,
     HEADERS,
     INITIAL_WINDOW_SIZE,
+    MAX_CONCURRENT_STREAMS,
     MAX_FRAME,
     MAX_FRAME_SIZE,
     MAX_HEADER_LIST_SIZE,
@@ -66,6 +70,7 @@ from dlserve.frontends.http2 import (
     PREFACE,
     PRIORITY_FLAG,
     PROTOCOL_ERROR,
+    REFUSED_STREAM,
     RST_STREAM,
     SETTING,
     SETTINGS,
@@ -79,7 +84,10 @@ from dlserve.frontends.http2 import (
 log = logging.getLogger("dlserve.frontends.grpc")
 
 RECEIVE_FRAME = 1 << 20  # the DATA frame size we accept: fewer frames for big tensors
-HEADER_LIST_LIMIT = 1 << 16
+MAX_FRAME_LIMIT = (1 << 24) - 1  # the largest frame HTTP/2 can describe
+MAX_STREAMS = 1000  # calls open at once on one connection (SETTINGS_MAX_CONCURRENT_STREAMS)
+HEADER_LIST_LIMIT = 1 << 16  # a call's metadata, as SETTINGS_MAX_HEADER_LIST_SIZE counts it
+BLOCK_LIMIT = 1 << 20  # past this a header block ends the connection (HPACK state is shared)
 TOP_UP = 1 << 30  # received bytes after which a window is opened again
 
 
@@ -107,7 +115,7 @@ class Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.buffer = bytearray()
         self.preface = False
-        self.decoder = HeaderDecoder(HEADER_LIST_LIMIT)
+        self.decoder = HeaderDecoder(BLOCK_LIMIT)
         self.calls: dict[int, CallContext] = {}
         self.last_stream = 0
         self.send_window = DEFAULT_WINDOW
@@ -141,6 +149,7 @@ class Connection(asyncio.Protocol):
         settings = b"".join(
             SETTING.pack(key, value)
             for key, value in (
+                (MAX_CONCURRENT_STREAMS, MAX_STREAMS),
                 (INITIAL_WINDOW_SIZE, MAX_WINDOW),
                 (MAX_FRAME_SIZE, RECEIVE_FRAME),
                 (MAX_HEADER_LIST_SIZE, HEADER_LIST_LIMIT),
@@ -265,20 +274,25 @@ class Connection(asyncio.Protocol):
                 word, flags, stream_id = unpack(data, pos)
                 length = word >> 8
                 end = pos + 9 + length
-                if end > size:
-                    if length > RECEIVE_FRAME:
-                        self._fail(PROTOCOL_ERROR, f"frame of {length} bytes")
-                        return
+                if end > size and length <= RECEIVE_FRAME:
                     break
+                if length > RECEIVE_FRAME:
+                    self._fail(FRAME_SIZE_ERROR, f"frame of {length} bytes")
+                    return
                 kind = word & 0xFF
                 stream_id &= 0x7FFFFFFF
                 if kind == DATA:
                     self._data(flags, stream_id, view, pos + 9, end)
                 elif kind == HEADERS or kind == CONTINUATION:
                     self._headers(kind, flags, stream_id, bytes(view[pos + 9 : end]))
+                elif self.headers_of is not None:
+                    self._fail(PROTOCOL_ERROR, "a frame inside a header block")
                 else:
                     self._control(kind, flags, stream_id, bytes(view[pos + 9 : end]))
                 pos = end
+        except Exception as exc:  # noqa: BLE001 - a malformed frame: the peer's error, not ours
+            self._fail(PROTOCOL_ERROR, f"malformed frame: {type(exc).__name__}: {exc}")
+            return
         finally:
             view.release()
         if data is self.buffer:
@@ -290,14 +304,21 @@ class Connection(asyncio.Protocol):
             self.received = 0
 
     def _data(self, flags: int, stream_id: int, view: memoryview, start: int, end: int) -> None:
+        if self.headers_of is not None:
+            self._fail(PROTOCOL_ERROR, "a frame inside a header block")
+            return
         self.received += end - start
+        call = self.calls.get(stream_id)
+        if call is not None:
+            call.received += end - start  # padding included, as the windows count it
         if flags & PADDED and end > start:
             end -= view[start]
             start += 1
-        call = self.calls.get(stream_id)
+            if end < start:
+                self._fail(PROTOCOL_ERROR, "padding longer than the frame")
+                return
         if call is None or call.remote_closed:
             return  # answered already (or reset): the bytes only count for the window
-        call.received += end - start
         if call.received > TOP_UP and self.transport is not None:
             self._out(frame(WINDOW_UPDATE, 0, stream_id, U32.pack(call.received)))
             call.received = 0
@@ -316,6 +337,10 @@ class Connection(asyncio.Protocol):
                 self._fail(PROTOCOL_ERROR, "unexpected CONTINUATION frame")
                 return
             pending[2].extend(payload)
+            if len(pending[2]) > BLOCK_LIMIT:
+                # a header block that never ends must not grow without bound
+                self._fail(ENHANCE_YOUR_CALM, "header block too large")
+                return
             if not flags & END_HEADERS:
                 return
             self.headers_of = None
@@ -339,24 +364,36 @@ class Connection(asyncio.Protocol):
             if stream_flags & END_STREAM:
                 self._remote_end(call)
             return
-        if stream_id <= self.last_stream or stream_id % 2 == 0:
-            return  # a stream we already ended (or not one a client may open)
+        if stream_id % 2 == 0:
+            self._fail(PROTOCOL_ERROR, f"HEADERS on stream {stream_id}, which a client cannot open")
+            return
+        if stream_id <= self.last_stream:
+            return  # a stream we have ended and forgotten: its late frames are ignored
         self.last_stream = stream_id
-        if self.going_away:
-            self._reset(stream_id, 0x7)  # REFUSED_STREAM: the client may retry elsewhere
+        if self.going_away or len(self.calls) >= MAX_STREAMS:
+            self._reset(stream_id, REFUSED_STREAM)  # the client may retry (elsewhere)
             return
         self._start(stream_id, headers, bool(stream_flags & END_STREAM))
 
     def _start(self, stream_id: int, headers: list[tuple[str, str]], ended: bool) -> None:
         call = CallContext(self, stream_id)
-        path, seconds = call.read_headers(headers)
+        call.remote_closed = ended  # (a refusal below needs no RST_STREAM then)
+        self.calls[stream_id] = call
+        try:
+            path, seconds = call.read_headers(headers)
+        except HttpRefusal as refusal:
+            self._send_trailers(call, refusal.block)
+            return
+        if sum(len(name) + len(value) + 32 for name, value in headers) > HEADER_LIST_LIMIT:
+            self._refuse(call, grpc.StatusCode.RESOURCE_EXHAUSTED, "header list too large")
+            return
         if seconds is not None:
             call.timer = self.loop.call_later(seconds, self._expire, call)
-        self.calls[stream_id] = call
         method = self.server.methods.get(path)
         if method is None:
             self._refuse(call, grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {path}")
             return
+        call.remote_closed = False
         call.method = method
         if method.client_streaming:
             call.messages = asyncio.Queue()
@@ -376,18 +413,17 @@ class Connection(asyncio.Protocol):
         if isinstance(messages, asyncio.Queue):
             messages.put_nowait(None)
         elif call.task is None and not call.finished:
-            if len(messages) != 1:
-                self._refuse(
-                    call,
-                    grpc.StatusCode.UNIMPLEMENTED if messages else grpc.StatusCode.INTERNAL,
-                    f"a unary call takes one request message, got {len(messages)}",
-                )
+            if not messages:  # (a second one was refused as it came)
+                self._refuse(call, grpc.StatusCode.INTERNAL, "a unary call without a message")
                 return
             call.task = self.loop.create_task(call.run())
 
     def _expire(self, call: CallContext) -> None:
         call.expired = True
-        if call.task is not None and not call.task.done():
+        if call.finished:  # answered, but the answer still waits for window: give up on it
+            self._reset(call.stream_id, CANCEL)
+            self._drop(call)
+        elif call.task is not None and not call.task.done():
             call.task.cancel()
         else:
             self._refuse(call, grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
@@ -399,8 +435,17 @@ class Connection(asyncio.Protocol):
         if kind == SETTINGS:
             if flags & ACK:
                 return
-            for i in range(0, len(payload) - len(payload) % 6, 6):
+            if len(payload) % 6:
+                self._fail(FRAME_SIZE_ERROR, "SETTINGS frame size")
+                return
+            for i in range(0, len(payload), 6):
                 key, value = SETTING.unpack_from(payload, i)
+                if key == INITIAL_WINDOW_SIZE and value > MAX_WINDOW:
+                    self._fail(FLOW_CONTROL_ERROR, "SETTINGS_INITIAL_WINDOW_SIZE above 2^31-1")
+                    return
+                if key == MAX_FRAME_SIZE and not MAX_FRAME <= value <= MAX_FRAME_LIMIT:
+                    self._fail(PROTOCOL_ERROR, f"SETTINGS_MAX_FRAME_SIZE {value}")
+                    return
                 if key == INITIAL_WINDOW_SIZE:  # applies to open streams too
                     delta = value - self.peer_window
                     self.peer_window = value
@@ -560,12 +605,16 @@ class Connection(asyncio.Protocol):
 
     def _refuse(self, call: CallContext, code: grpc.StatusCode, details: str) -> None:
         """End a call from the transport (bad message, deadline, unknown method), unless
-        its answer is complete already (its trailers may still wait for window)."""
+        its answer is complete already (its trailers may still wait for window). With a
+        message part-sent, trailers would follow a cut message: the stream is reset."""
         if call.finished:
             return
         if call.task is not None and not call.task.done():
             call.task.cancel()
-        call.outbox.clear()
+        if call.outbox:
+            self._reset(call.stream_id, CANCEL)
+            self._drop(call)
+            return
         call.finish(code, details)
 
     def _reset(self, stream_id: int, code: int) -> None:

@@ -79,7 +79,11 @@ class HeaderDecoder:
         known = self._known.get(block)
         if known is not None:
             return known
-        headers = self._decoder.decode(block, raw=False)
+        # Latin-1, not UTF-8: any octets decode (HTTP/2 field values may hold obs-text)
+        headers = [
+            (name.decode("latin-1"), value.decode("latin-1"))
+            for name, value in self._decoder.decode(block, raw=True)
+        ]
         if min(block, default=0) >= 0x80:  # indexed fields only: no table changed
             if len(self._known) > 64:
                 self._known.clear()

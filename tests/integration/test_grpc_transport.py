@@ -35,7 +35,7 @@ DATA, HEADERS, RST_STREAM, SETTINGS, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION =
 )  # fmt: skip
 END_STREAM = ACK = 0x1
 END_HEADERS, PADDED = 0x4, 0x8
-INITIAL_WINDOW_SIZE = 0x4
+MAX_CONCURRENT_STREAMS, INITIAL_WINDOW_SIZE = 0x3, 0x4
 NO_ERROR, PROTOCOL_ERROR, REFUSED_STREAM, CANCEL, ENHANCE_YOUR_CALM = 0x0, 0x1, 0x7, 0x8, 0xB
 HEAD = struct.Struct(">IBI")  # (length << 8 | type), flags, stream id
 
@@ -803,6 +803,124 @@ def test_stop_cancels_calls_after_the_grace(server):
                 socket.create_connection(("127.0.0.1", service.port), timeout=1).close()
     finally:
         service.stop()
+
+
+# -- what a hostile or broken client gets ---------------------------------------------------------
+def test_streams_above_the_advertised_limit_are_refused(port):
+    with H2Client(port) as client:
+        limit = client.handshake()[MAX_CONCURRENT_STREAMS]
+        assert limit == 1000
+        block = client.header_block()
+        # open calls that never send their message: each holds a slot
+        client.sock.sendall(
+            b"".join(frame(HEADERS, END_HEADERS, 1 + 2 * i, block) for i in range(limit + 1))
+        )
+        refused = None
+        while refused is None:
+            f = client.recv()
+            assert f is not None
+            if f.kind == RST_STREAM:
+                refused = f
+        assert refused.stream == 1 + 2 * limit
+        assert struct.unpack(">I", refused.payload)[0] == REFUSED_STREAM
+        # ending one call frees its slot for a new one
+        client.send(RST_STREAM, 0, 1, struct.pack(">I", CANCEL))
+        client.last_stream = 1 + 2 * limit
+        check_add_sub(client.call(add_sub_request()))
+
+
+@pytest.mark.parametrize(
+    "method, content_type, status",
+    [("GET", "application/grpc", "405"), ("POST", "text/html", "415"), ("POST", None, "415")],
+)
+def test_requests_that_are_not_grpc_calls_get_an_http_status(h2, method, content_type, status):
+    fields = [(":method", method), (":scheme", "http"), (":path", INFER), (":authority", "x")]
+    if content_type is not None:
+        fields.append(("content-type", content_type))
+    stream = h2.new_stream()
+    h2.send(HEADERS, END_HEADERS | END_STREAM, stream, h2.encoder.encode(fields))
+    answer = h2.collect(stream)[stream]
+    assert answer.headers == {":status": status} and not answer.data
+    check_add_sub(h2.call(add_sub_request()))  # the connection serves on
+
+
+def test_a_header_block_too_large_refuses_only_its_call(h2):
+    big = [("x-big", "v" * 70_000)]
+    answer = h2.call(add_sub_request(), extra=big)
+    assert answer.status == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], answer.trailers
+    check_add_sub(h2.call(add_sub_request()))
+
+
+def test_header_values_that_are_not_utf8_are_taken(h2):
+    fields = [
+        (b":method", b"POST"), (b":scheme", b"http"), (b":path", INFER.encode()),
+        (b":authority", b"x"), (b"content-type", b"application/grpc"),
+        (b"x-raw", b"caf\xe9"),  # obs-text: legal in HTTP/2, not UTF-8
+    ]  # fmt: skip
+    stream = h2.new_stream()
+    h2.send(HEADERS, END_HEADERS, stream, h2.encoder.encode(fields))
+    h2.send(DATA, END_STREAM, stream, prefixed(add_sub_request()))
+    check_add_sub(h2.collect(stream)[stream])
+
+
+def test_an_unparsable_stream_message_ends_the_call_with_internal(h2):
+    stream = h2.new_stream()
+    h2.send(HEADERS, END_HEADERS, stream, h2.header_block(STREAM_INFER))
+    h2.send(DATA, 0, stream, prefixed(add_sub_request(id="good")))
+    h2.send(DATA, 0, stream, prefixed(b"\xff\xff\xff"))
+    answer = h2.collect(stream)[stream]
+    assert answer.status == grpc.StatusCode.INTERNAL.value[0]
+    assert "unparsable request" in answer.message
+    check_add_sub(h2.call(add_sub_request()))
+
+
+def test_a_second_unary_message_is_refused_as_it_comes(h2):
+    stream = h2.new_stream()
+    h2.send(HEADERS, END_HEADERS, stream, h2.header_block())
+    h2.send(DATA, 0, stream, prefixed(add_sub_request()) + prefixed(add_sub_request()))
+    # no END_STREAM: the refusal does not wait for the client to finish
+    answer = h2.collect(stream)[stream]
+    assert answer.status == grpc.StatusCode.UNIMPLEMENTED.value[0]
+
+
+@pytest.mark.parametrize("timeout", ["-5S", "123456789m", "5s", "1.5S"])
+def test_a_malformed_grpc_timeout_sets_no_deadline(h2, timeout):
+    check_add_sub(h2.call(add_sub_request(), extra=[("grpc-timeout", timeout)]))
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        frame(WINDOW_UPDATE, 0, 0, b"\x00\x00\x01"),  # 3 bytes, not 4
+        frame(SETTINGS, 0, 0, struct.pack(">HI", 0x5, 100)),  # MAX_FRAME_SIZE below 16384
+        frame(SETTINGS, 0, 0, b"\x00\x04\x00"),  # not a multiple of 6 bytes
+        frame(HEADERS, END_HEADERS, 2, b"\x82"),  # an even stream id
+    ],
+    ids=["short-window-update", "tiny-max-frame", "ragged-settings", "even-stream"],
+)
+def test_a_malformed_frame_ends_the_connection_with_goaway(port, bad):
+    with H2Client(port) as client:
+        client.handshake()
+        client.sock.sendall(bad)
+        frames = client.wait_closed(timeout=3)
+        assert any(f.kind == GOAWAY for f in frames), frames
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:  # the server serves on
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        assert stub.ServerLive(pb.ServerLiveRequest(), timeout=5).live
+
+
+def test_an_answer_stuck_behind_flow_control_is_dropped_at_its_deadline(port):
+    with H2Client(port, settings={INITIAL_WINDOW_SIZE: 0}) as client:
+        client.handshake()
+        stream = client.start_call(identity_request(1024), extra=[("grpc-timeout", "300m")])
+        started = time.monotonic()
+        while True:
+            f = client.recv(3)
+            assert f is not None and f.kind != DATA, f
+            if f.kind == RST_STREAM and f.stream == stream:
+                break
+        assert struct.unpack(">I", f.payload)[0] == CANCEL
+        assert 0.2 <= time.monotonic() - started < 2
 
 
 def test_no_descriptors_left_behind(fds_before):
