@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
+import numpy as np
 
 from dlserve.frontends.http2 import END_HEADERS, HEAD, HEADERS, literal
 
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from dlserve.frontends.grpc_transport import Connection
 
 log = logging.getLogger("dlserve.frontends.grpc")
+Buffer = bytes | memoryview  # a received message
 
 _TIMEOUT = re.compile(r"([0-9]{1,8})([HMSmun])")
 _TIMEOUT_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
@@ -64,7 +66,7 @@ class Method:
     """One RPC: how its messages are read and written and which coroutine serves it."""
 
     behaviour: Callable[..., Any]
-    decode: Callable[[bytes], Any]
+    decode: Callable[[Buffer], Any]
     encode: Callable[[Any], bytes]
     client_streaming: bool
     server_streaming: bool
@@ -97,7 +99,7 @@ class CallContext:
     __slots__ = (
         "connection", "stream_id", "method", "metadata", "encoding", "accepts", "compression",
         "window", "outbox", "started", "finished", "remote_closed", "task", "messages",
-        "prefix", "flag", "body", "expected", "received", "timer", "expired",
+        "prefix", "flag", "body", "filled", "expected", "received", "timer", "expired",
         "started_ns", "after_send",
     )  # fmt: skip
 
@@ -116,10 +118,11 @@ class CallContext:
         self.finished = False  # trailers queued
         self.remote_closed = False
         self.task: asyncio.Task[None] | None = None
-        self.messages: asyncio.Queue[bytes | None] | list[bytes] = []
+        self.messages: asyncio.Queue[Buffer | None] | list[Buffer] = []
         self.prefix = b""  # a message prefix split across frames
         self.flag = 0  # of the message being filled: compressed or not
-        self.body: bytearray | None = None  # a message being filled
+        self.body: memoryview | None = None  # a message being received
+        self.filled = 0  # its bytes so far
         self.expected = 0  # the length of that message
         self.received = 0  # DATA bytes since this stream's window was last opened
         self.timer: asyncio.TimerHandle | None = None
@@ -169,10 +172,11 @@ class CallContext:
         """Cut gRPC messages (1-byte flag, 4-byte length, body) out of a DATA payload."""
         while start < end:
             if self.body is not None:
-                take = min(self.expected - len(self.body), end - start)
-                self.body += view[start : start + take]
+                take = min(self.expected - self.filled, end - start)
+                self.body[self.filled : self.filled + take] = view[start : start + take]
+                self.filled += take
                 start += take
-                if len(self.body) == self.expected:
+                if self.filled == self.expected:
                     body, self.body = self.body, None
                     self._deliver(self.flag, body)
                 continue
@@ -196,13 +200,20 @@ class CallContext:
             if end - start >= length:
                 self._deliver(prefix[0], bytes(view[start : start + length]))
                 start += length
-            else:  # grown as the bytes come, not allocated at the size a client announces
+            else:
                 self.flag = prefix[0]
                 self.expected = length
-                self.body = bytearray(view[start:end])
-                start = end
+                self.filled = 0
+                try:
+                    # uninitialized: memory is committed as the bytes come, not at the
+                    # size a client announces, and they are copied once, to where they stay
+                    self.body = memoryview(np.empty(length, dtype=np.uint8))
+                except MemoryError:
+                    raise Abort(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED, f"no memory for {length} bytes"
+                    ) from None
 
-    def _deliver(self, compressed: int, body: bytes | bytearray) -> None:
+    def _deliver(self, compressed: int, body: Buffer) -> None:
         if compressed:
             if self.encoding not in _WBITS:
                 raise Abort(
@@ -335,7 +346,7 @@ class CallContext:
 
 
 async def _requests(
-    messages: asyncio.Queue[bytes | None], decode: Callable[[bytes], Any]
+    messages: asyncio.Queue[Buffer | None], decode: Callable[[Buffer], Any]
 ) -> AsyncIterator[Any]:
     while True:
         message = await messages.get()

@@ -59,7 +59,7 @@ from dlserve.errors import (
     UnsupportedError,
 )
 from dlserve.frontends.dataplane import DataPlane, InputSpec, OutputSpec, shm_ref
-from dlserve.frontends.grpc_calls import Abort, Method
+from dlserve.frontends.grpc_calls import Abort, Buffer, Method
 from dlserve.frontends.grpc_transport import GrpcTransport, Settings, tls_context
 from dlserve.frontends.proto import grpc_service_pb2 as pb
 from dlserve.frontends.proto import health_pb2
@@ -335,7 +335,7 @@ _RAW_INPUT = 7  # ModelInferRequest.raw_input_contents
 _SCAN_FROM = 1 << 16  # messages from this size have their raw inputs cut out, not parsed
 
 
-def _varint_at(data: bytes | bytearray, pos: int) -> tuple[int, int]:
+def _varint_at(data: bytes | memoryview, pos: int) -> tuple[int, int]:
     value = shift = 0
     while shift < 64:
         byte = data[pos]
@@ -347,7 +347,7 @@ def _varint_at(data: bytes | bytearray, pos: int) -> tuple[int, int]:
     raise DecodeError("varint longer than 10 bytes")
 
 
-def parse_infer_request(body: bytes | bytearray) -> InferCall:
+def parse_infer_request(body: bytes | memoryview) -> InferCall:
     """Parse a ModelInferRequest. From 64 KiB up, the raw input contents become views of
     ``body`` instead of parsed copies: the top-level fields are walked (a dozen or so),
     the other fields parsed from their own bytes, the tensors left where they arrived."""
@@ -996,7 +996,7 @@ def methods(servicer: InferenceServicer) -> dict[str, Method]:
     for service, module, implementation in services:
         for method in service.methods:
             if method.input_type.name == "ModelInferRequest":
-                decode: Callable[[bytes], Any] = parse_infer_request
+                decode: Callable[[Buffer], Any] = parse_infer_request
             else:
                 decode = getattr(module, method.input_type.name).FromString
             table[f"/{service.full_name}/{method.name}"] = Method(

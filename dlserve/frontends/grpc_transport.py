@@ -87,22 +87,23 @@ RECEIVE_FRAME = 1 << 20  # the DATA frame size we accept: fewer frames for big t
 MAX_FRAME_LIMIT = (1 << 24) - 1  # the largest frame HTTP/2 can describe
 MAX_STREAMS = 1000  # calls open at once on one connection (SETTINGS_MAX_CONCURRENT_STREAMS)
 HEADER_LIST_LIMIT = 1 << 16  # a call's metadata, as SETTINGS_MAX_HEADER_LIST_SIZE counts it
+INLINE_SEND = 1 << 16  # answers up to this size are joined into one write; larger stay views
 BLOCK_LIMIT = 1 << 20  # past this a header block ends the connection (HPACK state is shared)
 TOP_UP = 1 << 30  # received bytes after which a window is opened again
 
 
 @dataclass(frozen=True)
 class Settings:
-    """The transport's share of ``KServeGrpc.Options``."""
+    """The transport's share of ``KServeGrpc.Options`` (same names; defaults there)."""
 
-    max_message_size: int = 2**31 - 1
-    keepalive_time_ms: int = 7_200_000
-    keepalive_timeout_ms: int = 20_000
-    keepalive_permit_without_calls: bool = False
-    http2_min_recv_ping_interval_without_data_ms: int = 300_000
-    http2_max_ping_strikes: int = 2
-    max_connection_age_ms: int = 0
-    max_connection_age_grace_ms: int = 0
+    max_message_size: int
+    keepalive_time_ms: int
+    keepalive_timeout_ms: int
+    keepalive_permit_without_calls: bool
+    http2_min_recv_ping_interval_without_data_ms: int
+    http2_max_ping_strikes: int
+    max_connection_age_ms: int
+    max_connection_age_grace_ms: int
 
 
 class Connection(asyncio.Protocol):
@@ -137,15 +138,7 @@ class Connection(asyncio.Protocol):
     # -- lifetime --------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        self.server.connections.add(self)
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            import socket
-
-            try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except OSError:
-                pass
+        self.server.connections.add(self)  # (asyncio and uvloop set TCP_NODELAY themselves)
         settings = b"".join(
             SETTING.pack(key, value)
             for key, value in (
@@ -518,7 +511,7 @@ class Connection(asyncio.Protocol):
         size += len(prefix)
         if (
             not call.outbox
-            and size <= self.peer_frame
+            and size <= min(self.peer_frame, INLINE_SEND)
             and size <= self.send_window
             and size <= call.window
         ):
