@@ -67,7 +67,7 @@ class Method:
 
     behaviour: Callable[..., Any]
     decode: Callable[[Buffer], Any]
-    encode: Callable[[Any], bytes]
+    encode: Callable[[Any], bytes | list[bytes | memoryview]]
     client_streaming: bool
     server_streaming: bool
 
@@ -99,7 +99,7 @@ class CallContext:
     __slots__ = (
         "connection", "stream_id", "method", "metadata", "encoding", "accepts", "compression",
         "window", "outbox", "started", "finished", "remote_closed", "task", "messages",
-        "prefix", "flag", "body", "filled", "expected", "received", "timer", "expired",
+        "prefix", "flag", "body", "filled", "received", "timer", "expired",
         "started_ns", "after_send",
     )  # fmt: skip
 
@@ -123,7 +123,6 @@ class CallContext:
         self.flag = 0  # of the message being filled: compressed or not
         self.body: memoryview | None = None  # a message being received
         self.filled = 0  # its bytes so far
-        self.expected = 0  # the length of that message
         self.received = 0  # DATA bytes since this stream's window was last opened
         self.timer: asyncio.TimerHandle | None = None
         self.expired = False
@@ -172,11 +171,11 @@ class CallContext:
         """Cut gRPC messages (1-byte flag, 4-byte length, body) out of a DATA payload."""
         while start < end:
             if self.body is not None:
-                take = min(self.expected - self.filled, end - start)
+                take = min(len(self.body) - self.filled, end - start)
                 self.body[self.filled : self.filled + take] = view[start : start + take]
                 self.filled += take
                 start += take
-                if self.filled == self.expected:
+                if self.filled == len(self.body):
                     body, self.body = self.body, None
                     self._deliver(self.flag, body)
                 continue
@@ -202,7 +201,6 @@ class CallContext:
                 start += length
             else:
                 self.flag = prefix[0]
-                self.expected = length
                 self.filled = 0
                 try:
                     # uninitialized: memory is committed as the bytes come, not at the
