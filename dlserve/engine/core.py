@@ -35,6 +35,7 @@ from dlserve.errors import (
     UnavailableError,
 )
 from dlserve.ipc.environments import Environments
+from dlserve.ipc.polling import close_loop_poller
 from dlserve.ipc.supervisor import unlink_segments
 from dlserve.ipc.tensors import INLINE_MAX
 from dlserve.memory.arena import Arena, MemorySpace
@@ -170,6 +171,7 @@ class Engine:
         await asyncio.sleep(0)  # traces let go in the last turn are written first
         self.tracer.close()
         self._release_memory()
+        close_loop_poller(asyncio.get_running_loop())
 
     def kill(self) -> None:
         """Stop without asking models to finalize (the loop is gone)."""

@@ -31,6 +31,7 @@ from typing import Any
 
 from dlserve.errors import ErrorCode, TritonError
 from dlserve.ipc.channel import WorkerChannel
+from dlserve.ipc.polling import join_board
 from dlserve.ipc.protocol import STREAMED, Kind
 from dlserve.ipc.runtime import WorkerRuntime, current_handles, encode_response
 from dlserve.ipc.tensors import Peer
@@ -390,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arena-bytes", type=int, required=True)
     parser.add_argument("--instance-name", required=True)
     parser.add_argument("--poll-us", type=int, default=0)
+    parser.add_argument("--poll-board", type=int, help="descriptor of the server's PollerBoard")
+    parser.add_argument("--poll-slot", type=int, default=0, help="this worker's slot on it")
     args = parser.parse_args(argv)
     # Ctrl-C in a terminal reaches the whole process group: the server shuts down in
     # order (the model's finalize included); a worker stopped by it would crash instead.
@@ -411,6 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     threading.Thread(
         target=_watch_parent, args=(os.getppid(), arena), name="parent-watch", daemon=True
     ).start()
+    if args.poll_board is not None:
+        join_board(args.poll_board, args.poll_slot)
     channel.poll_reads(args.poll_us / 1e6)
     worker = Worker(channel, runtime, args.instance_name)
     try:

@@ -26,6 +26,7 @@ from typing import Any
 from dlserve.errors import UnavailableError
 from dlserve.ipc.channel import ServerChannel
 from dlserve.ipc.environments import SERVER_PYTHON, ExecutionEnvironment
+from dlserve.ipc.polling import PollerBoard, loop_poller
 from dlserve.ipc.protocol import Kind, Message
 from dlserve.ipc.tensors import Peer
 from dlserve.memory.arena import Arena, MemorySpace
@@ -84,6 +85,8 @@ class WorkerProcess:
         self._on_exit = on_exit
         self._environment = environment
         self._poll_us = poll_us  # the most either end polls before it sleeps (ipc.polling)
+        self._board: PollerBoard | None = None  # the server loop's (ipc.polling)
+        self._board_slot: int | None = None  # the worker's on it
         self.process: subprocess.Popen[bytes] | None = None
         self.channel: ServerChannel | None = None
         self.peer: Peer | None = None
@@ -103,6 +106,13 @@ class WorkerProcess:
         loop = asyncio.get_running_loop()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         python, env = (self._environment or SERVER_PYTHON).launch(dict(os.environ))
+        # The worker marks when it polls on the board of the loop it talks to.
+        board = self._board = loop_poller(loop).board
+        self._board_slot = board.claim() if self._poll_us else None
+        polling, fds = [], [theirs.fileno()]
+        if self._board_slot is not None:
+            polling = ["--poll-board", str(board.fileno()), "--poll-slot", str(self._board_slot)]
+            fds.append(board.fileno())
         try:
             self.process = subprocess.Popen(
                 [
@@ -117,11 +127,15 @@ class WorkerProcess:
                     self.instance_name,
                     "--poll-us",
                     str(self._poll_us),
+                    *polling,
                 ],
-                pass_fds=[theirs.fileno()],
+                pass_fds=fds,
                 env=env,
                 close_fds=True,
             )
+        except BaseException:
+            self._free_board_slot()
+            raise
         finally:
             theirs.close()
         _, channel = await loop.create_unix_connection(
@@ -156,6 +170,7 @@ class WorkerProcess:
             self.peer.close()
         self._space.forget_segments(self.segment_prefix)
         unlink_segments(self.segment_prefix)
+        self._free_board_slot()
         self._exited.set()
         if not self._stopping:
             log.error("%s", self.exit_description)
@@ -205,3 +220,9 @@ class WorkerProcess:
             self.process.kill()
             self.process.wait()
         unlink_segments(self.segment_prefix)
+        self._free_board_slot()
+
+    def _free_board_slot(self) -> None:
+        if self._board is not None:
+            self._board.free(self._board_slot)
+        self._board_slot = None

@@ -3,6 +3,8 @@ traffic stops, and it can be turned off."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import numpy as np
@@ -10,6 +12,7 @@ import psutil
 import pytest
 
 import dlserve
+from dlserve.ipc.polling import loop_poller
 
 
 def cpu_seconds(processes: list[psutil.Process]) -> float:
@@ -45,3 +48,48 @@ def test_a_poll_limit_out_of_range_is_refused(value):
     options = dlserve.Options(model_repository="/nowhere", busy_poll_us=value)
     with pytest.raises(dlserve.InvalidArgumentError, match="busy_poll_us must be between 0 and"):
         options.engine_settings()
+
+
+def board_descriptors(pid: int) -> list[str]:
+    """The worker's descriptors of the server's poller board (a memfd)."""
+    fds = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("/memfd:dlserve-pollers"):
+            fds.append(target)
+    return fds
+
+
+def test_workers_poll_on_the_servers_board_and_give_their_slots_back(servers, make_repo):
+    """Each worker of a polling server is told its slot on the server's board (what
+    lets a BLS relay's waiting processes keep polling), and the slot comes back when
+    the worker goes: a restarted worker takes one, and the board goes with the server."""
+    server = servers.start(make_repo("add_sub"), busy_poll_us=1000)
+    a = np.arange(16, dtype=np.float32)
+    (response,) = server.model("add_sub").infer(inputs={"INPUT0": a, "INPUT1": a})
+    assert response.error is None
+    instance = server.engine.model("add_sub").instances[0]
+    assert len(board_descriptors(instance.pid)) == 1
+    board = loop_poller(server.loop).board
+    assert board.free_slots == board.SLOTS - 2  # the loop's and the worker's
+
+    old_pid = instance.pid
+    os.kill(old_pid, signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while not (instance.ready and instance.pid != old_pid):
+        assert time.monotonic() < deadline, "the worker was not restarted"
+        time.sleep(0.05)
+    assert board.free_slots == board.SLOTS - 2  # the dead worker's slot went to its successor
+    assert len(board_descriptors(instance.pid)) == 1
+    servers.stop(server)  # the harness checks that no descriptor is left, the board's included
+
+
+def test_a_server_that_does_not_poll_gives_its_workers_no_board(servers, make_repo):
+    server = servers.start(make_repo("add_sub"), busy_poll_us=0)
+    a = np.arange(16, dtype=np.float32)
+    (response,) = server.model("add_sub").infer(inputs={"INPUT0": a, "INPUT1": a})
+    assert response.error is None
+    assert board_descriptors(server.engine.model("add_sub").instances[0].pid) == []

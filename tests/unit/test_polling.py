@@ -6,22 +6,23 @@ import asyncio
 import os
 import socket
 import threading
+import time
 
 import pytest
 
 from dlserve.ipc import polling
-from dlserve.ipc.polling import PollWindow, loop_poller, recv_polling
+from dlserve.ipc.polling import PollWindow, close_loop_poller, loop_poller, recv_polling
 
 
 @pytest.fixture
 def spare_cpu(monkeypatch):
     """Polling as on an idle machine (whatever else this one runs meanwhile)."""
-    monkeypatch.setattr(polling, "cpu_to_spare", lambda: True)
+    monkeypatch.setattr(polling, "cpu_to_spare", lambda board=None, slot=None: True)
 
 
 @pytest.fixture
 def busy_machine(monkeypatch):
-    monkeypatch.setattr(polling, "cpu_to_spare", lambda: False)
+    monkeypatch.setattr(polling, "cpu_to_spare", lambda board=None, slot=None: False)
 
 # -- PollWindow --------------------------------------------------------------------------------
 
@@ -187,3 +188,109 @@ def test_a_cgroup_cpu_quota_caps_the_cpus_polling_counts_on(tmp_path):
     assert polling.usable_cpus(tmp_path) == 1
     (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")  # v1: no limit
     assert polling.usable_cpus(tmp_path) == everything
+
+
+# -- PollerBoard -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def board():
+    fresh = polling.PollerBoard.create()
+    yield fresh
+    fresh.close()
+
+
+def test_a_board_hands_out_distinct_slots_and_takes_them_back(board):
+    first, second = board.claim(), board.claim()
+    assert first != second
+    board.mark(first, True)
+    board.mark(second, True)
+    assert board.fellows(None) == 2
+    board.free(first)  # a freed slot no longer counts as polling
+    assert board.fellows(None) == 1
+    assert board.claim() == first
+    board.mark(None, True)  # a poller without a slot (the board was full) marks nothing
+    assert board.fellows(None) == 1
+
+
+def test_a_full_board_has_no_slot_to_give(board):
+    slots = {board.claim() for _ in range(polling.PollerBoard.SLOTS)}
+    assert len(slots) == polling.PollerBoard.SLOTS
+    assert board.claim() is None
+
+
+def test_a_worker_sees_the_marks_of_the_board_it_inherited(board):
+    server_slot, worker_slot = board.claim(), board.claim()
+    inherited = polling.PollerBoard.attach(os.dup(board.fileno()))  # what a worker maps
+    try:
+        inherited.mark(worker_slot, True)
+        board.mark(server_slot, True)
+        assert board.snapshot() == inherited.snapshot()
+        assert board.fellows(server_slot) == 1 and inherited.fellows(worker_slot) == 1
+    finally:
+        inherited.close()
+
+
+def test_fellow_pollers_do_not_count_as_work(tmp_path, board):
+    """Three processes relaying one BLS call on two CPUs: the two that wait poll, and
+    a CPU they hold is as good as free for the one with work."""
+    loadavg = tmp_path / "loadavg"
+    loadavg.write_text("2.50 1.40 0.30 3/150 4242\n")  # three runnable on two CPUs
+    queue = polling._RunQueue(str(loadavg), cpus=2, fresh=0.0)
+    mine, fellow, other = board.claim(), board.claim(), board.claim()
+    assert not queue.cpu_to_spare(board, mine)
+    board.mark(mine, True)  # the caller itself is no fellow
+    assert not queue.cpu_to_spare(board, mine)
+    assert not queue.cpu_to_spare()  # nor is anybody without a board
+    board.mark(fellow, True)
+    assert queue.cpu_to_spare(board, mine)
+    loadavg.write_text("2.50 1.40 0.30 5/150 4242\n")  # two more with real work: busy
+    board.mark(other, True)
+    assert not queue.cpu_to_spare(board, mine)
+
+
+def test_a_worker_is_marked_on_the_board_only_while_it_polls(pair, spare_cpu, board, monkeypatch):
+    a, b = pair
+    slot = board.claim()
+    monkeypatch.setattr(polling, "_worker_seat", (board, slot))
+    seen = []
+
+    def look_then_send() -> None:
+        seen.append(board.snapshot()[slot])
+        b.sendall(b"soon")
+
+    sender = threading.Timer(0.02, look_then_send)
+    sender.start()
+    assert recv_polling(a, PollWindow(0.5)) == b"soon"
+    sender.join()
+    assert seen == [1]  # marked while polling
+    assert board.snapshot()[slot] == 0  # and no longer once the message came
+
+
+def test_a_loop_is_marked_as_a_poller_only_while_its_turns_are_idle(spare_cpu):
+    async def run() -> tuple[list[int], list[int], int]:
+        loop = asyncio.get_running_loop()
+        poller = loop_poller(loop)
+        board, slot = poller.board, poller._slot
+        poller.poll("reply", 10.0)
+        idle = []
+        for _ in range(50):  # nothing else to do: the loop only polls
+            await asyncio.sleep(0.0002)
+            idle.append(board.snapshot()[slot])
+        busy = []
+        for _ in range(5):
+            time.sleep(0.001)  # a turn spent working (a request served)
+            await asyncio.sleep(0)
+            busy.append(board.snapshot()[slot])
+        poller.done("reply")
+        await asyncio.sleep(0.01)
+        after = board.snapshot()[slot]
+        close_loop_poller(loop)
+        assert loop_poller(loop) is not poller  # a fresh one, on a fresh board
+        close_loop_poller(loop)
+        return idle, busy, after
+
+    idle, busy, after = asyncio.run(run())
+    assert sum(idle) > len(idle) / 2  # a turn the host's scheduler stretched may read as work
+    assert busy == [0] * 5
+    assert after == 0
