@@ -11,6 +11,9 @@
 (b) identity on 1 MiB and 64 MiB FP32: a tensor already in shared memory
     (``server.allocate_tensor``), a numpy input (copied once into shared memory),
     and a memcpy of the same size for scale.
+(c) BLS overhead with no client in the way: examples/models bls_sync (one blocking
+    BLS call to add_sub per request) against add_sub itself, both submitted on the
+    engine's loop, alternating, three rounds.
 
 Prints a markdown report. Timings are wall-clock on whatever machine runs it; the
 ratios are what carry over.
@@ -38,6 +41,7 @@ import peers
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "tests" / "models"
+EXAMPLES = ROOT / "examples" / "models"
 
 
 def pct(samples: list[float], q: float) -> float:
@@ -143,6 +147,38 @@ def bench_identity(server: dlserve.Server, nbytes: int, n: int) -> dict[str, flo
     }
 
 
+def bls_overhead(n: int, busy_poll_us: int, rounds: int = 3) -> dict[str, float]:
+    """Median over ``rounds`` of p50/p99 µs for add_sub and bls_sync, and of their difference."""
+    repo = Path(tempfile.mkdtemp(prefix="dlserve-bench-"))
+    for name in ("add_sub", "bls_sync"):
+        shutil.copytree(EXAMPLES / name, repo / name)
+    options = dlserve.Options(model_repository=str(repo), busy_poll_us=busy_poll_us)
+    server = dlserve.Server(options).start(wait_until_ready=True)
+    a = np.arange(4, dtype=np.float32)
+    inputs = {"INPUT0": a, "INPUT1": a}
+    runs: list[tuple[float, float, float, float]] = []
+    try:
+        for _ in range(rounds):
+            direct = summary_us(bench_on_loop(server, "add_sub", inputs, n))
+            bls = summary_us(bench_on_loop(server, "bls_sync", inputs, n))
+            runs.append((*direct, *bls))
+    finally:
+        server.stop()
+        shutil.rmtree(repo, ignore_errors=True)
+
+    def median(column: int) -> float:
+        return sorted(run[column] for run in runs)[len(runs) // 2]
+
+    overheads = sorted(run[2] - run[0] for run in runs)
+    return {
+        "add_sub_p50": median(0),
+        "add_sub_p99": median(1),
+        "bls_p50": median(2),
+        "bls_p99": median(3),
+        "overhead_p50": overheads[len(overheads) // 2],
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=3000)
@@ -175,6 +211,7 @@ def main() -> int:
     finally:
         server.stop()
         shutil.rmtree(repo, ignore_errors=True)
+    bls = bls_overhead(args.requests // 2, args.busy_poll_us)
     triton = triton_add_sub(args.requests) if args.triton else None
 
     print("### (a) add_sub through a worker process\n")
@@ -203,6 +240,12 @@ def main() -> int:
         print(
             f"| {size >> 20} MiB | {r['shared_p50'] / 1000:.3f} | {r['numpy_p50'] / 1000:.3f} | {r['memcpy_p50'] / 1000:.3f} |"
         )
+    print("\n### (c) BLS overhead, submitted on the engine loop\n")
+    print("| model | p50 µs | p99 µs |")
+    print("|---|---:|---:|")
+    print(f"| add_sub | {bls['add_sub_p50']:.0f} | {bls['add_sub_p99']:.0f} |")
+    print(f"| bls_sync (one BLS call to add_sub) | {bls['bls_p50']:.0f} | {bls['bls_p99']:.0f} |")
+    print(f"| **BLS overhead: p50(bls_sync) − p50(add_sub)** | {bls['overhead_p50']:.0f} | |")
     print(
         "\n"
         + json.dumps(
@@ -214,6 +257,7 @@ def main() -> int:
                     "triton": triton,
                 },
                 "identity": identity,
+                "bls": bls,
             }
         )
     )
