@@ -166,12 +166,14 @@ class Engine:
         self.live = False
         if deadline is None:
             deadline = time.monotonic() + self.settings.exit_timeout
-        if self.manager is not None:
-            await self.manager.stop(deadline)
-        await asyncio.sleep(0)  # traces let go in the last turn are written first
-        self.tracer.close()
-        self._release_memory()
-        close_loop_poller(asyncio.get_running_loop())
+        try:
+            if self.manager is not None:
+                await self.manager.stop(deadline)
+            await asyncio.sleep(0)  # traces let go in the last turn are written first
+            self.tracer.close()
+            self._release_memory()
+        finally:
+            close_loop_poller(asyncio.get_running_loop())
 
     def kill(self) -> None:
         """Stop without asking models to finalize (the loop is gone)."""

@@ -26,8 +26,9 @@ same run is 5-10% faster than without polling, and concurrency 1 ~1.4x faster. U
 a container's CPU limit the CPUs counted are the quota's (:func:`usable_cpus`), so a
 throttled container does not spend its quota polling.
 
-A poller gives its CPU to anything runnable, so a CPU that only a fellow poller holds
-is as good as free for the work a message brings. Counting runnable tasks alone made a
+A poller yields its CPU to anything runnable (a worker at every check, the server's
+loop once it has polled idle for 50 µs), so a CPU that only a fellow poller holds is
+nearly as good as free for the work a message brings. Counting runnable tasks alone made a
 BLS call look like an overloaded machine: the caller's worker waits for its reply, the
 server's loop for the callee's, the callee for its next command, so three processes
 were runnable on two CPUs while at most one of them had work, and all three slept. So
@@ -46,7 +47,7 @@ import os
 import socket
 import time
 import weakref
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from pathlib import Path
 
 _MIN_WINDOW = 10e-6  # below this a window is not worth a poll: it becomes 0
@@ -69,7 +70,10 @@ class PollerBoard:
 
     def __init__(self, fd: int, owner: bool = False) -> None:
         self._map = mmap.mmap(fd, self.SLOTS)
-        self._fd = fd
+        # The owner's descriptor (for the workers), closed by close() or, for a board
+        # nobody closed (its loop was never stopped), when the board is dropped.
+        self._fd = fd if owner else -1
+        self._closer = weakref.finalize(self, _close_quietly, fd) if owner else None
         # Slots not handed out; only the server's board hands them out.
         self._free = list(range(self.SLOTS - 1, -1, -1)) if owner else []
 
@@ -86,10 +90,10 @@ class PollerBoard:
     @classmethod
     def attach(cls, fd: int) -> PollerBoard:
         """A worker's view of its server's board, from the descriptor it inherited."""
-        board = cls(fd)
-        os.close(fd)  # the mapping keeps a descriptor of its own
-        board._fd = -1
-        return board
+        try:
+            return cls(fd)
+        finally:
+            os.close(fd)  # the mapping keeps a descriptor of its own
 
     def fileno(self) -> int:
         return self._fd
@@ -99,8 +103,9 @@ class PollerBoard:
         return len(self._free)
 
     def claim(self) -> int | None:
-        """A slot for a new poller; None when all are taken (it then counts as work)."""
-        return self._free.pop() if self._free else None
+        """A slot for a new poller; None when all are taken or the board is closed (the
+        poller then counts as work)."""
+        return self._free.pop() if self._free and not self._map.closed else None
 
     def free(self, slot: int | None) -> None:
         if slot is not None and not self._map.closed:
@@ -112,18 +117,19 @@ class PollerBoard:
             self._map[slot] = polling
 
     def snapshot(self) -> bytes:
-        return self._map[:]
+        return b"" if self._map.closed else self._map[:]
 
     def fellows(self, slot: int | None) -> int:
         """How many poll now, ``slot`` (the caller's) aside."""
-        marks = self._map[:]
-        return marks.count(1) - (marks[slot] if slot is not None else 0)
+        marks = self.snapshot()
+        return marks.count(1) - (marks[slot] if slot is not None and marks else 0)
 
     def close(self) -> None:
         self._map.close()
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        self._free.clear()
+        if self._closer is not None:
+            self._closer()  # once: a finalizer does not run twice
+        self._fd = -1
 
 
 # In a worker: the server's board and the worker's slot on it (join_board).
@@ -263,12 +269,13 @@ class LoopPoller:
     arrives is read at once, and everything else on the loop is served as usual.
     Each waiter (a channel, a connection) says until when it polls and when it no
     longer needs to; the loop polls while any does. It shows on the server's board
-    as a poller only while its turns come round with nothing else to do: a loop
-    that keeps itself awake but serves requests is work, not a poller.
+    as a poller only from its second turn in a row with nothing else to do until a
+    message it waited for comes: a loop that keeps itself awake but serves requests
+    is work, not a poller.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+        self._loop = weakref.ref(loop)  # weak: the loop is the key this poller is filed under
         self._until: dict[Hashable, float] = {}
         self._ticking = False
         self.board = PollerBoard.create()  # for the workers this loop talks to, too
@@ -284,10 +291,16 @@ class LoopPoller:
         if not self._ticking:
             self._ticking = True
             self._last_tick = 0.0
-            self._loop.call_soon(self._tick)
+            self._call_soon(self._tick)
 
     def done(self, waiter: Hashable) -> None:
         self._until.pop(waiter, None)
+        self.board.mark(self._slot, False)  # what came is work until the next idle turn
+
+    def _call_soon(self, callback: Callable[[], None]) -> None:
+        loop = self._loop()
+        if loop is not None and not loop.is_closed():
+            loop.call_soon(callback)
 
     @property
     def polling(self) -> bool:
@@ -309,10 +322,17 @@ class LoopPoller:
         if until and not cpu_to_spare(self.board, self._slot):
             until.clear()  # the machine is busy now: sleep; the next message will do
         if until:
-            self._loop.call_soon(self._tick)
+            self._call_soon(self._tick)
         else:
             self._ticking = False
             self.board.mark(self._slot, False)
+
+
+def _close_quietly(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
 
 
 _pollers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopPoller]
@@ -328,7 +348,9 @@ def loop_poller(loop: asyncio.AbstractEventLoop) -> LoopPoller:
 
 
 def close_loop_poller(loop: asyncio.AbstractEventLoop) -> None:
-    """The loop's server has stopped: its poller and board go (a later use makes new ones)."""
-    poller = _pollers.pop(loop, None)
+    """The loop's server has stopped: its board goes. The poller stays filed, so a late
+    user (a worker still starting) finds a closed board, not a new one: it counts as
+    work, polls on its own and hands out no slot."""
+    poller = _pollers.get(loop)
     if poller is not None:
         poller.board.close()

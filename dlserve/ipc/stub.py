@@ -392,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--instance-name", required=True)
     parser.add_argument("--poll-us", type=int, default=0)
     parser.add_argument("--poll-board", type=int, help="descriptor of the server's PollerBoard")
-    parser.add_argument("--poll-slot", type=int, default=0, help="this worker's slot on it")
+    parser.add_argument("--poll-slot", type=int, help="this worker's slot on it")
     args = parser.parse_args(argv)
     # Ctrl-C in a terminal reaches the whole process group: the server shuts down in
     # order (the model's finalize included); a worker stopped by it would crash instead.
@@ -414,8 +414,11 @@ def main(argv: list[str] | None = None) -> int:
     threading.Thread(
         target=_watch_parent, args=(os.getppid(), arena), name="parent-watch", daemon=True
     ).start()
-    if args.poll_board is not None:
-        join_board(args.poll_board, args.poll_slot)
+    if args.poll_board is not None and args.poll_slot is not None:
+        try:
+            join_board(args.poll_board, args.poll_slot)
+        except OSError:  # polls on its own, counting every poller as work, as before boards
+            pass
     channel.poll_reads(args.poll_us / 1e6)
     worker = Worker(channel, runtime, args.instance_name)
     try:

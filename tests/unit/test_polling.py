@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import socket
 import threading
@@ -272,25 +273,68 @@ def test_a_loop_is_marked_as_a_poller_only_while_its_turns_are_idle(spare_cpu):
         loop = asyncio.get_running_loop()
         poller = loop_poller(loop)
         board, slot = poller.board, poller._slot
-        poller.poll("reply", 10.0)
-        idle = []
-        for _ in range(50):  # nothing else to do: the loop only polls
-            await asyncio.sleep(0.0002)
-            idle.append(board.snapshot()[slot])
-        busy = []
-        for _ in range(5):
-            time.sleep(0.001)  # a turn spent working (a request served)
-            await asyncio.sleep(0)
-            busy.append(board.snapshot()[slot])
-        poller.done("reply")
-        await asyncio.sleep(0.01)
-        after = board.snapshot()[slot]
-        close_loop_poller(loop)
-        assert loop_poller(loop) is not poller  # a fresh one, on a fresh board
-        close_loop_poller(loop)
-        return idle, busy, after
+        try:
+            poller.poll("reply", 10.0)
+            idle = []
+            for _ in range(50):  # nothing else to do: the loop only polls
+                await asyncio.sleep(0.0002)
+                idle.append(board.snapshot()[slot])
+            busy = []
+            for _ in range(5):
+                time.sleep(0.001)  # a turn spent working (a request served)
+                await asyncio.sleep(0)
+                busy.append(board.snapshot()[slot])
+            await asyncio.sleep(0.001)
+            poller.done("reply")  # the reply came: handling it is work
+            return idle, busy, board.snapshot()[slot]
+        finally:
+            close_loop_poller(loop)
 
     idle, busy, after = asyncio.run(run())
     assert sum(idle) > len(idle) / 2  # a turn the host's scheduler stretched may read as work
     assert busy == [0] * 5
     assert after == 0
+
+
+def test_a_stopped_servers_board_is_closed_and_stays_closed(spare_cpu):
+    """A late user of a stopped server's loop (a worker still starting) finds the
+    closed board: no slot, no descriptor, no fellows, no error."""
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        poller = loop_poller(loop)
+        board = poller.board
+        fd = board.fileno()
+        close_loop_poller(loop)
+        link = f"/proc/self/fd/{fd}"
+        assert not (os.path.exists(link) and "dlserve-pollers" in os.readlink(link))
+        assert loop_poller(loop) is poller and poller.board is board  # no new board
+        assert board.claim() is None and board.fileno() == -1 and board.fellows(None) == 0
+        board.mark(0, True)
+        board.free(0)
+        poller.poll("late", 0.01)  # polls on, counting nobody as a fellow
+        await asyncio.sleep(0.02)
+        close_loop_poller(loop)  # twice is harmless
+
+    asyncio.run(run())
+
+
+def test_the_board_of_a_loop_nobody_stopped_closes_when_the_loop_goes():
+    def board_fds() -> int:
+        count = 0
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                count += "dlserve-pollers" in os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                pass
+        return count
+
+    gc.collect()
+    before = board_fds()
+    loop = asyncio.new_event_loop()
+    loop_poller(loop)
+    assert board_fds() == before + 2  # the board's descriptor and its mapping's
+    loop.close()
+    del loop
+    gc.collect()
+    assert board_fds() == before
