@@ -35,8 +35,8 @@ were runnable on two CPUs while at most one of them had work, and all three slep
 a server's processes say when they poll (:class:`PollerBoard`: one byte each in a page
 of shared memory the workers inherit) and the fellow pollers are not counted. Measured
 in-process (a BLS call to add_sub against calling add_sub), the overhead of the call
-went from 280-400 µs to 200-265 µs, and under perf_analyzer the BLS p99 from 1.5-2.2
-to 1.1-1.4 ms.
+went from 280-400 µs to 200-265 µs, and under perf_analyzer the BLS p99 from 1.3-2.2
+to 0.9-1.4 ms.
 """
 
 from __future__ import annotations
