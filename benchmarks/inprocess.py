@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -147,24 +149,33 @@ def bench_identity(server: dlserve.Server, nbytes: int, n: int) -> dict[str, flo
     }
 
 
+@contextlib.contextmanager
+def serving(models: Path, names: tuple[str, ...], **options: Any) -> Iterator[dlserve.Server]:
+    """A server over a temporary repository holding ``models/<name>`` for each name."""
+    repo = Path(tempfile.mkdtemp(prefix="dlserve-bench-"))
+    try:
+        for name in names:
+            shutil.copytree(models / name, repo / name)
+        server = dlserve.Server(dlserve.Options(model_repository=str(repo), **options))
+        server.start(wait_until_ready=True)
+        try:
+            yield server
+        finally:
+            server.stop()
+    finally:
+        shutil.rmtree(repo, ignore_errors=True)
+
+
 def bls_overhead(n: int, busy_poll_us: int, rounds: int = 3) -> dict[str, float]:
     """Median over ``rounds`` of p50/p99 µs for add_sub and bls_sync, and of their difference."""
-    repo = Path(tempfile.mkdtemp(prefix="dlserve-bench-"))
-    for name in ("add_sub", "bls_sync"):
-        shutil.copytree(EXAMPLES / name, repo / name)
-    options = dlserve.Options(model_repository=str(repo), busy_poll_us=busy_poll_us)
-    server = dlserve.Server(options).start(wait_until_ready=True)
     a = np.arange(4, dtype=np.float32)
     inputs = {"INPUT0": a, "INPUT1": a}
     runs: list[tuple[float, float, float, float]] = []
-    try:
+    with serving(EXAMPLES, ("add_sub", "bls_sync"), busy_poll_us=busy_poll_us) as server:
         for _ in range(rounds):
             direct = summary_us(bench_on_loop(server, "add_sub", inputs, n))
             bls = summary_us(bench_on_loop(server, "bls_sync", inputs, n))
             runs.append((*direct, *bls))
-    finally:
-        server.stop()
-        shutil.rmtree(repo, ignore_errors=True)
 
     def median(column: int) -> float:
         return sorted(run[column] for run in runs)[len(runs) // 2]
@@ -189,14 +200,9 @@ def main() -> int:
     )
     args = parser.parse_args()
 
-    repo = Path(tempfile.mkdtemp(prefix="dlserve-bench-"))
-    for name in ("add_sub", "identity"):
-        shutil.copytree(MODELS / name, repo / name)
-    options = dlserve.Options(
-        model_repository=str(repo), shm_arena_size=160 << 20, busy_poll_us=args.busy_poll_us
-    )
-    server = dlserve.Server(options).start(wait_until_ready=True)
-    try:
+    with serving(
+        MODELS, ("add_sub", "identity"), shm_arena_size=160 << 20, busy_poll_us=args.busy_poll_us
+    ) as server:
         a = np.arange(16, dtype=np.float32)
         add_sub = {"INPUT0": a, "INPUT1": a}
         model = server.model("add_sub")
@@ -208,9 +214,6 @@ def main() -> int:
         identity = {
             size: bench_identity(server, size, n) for size, n in ((1 << 20, 500), (64 << 20, 30))
         }
-    finally:
-        server.stop()
-        shutil.rmtree(repo, ignore_errors=True)
     bls = bls_overhead(args.requests // 2, args.busy_poll_us)
     triton = triton_add_sub(args.requests) if args.triton else None
 

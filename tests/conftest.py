@@ -37,6 +37,17 @@ def open_fds() -> set[int]:
     return {int(fd) for fd in os.listdir("/proc/self/fd")}
 
 
+def fd_targets(pid: int | str = "self") -> list[str]:
+    """What a process's open descriptors refer to (``/proc/PID/fd`` links)."""
+    targets = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            targets.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:  # closed meanwhile
+            pass
+    return targets
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -73,7 +73,7 @@ class PollerBoard:
         # The owner's descriptor (for the workers), closed by close() or, for a board
         # nobody closed (its loop was never stopped), when the board is dropped.
         self._fd = fd if owner else -1
-        self._closer = weakref.finalize(self, _close_quietly, fd) if owner else None
+        self._closer = weakref.finalize(self, os.close, fd) if owner else None
         # Slots not handed out; only the server's board hands them out.
         self._free = list(range(self.SLOTS - 1, -1, -1)) if owner else []
 
@@ -128,7 +128,7 @@ class PollerBoard:
         self._map.close()
         self._free.clear()
         if self._closer is not None:
-            self._closer()  # once: a finalizer does not run twice
+            self._closer()  # the descriptor's only closer: a finalizer runs once
         self._fd = -1
 
 
@@ -326,13 +326,6 @@ class LoopPoller:
         else:
             self._ticking = False
             self.board.mark(self._slot, False)
-
-
-def _close_quietly(fd: int) -> None:
-    try:
-        os.close(fd)
-    except OSError:
-        pass
 
 
 _pollers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopPoller]

@@ -14,6 +14,8 @@ import pytest
 import dlserve
 from dlserve.ipc.polling import loop_poller
 
+from ..conftest import fd_targets
+
 
 def cpu_seconds(processes: list[psutil.Process]) -> float:
     return sum(sum(p.cpu_times()[:2]) for p in processes)
@@ -52,15 +54,7 @@ def test_a_poll_limit_out_of_range_is_refused(value):
 
 def board_descriptors(pid: int) -> list[str]:
     """The worker's descriptors of the server's poller board (a memfd)."""
-    fds = []
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("/memfd:dlserve-pollers"):
-            fds.append(target)
-    return fds
+    return [t for t in fd_targets(pid) if t.startswith("/memfd:dlserve-pollers")]
 
 
 def test_workers_poll_on_the_servers_board_and_give_their_slots_back(servers, make_repo):

@@ -14,6 +14,8 @@ import pytest
 from dlserve.ipc import polling
 from dlserve.ipc.polling import PollWindow, close_loop_poller, loop_poller, recv_polling
 
+from ..conftest import fd_targets
+
 
 @pytest.fixture
 def spare_cpu(monkeypatch):
@@ -321,13 +323,7 @@ def test_a_stopped_servers_board_is_closed_and_stays_closed(spare_cpu):
 
 def test_the_board_of_a_loop_nobody_stopped_closes_when_the_loop_goes():
     def board_fds() -> int:
-        count = 0
-        for fd in os.listdir("/proc/self/fd"):
-            try:
-                count += "dlserve-pollers" in os.readlink(f"/proc/self/fd/{fd}")
-            except OSError:
-                pass
-        return count
+        return sum("dlserve-pollers" in target for target in fd_targets())
 
     gc.collect()
     before = board_fds()
