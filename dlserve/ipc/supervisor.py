@@ -138,15 +138,22 @@ class WorkerProcess:
             raise
         finally:
             theirs.close()
-        _, channel = await loop.create_unix_connection(
-            lambda: ServerChannel(self._on_message, self._lost, self._poll_us / 1e6), sock=ours
-        )
+        # Reaped from now on, whatever happens next: stop() and kill() wait for it.
+        pidfd = os.pidfd_open(self.process.pid)
+        loop.add_reader(pidfd, self._reaped, pidfd)
+        try:
+            _, channel = await loop.create_unix_connection(
+                lambda: ServerChannel(self._on_message, self._lost, self._poll_us / 1e6), sock=ours
+            )
+        except BaseException:  # cancelled, or no channel: a worker nobody can talk to goes
+            ours.close()
+            self._stopping = True
+            self.process.kill()
+            raise
         self.channel = channel
         self.peer = Peer(self._space, self._arena, channel.queue_releases)
         channel.on_release = self.peer.release
         channel.on_retire = self._retired
-        pidfd = os.pidfd_open(self.process.pid)
-        loop.add_reader(pidfd, self._reaped, pidfd)
 
     def _retired(self, names: list[str]) -> None:
         for name in names:

@@ -133,3 +133,40 @@ def test_repeated_crashes_back_off_and_recover(server):
     instance = server.engine.model("faulty").instances[0]
     assert instance.restarts == 3
     assert worker_pid(server) > 0
+
+
+def test_a_worker_whose_channel_cannot_be_set_up_is_killed_and_reaped(server, monkeypatch):
+    """Spawned, but no channel to it (the connection failed or the start was
+    cancelled): the process is killed and reaped, and its poller-board slot is free."""
+    from dlserve.ipc import supervisor
+    from dlserve.ipc.polling import loop_poller
+
+    def no_channel(*args: object) -> None:
+        raise OSError("no channel for this worker")
+
+    monkeypatch.setattr(supervisor, "ServerChannel", no_channel)
+    resources = server.engine.model("faulty").resources
+    board = loop_poller(server.loop).board
+    slots_before = board.free_slots
+
+    async def start_and_fail() -> supervisor.WorkerProcess:
+        worker = supervisor.WorkerProcess(
+            instance_name="doomed",
+            segment_prefix=f"{resources.segment_prefix}_doomed",
+            arena_bytes=resources.worker_arena_bytes,
+            space=resources.space,
+            arena=resources.arena,
+            on_message=lambda message: None,
+            on_exit=lambda description: None,
+            poll_us=1000,
+        )
+        with pytest.raises(OSError, match="no channel for this worker"):
+            await worker.start()
+        await asyncio.wait_for(worker.wait_exited(), 10)
+        return worker
+
+    worker = asyncio.run_coroutine_threadsafe(start_and_fail(), server.loop).result(20)
+    assert worker.process is not None and worker.process.returncode == -signal.SIGKILL
+    assert not pid_alive(worker.process.pid)
+    assert board.free_slots == slots_before
+    assert worker_pid(server) > 0  # the model's own worker is untouched
