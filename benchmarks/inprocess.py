@@ -6,6 +6,8 @@
     engine loop -> worker -> back), of a request submitted on the engine's own loop
     (what a frontend pays: no thread hops), and the server's own ``compute_infer``
     (the execute round trip to the worker, as Triton's statistics define it).
+    The model's own ``execute()`` is also timed, called directly in this process,
+    so the server<->worker overhead is the on-loop round trip less that.
     With ``--triton``, real Triton (benchmarks/peers.py) serves the same model in
     the same run and its ``compute_infer`` is read from its statistics endpoint.
 (b) identity on 1 MiB and 64 MiB FP32: a tensor already in shared memory
@@ -91,9 +93,38 @@ def bench_on_loop(server: dlserve.Server, name: str, inputs: dict[str, Any], n: 
     return asyncio.run_coroutine_threadsafe(run(), server.loop).result()
 
 
-def compute_infer_us(stats: dict[str, Any]) -> float:
+def compute_infer(stats: dict[str, Any]) -> tuple[int, int]:
+    """(ns, count) of a model's compute_infer statistic, from Triton's statistics JSON."""
     entry = stats["model_stats"][0]["inference_stats"]["compute_infer"]
-    return entry["ns"] / max(entry["count"], 1) / 1000
+    return int(entry["ns"]), int(entry["count"])
+
+
+def average_us(before: tuple[int, int], after: tuple[int, int]) -> float:
+    """Average µs per request of a cumulative statistic between two readings."""
+    return (after[0] - before[0]) / max(after[1] - before[1], 1) / 1000
+
+
+def bench_execute_here(model_dir: Path, config: dict[str, Any], inputs: dict[str, Any], n: int) -> list[int]:
+    """The model's own ``execute()`` on one request, called directly in this process
+    with no server or worker: the part of a round trip that is the model's, not ours."""
+    import triton_python_backend_utils as pb_utils
+
+    from dlserve.ipc.stub import load_module
+
+    model = load_module(str(model_dir / "1" / "model.py")).TritonPythonModel()
+    model.initialize({"model_config": json.dumps(config)})
+    request = pb_utils.InferenceRequest(
+        model_name=config["name"],
+        inputs=[pb_utils.Tensor(name, value) for name, value in inputs.items()],
+        requested_output_names=[],
+    )
+    samples = []
+    for i in range(n + 200):
+        t0 = time.perf_counter_ns()
+        model.execute([request])
+        if i >= 200:
+            samples.append(time.perf_counter_ns() - t0)
+    return samples
 
 
 def triton_add_sub(n: int) -> dict[str, float] | None:
@@ -119,12 +150,7 @@ def triton_add_sub(n: int) -> dict[str, float] | None:
         after = client.get_inference_statistics("add_sub")
         client.close()
 
-    def infer_ns(stats: dict[str, Any]) -> tuple[int, int]:
-        entry = stats["model_stats"][0]["inference_stats"]["compute_infer"]
-        return int(entry["ns"]), int(entry["count"])
-
-    (ns0, c0), (ns1, c1) = infer_ns(before), infer_ns(after)
-    return {"compute_infer_us": (ns1 - ns0) / max(c1 - c0, 1) / 1000}
+    return {"compute_infer_us": average_us(compute_infer(before), compute_infer(after))}
 
 
 def bench_identity(server: dlserve.Server, nbytes: int, n: int) -> dict[str, float]:
@@ -207,10 +233,10 @@ def main() -> int:
         add_sub = {"INPUT0": a, "INPUT1": a}
         model = server.model("add_sub")
         sync = summary_us(bench_sync(model, add_sub, args.requests))
-        before = compute_infer_us(model.statistics())
+        before = compute_infer(model.statistics())
         on_loop = summary_us(bench_on_loop(server, "add_sub", add_sub, args.requests))
-        infer_avg = compute_infer_us(model.statistics())
-        del before
+        infer_avg = average_us(before, compute_infer(model.statistics()))
+        execute = summary_us(bench_execute_here(MODELS / "add_sub", model.config(), add_sub, args.requests))
         identity = {
             size: bench_identity(server, size, n) for size, n in ((1 << 20, 500), (64 << 20, 30))
         }
@@ -225,6 +251,10 @@ def main() -> int:
     )
     print(
         f"| submitted on the engine loop (what a frontend pays) | {on_loop[0]:.0f} | {on_loop[1]:.0f} |"
+    )
+    print(f"| the model's execute() alone, called in this process | {execute[0]:.0f} | {execute[1]:.0f} |")
+    print(
+        f"| **server↔worker overhead: p50(on the loop) − p50(execute alone)** | {on_loop[0] - execute[0]:.0f} | |"
     )
     print()
     print("| server statistic | dlserve | Triton | dlserve / Triton |")
@@ -256,6 +286,7 @@ def main() -> int:
                 "add_sub": {
                     "sync": sync,
                     "on_loop": on_loop,
+                    "execute_here": execute,
                     "compute_infer_avg_us": infer_avg,
                     "triton": triton,
                 },
