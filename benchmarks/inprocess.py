@@ -104,11 +104,12 @@ def average_us(before: tuple[int, int], after: tuple[int, int]) -> float:
     return (after[0] - before[0]) / max(after[1] - before[1], 1) / 1000
 
 
-def bench_execute_here(model_dir: Path, config: dict[str, Any], inputs: dict[str, Any], n: int) -> list[int]:
+def bench_execute_here(
+    model_dir: Path, config: dict[str, Any], inputs: dict[str, Any], n: int
+) -> list[int]:
     """The model's own ``execute()`` on one request, called directly in this process
     with no server or worker: the part of a round trip that is the model's, not ours."""
     import triton_python_backend_utils as pb_utils
-
     from dlserve.ipc.stub import load_module
 
     model = load_module(str(model_dir / "1" / "model.py")).TritonPythonModel()
@@ -236,7 +237,9 @@ def main() -> int:
         before = compute_infer(model.statistics())
         on_loop = summary_us(bench_on_loop(server, "add_sub", add_sub, args.requests))
         infer_avg = average_us(before, compute_infer(model.statistics()))
-        execute = summary_us(bench_execute_here(MODELS / "add_sub", model.config(), add_sub, args.requests))
+        execute = summary_us(
+            bench_execute_here(MODELS / "add_sub", model.config(), add_sub, args.requests)
+        )
         identity = {
             size: bench_identity(server, size, n) for size, n in ((1 << 20, 500), (64 << 20, 30))
         }
