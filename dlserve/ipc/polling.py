@@ -23,7 +23,7 @@ CPU-hungry client (tritonclient, 16 threads) on 2 vCPUs: HTTP throughput at
 concurrency 16 fell by 28% when polling ignored the load. So nobody polls while more
 tasks are runnable than there are CPUs (:func:`cpu_to_spare`); with that check the
 same run is 5-10% faster than without polling, and concurrency 1 ~1.4x faster. Under
-a container's CPU limit the CPUs counted are the quota's (:func:`usable_cpus`), so a
+a container's CPU limit the CPUs counted are the quota's (dlserve.cpus), so a
 throttled container does not spend its quota polling.
 
 A poller yields its CPU to anything runnable (a worker at every check, the server's
@@ -48,7 +48,8 @@ import socket
 import time
 import weakref
 from collections.abc import Callable, Hashable
-from pathlib import Path
+
+from dlserve.cpus import usable_cpus
 
 _MIN_WINDOW = 10e-6  # below this a window is not worth a poll: it becomes 0
 _MARGIN = 1.5  # a window covers the last wait that fit the limit with this much to spare
@@ -178,32 +179,6 @@ class _RunQueue:
         if self._running <= cpus:
             return True
         return board is not None and self._running - board.fellows(slot) <= cpus
-
-
-def usable_cpus(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
-    """The CPUs this process may run on, fewer under a cgroup CPU quota (a container's
-    CPU limit, v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us``): polling spends quota, and
-    a throttled container pays for it in latency, so a fractional CPU rounds down."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
-    quota = _cpu_quota(cgroup)
-    return cpus if quota is None else max(1, min(cpus, int(quota)))
-
-
-def _cpu_quota(cgroup: Path) -> float | None:
-    try:
-        limit, period = (cgroup / "cpu.max").read_text().split()
-        if limit != "max":
-            return int(limit) / int(period)
-    except (OSError, ValueError):
-        pass
-    try:
-        limit = int((cgroup / "cpu" / "cpu.cfs_quota_us").read_text())
-        period = int((cgroup / "cpu" / "cpu.cfs_period_us").read_text())
-        if limit > 0 and period > 0:
-            return limit / period
-    except (OSError, ValueError):
-        pass
-    return None
 
 
 _run_queue = _RunQueue()

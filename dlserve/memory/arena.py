@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from dlserve.errors import UnavailableError
+from dlserve.memory.copying import copy_bytes
 from dlserve.memory.shm import Segment
 
 ALIGNMENT = 64
@@ -246,7 +247,10 @@ class Arena:
         """A new block holding a copy of ``data``'s bytes (C order)."""
         anchor = self.allocate(data.nbytes)
         if data.nbytes:
-            np.frombuffer(anchor, dtype=np.uint8)[:] = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+            copy_bytes(
+                np.frombuffer(anchor, dtype=np.uint8),
+                np.ascontiguousarray(data).reshape(-1).view(np.uint8),
+            )
         return anchor
 
     def _free(self, heap: _Heap, offset: int, size: int) -> None:

@@ -22,6 +22,7 @@ import numpy as np
 
 from dlserve.errors import InvalidArgumentError, UnsupportedError
 from dlserve.memory import bytes_codec
+from dlserve.memory.copying import copy_bytes
 from dlserve.memory.dlpack import (
     HOST_DEVICES,
     DLDeviceType,
@@ -167,7 +168,7 @@ class Tensor:
             raise ValueError(f"needs {data.nbytes} bytes, but its destination holds {buffer.nbytes}")
         target = buffer[: data.nbytes]
         if target.__array_interface__["data"][0] != data.__array_interface__["data"][0]:
-            target[:] = data.reshape(-1).view(np.uint8)
+            copy_bytes(target, data.reshape(-1).view(np.uint8))
         if self.data_type is DataType.BYTES:
             return Tensor(self.data_type, self.shape, data=target)
         view = target.view(self.data_type.storage_dtype).reshape(self.shape)

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from dlserve.cpus import usable_cpus
 from dlserve.ipc import polling
 from dlserve.ipc.polling import PollWindow, close_loop_poller, loop_poller, recv_polling
 
@@ -179,18 +180,18 @@ def test_a_reading_of_the_run_queue_holds_while_it_is_fresh(tmp_path):
 
 def test_a_cgroup_cpu_quota_caps_the_cpus_polling_counts_on(tmp_path):
     everything = len(os.sched_getaffinity(0))
-    assert polling.usable_cpus(tmp_path) == everything  # no cgroup files: no limit
+    assert usable_cpus(tmp_path) == everything  # no cgroup files: no limit
     (tmp_path / "cpu.max").write_text("max 100000\n")
-    assert polling.usable_cpus(tmp_path) == everything
+    assert usable_cpus(tmp_path) == everything
     (tmp_path / "cpu.max").write_text("150000 100000\n")  # 1.5 CPUs (cgroup v2)
-    assert polling.usable_cpus(tmp_path) == 1
+    assert usable_cpus(tmp_path) == 1
     (tmp_path / "cpu.max").unlink()
     (tmp_path / "cpu").mkdir()
     (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("50000\n")  # half a CPU (cgroup v1)
     (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
-    assert polling.usable_cpus(tmp_path) == 1
+    assert usable_cpus(tmp_path) == 1
     (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")  # v1: no limit
-    assert polling.usable_cpus(tmp_path) == everything
+    assert usable_cpus(tmp_path) == everything
 
 
 # -- PollerBoard -----------------------------------------------------------------------------
