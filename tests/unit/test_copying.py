@@ -11,7 +11,9 @@ from dlserve.memory import copying
 from dlserve.memory.copying import PARALLEL_MIN, copy_bytes
 
 
-@pytest.mark.parametrize("nbytes", [0, 1, 4099, PARALLEL_MIN - 1, PARALLEL_MIN, 3 * PARALLEL_MIN + 7])
+@pytest.mark.parametrize(
+    "nbytes", [0, 1, 4099, PARALLEL_MIN - 1, PARALLEL_MIN, 3 * PARALLEL_MIN + 7]
+)
 def test_every_byte_lands_in_place(nbytes):
     source = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
     destination = np.zeros(nbytes + 64, dtype=np.uint8)
