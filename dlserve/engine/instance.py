@@ -33,6 +33,7 @@ from dlserve.pb_utils.logger import PYTHON_LEVELS, LogLevel
 
 if TYPE_CHECKING:
     from dlserve.engine.model import ModelVersion
+    from dlserve.engine.tracing import Trace
     from dlserve.ipc.channel import ServerChannel
 
 log = logging.getLogger("dlserve.engine")
@@ -255,9 +256,16 @@ class ModelInstance:
             log.warning("is_ready() of '%s' failed: %s", self.name, exc or "timed out")
             return False
 
-    def execute(self, requests: list[Request], done: ExecuteCallback) -> None:
+    def execute(
+        self,
+        requests: list[Request],
+        done: ExecuteCallback,
+        released: Callable[[], None] | None = None,
+    ) -> None:
         """Send one execute to the worker; ``done`` gets (responses, timings) or
-        (error, None) on the event loop when it completes.
+        (error, None) on the event loop when it completes. ``released()``, if given,
+        runs before that, as soon as the worker's reply is read: the worker is free
+        for its next execute while this one's responses are read and delivered.
 
         Callback-driven rather than a coroutine: no task and no extra loop turns
         per request on the hot path. Raises at once if the instance is not ready.
@@ -289,24 +297,19 @@ class ModelInstance:
                 for handle, r in zip(handles, requests)
             ]
         t1 = time.monotonic_ns()
-        future = worker.submit(Kind.EXECUTE, body)
         executing = self._executing
-        traces = []
-        for handle, request in zip(handles, requests):
-            executing[handle] = request
-            request.cancel_hook = functools.partial(self._cancel, handle)
-            if request.trace is not None:
-                # Open until the execute returns, for its compute times: a model may end
-                # the request before that (its response sender, a cancellation).
-                request.trace.hold()
-                traces.append(request.trace)
+        traces: list[Trace] = []
 
-        def finished(future: asyncio.Future[Any]) -> None:
+        def finished(replies: Any, error: BaseException | None) -> None:
             t2 = time.monotonic_ns()
             for handle in handles:
                 executing.pop(handle, None)
+            t_out = t2
+            if released is not None and not isinstance(error, UnavailableError):
+                released()  # (a dead worker's instance is released once its death is reported)
+                t_out = time.monotonic_ns()
             try:
-                complete(future, t2)
+                complete(replies, error, t2, t_out)
             finally:
                 for trace in traces:
                     trace.release()
@@ -319,8 +322,7 @@ class ModelInstance:
                         if handle not in self._streaming:
                             held.pop(handle, None)
 
-        def complete(future: asyncio.Future[Any], t2: int) -> None:
-            error = future.exception()
+        def complete(replies: Any, error: BaseException | None, t2: int, t_out: int) -> None:
             if isinstance(error, UnavailableError):  # the worker died mid-call
                 asyncio.ensure_future(self._report_death(worker, done))
                 return
@@ -330,7 +332,7 @@ class ModelInstance:
             try:
                 results = [
                     self._result(handle, request, reply)
-                    for handle, request, reply in zip(handles, requests, future.result())
+                    for handle, request, reply in zip(handles, requests, replies)
                 ]
             except TritonError as exc:
                 done(exc, None)
@@ -339,11 +341,20 @@ class ModelInstance:
             for trace in traces:
                 trace.record("COMPUTE_START", t0)
                 trace.record("COMPUTE_INPUT_END", t1)
-                trace.record("COMPUTE_OUTPUT_START", t2)
+                trace.record("COMPUTE_OUTPUT_START", t_out)
                 trace.record("COMPUTE_END", t3)
-            done(results, Timings(t1 - t0, t2 - t1, t3 - t2))
+            # The next execute's dispatch (released) is neither this one's infer nor output.
+            done(results, Timings(t1 - t0, t2 - t1, t3 - t_out))
 
-        future.add_done_callback(finished)
+        worker.submit_then(Kind.EXECUTE, body, finished)
+        for handle, request in zip(handles, requests):
+            executing[handle] = request
+            request.cancel_hook = functools.partial(self._cancel, handle)
+            if request.trace is not None:
+                # Open until the execute returns, for its compute times: a model may end
+                # the request before that (its response sender, a cancellation).
+                request.trace.hold()
+                traces.append(request.trace)
 
     def _result(self, handle: int, request: Request, reply: Any) -> Response | None:
         """What an execute reply says of one request (see Scheduler._finished)."""

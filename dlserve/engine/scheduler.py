@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -52,7 +53,6 @@ class Scheduler:
 
     def __init__(self, model: ModelVersion) -> None:
         self.model = model
-        self.in_flight = 0
         self.unfinished = 0  # accepted requests whose final response has not gone out
         self._next = 0
         self._idle = asyncio.Event()
@@ -152,33 +152,42 @@ class Scheduler:
     # -- execution ----------------------------------------------------------------------
     def _execute(self, instance: ModelInstance, batch: list[Request]) -> None:
         instance.in_flight += 1
-        self.in_flight += 1
         start = time.monotonic_ns()
         queue_ns = [start - r.arrival_ns for r in batch]
+        busy, waited = True, 0
+
+        def release(dispatch: bool) -> None:
+            """The worker is done with this execute: the instance takes its next one,
+            dispatched at once if ``dispatch``, before this one's responses are read
+            and delivered (the worker would sit idle meanwhile)."""
+            nonlocal busy, waited
+            if busy:
+                busy = False
+                instance.in_flight -= 1
+                # A pipelined execute waited in the worker behind the previous one: that
+                # wait is queue time, not compute time, as Triton would count it.
+                waited = max(0, instance.last_done_ns - start)
+                instance.last_done_ns = time.monotonic_ns()
+                if dispatch:
+                    self.dispatch()
 
         def done(result: list[Response] | TritonError, timings: Timings | None) -> None:
-            self._finished(instance, batch, start, queue_ns, result, timings)
+            release(False)
+            self._finished(batch, queue_ns, waited, result, timings)
 
         try:
-            instance.execute(batch, done)
+            instance.execute(batch, done, functools.partial(release, True))
         except TritonError as exc:
             done(exc, None)
 
     def _finished(
         self,
-        instance: ModelInstance,
         batch: list[Request],
-        start_ns: int,
         queue_ns: list[int],
+        waited: int,
         result: list[Response] | TritonError,
         timings: Timings | None,
     ) -> None:
-        instance.in_flight -= 1
-        self.in_flight -= 1
-        # A pipelined execute waited in the worker behind the previous one: that wait is
-        # queue time, not compute time, as Triton would count it.
-        waited = max(0, instance.last_done_ns - start_ns)
-        instance.last_done_ns = time.monotonic_ns()
         if waited:
             queue_ns = [q + waited for q in queue_ns]
             if timings is not None:

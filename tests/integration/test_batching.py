@@ -13,6 +13,7 @@ import pytest
 
 import dlserve
 from dlserve import ModelControlMode
+from dlserve.engine.request import Request, Response
 
 from ..conftest import serve
 
@@ -268,3 +269,33 @@ def test_batch_config_is_rendered_with_tritons_defaults(server):
     config = server.model("batcher").config()["dynamic_batching"]
     assert config["preferred_batch_size"] == [8]
     assert config["max_queue_delay_microseconds"] == 100
+
+
+def test_the_next_batch_goes_to_the_worker_before_the_last_ones_responses(server):
+    """The worker's reply frees its instance at once: the queued batch is sent to the
+    worker before the finished batch's responses are read and delivered, rather than
+    after (the worker would sit idle meanwhile)."""
+    load(server, dynamic_batching={})
+    engine = server.engine
+    instance = engine.model("batcher").instances[0]
+    x = engine.share(dlserve.Tensor.from_object(rows()))
+    seen: list[tuple[int, bool]] = []
+
+    async def run() -> tuple[Response, Response]:
+        loop = asyncio.get_running_loop()
+        first, second = loop.create_future(), loop.create_future()
+
+        def on_first(response: Response) -> None:
+            seen.append((instance.in_flight, second.done()))
+            first.set_result(response)
+
+        busy = {"sleep": 0.2}  # the second request queues behind the first's execute
+        engine.submit(Request("batcher", {"INPUT0": x}, on_first, parameters=busy))
+        engine.submit(Request("batcher", {"INPUT0": x}, second.set_result))
+        return await first, await second
+
+    a, b = asyncio.run_coroutine_threadsafe(run(), server.loop).result(20)
+    assert a.error is None and b.error is None
+    assert seen == [(1, False)]  # while the first's answer is delivered, the second executes
+    order = [int(r.outputs["ORDER"].as_numpy()[0, 0]) for r in (a, b)]
+    assert order[1] == order[0] + 1  # two executes, one after the other
