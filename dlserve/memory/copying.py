@@ -3,8 +3,9 @@
 Where a copy cannot be avoided (a model's output written into the region a client
 named for it, a numpy array placed in shared memory), it is memory-bound, and one
 thread does not saturate the memory system: on the 2-vCPU development VM one thread
-copies 64 MiB in ~5.9 ms and two threads in ~4.2-4.8 ms; perf_analyzer's identity
-64 MiB over gRPC with system shared memory went from ~6.6 to ~4.7 ms per request.
+copies 64 MiB in ~5.9 ms and two threads in ~4.2 ms; perf_analyzer's identity
+64 MiB over gRPC with system shared memory went from 6.5-7.1 to 4.7-5.8 ms per request
+(alternating runs).
 numpy releases the GIL while it copies, so the threads run side by side. Below
 :data:`PARALLEL_MIN` the data mostly sits in cache and a thread costs more than it
 saves (8 MiB: 231 µs in one thread, 236 µs in two).
