@@ -33,7 +33,6 @@ from dlserve.pb_utils.logger import PYTHON_LEVELS, LogLevel
 
 if TYPE_CHECKING:
     from dlserve.engine.model import ModelVersion
-    from dlserve.engine.tracing import Trace
     from dlserve.ipc.channel import ServerChannel
 
 log = logging.getLogger("dlserve.engine")
@@ -264,8 +263,8 @@ class ModelInstance:
     ) -> None:
         """Send one execute to the worker; ``done`` gets (responses, timings) or
         (error, None) on the event loop when it completes. ``released()``, if given,
-        runs before that, as soon as the worker's reply is read: the worker is free
-        for its next execute while this one's responses are read and delivered.
+        runs before that, once the worker has replied: the worker is free for its next
+        execute while this one's responses are read and delivered.
 
         Callback-driven rather than a coroutine: no task and no extra loop turns
         per request on the hot path. Raises at once if the instance is not ready.
@@ -297,19 +296,29 @@ class ModelInstance:
                 for handle, r in zip(handles, requests)
             ]
         t1 = time.monotonic_ns()
+        future = worker.submit(Kind.EXECUTE, body)
         executing = self._executing
-        traces: list[Trace] = []
+        traces = []
+        for handle, request in zip(handles, requests):
+            executing[handle] = request
+            request.cancel_hook = functools.partial(self._cancel, handle)
+            if request.trace is not None:
+                # Open until the execute returns, for its compute times: a model may end
+                # the request before that (its response sender, a cancellation).
+                request.trace.hold()
+                traces.append(request.trace)
 
-        def finished(replies: Any, error: BaseException | None) -> None:
+        def finished(future: asyncio.Future[Any]) -> None:
             t2 = time.monotonic_ns()
             for handle in handles:
                 executing.pop(handle, None)
+            error = future.exception()
             t_out = t2
             if released is not None and not isinstance(error, UnavailableError):
                 released()  # (a dead worker's instance is released once its death is reported)
                 t_out = time.monotonic_ns()
             try:
-                complete(replies, error, t2, t_out)
+                complete(None if error else future.result(), error, t2, t_out)
             finally:
                 for trace in traces:
                     trace.release()
@@ -346,15 +355,7 @@ class ModelInstance:
             # The next execute's dispatch (released) is neither this one's infer nor output.
             done(results, Timings(t1 - t0, t2 - t1, t3 - t_out))
 
-        worker.submit_then(Kind.EXECUTE, body, finished)
-        for handle, request in zip(handles, requests):
-            executing[handle] = request
-            request.cancel_hook = functools.partial(self._cancel, handle)
-            if request.trace is not None:
-                # Open until the execute returns, for its compute times: a model may end
-                # the request before that (its response sender, a cancellation).
-                request.trace.hold()
-                traces.append(request.trace)
+        future.add_done_callback(finished)
 
     def _result(self, handle: int, request: Request, reply: Any) -> Response | None:
         """What an execute reply says of one request (see Scheduler._finished)."""

@@ -157,9 +157,9 @@ class Scheduler:
         busy, waited = True, 0
 
         def release(dispatch: bool) -> None:
-            """The worker is done with this execute: the instance takes its next one,
+            """The worker is done with this execute: the instance may take its next,
             dispatched at once if ``dispatch``, before this one's responses are read
-            and delivered (the worker would sit idle meanwhile)."""
+            and delivered."""
             nonlocal busy, waited
             if busy:
                 busy = False
@@ -175,8 +175,13 @@ class Scheduler:
             release(False)
             self._finished(batch, queue_ns, waited, result, timings)
 
+        # Without a pipeline the worker sits idle from its reply until the next execute
+        # comes, so that one goes first (batched add_sub at concurrency 16: +4-5%).
+        # With one, the worker has its next execute already and the responses go
+        # first (dispatching first there cost gRPC add_sub at concurrency 4 ~5%).
+        released = functools.partial(release, True) if self.pipeline_depth == 1 else None
         try:
-            instance.execute(batch, done, functools.partial(release, True))
+            instance.execute(batch, done, released)
         except TritonError as exc:
             done(exc, None)
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
-import logging
 import socket
 import threading
 import time
@@ -32,24 +31,10 @@ from dlserve.errors import ErrorCode, TritonError, UnavailableError
 from dlserve.ipc.polling import PollWindow, loop_poller, recv_polling
 from dlserve.ipc.protocol import HEADER, FrameBuffer, Kind, Message, encode
 
-log = logging.getLogger("dlserve.worker")
-
-# Called with a request's reply: (body, None), or (None, the error) when the worker
-# answered with one or went away.
-ReplyCallback = Callable[[Any, "BaseException | None"], None]
-
 
 def _raise_error(body: Any) -> TritonError:
     code, message = body
     return TritonError.from_code(code, message)
-
-
-def _answer(on_reply: ReplyCallback, body: Any, error: BaseException | None) -> None:
-    """Run a reply callback inside the read: a bug in one must not break the channel."""
-    try:
-        on_reply(body, error)
-    except Exception:  # noqa: BLE001
-        log.exception("handling a worker's reply failed")
 
 
 class ServerChannel(asyncio.Protocol):
@@ -65,8 +50,7 @@ class ServerChannel(asyncio.Protocol):
         self._on_lost = on_lost
         self._frames = FrameBuffer()
         self._transport: asyncio.Transport | None = None
-        # What to call with each reply, by correlation id: (body, None) or (None, error)
-        self._pending: dict[int, ReplyCallback] = {}
+        self._pending: dict[int, asyncio.Future[Any]] = {}
         self._corr = itertools.count(1)
         self._releases: list[int] = []
         self._flush_scheduled = False
@@ -84,15 +68,15 @@ class ServerChannel(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         for kind, corr, body in self._frames.feed(data):
             if kind == Kind.REPLY or kind == Kind.ERROR:
-                on_reply = self._pending.pop(corr, None)
+                future = self._pending.pop(corr, None)
                 if not self._pending:
                     self._reply_wait.record(time.perf_counter() - self._waiting_since)
                     self._poller.done(self)
-                if on_reply is not None:
+                if future is not None and not future.done():
                     if kind == Kind.REPLY:
-                        _answer(on_reply, body, None)
+                        future.set_result(body)
                     else:
-                        _answer(on_reply, None, _raise_error(body))
+                        future.set_exception(_raise_error(body))
             elif kind == Kind.RELEASE:
                 # After the reply callbacks scheduled above: a reply may refer to the
                 # very memory this releases (lease 0), and future callbacks run later.
@@ -106,8 +90,9 @@ class ServerChannel(asyncio.Protocol):
         self._transport = None
         self._poller.done(self)
         pending, self._pending = self._pending, {}
-        for on_reply in pending.values():
-            _answer(on_reply, None, UnavailableError("worker process connection closed"))
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(UnavailableError("worker process connection closed"))
         self._on_lost()
 
     # -- sending ------------------------------------------------------------------------
@@ -129,28 +114,14 @@ class ServerChannel(asyncio.Protocol):
 
     def request(self, kind: int, body: Any) -> asyncio.Future[Any]:
         """Send a request; the future resolves to the reply body or raises its error."""
-        future = self._loop.create_future()
-
-        def resolve(reply: Any, error: BaseException | None) -> None:
-            if not future.done():
-                if error is None:
-                    future.set_result(reply)
-                else:
-                    future.set_exception(error)
-
-        self.request_then(kind, body, resolve)
-        return future
-
-    def request_then(self, kind: int, body: Any, on_reply: ReplyCallback) -> None:
-        """Send a request; ``on_reply(body, None)`` or ``on_reply(None, error)`` runs
-        as soon as the reply is read, with no turn of the event loop in between (a
-        future's callbacks wait for the next turn, behind whatever else is ready)."""
         corr = next(self._corr)
+        future = self._loop.create_future()
         self._write(encode(kind, corr, body))
         if not self._pending:
             self._waiting_since = time.perf_counter()
             self._poller.poll(self, self._reply_wait.seconds)
-        self._pending[corr] = on_reply
+        self._pending[corr] = future
+        return future
 
     def reply(self, corr: int, body: Any) -> None:
         self._write(encode(Kind.REPLY, corr, body))

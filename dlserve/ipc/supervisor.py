@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dlserve.errors import UnavailableError
-from dlserve.ipc.channel import ReplyCallback, ServerChannel
+from dlserve.ipc.channel import ServerChannel
 from dlserve.ipc.environments import SERVER_PYTHON, ExecutionEnvironment
 from dlserve.ipc.polling import PollerBoard, loop_poller
 from dlserve.ipc.protocol import Kind, Message
@@ -185,17 +185,9 @@ class WorkerProcess:
 
     def submit(self, kind: int, body: Any) -> asyncio.Future[Any]:
         """Send a request; the future resolves to the reply (or the worker's error)."""
-        return self._channel_up().request(kind, body)
-
-    def submit_then(self, kind: int, body: Any, on_reply: ReplyCallback) -> None:
-        """Send a request; ``on_reply`` runs as soon as its reply is read
-        (ServerChannel.request_then)."""
-        self._channel_up().request_then(kind, body, on_reply)
-
-    def _channel_up(self) -> ServerChannel:
         if self.channel is None or not self.alive:
             raise UnavailableError(self.exit_description or "worker process is not running")
-        return self.channel
+        return self.channel.request(kind, body)
 
     async def request(self, kind: int, body: Any) -> Any:
         return await self.submit(kind, body)

@@ -1,12 +1,10 @@
 """The server's end of a worker channel (dlserve.ipc.channel.ServerChannel) over a
-real socket pair: replies reach futures and reply callbacks, a reply callback runs
-inside the read that brings its reply, and a worker that goes away answers every
-open request."""
+real socket pair: each reply reaches the request it answers, whatever the order,
+and a worker that goes away answers every open request."""
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import socket
 from typing import Any
 
@@ -34,72 +32,27 @@ async def read_requests(worker: socket.socket, count: int) -> list[tuple[int, in
     return messages
 
 
-def test_replies_and_errors_reach_futures_and_callbacks():
+def test_replies_and_errors_reach_their_requests_in_any_order():
     async def scenario() -> None:
         channel, worker = await open_channel()
-        answers: list[tuple[Any, BaseException | None]] = []
-
-        def answered(body: Any, error: BaseException | None) -> None:
-            answers.append((body, error))
-
-        future = channel.request(Kind.IS_READY, None)
-        channel.request_then(Kind.EXECUTE, ["batch"], answered)
-        channel.request_then(Kind.EXECUTE, ["other"], answered)
+        ready = channel.request(Kind.IS_READY, None)
+        first = channel.request(Kind.EXECUTE, ["batch"])
+        second = channel.request(Kind.EXECUTE, ["other"])
         sent = await read_requests(worker, 3)
         assert [(kind, body) for kind, _, body in sent] == [
             (Kind.IS_READY, None), (Kind.EXECUTE, ["batch"]), (Kind.EXECUTE, ["other"])
         ]
-        (_, ready, _), (_, first, _), (_, second, _) = sent
+        (_, ready_corr, _), (_, first_corr, _), (_, second_corr, _) = sent
         await asyncio.get_running_loop().sock_sendall(
             worker,
-            encode(Kind.REPLY, second, "second's reply")
-            + encode(Kind.ERROR, first, (int(ErrorCode.INVALID_ARG), "bad input"))
-            + encode(Kind.REPLY, ready, True),
+            encode(Kind.REPLY, second_corr, "second's reply")
+            + encode(Kind.ERROR, first_corr, (int(ErrorCode.INVALID_ARG), "bad input"))
+            + encode(Kind.REPLY, ready_corr, True),
         )
-        assert await asyncio.wait_for(future, 5) is True
-        assert answers[0] == ("second's reply", None)
-        body, error = answers[1]
-        assert body is None and isinstance(error, InvalidArgumentError)
-        assert error.message == "bad input"
-        channel.close()
-        worker.close()
-
-    asyncio.run(scenario())
-
-
-def test_a_reply_callback_runs_inside_the_read_that_brings_its_reply():
-    """No turn of the event loop between the reply and its callback: the scheduler
-    dispatches the worker's next execute from there."""
-
-    async def scenario() -> None:
-        channel, worker = await open_channel()
-        answers: list[Any] = []
-        channel.request_then(Kind.EXECUTE, [], lambda body, error: answers.append(body))
-        ((_, corr, _),) = await read_requests(worker, 1)
-        channel.data_received(encode(Kind.REPLY, corr, "done"))
-        assert answers == ["done"]  # before data_received returned
-        channel.close()
-        worker.close()
-
-    asyncio.run(scenario())
-
-
-def test_a_failing_callback_is_logged_and_the_channel_goes_on(caplog):
-    async def scenario() -> None:
-        channel, worker = await open_channel()
-        answers: list[Any] = []
-
-        def broken(body: Any, error: BaseException | None) -> None:
-            raise RuntimeError("bug in a reply handler")
-
-        channel.request_then(Kind.EXECUTE, [], broken)
-        channel.request_then(Kind.EXECUTE, [], lambda body, error: answers.append(body))
-        (_, first, _), (_, second, _) = await read_requests(worker, 2)
-        with caplog.at_level(logging.ERROR, logger="dlserve.worker"):
-            channel.data_received(encode(Kind.REPLY, first, 1) + encode(Kind.REPLY, second, 2))
-        assert answers == [2]
-        assert "handling a worker's reply failed" in caplog.text
-        assert channel.connected
+        assert await asyncio.wait_for(second, 5) == "second's reply"
+        with pytest.raises(InvalidArgumentError, match="bad input"):
+            await asyncio.wait_for(first, 5)
+        assert await asyncio.wait_for(ready, 5) is True
         channel.close()
         worker.close()
 
@@ -109,14 +62,12 @@ def test_a_failing_callback_is_logged_and_the_channel_goes_on(caplog):
 def test_a_worker_that_goes_away_answers_every_open_request():
     async def scenario() -> None:
         channel, worker = await open_channel()
-        answers: list[BaseException | None] = []
-        future = channel.request(Kind.IS_READY, None)
-        channel.request_then(Kind.EXECUTE, [], lambda body, error: answers.append(error))
+        pending = [channel.request(Kind.IS_READY, None), channel.request(Kind.EXECUTE, [])]
         await read_requests(worker, 2)
         worker.close()
-        with pytest.raises(UnavailableError, match="worker process connection closed"):
-            await asyncio.wait_for(future, 5)
-        assert len(answers) == 1 and isinstance(answers[0], UnavailableError)
+        for future in pending:
+            with pytest.raises(UnavailableError, match="worker process connection closed"):
+                await asyncio.wait_for(future, 5)
         assert not channel.connected
 
     asyncio.run(scenario())
