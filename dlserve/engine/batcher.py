@@ -38,6 +38,7 @@ _DELAY = mc.ModelQueuePolicy.DELAY
 
 class DynamicBatcher(Scheduler):
     pipeline_depth = 1  # let requests gather into a batch while an instance works
+    dispatch_on_reply = True
 
     def __init__(self, model: ModelVersion) -> None:
         super().__init__(model)

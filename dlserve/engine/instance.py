@@ -313,12 +313,10 @@ class ModelInstance:
             for handle in handles:
                 executing.pop(handle, None)
             error = future.exception()
-            t_out = t2
-            if released is not None and not isinstance(error, UnavailableError):
-                released()  # (a dead worker's instance is released once its death is reported)
-                t_out = time.monotonic_ns()
             try:
-                complete(None if error else future.result(), error, t2, t_out)
+                if released is not None and not isinstance(error, UnavailableError):
+                    released()  # (a dead worker's instance is released once its death is reported)
+                complete(None if error else future.result(), error, t2)
             finally:
                 for trace in traces:
                     trace.release()
@@ -331,7 +329,7 @@ class ModelInstance:
                         if handle not in self._streaming:
                             held.pop(handle, None)
 
-        def complete(replies: Any, error: BaseException | None, t2: int, t_out: int) -> None:
+        def complete(replies: Any, error: BaseException | None, t2: int) -> None:
             if isinstance(error, UnavailableError):  # the worker died mid-call
                 asyncio.ensure_future(self._report_death(worker, done))
                 return
@@ -350,10 +348,9 @@ class ModelInstance:
             for trace in traces:
                 trace.record("COMPUTE_START", t0)
                 trace.record("COMPUTE_INPUT_END", t1)
-                trace.record("COMPUTE_OUTPUT_START", t_out)
+                trace.record("COMPUTE_OUTPUT_START", t2)
                 trace.record("COMPUTE_END", t3)
-            # The next execute's dispatch (released) is neither this one's infer nor output.
-            done(results, Timings(t1 - t0, t2 - t1, t3 - t_out))
+            done(results, Timings(t1 - t0, t2 - t1, t3 - t2))
 
         future.add_done_callback(finished)
 

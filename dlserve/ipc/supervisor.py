@@ -139,7 +139,12 @@ class WorkerProcess:
         finally:
             theirs.close()
         # Reaped from now on, whatever happens next: stop() and kill() wait for it.
-        pidfd = os.pidfd_open(self.process.pid)
+        try:
+            pidfd = os.pidfd_open(self.process.pid)
+        except OSError:  # (out of descriptors): a worker nobody can watch goes at once
+            ours.close()
+            self.kill()
+            raise
         loop.add_reader(pidfd, self._reaped, pidfd)
         try:
             _, channel = await loop.create_unix_connection(
@@ -228,6 +233,7 @@ class WorkerProcess:
             self.process.wait()
         unlink_segments(self.segment_prefix)
         self._free_board_slot()
+        self._exited.set()
 
     def _free_board_slot(self) -> None:
         if self._board is not None:

@@ -25,32 +25,43 @@ from dlserve.cpus import usable_cpus
 
 PARALLEL_MIN = 16 << 20  # bytes: a copy at least this big is split over the CPUs
 _PART_MIN = PARALLEL_MIN // 2  # no thread copies less than this
+_MAX_PARTS = 8  # memory bandwidth, not CPUs, bounds a copy long before this
 
 
 def copy_bytes(destination: np.ndarray, source: np.ndarray) -> None:
     """``destination[:] = source`` for two 1-D uint8 arrays of one size, split over
-    threads when it is big."""
+    threads when it is big. Overlapping arrays, or no thread to be had, are copied in
+    the calling thread; an error in any part is raised here."""
     nbytes = source.nbytes
     if destination.nbytes != nbytes:
         raise ValueError(f"cannot copy {nbytes} bytes into {destination.nbytes}")
-    parts = min(usable_cpus(), nbytes // _PART_MIN) if nbytes >= PARALLEL_MIN else 1
+    parts = 1
+    if nbytes >= PARALLEL_MIN and not np.may_share_memory(destination, source):
+        parts = min(usable_cpus(), nbytes // _PART_MIN, _MAX_PARTS)
     if parts < 2:
         np.copyto(destination, source)
         return
     bounds = [nbytes * i // parts for i in range(parts + 1)]
-    helpers = [
-        threading.Thread(
-            target=np.copyto,
-            args=(destination[start:end], source[start:end]),
-            name="dlserve-copy",
-            daemon=True,
-        )
-        for start, end in zip(bounds[1:-1], bounds[2:])
-    ]
+    spans = list(zip(bounds[:-1], bounds[1:]))
+    errors: list[BaseException] = []
+
+    def copy_part(start: int, end: int) -> None:
+        try:
+            np.copyto(destination[start:end], source[start:end])
+        except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread below
+            errors.append(exc)
+
+    helpers: list[threading.Thread] = []
+    for span in spans[1:]:
+        helper = threading.Thread(target=copy_part, args=span, name="dlserve-copy", daemon=True)
+        try:
+            helper.start()
+        except RuntimeError:  # no thread to be had: this thread copies the rest
+            break
+        helpers.append(helper)
+    for span in (spans[0], *spans[1 + len(helpers) :]):
+        copy_part(*span)
     for helper in helpers:
-        helper.start()
-    try:
-        np.copyto(destination[: bounds[1]], source[: bounds[1]])
-    finally:
-        for helper in helpers:
-            helper.join()
+        helper.join()
+    if errors:
+        raise errors[0]

@@ -53,3 +53,42 @@ def test_one_cpu_copies_in_the_calling_thread(monkeypatch):
 def test_sizes_must_match():
     with pytest.raises(ValueError, match="cannot copy 8 bytes into 4"):
         copy_bytes(np.zeros(4, np.uint8), np.zeros(8, np.uint8))
+
+
+def test_overlapping_arrays_are_copied_in_one_piece(monkeypatch):
+    monkeypatch.setattr(copying, "usable_cpus", lambda: 4)
+    monkeypatch.setattr(copying.threading, "Thread", None)  # any helper would fail
+    buffer = np.arange(3 * PARALLEL_MIN, dtype=np.uint64).view(np.uint8)[: 3 * PARALLEL_MIN]
+    source = buffer[: 2 * PARALLEL_MIN]
+    destination = buffer[PARALLEL_MIN // 2 : PARALLEL_MIN // 2 + 2 * PARALLEL_MIN]
+    expected = source.copy()
+    copy_bytes(destination, source)
+    assert np.array_equal(destination, expected)
+
+
+def test_without_threads_the_caller_copies_every_part(monkeypatch):
+    monkeypatch.setattr(copying, "usable_cpus", lambda: 4)
+
+    class NoThread(threading.Thread):
+        def start(self) -> None:
+            raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(copying.threading, "Thread", NoThread)
+    source = np.full(2 * PARALLEL_MIN, 3, dtype=np.uint8)
+    destination = np.zeros_like(source)
+    copy_bytes(destination, source)
+    assert (destination == 3).all()
+
+
+def test_an_error_in_a_helper_thread_is_raised_to_the_caller(monkeypatch):
+    monkeypatch.setattr(copying, "usable_cpus", lambda: 2)
+    copyto = np.copyto
+
+    def failing_in_helpers(destination, source):
+        if threading.current_thread().name == "dlserve-copy":
+            raise MemoryError("helper failed")
+        copyto(destination, source)
+
+    monkeypatch.setattr(copying.np, "copyto", failing_in_helpers)
+    with pytest.raises(MemoryError, match="helper failed"):
+        copy_bytes(np.zeros(2 * PARALLEL_MIN, np.uint8), np.ones(2 * PARALLEL_MIN, np.uint8))

@@ -202,7 +202,10 @@ def test_request_rate_sends_at_the_rate():
 
     result = run(go())
     assert 60 <= result.count <= 140, result.count  # ~100 at 200/s over 0.5 s
-    assert result.delayed == 0
+    # On time but for the odd send a busy 2-core machine holds up (the full suite
+    # running beside it once delayed 5 of 101); a generator that cannot keep up
+    # delays most of them.
+    assert result.delayed <= result.sent // 10, (result.delayed, result.sent)
 
 
 def test_request_rate_beyond_the_slots_counts_delays():
