@@ -313,9 +313,13 @@ class ModelInstance:
             for handle in handles:
                 executing.pop(handle, None)
             error = future.exception()
+            # (a dead worker's instance is released once its death is reported)
+            if released is not None and not isinstance(error, UnavailableError):
+                try:
+                    released()
+                except Exception:  # noqa: BLE001 - a failed next execute must not lose this one
+                    log.exception("dispatching the next execute of '%s' failed", self.name)
             try:
-                if released is not None and not isinstance(error, UnavailableError):
-                    released()  # (a dead worker's instance is released once its death is reported)
                 complete(None if error else future.result(), error, t2)
             finally:
                 for trace in traces:
