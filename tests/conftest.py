@@ -48,6 +48,15 @@ def fd_targets(pid: int | str = "self") -> list[str]:
     return targets
 
 
+def wait_until(predicate: Callable[[], bool], timeout: float = 20.0) -> None:
+    """Poll ``predicate`` until it holds; AssertionError after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.05)
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

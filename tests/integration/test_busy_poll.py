@@ -14,7 +14,7 @@ import pytest
 import dlserve
 from dlserve.ipc.polling import loop_poller
 
-from ..conftest import fd_targets
+from ..conftest import fd_targets, wait_until
 
 
 def cpu_seconds(processes: list[psutil.Process]) -> float:
@@ -72,10 +72,7 @@ def test_workers_poll_on_the_servers_board_and_give_their_slots_back(servers, ma
 
     old_pid = instance.pid
     os.kill(old_pid, signal.SIGKILL)
-    deadline = time.monotonic() + 20
-    while not (instance.ready and instance.pid != old_pid):
-        assert time.monotonic() < deadline, "the worker was not restarted"
-        time.sleep(0.05)
+    wait_until(lambda: instance.ready and instance.pid != old_pid)  # restarted
     assert board.free_slots == board.SLOTS - 2  # the dead worker's slot went to its successor
     assert len(board_descriptors(instance.pid)) == 1
     servers.stop(server)  # the harness checks that no descriptor is left, the board's included

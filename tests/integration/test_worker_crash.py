@@ -15,17 +15,9 @@ import pytest
 
 import dlserve
 
-from ..conftest import pid_alive
+from ..conftest import pid_alive, wait_until
 
 X = np.ones(4, dtype=np.float32)
-
-
-def wait_until(predicate, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.05)
 
 
 def worker_pid(server: dlserve.Server) -> int:
