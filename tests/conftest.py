@@ -14,6 +14,7 @@ from pathlib import Path
 
 import gevent
 import grpc
+import psutil
 import pytest
 import uvloop
 
@@ -67,6 +68,20 @@ def pid_alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+def worker_processes(segment_prefix: str) -> list[int]:
+    """Live worker processes of the server whose segments start with ``segment_prefix``
+    (each worker gets it on its command line), known to the server or not."""
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        cmdline = process.info["cmdline"] or []
+        if "dlserve.ipc.stub" not in cmdline:
+            continue
+        for flag, value in zip(cmdline, cmdline[1:]):
+            if flag == "--segment-prefix" and value.startswith(f"{segment_prefix}_"):
+                found.append(process.pid)
+    return [pid for pid in found if pid_alive(pid)]
 
 
 def describe_fds(fds: set[int]) -> list[str]:
@@ -129,8 +144,8 @@ class ServerHarness:
         self.servers.remove(server)
         leaked = glob.glob(f"/dev/shm/{prefix}*")
         assert not leaked, f"shared memory segments left behind: {leaked}"
-        alive = [pid for pid in pids if pid_alive(pid)]
-        assert not alive, f"worker processes left behind: {alive}"
+        alive = [pid for pid in pids if pid_alive(pid)] + worker_processes(prefix)
+        assert not alive, f"worker processes left behind: {sorted(set(alive))}"
 
     def close(self) -> None:
         for server in list(self.servers):

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from dlserve.engine.calls import ModelCalls
 from dlserve.engine.request import STREAMING, Request, Response, reshaped
 from dlserve.errors import ErrorCode, InternalError, TritonError, UnavailableError
+from dlserve.ipc.channel import WorkerGoneError
 from dlserve.ipc.protocol import STREAMED, Kind, Message
 from dlserve.ipc.supervisor import WorkerProcess
 from dlserve.memory.dtypes import DataType
@@ -143,7 +144,7 @@ class ModelInstance:
             space=resources.space,
             arena=resources.arena,
             on_message=self._on_worker_message,
-            on_exit=self._on_worker_exit,
+            on_exit=lambda description: self._on_worker_exit(worker, description),
             environment=self.model.environment,
             poll_us=resources.busy_poll_us,
         )
@@ -154,7 +155,7 @@ class ModelInstance:
                 Kind.INIT, {"model_file": str(self.model.model_file), "args": self.initialize_args()}
             )
         except TritonError as exc:
-            if isinstance(exc, UnavailableError):  # the worker died during initialize
+            if isinstance(exc, WorkerGoneError):  # the worker died during initialize
                 await worker.wait_exited()
                 reason = worker.exit_description
             else:
@@ -205,7 +206,11 @@ class ModelInstance:
             else:
                 channel.reply(corr, result)
 
-    def _on_worker_exit(self, description: str) -> None:
+    def _on_worker_exit(self, worker: WorkerProcess, description: str) -> None:
+        if worker is not self._worker or self.state is not InstanceState.READY:
+            # It died before it served (in initialize): the start() waiting for it
+            # fails, and whoever called it (a load, the restart loop) deals with that.
+            return
         self.last_error = description
         self.calls.close()
         # Requests whose execute returned but whose final never came; the ones still
@@ -314,7 +319,7 @@ class ModelInstance:
                 executing.pop(handle, None)
             error = future.exception()
             # (a dead worker's instance is released once its death is reported)
-            if released is not None and not isinstance(error, UnavailableError):
+            if released is not None and not isinstance(error, WorkerGoneError):
                 try:
                     released()
                 except Exception:  # noqa: BLE001 - a failed next execute must not lose this one
@@ -334,7 +339,7 @@ class ModelInstance:
                             held.pop(handle, None)
 
         def complete(replies: Any, error: BaseException | None, t2: int) -> None:
-            if isinstance(error, UnavailableError):  # the worker died mid-call
+            if isinstance(error, WorkerGoneError):  # the worker died mid-call
                 asyncio.ensure_future(self._report_death(worker, done))
                 return
             if error is not None:

@@ -32,6 +32,13 @@ from dlserve.ipc.polling import PollWindow, loop_poller, recv_polling
 from dlserve.ipc.protocol import HEADER, FrameBuffer, Kind, Message, encode
 
 
+class WorkerGoneError(UnavailableError):
+    """The worker's end of the channel is closed: the process died or is going.
+
+    Distinct from an UNAVAILABLE error a live worker sends back (say, no shared memory
+    left for an output), which fails one call and leaves the worker serving."""
+
+
 def _raise_error(body: Any) -> TritonError:
     code, message = body
     return TritonError.from_code(code, message)
@@ -92,7 +99,7 @@ class ServerChannel(asyncio.Protocol):
         pending, self._pending = self._pending, {}
         for future in pending.values():
             if not future.done():
-                future.set_exception(UnavailableError("worker process connection closed"))
+                future.set_exception(WorkerGoneError("worker process connection closed"))
         self._on_lost()
 
     # -- sending ------------------------------------------------------------------------
@@ -107,7 +114,7 @@ class ServerChannel(asyncio.Protocol):
         that just finished writes all its HTTP responses in it), and the worker would sit
         idle that long before it saw its next execute."""
         if self._transport is None:
-            raise UnavailableError("worker process is not running")
+            raise WorkerGoneError("worker process is not running")
         if self._releases:  # after the message: it may still refer to what is released
             frame += encode(Kind.RELEASE, 0, self._take_releases())
         self._transport.write(frame)
@@ -414,4 +421,4 @@ class WorkerChannel:
             pass
 
 
-__all__ = ["HEADER", "ServerChannel", "Stream", "WorkerChannel"]
+__all__ = ["HEADER", "ServerChannel", "Stream", "WorkerChannel", "WorkerGoneError"]

@@ -23,8 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from dlserve.errors import UnavailableError
-from dlserve.ipc.channel import ServerChannel
+from dlserve.ipc.channel import ServerChannel, WorkerGoneError
 from dlserve.ipc.environments import SERVER_PYTHON, ExecutionEnvironment
 from dlserve.ipc.polling import PollerBoard, loop_poller
 from dlserve.ipc.protocol import Kind, Message
@@ -191,7 +190,7 @@ class WorkerProcess:
     def submit(self, kind: int, body: Any) -> asyncio.Future[Any]:
         """Send a request; the future resolves to the reply (or the worker's error)."""
         if self.channel is None or not self.alive:
-            raise UnavailableError(self.exit_description or "worker process is not running")
+            raise WorkerGoneError(self.exit_description or "worker process is not running")
         return self.channel.request(kind, body)
 
     async def request(self, kind: int, body: Any) -> Any:

@@ -15,7 +15,7 @@ import pytest
 
 import dlserve
 
-from ..conftest import pid_alive, wait_until
+from ..conftest import pid_alive, wait_until, worker_processes
 
 X = np.ones(4, dtype=np.float32)
 
@@ -162,3 +162,37 @@ def test_a_worker_whose_channel_cannot_be_set_up_is_killed_and_reaped(server, mo
     assert not pid_alive(worker.process.pid)
     assert board.free_slots == slots_before
     assert worker_pid(server) > 0  # the model's own worker is untouched
+
+
+def test_a_worker_that_dies_while_restarting_leaves_one_restart_going(server):
+    """Workers that die in initialize() during a restart are the restart's failures,
+    not new crashes: one restart loop keeps trying, with backoff, and once the model
+    comes up again exactly one worker runs (no second loop starting workers of its own)."""
+    model_dir = server.engine.model("faulty").model_dir
+    instance = server.engine.model("faulty").instances[0]
+    marker = model_dir / "CRASH_ON_INITIALIZE"
+    marker.write_text("")
+    os.kill(worker_pid(server), signal.SIGKILL)
+    # Restarts after 0.2, 0.5 and 1.0 s of backoff each die in initialize.
+    wait_until(lambda: instance.restarts >= 3, timeout=30)
+    assert not server.model("faulty").ready()
+    assert "exited with code 5" in instance.last_error
+    marker.unlink()
+    wait_until(lambda: server.model("faulty").ready(), timeout=30)
+    time.sleep(3)  # room for any other restart loop to start a worker of its own
+    assert worker_processes(server.engine.segment_prefix) == [worker_pid(server)]
+    assert server.model("faulty").ready()
+
+
+def test_a_live_worker_that_answers_unavailable_is_not_taken_for_dead(server):
+    """A worker that cannot place an output in shared memory (as with a full /dev/shm)
+    answers UNAVAILABLE: the request fails at once with that reason, and the worker,
+    alive, keeps serving; it is not waited for, reported dead or restarted."""
+    pid = worker_pid(server)
+    started = time.monotonic()
+    with pytest.raises(dlserve.UnavailableError, match="failed to allocate .* shared memory"):
+        list(server.model("faulty").infer(inputs={"INPUT0": X}, parameters={"mode": "no_shm"}))
+    assert time.monotonic() - started < 1.5
+    assert server.model("faulty").ready()
+    assert worker_pid(server) == pid
+    assert server.engine.model("faulty").instances[0].restarts == 0

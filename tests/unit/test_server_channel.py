@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from dlserve.errors import ErrorCode, InvalidArgumentError, UnavailableError
-from dlserve.ipc.channel import ServerChannel
+from dlserve.ipc.channel import ServerChannel, WorkerGoneError
 from dlserve.ipc.protocol import FrameBuffer, Kind, encode
 
 
@@ -38,21 +38,29 @@ def test_replies_and_errors_reach_their_requests_in_any_order():
         ready = channel.request(Kind.IS_READY, None)
         first = channel.request(Kind.EXECUTE, ["batch"])
         second = channel.request(Kind.EXECUTE, ["other"])
-        sent = await read_requests(worker, 3)
+        third = channel.request(Kind.EXECUTE, ["third"])
+        sent = await read_requests(worker, 4)
         assert [(kind, body) for kind, _, body in sent] == [
-            (Kind.IS_READY, None), (Kind.EXECUTE, ["batch"]), (Kind.EXECUTE, ["other"])
+            (Kind.IS_READY, None), (Kind.EXECUTE, ["batch"]), (Kind.EXECUTE, ["other"]),
+            (Kind.EXECUTE, ["third"]),
         ]
-        (_, ready_corr, _), (_, first_corr, _), (_, second_corr, _) = sent
+        (_, ready_corr, _), (_, first_corr, _), (_, second_corr, _), (_, third_corr, _) = sent
         await asyncio.get_running_loop().sock_sendall(
             worker,
             encode(Kind.REPLY, second_corr, "second's reply")
             + encode(Kind.ERROR, first_corr, (int(ErrorCode.INVALID_ARG), "bad input"))
-            + encode(Kind.REPLY, ready_corr, True),
+            + encode(Kind.REPLY, ready_corr, True)
+            + encode(Kind.ERROR, third_corr, (int(ErrorCode.UNAVAILABLE), "no shared memory")),
         )
         assert await asyncio.wait_for(second, 5) == "second's reply"
         with pytest.raises(InvalidArgumentError, match="bad input"):
             await asyncio.wait_for(first, 5)
         assert await asyncio.wait_for(ready, 5) is True
+        # An UNAVAILABLE answer from a live worker is that call's error, not its death.
+        with pytest.raises(UnavailableError, match="no shared memory") as info:
+            await asyncio.wait_for(third, 5)
+        assert not isinstance(info.value, WorkerGoneError)
+        assert channel.connected
         channel.close()
         worker.close()
 
@@ -66,7 +74,7 @@ def test_a_worker_that_goes_away_answers_every_open_request():
         await read_requests(worker, 2)
         worker.close()
         for future in pending:
-            with pytest.raises(UnavailableError, match="worker process connection closed"):
+            with pytest.raises(WorkerGoneError, match="worker process connection closed"):
                 await asyncio.wait_for(future, 5)
         assert not channel.connected
 

@@ -1,19 +1,29 @@
 """Misbehaves on request: the request parameter "mode" picks how.
 
 ok | raise | not_list | wrong_length | none | not_response | error:<CODE> |
-exit | kill | segv | sleep:<seconds>
+exit | kill | segv | sleep:<seconds> | no_shm (the output needs more shared memory
+than the worker may create: as with a full /dev/shm)
+
+While a file named CRASH_ON_INITIALIZE sits in the model's folder, initialize()
+ends the process (exit code 5), as a model that cannot come back up would.
 """
 import ctypes
 import json
 import os
+import resource
 import signal
 import time
 
 import numpy as np
+
 import triton_python_backend_utils as pb_utils
 
 
 class TritonPythonModel:
+    def initialize(self, args):
+        if os.path.exists(os.path.join(args["model_repository"], "CRASH_ON_INITIALIZE")):
+            os._exit(5)
+
     def execute(self, requests):
         mode = json.loads(requests[0].parameters()).get("mode", "ok")
         if mode == "raise":
@@ -32,6 +42,11 @@ class TritonPythonModel:
             os.kill(os.getpid(), signal.SIGKILL)
         if mode == "segv":
             ctypes.string_at(0)
+        if mode == "no_shm":
+            _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, hard))
+            big = np.zeros(5 << 20, dtype=np.float32)  # more than the worker's arena holds
+            return [pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", big)]) for _ in requests]
         if mode.startswith("sleep:"):
             time.sleep(float(mode.split(":", 1)[1]))
         responses = []
