@@ -99,8 +99,8 @@ class CallContext:
     __slots__ = (
         "connection", "stream_id", "method", "metadata", "encoding", "accepts", "compression",
         "window", "outbox", "started", "finished", "remote_closed", "task", "messages",
-        "prefix", "flag", "body", "filled", "received", "timer", "expired",
-        "started_ns", "after_send",
+        "prefix", "flag", "body", "filled", "received", "held", "timer", "expired",
+        "started_ns", "after_send", "sender",
     )  # fmt: skip
 
     def __init__(self, connection: Connection, stream_id: int) -> None:
@@ -118,17 +118,21 @@ class CallContext:
         self.finished = False  # trailers queued
         self.remote_closed = False
         self.task: asyncio.Task[None] | None = None
-        self.messages: asyncio.Queue[Buffer | None] | list[Buffer] = []
+        # a unary call's one message; a client-streaming call's, with their sizes on the
+        # wire, until its coroutine reads them
+        self.messages: asyncio.Queue[tuple[Buffer, int] | None] | list[Buffer] = []
         self.prefix = b""  # a message prefix split across frames
         self.flag = 0  # of the message being filled: compressed or not
         self.body: memoryview | None = None  # a message being received
         self.filled = 0  # its bytes so far
         self.received = 0  # DATA bytes since this stream's window was last opened
+        self.held = 0  # of them, the bytes of messages waiting unread in ``messages``
         self.timer: asyncio.TimerHandle | None = None
         self.expired = False
         self.started_ns = time.monotonic_ns()  # when the call's HEADERS came
         # called with True once the answer is handed to the connection (False: it never was)
         self.after_send: Callable[[bool], None] | None = None
+        self.sender: asyncio.Future[None] | None = None  # waits until the outbox is empty
 
     # -- requests in ----------------------------------------------------------------------
     def read_headers(self, headers: list[tuple[str, str]]) -> tuple[str, float | None]:
@@ -177,7 +181,7 @@ class CallContext:
                 start += take
                 if self.filled == len(self.body):
                     body, self.body = self.body, None
-                    self._deliver(self.flag, body)
+                    self._deliver(self.flag, body, 5 + len(body))
                 continue
             if not self.prefix and end - start >= 5:
                 prefix = bytes(view[start : start + 5])
@@ -197,7 +201,7 @@ class CallContext:
                     f"Received message larger than max ({length} vs. {limit})",
                 )
             if end - start >= length:
-                self._deliver(prefix[0], bytes(view[start : start + length]))
+                self._deliver(prefix[0], bytes(view[start : start + length]), 5 + length)
                 start += length
             else:
                 self.flag = prefix[0]
@@ -211,7 +215,7 @@ class CallContext:
                         grpc.StatusCode.RESOURCE_EXHAUSTED, f"no memory for {length} bytes"
                     ) from None
 
-    def _deliver(self, compressed: int, body: Buffer) -> None:
+    def _deliver(self, compressed: int, body: Buffer, wire_size: int) -> None:
         if compressed:
             if self.encoding not in _WBITS:
                 raise Abort(
@@ -243,7 +247,13 @@ class CallContext:
                 )
             messages.append(body)
         else:
-            messages.put_nowait(body)
+            self.held += wire_size
+            messages.put_nowait((body, wire_size))
+
+    def taken(self, wire_size: int) -> None:
+        """The call's coroutine has read a message: its window may open again."""
+        self.held -= wire_size
+        self.connection.reopen(self)
 
     # -- what handlers use ---------------------------------------------------------------
     def invocation_metadata(self) -> list[tuple[str, str | bytes]]:
@@ -310,7 +320,7 @@ class CallContext:
         try:
             try:
                 if isinstance(messages, asyncio.Queue):
-                    request: Any = _requests(messages, method.decode)
+                    request: Any = _requests(self, method.decode)
                 else:
                     request = method.decode(messages[0])
                     messages.clear()
@@ -319,6 +329,8 @@ class CallContext:
             if method.server_streaming:
                 async for response in method.behaviour(request, self):
                     self.send_message(method.encode(response))
+                    if self.outbox:  # the client's window is shut: no more until it opens
+                        await self._sent_out()
             else:
                 response = await method.behaviour(request, self)
                 self.send_message(method.encode(response), last=True)
@@ -337,19 +349,34 @@ class CallContext:
         finally:
             self._sent(False)
 
+    async def _sent_out(self) -> None:
+        """Until what the call has sent is all out of its outbox (or the call is dropped)."""
+        self.sender = asyncio.get_running_loop().create_future()
+        try:
+            await self.sender
+        finally:
+            self.sender = None
+
+    def wake_sender(self) -> None:
+        """The outbox is empty (or dropped): a stream waiting to send goes on."""
+        if self.sender is not None and not self.sender.done():
+            self.sender.set_result(None)
+
     def _sent(self, sent: bool) -> None:
         hook, self.after_send = self.after_send, None
         if hook is not None:
             hook(sent)
 
 
-async def _requests(
-    messages: asyncio.Queue[Buffer | None], decode: Callable[[Buffer], Any]
-) -> AsyncIterator[Any]:
+async def _requests(call: CallContext, decode: Callable[[Buffer], Any]) -> AsyncIterator[Any]:
+    messages = call.messages
+    assert isinstance(messages, asyncio.Queue)
     while True:
-        message = await messages.get()
-        if message is None:
+        item = await messages.get()
+        if item is None:
             return
+        message, wire_size = item
+        call.taken(wire_size)
         try:
             request = decode(message)
         except Exception as exc:  # noqa: BLE001 - a client's bytes, not our bug

@@ -10,9 +10,10 @@ trailers together.
 What a gRPC server owes its clients, and where it is done:
 
 * HTTP/2 (RFC 9113): the preface, SETTINGS both ways, PING answers, flow control in
-  both directions (receive windows are opened wide and topped up; sends wait for the
-  peer's windows), CONTINUATION, padding, RST_STREAM, GOAWAY on stop (calls in flight
-  get the grace period, then are cancelled).
+  both directions (the connection's receive window is opened wide, each stream's is
+  bounded and reopened as its messages are read: :data:`STREAM_WINDOW`; sends wait for
+  the peer's windows), CONTINUATION, padding, RST_STREAM, GOAWAY on stop (calls in
+  flight get the grace period, then are cancelled).
 * gRPC over HTTP/2 (one call per stream, in :mod:`dlserve.frontends.grpc_calls`):
   length-prefixed messages split across DATA frames or sharing one, ``grpc-timeout``
   (the call is cancelled and answered DEADLINE_EXCEEDED), ``grpc-encoding`` and
@@ -89,7 +90,14 @@ MAX_STREAMS = 1000  # calls open at once on one connection (SETTINGS_MAX_CONCURR
 HEADER_LIST_LIMIT = 1 << 16  # a call's metadata, as SETTINGS_MAX_HEADER_LIST_SIZE counts it
 INLINE_SEND = 1 << 16  # answers up to this size are joined into one write; larger stay views
 BLOCK_LIMIT = 1 << 20  # past this a header block ends the connection (HPACK state is shared)
-TOP_UP = 1 << 30  # received bytes after which a window is opened again
+TOP_UP = 1 << 30  # received bytes after which the connection's window is opened again
+# A stream's receive window. What a stream took is given back once it comes to half
+# the window: at once for a unary call's bytes and for a message still being cut (so
+# one bigger than the window arrives, and a 64 MiB request never waits), but for the
+# whole messages a streaming call holds only once its coroutine has read them. So a
+# client that streams requests faster than they are answered is held back by flow
+# control instead of filling the server's memory.
+STREAM_WINDOW = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -143,7 +151,7 @@ class Connection(asyncio.Protocol):
             SETTING.pack(key, value)
             for key, value in (
                 (MAX_CONCURRENT_STREAMS, MAX_STREAMS),
-                (INITIAL_WINDOW_SIZE, MAX_WINDOW),
+                (INITIAL_WINDOW_SIZE, STREAM_WINDOW),
                 (MAX_FRAME_SIZE, RECEIVE_FRAME),
                 (MAX_HEADER_LIST_SIZE, HEADER_LIST_LIMIT),
             )
@@ -312,9 +320,6 @@ class Connection(asyncio.Protocol):
                 return
         if call is None or call.remote_closed:
             return  # answered already (or reset): the bytes only count for the window
-        if call.received > TOP_UP and self.transport is not None:
-            self._out(frame(WINDOW_UPDATE, 0, stream_id, U32.pack(call.received)))
-            call.received = 0
         try:
             call.feed(view, start, end)
         except Abort as abort:
@@ -322,6 +327,16 @@ class Connection(asyncio.Protocol):
             return
         if flags & END_STREAM:
             self._remote_end(call)
+        else:
+            self.reopen(call)
+
+    def reopen(self, call: CallContext) -> None:
+        """Give a stream back the window its bytes took, but for messages it holds
+        unread, once that comes to half the window (one WINDOW_UPDATE per half)."""
+        free = call.received - call.held
+        if free >= STREAM_WINDOW // 2 and self.transport is not None and not call.remote_closed:
+            self._out(frame(WINDOW_UPDATE, 0, call.stream_id, U32.pack(free)))
+            call.received -= free
 
     def _headers(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
         if kind == CONTINUATION:
@@ -594,6 +609,8 @@ class Connection(asyncio.Protocol):
                 self._out(chunk)
             if outbox:
                 waiting.append(call)
+            else:
+                call.wake_sender()
         self.blocked = waiting
 
     def _refuse(self, call: CallContext, code: grpc.StatusCode, details: str) -> None:
@@ -618,6 +635,7 @@ class Connection(asyncio.Protocol):
         """The client reset the call or went away: stop it, send nothing more."""
         call.finished = True
         call.outbox.clear()
+        call.wake_sender()
         if call.task is not None and not call.task.done():
             call.task.cancel()
         self._forget(call)

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from dlserve.frontends import KServeGrpc
+from dlserve.frontends.grpc_server import STREAM_BACKLOG
 from dlserve.frontends.proto import grpc_service_pb2 as pb
 from dlserve.frontends.proto import grpc_service_pb2_grpc as pb_grpc
 
@@ -103,6 +104,7 @@ class H2Client:
         self.encoder, self.decoder = hpack.Encoder(), hpack.Decoder()
         self.buffer = b""
         self.last_stream = -1
+        self.connection_window = 65535  # what we may send, as the server's updates grow it
         payload = b"".join(struct.pack(">HI", k, v) for k, v in (settings or {}).items())
         self.sock.sendall(PREFACE + frame(SETTINGS, 0, 0, payload))
 
@@ -118,6 +120,8 @@ class H2Client:
             elif f.kind == SETTINGS:
                 theirs = dict(struct.iter_unpack(">HI", f.payload))
                 self.send(SETTINGS, ACK)
+            elif f.kind == WINDOW_UPDATE and f.stream == 0:
+                self.connection_window += struct.unpack(">I", f.payload)[0]
         return theirs
 
     def close(self) -> None:
@@ -250,6 +254,72 @@ def sleep_request(seconds: float) -> bytes:
     return request.SerializeToString()
 
 
+def faulty_request(values: int, mode: str = "ok") -> bytes:
+    """The ``faulty`` model echoing ``values`` floats (after misbehaving as ``mode`` says)."""
+    request = pb.ModelInferRequest(model_name="faulty")
+    request.parameters["mode"].string_param = mode
+    request.inputs.add(name="INPUT0", datatype="FP32", shape=[values])
+    request.raw_input_contents.append(np.ones(values, np.float32).tobytes())
+    return request.SerializeToString()
+
+
+class CreditedSender:
+    """Sends one stream's bytes only as the server's flow-control windows allow,
+    reading the server's frames (its window updates, the call's answer) meanwhile."""
+
+    def __init__(self, client: H2Client, stream: int, stream_window: int) -> None:
+        self.client, self.stream = client, stream
+        self.stream_credit, self.connection_credit = stream_window, client.connection_window
+        self.answer = Answer()
+        self.data = bytearray()  # the answer's DATA (joined into it at the end: megabytes)
+
+    def send(self, data: bytes, quiet: float) -> int:
+        """Send ``data``; returns how much went out before the server granted nothing
+        more for ``quiet`` seconds (all of it if it never stopped)."""
+        sent = 0
+        while sent < len(data):
+            allowed = min(self.stream_credit, self.connection_credit, 1 << 16, len(data) - sent)
+            if allowed > 0:
+                self.client.send(DATA, 0, self.stream, data[sent : sent + allowed])
+                sent += allowed
+                self.stream_credit -= allowed
+                self.connection_credit -= allowed
+                continue
+            try:
+                self.read(quiet)
+            except TimeoutError:
+                return sent
+        return sent
+
+    def read(self, timeout: float) -> Frame:
+        f = self.client.recv(timeout)
+        assert f is not None, "connection closed"
+        if f.kind == WINDOW_UPDATE:
+            increment = struct.unpack(">I", f.payload)[0]
+            if f.stream == 0:
+                self.connection_credit += increment
+            elif f.stream == self.stream:
+                self.stream_credit += increment
+        elif f.kind == DATA and f.stream == self.stream:
+            self.data += f.payload
+        elif f.kind == HEADERS and f.stream == self.stream:
+            headers = dict(self.client.decoder.decode(f.payload, raw=False))
+            if f.flags & END_STREAM:
+                self.answer.trailers = headers
+                self.answer.data = bytes(self.data)
+            else:
+                self.answer.headers = headers
+        return f
+
+    def finish(self, timeout: float) -> Answer:
+        """End our side of the call; the whole answer."""
+        self.client.send(DATA, END_STREAM, self.stream)
+        deadline = time.monotonic() + timeout
+        while not self.answer.trailers:
+            self.read(max(0.01, deadline - time.monotonic()))
+        return self.answer
+
+
 def wait_until_faulty_is_idle(client: H2Client) -> None:
     """Sleeps of earlier tests may still run in ``faulty``'s one instance: wait them out,
     so that the next call executes at once."""
@@ -326,7 +396,9 @@ def test_unary_call_by_hand(h2):
 def test_server_settings_and_window(port):
     with H2Client(port) as client:
         settings = client.handshake()
-    assert settings[INITIAL_WINDOW_SIZE] == 2**31 - 1  # receive windows opened wide
+    # streams' receive windows are bounded (flow control that reaches the client) and
+    # wide enough for big tensors; the connection's is opened wide
+    assert 1 << 20 <= settings[INITIAL_WINDOW_SIZE] <= 1 << 26
     assert settings[0x5] >= 16384  # MAX_FRAME_SIZE
 
 
@@ -733,6 +805,65 @@ def test_a_stalled_stream_does_not_block_the_others(port):
             answers = client.collect(moving, timeout=1.0)
         assert answers, "the call with an open window got nothing"
         assert len(answers[moving].response().raw_output_contents[0]) == 4096
+
+
+def stream_backlog_bound(settings: dict[int, int], message: int) -> int:
+    """The most a stream call may take in while nothing it sent is answered: the
+    server's stream window, plus a message per request it holds (in flight or with an
+    answer waiting to go out), plus the one being cut."""
+    return settings[INITIAL_WINDOW_SIZE] + (STREAM_BACKLOG + 2) * message
+
+
+def test_a_stream_that_sends_faster_than_the_model_answers_is_held_back(port):
+    """Flow control reaches the client: while the model is busy the server stops
+    taking a stream's requests once it holds a bounded number, and stops granting
+    window for more; when the model catches up, every request is answered."""
+    with H2Client(port, settings={INITIAL_WINDOW_SIZE: 1 << 30}) as client:
+        settings = client.handshake()
+        client.send(WINDOW_UPDATE, 0, 0, struct.pack(">I", 1 << 30))  # answers flow freely
+        wait_until_faulty_is_idle(client)
+        echo = prefixed(faulty_request(16 * 1024))  # 64 KiB each
+        bound = stream_backlog_bound(settings, len(echo))
+        count = 2 * bound // len(echo)
+        data = prefixed(sleep_request(2)) + echo * count
+        stream = client.new_stream()
+        client.send(HEADERS, END_HEADERS, stream, client.header_block(STREAM_INFER))
+        sender = CreditedSender(client, stream, settings[INITIAL_WINDOW_SIZE])
+        taken = sender.send(data, quiet=0.5)
+        assert taken < len(data), "the server took the whole stream while the model slept"
+        assert settings[INITIAL_WINDOW_SIZE] < taken <= bound + (1 << 16), (taken, bound)
+        # the model wakes up: the server takes the rest as it answers
+        assert sender.send(data[taken:], quiet=10) == len(data) - taken
+        answer = sender.finish(timeout=30)
+    assert answer.status == 0, answer.message
+    replies = [pb.ModelStreamInferResponse.FromString(m) for m in answer.messages()]
+    assert len(replies) == count + 1
+    assert not any(reply.error_message for reply in replies)
+
+
+def test_a_stream_whose_client_reads_no_answers_is_held_back(port):
+    """Answers the client grants no window for wait in the server, but only a bounded
+    number: then it takes no more of the stream's requests. Once the client reads,
+    every answer comes."""
+    with H2Client(port) as client:  # the default 65,535-byte windows, never opened further
+        settings = client.handshake()
+        wait_until_faulty_is_idle(client)
+        echo = prefixed(faulty_request(16 * 1024))
+        bound = stream_backlog_bound(settings, len(echo)) + 65535
+        count = 2 * bound // len(echo)
+        stream = client.new_stream()
+        client.send(HEADERS, END_HEADERS, stream, client.header_block(STREAM_INFER))
+        sender = CreditedSender(client, stream, settings[INITIAL_WINDOW_SIZE])
+        taken = sender.send(echo * count, quiet=0.5)
+        assert taken < len(echo) * count, "the server took every request; answers pile up"
+        assert settings[INITIAL_WINDOW_SIZE] < taken <= bound + (1 << 16), (taken, bound)
+        # now the client reads
+        client.send(WINDOW_UPDATE, 0, 0, struct.pack(">I", 1 << 30))
+        client.send(WINDOW_UPDATE, 0, stream, struct.pack(">I", 1 << 30))
+        assert sender.send((echo * count)[taken:], quiet=10) == len(echo) * count - taken
+        answer = sender.finish(timeout=30)
+    assert answer.status == 0, answer.message
+    assert len(answer.messages()) == count
 
 
 def test_garbage_instead_of_the_preface(port):
