@@ -11,6 +11,15 @@ A view of a byte range is an *anchor*: a ctypes array built over the mapping.
 numpy arrays made from an anchor keep it alive through ``.base``, and DLPack
 consumers keep those arrays alive through their capsules, so an anchor dies
 exactly when the last view of its bytes does. Arenas hang their lifetimes on that.
+
+Where ``/dev/shm`` cannot hold a new segment (Docker gives containers 64 MiB unless
+told ``--shm-size``; Kubernetes and SageMaker often no way to change it), the segment
+is a memfd instead: anonymous shared memory, limited only by the process's memory,
+named ``<name>@<pid>.<fd>.<inode>`` so that the other processes of the server open it
+through ``/proc/<pid>/fd/<fd>`` (and know it is still that memfd). It needs no
+clean-up: the kernel frees it once the last process that has it open or mapped lets
+go, crashes included. ``DLSERVE_SHM=memfd`` makes every segment a memfd (nothing of
+dlserve's in ``/dev/shm`` at all).
 """
 
 from __future__ import annotations
@@ -25,6 +34,8 @@ from dlserve.errors import InvalidArgumentError, UnavailableError
 
 SHM_DIR = "/dev/shm"
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
+_MEMFD_NAME = re.compile(r"^([A-Za-z0-9_.\-]{1,200})@(\d+)\.(\d+)\.(\d+)$")  # name@pid.fd.inode
+BACKING_VARIABLE = "DLSERVE_SHM"  # "memfd": every segment is one; otherwise /dev/shm first
 
 
 def shm_path(name: str) -> str:
@@ -35,6 +46,19 @@ def shm_path(name: str) -> str:
     return os.path.join(SHM_DIR, bare)
 
 
+def _open(name: str) -> int:
+    """A descriptor of a peer's segment: through /proc/<pid>/fd/<fd> for a memfd (if it
+    is still the same memfd: the number may have been reused), else in /dev/shm."""
+    memfd = _MEMFD_NAME.match(name)
+    if memfd is None:
+        return os.open(shm_path(name), os.O_RDWR)
+    fd = os.open(f"/proc/{memfd[2]}/fd/{memfd[3]}", os.O_RDWR)
+    if os.fstat(fd).st_ino != int(memfd[4]):
+        os.close(fd)
+        raise FileNotFoundError(f"shared memory segment {name} is gone")
+    return fd
+
+
 def _anchor_type(nbytes: int) -> type[ctypes.Array[Any]]:
     return ctypes.c_char * nbytes  # ctypes caches array types per length
 
@@ -42,10 +66,18 @@ def _anchor_type(nbytes: int) -> type[ctypes.Array[Any]]:
 class Segment:
     """One mapped shared-memory object; the same class serves owner and peers."""
 
-    __slots__ = ("name", "size", "owned", "inode", "_mm", "_skip", "address", "__weakref__")
+    __slots__ = (
+        "name", "size", "owned", "inode", "_mm", "_skip", "address", "_memfd", "__weakref__"
+    )  # fmt: skip
 
     def __init__(
-        self, name: str, mm: mmap.mmap, owned: bool, skip: int = 0, inode: int = 0
+        self,
+        name: str,
+        mm: mmap.mmap,
+        owned: bool,
+        skip: int = 0,
+        inode: int = 0,
+        memfd: int | None = None,
     ) -> None:
         """Wrap ``mm``; the segment's byte 0 is byte ``skip`` of the mapping.
 
@@ -58,34 +90,56 @@ class Segment:
         self.inode = inode  # tells a re-created object of the same name from the old one
         self._mm = mm
         self._skip = skip
+        self._memfd = memfd  # the owner's descriptor of a memfd segment, open until unlink
         probe = ctypes.c_char.from_buffer(mm, skip)
         self.address = ctypes.addressof(probe)
         del probe  # a lingering export would pin the mapping forever
 
     @classmethod
     def create(cls, name: str, size: int) -> Segment:
-        """Create, size and pre-fault a new segment; fails early if /dev/shm is full."""
+        """Create, size and pre-fault a new segment: in /dev/shm, or a memfd where
+        /dev/shm cannot hold it (see the module's docstring). The memory is
+        reserved now, so a full machine fails here, not with a SIGBUS later."""
         path = shm_path(name)
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        if os.environ.get(BACKING_VARIABLE) == "memfd":
+            return cls._create_memfd(name, size, "")
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        except FileExistsError:
+            raise
+        except OSError as exc:  # no /dev/shm, or not ours to write
+            return cls._create_memfd(name, size, f"{SHM_DIR}: {exc.strerror}")
         try:
             try:
                 os.posix_fallocate(fd, 0, size)
             except OSError as exc:
                 os.unlink(path)
-                raise UnavailableError(
-                    f"failed to allocate {size} bytes of shared memory in {SHM_DIR}: "
-                    f"{exc.strerror}; in a container, raise --shm-size"
-                ) from None
+                return cls._create_memfd(name, size, f"{SHM_DIR}: {exc.strerror}")
             mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
         finally:
             os.close(fd)
         return cls(name, mm, owned=True)
 
     @classmethod
+    def _create_memfd(cls, name: str, size: int, why_not_shm: str) -> Segment:
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+            os.posix_fallocate(fd, 0, size)
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        except OSError as exc:
+            os.close(fd)
+            shm = f" (nor in {why_not_shm})" if why_not_shm else ""
+            raise UnavailableError(
+                f"failed to allocate {size} bytes of shared memory: {exc.strerror}{shm}"
+            ) from None
+        inode = os.fstat(fd).st_ino
+        return cls(f"{name}@{os.getpid()}.{fd}.{inode}", mm, owned=True, inode=inode, memfd=fd)
+
+    @classmethod
     def open(cls, name: str, offset: int = 0, size: int | None = None) -> Segment:
         """Map an existing segment (read-write) created by another process."""
-        path = shm_path(name)
-        fd = os.open(path, os.O_RDWR)
+        fd = _open(name)
         try:
             stat = os.fstat(fd)
             total = stat.st_size
@@ -116,6 +170,11 @@ class Segment:
 
     def unlink(self) -> None:
         """Remove the name; existing mappings stay valid until their views die."""
+        if _MEMFD_NAME.match(self.name):  # closing the owner's descriptor is a memfd's unlink
+            fd, self._memfd = self._memfd, None
+            if fd is not None:
+                os.close(fd)
+            return
         try:
             os.unlink(shm_path(self.name))
         except FileNotFoundError:

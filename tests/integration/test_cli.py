@@ -79,13 +79,20 @@ class Serve:
     """A ``dlserve serve`` process on free 127.0.0.1 ports; output goes to files."""
 
     def __init__(
-        self, workdir: Path, args: list[str], env: dict | None = None, ports: dict | None = None
+        self,
+        workdir: Path,
+        args: list[str],
+        env: dict | None = None,
+        ports: dict | None = None,
+        wrapper: tuple[str, ...] = (),
     ) -> None:
+        """``wrapper``: a command that runs ``dlserve serve ...`` (given as its
+        arguments) in place of itself, such as ``unshare``."""
         self.ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
         self.ports.update(ports or {})
         self.out = workdir / f"serve_{id(self)}.out"
         self.err = workdir / f"serve_{id(self)}.err"
-        command = [DLSERVE, "serve", *args]
+        command = [*wrapper, DLSERVE, "serve", *args]
         for service, port in self.ports.items():
             command += [f"--{service}-address", "127.0.0.1", f"--{service}-port", str(port)]
         with self.out.open("w") as out, self.err.open("w") as err:

@@ -539,3 +539,77 @@ def test_forget_segments_by_prefix(segment, prefix):
         assert space.find(other, 0, 8) is keep
     finally:
         other.unlink()
+
+
+# -- memfd segments (where /dev/shm cannot hold one) -------------------------------------
+def _write_in_another_process(name: str, offset: int, data: bytes) -> None:
+    """Open segment ``name`` the way a worker does, in a new process, and write ``data``."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from dlserve.memory.shm import Segment; "
+        "s = Segment.open(sys.argv[1]); a = s.anchor(int(sys.argv[2]), len(sys.argv[3])); "
+        "a[:] = sys.argv[3].encode()"
+    )
+    subprocess.run([sys.executable, "-c", code, name, str(offset), data.decode()], check=True)
+
+
+def test_memfd_segments_live_outside_dev_shm_and_peers_open_them(prefix, monkeypatch):
+    monkeypatch.setenv("DLSERVE_SHM", "memfd")
+    segment = Segment.create(f"{prefix}_m", 2 * PAGE)
+    assert segment.name.startswith(f"{prefix}_m@{os.getpid()}.") and segment.owned
+    assert segment.size == 2 * PAGE
+    assert shm_entries(prefix) == []  # nothing of it in /dev/shm
+    _write_in_another_process(segment.name, PAGE + 3, b"written by a peer")
+    view = segment.anchor(PAGE + 3, 17)
+    assert bytes(view) == b"written by a peer"
+    segment.unlink()
+    segment.unlink()  # idempotent, as for /dev/shm names
+    with pytest.raises(FileNotFoundError):
+        Segment.open(segment.name)  # its descriptor is closed: no peer can open it any more
+    assert bytes(view) == b"written by a peer"  # while mappings stay valid
+    # Its number, taken by another file now, does not pass for the segment.
+    number = int(segment.name.rpartition("@")[2].split(".")[1])
+    null = os.open("/dev/null", os.O_RDWR)
+    if null != number:
+        os.dup2(null, number)
+        os.close(null)
+    try:
+        with pytest.raises(FileNotFoundError, match="is gone"):
+            Segment.open(segment.name)
+    finally:
+        os.close(number)
+
+
+def test_a_segment_dev_shm_cannot_hold_becomes_a_memfd(prefix, monkeypatch):
+    import dlserve.memory.shm as shm
+
+    monkeypatch.setattr(shm, "SHM_DIR", "/nonexistent/dev/shm")
+    segment = Segment.create(f"{prefix}_fallback", PAGE)
+    try:
+        assert "@" in segment.name
+        _write_in_another_process(segment.name, 0, b"ok")
+        assert bytes(segment.anchor(0, 2)) == b"ok"
+    finally:
+        segment.unlink()
+
+
+def test_an_arena_grows_in_memfd_segments(prefix, monkeypatch):
+    monkeypatch.setenv("DLSERVE_SHM", "memfd")
+    space = MemorySpace()
+    arena = Arena(space, prefix, initial_size=PAGE, growth_size=PAGE)
+    blocks = [arena.copy(np.full(PAGE, i, dtype=np.uint8)) for i in range(3)]
+    names = {block.segment.name for block in blocks}
+    assert len(names) == 3 and all("@" in name for name in names)
+    for i, block in enumerate(blocks):
+        assert space.locate(np.frombuffer(block, dtype=np.uint8)) is not None
+        assert bytes(block) == bytes([i]) * PAGE
+    del blocks
+    arena.close()
+    assert shm_entries(prefix) == []
+
+
+def test_a_memfd_name_from_a_client_is_just_an_invalid_key():
+    with pytest.raises(InvalidArgumentError, match="invalid shared memory key"):
+        shm_path("region@1.3")  # never read as another process's descriptor

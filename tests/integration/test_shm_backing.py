@@ -1,0 +1,101 @@
+"""Serving where /dev/shm is small or unwanted: a segment /dev/shm cannot hold is a
+memfd (dlserve.memory.shm), so Docker's default 64 MiB /dev/shm is no limit, and
+``DLSERVE_SHM=memfd`` keeps dlserve out of /dev/shm altogether."""
+
+from __future__ import annotations
+
+import glob
+import json
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+
+from .test_cli import Serve
+
+MIB = 1 << 20
+
+
+def bls_via_identity(infer, data: np.ndarray) -> tuple[np.ndarray, dict]:
+    """The bls model calling identity with ``data``: its output and what it noted."""
+    outputs = infer("bls", data, {"route": "identity"})
+    info = json.loads(outputs["INFO"][0])
+    return outputs["OUTPUT0"], info
+
+
+def test_with_every_segment_a_memfd_nothing_is_in_dev_shm(servers, make_repo, monkeypatch):
+    monkeypatch.setenv("DLSERVE_SHM", "memfd")  # read by the server and its workers
+    server = servers.start(make_repo("identity", "bls", "add_sub"))
+    assert server.model("bls").ready() and server.model("identity").ready()
+    big = np.random.default_rng(0).random(MIB, dtype=np.float32)  # 4 MiB: by reference
+
+    (response,) = server.model("identity").infer(inputs={"INPUT0": big})
+    np.testing.assert_array_equal(response.outputs["OUTPUT0"].to_host().as_numpy(), big)
+
+    def infer(model: str, data: np.ndarray, parameters: dict) -> dict:
+        (answer,) = server.model(model).infer(inputs={"INPUT0": data}, parameters=parameters)
+        outputs = {name: tensor.to_host() for name, tensor in answer.outputs.items()}
+        return {
+            name: tensor.to_bytes_array() if name == "INFO" else tensor.as_numpy()
+            for name, tensor in outputs.items()
+        }
+
+    output, info = bls_via_identity(infer, big)
+    np.testing.assert_array_equal(output, big)
+    # worker to worker through the server, by reference, in memfds of three processes
+    assert info == {"same_memory": True, "via": "identity"}
+    assert glob.glob(f"/dev/shm/{server.engine.segment_prefix}*") == []
+
+
+def private_dev_shm_works() -> bool:
+    probe = subprocess.run(
+        ["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
+        capture_output=True,
+        check=False,
+    )
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(
+    not private_dev_shm_works(), reason="needs unshare and mount (root) for a private /dev/shm"
+)
+def test_serves_with_a_64_mib_dev_shm_as_docker_gives(tmp_path: Path, make_repo):
+    """Docker's default --shm-size is 64 MiB: the server's own arena takes it all,
+    and every worker, every BLS call and a 16 MiB request still go through."""
+    repo = make_repo("identity", "bls", "add_sub")
+    mount = 'mount -t tmpfs -o size=64m tmpfs /dev/shm && exec "$0" "$@"'
+    server = Serve(
+        tmp_path, ["--model-repository", str(repo)], wrapper=("unshare", "-m", "sh", "-c", mount)
+    )
+    try:
+        server.wait_started()
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{server.ports['http']}")
+        assert client.is_server_ready()
+
+        def infer(model: str, data: np.ndarray, parameters: dict) -> dict:
+            tensor = httpclient.InferInput("INPUT0", list(data.shape), "FP32")
+            tensor.set_data_from_numpy(data)
+            result = client.infer(model, [tensor], parameters=parameters)
+            names = [output["name"] for output in result.get_response()["outputs"]]
+            return {name: result.as_numpy(name) for name in names}
+
+        big = np.random.default_rng(1).random(4 * MIB, dtype=np.float32)  # 16 MiB
+        np.testing.assert_array_equal(infer("identity", big, {})["OUTPUT0"], big)
+        output, info = bls_via_identity(infer, big[:MIB])
+        np.testing.assert_array_equal(output, big[:MIB])
+        assert info["via"] == "identity"
+        # /dev/shm full with the server's arena, the workers' arenas are memfds
+        workers = server.workers()
+        assert len(workers) == 3
+        for worker in workers:
+            maps = Path(f"/proc/{worker.pid}/maps").read_text()
+            assert "/memfd:dlserve_" in maps, worker.cmdline()
+        client.close()
+        code, _ = server.stop()
+        assert code == 0, server.output()
+        assert "No space left" not in server.output()
+        server.assert_clean()
+    finally:
+        server.kill()
