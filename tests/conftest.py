@@ -76,8 +76,6 @@ def worker_processes(segment_prefix: str) -> list[int]:
     found = []
     for process in psutil.process_iter(["cmdline"]):
         cmdline = process.info["cmdline"] or []
-        if "dlserve.ipc.stub" not in cmdline:
-            continue
         for flag, value in zip(cmdline, cmdline[1:]):
             if flag == "--segment-prefix" and value.startswith(f"{segment_prefix}_"):
                 found.append(process.pid)

@@ -9,6 +9,7 @@ segment and no worker process (workers carry ``--segment-prefix dlserve_<pid>_..
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import http.client
 import json
@@ -27,6 +28,8 @@ import psutil
 import pytest
 
 from dlserve.cli import build_parser
+
+from ..conftest import worker_processes
 
 BIN = Path(sys.executable).parent
 DLSERVE = str(BIN / "dlserve")
@@ -132,16 +135,10 @@ class Serve:
 
     def workers(self) -> list[psutil.Process]:
         """Live worker processes of this server (found by their segment prefix)."""
-        marker = f"dlserve_{self.pid}_"
         found = []
-        for proc in psutil.process_iter(["cmdline", "status"]):
-            try:
-                if proc.info["status"] != psutil.STATUS_ZOMBIE and any(
-                    marker in part for part in proc.info["cmdline"] or []
-                ):
-                    found.append(proc)
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
+        for pid in worker_processes(f"dlserve_{self.pid}"):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                found.append(psutil.Process(pid))
         return found
 
     def assert_clean(self) -> None:
