@@ -154,6 +154,8 @@ class ModelInstance:
             reply = await worker.request(
                 Kind.INIT, {"model_file": str(self.model.model_file), "args": self.initialize_args()}
             )
+            if not worker.alive:  # it died right after answering, before it was READY
+                raise WorkerGoneError("worker process is not running")
         except TritonError as exc:
             if isinstance(exc, WorkerGoneError):  # the worker died during initialize
                 await worker.wait_exited()
@@ -208,8 +210,9 @@ class ModelInstance:
 
     def _on_worker_exit(self, worker: WorkerProcess, description: str) -> None:
         if worker is not self._worker or self.state is not InstanceState.READY:
-            # It died before it served (in initialize): the start() waiting for it
-            # fails, and whoever called it (a load, the restart loop) deals with that.
+            # It died before it served (in or right after initialize): the start()
+            # waiting for it fails, and whoever called it (a load, the restart loop)
+            # deals with that.
             return
         self.last_error = description
         self.calls.close()
@@ -350,7 +353,13 @@ class ModelInstance:
                     self._result(handle, request, reply)
                     for handle, request, reply in zip(handles, requests, replies)
                 ]
-            except TritonError as exc:
+            except Exception as exc:  # noqa: BLE001 - answer the requests rather than hang them
+                for reply in replies:
+                    if isinstance(reply, tuple):
+                        self._discard(reply)  # the worker's memory goes back at once
+                if not isinstance(exc, TritonError):  # (a TritonError: e.g. unmappable memory)
+                    log.exception("reading the execute reply of '%s' failed", self.name)
+                    exc = InternalError(f"reading the model's responses failed: {exc}")
                 done(exc, None)
                 return
             t3 = time.monotonic_ns()
@@ -382,7 +391,14 @@ class ModelInstance:
             return
         if final:
             self._streaming.pop(handle, None)
-        response = self._response(request, wire) if wire is not None else None
+        try:
+            response = self._response(request, wire) if wire is not None else None
+        except TritonError as exc:  # its outputs cannot be read: the request fails with that
+            self._discard(wire)
+            self._streaming.pop(handle, None)
+            self._held.pop(handle, None)
+            self.model.scheduler.fail(request, exc)
+            return
         if not self.model.decoupled:
             # Default mode: the one response becomes final with the flag that closes it.
             if not final:

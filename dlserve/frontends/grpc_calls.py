@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import collections
+import contextlib
 import logging
 import re
 import time
@@ -118,9 +119,9 @@ class CallContext:
         self.finished = False  # trailers queued
         self.remote_closed = False
         self.task: asyncio.Task[None] | None = None
-        # a unary call's one message; a client-streaming call's, with their sizes on the
-        # wire, until its coroutine reads them
-        self.messages: asyncio.Queue[tuple[Buffer, int] | None] | list[Buffer] = []
+        # a unary call's one message; a client-streaming call's as they came (body,
+        # compressed, size on the wire), until its coroutine reads them
+        self.messages: asyncio.Queue[tuple[Buffer, int, int] | None] | list[Buffer] = []
         self.prefix = b""  # a message prefix split across frames
         self.flag = 0  # of the message being filled: compressed or not
         self.body: memoryview | None = None  # a message being received
@@ -216,44 +217,51 @@ class CallContext:
                     ) from None
 
     def _deliver(self, compressed: int, body: Buffer, wire_size: int) -> None:
-        if compressed:
-            if self.encoding not in _WBITS:
-                raise Abort(
-                    grpc.StatusCode.UNIMPLEMENTED,
-                    f"Compressed message with grpc-encoding '{self.encoding}' is not supported",
-                )
-            limit = self.connection.settings.max_message_size
-            inflater = zlib.decompressobj(wbits=_WBITS[self.encoding])
-            try:
-                body = inflater.decompress(body, limit + 1)
-            except zlib.error as exc:
-                raise Abort(grpc.StatusCode.INTERNAL, f"bad compressed message: {exc}") from None
-            if len(body) > limit:
-                raise Abort(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"Received message larger than max ({len(body)} vs. {limit})",
-                )
-            if not inflater.eof or inflater.unused_data:
-                raise Abort(
-                    grpc.StatusCode.INTERNAL,
-                    "bad compressed message: "
-                    + ("cut short" if not inflater.eof else "bytes after its end"),
-                )
         messages = self.messages
         if isinstance(messages, list):
             if messages:  # refused now, not kept until the client ends its side
                 raise Abort(
                     grpc.StatusCode.UNIMPLEMENTED, "a unary call takes one request message"
                 )
-            messages.append(body)
+            messages.append(self._inflated(body) if compressed else body)
         else:
+            # Kept as it came (a compressed one is inflated when read): the bytes the
+            # stream's window holds back are the bytes held here.
             self.held += wire_size
-            messages.put_nowait((body, wire_size))
+            messages.put_nowait((body, compressed, wire_size))
 
-    def taken(self, wire_size: int) -> None:
-        """The call's coroutine has read a message: its window may open again."""
+    def take(self, message: tuple[Buffer, int, int]) -> Buffer:
+        """A queued message, read by the call's coroutine: its bytes no longer count
+        against the stream's window."""
+        body, compressed, wire_size = message
         self.held -= wire_size
         self.connection.reopen(self)
+        return self._inflated(body) if compressed else body
+
+    def _inflated(self, body: Buffer) -> Buffer:
+        if self.encoding not in _WBITS:
+            raise Abort(
+                grpc.StatusCode.UNIMPLEMENTED,
+                f"Compressed message with grpc-encoding '{self.encoding}' is not supported",
+            )
+        limit = self.connection.settings.max_message_size
+        inflater = zlib.decompressobj(wbits=_WBITS[self.encoding])
+        try:
+            body = inflater.decompress(body, limit + 1)
+        except zlib.error as exc:
+            raise Abort(grpc.StatusCode.INTERNAL, f"bad compressed message: {exc}") from None
+        if len(body) > limit:
+            raise Abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"Received message larger than max ({len(body)} vs. {limit})",
+            )
+        if not inflater.eof or inflater.unused_data:
+            raise Abort(
+                grpc.StatusCode.INTERNAL,
+                "bad compressed message: "
+                + ("cut short" if not inflater.eof else "bytes after its end"),
+            )
+        return body
 
     # -- what handlers use ---------------------------------------------------------------
     def invocation_metadata(self) -> list[tuple[str, str | bytes]]:
@@ -327,10 +335,13 @@ class CallContext:
             except Exception as exc:  # noqa: BLE001 - a client's bytes, not our bug
                 raise Abort(grpc.StatusCode.INTERNAL, f"unparsable request: {exc}") from None
             if method.server_streaming:
-                async for response in method.behaviour(request, self):
-                    self.send_message(method.encode(response))
-                    if self.outbox:  # the client's window is shut: no more until it opens
-                        await self._sent_out()
+                # closed on the way out, so that a call cancelled while it waits to send
+                # runs the behaviour's clean-up now, not when the collector finds it
+                async with contextlib.aclosing(method.behaviour(request, self)) as responses:
+                    async for response in responses:
+                        self.send_message(method.encode(response))
+                        if self.outbox:  # the client's window is shut: wait until it opens
+                            await self._sent_out()
             else:
                 response = await method.behaviour(request, self)
                 self.send_message(method.encode(response), last=True)
@@ -375,8 +386,7 @@ async def _requests(call: CallContext, decode: Callable[[Buffer], Any]) -> Async
         item = await messages.get()
         if item is None:
             return
-        message, wire_size = item
-        call.taken(wire_size)
+        message = call.take(item)
         try:
             request = decode(message)
         except Exception as exc:  # noqa: BLE001 - a client's bytes, not our bug

@@ -83,8 +83,8 @@ HEADER_PREFIX = "triton-grpc-protocol-"
 EMPTY_FINAL = "triton_enable_empty_final_response"
 TRITON_PARAMETERS = (EMPTY_FINAL,)
 FINAL_RESPONSE = "triton_final_response"
-# Requests one ModelStreamInfer call may hold (in flight, or answered and waiting to
-# be sent) before it reads more from the client (see _Stream).
+# Answers one ModelStreamInfer call may hold unsent (the client's window is shut)
+# before it reads no more of the client's requests (see _Stream).
 STREAM_BACKLOG = 128
 # infer_compression_level -> the algorithm gRPC core picks for that level when the client
 # accepts gzip and deflate (its ranking: low = gzip, medium and high = deflate).
@@ -840,31 +840,29 @@ class InferenceServicer:
 class _Stream:
     """One ModelStreamInfer call: requests in, responses out in completion order.
 
-    It reads no more requests while it holds :data:`STREAM_BACKLOG` of them (in flight,
-    or with answers waiting to be sent): the unread ones then stay with the transport,
-    which reopens the client's window only as they are read. So a client that sends
-    faster than the models answer, or that reads no answers, waits; the server's
-    memory does not grow."""
+    A client that reads no answers is held back: while :data:`STREAM_BACKLOG` answers
+    wait unsent (its window is shut), the call reads no more of its requests, which stay
+    with the transport, which reopens the client's window only as they are read. Only
+    answers count: requests in flight do not, since a model may hold some open until a
+    later one arrives (a decoupled model answering a whole utterance at its end), and
+    not reading that one would hang the stream. Two bounds are the models' to set: how
+    many requests wait to execute (``max_queue_size`` of a dynamic batcher, as in
+    Triton), and how many answers a decoupled model sends for one request."""
 
     def __init__(self, servicer: InferenceServicer, context: Any) -> None:
         self.servicer = servicer
         self.context = context
         self.queue: asyncio.Queue[Answer | None] = asyncio.Queue()
         self.pending: set[Request] = set()
-        self.room = asyncio.Event()  # set when the backlog may have shrunk
+        self.room = asyncio.Event()  # set when an answer leaves the queue
         self.reading = True
         self.failure: Abort | None = None
-
-    @property
-    def backlog(self) -> int:
-        """Requests not yet answered, and answers not yet handed to the transport."""
-        return len(self.pending) + self.queue.qsize()
 
     async def read(self, requests: AsyncIterator[InferCall]) -> None:
         try:
             async for message in requests:
                 self.submit(message)
-                while self.backlog >= STREAM_BACKLOG:
+                while self.queue.qsize() >= STREAM_BACKLOG:
                     self.room.clear()
                     await self.room.wait()
         except Abort as abort:
@@ -917,7 +915,6 @@ class _Stream:
             return  # cancelled meanwhile
         if response.final:
             self.pending.discard(request)
-            self.room.set()
         if response.flags_only and not empty_final:
             # Only clients that asked for it get a final with nothing in it.
             if not self.reading and not self.pending:

@@ -95,8 +95,8 @@ TOP_UP = 1 << 30  # received bytes after which the connection's window is opened
 # the window: at once for a unary call's bytes and for a message still being cut (so
 # one bigger than the window arrives, and a 64 MiB request never waits), but for the
 # whole messages a streaming call holds only once its coroutine has read them. So a
-# client that streams requests faster than they are answered is held back by flow
-# control instead of filling the server's memory.
+# streaming call that stops reading (its client reads no answers, grpc_server._Stream)
+# holds the client back by flow control instead of filling the server's memory.
 STREAM_WINDOW = 8 << 20
 
 
@@ -556,10 +556,9 @@ class Connection(asyncio.Protocol):
         self._flush()
 
     def send_trailers(self, call: CallContext, block: bytes) -> None:
-        if call.timer is not None:
-            call.timer.cancel()
         if call.outbox:
-            call.outbox.append(block)  # after the data still waiting for window
+            # after the data still waiting for window; the deadline still holds for it
+            call.outbox.append(block)
             return
         self._send_trailers(call, block)
 

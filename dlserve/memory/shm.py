@@ -47,15 +47,29 @@ def shm_path(name: str) -> str:
 
 
 def _open(name: str) -> int:
-    """A descriptor of a peer's segment: through /proc/<pid>/fd/<fd> for a memfd (if it
-    is still the same memfd: the number may have been reused), else in /dev/shm."""
+    """A descriptor of a peer's segment: in /dev/shm, or through /proc/<pid>/fd/<fd> for
+    a memfd (if that is still the same memfd: the number may have been reused). A memfd
+    that cannot be opened (its owner is gone, or is not dumpable) is UNAVAILABLE."""
     memfd = _MEMFD_NAME.match(name)
     if memfd is None:
         return os.open(shm_path(name), os.O_RDWR)
-    fd = os.open(f"/proc/{memfd[2]}/fd/{memfd[3]}", os.O_RDWR)
-    if os.fstat(fd).st_ino != int(memfd[4]):
+    path = f"/proc/{memfd[2]}/fd/{memfd[3]}"
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError as exc:
+        raise UnavailableError(
+            f"cannot open shared memory segment {name} through {path}: {exc.strerror}"
+        ) from None
+    try:
+        same = (
+            os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
+            and os.fstat(fd).st_ino == int(memfd[4])
+        )
+    except OSError:
+        same = False
+    if not same:
         os.close(fd)
-        raise FileNotFoundError(f"shared memory segment {name} is gone")
+        raise UnavailableError(f"shared memory segment {name} is gone")
     return fd
 
 
@@ -122,13 +136,15 @@ class Segment:
 
     @classmethod
     def _create_memfd(cls, name: str, size: int, why_not_shm: str) -> Segment:
-        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        fd = -1
         try:
+            fd = os.memfd_create(name, os.MFD_CLOEXEC)
             os.ftruncate(fd, size)
             os.posix_fallocate(fd, 0, size)
             mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
         except OSError as exc:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
             shm = f" (nor in {why_not_shm})" if why_not_shm else ""
             raise UnavailableError(
                 f"failed to allocate {size} bytes of shared memory: {exc.strerror}{shm}"

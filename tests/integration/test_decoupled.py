@@ -16,10 +16,11 @@ from tritonclient.utils import InferenceServerException
 
 import dlserve
 from dlserve.frontends import KServeGrpc
+from dlserve.frontends.grpc_server import STREAM_BACKLOG
 
 from ..conftest import frontend, serve
 
-MODELS = ["decoupled", "default_sender", "async_overlap", "add_sub"]
+MODELS = ["decoupled", "default_sender", "async_overlap", "add_sub", "gather"]
 
 
 @pytest.fixture(scope="module")
@@ -267,6 +268,22 @@ def test_grpc_stream_error_mid_stream(grpc_url):
     assert second is None and isinstance(error1, InferenceServerException)
     assert "failed halfway" in error1.message()
     assert after[0][0].as_numpy("OUT").tolist() == [1]
+
+
+def test_a_stream_keeps_reading_while_a_model_holds_its_requests_open(grpc_url):
+    """The model answers every request only when a later one says so: more open
+    requests than a stream keeps unsent answers must not stop it reading that one."""
+    count = STREAM_BACKLOG + 72
+    results: queue.Queue = queue.Queue()
+    with grpcclient.InferenceServerClient(grpc_url) as client:
+        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        for i in range(count):
+            tensor = grpcclient.InferInput("IN", [1], "INT32")
+            tensor.set_data_from_numpy(np.array([i], np.int32))
+            client.async_stream_infer("gather", [tensor], parameters={"flush": i == count - 1})
+        got = collect(results, until_final=False, count=count)
+        client.stop_stream()
+    assert sorted(int(r.as_numpy("OUT")[0]) for r, _ in got) == list(range(count))
 
 
 def test_grpc_unary_infer_refuses_a_decoupled_model(grpc_url):

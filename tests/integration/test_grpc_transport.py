@@ -807,63 +807,67 @@ def test_a_stalled_stream_does_not_block_the_others(port):
         assert len(answers[moving].response().raw_output_contents[0]) == 4096
 
 
-def stream_backlog_bound(settings: dict[int, int], message: int) -> int:
-    """The most a stream call may take in while nothing it sent is answered: the
-    server's stream window, plus a message per request it holds (in flight or with an
-    answer waiting to go out), plus the one being cut."""
-    return settings[INITIAL_WINDOW_SIZE] + (STREAM_BACKLOG + 2) * message
-
-
-def test_a_stream_that_sends_faster_than_the_model_answers_is_held_back(port):
-    """Flow control reaches the client: while the model is busy the server stops
-    taking a stream's requests once it holds a bounded number, and stops granting
-    window for more; when the model catches up, every request is answered."""
-    with H2Client(port, settings={INITIAL_WINDOW_SIZE: 1 << 30}) as client:
-        settings = client.handshake()
-        client.send(WINDOW_UPDATE, 0, 0, struct.pack(">I", 1 << 30))  # answers flow freely
-        wait_until_faulty_is_idle(client)
-        echo = prefixed(faulty_request(16 * 1024))  # 64 KiB each
-        bound = stream_backlog_bound(settings, len(echo))
-        count = 2 * bound // len(echo)
-        data = prefixed(sleep_request(2)) + echo * count
-        stream = client.new_stream()
-        client.send(HEADERS, END_HEADERS, stream, client.header_block(STREAM_INFER))
-        sender = CreditedSender(client, stream, settings[INITIAL_WINDOW_SIZE])
-        taken = sender.send(data, quiet=0.5)
-        assert taken < len(data), "the server took the whole stream while the model slept"
-        assert settings[INITIAL_WINDOW_SIZE] < taken <= bound + (1 << 16), (taken, bound)
-        # the model wakes up: the server takes the rest as it answers
-        assert sender.send(data[taken:], quiet=10) == len(data) - taken
-        answer = sender.finish(timeout=30)
+def test_compressed_messages_on_a_stream_are_inflated_as_they_are_read(h2):
+    gzipped = [("grpc-encoding", "gzip")]
+    stream = h2.new_stream()
+    h2.send(HEADERS, END_HEADERS, stream, h2.header_block(STREAM_INFER, gzipped))
+    packed = [gzip.compress(add_sub_request(A + i, B, id=str(i))) for i in range(3)]
+    h2.send(DATA, END_STREAM, stream, b"".join(prefixed(p, flag=1) for p in packed))
+    answer = h2.collect(stream)[stream]
     assert answer.status == 0, answer.message
     replies = [pb.ModelStreamInferResponse.FromString(m) for m in answer.messages()]
-    assert len(replies) == count + 1
-    assert not any(reply.error_message for reply in replies)
+    assert sorted(r.infer_response.id for r in replies) == ["0", "1", "2"]
+    # a damaged one ends the call when it is read
+    stream = h2.new_stream()
+    h2.send(HEADERS, END_HEADERS, stream, h2.header_block(STREAM_INFER, gzipped))
+    h2.send(DATA, END_STREAM, stream, prefixed(b"not gzip at all", flag=1))
+    answer = h2.collect(stream)[stream]
+    assert answer.status == grpc.StatusCode.INTERNAL.value[0]
+    assert "bad compressed message" in answer.message
 
 
-def test_a_stream_whose_client_reads_no_answers_is_held_back(port):
+def answered(server) -> int:
+    """Requests the ``faulty`` model has answered so far."""
+    stats = server.model("faulty").statistics()["model_stats"][0]["inference_stats"]
+    return stats["success"]["count"] + stats["fail"]["count"]
+
+
+def test_a_stream_whose_client_reads_no_answers_is_held_back(server, port):
     """Answers the client grants no window for wait in the server, but only a bounded
-    number: then it takes no more of the stream's requests. Once the client reads,
-    every answer comes."""
+    number: then the call reads no more requests and the window shuts on the client.
+    Once the client reads, every answer comes."""
     with H2Client(port) as client:  # the default 65,535-byte windows, never opened further
         settings = client.handshake()
         wait_until_faulty_is_idle(client)
-        echo = prefixed(faulty_request(16 * 1024))
-        bound = stream_backlog_bound(settings, len(echo)) + 65535
-        count = 2 * bound // len(echo)
+        echo = prefixed(faulty_request(16 * 1024))  # 64 KiB, and as much back
         stream = client.new_stream()
         client.send(HEADERS, END_HEADERS, stream, client.header_block(STREAM_INFER))
         sender = CreditedSender(client, stream, settings[INITIAL_WINDOW_SIZE])
-        taken = sender.send(echo * count, quiet=0.5)
-        assert taken < len(echo) * count, "the server took every request; answers pile up"
-        assert settings[INITIAL_WINDOW_SIZE] < taken <= bound + (1 << 16), (taken, bound)
+        base, sent = answered(server), 0
+        # One request at a time, each answered before the next goes, until answers stop
+        # coming: the call has stopped reading.
+        while True:
+            assert sender.send(echo, quiet=5) == len(echo)
+            sent += 1
+            deadline = time.monotonic() + 1
+            while answered(server) < base + sent and time.monotonic() < deadline:
+                time.sleep(0.002)
+            if answered(server) < base + sent:
+                break
+            assert sent <= 2 * STREAM_BACKLOG, "answers nobody reads keep being made"
+        assert STREAM_BACKLOG <= answered(server) - base <= STREAM_BACKLOG + 2
+        # What the client may still send is what is left of the stream's window.
+        more = sender.send(echo * (settings[INITIAL_WINDOW_SIZE] // len(echo) + 8), quiet=0.5)
+        assert more <= settings[INITIAL_WINDOW_SIZE]
+        sent_bytes = sent * len(echo) + more
         # now the client reads
         client.send(WINDOW_UPDATE, 0, 0, struct.pack(">I", 1 << 30))
         client.send(WINDOW_UPDATE, 0, stream, struct.pack(">I", 1 << 30))
-        assert sender.send((echo * count)[taken:], quiet=10) == len(echo) * count - taken
+        rest = -sent_bytes % len(echo)  # the message cut by the shut window
+        assert sender.send(echo[len(echo) - rest :] if rest else b"", quiet=10) == rest
         answer = sender.finish(timeout=30)
     assert answer.status == 0, answer.message
-    assert len(answer.messages()) == count
+    assert len(answer.messages()) == (sent_bytes + rest) // len(echo)
 
 
 def test_garbage_instead_of_the_preface(port):

@@ -196,3 +196,36 @@ def test_a_live_worker_that_answers_unavailable_is_not_taken_for_dead(server):
     assert server.model("faulty").ready()
     assert worker_pid(server) == pid
     assert server.engine.model("faulty").instances[0].restarts == 0
+
+
+def test_a_worker_that_dies_right_after_initialize_is_never_left_ready(servers, make_repo):
+    """The worker answers INIT and exits 50 ms later, while the server's loop is busy:
+    the reply and the death are read in the same turn. The instance must not end up
+    READY over a dead worker (every request would fail and nothing would restart it)."""
+    repo = make_repo("faulty")
+    (repo / "faulty" / "EXIT_AFTER_INITIALIZE").write_text("")
+    initializing = repo / "faulty" / "INITIALIZING"
+    options = dlserve.Options(model_repository=str(repo), exit_timeout=5, exit_on_error=False)
+    server = dlserve.Server(options)
+    servers.servers.append(server)  # stopped and checked for leaks by the harness
+
+    def busy_loop_while_the_worker_answers_and_dies() -> None:
+        deadline = time.monotonic() + 30
+        while not initializing.exists():
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.005)
+        time.sleep(0.1)
+        server.loop.call_soon_threadsafe(time.sleep, 0.6)
+
+    blocker = threading.Thread(target=busy_loop_while_the_worker_answers_and_dies)
+    blocker.start()
+    server.start(wait_until_ready=False)
+    blocker.join()
+    time.sleep(1)  # the worker is long dead
+    (entry,) = [m for (name, _), m in server.models().items() if name == "faulty"]
+    if entry.state == "READY":  # the death came after READY: the instance restarts
+        instance = server.engine.model("faulty").instances[0]
+        assert instance.worker is not None and instance.worker.alive, instance.state
+    else:  # both came together: the load failed with the worker's exit
+        assert entry.state == "UNAVAILABLE" and "exited with code 7" in entry.reason, entry

@@ -147,19 +147,21 @@ class H2Connection(asyncio.Protocol):
         return waiter
 
     def _flush(self) -> None:
-        """Send what the windows allow of the streams waiting, in order."""
+        """Send what the windows allow of the streams waiting, in order; a stream whose
+        own window is shut waits without holding up the others."""
         transport = self.transport
-        while self.blocked and transport is not None:
-            stream_id = self.blocked[0]
+        if transport is None:
+            return
+        waiting: collections.deque[int] = collections.deque()
+        for stream_id in self.blocked:
             stream = self.streams.get(stream_id)
             if stream is None:
-                self.blocked.popleft()
                 continue
             while stream.pending:
                 chunk = stream.pending[0]
                 allowed = min(self.send_window, stream.window)
                 if allowed <= 0:
-                    return
+                    break
                 if len(chunk) > allowed:
                     stream.pending[0] = chunk[allowed:]
                     chunk = chunk[:allowed]
@@ -170,7 +172,9 @@ class H2Connection(asyncio.Protocol):
                 stream.window -= len(chunk)
                 transport.write(HEAD.pack((len(chunk) << 8) | DATA, END_STREAM if last else 0, stream_id))
                 transport.write(chunk)
-            self.blocked.popleft()
+            if stream.pending:
+                waiting.append(stream_id)
+        self.blocked = waiting
 
     # -- receiving ----------------------------------------------------------------------------
     def data_received(self, data: bytes) -> None:

@@ -5,13 +5,16 @@ exit | kill | segv | sleep:<seconds> | no_shm (the output needs more shared memo
 than the worker may create: as with a full /dev/shm)
 
 While a file named CRASH_ON_INITIALIZE sits in the model's folder, initialize()
-ends the process (exit code 5), as a model that cannot come back up would.
+ends the process (exit code 5), as a model that cannot come back up would. With
+EXIT_AFTER_INITIALIZE there, initialize() writes INITIALIZING, returns 0.3 s later,
+and the process exits (code 7) 50 ms after that, as if a thread it started crashed.
 """
 import ctypes
 import json
 import os
 import resource
 import signal
+import threading
 import time
 
 import numpy as np
@@ -21,8 +24,13 @@ import triton_python_backend_utils as pb_utils
 
 class TritonPythonModel:
     def initialize(self, args):
-        if os.path.exists(os.path.join(args["model_repository"], "CRASH_ON_INITIALIZE")):
+        folder = args["model_repository"]
+        if os.path.exists(os.path.join(folder, "CRASH_ON_INITIALIZE")):
             os._exit(5)
+        if os.path.exists(os.path.join(folder, "EXIT_AFTER_INITIALIZE")):
+            open(os.path.join(folder, "INITIALIZING"), "w").close()
+            time.sleep(0.3)
+            threading.Thread(target=lambda: (time.sleep(0.05), os._exit(7))).start()
 
     def execute(self, requests):
         mode = json.loads(requests[0].parameters()).get("mode", "ok")
