@@ -819,16 +819,23 @@ class InferenceServicer:
         reader = asyncio.get_running_loop().create_task(stream.read(request_iterator))
         try:
             while True:
-                item = await stream.queue.get()
+                entry = await stream.queue.get()
                 stream.room.set()
-                if item is None:
+                if entry is None:
                     if stream.failure is not None:
                         raise stream.failure  # a message that was no request ends the call
                     break
-                yield item
+                item, trace = entry
+                try:
+                    yield item  # back here once it is handed to the transport
+                finally:
+                    if trace is not None:
+                        trace.record("GRPC_SEND_END")
+                        trace.release()
         finally:
             reader.cancel()
             stream.cancel_pending()
+            stream.release_traces()
             try:
                 await reader
             except asyncio.CancelledError:
@@ -852,7 +859,9 @@ class _Stream:
     def __init__(self, servicer: InferenceServicer, context: Any) -> None:
         self.servicer = servicer
         self.context = context
-        self.queue: asyncio.Queue[Answer | None] = asyncio.Queue()
+        # answers in completion order, each with the trace it holds open until it is sent
+        self.queue: asyncio.Queue[tuple[Answer, Trace | None] | None] = asyncio.Queue()
+        self.waiting_since: int = context.started_ns  # for the next request's GRPC_WAITREAD_START
         self.pending: set[Request] = set()
         self.room = asyncio.Event()  # set when an answer leaves the queue
         self.reading = True
@@ -889,18 +898,23 @@ class _Stream:
                 self.pending.discard(request)
                 raise
             if request.trace is not None:
+                request.trace.record("GRPC_WAITREAD_START", self.waiting_since)
                 request.trace.record("GRPC_WAITREAD_END", received)
         except TritonError as exc:
             self.refuse(message, exc.message)
         except Exception as exc:  # noqa: BLE001 - a bug answers this request, not the stream
             log.exception("gRPC stream request failed")
             self.refuse(message, f"{type(exc).__name__}: {exc}")
+        self.waiting_since = time.monotonic_ns()
 
     def refuse(self, message: pb.ModelInferRequest, error: str) -> None:
         # Refused before reaching a model: Triton answers with just the request id.
         self.queue.put_nowait(
-            pb.ModelStreamInferResponse(
-                error_message=error, infer_response=pb.ModelInferResponse(id=message.id)
+            (
+                pb.ModelStreamInferResponse(
+                    error_message=error, infer_response=pb.ModelInferResponse(id=message.id)
+                ),
+                None,
             )
         )
 
@@ -934,11 +948,20 @@ class _Stream:
             infer = pb.ModelInferResponse(model_name=response.model_name, id=response.request_id)
             infer.parameters[FINAL_RESPONSE].bool_param = response.final
             item = pb.ModelStreamInferResponse(error_message=error, infer_response=infer)
-        if request.trace is not None:  # still open: this runs inside the engine's delivery
-            request.trace.record("GRPC_SEND_START")
-        self.queue.put_nowait(item)
+        trace = request.trace
+        if trace is not None:  # still open: this runs inside the engine's delivery
+            trace.record("GRPC_SEND_START")
+            trace.hold()  # until the answer is sent
+        self.queue.put_nowait((item, trace))
         if not self.reading and not self.pending:
             self.queue.put_nowait(None)
+
+    def release_traces(self) -> None:
+        """The call is over: the traces of answers never sent are let go."""
+        while not self.queue.empty():
+            entry = self.queue.get_nowait()
+            if entry is not None and entry[1] is not None:
+                entry[1].release()
 
     def cancel_pending(self) -> None:
         pending, self.pending = self.pending, set()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import glob
 import json
+import queue
 import shutil
 import time
 import urllib.error
@@ -151,6 +152,31 @@ def test_traces_have_tritons_events_in_order_for_http_grpc_an_ensemble_and_bls(t
         inner = dict(step["events"])
         assert stamps["REQUEST_START"] <= inner["REQUEST_START"]
         assert inner["REQUEST_START"] <= inner["REQUEST_END"] <= stamps["REQUEST_END"]
+
+
+def test_requests_on_a_grpc_stream_are_traced_like_unary_calls(traced):
+    """Each request on a ModelStreamInfer stream gets the events of a unary gRPC call:
+    waiting for its message (from the end of the one before), and its answer sent."""
+    _, urls, file = traced
+    answers: queue.Queue = queue.Queue()
+    with grpcclient.InferenceServerClient(urls["grpc"]) as client:
+        client.start_stream(callback=lambda result, error: answers.put((result, error)))
+        for i in range(2):
+            inputs = [grpcclient.InferInput(name, [4], "FP32") for name in ("INPUT0", "INPUT1")]
+            for tensor in inputs:
+                tensor.set_data_from_numpy(A)
+            client.async_stream_infer("add_sub", inputs, request_id=f"stream-{i}")
+            result, error = answers.get(timeout=10)
+            assert error is None, error
+        client.stop_stream()
+    traces = sorted(read_traces(numbered(file, 2)), key=lambda t: t["request_id"])
+    unary = next(t for t in REFERENCE["traces"] if t["request_id"] == "grpc-add_sub")
+    assert [t["request_id"] for t in traces] == ["stream-0", "stream-1"]
+    for trace in traces:
+        in_order(trace)
+        assert sorted(name for name, _ in trace["events"]) == sorted(unary["events"])
+    first, second = (dict(t["events"]) for t in traces)
+    assert first["GRPC_WAITREAD_END"] <= second["GRPC_WAITREAD_START"]
 
 
 def test_the_in_process_api_traces_without_frontend_events(traced):
