@@ -360,7 +360,7 @@ class ModelInstance:
                 if not isinstance(exc, TritonError):  # (a TritonError: e.g. unmappable memory)
                     log.exception("reading the execute reply of '%s' failed", self.name)
                     exc = InternalError(f"reading the model's responses failed: {exc}")
-                done(exc, None)
+                done(exc.with_traceback(None), None)  # (its frames hold the memory given back)
                 return
             t3 = time.monotonic_ns()
             for trace in traces:
@@ -388,16 +388,20 @@ class ModelInstance:
             if wire is not None:
                 self._discard(wire)  # the request was cancelled: return its memory at once
             self._streaming.pop(handle, None)
+            self._held.pop(handle, None)
             return
         if final:
             self._streaming.pop(handle, None)
         try:
             response = self._response(request, wire) if wire is not None else None
-        except TritonError as exc:  # its outputs cannot be read: the request fails with that
+        except Exception as exc:  # noqa: BLE001 - fail this request, keep the channel
+            # (a TritonError: its outputs are in memory that cannot be mapped)
+            if not isinstance(exc, TritonError):
+                log.exception("reading a response of '%s' failed", self.name)
+                exc = InternalError(f"reading the model's response failed: {exc}")
             self._discard(wire)
-            self._streaming.pop(handle, None)
-            self._held.pop(handle, None)
-            self.model.scheduler.fail(request, exc)
+            self._cancel(handle)  # the model stops making responses nobody will read
+            self.model.scheduler.fail(request, exc.with_traceback(None))
             return
         if not self.model.decoupled:
             # Default mode: the one response becomes final with the flag that closes it.

@@ -827,10 +827,11 @@ class InferenceServicer:
                     break
                 item, trace = entry
                 try:
-                    yield item  # back here once it is handed to the transport
+                    yield item
+                    if trace is not None:  # back here once it was handed to the transport
+                        trace.record("GRPC_SEND_END")
                 finally:
                     if trace is not None:
-                        trace.record("GRPC_SEND_END")
                         trace.release()
         finally:
             reader.cancel()

@@ -55,19 +55,16 @@ def _open(name: str) -> int:
         return os.open(shm_path(name), os.O_RDWR)
     path = f"/proc/{memfd[2]}/fd/{memfd[3]}"
     try:
-        fd = os.open(path, os.O_RDWR)
+        # what the number names now, before opening it: opening a terminal or a
+        # device has effects of its own
+        if not os.readlink(path).startswith("/memfd:"):
+            raise UnavailableError(f"shared memory segment {name} is gone")
+        fd = os.open(path, os.O_RDWR | os.O_NOCTTY)
     except OSError as exc:
         raise UnavailableError(
             f"cannot open shared memory segment {name} through {path}: {exc.strerror}"
         ) from None
-    try:
-        same = (
-            os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
-            and os.fstat(fd).st_ino == int(memfd[4])
-        )
-    except OSError:
-        same = False
-    if not same:
+    if os.fstat(fd).st_ino != int(memfd[4]):  # another memfd took the number
         os.close(fd)
         raise UnavailableError(f"shared memory segment {name} is gone")
     return fd
