@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import glob
 import json
+import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -13,6 +15,7 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
+from ..conftest import pid_alive, wait_until
 from .test_cli import Serve
 
 MIB = 1 << 20
@@ -99,3 +102,25 @@ def test_serves_with_a_64_mib_dev_shm_as_docker_gives(tmp_path: Path, make_repo)
         server.assert_clean()
     finally:
         server.kill()
+
+
+def test_a_killed_worker_with_memfd_segments_is_replaced_and_leaves_nothing(
+    servers, make_repo, monkeypatch
+):
+    """Nothing to unlink after a SIGKILL: the kernel frees a dead worker's memfds once
+    the server lets go of its mappings, and the restarted worker makes new ones."""
+    monkeypatch.setenv("DLSERVE_SHM", "memfd")
+    server = servers.start(make_repo("identity"))
+    assert server.model("identity").ready()
+    big = np.arange(MIB, dtype=np.float32)
+    instance = server.engine.model("identity").instances[0]
+    for _ in range(2):
+        (response,) = server.model("identity").infer(inputs={"INPUT0": big})
+        np.testing.assert_array_equal(response.outputs["OUTPUT0"].to_host().as_numpy(), big)
+        del response
+        pid = instance.pid
+        os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: not pid_alive(pid))
+        wait_until(lambda: server.model("identity").ready() and instance.pid != pid)
+    assert instance.restarts == 2
+    assert glob.glob(f"/dev/shm/{server.engine.segment_prefix}*") == []
