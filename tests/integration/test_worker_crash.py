@@ -224,8 +224,9 @@ def test_a_worker_that_dies_right_after_initialize_is_never_left_ready(servers, 
     blocker.join()
     time.sleep(1)  # the worker is long dead
     (entry,) = [m for (name, _), m in server.models().items() if name == "faulty"]
-    if entry.state == "READY":  # the death came after READY: the instance restarts
+    if entry.state == "READY":  # the death came after READY: the instance restarted
         instance = server.engine.model("faulty").instances[0]
         assert instance.worker is not None and instance.worker.alive, instance.state
+        assert instance.restarts == 1
     else:  # both came together: the load failed with the worker's exit
         assert entry.state == "UNAVAILABLE" and "exited with code 7" in entry.reason, entry

@@ -6,8 +6,9 @@ than the worker may create: as with a full /dev/shm)
 
 While a file named CRASH_ON_INITIALIZE sits in the model's folder, initialize()
 ends the process (exit code 5), as a model that cannot come back up would. With
-EXIT_AFTER_INITIALIZE there, initialize() writes INITIALIZING, returns 0.3 s later,
-and the process exits (code 7) 50 ms after that, as if a thread it started crashed.
+EXIT_AFTER_INITIALIZE there (taken away: once), initialize() writes INITIALIZING,
+returns 0.3 s later, and the process exits (code 7) 50 ms after that, as if a thread
+it started crashed.
 """
 import ctypes
 import json
@@ -28,6 +29,7 @@ class TritonPythonModel:
         if os.path.exists(os.path.join(folder, "CRASH_ON_INITIALIZE")):
             os._exit(5)
         if os.path.exists(os.path.join(folder, "EXIT_AFTER_INITIALIZE")):
+            os.unlink(os.path.join(folder, "EXIT_AFTER_INITIALIZE"))
             open(os.path.join(folder, "INITIALIZING"), "w").close()
             time.sleep(0.3)
             threading.Thread(target=lambda: (time.sleep(0.05), os._exit(7))).start()
