@@ -25,6 +25,7 @@ dlserve's in ``/dev/shm`` at all).
 from __future__ import annotations
 
 import ctypes
+import logging
 import mmap
 import os
 import re
@@ -36,6 +37,9 @@ SHM_DIR = "/dev/shm"
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
 _MEMFD_NAME = re.compile(r"^([A-Za-z0-9_.\-]{1,200})@(\d+)\.(\d+)\.(\d+)$")  # name@pid.fd.inode
 BACKING_VARIABLE = "DLSERVE_SHM"  # "memfd": every segment is one; otherwise /dev/shm first
+
+log = logging.getLogger("dlserve.memory")
+_told_fallback = False  # the first memfd a full /dev/shm causes is logged, once per process
 
 
 def shm_path(name: str) -> str:
@@ -133,6 +137,13 @@ class Segment:
 
     @classmethod
     def _create_memfd(cls, name: str, size: int, why_not_shm: str) -> Segment:
+        global _told_fallback
+        if why_not_shm and not _told_fallback:
+            _told_fallback = True
+            log.warning(
+                "a %d-byte shared memory segment does not fit in %s; using memfd segments "
+                "instead (a larger --shm-size puts them back in /dev/shm)", size, why_not_shm
+            )
         fd = -1
         try:
             fd = os.memfd_create(name, os.MFD_CLOEXEC)

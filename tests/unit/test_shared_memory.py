@@ -582,11 +582,17 @@ def test_memfd_segments_live_outside_dev_shm_and_peers_open_them(prefix, monkeyp
         os.close(number)
 
 
-def test_a_segment_dev_shm_cannot_hold_becomes_a_memfd(prefix, monkeypatch):
+def test_a_segment_dev_shm_cannot_hold_becomes_a_memfd(prefix, monkeypatch, caplog):
     import dlserve.memory.shm as shm
 
     monkeypatch.setattr(shm, "SHM_DIR", "/nonexistent/dev/shm")
+    monkeypatch.setattr(shm, "_told_fallback", False)
     segment = Segment.create(f"{prefix}_fallback", PAGE)
+    second = Segment.create(f"{prefix}_fallback2", PAGE)
+    second.unlink()
+    # said once, naming why, so that an operator knows /dev/shm is too small
+    warnings = [r.getMessage() for r in caplog.records if r.name == "dlserve.memory"]
+    assert len(warnings) == 1 and "does not fit in /nonexistent/dev/shm" in warnings[0]
     try:
         assert "@" in segment.name
         _write_in_another_process(segment.name, 0, b"ok")
