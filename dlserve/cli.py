@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     models = serve.add_argument_group("models")
     models.add_argument(
         "--model-repository", "--model-store", action="append", default=[], metavar="PATH",
-        help="model repository folder; repeat for several (default: the bundled examples)",
+        help="model repository folder or s3:// URL; repeat for several (default: the bundled examples)",
     )
     models.add_argument(
         "--model-control-mode", choices=["none", "poll", "explicit"], default="none",

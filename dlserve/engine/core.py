@@ -271,8 +271,9 @@ class Engine:
             stats["instances"] = [instance.status() for instance in model.instances]
         return stats
 
-    def repository_index(self, ready: bool = False) -> list[dict[str, Any]]:
+    async def repository_index(self, ready: bool = False) -> list[dict[str, Any]]:
         assert self.manager is not None
+        await self.manager.refresh_repository()
         return self.manager.index(ready)
 
     # -- model control -------------------------------------------------------------------

@@ -140,9 +140,21 @@ class ModelManager:
                 rows.append(row)
         return rows
 
+    async def refresh_repository(self) -> None:
+        """List remote repositories again (on a thread: it is network I/O)."""
+        if self.repository.remote:
+            await asyncio.to_thread(self.repository.refresh)
+
+    async def _fetch(self, name: str) -> ModelSource:
+        """The model's source, its files brought from a remote repository first."""
+        if self.repository.remote:
+            return await asyncio.to_thread(self.repository.fetch, name)
+        return self.repository.find(name)
+
     # -- start / stop -----------------------------------------------------------------
     async def start(self, startup_models: list[str], poll_interval: float) -> list[str]:
         """Load the models the control mode calls for; returns the load errors."""
+        await self.refresh_repository()
         if self.control_mode is ModelControlMode.EXPLICIT and startup_models != ["*"]:
             if "*" in startup_models:
                 raise InvalidArgumentError("'*' must be the only startup model when it is used")
@@ -201,7 +213,7 @@ class ModelManager:
             raise InvalidArgumentError(
                 f"load of model '{name}': file: parameters need a 'config' parameter too"
             )
-        source = self.repository.write_upload(name, files) if files else self.repository.find(name)
+        source = self.repository.write_upload(name, files) if files else await self._fetch(name)
         entry = self.models.setdefault(name, ModelEntry(name))
         async with entry.lock:
             entry.loading = True
@@ -347,6 +359,7 @@ class ModelManager:
     # -- poll mode --------------------------------------------------------------------
     async def poll(self) -> None:
         """Load new models, reload changed ones, unload removed ones."""
+        await self.refresh_repository()
         found = {n: s for n, s in self.repository.scan().items() if isinstance(s, ModelSource)}
         for name in list(self.models):
             if name not in found and self.models[name].versions:

@@ -1,9 +1,10 @@
-"""Model repositories on disk: Triton's layout, version folders and version policy.
+"""Model repositories: Triton's layout, version folders and version policy.
 
 ``<repository>/<model>/config.pbtxt`` and ``<repository>/<model>/<version>/model.py``.
 Only names found by listing the repositories can be loaded, so a model name from a
 request can never reach outside them; files uploaded with a load request are
-written under a private folder after the same check on every path.
+written under a private folder after the same check on every path. A repository
+may be an ``s3://`` URL: its models are read from a local mirror (object_store).
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from dlserve.engine import config as cfg
+from dlserve.engine.object_store import S3Mirror, Stamps, is_remote
 from dlserve.engine.proto import model_config_pb2 as mc
 from dlserve.errors import InvalidArgumentError, NotFoundError
 
@@ -31,6 +34,9 @@ class ModelSource:
 
     name: str
     path: Path
+    # For a model in an s3:// repository: its objects as last listed (its fingerprint);
+    # ``path`` holds its files once fetched.
+    stamps: Stamps | None = None
 
     @property
     def config_path(self) -> Path:
@@ -52,8 +58,10 @@ class ModelSource:
                 )
         return sorted(versions)
 
-    def fingerprint(self) -> tuple[tuple[str, int, int], ...]:
+    def fingerprint(self) -> tuple[tuple[str, Any, int], ...]:
         """Changes when any file of the model changes (used by poll mode)."""
+        if self.stamps is not None:
+            return self.stamps
         stamps = []
         for root, _dirs, files in os.walk(self.path):
             if "__pycache__" in root:
@@ -104,31 +112,78 @@ def check_model_name(name: str) -> None:
 
 
 class Repository:
-    """One or more repository folders, searched in order; model names must be unique."""
+    """One or more repositories, searched in order; model names must be unique.
+
+    An ``s3://`` repository is listed by :meth:`refresh` and a model's files are
+    downloaded by :meth:`fetch`; both block on the network, so the engine runs them
+    on a thread. :meth:`scan` and :meth:`find` never touch the network.
+    """
 
     def __init__(self, paths: list[str | Path]) -> None:
         self.paths: list[Path] = []
-        for path in paths:
-            resolved = Path(path).expanduser().resolve()
-            if not resolved.is_dir():
-                raise InvalidArgumentError(f"model repository '{path}' is not a directory")
-            self.paths.append(resolved)
+        self._mirrors: dict[Path, S3Mirror] = {}  # local root -> its s3:// repository
+        try:
+            for path in paths:
+                if is_remote(path):
+                    mirror = S3Mirror(str(path))
+                    self._mirrors[mirror.root] = mirror
+                    self.paths.append(mirror.root)
+                    continue
+                if "://" in str(path):
+                    raise InvalidArgumentError(
+                        f"model repository '{path}': only local folders and s3:// URLs are "
+                        "supported, not gs:// or as://"
+                    )
+                resolved = Path(path).expanduser().resolve()
+                if not resolved.is_dir():
+                    raise InvalidArgumentError(f"model repository '{path}' is not a directory")
+                self.paths.append(resolved)
+        except BaseException:
+            for mirror in self._mirrors.values():
+                mirror.close()
+            raise
         self._uploads = Path(tempfile.mkdtemp(prefix="dlserve-uploads-"))
+
+    @property
+    def remote(self) -> bool:
+        """Whether any repository is remote (refresh and fetch do network I/O)."""
+        return bool(self._mirrors)
 
     def scan(self) -> dict[str, ModelSource | str]:
         """Every model folder by name; a name found in two repositories maps to an error."""
         found: dict[str, ModelSource | str] = {}
         for repo in self.paths:
-            for entry in sorted(os.scandir(repo), key=lambda e: e.name):
-                if not entry.is_dir() or entry.name.startswith("."):
-                    continue
-                if entry.name in found:
-                    found[entry.name] = (
-                        f"model '{entry.name}' appears in more than one model repository"
+            mirror = self._mirrors.get(repo)
+            if mirror is not None:
+                listing = sorted(mirror.listing.items())
+                sources = [ModelSource(name, repo / name, stamps) for name, stamps in listing]
+            else:
+                sources = [
+                    ModelSource(entry.name, Path(entry.path))
+                    for entry in sorted(os.scandir(repo), key=lambda e: e.name)
+                    if entry.is_dir() and not entry.name.startswith(".")
+                ]
+            for source in sources:
+                if source.name in found:
+                    found[source.name] = (
+                        f"model '{source.name}' appears in more than one model repository"
                     )
                 else:
-                    found[entry.name] = ModelSource(entry.name, Path(entry.path))
+                    found[source.name] = source
         return found
+
+    def refresh(self) -> None:
+        """List the remote repositories again (blocking)."""
+        for mirror in self._mirrors.values():
+            mirror.refresh()
+
+    def fetch(self, name: str) -> ModelSource:
+        """:meth:`find`, after bringing the model's files from remote repositories up
+        to date (blocking)."""
+        check_model_name(name)
+        for mirror in self._mirrors.values():
+            mirror.fetch(name)
+        return self.find(name)
 
     def find(self, name: str) -> ModelSource:
         entry = self.scan().get(name)
@@ -166,4 +221,6 @@ class Repository:
         return ModelSource(name, root)
 
     def close(self) -> None:
+        for mirror in self._mirrors.values():
+            mirror.close()
         shutil.rmtree(self._uploads, ignore_errors=True)

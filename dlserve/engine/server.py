@@ -535,7 +535,7 @@ class Server:
         return Model(self, model_name, model_version)
 
     def models(self, exclude_not_ready: bool = False) -> ModelDictionary:
-        rows = self._call_sync(lambda e: e.repository_index(exclude_not_ready))
+        rows = self._run(self._engine_or_raise().repository_index(exclude_not_ready))
         models = {}
         for row in rows:
             version = int(row["version"]) if "version" in row else -1

@@ -502,7 +502,7 @@ class InferenceServicer:
     async def RepositoryIndex(self, request: Any, context: Any) -> pb.RepositoryIndexResponse:
         self._check_repository(request.repository_name)
         index = pb.RepositoryIndexResponse.ModelIndex
-        rows = self.engine.repository_index(request.ready)
+        rows = await self.engine.repository_index(request.ready)
         return pb.RepositoryIndexResponse(
             models=[
                 index(

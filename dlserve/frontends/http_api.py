@@ -172,7 +172,7 @@ class KServeHttpApi:
         ready = body.get("ready", False)
         if not isinstance(ready, bool):
             raise InvalidArgumentError("'ready' must be a boolean")
-        return json_response(self.engine.repository_index(ready))
+        return json_response(await self.engine.repository_index(ready))
 
     async def load(self, request: HttpRequest, args: dict[str, str]) -> HttpResponse:
         parameters = _json_object(request, allow_empty=True).get("parameters") or {}

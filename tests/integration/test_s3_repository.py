@@ -1,0 +1,201 @@
+"""s3:// model repositories, against a real S3 API (moto's server on a local port):
+served as Triton serves them, in every model control mode, with the store's changes
+followed and the local copy removed at stop."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import dlserve
+from tests.conftest import MODELS
+
+moto_server = pytest.importorskip("moto.server")
+boto3 = pytest.importorskip("boto3")
+
+BUCKET = "models"
+
+
+class Store:
+    """The S3 server and what the tests do to it (each with a client of its own, closed
+    after, so the leak checks see no pooled connection of ours)."""
+
+    def __init__(self, port: int) -> None:
+        self.endpoint = f"127.0.0.1:{port}"
+
+    def _run(self, action: Callable[[Any], Any]) -> Any:
+        client = boto3.client("s3", endpoint_url=f"http://{self.endpoint}")
+        try:
+            return action(client)
+        finally:
+            client.close()
+
+    def url(self, prefix: str) -> str:
+        return f"s3://{self.endpoint}/{BUCKET}/{prefix}"
+
+    def put(self, prefix: str, model: str, source: Path, only: str = "") -> None:
+        """Upload the files of ``source`` (those under ``only``) as ``prefix/model/...``."""
+
+        def upload(client: Any) -> None:
+            for root, _dirs, files in os.walk(source):
+                for name in files:
+                    relative = os.path.relpath(os.path.join(root, name), source)
+                    if relative.startswith(only) and "__pycache__" not in relative:
+                        key = f"{prefix}/{model}/{relative}"
+                        client.upload_file(os.path.join(root, name), BUCKET, key)
+
+        self._run(upload)
+
+    def delete(self, prefix: str, model: str, only: str = "") -> None:
+        def remove(client: Any) -> None:
+            listed = client.list_objects_v2(Bucket=BUCKET, Prefix=f"{prefix}/{model}/{only}")
+            for entry in listed.get("Contents", []):
+                client.delete_object(Bucket=BUCKET, Key=entry["Key"])
+
+        self._run(remove)
+
+
+@pytest.fixture(scope="module")
+def store() -> Iterator[Store]:
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # a line per request otherwise
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in {
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }.items():
+            env.setenv(name, value)
+        env.delenv("TRITON_CLOUD_CREDENTIAL_PATH", raising=False)
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        server.start()
+        try:
+            s3 = Store(port)
+            s3._run(lambda client: client.create_bucket(Bucket=BUCKET))
+            yield s3
+        finally:
+            server.stop()
+
+
+@pytest.fixture
+def mount(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Where the servers keep their local copies (TRITON_AWS_MOUNT_DIRECTORY)."""
+    folder = tmp_path / "mount"
+    folder.mkdir()
+    monkeypatch.setenv("TRITON_AWS_MOUNT_DIRECTORY", str(folder))
+    return folder
+
+
+def add_sub(server: dlserve.Server) -> np.ndarray:
+    a = np.arange(16, dtype=np.float32)
+    (response,) = server.model("add_sub").infer(inputs={"INPUT0": a, "INPUT1": a})
+    return np.from_dlpack(response.outputs["OUTPUT0"])
+
+
+def version_of(server: dlserve.Server) -> int:
+    (response,) = server.model("versioned").infer(inputs={"INPUT0": np.zeros(1, np.float32)})
+    return int(np.from_dlpack(response.outputs["VERSION"])[0])
+
+
+def test_a_repository_in_s3_is_served_and_its_copy_removed_at_stop(store, mount, servers) -> None:
+    store.put("served", "add_sub", MODELS / "add_sub")
+    server = servers.start(store.url("served"))
+    assert server.model("add_sub").ready()
+    assert add_sub(server).tolist() == (np.arange(16) * 2).tolist()
+    (copy,) = mount.iterdir()
+    original = MODELS / "add_sub" / "1" / "model.py"
+    assert (copy / "add_sub" / "1" / "model.py").read_bytes() == original.read_bytes()
+    servers.stop(server)
+    assert list(mount.iterdir()) == []
+
+
+def test_explicit_mode_loads_what_the_store_holds_at_the_time(store, mount, servers) -> None:
+    store.put("explicit", "versioned", MODELS / "versioned", only="config.pbtxt")
+    store.put("explicit", "versioned", MODELS / "versioned", only="1")
+    server = servers.start(
+        store.url("explicit"), model_control_mode=dlserve.ModelControlMode.EXPLICIT
+    )
+    assert [key[0] for key in server.models()] == ["versioned"]  # listed, not loaded
+
+    # A model uploaded after the start is listed and loads.
+    store.put("explicit", "add_sub", MODELS / "add_sub")
+    assert sorted(key[0] for key in server.models()) == ["add_sub", "versioned"]
+    server.load("add_sub")
+    assert add_sub(server).tolist() == (np.arange(16) * 2).tolist()
+
+    server.load("versioned")
+    assert version_of(server) == 1
+    # A new version folder is fetched by the next load (latest version policy).
+    store.put("explicit", "versioned", MODELS / "versioned", only="2")
+    server.load("versioned")
+    assert version_of(server) == 2
+    (copy,) = mount.iterdir()
+    assert (copy / "versioned" / "1" / "model.py").is_file()
+    # ...and a version deleted from the store is gone from the copy at the next load.
+    store.delete("explicit", "versioned", only="2/")
+    server.load("versioned")
+    assert version_of(server) == 1
+    assert not (copy / "versioned" / "2").exists()
+
+    # A model deleted from the store can no longer be loaded; the version that was
+    # loaded keeps serving (its files stay for a worker restart) until it is unloaded,
+    # and is listed as unloaded after.
+    store.delete("explicit", "add_sub")
+    with pytest.raises(dlserve.NotFoundError, match="add_sub"):
+        server.load("add_sub")
+    assert add_sub(server).tolist() == (np.arange(16) * 2).tolist()
+    assert (copy / "add_sub" / "1" / "model.py").is_file()
+    server.unload("add_sub")
+    rows = server.engine.manager.index()
+    unloaded = {"name": "add_sub", "version": "1", "state": "UNAVAILABLE", "reason": "unloaded"}
+    assert unloaded in rows
+
+
+def test_poll_mode_follows_the_store(store, mount, servers) -> None:
+    store.put("polled", "versioned", MODELS / "versioned", only="config.pbtxt")
+    store.put("polled", "versioned", MODELS / "versioned", only="1")
+    server = servers.start(
+        store.url("polled"),
+        model_control_mode=dlserve.ModelControlMode.POLL,
+        repository_poll_secs=3600,
+    )
+    assert version_of(server) == 1
+    worker = server.engine.manager.models["versioned"].versions[1].instances[0].pid
+
+    store.put("polled", "add_sub", MODELS / "add_sub")
+    server.poll_model_repository()
+    assert add_sub(server).tolist() == (np.arange(16) * 2).tolist()
+    # Unchanged in the store: not reloaded.
+    assert server.engine.manager.models["versioned"].versions[1].instances[0].pid == worker
+
+    store.put("polled", "versioned", MODELS / "versioned", only="2")
+    server.poll_model_repository()
+    assert version_of(server) == 2
+
+    store.delete("polled", "add_sub")
+    server.poll_model_repository()
+    assert not server.model("add_sub").ready()
+
+
+def test_a_bucket_that_cannot_be_listed_fails_the_start_by_name(store, mount, servers) -> None:
+    url = f"s3://{store.endpoint}/no-such-bucket/models"
+    with pytest.raises(dlserve.TritonError) as caught:
+        servers.start(url)
+    assert url in caught.value.message and "NoSuchBucket" in caught.value.message
+    assert list(mount.iterdir()) == []
+
+
+@pytest.mark.parametrize("url", ["gs://bucket/models", "as://account/container/models"])
+def test_other_cloud_stores_are_refused_by_name(url: str) -> None:
+    with pytest.raises(dlserve.InvalidArgumentError, match="only local folders") as caught:
+        dlserve.Server(dlserve.Options(model_repository=url)).start()
+    assert url in caught.value.message
