@@ -13,13 +13,20 @@ environment directory; ``$$TRITON_MODEL_DIRECTORY`` stands for the model's direc
 As in Triton, an archive is unpacked once per path and modification time (a changed archive
 is unpacked again) into a fresh ``dlserve_env_*`` folder under the temporary directory,
 shared by every model naming it and removed when the server stops; its entries may not
-reach outside that folder (no absolute paths, no ``..``, no writing through a link). The
-environment's Python must be the server's minor version, as Triton's stub requires.
+reach outside that folder (no absolute paths, no ``..``, no writing through a link).
 
 Workers start with the environment's ``bin/python``, its ``bin`` first on ``PATH`` and its
 ``lib`` first on ``LD_LIBRARY_PATH`` (what ``bin/activate`` would do). The environment's own
 packages come first; dlserve itself, and any package the environment lacks, come from the
 server's Python after them (so an environment need only hold what the model adds).
+
+Triton's stub is built for one Python, so a model needing another needs a stub compiled
+for it. dlserve's worker is plain Python and its channel carries only ``marshal`` data of
+basic types, the same bytes in every Python 3 (ipc.protocol), so an environment may run
+any Python from 3.10 on. One of another minor version than the server's cannot use the
+server's compiled packages: it must bring its own numpy (2.x), and only dlserve itself
+comes from the server. The environment's interpreter is run once at load to learn this,
+so one that cannot run here (built for another OS) fails the load with its reason.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import logging
 import os
 import shutil
 import site
+import subprocess
 import sys
 import sysconfig
 import tarfile
@@ -59,6 +67,9 @@ class ExecutionEnvironment:
     """A ready environment: where it is and how a worker starts in it."""
 
     root: Path
+    # Whether its Python is the server's minor version (then the server's packages
+    # are a fallback for what it lacks; otherwise only dlserve is).
+    same_python: bool = True
 
     @property
     def python(self) -> Path:
@@ -76,7 +87,8 @@ class ExecutionEnvironment:
         )
         marker = "CONDA_PREFIX" if (self.root / "conda-meta").is_dir() else "VIRTUAL_ENV"
         env[marker] = str(self.root)
-        env["DLSERVE_FALLBACK_PATH"] = os.pathsep.join(_server_paths())
+        fallback = _server_paths() if self.same_python else [PACKAGE_ROOT]
+        env["DLSERVE_FALLBACK_PATH"] = os.pathsep.join(fallback)
         return [str(self.python), "-c", _BOOTSTRAP], env
 
 
@@ -126,9 +138,7 @@ class Environments:
             )
         else:
             raise InvalidArgumentError(f"{where}: '{path}' does not exist")
-        environment = ExecutionEnvironment(root)
-        _check_python(environment, where)
-        return environment
+        return ExecutionEnvironment(root, _check_python(root, where))
 
     async def for_model(
         self, value: str, model_dir: Path, model_name: str
@@ -207,13 +217,47 @@ def _extract(archive: Path, root: Path, where: str) -> None:
 _NO_FILTER = {"filter": "fully_trusted"} if hasattr(tarfile, "fully_trusted_filter") else {}
 
 
-def _check_python(environment: ExecutionEnvironment, where: str) -> None:
-    if not os.access(environment.python, os.X_OK):
-        raise InvalidArgumentError(f"{where}: '{environment.root}' has no bin/python")
-    ours = f"python{sys.version_info.major}.{sys.version_info.minor}"
-    found = sorted(p.name for p in (environment.root / "lib").glob("python3.*") if p.is_dir())
-    if found and ours not in found:
-        raise InvalidArgumentError(
-            f"{where}: the environment has {', '.join(found)} but this server runs {ours}; "
-            "the versions must match (build the environment with the server's Python)"
+# Run by the environment's Python at load: its version, and its numpy's if it has one.
+_PROBE = (
+    "import sys\n"
+    "try:\n    import numpy; n = numpy.__version__\nexcept Exception: n = ''\n"
+    "sys.stdout.write('%d %d %s' % (sys.version_info[0], sys.version_info[1], n))"
+)
+MINIMUM_PYTHON = (3, 10)
+
+
+def _check_python(root: Path, where: str) -> bool:
+    """Check that the environment's Python can run a worker; whether it is the server's
+    minor version."""
+    python = root / "bin" / "python"
+    if not os.access(python, os.X_OK):
+        raise InvalidArgumentError(f"{where}: '{root}' has no bin/python")
+    try:
+        probe = subprocess.run(
+            [str(python), "-I", "-c", _PROBE], capture_output=True, text=True, timeout=60,
+            check=False,
         )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise InvalidArgumentError(f"{where}: cannot run '{python}': {exc}") from None
+    try:
+        major, minor, numpy_version = (probe.stdout.split() + [""])[:3]
+        version = (int(major), int(minor))
+    except ValueError:
+        last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
+        raise InvalidArgumentError(f"{where}: cannot run '{python}': {last}") from None
+    name = f"Python {version[0]}.{version[1]}"
+    if version < MINIMUM_PYTHON:
+        raise InvalidArgumentError(
+            f"{where}: the environment has {name}; dlserve's workers need Python 3.10 or newer"
+        )
+    if version == sys.version_info[:2]:
+        return True
+    numpy_major = numpy_version.partition(".")[0]
+    if not (numpy_major.isdigit() and int(numpy_major) >= 2):
+        found = f"numpy {numpy_version}" if numpy_version else "no numpy"
+        raise InvalidArgumentError(
+            f"{where}: the environment has {name} and {found}; an environment of another "
+            f"Python than the server's ({sys.version_info[0]}.{sys.version_info[1]}) must "
+            "bring its own numpy 2.x"
+        )
+    return False

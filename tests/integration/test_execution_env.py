@@ -1,13 +1,16 @@
 """Custom execution environments (EXECUTION_ENV_PATH): a model's workers run in the Python of
 an environment directory or of an archive unpacked once, with the environment's packages
-first; archives that would write outside their folder and environments of another Python
-are refused with a clear error, and nothing unpacked outlives the server."""
+first, in the server's Python or any other from 3.10 on; archives that would write outside
+their folder, and environments whose Python is too old, cannot run or lacks the numpy it
+needs, are refused with a clear error, and nothing unpacked outlives the server."""
 
 from __future__ import annotations
 
 import glob
 import io
 import json
+import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -33,7 +36,12 @@ import triton_python_backend_utils as pb_utils
 
 class TritonPythonModel:
     def execute(self, requests):
-        info = {"prefix": sys.prefix, "where": only_in_env.WHERE, "executable": sys.executable}
+        info = {
+            "prefix": sys.prefix,
+            "where": only_in_env.WHERE,
+            "executable": sys.executable,
+            "python": "%d.%d" % sys.version_info[:2],
+        }
         text = np.array([json.dumps(info).encode()], np.object_)
         return [pb_utils.InferenceResponse([pb_utils.Tensor("INFO", text)]) for _ in requests]
 '''
@@ -57,6 +65,52 @@ def environment(tmp_path_factory: pytest.TempPathFactory) -> Path:
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True)
     (root / "lib" / PY / "site-packages" / "only_in_env.py").write_text('WHERE = "env"\n')
     return root
+
+
+def other_python(newer: bool) -> tuple[str, str] | None:
+    """An interpreter on this machine (PATH or pyenv) of another minor version than the
+    server's, 3.10 or newer (``newer``) or older than 3.10, and its "X.Y"."""
+    pyenv = os.environ.get("PYENV_ROOT", os.path.expanduser("~/.pyenv"))
+    candidates = sorted(glob.glob(f"{pyenv}/versions/3.*/bin/python3"))
+    candidates += [p for m in range(6, 15) if (p := shutil.which(f"python3.{m}"))]
+    for python in candidates:
+        try:
+            out = subprocess.run(
+                [python, "-c", "import sys; print(*sys.version_info[:2])"],
+                capture_output=True, text=True, timeout=30, check=True,
+            ).stdout.split()
+        except (OSError, subprocess.SubprocessError):
+            continue
+        version = (int(out[0]), int(out[1]))
+        if version != sys.version_info[:2] and (version >= (3, 10)) == newer:
+            return python, f"{version[0]}.{version[1]}"
+    return None
+
+
+def venv_of(python: str, root: Path, with_pip: bool = False) -> Path:
+    args = [python, "-m", "venv", str(root)] + ([] if with_pip else ["--without-pip"])
+    subprocess.run(args, check=True, capture_output=True)
+    (site_packages,) = root.glob("lib/python3.*/site-packages")
+    (site_packages / "only_in_env.py").write_text('WHERE = "env"\n')
+    return root
+
+
+@pytest.fixture(scope="module")
+def other_environment(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """A virtual environment of another Python (3.10+) than the server's, with numpy 2."""
+    found = other_python(newer=True)
+    if found is None:
+        pytest.skip("no Python 3.10+ of another minor version than the server's here")
+    python, version = found
+    root = venv_of(python, tmp_path_factory.mktemp("envs") / f"env{version}", with_pip=True)
+    install = subprocess.run(
+        [str(root / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+         "numpy>=2"],
+        capture_output=True, text=True, timeout=600, check=False,
+    )
+    if install.returncode:
+        pytest.skip(f"cannot install numpy into a Python {version} environment: {install.stderr}")
+    return root, version
 
 
 def packed(environment: Path, archive: Path) -> Path:
@@ -136,16 +190,51 @@ def test_an_archive_writing_outside_its_folder_is_refused(make_repo, servers, tm
     assert not server.model("probe").ready()
 
 
-def test_an_environment_of_another_python_is_refused(make_repo, servers, tmp_path):
-    fake = tmp_path / "old-env"
+def test_an_environment_of_another_python_runs_the_model(make_repo, servers, other_environment):
+    """Triton needs a stub compiled for another Python; a dlserve worker just runs in it."""
+    root, version = other_environment
+    repo = make_repo(extra={"probe": {"config.pbtxt": config(str(root)), "1/model.py": MODEL}})
+    server = servers.start(repo)
+    info = info_of(server)
+    assert info["python"] == version != f"{sys.version_info.major}.{sys.version_info.minor}"
+    assert info["prefix"] == str(root) and info["where"] == "env"
+
+
+def test_an_environment_of_another_python_without_numpy_is_refused(make_repo, servers, tmp_path):
+    found = other_python(newer=True)
+    if found is None:
+        pytest.skip("no Python 3.10+ of another minor version than the server's here")
+    python, version = found
+    root = venv_of(python, tmp_path / "bare")
+    repo = make_repo(extra={"probe": {"config.pbtxt": config(str(root)), "1/model.py": MODEL}})
+    server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT)
+    message = f"has Python {version} and no numpy; .* must bring its own numpy 2.x"
+    with pytest.raises(dlserve.InvalidArgumentError, match=message):
+        server.load("probe")
+
+
+def test_an_environment_of_a_python_before_3_10_is_refused(make_repo, servers, tmp_path):
+    found = other_python(newer=False)
+    if found is None:
+        pytest.skip("no Python before 3.10 here")
+    python, version = found
+    root = venv_of(python, tmp_path / "old")
+    repo = make_repo(extra={"probe": {"config.pbtxt": config(str(root)), "1/model.py": MODEL}})
+    server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT)
+    with pytest.raises(dlserve.InvalidArgumentError, match=f"has Python {version}; .*3.10 or newer"):
+        server.load("probe")
+
+
+def test_an_environment_whose_python_cannot_run_is_refused_with_its_reason(make_repo, servers, tmp_path):
+    """As an environment built for another OS or machine would fail."""
+    fake = tmp_path / "foreign-env"
     (fake / "bin").mkdir(parents=True)
-    (fake / "lib" / "python3.9" / "site-packages").mkdir(parents=True)
     python = fake / "bin" / "python"
-    python.write_text("#!/bin/sh\nexit 1\n")
+    python.write_text("#!/bin/sh\necho 'cannot execute binary file: Exec format error' >&2\nexit 126\n")
     python.chmod(0o755)
     repo = make_repo(extra={"probe": {"config.pbtxt": config(str(fake)), "1/model.py": MODEL}})
     server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT)
-    with pytest.raises(dlserve.InvalidArgumentError, match=f"has python3.9 but this server runs {PY}"):
+    with pytest.raises(dlserve.InvalidArgumentError, match="cannot run .*Exec format error"):
         server.load("probe")
 
 
