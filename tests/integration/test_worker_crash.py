@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 
 import dlserve
+from dlserve.frontends import Metrics
 
 from ..conftest import pid_alive, wait_until, worker_processes
+from .test_metrics import scrape, value
 
 X = np.ones(4, dtype=np.float32)
 
@@ -86,7 +88,16 @@ def test_kill_from_outside_fails_the_request_at_once(server):
     wait_until(lambda: server.model("faulty").ready())
 
 
-def test_readiness_reflects_a_dead_worker_and_requests_fail_fast(server):
+@pytest.fixture
+def metrics_port(server):
+    service = Metrics(server, Metrics.Options(address="127.0.0.1", port=0))
+    service.start()
+    yield service.port
+    service.stop()
+
+
+def test_readiness_reflects_a_dead_worker_and_requests_fail_fast(server, metrics_port):
+    """...in the model's readiness, its statistics and the metrics."""
     pid = worker_pid(server)
     instance = server.engine.model("faulty").instances[0]
     # Keep the worker from coming back for a while so the "down" window is observable.
@@ -100,8 +111,14 @@ def test_readiness_reflects_a_dead_worker_and_requests_fail_fast(server):
         await original()
 
     instance.start = delayed_start  # type: ignore[method-assign]
+    labels = {"model": "faulty", "version": "1", "instance": "faulty_0"}
+    _, scraped = scrape(metrics_port)
+    assert value(scraped, "dlserve_instance_ready", **labels) == 1
+    assert value(scraped, "dlserve_instance_restarts", **labels) == 0
     os.kill(pid, signal.SIGKILL)
     wait_until(lambda: not server.model("faulty").ready())
+    _, scraped = scrape(metrics_port)
+    assert value(scraped, "dlserve_instance_ready", **labels) == 0
     assert not server.ready()  # strict readiness: every model must be ready
     entry = server.models()[("faulty", 1)]
     assert entry.state == "UNAVAILABLE" and "was killed by SIGKILL" in entry.reason
@@ -115,6 +132,9 @@ def test_readiness_reflects_a_dead_worker_and_requests_fail_fast(server):
     assert instance.restarts == 1
     (up,) = server.model("faulty").statistics()["model_stats"][0]["instances"]
     assert up["state"] == "READY" and up["restarts"] == 1 and up["pid"] == worker_pid(server)
+    _, scraped = scrape(metrics_port)
+    assert value(scraped, "dlserve_instance_ready", **labels) == 1
+    assert value(scraped, "dlserve_instance_restarts", **labels) == 1
 
 
 def test_repeated_crashes_back_off_and_recover(server):
