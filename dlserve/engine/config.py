@@ -119,10 +119,15 @@ def to_json(config: mc.ModelConfig) -> dict[str, Any]:
     return message_to_json(config)
 
 
-def environment_path(config: mc.ModelConfig) -> str:
-    """The model's EXECUTION_ENV_PATH parameter ("" when it runs in the server's Python)."""
-    entry = config.parameters.get("EXECUTION_ENV_PATH")
-    return "" if entry is None else entry.string_value
+def environment_parameters(config: mc.ModelConfig) -> tuple[str, str]:
+    """The model's EXECUTION_ENV_PATH and EXECUTION_ENV_REQUIREMENTS parameters ("" for
+    each it does not set: it runs in the server's Python)."""
+    path = config.parameters.get("EXECUTION_ENV_PATH")
+    requirements = config.parameters.get("EXECUTION_ENV_REQUIREMENTS")
+    return (
+        "" if path is None else path.string_value,
+        "" if requirements is None else requirements.string_value,
+    )
 
 
 def complete(config: mc.ModelConfig, model_name: str, gpu_count: int = 0) -> None:

@@ -301,7 +301,7 @@ class ModelManager:
         """Run ``auto_complete_config`` in a throwaway worker, as Triton does."""
         resources = self.resources
         environment = await resources.environments.for_model(
-            cfg.environment_path(config), model_file.parent.parent, name
+            *cfg.environment_parameters(config), model_file.parent.parent, name
         )
         worker = WorkerProcess(
             instance_name=f"{name}_auto_complete",

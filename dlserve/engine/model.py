@@ -147,7 +147,7 @@ class ModelVersion:
             return
         try:
             self.environment = await resources.environments.for_model(
-                cfg.environment_path(self.config), self.model_dir, self.name
+                *cfg.environment_parameters(self.config), self.model_dir, self.name
             )
         except TritonError as exc:
             self.state, self.reason = "UNAVAILABLE", str(exc)

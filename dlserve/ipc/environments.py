@@ -1,5 +1,6 @@
 """Custom execution environments (Triton's ``EXECUTION_ENV_PATH``): the Python a model's
-workers run in, when the model needs packages the server's own Python lacks.
+workers run in, when the model needs packages the server's own Python lacks. (Or one
+built from a requirements file: ``EXECUTION_ENV_REQUIREMENTS``, ipc.requirements_env.)
 
 A model's config names either a packed environment (a ``.tar.gz`` / ``.tgz`` / ``.tar`` made
 by conda-pack, or any tarball of an environment with ``bin/python``) or an unpacked
@@ -46,12 +47,14 @@ import threading
 from pathlib import Path
 
 from dlserve.errors import InvalidArgumentError
+from dlserve.ipc import requirements_env
 
 log = logging.getLogger("dlserve.worker")
 
 # The folder holding the dlserve package (and triton_python_backend_utils beside it).
 PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 PARAMETER = "EXECUTION_ENV_PATH"
+REQUIREMENTS_PARAMETER = "EXECUTION_ENV_REQUIREMENTS"
 MODEL_DIRECTORY = "$$TRITON_MODEL_DIRECTORY"
 ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar")
 # Run by the environment's Python: put the server's paths after its own, then start the stub.
@@ -124,9 +127,7 @@ class Environments:
         """The environment a model's ``EXECUTION_ENV_PATH`` names, unpacked if needed.
         Blocking (an archive may take seconds): call it off the event loop."""
         where = f"model '{model_name}': parameter {PARAMETER}"
-        path = Path(value.replace(MODEL_DIRECTORY, str(model_dir))).expanduser()
-        if not path.is_absolute():
-            path = model_dir / path
+        path = _model_path(value, model_dir)
         if path.is_dir():
             root = path
         elif path.is_file() and path.name.endswith(ARCHIVE_SUFFIXES):
@@ -140,13 +141,34 @@ class Environments:
             raise InvalidArgumentError(f"{where}: '{path}' does not exist")
         return ExecutionEnvironment(root, _check_python(root, where))
 
-    async def for_model(
+    def resolve_requirements(
         self, value: str, model_dir: Path, model_name: str
+    ) -> ExecutionEnvironment:
+        """The environment built for the requirements file a model's
+        ``EXECUTION_ENV_REQUIREMENTS`` names (ipc.requirements_env); blocking."""
+        where = f"model '{model_name}': parameter {REQUIREMENTS_PARAMETER}"
+        with self._lock:  # one build at a time: pip is heavy
+            root = requirements_env.build(_model_path(value, model_dir), _server_paths(), where)
+        return ExecutionEnvironment(root)
+
+    async def for_model(
+        self, path: str, requirements: str, model_dir: Path, model_name: str
     ) -> ExecutionEnvironment | None:
-        """:meth:`resolve` off the event loop; None when the model names no environment."""
-        if not value:
-            return None
-        return await asyncio.to_thread(self.resolve, value, model_dir, model_name)
+        """The environment a model names (an ``EXECUTION_ENV_PATH`` or an
+        ``EXECUTION_ENV_REQUIREMENTS``), readied off the event loop; None when it names
+        none."""
+        if path and requirements:
+            raise InvalidArgumentError(
+                f"model '{model_name}': set one of {PARAMETER} and "
+                f"{REQUIREMENTS_PARAMETER}, not both"
+            )
+        if requirements:
+            return await asyncio.to_thread(
+                self.resolve_requirements, requirements, model_dir, model_name
+            )
+        if path:
+            return await asyncio.to_thread(self.resolve, path, model_dir, model_name)
+        return None
 
     def _unpack(self, archive: Path, where: str) -> Path:
         real = os.path.realpath(archive)
@@ -174,6 +196,13 @@ class Environments:
             roots, self._unpacked = list(self._unpacked.values()), {}
         for root in roots:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def _model_path(value: str, model_dir: Path) -> Path:
+    """A path from a model's parameter: ``$$TRITON_MODEL_DIRECTORY`` expanded, relative
+    ones taken from the model's folder."""
+    path = Path(value.replace(MODEL_DIRECTORY, str(model_dir))).expanduser()
+    return path if path.is_absolute() else model_dir / path
 
 
 def _inside(root: str, path: str) -> bool:

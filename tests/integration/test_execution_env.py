@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -47,13 +48,13 @@ class TritonPythonModel:
 '''
 
 
-def config(env_path: str) -> str:
+def config(env_path: str, key: str = "EXECUTION_ENV_PATH") -> str:
     return f"""
 backend: "python"
 max_batch_size: 0
 input [ {{ name: "IN" data_type: TYPE_FP32 dims: [ 1 ] }} ]
 output [ {{ name: "INFO" data_type: TYPE_STRING dims: [ 1 ] }} ]
-parameters: {{ key: "EXECUTION_ENV_PATH" value: {{ string_value: "{env_path}" }} }}
+parameters: {{ key: "{key}" value: {{ string_value: "{env_path}" }} }}
 """
 
 
@@ -246,4 +247,75 @@ def test_a_path_that_is_no_environment_is_refused(make_repo, servers, value, mes
     repo = make_repo(extra={"probe": {"config.pbtxt": config(value), "1/model.py": MODEL}})
     server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT)
     with pytest.raises(dlserve.InvalidArgumentError, match=f"model 'probe': parameter EXECUTION_ENV_PATH: .*{message}"):
+        server.load("probe")
+
+
+# -- EXECUTION_ENV_REQUIREMENTS ---------------------------------------------------------------
+def write_wheel(folder: Path) -> str:
+    """A wheel of the module only_in_env, as a model might ship beside its requirements."""
+    name = "only_in_env-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(folder / name, "w") as wheel:
+        wheel.writestr("only_in_env.py", 'WHERE = "requirements"\n')
+        info = "only_in_env-1.0.dist-info"
+        wheel.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: only_in_env\nVersion: 1.0\n")
+        wheel.writestr(
+            f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        )
+        wheel.writestr(f"{info}/RECORD", "")
+    return name
+
+
+def requirements_model(make_repo, requirements: str, wheel: bool = True) -> Path:
+    files = {
+        "config.pbtxt": config("$$TRITON_MODEL_DIRECTORY/requirements.txt", "EXECUTION_ENV_REQUIREMENTS"),
+        "1/model.py": MODEL,
+        "requirements.txt": requirements,
+    }
+    repo = make_repo(extra={"probe": files})
+    if wheel:
+        write_wheel(repo / "probe")
+    return repo
+
+
+def test_a_requirements_file_builds_an_environment_once(make_repo, servers, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("DLSERVE_ENV_CACHE", str(cache))
+    # numpy is the server's already: pip installs only the wheel (relative to the file).
+    repo = requirements_model(make_repo, "./only_in_env-1.0-py3-none-any.whl\nnumpy>=2\n")
+    server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT)
+    server.load("probe")
+    info = info_of(server)
+    (root,) = [p for p in cache.iterdir() if p.is_dir()]
+    assert info["where"] == "requirements" and info["prefix"] == str(root)
+    assert not list(root.glob("lib/python3*/site-packages/numpy"))  # the server's numpy serves
+    built = (root / "dlserve-ready").stat().st_mtime_ns
+
+    # Another server with the same requirements finds the environment built.
+    servers.stop(server)
+    second = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT)
+    second.load("probe")
+    assert info_of(second)["prefix"] == str(root)
+    assert (root / "dlserve-ready").stat().st_mtime_ns == built
+
+
+def test_a_requirements_file_pip_cannot_install_fails_the_load_with_pips_words(
+    make_repo, servers, tmp_path, monkeypatch
+):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("DLSERVE_ENV_CACHE", str(cache))
+    repo = requirements_model(make_repo, "./missing-2.0-py3-none-any.whl\n", wheel=False)
+    server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT)
+    message = "(?s)parameter EXECUTION_ENV_REQUIREMENTS: pip install failed .*missing-2.0-py3-none-any.whl"
+    with pytest.raises(dlserve.InvalidArgumentError, match=message):
+        server.load("probe")
+    # Nothing half-built is left to be taken for an environment.
+    assert [p.name for p in cache.iterdir() if p.is_dir()] == []
+
+
+def test_an_environment_path_and_requirements_together_are_refused(make_repo, servers):
+    text = config("/some/env") + \
+        'parameters: { key: "EXECUTION_ENV_REQUIREMENTS" value: { string_value: "r.txt" } }\n'
+    repo = make_repo(extra={"probe": {"config.pbtxt": text, "1/model.py": MODEL}})
+    server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT)
+    with pytest.raises(dlserve.InvalidArgumentError, match="set one of EXECUTION_ENV_PATH and EXECUTION_ENV_REQUIREMENTS"):
         server.load("probe")
