@@ -159,7 +159,7 @@ class ModelInstance:
         except TritonError as exc:
             if isinstance(exc, WorkerGoneError):  # the worker died during initialize
                 await worker.wait_exited()
-                reason = worker.exit_description
+                reason = worker.exit_description + worker.last_words()
             else:
                 reason = exc.message
             await worker.stop(time.monotonic() + 5.0, finalize=False)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import importlib.util
 import inspect
 import json
@@ -27,7 +28,6 @@ import threading
 import traceback
 from types import ModuleType
 from typing import Any
-
 
 from dlserve.errors import ErrorCode, TritonError
 from dlserve.ipc.channel import WorkerChannel
@@ -394,6 +394,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--poll-board", type=int, help="descriptor of the server's PollerBoard")
     parser.add_argument("--poll-slot", type=int, help="this worker's slot on it")
     args = parser.parse_args(argv)
+    # A crash in native code (an extension's segfault) prints the Python stack first: the
+    # server passes the worker's last output on with the news of its death.
+    faulthandler.enable()
     # Ctrl-C in a terminal reaches the whole process group: the server shuts down in
     # order (the model's finalize included); a worker stopped by it would crash instead.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

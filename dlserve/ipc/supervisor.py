@@ -7,6 +7,11 @@ worker's death two ways at once: end of file on the channel (in-flight requests
 fail immediately) and a pidfd that becomes readable when the process exits (for
 its exit status). When it is gone, every segment it owned is unlinked — a worker
 killed with SIGKILL cannot clean up after itself.
+
+The worker's stderr passes through the server (:class:`WorkerOutput`), which keeps its
+last lines: a worker that dies in ``initialize`` (a segfault in an extension, an
+import that kills the process) fails the load with what it last printed, faulthandler's
+Python traceback included, instead of only "killed by SIGSEGV".
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -59,6 +65,48 @@ def unlink_segments(prefix: str) -> None:
             os.unlink(path)
 
 
+class WorkerOutput:
+    """A worker's stderr, copied to the server's as it comes, its last few KiB kept.
+
+    The copying runs on a thread of its own, so a model that prints a lot costs the
+    event loop nothing; the thread ends when the worker (and whatever it started that
+    shares its stderr) is gone.
+    """
+
+    KEEP_BYTES = 4096
+    LINES = 30
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._tail = bytearray()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._copy, name="worker-stderr", daemon=True)
+        self._thread.start()
+
+    def _copy(self) -> None:
+        try:
+            while chunk := os.read(self._fd, 1 << 16):
+                with self._lock:
+                    self._tail += chunk
+                    del self._tail[: -self.KEEP_BYTES]
+                view = memoryview(chunk)
+                with contextlib.suppress(OSError):  # the server's own stderr may be gone
+                    while view:
+                        view = view[os.write(2, view) :]
+        except OSError:
+            pass
+        finally:
+            os.close(self._fd)
+
+    def last_lines(self, wait: float) -> str:
+        """The last lines the worker wrote, once it has finished writing (up to ``wait``
+        seconds)."""
+        self._thread.join(wait)
+        with self._lock:
+            text = self._tail.decode(errors="replace")
+        return "\n".join(text.strip().splitlines()[-self.LINES :])
+
+
 class WorkerProcess:
     """One running worker; ``on_exit(description)`` fires once when it dies unexpectedly."""
 
@@ -91,7 +139,9 @@ class WorkerProcess:
         self.peer: Peer | None = None
         self._stopping = False
         self._exited = asyncio.Event()
+        self._output: WorkerOutput | None = None
         self.exit_description = ""
+        self.last_output = ""  # what it last wrote to stderr, once it died
 
     @property
     def pid(self) -> int | None:
@@ -112,6 +162,7 @@ class WorkerProcess:
         if self._board_slot is not None:
             polling = ["--poll-board", str(board.fileno()), "--poll-slot", str(self._board_slot)]
             fds.append(board.fileno())
+        output, stderr = os.pipe()
         try:
             self.process = subprocess.Popen(
                 [
@@ -131,12 +182,16 @@ class WorkerProcess:
                 pass_fds=fds,
                 env=env,
                 close_fds=True,
+                stderr=stderr,
             )
         except BaseException:
             self._free_board_slot()
+            os.close(output)
             raise
         finally:
             theirs.close()
+            os.close(stderr)
+        self._output = WorkerOutput(output)
         # Reaped from now on, whatever happens next: stop() and kill() wait for it.
         try:
             pidfd = os.pidfd_open(self.process.pid)
@@ -175,6 +230,8 @@ class WorkerProcess:
         assert self.process is not None
         self.process.wait()
         self.exit_description = f"worker process for '{self.instance_name}' {describe_exit(self.process.returncode)}"
+        if self._output is not None and not self._stopping:
+            self.last_output = self._output.last_lines(wait=0.2)
         if self.channel is not None:
             self.channel.close()
         if self.peer is not None:
@@ -184,8 +241,12 @@ class WorkerProcess:
         self._free_board_slot()
         self._exited.set()
         if not self._stopping:
-            log.error("%s", self.exit_description)
+            log.error("%s%s", self.exit_description, self.last_words())
             self._on_exit(self.exit_description)
+
+    def last_words(self) -> str:
+        """``"; its last output: ..."`` for a worker that died having written something."""
+        return f"; its last output:\n{self.last_output}" if self.last_output else ""
 
     def submit(self, kind: int, body: Any) -> asyncio.Future[Any]:
         """Send a request; the future resolves to the reply (or the worker's error)."""

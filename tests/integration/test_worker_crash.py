@@ -250,3 +250,37 @@ def test_a_worker_that_dies_right_after_initialize_is_never_left_ready(servers, 
         assert instance.restarts == 1
     else:  # both came together: the load failed with the worker's exit
         assert entry.state == "UNAVAILABLE" and "exited with code 7" in entry.reason, entry
+
+
+CRASHING_MODEL = '''
+import ctypes
+import sys
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        print("loading weights from w.bin", file=sys.stderr, flush=True)
+        ctypes.string_at(0)  # a native crash, as in a broken extension
+
+    def execute(self, requests):
+        return []
+'''
+
+
+def test_a_worker_that_crashes_in_initialize_fails_the_load_with_its_last_words(servers, make_repo):
+    """Not only "killed by SIGSEGV": what the worker printed last, and the Python stack
+    faulthandler writes, so the reason can be found without the server's log."""
+    config = 'backend: "python"\ninput [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]\n' \
+        'output [ { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
+    repo = make_repo(extra={"crasher": {"config.pbtxt": config, "1/model.py": CRASHING_MODEL}})
+    server = servers.start(repo, model_control_mode=dlserve.ModelControlMode.EXPLICIT)
+    with pytest.raises(dlserve.TritonError) as caught:
+        server.load("crasher")
+    message = caught.value.message
+    assert "worker process for 'crasher_0' was killed by SIGSEGV; its last output:" in message
+    assert "loading weights from w.bin" in message
+    assert "Fatal Python error: Segmentation fault" in message
+    assert "line 9 in initialize" in message
+    # ...and the model's state says the same.
+    (entry,) = [m for (name, _), m in server.models().items() if name == "crasher"]
+    assert entry.state == "UNAVAILABLE" and "loading weights from w.bin" in entry.reason
