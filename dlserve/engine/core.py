@@ -273,7 +273,8 @@ class Engine:
 
     async def repository_index(self, ready: bool = False) -> list[dict[str, Any]]:
         assert self.manager is not None
-        await self.manager.refresh_repository()
+        if not ready:  # the ready ones are loaded already: no need to ask the store
+            await self.manager.refresh_repository(strict=False)
         return self.manager.index(ready)
 
     # -- model control -------------------------------------------------------------------

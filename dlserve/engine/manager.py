@@ -19,6 +19,7 @@ from typing import Any
 from dlserve.engine import config as cfg
 from dlserve.engine import ensemble
 from dlserve.engine.model import EngineResources, ModelVersion
+from dlserve.engine.object_store import ObjectStoreError
 from dlserve.engine.proto import model_config_pb2 as mc
 from dlserve.engine.repository import (
     ModelSource,
@@ -140,10 +141,17 @@ class ModelManager:
                 rows.append(row)
         return rows
 
-    async def refresh_repository(self) -> None:
-        """List remote repositories again (on a thread: it is network I/O)."""
-        if self.repository.remote:
+    async def refresh_repository(self, strict: bool = True) -> None:
+        """List remote repositories again (on a thread: it is network I/O). Not
+        ``strict``: a store that cannot be listed leaves its last listing in place."""
+        if not self.repository.remote:
+            return
+        try:
             await asyncio.to_thread(self.repository.refresh)
+        except ObjectStoreError as exc:
+            if strict:
+                raise
+            log.warning("%s; using its last listing", exc.message)
 
     async def _fetch(self, name: str) -> ModelSource:
         """The model's source, its files brought from a remote repository first."""
@@ -162,18 +170,23 @@ class ModelManager:
         else:
             names = sorted(self.repository.scan())
         results = await asyncio.gather(*(self._load_guarded(name) for name in names))
-        errors = [e for e in results if e]
+        errors = [failure.message for failure in results if failure is not None]
         if self.control_mode is ModelControlMode.POLL:
             self._poll_task = asyncio.get_running_loop().create_task(self._poll_forever(poll_interval))
         return errors
 
-    async def _load_guarded(self, name: str) -> str:
+    async def _load_guarded(self, name: str) -> TritonError | None:
+        """Load ``name``; its error, logged, rather than raised."""
         try:
             await self.load(name, _internal=True)
-            return ""
+            return None
         except TritonError as exc:
             log.error("failed to load model '%s': %s", name, exc.message)
-            return exc.message
+            if not isinstance(exc, NotFoundError):  # listed as failed, with the reason
+                entry = self.models.setdefault(name, ModelEntry(name))
+                if not entry.versions:
+                    entry.error = exc.message
+            return exc
 
     async def stop(self, deadline: float) -> None:
         """Unload everything by ``deadline`` (``time.monotonic()``)."""
@@ -369,17 +382,20 @@ class ModelManager:
             entry = self.models.get(name)
             if entry is not None and entry.fingerprint == source.fingerprint():
                 continue
-            if entry is not None and entry.error and entry.fingerprint == source.fingerprint():
-                continue
             log.info("model '%s' is new or changed; loading", name)
-            error = await self._load_guarded(name)
-            if error:
-                self.models[name].fingerprint = source.fingerprint()
+            failure = await self._load_guarded(name)
+            if failure is not None and name in self.models:
+                # A model that failed to load is tried again once it changes; one the
+                # store failed to hand over, at the next poll.
+                failed_store = isinstance(failure, ObjectStoreError)
+                self.models[name].fingerprint = None if failed_store else source.fingerprint()
 
     async def _poll_forever(self, interval: float) -> None:
         while True:
             await asyncio.sleep(interval)
             try:
                 await self.poll()
+            except ObjectStoreError as exc:  # the store is down: nothing is unloaded for it
+                log.warning("repository poll skipped: %s", exc.message)
             except Exception:  # noqa: BLE001 - a poll must never kill the loop
                 log.exception("repository poll failed")

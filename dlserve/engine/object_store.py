@@ -20,6 +20,7 @@ local model folder.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -30,7 +31,7 @@ import threading
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from dlserve.errors import InvalidArgumentError, UnavailableError
+from dlserve.errors import InvalidArgumentError, TritonError, UnavailableError
 
 log = logging.getLogger("dlserve.engine")
 
@@ -88,14 +89,14 @@ def credentials_for(url: str, environ: Any = os.environ) -> dict[str, str]:
     try:
         with open(path, encoding="utf-8") as file:
             entries = json.load(file).get("s3", {})
-    except (OSError, ValueError, AttributeError) as exc:
+        matches = [key for key in entries if url.startswith(key)]
+        entry = entries[max(matches, key=len)] if matches else {}
+        if not isinstance(entry, dict):
+            raise TypeError(f"its entry for '{max(matches, key=len)}' is not an object")
+    except (OSError, ValueError, AttributeError, TypeError) as exc:
         raise InvalidArgumentError(
             f"cannot read the cloud credential file '{path}': {exc}"
         ) from None
-    matches = [key for key in entries if url.startswith(key)]
-    if not matches:
-        return {}
-    entry = entries[max(matches, key=len)]
     arguments = {}
     if entry.get("key_id") and entry.get("secret_key"):
         arguments["aws_access_key_id"] = entry["key_id"]
@@ -112,19 +113,30 @@ def credentials_for(url: str, environ: Any = os.environ) -> dict[str, str]:
 def _client(location: S3Location) -> Any:
     try:
         import boto3
+        from botocore import UNSIGNED
         from botocore.config import Config
     except ImportError:
         raise UnavailableError(
             f"model repository '{location.url}': s3:// repositories need boto3 "
             "(pip install 'dlserve[s3]')"
         ) from None
-    session = boto3.session.Session(**credentials_for(location.url))
+    try:
+        session = boto3.session.Session(**credentials_for(location.url))
+        credentials = session.get_credentials()
+    except TritonError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - botocore's errors (an unknown profile...)
+        raise InvalidArgumentError(f"model repository '{location.url}': {exc}") from None
+    # With no credentials anywhere, requests go unsigned: a public bucket still serves.
+    unsigned = {} if credentials is not None else {"signature_version": UNSIGNED}
     return session.client(
         "s3",
         endpoint_url=location.endpoint,
         # Without a region, signing for a private endpoint would fail.
         region_name=session.region_name or "us-east-1",
-        config=Config(s3={"addressing_style": "path"}, connect_timeout=10, read_timeout=60),
+        config=Config(
+            s3={"addressing_style": "path"}, connect_timeout=10, read_timeout=60, **unsigned
+        ),
     )
 
 
@@ -137,9 +149,19 @@ def model_file(model: str, inside: str) -> PurePosixPath | None:
     return PurePosixPath(model, *parts)
 
 
+class ObjectStoreError(UnavailableError):
+    """The store could not be listed or read, or its objects not written here: worth
+    trying again later, unlike a model that failed to load."""
+
+
 class S3Mirror:
-    """One s3:// repository and its local folder; ``refresh`` and ``fetch`` may run on
-    several threads at once, ``listing`` is read from any."""
+    """One s3:// repository and its local folder.
+
+    ``refresh`` and ``fetch`` may run on several threads at once (one download per
+    model at a time, never holding up a listing), ``listing`` is read from any: it is
+    replaced whole, never changed in place, and an entry is only ever replaced by one
+    listed later.
+    """
 
     def __init__(self, url: str) -> None:
         self.location = S3Location.parse(url)
@@ -149,14 +171,20 @@ class S3Mirror:
         self._client = _client(self.location)  # makes no request yet
         self.root = Path(tempfile.mkdtemp(prefix="dlserve-s3-", dir=mount))
         self.listing: dict[str, Stamps] = {}  # model -> its objects, as last listed
+        self._listed_at: dict[str, int] = {}  # model -> the generation of its entry
+        self._generations = itertools.count(1)  # a listing's, taken when it starts
         self._fetched: dict[str, tuple[str, int]] = {}  # local relative path -> (ETag, size)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the listing
+        self._downloads: dict[str, threading.Lock] = {}  # per model
+        self._closed = False
 
     @property
     def url(self) -> str:
         return self.location.url
 
-    def _list(self, model: str | None) -> dict[str, list[tuple[str, str, int]]]:
+    def _list(self, model: str | None) -> tuple[int, dict[str, Stamps]]:
+        """Every model's objects (only ``model``'s, if given), and the listing's generation."""
+        generation = next(self._generations)
         location = self.location
         scope = location.prefix + (f"{model}/" if model else "")
         found: dict[str, list[tuple[str, str, int]]] = {}
@@ -175,40 +203,63 @@ class S3Mirror:
                         continue
                     found.setdefault(name, []).append((inside, entry["ETag"], entry["Size"]))
         except Exception as exc:  # noqa: BLE001 - botocore's errors have no common base
-            raise UnavailableError(
+            raise ObjectStoreError(
                 f"model repository '{self.url}': cannot list it: {_reason(exc)}"
             ) from None
-        return found
+        return generation, {name: tuple(sorted(objects)) for name, objects in found.items()}
+
+    def _publish(self, generation: int, found: dict[str, Stamps], model: str | None) -> None:
+        """Take what a listing found into ``listing``, except where a later one was taken."""
+        with self._lock:
+            listing, listed_at = dict(self.listing), dict(self._listed_at)
+            names = {model} if model is not None else set(listing) | set(found)
+            for name in names:
+                if listed_at.get(name, 0) > generation:
+                    continue
+                listed_at[name] = generation
+                if name in found:
+                    listing[name] = found[name]
+                else:
+                    listing.pop(name, None)
+            self.listing, self._listed_at = listing, listed_at
 
     def refresh(self) -> None:
         """List the whole repository (no download)."""
-        found = self._list(None)
-        with self._lock:
-            self.listing = {name: tuple(sorted(objects)) for name, objects in found.items()}
+        self._publish(*self._list(None), None)
 
     def fetch(self, model: str) -> None:
         """List ``model`` again and bring its local folder up to date with it. A model
         gone from the store is no longer listed, but its folder stays (until the stop)
         for the versions still loaded: a worker restarted after a crash needs it."""
-        objects = tuple(sorted(self._list(model).get(model, [])))
+        generation, found = self._list(model)
+        objects = found.get(model, ())
         with self._lock:
-            # A new dict, not an update: the engine's loop reads the listing meanwhile.
-            listing = dict(self.listing)
-            if objects:
-                listing[model] = objects
-            else:
-                listing.pop(model, None)
-            self.listing = listing
-            if not objects:
-                return
-            wanted = set()
-            for inside, etag, size in objects:
-                relative = str(model_file(model, inside))
-                wanted.add(relative)
-                target = self.root / relative
-                if self._fetched.get(relative) != (etag, size) or not target.is_file():
-                    self._download(self.location.prefix + f"{model}/{inside}", target)
-                    self._fetched[relative] = (etag, size)
+            download = self._downloads.setdefault(model, threading.Lock())
+        with download:
+            try:
+                self._bring(model, objects)
+            except OSError as exc:  # a key that is also a folder, a name too long here...
+                raise ObjectStoreError(
+                    f"model repository '{self.url}': cannot write the files of model "
+                    f"'{model}' here: {exc}"
+                ) from None
+            finally:
+                if self._closed:  # stopped meanwhile: what was written goes too
+                    shutil.rmtree(self.root, ignore_errors=True)
+        self._publish(generation, found, model)
+
+    def _bring(self, model: str, objects: Stamps) -> None:
+        wanted = set()
+        for inside, etag, size in objects:
+            relative = str(model_file(model, inside))
+            wanted.add(relative)
+            target = self.root / relative
+            if self._fetched.get(relative) != (etag, size) or not target.is_file():
+                if self._closed:
+                    return
+                self._download(self.location.prefix + f"{model}/{inside}", target)
+                self._fetched[relative] = (etag, size)
+        if objects:
             self._remove_stale(model, wanted)
 
     def _download(self, key: str, target: Path) -> None:
@@ -220,7 +271,9 @@ class S3Mirror:
             os.replace(temporary, target)
         except Exception as exc:  # noqa: BLE001 - botocore's errors have no common base
             os.unlink(temporary)
-            raise UnavailableError(
+            if isinstance(exc, OSError):
+                raise
+            raise ObjectStoreError(
                 f"model repository '{self.url}': cannot download '{key}': {_reason(exc)}"
             ) from None
 
@@ -239,6 +292,8 @@ class S3Mirror:
                 Path(root).rmdir()
 
     def close(self) -> None:
+        """Remove the folder; a fetch still running removes what it writes after."""
+        self._closed = True
         self._client.close()  # its pooled connections
         shutil.rmtree(self.root, ignore_errors=True)
 
@@ -251,4 +306,4 @@ def _reason(exc: Exception) -> str:
     return str(exc) or type(exc).__name__
 
 
-__all__ = ["S3Location", "S3Mirror", "credentials_for", "is_remote", "model_file"]
+__all__ = ["ObjectStoreError", "S3Location", "S3Mirror", "credentials_for", "is_remote", "model_file"]

@@ -30,7 +30,7 @@ _MODEL_METRICS = (
     ("nv_inference_compute_output_duration_us", "counter", "Cumulative inference compute output duration in microseconds (does not include cached requests)"),
     ("nv_inference_pending_request_count", "gauge", "Instantaneous number of pending requests awaiting execution per-model."),
     # dlserve's own, per instance (its worker process): alert on crashes and instances down.
-    ("dlserve_instance_restarts_total", "counter", "Number of times the instance's worker process died and was restarted"),
+    ("dlserve_instance_restarts_total", "counter", "Number of times the instance's worker process was restarted after it died (attempts, failed ones included)"),
     ("dlserve_instance_ready", "gauge", "Whether the instance's worker process is up and serving (1) or not (0)"),
 )
 
@@ -69,7 +69,8 @@ def _model_samples(engine: Engine) -> dict[str, list[str]]:
                 sample("nv_inference_pending_request_count", labels, model.pending)
             )
             for instance in model.instances:
-                where = (*labels, ("instance", instance.name))
+                # Not "instance": Prometheus gives that label to the scraped target.
+                where = (*labels, ("model_instance", instance.name))
                 out["dlserve_instance_restarts_total"].append(
                     sample("dlserve_instance_restarts_total", where, instance.restarts)
                 )

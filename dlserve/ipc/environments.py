@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import os
 import shutil
@@ -70,9 +71,10 @@ class ExecutionEnvironment:
     """A ready environment: where it is and how a worker starts in it."""
 
     root: Path
-    # Whether its Python is the server's minor version (then the server's packages
-    # are a fallback for what it lacks; otherwise only dlserve is).
-    same_python: bool = True
+    # Where its workers look after its own packages: the server's (for an environment
+    # of the server's Python), or dlserve alone (for another Python, which cannot load
+    # the server's compiled packages).
+    fallback: tuple[str, ...] = ()
 
     @property
     def python(self) -> Path:
@@ -90,8 +92,7 @@ class ExecutionEnvironment:
         )
         marker = "CONDA_PREFIX" if (self.root / "conda-meta").is_dir() else "VIRTUAL_ENV"
         env[marker] = str(self.root)
-        fallback = _server_paths() if self.same_python else [PACKAGE_ROOT]
-        env["DLSERVE_FALLBACK_PATH"] = os.pathsep.join(fallback)
+        env["DLSERVE_FALLBACK_PATH"] = os.pathsep.join(self.fallback)
         return [str(self.python), "-c", _BOOTSTRAP], env
 
 
@@ -122,6 +123,7 @@ class Environments:
     def __init__(self) -> None:
         self._unpacked: dict[tuple[str, int], Path] = {}
         self._lock = threading.Lock()
+        self._dlserve_only: Path | None = None  # see _package_alone
 
     def resolve(self, value: str, model_dir: Path, model_name: str) -> ExecutionEnvironment:
         """The environment a model's ``EXECUTION_ENV_PATH`` names, unpacked if needed.
@@ -139,7 +141,21 @@ class Environments:
             )
         else:
             raise InvalidArgumentError(f"{where}: '{path}' does not exist")
-        return ExecutionEnvironment(root, _check_python(root, where))
+        if _check_python(root, where):
+            return ExecutionEnvironment(root, tuple(_server_paths()))
+        return ExecutionEnvironment(root, (self._package_alone(),))
+
+    def _package_alone(self) -> str:
+        """A folder holding dlserve and triton_python_backend_utils (links) and nothing
+        else: installed normally, they sit among all the server's packages."""
+        with self._lock:
+            if self._dlserve_only is None:
+                folder = Path(tempfile.mkdtemp(prefix="dlserve_pkg_"))
+                (folder / "dlserve").symlink_to(Path(PACKAGE_ROOT, "dlserve"))
+                module = "triton_python_backend_utils.py"
+                (folder / module).symlink_to(Path(PACKAGE_ROOT, module))
+                self._dlserve_only = folder
+            return str(self._dlserve_only)
 
     def resolve_requirements(
         self, value: str, model_dir: Path, model_name: str
@@ -149,7 +165,7 @@ class Environments:
         where = f"model '{model_name}': parameter {REQUIREMENTS_PARAMETER}"
         with self._lock:  # one build at a time: pip is heavy
             root = requirements_env.build(_model_path(value, model_dir), _server_paths(), where)
-        return ExecutionEnvironment(root)
+        return ExecutionEnvironment(root, tuple(_server_paths()))
 
     async def for_model(
         self, path: str, requirements: str, model_dir: Path, model_name: str
@@ -194,6 +210,9 @@ class Environments:
         """Remove every unpacked environment (the server is stopping)."""
         with self._lock:
             roots, self._unpacked = list(self._unpacked.values()), {}
+            if self._dlserve_only is not None:
+                roots.append(self._dlserve_only)
+                self._dlserve_only = None
         for root in roots:
             shutil.rmtree(root, ignore_errors=True)
 
@@ -246,11 +265,14 @@ def _extract(archive: Path, root: Path, where: str) -> None:
 _NO_FILTER = {"filter": "fully_trusted"} if hasattr(tarfile, "fully_trusted_filter") else {}
 
 
-# Run by the environment's Python at load: its version, and its numpy's if it has one.
+# Run by the environment's Python at load, as a worker would run: its version, and its
+# numpy's (or why numpy does not import), on one line after a marker.
+_PROBE_MARK = "dlserve-probe:"
 _PROBE = (
-    "import sys\n"
-    "try:\n    import numpy; n = numpy.__version__\nexcept Exception: n = ''\n"
-    "sys.stdout.write('%d %d %s' % (sys.version_info[0], sys.version_info[1], n))"
+    "import json, sys\n"
+    "try:\n    import numpy; n, e = numpy.__version__, ''\n"
+    "except Exception as x: n, e = '', '%s: %s' % (type(x).__name__, x)\n"
+    f"sys.stdout.write('\\n{_PROBE_MARK}' + json.dumps([sys.version_info[0], sys.version_info[1], n, e]))"
 )
 MINIMUM_PYTHON = (3, 10)
 
@@ -258,20 +280,22 @@ MINIMUM_PYTHON = (3, 10)
 def _check_python(root: Path, where: str) -> bool:
     """Check that the environment's Python can run a worker; whether it is the server's
     minor version."""
-    python = root / "bin" / "python"
-    if not os.access(python, os.X_OK):
+    environment = ExecutionEnvironment(root)
+    if not os.access(environment.python, os.X_OK):
         raise InvalidArgumentError(f"{where}: '{root}' has no bin/python")
+    python = str(environment.python)
     try:
         probe = subprocess.run(
-            [str(python), "-I", "-c", _PROBE], capture_output=True, text=True, timeout=60,
-            check=False,
+            [python, "-c", _PROBE], env=environment.launch(dict(os.environ))[1],
+            stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60, check=False,
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise InvalidArgumentError(f"{where}: cannot run '{python}': {exc}") from None
     try:
-        major, minor, numpy_version = (probe.stdout.split() + [""])[:3]
+        line = probe.stdout.rsplit(_PROBE_MARK, 1)[1]
+        major, minor, numpy_version, numpy_error = json.loads(line)
         version = (int(major), int(minor))
-    except ValueError:
+    except (IndexError, ValueError, TypeError):
         last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
         raise InvalidArgumentError(f"{where}: cannot run '{python}': {last}") from None
     name = f"Python {version[0]}.{version[1]}"
@@ -283,7 +307,7 @@ def _check_python(root: Path, where: str) -> bool:
         return True
     numpy_major = numpy_version.partition(".")[0]
     if not (numpy_major.isdigit() and int(numpy_major) >= 2):
-        found = f"numpy {numpy_version}" if numpy_version else "no numpy"
+        found = f"numpy {numpy_version}" if numpy_version else f"no numpy ({numpy_error})"
         raise InvalidArgumentError(
             f"{where}: the environment has {name} and {found}; an environment of another "
             f"Python than the server's ({sys.version_info[0]}.{sys.version_info[1]}) must "

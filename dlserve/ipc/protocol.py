@@ -6,8 +6,8 @@ reply with its request (0 = needs no reply), ``body`` is made of plain Python va
 little-endian length followed by the ``marshal`` encoding of the message: ``marshal``
 is CPython's C codec for exactly these types, about 2 µs per round trip for an
 execute message (measured), and it cannot build arbitrary objects the way pickle can.
-Its format version 4, written here explicitly, encodes these types in the same bytes in
-Python 3.4 to 3.13 (checked: 3.10-3.13), so a worker may run another Python than the
+Its format version 4, written here explicitly, is read back the same by Python 3.4 to
+3.13 (checked for these types: 3.10-3.13), so a worker may run another Python than the
 server's (ipc.environments).
 
 Tensor bytes never travel here: a tensor is a reference into shared memory

@@ -209,7 +209,7 @@ def test_an_environment_of_another_python_without_numpy_is_refused(make_repo, se
     root = venv_of(python, tmp_path / "bare")
     repo = make_repo(extra={"probe": {"config.pbtxt": config(str(root)), "1/model.py": MODEL}})
     server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT)
-    message = f"has Python {version} and no numpy; .* must bring its own numpy 2.x"
+    message = f"has Python {version} and no numpy \\(.*No module named 'numpy'\\); .* must bring its own numpy 2.x"
     with pytest.raises(dlserve.InvalidArgumentError, match=message):
         server.load("probe")
 

@@ -53,6 +53,9 @@ class Store:
 
         self._run(upload)
 
+    def put_object(self, key: str, body: bytes, **extra: Any) -> None:
+        self._run(lambda client: client.put_object(Bucket=BUCKET, Key=key, Body=body, **extra))
+
     def delete(self, prefix: str, model: str, only: str = "") -> None:
         def remove(client: Any) -> None:
             listed = client.list_objects_v2(Bucket=BUCKET, Prefix=f"{prefix}/{model}/{only}")
@@ -199,3 +202,92 @@ def test_other_cloud_stores_are_refused_by_name(url: str) -> None:
     with pytest.raises(dlserve.InvalidArgumentError, match="only local folders") as caught:
         dlserve.Server(dlserve.Options(model_repository=url)).start()
     assert url in caught.value.message
+
+
+def renamed_add_sub(name: str) -> tuple[bytes, bytes]:
+    """add_sub's config (named ``name``) and model file."""
+    config = (MODELS / "add_sub" / "config.pbtxt").read_bytes().replace(b'"add_sub"', f'"{name}"'.encode())
+    return config, (MODELS / "add_sub" / "1" / "model.py").read_bytes()
+
+
+def test_only_changed_objects_are_fetched_again(store, mount, servers) -> None:
+    store.put("incremental", "versioned", MODELS / "versioned", only="config.pbtxt")
+    store.put("incremental", "versioned", MODELS / "versioned", only="1")
+    server = servers.start(
+        store.url("incremental"), model_control_mode=dlserve.ModelControlMode.EXPLICIT
+    )
+    server.load("versioned")
+    (copy,) = mount.iterdir()
+    unchanged = (copy / "versioned" / "1" / "model.py").stat()
+    store.put("incremental", "versioned", MODELS / "versioned", only="2")
+    server.load("versioned")
+    assert version_of(server) == 2
+    again = (copy / "versioned" / "1" / "model.py").stat()
+    assert (again.st_ino, again.st_mtime_ns) == (unchanged.st_ino, unchanged.st_mtime_ns)
+
+
+def test_keys_that_would_leave_the_mirror_are_ignored(store, mount, servers, tmp_path) -> None:
+    store.put("keys", "add_sub", MODELS / "add_sub")
+    for key in (
+        "keys/add_sub/1/../../../../escaped.py",
+        "keys/../escaped.py",
+        "keys/add_sub//odd.py",
+        "keys/.hidden/config.pbtxt",
+    ):
+        store.put_object(key, b"raise SystemExit('must never run')\n")
+    server = servers.start(store.url("keys"))
+    assert add_sub(server).tolist() == (np.arange(16) * 2).tolist()
+    assert [key[0] for key in server.models()] == ["add_sub"]
+    written = sorted(str(p.relative_to(mount)) for p in mount.rglob("*") if p.is_file())
+    assert not [p for p in written if "escaped" in p or "odd" in p or ".hidden" in p], written
+    assert not list(tmp_path.rglob("escaped.py"))
+
+
+def test_a_model_the_store_fails_to_hand_over_fails_alone_and_is_tried_again(store, mount, servers) -> None:
+    """An object that cannot be read (archived, here) fails that model's load with the
+    store's words; the other models load, and the next poll tries the model again."""
+    config, model = renamed_add_sub("aaa")
+    store.put_object("failing/aaa/config.pbtxt", config)
+    store.put_object("failing/aaa/1/model.py", model, StorageClass="GLACIER")
+    config, model = renamed_add_sub("zzz")
+    store.put_object("failing/zzz/config.pbtxt", config)
+    store.put_object("failing/zzz/1/model.py", model)
+    # A key that is also a folder's name cannot be written here: that model fails alone.
+    store.put("failing", "add_sub", MODELS / "add_sub")
+    store.put_object("failing/add_sub/1", b"an object named like the version folder")
+    server = servers.start(
+        store.url("failing"),
+        model_control_mode=dlserve.ModelControlMode.POLL,
+        repository_poll_secs=3600,
+        exit_on_error=False,
+    )
+    assert server.model("zzz").ready()
+    rows = {row["name"]: row for row in server.engine.manager.index()}
+    assert rows["aaa"]["state"] == "UNAVAILABLE" and "InvalidObjectState" in rows["aaa"]["reason"]
+    assert "cannot write the files of model 'add_sub'" in rows["add_sub"]["reason"]
+
+    store.put_object("failing/aaa/1/model.py", model)  # readable now, same name and size
+    server.poll_model_repository()
+    assert server.model("aaa").ready()
+
+
+def test_the_index_outlives_the_store(mount, servers, monkeypatch) -> None:
+    """A store that stops answering: the index lists what it last saw, the ready-only
+    index does not ask it, and the loaded models keep serving."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    own = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    own.start()
+    try:
+        s3 = Store(port)
+        s3._run(lambda client: client.create_bucket(Bucket=BUCKET))
+        s3.put("gone", "add_sub", MODELS / "add_sub")
+        server = servers.start(s3.url("gone"))
+    finally:
+        own.stop()
+    assert [key[0] for key in server.models()] == ["add_sub"]  # the last listing
+    assert [key[0] for key in server.models(exclude_not_ready=True)] == ["add_sub"]
+    assert add_sub(server).tolist() == (np.arange(16) * 2).tolist()

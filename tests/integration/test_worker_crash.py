@@ -111,7 +111,7 @@ def test_readiness_reflects_a_dead_worker_and_requests_fail_fast(server, metrics
         await original()
 
     instance.start = delayed_start  # type: ignore[method-assign]
-    labels = {"model": "faulty", "version": "1", "instance": "faulty_0"}
+    labels = {"model": "faulty", "version": "1", "model_instance": "faulty_0"}
     _, scraped = scrape(metrics_port)
     assert value(scraped, "dlserve_instance_ready", **labels) == 1
     assert value(scraped, "dlserve_instance_restarts", **labels) == 0

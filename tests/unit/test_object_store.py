@@ -90,3 +90,10 @@ def test_object_keys_that_leave_their_model_folder_are_never_files() -> None:
         assert model_file("add_sub", inside) is None, inside
     for model in ("", ".hidden", "..", "."):
         assert model_file(model, "config.pbtxt") is None, model
+
+
+def test_a_credential_entry_that_is_not_an_object_is_named(tmp_path) -> None:
+    path = tmp_path / "creds.json"
+    path.write_text(json.dumps({"s3": {"s3://bucket": "AKIA..."}}))
+    with pytest.raises(InvalidArgumentError, match="entry for 's3://bucket' is not an object"):
+        credentials_for("s3://bucket/models", {"TRITON_CLOUD_CREDENTIAL_PATH": str(path)})
