@@ -206,7 +206,8 @@ def test_other_cloud_stores_are_refused_by_name(url: str) -> None:
 
 def renamed_add_sub(name: str) -> tuple[bytes, bytes]:
     """add_sub's config (named ``name``) and model file."""
-    config = (MODELS / "add_sub" / "config.pbtxt").read_bytes().replace(b'"add_sub"', f'"{name}"'.encode())
+    config = (MODELS / "add_sub" / "config.pbtxt").read_bytes()
+    config = config.replace(b'"add_sub"', f'"{name}"'.encode())
     return config, (MODELS / "add_sub" / "1" / "model.py").read_bytes()
 
 
@@ -243,7 +244,9 @@ def test_keys_that_would_leave_the_mirror_are_ignored(store, mount, servers, tmp
     assert not list(tmp_path.rglob("escaped.py"))
 
 
-def test_a_model_the_store_fails_to_hand_over_fails_alone_and_is_tried_again(store, mount, servers) -> None:
+def test_a_model_the_store_fails_to_hand_over_fails_alone_and_is_tried_again(
+    store, mount, servers
+) -> None:
     """An object that cannot be read (archived, here) fails that model's load with the
     store's words; the other models load, and the next poll tries the model again."""
     config, model = renamed_add_sub("aaa")
