@@ -4,7 +4,8 @@
 Only names found by listing the repositories can be loaded, so a model name from a
 request can never reach outside them; files uploaded with a load request are
 written under a private folder after the same check on every path. A repository
-may be an ``s3://`` URL: its models are read from a local mirror (object_store).
+may be an ``s3://`` or ``gs://`` URL: its models are read from a local mirror
+(object_store).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from dlserve.engine import config as cfg
-from dlserve.engine.object_store import S3Mirror, Stamps, is_remote
+from dlserve.engine.object_store import Stamps, StoreMirror, is_remote
 from dlserve.engine.proto import model_config_pb2 as mc
 from dlserve.errors import InvalidArgumentError, NotFoundError
 
@@ -114,25 +115,25 @@ def check_model_name(name: str) -> None:
 class Repository:
     """One or more repositories, searched in order; model names must be unique.
 
-    An ``s3://`` repository is listed by :meth:`refresh` and a model's files are
+    An object-store repository is listed by :meth:`refresh` and a model's files are
     downloaded by :meth:`fetch`; both block on the network, so the engine runs them
     on a thread. :meth:`scan` and :meth:`find` never touch the network.
     """
 
     def __init__(self, paths: list[str | Path]) -> None:
         self.paths: list[Path] = []
-        self._mirrors: dict[Path, S3Mirror] = {}  # local root -> its s3:// repository
+        self._mirrors: dict[Path, StoreMirror] = {}  # local root -> its s3:// repository
         try:
             for path in paths:
                 if is_remote(path):
-                    mirror = S3Mirror(str(path))
+                    mirror = StoreMirror(str(path))
                     self._mirrors[mirror.root] = mirror
                     self.paths.append(mirror.root)
                     continue
                 if "://" in str(path):
                     raise InvalidArgumentError(
-                        f"model repository '{path}': only local folders and s3:// URLs are "
-                        "supported, not gs:// or as://"
+                        f"model repository '{path}': only local folders, s3:// and gs:// "
+                        "URLs are supported (not as://)"
                     )
                 resolved = Path(path).expanduser().resolve()
                 if not resolved.is_dir():

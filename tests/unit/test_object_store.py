@@ -1,5 +1,5 @@
-"""s3:// repository URLs, Triton's credential file and object keys that would leave
-their model folder."""
+"""Object-store repository URLs, Triton's credential file and object keys that would
+leave their model folder."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from pathlib import PurePosixPath
 
 import pytest
 
-from dlserve.engine.object_store import S3Location, credentials_for, model_file
+from dlserve.engine.cloud_stores import S3Location, credential_entry, credentials_for
+from dlserve.engine.object_store import model_file
 from dlserve.errors import InvalidArgumentError
 
 
@@ -95,5 +96,14 @@ def test_object_keys_that_leave_their_model_folder_are_never_files() -> None:
 def test_a_credential_entry_that_is_not_an_object_is_named(tmp_path) -> None:
     path = tmp_path / "creds.json"
     path.write_text(json.dumps({"s3": {"s3://bucket": "AKIA..."}}))
-    with pytest.raises(InvalidArgumentError, match="entry for 's3://bucket' is not an object"):
+    with pytest.raises(InvalidArgumentError, match="s3 entry for 's3://bucket/models' is not an object"):
         credentials_for("s3://bucket/models", {"TRITON_CLOUD_CREDENTIAL_PATH": str(path)})
+
+
+def test_a_gcs_credential_is_the_key_file_of_the_longest_match(tmp_path) -> None:
+    path = tmp_path / "cloud_credential.json"
+    path.write_text(json.dumps({"gs": {"": "/keys/default.json", "gs://bucket-2": "/keys/two.json"}}))
+    environ = {"TRITON_CLOUD_CREDENTIAL_PATH": str(path)}
+    assert credential_entry("gs://bucket-2/models", "gs", environ) == "/keys/two.json"
+    assert credential_entry("gs://other/models", "gs", environ) == "/keys/default.json"
+    assert credential_entry("gs://other/models", "gs", {}) is None
