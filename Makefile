@@ -39,4 +39,5 @@ examples: $(VENV)/.installed
 
 test: $(VENV)/.installed-test
 	VENV=$(abspath $(VENV)) scripts/setup_perf_analyzer.sh
+	VENV=$(abspath $(VENV)) scripts/setup_azurite.sh
 	$(BIN)/python -m pytest

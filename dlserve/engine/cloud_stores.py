@@ -10,11 +10,14 @@ Amazon S3 and S3-compatible stores (boto3) and Google Cloud Storage
   instance roles; region ``AWS_DEFAULT_REGION``).
 - ``gs://bucket/path``. Credentials from Google's application default credentials
   (``GOOGLE_APPLICATION_CREDENTIALS``, the metadata server, gcloud's login).
+- ``as://account/container/path`` (Azure Blob Storage). The account key from
+  ``AZURE_STORAGE_KEY``; beyond Triton, ``AZURE_STORAGE_CONNECTION_STRING`` when set (its
+  endpoint and key: sovereign clouds, Azurite).
 
-Or, for either, from the file ``TRITON_CLOUD_CREDENTIAL_PATH`` names, as in Triton: its
-``"s3"`` or ``"gs"`` entry whose key is the longest start of the URL (for ``gs``, the path
-of a service-account key file). With no credentials at all, requests go unsigned, so a
-public bucket still serves.
+Or, for each, from the file ``TRITON_CLOUD_CREDENTIAL_PATH`` names, as in Triton: its
+``"s3"``, ``"gs"`` or ``"as"`` entry whose key is the longest start of the URL (for ``gs``
+the path of a service-account key file, for ``as`` ``account_str`` and ``account_key``).
+With no credentials at all, requests go unsigned, so a public bucket still serves.
 """
 
 from __future__ import annotations
@@ -49,13 +52,15 @@ class Store(Protocol):
 
 
 def is_remote(path: str | os.PathLike[str]) -> bool:
-    return str(path).startswith(("s3://", "gs://"))
+    return str(path).startswith(("s3://", "gs://", "as://"))
 
 
 def open_store(url: str) -> Store:
-    """The store of an ``s3://`` or ``gs://`` repository URL (no request made yet)."""
+    """The store of an ``s3://``, ``gs://`` or ``as://`` repository URL (no request made)."""
     if url.startswith("gs://"):
         return GcsStore(url)
+    if url.startswith("as://"):
+        return AzureStore(url)
     return S3Store(S3Location.parse(url))
 
 
@@ -219,6 +224,56 @@ class GcsStore:
 
     def close(self) -> None:
         self._client.close()
+
+
+class AzureStore:
+    mount_variable = "TRITON_AZURE_MOUNT_DIRECTORY"
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        parts = [part for part in url.removeprefix("as://").split("/") if part]
+        if len(parts) < 2:
+            raise InvalidArgumentError(
+                f"model repository '{url}': name the account and the container, as in "
+                "as://account/container/path"
+            )
+        account = parts[0]
+        container, self.prefix = _bucket_and_prefix(url, parts[1:])
+        try:
+            from azure.storage.blob import BlobServiceClient
+        except ImportError:
+            raise UnavailableError(
+                f"model repository '{url}': as:// repositories need azure-storage-blob "
+                "(pip install 'dlserve[azure]')"
+            ) from None
+        entry = credential_entry(url, "as")
+        key = entry.get("account_key") if isinstance(entry, dict) else None
+        key = key or os.environ.get("AZURE_STORAGE_KEY") or None
+        connection = os.environ.get("AZURE_STORAGE_CONNECTION_STRING")
+        try:
+            if connection:
+                service = BlobServiceClient.from_connection_string(connection)
+            else:
+                credential = {"account_name": account, "account_key": key} if key else None
+                service = BlobServiceClient(
+                    f"https://{account}.blob.core.windows.net", credential=credential
+                )
+        except Exception as exc:  # noqa: BLE001 - azure's errors (a malformed string...)
+            raise InvalidArgumentError(f"model repository '{url}': {exc}") from None
+        self._service = service
+        self._container = service.get_container_client(container)
+
+    def list(self, prefix: str) -> Iterator[tuple[str, str, int]]:
+        for blob in self._container.list_blobs(name_starts_with=prefix):
+            yield blob.name, blob.etag, blob.size
+
+    def download(self, key: str, path: str) -> None:
+        with open(path, "wb") as file:
+            self._container.download_blob(key).readinto(file)
+
+    def close(self) -> None:
+        self._container.close()
+        self._service.close()
 
 
 def error_reason(exc: Exception) -> str:

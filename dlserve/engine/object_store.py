@@ -1,10 +1,10 @@
-"""Model repositories in an object store (S3, Google Cloud Storage), served from a
+"""Model repositories in an object store (S3, Google Cloud Storage, Azure), served from a
 local mirror.
 
 The store is listed, not downloaded, to learn which models exist and whether they
 changed (each object's ETag and size); a model's files are downloaded when it is loaded,
-into a private folder (under ``TRITON_AWS_MOUNT_DIRECTORY`` / ``TRITON_GCS_MOUNT_DIRECTORY``
-when set) that is removed at stop. Only new and changed objects are fetched again, each
+into a private folder (under the store's ``TRITON_AWS_MOUNT_DIRECTORY``,
+``TRITON_GCS_MOUNT_DIRECTORY`` or ``TRITON_AZURE_MOUNT_DIRECTORY`` when set) that is removed at stop. Only new and changed objects are fetched again, each
 to a temporary name and then renamed, so a process reading the folder never sees half a
 file; files whose object is gone are removed. The rest of the engine reads that folder
 as an ordinary local model folder. The stores themselves: :mod:`cloud_stores`.

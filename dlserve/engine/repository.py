@@ -4,8 +4,8 @@
 Only names found by listing the repositories can be loaded, so a model name from a
 request can never reach outside them; files uploaded with a load request are
 written under a private folder after the same check on every path. A repository
-may be an ``s3://`` or ``gs://`` URL: its models are read from a local mirror
-(object_store).
+may be an ``s3://``, ``gs://`` or ``as://`` URL: its models are read from a local
+mirror (object_store).
 """
 
 from __future__ import annotations
@@ -132,8 +132,8 @@ class Repository:
                     continue
                 if "://" in str(path):
                     raise InvalidArgumentError(
-                        f"model repository '{path}': only local folders, s3:// and gs:// "
-                        "URLs are supported (not as://)"
+                        f"model repository '{path}': only local folders and s3://, gs:// "
+                        "and as:// URLs are supported"
                     )
                 resolved = Path(path).expanduser().resolve()
                 if not resolved.is_dir():
