@@ -20,6 +20,7 @@ import faulthandler
 import importlib.util
 import inspect
 import json
+import logging
 import os
 import signal
 import socket
@@ -39,6 +40,7 @@ from dlserve.memory.arena import Arena, MemorySpace
 from dlserve.pb_utils import _runtime
 from dlserve.pb_utils.helpers import using_decoupled_model_transaction_policy
 from dlserve.pb_utils.inference import InferenceRequest, InferenceResponse
+from dlserve.pb_utils.logger import ServerLogHandler
 from dlserve.pb_utils.model_config import ModelConfig
 from dlserve.pb_utils.tensor import Tensor
 
@@ -414,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     peer = Peer(space, arena, channel.queue_releases)
     runtime = WorkerRuntime(channel, peer, arena)
     _runtime.install(runtime)
+    logging.getLogger().addHandler(ServerLogHandler())  # the model's logging, into the server's
     threading.Thread(
         target=_watch_parent, args=(os.getppid(), arena), name="parent-watch", daemon=True
     ).start()

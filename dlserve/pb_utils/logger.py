@@ -1,7 +1,9 @@
 """``pb_utils.Logger``: model log lines go into the server's log at their level.
 
 Inside a worker the line is queued to the server (no reply is awaited) and logged
-there under ``dlserve.model.<name>``; outside one it goes to Python logging.
+there under ``dlserve.model.<name>``; outside one it goes to Python logging. A model's
+plain Python ``logging`` records take the same way (:class:`ServerLogHandler`, on the
+worker's root logger): Triton drops them.
 """
 
 from __future__ import annotations
@@ -56,3 +58,28 @@ class Logger:
     @staticmethod
     def log_verbose(message: str) -> None:
         Logger.log(message, LogLevel.VERBOSE)
+
+
+class ServerLogHandler(logging.Handler):
+    """Python logging records of a worker, as log lines of the server (the record's
+    logger name kept, tracebacks included)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.levelno >= logging.ERROR:
+            level = LogLevel.ERROR
+        elif record.levelno >= logging.WARNING:
+            level = LogLevel.WARNING
+        elif record.levelno >= logging.INFO:
+            level = LogLevel.INFO
+        else:
+            level = LogLevel.VERBOSE
+        try:
+            Logger.log(self.format(record), level)
+        except OSError:
+            pass  # the server is gone (the worker is ending)
+        except Exception:  # noqa: BLE001 - logging must never raise into the model
+            self.handleError(record)

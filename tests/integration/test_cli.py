@@ -554,3 +554,74 @@ def test_without_a_repository_it_serves_the_bundled_examples(serve, tmp_path):
     code, _ = process.stop()
     assert code == 0, process.output()
     process.assert_clean()
+
+
+BREAKPOINT_MODEL = '''
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            breakpoint()
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x * 2)]))
+        return responses
+'''
+
+
+def test_a_breakpoint_in_a_model_stops_in_the_servers_terminal(tmp_path):
+    """`dlserve serve` in a terminal: pdb stops at breakpoint() in execute, in that terminal
+    (the worker shares it), and the request completes once the session continues."""
+    import pty
+    import select
+
+    model = tmp_path / "models" / "dbg"
+    (model / "1").mkdir(parents=True)
+    (model / "config.pbtxt").write_text(
+        'backend: "python"\ninput [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
+        'output [ { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
+    )
+    (model / "1" / "model.py").write_text(BREAKPOINT_MODEL)
+    ports = [free_port() for _ in range(3)]
+    pid, terminal = pty.fork()
+    if pid == 0:  # the child: dlserve serve with the pty as its terminal
+        os.execv(DLSERVE, [
+            DLSERVE, "serve", "--model-repository", str(model.parent),
+            "--http-address", "127.0.0.1", "--http-port", str(ports[0]),
+            "--grpc-address", "127.0.0.1", "--grpc-port", str(ports[1]),
+            "--metrics-address", "127.0.0.1", "--metrics-port", str(ports[2]),
+        ])
+    seen = bytearray()
+
+    def wait_for(text: bytes, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in seen:
+            assert time.monotonic() < deadline, f"no {text!r} in:\n{seen.decode(errors='replace')}"
+            if select.select([terminal], [], [], 0.2)[0]:
+                with contextlib.suppress(OSError):
+                    seen.extend(os.read(terminal, 4096))
+
+    answer: list[tuple[int, bytes]] = []
+    try:
+        wait_for(b"dlserve: ready")
+        body = {"inputs": [{"name": "X", "shape": [1], "datatype": "FP32", "data": [21]}]}
+        path = "/v2/models/dbg/infer"
+        client = threading.Thread(
+            target=lambda: answer.append(request(ports[0], path, "POST", body, timeout=60))
+        )
+        client.start()
+        wait_for(b"(Pdb)")
+        os.write(terminal, b"p float(x[0]) + 0.5\n")
+        wait_for(b"21.5")
+        os.write(terminal, b"c\n")
+        client.join(30)
+        status, data = answer[0]
+        assert status == 200 and json.loads(data)["outputs"][0]["data"] == [42.0]
+    finally:
+        os.kill(pid, signal.SIGTERM)
+        _, status = os.waitpid(pid, 0)
+        os.close(terminal)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert not glob.glob(f"/dev/shm/dlserve_{pid}_*")

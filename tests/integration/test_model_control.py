@@ -330,7 +330,7 @@ def test_model_logs_reach_the_server_log(servers, make_repo, caplog):
     with caplog.at_level(logging.DEBUG, logger="dlserve.model.logger"):
         list(server.model("logger").infer(inputs={"INPUT0": X1}))
         deadline = time.monotonic() + 5
-        while len([r for r in caplog.records if r.name == "dlserve.model.logger"]) < 5:
+        while len([r for r in caplog.records if r.name == "dlserve.model.logger"]) < 7:
             assert time.monotonic() < deadline, caplog.records
             time.sleep(0.02)
     by_message = {r.getMessage(): r.levelno for r in caplog.records if r.name == "dlserve.model.logger"}
@@ -339,6 +339,11 @@ def test_model_logs_reach_the_server_log(servers, make_repo, caplog):
     assert by_message["error message"] == logging.ERROR
     assert by_message["verbose message"] == logging.DEBUG
     assert by_message["explicit level message"] == logging.ERROR
+    # Python logging in the model, with its logger's name and the traceback:
+    assert by_message["logger_model: python warning message"] == logging.WARNING
+    (error,) = [m for m in by_message if m.startswith("logger_model: python error message")]
+    assert by_message[error] == logging.ERROR
+    assert "Traceback" in error and "ZeroDivisionError: division by zero" in error
 
 
 def test_stop_runs_finalize(servers, make_repo, tmp_path):
