@@ -5,7 +5,6 @@ Azure's own client, its endpoint and key from AZURE_STORAGE_CONNECTION_STRING.""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -13,11 +12,17 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 import dlserve
-from tests.conftest import MODELS
+
+from .object_store_checks import (
+    free_port,
+    mount_directory,
+    put,
+    served_followed_and_removed,
+    start_fails_by_name,
+)
 
 blob = pytest.importorskip("azure.storage.blob")
 
@@ -32,9 +37,7 @@ CONTAINER = "models"
 def connection(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if not AZURITE.is_file():
         pytest.skip("Azurite is not installed (scripts/setup_azurite.sh)")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     log = tmp_path_factory.mktemp("azurite") / "azurite.log"
     with log.open("w") as out:
         process = subprocess.Popen(
@@ -73,60 +76,29 @@ def with_container(action: Callable[[Any], Any]) -> Any:
         service.close()
 
 
-def put(prefix: str, model: str, source: Path, only: str = "") -> None:
+def put_model(prefix: str, model: str, source: Path, only: str = "") -> None:
     def upload(container: Any) -> None:
-        for root, _dirs, files in os.walk(source):
-            for name in files:
-                relative = os.path.relpath(os.path.join(root, name), source)
-                if relative.startswith(only) and "__pycache__" not in relative:
-                    with open(os.path.join(root, name), "rb") as data:
-                        container.upload_blob(f"{prefix}/{model}/{relative}", data, overwrite=True)
+        def one(key: str, path: str) -> None:
+            with open(path, "rb") as data:
+                container.upload_blob(key, data, overwrite=True)
+
+        put(one, prefix, model, source, only)
 
     with_container(upload)
 
 
 @pytest.fixture
 def mount(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    folder = tmp_path / "mount"
-    folder.mkdir()
-    monkeypatch.setenv("TRITON_AZURE_MOUNT_DIRECTORY", str(folder))
-    return folder
+    return mount_directory(tmp_path, monkeypatch, "TRITON_AZURE_MOUNT_DIRECTORY")
 
 
 def test_a_repository_in_azure_is_served_followed_and_its_copy_removed(connection, mount, servers):
-    put("served", "add_sub", MODELS / "add_sub")
-    put("served", "versioned", MODELS / "versioned", only="config.pbtxt")
-    put("served", "versioned", MODELS / "versioned", only="1")
-    server = servers.start(
-        f"as://{ACCOUNT}/{CONTAINER}/served",
-        model_control_mode=dlserve.ModelControlMode.POLL,
-        repository_poll_secs=3600,
-    )
-    a = np.arange(16, dtype=np.float32)
-    (response,) = server.model("add_sub").infer(inputs={"INPUT0": a, "INPUT1": a})
-    assert np.from_dlpack(response.outputs["OUTPUT0"]).tolist() == (a * 2).tolist()
-
-    def version() -> int:
-        (answer,) = server.model("versioned").infer(inputs={"INPUT0": np.zeros(1, np.float32)})
-        return int(np.from_dlpack(answer.outputs["VERSION"])[0])
-
-    assert version() == 1
-    put("served", "versioned", MODELS / "versioned", only="2")
-    server.poll_model_repository()
-    assert version() == 2
-    (copy,) = mount.iterdir()
-    assert copy.name.startswith("dlserve-as-")
-    servers.stop(server)
-    assert list(mount.iterdir()) == []
+    served_followed_and_removed(servers, put_model, f"as://{ACCOUNT}/{CONTAINER}/served", mount)
 
 
 def test_a_missing_container_fails_the_start_by_name(connection, mount, servers):
     url = f"as://{ACCOUNT}/no-such-container/models"
-    with pytest.raises(dlserve.TritonError) as caught:
-        servers.start(url)
-    message = caught.value.message
-    assert url in message and "cannot list it" in message and "container does not exist" in message
-    assert list(mount.iterdir()) == []
+    start_fails_by_name(servers, url, mount, "cannot list it", "container does not exist")
 
 
 def test_an_url_without_a_container_is_refused(connection):

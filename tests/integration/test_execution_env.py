@@ -201,28 +201,24 @@ def test_an_environment_of_another_python_runs_the_model(make_repo, servers, oth
     assert info["prefix"] == str(root) and info["where"] == "env"
 
 
-def test_an_environment_of_another_python_without_numpy_is_refused(make_repo, servers, tmp_path):
-    found = other_python(newer=True)
+@pytest.mark.parametrize(
+    ("newer", "message"),
+    [
+        (True, "has Python {version} and no numpy \\(.*No module named 'numpy'\\); .* must bring "
+         "its own numpy 2.x"),
+        (False, "has Python {version}; .*3.10 or newer"),
+    ],
+    ids=["another-python-without-numpy", "python-before-3.10"],
+)
+def test_an_environment_whose_python_cannot_serve_is_refused(make_repo, servers, tmp_path, newer, message):
+    found = other_python(newer)
     if found is None:
-        pytest.skip("no Python 3.10+ of another minor version than the server's here")
+        pytest.skip(f"no such Python here ({'3.10+ of another minor version' if newer else 'before 3.10'})")
     python, version = found
-    root = venv_of(python, tmp_path / "bare")
+    root = venv_of(python, tmp_path / "env")
     repo = make_repo(extra={"probe": {"config.pbtxt": config(str(root)), "1/model.py": MODEL}})
     server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT)
-    message = f"has Python {version} and no numpy \\(.*No module named 'numpy'\\); .* must bring its own numpy 2.x"
-    with pytest.raises(dlserve.InvalidArgumentError, match=message):
-        server.load("probe")
-
-
-def test_an_environment_of_a_python_before_3_10_is_refused(make_repo, servers, tmp_path):
-    found = other_python(newer=False)
-    if found is None:
-        pytest.skip("no Python before 3.10 here")
-    python, version = found
-    root = venv_of(python, tmp_path / "old")
-    repo = make_repo(extra={"probe": {"config.pbtxt": config(str(root)), "1/model.py": MODEL}})
-    server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT)
-    with pytest.raises(dlserve.InvalidArgumentError, match=f"has Python {version}; .*3.10 or newer"):
+    with pytest.raises(dlserve.InvalidArgumentError, match=message.format(version=version)):
         server.load("probe")
 
 

@@ -5,8 +5,6 @@ followed and the local copy removed at stop."""
 from __future__ import annotations
 
 import logging
-import os
-import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +14,8 @@ import pytest
 
 import dlserve
 from tests.conftest import MODELS
+
+from .object_store_checks import add_sub, free_port, mount_directory, put, version_of
 
 moto_server = pytest.importorskip("moto.server")
 boto3 = pytest.importorskip("boto3")
@@ -41,17 +41,11 @@ class Store:
         return f"s3://{self.endpoint}/{BUCKET}/{prefix}"
 
     def put(self, prefix: str, model: str, source: Path, only: str = "") -> None:
-        """Upload the files of ``source`` (those under ``only``) as ``prefix/model/...``."""
-
-        def upload(client: Any) -> None:
-            for root, _dirs, files in os.walk(source):
-                for name in files:
-                    relative = os.path.relpath(os.path.join(root, name), source)
-                    if relative.startswith(only) and "__pycache__" not in relative:
-                        key = f"{prefix}/{model}/{relative}"
-                        client.upload_file(os.path.join(root, name), BUCKET, key)
-
-        self._run(upload)
+        self._run(
+            lambda client: put(
+                lambda key, path: client.upload_file(path, BUCKET, key), prefix, model, source, only
+            )
+        )
 
     def put_object(self, key: str, body: bytes, **extra: Any) -> None:
         self._run(lambda client: client.put_object(Bucket=BUCKET, Key=key, Body=body, **extra))
@@ -65,6 +59,16 @@ class Store:
         self._run(remove)
 
 
+def moto() -> tuple[Any, Store]:
+    """A started moto S3 server on a free port, with the bucket made."""
+    port = free_port()
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    s3 = Store(port)
+    s3._run(lambda client: client.create_bucket(Bucket=BUCKET))
+    return server, s3
+
+
 @pytest.fixture(scope="module")
 def store() -> Iterator[Store]:
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # a line per request otherwise
@@ -76,14 +80,8 @@ def store() -> Iterator[Store]:
         }.items():
             env.setenv(name, value)
         env.delenv("TRITON_CLOUD_CREDENTIAL_PATH", raising=False)
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-        server.start()
+        server, s3 = moto()
         try:
-            s3 = Store(port)
-            s3._run(lambda client: client.create_bucket(Bucket=BUCKET))
             yield s3
         finally:
             server.stop()
@@ -91,29 +89,14 @@ def store() -> Iterator[Store]:
 
 @pytest.fixture
 def mount(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Where the servers keep their local copies (TRITON_AWS_MOUNT_DIRECTORY)."""
-    folder = tmp_path / "mount"
-    folder.mkdir()
-    monkeypatch.setenv("TRITON_AWS_MOUNT_DIRECTORY", str(folder))
-    return folder
-
-
-def add_sub(server: dlserve.Server) -> np.ndarray:
-    a = np.arange(16, dtype=np.float32)
-    (response,) = server.model("add_sub").infer(inputs={"INPUT0": a, "INPUT1": a})
-    return np.from_dlpack(response.outputs["OUTPUT0"])
-
-
-def version_of(server: dlserve.Server) -> int:
-    (response,) = server.model("versioned").infer(inputs={"INPUT0": np.zeros(1, np.float32)})
-    return int(np.from_dlpack(response.outputs["VERSION"])[0])
+    return mount_directory(tmp_path, monkeypatch, "TRITON_AWS_MOUNT_DIRECTORY")
 
 
 def test_a_repository_in_s3_is_served_and_its_copy_removed_at_stop(store, mount, servers) -> None:
     store.put("served", "add_sub", MODELS / "add_sub")
     server = servers.start(store.url("served"))
     assert server.model("add_sub").ready()
-    assert add_sub(server).tolist() == (np.arange(16) * 2).tolist()
+    assert add_sub(server) == (np.arange(16) * 2).tolist()
     (copy,) = mount.iterdir()
     original = MODELS / "add_sub" / "1" / "model.py"
     assert (copy / "add_sub" / "1" / "model.py").read_bytes() == original.read_bytes()
@@ -133,7 +116,7 @@ def test_explicit_mode_loads_what_the_store_holds_at_the_time(store, mount, serv
     store.put("explicit", "add_sub", MODELS / "add_sub")
     assert sorted(key[0] for key in server.models()) == ["add_sub", "versioned"]
     server.load("add_sub")
-    assert add_sub(server).tolist() == (np.arange(16) * 2).tolist()
+    assert add_sub(server) == (np.arange(16) * 2).tolist()
 
     server.load("versioned")
     assert version_of(server) == 1
@@ -155,7 +138,7 @@ def test_explicit_mode_loads_what_the_store_holds_at_the_time(store, mount, serv
     store.delete("explicit", "add_sub")
     with pytest.raises(dlserve.NotFoundError, match="add_sub"):
         server.load("add_sub")
-    assert add_sub(server).tolist() == (np.arange(16) * 2).tolist()
+    assert add_sub(server) == (np.arange(16) * 2).tolist()
     assert (copy / "add_sub" / "1" / "model.py").is_file()
     server.unload("add_sub")
     rows = server.engine.manager.index()
@@ -176,7 +159,7 @@ def test_poll_mode_follows_the_store(store, mount, servers) -> None:
 
     store.put("polled", "add_sub", MODELS / "add_sub")
     server.poll_model_repository()
-    assert add_sub(server).tolist() == (np.arange(16) * 2).tolist()
+    assert add_sub(server) == (np.arange(16) * 2).tolist()
     # Unchanged in the store: not reloaded.
     assert server.engine.manager.models["versioned"].versions[1].instances[0].pid == worker
 
@@ -237,7 +220,7 @@ def test_keys_that_would_leave_the_mirror_are_ignored(store, mount, servers, tmp
     ):
         store.put_object(key, b"raise SystemExit('must never run')\n")
     server = servers.start(store.url("keys"))
-    assert add_sub(server).tolist() == (np.arange(16) * 2).tolist()
+    assert add_sub(server) == (np.arange(16) * 2).tolist()
     assert [key[0] for key in server.models()] == ["add_sub"]
     written = sorted(str(p.relative_to(mount)) for p in mount.rglob("*") if p.is_file())
     assert not [p for p in written if "escaped" in p or "odd" in p or ".hidden" in p], written
@@ -279,18 +262,12 @@ def test_the_index_outlives_the_store(mount, servers, monkeypatch) -> None:
     index does not ask it, and the loaded models keep serving."""
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    own = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    own.start()
+    own, s3 = moto()
     try:
-        s3 = Store(port)
-        s3._run(lambda client: client.create_bucket(Bucket=BUCKET))
         s3.put("gone", "add_sub", MODELS / "add_sub")
         server = servers.start(s3.url("gone"))
     finally:
         own.stop()
     assert [key[0] for key in server.models()] == ["add_sub"]  # the last listing
     assert [key[0] for key in server.models(exclude_not_ready=True)] == ["add_sub"]
-    assert add_sub(server).tolist() == (np.arange(16) * 2).tolist()
+    assert add_sub(server) == (np.arange(16) * 2).tolist()
