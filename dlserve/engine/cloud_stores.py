@@ -24,12 +24,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import re
 from collections.abc import Iterator, Mapping
 from typing import Any, Protocol
 
 from dlserve.errors import InvalidArgumentError, TritonError, UnavailableError
+
+log = logging.getLogger("dlserve.engine")
 
 CREDENTIAL_FILE_VARIABLE = "TRITON_CLOUD_CREDENTIAL_PATH"
 _ENDPOINT = re.compile(r"^[0-9A-Za-z.\-]+:[0-9]+$")
@@ -210,7 +213,9 @@ class GcsStore:
             else:
                 try:
                     self._client = storage.Client()
-                except DefaultCredentialsError:  # none anywhere: a public bucket still serves
+                except DefaultCredentialsError as exc:  # none: a public bucket still serves
+                    log.warning("model repository '%s': no Google credentials (%s); "
+                                "reading it anonymously", url, exc)
                     self._client = storage.Client.create_anonymous_client()
         except Exception as exc:  # noqa: BLE001 - google-auth's errors (a bad key file...)
             raise InvalidArgumentError(f"model repository '{url}': {exc}") from None
@@ -226,19 +231,36 @@ class GcsStore:
         self._client.close()
 
 
+def azure_account(
+    url: str, environ: Mapping[str, str] = os.environ
+) -> tuple[str, str | None, str, str]:
+    """An as:// URL's account, key (None: anonymous), container and key prefix, as
+    Triton finds them: the credential file's ``account_str`` / ``account_key`` or
+    ``AZURE_STORAGE_ACCOUNT`` / ``AZURE_STORAGE_KEY``, else the URL's account."""
+    parts = [part for part in url.removeprefix("as://").split("/") if part]
+    if len(parts) < 2:
+        raise InvalidArgumentError(
+            f"model repository '{url}': name the account and the container, as in "
+            "as://account/container/path"
+        )
+    entry = credential_entry(url, "as", environ)
+    entry = entry if isinstance(entry, dict) else {}
+    account = (
+        entry.get("account_str")
+        or environ.get("AZURE_STORAGE_ACCOUNT")
+        or parts[0].removesuffix(".blob.core.windows.net")
+    )
+    key = entry.get("account_key") or environ.get("AZURE_STORAGE_KEY") or None
+    container, prefix = _bucket_and_prefix(url, parts[1:])
+    return account, key, container, prefix
+
+
 class AzureStore:
     mount_variable = "TRITON_AZURE_MOUNT_DIRECTORY"
 
     def __init__(self, url: str) -> None:
         self.url = url
-        parts = [part for part in url.removeprefix("as://").split("/") if part]
-        if len(parts) < 2:
-            raise InvalidArgumentError(
-                f"model repository '{url}': name the account and the container, as in "
-                "as://account/container/path"
-            )
-        account = parts[0]
-        container, self.prefix = _bucket_and_prefix(url, parts[1:])
+        account, key, container, self.prefix = azure_account(url)
         try:
             from azure.storage.blob import BlobServiceClient
         except ImportError:
@@ -246,18 +268,25 @@ class AzureStore:
                 f"model repository '{url}': as:// repositories need azure-storage-blob "
                 "(pip install 'dlserve[azure]')"
             ) from None
-        entry = credential_entry(url, "as")
-        key = entry.get("account_key") if isinstance(entry, dict) else None
-        key = key or os.environ.get("AZURE_STORAGE_KEY") or None
         connection = os.environ.get("AZURE_STORAGE_CONNECTION_STRING")
         try:
-            if connection:
+            if connection:  # another endpoint (a sovereign cloud, Azurite): for this account only
+                named = dict(
+                    field.split("=", 1) for field in connection.split(";") if "=" in field
+                ).get("AccountName")
+                if named != account:
+                    raise InvalidArgumentError(
+                        f"model repository '{url}': AZURE_STORAGE_CONNECTION_STRING is for "
+                        f"account '{named}', not '{account}'"
+                    )
                 service = BlobServiceClient.from_connection_string(connection)
             else:
                 credential = {"account_name": account, "account_key": key} if key else None
                 service = BlobServiceClient(
                     f"https://{account}.blob.core.windows.net", credential=credential
                 )
+        except TritonError:
+            raise
         except Exception as exc:  # noqa: BLE001 - azure's errors (a malformed string...)
             raise InvalidArgumentError(f"model repository '{url}': {exc}") from None
         self._service = service
@@ -288,6 +317,7 @@ def error_reason(exc: Exception) -> str:
 __all__ = [
     "S3Location",
     "Store",
+    "azure_account",
     "credential_entry",
     "credentials_for",
     "error_reason",

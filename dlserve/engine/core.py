@@ -164,6 +164,7 @@ class Engine:
         """Finish in-flight requests, finalize models and end workers by ``deadline``
         (``time.monotonic()``; default: ``exit_timeout`` from now)."""
         self.live = False
+        self.environments.cancel_builds()  # a pip run would hold the stop up for minutes
         if deadline is None:
             deadline = time.monotonic() + self.settings.exit_timeout
         try:

@@ -12,6 +12,7 @@ as an ordinary local model folder. The stores themselves: :mod:`cloud_stores`.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -154,7 +155,8 @@ class StoreMirror:
             self._store.download(key, temporary)
             os.replace(temporary, target)
         except Exception as exc:  # noqa: BLE001 - the clients' errors have no common base
-            os.unlink(temporary)
+            with contextlib.suppress(FileNotFoundError):  # Google's client removes it itself
+                os.unlink(temporary)
             if isinstance(exc, OSError):
                 raise
             raise ObjectStoreError(

@@ -124,6 +124,7 @@ class Environments:
         self._unpacked: dict[tuple[str, int], Path] = {}
         self._lock = threading.Lock()
         self._dlserve_only: Path | None = None  # see _package_alone
+        self._builder = requirements_env.Builder()
 
     def resolve(self, value: str, model_dir: Path, model_name: str) -> ExecutionEnvironment:
         """The environment a model's ``EXECUTION_ENV_PATH`` names, unpacked if needed.
@@ -163,8 +164,11 @@ class Environments:
         """The environment built for the requirements file a model's
         ``EXECUTION_ENV_REQUIREMENTS`` names (ipc.requirements_env); blocking."""
         where = f"model '{model_name}': parameter {REQUIREMENTS_PARAMETER}"
-        with self._lock:  # one build at a time: pip is heavy
-            root = requirements_env.build(_model_path(value, model_dir), _server_paths(), where)
+        path = _model_path(value, model_dir)
+        # Only a file of the model's own: pip quotes what it reads in its errors.
+        if not (path.is_file() and _inside(os.path.realpath(model_dir), os.path.realpath(path))):
+            raise InvalidArgumentError(f"{where}: '{value}' is not a file in the model's folder")
+        root = self._builder.build(path, _server_paths(), where)
         return ExecutionEnvironment(root, tuple(_server_paths()))
 
     async def for_model(
@@ -206,8 +210,13 @@ class Environments:
             self._unpacked[key] = root
             return root
 
+    def cancel_builds(self) -> None:
+        """Kill the requirement builds running now and refuse new ones (stopping)."""
+        self._builder.cancel()
+
     def close(self) -> None:
         """Remove every unpacked environment (the server is stopping)."""
+        self.cancel_builds()
         with self._lock:
             roots, self._unpacked = list(self._unpacked.values()), {}
             if self._dlserve_only is not None:

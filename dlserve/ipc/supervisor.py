@@ -21,6 +21,7 @@ import contextlib
 import glob
 import logging
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -69,8 +70,9 @@ class WorkerOutput:
     """A worker's stderr, copied to the server's as it comes, its last few KiB kept.
 
     The copying runs on a thread of its own, so a model that prints a lot costs the
-    event loop nothing; the thread ends when the worker (and whatever it started that
-    shares its stderr) is gone.
+    event loop nothing. It ends at the pipe's end, or once the worker is gone
+    (:meth:`close`) with what was already written copied: a process the model started
+    may hold the pipe open long after.
     """
 
     KEEP_BYTES = 4096
@@ -78,14 +80,31 @@ class WorkerOutput:
 
     def __init__(self, fd: int) -> None:
         self._fd = fd
+        self._wake_read, self._wake = os.pipe()  # written by close()
         self._tail = bytearray()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._copy, name="worker-stderr", daemon=True)
-        self._thread.start()
+        try:
+            self._thread.start()
+        except BaseException:
+            os.close(self._wake_read)
+            os.close(self._wake)
+            raise
 
     def _copy(self) -> None:
+        closing = False
         try:
-            while chunk := os.read(self._fd, 1 << 16):
+            while True:
+                ready = select.select([self._fd, self._wake_read], [], [], 0 if closing else None)[0]
+                if self._wake_read in ready:
+                    closing = True
+                if self._fd not in ready:
+                    if closing:
+                        return  # all that was written is copied
+                    continue
+                chunk = os.read(self._fd, 1 << 16)
+                if not chunk:
+                    return
                 with self._lock:
                     self._tail += chunk
                     del self._tail[: -self.KEEP_BYTES]
@@ -97,11 +116,19 @@ class WorkerOutput:
             pass
         finally:
             os.close(self._fd)
+            os.close(self._wake_read)
 
-    def last_lines(self, wait: float) -> str:
-        """The last lines the worker wrote, once it has finished writing (up to ``wait``
-        seconds)."""
+    def close(self, wait: float = 0.0) -> None:
+        """Stop copying once what is there now is copied; wait up to ``wait`` seconds."""
+        if self._wake >= 0:
+            with contextlib.suppress(OSError):
+                os.write(self._wake, b"x")
+            os.close(self._wake)
+            self._wake = -1
         self._thread.join(wait)
+
+    def last_lines(self) -> str:
+        """The last lines the worker wrote (call after :meth:`close`)."""
         with self._lock:
             text = self._tail.decode(errors="replace")
         return "\n".join(text.strip().splitlines()[-self.LINES :])
@@ -191,7 +218,13 @@ class WorkerProcess:
         finally:
             theirs.close()
             os.close(stderr)
-        self._output = WorkerOutput(output)
+        try:
+            self._output = WorkerOutput(output)
+        except BaseException:  # (no thread to be had): a worker nobody can watch goes at once
+            os.close(output)
+            ours.close()
+            self.kill()
+            raise
         # Reaped from now on, whatever happens next: stop() and kill() wait for it.
         try:
             pidfd = os.pidfd_open(self.process.pid)
@@ -230,8 +263,11 @@ class WorkerProcess:
         assert self.process is not None
         self.process.wait()
         self.exit_description = f"worker process for '{self.instance_name}' {describe_exit(self.process.returncode)}"
-        if self._output is not None and not self._stopping:
-            self.last_output = self._output.last_lines(wait=0.2)
+        if self._output is not None:
+            # The pipe is drained at once (the process is gone): a short wait at most.
+            self._output.close(wait=0.0 if self._stopping else 0.2)
+            if not self._stopping:
+                self.last_output = self._output.last_lines()
         if self.channel is not None:
             self.channel.close()
         if self.peer is not None:
@@ -293,6 +329,8 @@ class WorkerProcess:
             self.process.wait()
         unlink_segments(self.segment_prefix)
         self._free_board_slot()
+        if self._output is not None:
+            self._output.close()
         self._exited.set()
 
     def _free_board_slot(self) -> None:

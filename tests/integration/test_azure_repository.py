@@ -104,3 +104,10 @@ def test_a_missing_container_fails_the_start_by_name(connection, mount, servers)
 def test_an_url_without_a_container_is_refused(connection):
     with pytest.raises(dlserve.InvalidArgumentError, match="name the account and the container"):
         dlserve.Server(dlserve.Options(model_repository=f"as://{ACCOUNT}")).start()
+
+
+def test_a_connection_string_for_another_account_is_refused(connection, servers):
+    """AZURE_STORAGE_CONNECTION_STRING (often set for other tools) never stands in for
+    another account than the repository's."""
+    with pytest.raises(dlserve.InvalidArgumentError, match="is for account 'devstoreaccount1', not 'other'"):
+        dlserve.Server(dlserve.Options(model_repository="as://other/models/repo")).start()

@@ -625,3 +625,21 @@ def test_a_breakpoint_in_a_model_stops_in_the_servers_terminal(tmp_path):
         os.close(terminal)
     assert os.waitstatus_to_exitcode(status) == 0
     assert not glob.glob(f"/dev/shm/dlserve_{pid}_*")
+
+
+def test_a_workers_stderr_reaches_the_servers(serve, make_repo):
+    """The worker's stderr passes through the server (which keeps its last lines)."""
+    model = (
+        "import sys\n\n\nclass TritonPythonModel:\n"
+        "    def initialize(self, args):\n"
+        "        print('hello from the worker', file=sys.stderr, flush=True)\n\n"
+        "    def execute(self, requests):\n        return []\n"
+    )
+    config = 'backend: "python"\ninput [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]\n' \
+        'output [ { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
+    repo = make_repo(extra={"talker": {"config.pbtxt": config, "1/model.py": model}})
+    process = serve("--model-repository", str(repo)).wait_started()
+    assert "hello from the worker" in process.stderr
+    code, _ = process.stop()
+    assert code == 0, process.output()
+    process.assert_clean()

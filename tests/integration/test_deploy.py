@@ -69,7 +69,8 @@ def test_the_image_runs_as_a_user_and_stops_in_order():
     found = instructions()
     assert found["USER"] == "1000"
     assert found["STOPSIGNAL"] == "SIGTERM"
-    assert json.loads(found["ENTRYPOINT"]) == ["dlserve", "serve"]  # exec form: signals reach it
+    # Exec form under tini: signals reach dlserve, and orphans are reaped.
+    assert json.loads(found["ENTRYPOINT"]) == ["tini", "--", "dlserve", "serve"]
 
 
 def test_the_manifests_are_valid_kubernetes():
@@ -102,9 +103,17 @@ def test_the_kserve_runtime_follows_kserves_conventions():
     assert {"v2", "grpc-v2"} <= set(spec["protocolVersions"])
     (container,) = spec["containers"]
     assert container["name"] == "kserve-container"  # the name KServe looks for
-    assert {"name": "h2c", "containerPort": 9000, "protocol": "TCP"} in container["ports"]
+    # REST on KServe's 8080; no container port of its own (KServe's Triton runtime has
+    # none either): one would become the only, and the default, target of all traffic.
+    assert "ports" not in container
     assert "--model-repository=/mnt/models" in container["args"]  # the storage initializer's
-    assert "--http-port=8080" in container["args"]
+    assert {"--http-port=8080", "--grpc-port=9000"} <= set(container["args"])
+    services = [
+        doc for path in MANIFESTS for doc in documents(path) if doc["kind"] == "InferenceService"
+    ]
+    grpc = [s["spec"]["predictor"]["model"] for s in services]
+    grpc = [m for m in grpc if m.get("protocolVersion") == "grpc-v2"]
+    assert grpc and all({"name": "h2c", "containerPort": 9000, "protocol": "TCP"} in m["ports"] for m in grpc)
     assert container["securityContext"]["runAsNonRoot"] is True
     shm = [v for v in spec["volumes"] if v["name"] == "dshm"]
     assert shm == [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
@@ -146,8 +155,8 @@ def serve_with(tmp_path: Path, args: list[str], where: str, repo: Path) -> Serve
 def test_the_images_command_serves_passes_its_healthcheck_and_stops_cleanly(tmp_path, repo):
     found = instructions()
     command = json.loads(found["ENTRYPOINT"]) + json.loads(found["CMD"])
-    assert command[:2] == ["dlserve", "serve"]
-    server = serve_with(tmp_path, command[2:], "/models", repo)
+    assert command[:4] == ["tini", "--", "dlserve", "serve"]  # tini is not installed here
+    server = serve_with(tmp_path, command[4:], "/models", repo)
     try:
         port = server.ports["http"]
         status, _ = request(port, "/v2/models/add_sub/infer", "POST", add_sub_body())

@@ -15,10 +15,13 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
+import time
 import zipfile
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 
 import dlserve
@@ -204,8 +207,13 @@ def test_an_environment_of_another_python_runs_the_model(make_repo, servers, oth
 @pytest.mark.parametrize(
     ("newer", "message"),
     [
-        (True, "has Python {version} and no numpy \\(.*No module named 'numpy'\\); .* must bring "
-         "its own numpy 2.x"),
+        (
+            True,
+            (
+                "has Python {version} and no numpy \\(.*No module named 'numpy'\\); .* must bring "
+                "its own numpy 2.x"
+            ),
+        ),
         (False, "has Python {version}; .*3.10 or newer"),
     ],
     ids=["another-python-without-numpy", "python-before-3.10"],
@@ -247,11 +255,11 @@ def test_a_path_that_is_no_environment_is_refused(make_repo, servers, value, mes
 
 
 # -- EXECUTION_ENV_REQUIREMENTS ---------------------------------------------------------------
-def write_wheel(folder: Path) -> str:
+def write_wheel(folder: Path, where: str = "requirements") -> str:
     """A wheel of the module only_in_env, as a model might ship beside its requirements."""
     name = "only_in_env-1.0-py3-none-any.whl"
     with zipfile.ZipFile(folder / name, "w") as wheel:
-        wheel.writestr("only_in_env.py", 'WHERE = "requirements"\n')
+        wheel.writestr("only_in_env.py", f'WHERE = "{where}"\n')
         info = "only_in_env-1.0.dist-info"
         wheel.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: only_in_env\nVersion: 1.0\n")
         wheel.writestr(
@@ -261,9 +269,11 @@ def write_wheel(folder: Path) -> str:
     return name
 
 
-def requirements_model(make_repo, requirements: str, wheel: bool = True) -> Path:
+def requirements_model(
+    make_repo, requirements: str, wheel: bool = True, path: str = "$$TRITON_MODEL_DIRECTORY/requirements.txt"
+) -> Path:
     files = {
-        "config.pbtxt": config("$$TRITON_MODEL_DIRECTORY/requirements.txt", "EXECUTION_ENV_REQUIREMENTS"),
+        "config.pbtxt": config(path, "EXECUTION_ENV_REQUIREMENTS"),
         "1/model.py": MODEL,
         "requirements.txt": requirements,
     }
@@ -315,3 +325,76 @@ def test_an_environment_path_and_requirements_together_are_refused(make_repo, se
     server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT)
     with pytest.raises(dlserve.InvalidArgumentError, match="set one of EXECUTION_ENV_PATH and EXECUTION_ENV_REQUIREMENTS"):
         server.load("probe")
+
+
+def test_the_same_requirements_with_another_wheel_get_their_own_environment(
+    make_repo, servers, tmp_path, monkeypatch
+):
+    """The cache key covers the files the requirements name, not only their text."""
+    monkeypatch.setenv("DLSERVE_ENV_CACHE", str(tmp_path / "cache"))
+    text = "./only_in_env-1.0-py3-none-any.whl\n"
+    first = requirements_model(make_repo, text)
+    second = requirements_model(make_repo, text, wheel=False)
+    write_wheel(second / "probe", where="the second wheel")
+    one = servers.start(first)
+    two = servers.start(second)
+    assert info_of(one)["where"] == "requirements"
+    assert info_of(two)["where"] == "the second wheel"
+    assert info_of(one)["prefix"] != info_of(two)["prefix"]
+
+
+def test_requirements_outside_the_models_folder_are_refused_unread(
+    make_repo, servers, tmp_path, monkeypatch
+):
+    """pip quotes what it reads in its errors: the server's own environment must never be
+    read as requirements (it holds the cloud credentials)."""
+    monkeypatch.setenv("DLSERVE_ENV_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("DLSERVE_TEST_SECRET", "do-not-show-me")
+    repo = requirements_model(make_repo, "numpy\n", path="/proc/self/environ")
+    server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT)
+    with pytest.raises(dlserve.InvalidArgumentError, match="is not a file in the model's folder") as caught:
+        server.load("probe")
+    assert "do-not-show-me" not in caught.value.message
+    assert not (tmp_path / "cache").exists()
+
+
+def test_a_cache_others_may_write_is_refused(make_repo, servers, tmp_path, monkeypatch):
+    """An environment found in the cache is run as the server: nobody else may plant one."""
+    cache = tmp_path / "shared"
+    cache.mkdir(mode=0o777)
+    cache.chmod(0o777)
+    monkeypatch.setenv("DLSERVE_ENV_CACHE", str(cache))
+    repo = requirements_model(make_repo, "./only_in_env-1.0-py3-none-any.whl\n")
+    server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT)
+    with pytest.raises(dlserve.InvalidArgumentError, match="others cannot write\\); set DLSERVE_ENV_CACHE"):
+        server.load("probe")
+
+
+def test_stopping_the_server_kills_a_build_in_progress(make_repo, servers, tmp_path, monkeypatch):
+    """A pip run that would take long (here: reading a pipe nobody writes) does not hold
+    up the stop, and leaves no process behind."""
+    monkeypatch.setenv("DLSERVE_ENV_CACHE", str(tmp_path / "cache"))
+    repo = requirements_model(make_repo, "-r ./never.txt\n", wheel=False)
+    os.mkfifo(repo / "probe" / "never.txt")
+    server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT)
+    errors: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            server.load("probe")
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            errors.append(exc)
+
+    loading = threading.Thread(target=load)
+    loading.start()
+    me = psutil.Process()
+    deadline = time.monotonic() + 60
+    while not [p for p in me.children(recursive=True) if "pip" in " ".join(p.cmdline())]:
+        assert time.monotonic() < deadline, "pip never started"
+        time.sleep(0.1)
+    started = time.monotonic()
+    servers.stop(server)
+    loading.join(30)
+    assert time.monotonic() - started < 15
+    assert errors and isinstance(errors[0], dlserve.TritonError)
+    assert not [p for p in me.children(recursive=True) if "pip" in " ".join(p.cmdline())]

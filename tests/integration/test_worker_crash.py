@@ -284,3 +284,41 @@ def test_a_worker_that_crashes_in_initialize_fails_the_load_with_its_last_words(
     # ...and the model's state says the same.
     (entry,) = [m for (name, _), m in server.models().items() if name == "crasher"]
     assert entry.state == "UNAVAILABLE" and "loading weights from w.bin" in entry.reason
+
+
+HELPER_MODEL = '''
+import subprocess
+import sys
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        # A helper process that outlives the worker, holding its stderr.
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True)
+        print("started a helper", file=sys.stderr, flush=True)
+        sys.exit(3)
+'''
+
+
+def test_a_helper_holding_the_workers_stderr_leaves_no_thread_or_descriptor(servers, make_repo):
+    """The worker's output is copied until the worker is gone, not until every process
+    sharing its stderr is: a model's helper that lives on holds nothing of the server."""
+    import psutil
+
+    config = 'backend: "python"\ninput [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]\n' \
+        'output [ { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
+    repo = make_repo(extra={"helper": {"config.pbtxt": config, "1/model.py": HELPER_MODEL}})
+    server = servers.start(repo, model_control_mode=dlserve.ModelControlMode.EXPLICIT)
+    helpers = []
+    try:
+        for _ in range(3):
+            with pytest.raises(dlserve.TritonError, match="exited with code 3; its last output:\nstarted a helper"):
+                server.load("helper")
+        helpers = [
+            p for p in psutil.process_iter(["cmdline"]) if "time.sleep(30)" in " ".join(p.info["cmdline"] or [])
+        ]
+        assert len(helpers) == 3  # still running, holding the pipes' write ends
+        wait_until(lambda: not [t for t in threading.enumerate() if t.name == "worker-stderr"], 5)
+    finally:
+        for helper in helpers:
+            helper.kill()

@@ -8,7 +8,7 @@ from pathlib import PurePosixPath
 
 import pytest
 
-from dlserve.engine.cloud_stores import S3Location, credential_entry, credentials_for
+from dlserve.engine.cloud_stores import S3Location, azure_account, credential_entry, credentials_for
 from dlserve.engine.object_store import model_file
 from dlserve.errors import InvalidArgumentError
 
@@ -107,3 +107,16 @@ def test_a_gcs_credential_is_the_key_file_of_the_longest_match(tmp_path) -> None
     assert credential_entry("gs://bucket-2/models", "gs", environ) == "/keys/two.json"
     assert credential_entry("gs://other/models", "gs", environ) == "/keys/default.json"
     assert credential_entry("gs://other/models", "gs", {}) is None
+
+
+def test_an_azure_account_is_found_where_triton_finds_it(tmp_path) -> None:
+    url = "as://acct.blob.core.windows.net/models/repo"
+    assert azure_account(url, {}) == ("acct", None, "models", "repo/")
+    environment = {"AZURE_STORAGE_ACCOUNT": "fromenv", "AZURE_STORAGE_KEY": "k1"}
+    assert azure_account(url, environment) == ("fromenv", "k1", "models", "repo/")
+    path = tmp_path / "creds.json"
+    path.write_text(json.dumps({"as": {"as://acct": {"account_str": "fromfile", "account_key": "k2"}}}))
+    environment["TRITON_CLOUD_CREDENTIAL_PATH"] = str(path)
+    assert azure_account(url, environment) == ("fromfile", "k2", "models", "repo/")
+    with pytest.raises(InvalidArgumentError, match="name the account and the container"):
+        azure_account("as://acct", {})
