@@ -120,3 +120,20 @@ def test_an_azure_account_is_found_where_triton_finds_it(tmp_path) -> None:
     assert azure_account(url, environment) == ("fromfile", "k2", "models", "repo/")
     with pytest.raises(InvalidArgumentError, match="name the account and the container"):
         azure_account("as://acct", {})
+
+
+def test_the_credential_files_gcs_key_is_the_one_used(tmp_path, monkeypatch) -> None:
+    """The "gs" entry names the key file the client is made from (here a broken one,
+    which the error names) rather than the machine's default credentials."""
+    pytest.importorskip("google.cloud.storage")
+    from dlserve.engine.cloud_stores import GcsStore
+
+    key = tmp_path / "key.json"
+    key.write_text(json.dumps({"type": "service_account", "client_email": "x@y"}))
+    credentials = tmp_path / "cloud_credential.json"
+    credentials.write_text(json.dumps({"gs": {"gs://bucket": str(key)}}))
+    monkeypatch.setenv("TRITON_CLOUD_CREDENTIAL_PATH", str(credentials))
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
+    with pytest.raises(InvalidArgumentError, match="model repository 'gs://bucket/models'") as caught:
+        GcsStore("gs://bucket/models")
+    assert "private_key" in caught.value.message or "missing fields" in caught.value.message
