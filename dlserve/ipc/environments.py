@@ -23,11 +23,12 @@ server's Python after them (so an environment need only hold what the model adds
 
 Triton's stub is built for one Python, so a model needing another needs a stub compiled
 for it. dlserve's worker is plain Python and its channel carries only ``marshal`` data of
-basic types, the same bytes in every Python 3 (ipc.protocol), so an environment may run
-any Python from 3.10 on. One of another minor version than the server's cannot use the
+basic types in format version 4, read back the same by Pythons 3.10-3.13 (ipc.protocol),
+so an environment may run any Python from 3.10 on. One of another minor version than the server's cannot use the
 server's compiled packages: it must bring its own numpy (2.x), and only dlserve itself
-comes from the server. The environment's interpreter is run once at load to learn this,
-so one that cannot run here (built for another OS) fails the load with its reason.
+comes from the server. The environment's interpreter is run once at load, with the
+worker's variables, to learn this, so one that cannot run here (built for another OS)
+fails the load with its reason.
 """
 
 from __future__ import annotations

@@ -93,12 +93,16 @@ class WorkerOutput:
 
     def _copy(self) -> None:
         closing = False
+        # poll, not select: a busy server's descriptors pass select's limit of 1024.
+        poller = select.poll()
+        poller.register(self._fd, select.POLLIN)
+        poller.register(self._wake_read, select.POLLIN)
         try:
             while True:
-                ready = select.select([self._fd, self._wake_read], [], [], 0 if closing else None)[0]
+                ready = {fd for fd, _ in poller.poll(0 if closing else None)}
                 if self._wake_read in ready:
                     closing = True
-                if self._fd not in ready:
+                if self._fd not in ready:  # (readable, or at its end: the read says which)
                     if closing:
                         return  # all that was written is copied
                     continue
