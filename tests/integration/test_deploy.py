@@ -10,6 +10,8 @@ HEALTHCHECK and stops cleanly on the image's STOPSIGNAL.
 from __future__ import annotations
 
 import json
+import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -37,6 +39,15 @@ def instructions() -> dict[str, str]:
         if line.strip() and not line.lstrip().startswith("#"):
             keyword, _, rest = line.strip().partition(" ")
             found[keyword.upper()] = rest.strip()
+    return found
+
+
+def image_environment() -> dict[str, str]:
+    """The variables the Dockerfile's ENV instructions set (KEY=VALUE form)."""
+    found: dict[str, str] = {}
+    for line in DOCKERFILE.read_text().replace("\\\n", " ").splitlines():
+        if line.startswith("ENV "):
+            found.update(pair.split("=", 1) for pair in shlex.split(line[4:]))
     return found
 
 
@@ -164,13 +175,15 @@ def test_the_images_command_serves_passes_its_healthcheck_and_stops_cleanly(tmp_
         healthcheck = json.loads(found["HEALTHCHECK"].split(" CMD ", 1)[1])
         assert healthcheck[0] == "python"
         probe = [sys.executable, *healthcheck[1:]]
-        probe[-1] = probe[-1].replace("127.0.0.1:8000", f"127.0.0.1:{port}")
-        assert subprocess.run(probe, timeout=30, check=False).returncode == 0
+        assert image_environment()["DLSERVE_HEALTH_URL"] == "http://127.0.0.1:8000/v2/health/live"
+        env = dict(os.environ, DLSERVE_HEALTH_URL=f"http://127.0.0.1:{port}/v2/health/live")
+        assert subprocess.run(probe, env=env, timeout=30, check=False).returncode == 0
         code, _ = server.stop(getattr(signal, found["STOPSIGNAL"]))
         assert code == 0, server.output()
         server.assert_clean()
         # Once stopped, the healthcheck fails (Docker would report the container unhealthy).
-        assert subprocess.run(probe, timeout=30, capture_output=True, check=False).returncode != 0
+        stopped = subprocess.run(probe, env=env, timeout=30, capture_output=True, check=False)
+        assert stopped.returncode != 0
     finally:
         server.kill()
 
