@@ -357,10 +357,7 @@ class ModelInstance:
                 for reply in replies:
                     if isinstance(reply, tuple):
                         self._discard(reply)  # the worker's memory goes back at once
-                if not isinstance(exc, TritonError):  # (a TritonError: e.g. unmappable memory)
-                    log.exception("reading the execute reply of '%s' failed", self.name)
-                    exc = InternalError(f"reading the model's responses failed: {exc}")
-                done(exc.with_traceback(None), None)  # (its frames hold the memory given back)
+                done(self._unreadable(exc, "responses"), None)
                 return
             t3 = time.monotonic_ns()
             for trace in traces:
@@ -395,13 +392,9 @@ class ModelInstance:
         try:
             response = self._response(request, wire) if wire is not None else None
         except Exception as exc:  # noqa: BLE001 - fail this request, keep the channel
-            # (a TritonError: its outputs are in memory that cannot be mapped)
-            if not isinstance(exc, TritonError):
-                log.exception("reading a response of '%s' failed", self.name)
-                exc = InternalError(f"reading the model's response failed: {exc}")
             self._discard(wire)
             self._cancel(handle)  # the model stops making responses nobody will read
-            self.model.scheduler.fail(request, exc.with_traceback(None))
+            self.model.scheduler.fail(request, self._unreadable(exc, "response"))
             return
         if not self.model.decoupled:
             # Default mode: the one response becomes final with the flag that closes it.
@@ -459,6 +452,16 @@ class ModelInstance:
             ),
             None,
         )
+
+    def _unreadable(self, exc: Exception, what: str) -> TritonError:
+        """The error for requests whose answer from the worker could not be read: a
+        TritonError as it is (e.g. outputs in memory that cannot be mapped), anything
+        else logged as the bug it is. Without its traceback: its frames hold the memory
+        just given back."""
+        if not isinstance(exc, TritonError):
+            log.exception("reading the model's %s from '%s' failed", what, self.name)
+            exc = InternalError(f"reading the model's {what} failed: {exc}")
+        return exc.with_traceback(None)
 
     def _response(self, request: Request, reply: Any) -> Response | None:
         """The response a worker sent (None: the model rescheduled the request)."""

@@ -24,9 +24,9 @@ server's Python after them (so an environment need only hold what the model adds
 Triton's stub is built for one Python, so a model needing another needs a stub compiled
 for it. dlserve's worker is plain Python and its channel carries only ``marshal`` data of
 basic types in format version 4, read back the same by Pythons 3.10-3.13 (ipc.protocol),
-so an environment may run any Python from 3.10 on. One of another minor version than the server's cannot use the
-server's compiled packages: it must bring its own numpy (2.x), and only dlserve itself
-comes from the server. The environment's interpreter is run once at load, with the
+so an environment may run any Python from 3.10 on. One of another minor version than the
+server's cannot use the server's compiled packages: it must bring its own numpy (2.x),
+and only dlserve itself comes from the server. The environment's interpreter is run once at load, with the
 worker's variables, to learn this, so one that cannot run here (built for another OS)
 fails the load with its reason.
 """
@@ -169,8 +169,9 @@ class Environments:
         # Only a file of the model's own: pip quotes what it reads in its errors.
         if not (path.is_file() and _inside(os.path.realpath(model_dir), os.path.realpath(path))):
             raise InvalidArgumentError(f"{where}: '{value}' is not a file in the model's folder")
-        root = self._builder.build(path, _server_paths(), where)
-        return ExecutionEnvironment(root, tuple(_server_paths()))
+        server_paths = _server_paths()
+        root = self._builder.build(path, server_paths, where)
+        return ExecutionEnvironment(root, tuple(server_paths))
 
     async def for_model(
         self, path: str, requirements: str, model_dir: Path, model_name: str

@@ -69,14 +69,12 @@ class ServerLogHandler(logging.Handler):
         self.setFormatter(logging.Formatter("%(name)s: %(message)s"))
 
     def emit(self, record: logging.LogRecord) -> None:
-        if record.levelno >= logging.ERROR:
-            level = LogLevel.ERROR
-        elif record.levelno >= logging.WARNING:
-            level = LogLevel.WARNING
-        elif record.levelno >= logging.INFO:
-            level = LogLevel.INFO
-        else:
-            level = LogLevel.VERBOSE
+        # the most severe level the record reaches (PYTHON_LEVELS the other way round)
+        level = max(
+            (lvl for lvl, python in PYTHON_LEVELS.items() if record.levelno >= python),
+            key=PYTHON_LEVELS.__getitem__,
+            default=LogLevel.VERBOSE,
+        )
         try:
             Logger.log(self.format(record), level)
         except OSError:
