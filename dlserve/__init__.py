@@ -25,6 +25,7 @@ _EXPORTS = {
     "InferenceResponse": "dlserve.engine.server",
     "InstanceGroupKind": "dlserve.engine.server",
     "LogFormat": "dlserve.engine.server",
+    "MetricFormat": "dlserve.engine.server",
     "Model": "dlserve.engine.server",
     "ModelBatchFlag": "dlserve.engine.server",
     "ModelTxnPropertyFlag": "dlserve.engine.server",

@@ -76,6 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     models.add_argument("--repository-poll-secs", type=float, default=15.0, metavar="SECONDS",
                         help="repository scan period in poll mode (default: 15)")
+    models.add_argument("--model-config-name", default="", metavar="NAME",
+                        help="load <model>/configs/NAME.pbtxt instead of config.pbtxt where a "
+                        "model has it")
+    models.add_argument("--model-load-retry-count", type=int, default=0, metavar="N",
+                        help="start a model that failed to start up to N more times (default: 0)")
     models.add_argument("--disable-auto-complete-config", action="store_true",
                         help="do not run the models' auto_complete_config")
     _bool_flag(models, "--strict-model-config", False, "deprecated spelling of --disable-auto-complete-config")
@@ -238,6 +243,8 @@ def serve(args: argparse.Namespace) -> int:
         log_verbose=args.log_verbose,
         backend_configuration=_backend_config(args.backend_config),
         repository_poll_secs=args.repository_poll_secs,
+        model_config_name=args.model_config_name,
+        model_load_retry_count=args.model_load_retry_count,
         busy_poll_us=args.busy_poll_us,
         trace=_trace_settings(_trace_entries(args)),
     )

@@ -78,6 +78,8 @@ class EngineSettings:
     arena_bytes: int = 64 * _MIB
     worker_arena_bytes: int = 16 * _MIB
     busy_poll_us: int = 1000
+    model_config_name: str = ""
+    model_load_retry_count: int = 0
     log: LogSettings = dataclasses.field(default_factory=LogSettings)
     trace: TraceSettings = dataclasses.field(default_factory=TraceSettings)
 
@@ -151,11 +153,12 @@ class Engine:
             gpu_count=gpu_count(),
         )
         self.manager = ModelManager(
-            Repository(s.model_repositories),
+            Repository(s.model_repositories, s.model_config_name),
             resources,
             control_mode=s.control_mode,
             auto_complete=s.auto_complete,
             exit_timeout=s.exit_timeout,
+            load_retries=s.model_load_retry_count,
         )
         self.live = True
         return await self.manager.start(s.startup_models, s.poll_interval)

@@ -19,7 +19,7 @@ from typing import Any
 from dlserve.engine import config as cfg
 from dlserve.engine import ensemble
 from dlserve.engine.model import EngineResources, ModelVersion
-from dlserve.engine.object_store import ObjectStoreError
+from dlserve.engine.object_store import ObjectStoreError, is_remote
 from dlserve.engine.proto import model_config_pb2 as mc
 from dlserve.engine.repository import (
     ModelSource,
@@ -28,7 +28,13 @@ from dlserve.engine.repository import (
     defines_auto_complete,
     select_versions,
 )
-from dlserve.errors import InvalidArgumentError, NotFoundError, TritonError, UnavailableError
+from dlserve.errors import (
+    InvalidArgumentError,
+    NotFoundError,
+    TritonError,
+    UnavailableError,
+    UnsupportedError,
+)
 from dlserve.ipc.protocol import Kind
 from dlserve.ipc.supervisor import WorkerProcess
 
@@ -66,12 +72,14 @@ class ModelManager:
         control_mode: ModelControlMode,
         auto_complete: bool,
         exit_timeout: float,
+        load_retries: int = 0,
     ) -> None:
         self.repository = repository
         self.resources = resources
         self.control_mode = control_mode
         self.auto_complete = auto_complete
         self.exit_timeout = exit_timeout
+        self.load_retries = load_retries  # tries after a model's first failed start
         self.models: dict[str, ModelEntry] = {}
         self._poll_task: asyncio.Task[None] | None = None
 
@@ -203,6 +211,25 @@ class ModelManager:
             for model in entry.versions.values():
                 model.kill()
 
+    # -- repositories -----------------------------------------------------------------
+    async def register_repository(self, path: str, name_mapping: dict[str, str] | None) -> None:
+        """Add a repository (explicit mode only, as in Triton); its models load on request."""
+        self._check_registration_allowed("registration")
+        if is_remote(path):  # opening it lists the store: network I/O
+            await asyncio.to_thread(self.repository.register, path, name_mapping)
+        else:
+            self.repository.register(path, name_mapping)
+
+    def unregister_repository(self, path: str) -> None:
+        self._check_registration_allowed("unregistration")
+        self.repository.unregister(path)
+
+    def _check_registration_allowed(self, what: str) -> None:
+        if self.control_mode is not ModelControlMode.EXPLICIT:
+            raise UnsupportedError(
+                f"repository {what} is not allowed if model control mode is not EXPLICIT"
+            )
+
     # -- load / unload ----------------------------------------------------------------
     def _check_api_allowed(self) -> None:
         if self.control_mode is not ModelControlMode.EXPLICIT:
@@ -255,7 +282,7 @@ class ModelManager:
                     "auto-complete is disabled"
                 )
             config = found or mc.ModelConfig()
-        if not config.name:
+        if not config.name or source.renamed:  # a renamed folder: the name it is served under
             config.name = name
         if not config.backend and not config.platform:
             config.backend = cfg.SUPPORTED_BACKEND
@@ -283,6 +310,22 @@ class ModelManager:
         if is_ensemble:
             ensemble.validate(config, name)
             await self._load_steps(name, config)
+        for attempt in range(self.load_retries + 1):
+            try:
+                return await self._start_versions(name, versions, config, source)
+            except TritonError as exc:
+                if attempt == self.load_retries:
+                    raise
+                log.warning(
+                    "model '%s' failed to start (try %d of %d): %s",
+                    name, attempt + 1, self.load_retries + 1, exc.message,
+                )
+        raise AssertionError("unreachable")
+
+    async def _start_versions(
+        self, name: str, versions: list[int], config: mc.ModelConfig, source: ModelSource
+    ) -> dict[int, ModelVersion]:
+        """Start every version's instances; all or none of them."""
         loaded: dict[int, ModelVersion] = {}
         try:
             for version in versions:

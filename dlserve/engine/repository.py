@@ -1,7 +1,10 @@
 """Model repositories: Triton's layout, version folders and version policy.
 
-``<repository>/<model>/config.pbtxt`` and ``<repository>/<model>/<version>/model.py``.
-Only names found by listing the repositories can be loaded, so a model name from a
+``<repository>/<model>/config.pbtxt`` and ``<repository>/<model>/<version>/model.py``;
+with a model config name ``<n>`` (``--model-config-name``), ``<model>/configs/<n>.pbtxt``
+where a model has it. Repositories may be added and removed while the server runs
+(``Server.register_model_repository``), a folder optionally served under another
+name. Only names found by listing the repositories can be loaded, so a model name from a
 request can never reach outside them; files uploaded with a load request are
 written under a private folder after the same check on every path. A repository
 may be an ``s3://``, ``gs://`` or ``as://`` URL: its models are read from a local
@@ -20,13 +23,14 @@ from pathlib import Path
 from typing import Any
 
 from dlserve.engine import config as cfg
-from dlserve.engine.object_store import Stamps, StoreMirror, is_remote
+from dlserve.engine.object_store import ObjectStoreError, Stamps, StoreMirror, is_remote
 from dlserve.engine.proto import model_config_pb2 as mc
-from dlserve.errors import InvalidArgumentError, NotFoundError
+from dlserve.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError
 
 log = logging.getLogger("dlserve.engine")
 
 CONFIG_FILE = "config.pbtxt"
+CUSTOM_CONFIGS = "configs"  # <model>/configs/<name>.pbtxt: the config --model-config-name picks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,9 +42,16 @@ class ModelSource:
     # For a model in an s3:// repository: its objects as last listed (its fingerprint);
     # ``path`` holds its files once fetched.
     stamps: Stamps | None = None
+    # Served under a name its repository's registration gave it (not its folder's):
+    # its config's ``name`` becomes that name, as in Triton.
+    renamed: bool = False
 
-    @property
-    def config_path(self) -> Path:
+    def config_path(self, config_name: str = "") -> Path:
+        """Its ``configs/<config_name>.pbtxt`` if it has one, else its config.pbtxt."""
+        if config_name:
+            custom = self.path / CUSTOM_CONFIGS / f"{config_name}.pbtxt"
+            if custom.is_file():
+                return custom
         return self.path / CONFIG_FILE
 
     def versions_on_disk(self) -> list[int]:
@@ -51,7 +62,7 @@ class ModelSource:
                 continue
             if entry.name.isascii() and entry.name.isdigit():
                 versions.append(int(entry.name))
-            else:
+            elif entry.name != CUSTOM_CONFIGS:
                 log.warning(
                     "model '%s': ignoring folder '%s', version folders must be numbers",
                     self.name,
@@ -120,30 +131,96 @@ class Repository:
     on a thread. :meth:`scan` and :meth:`find` never touch the network.
     """
 
-    def __init__(self, paths: list[str | Path]) -> None:
+    def __init__(self, paths: list[str | Path], config_name: str = "") -> None:
+        if config_name:
+            check_model_name(config_name)  # a plain file name under configs/
+        self.config_name = config_name
         self.paths: list[Path] = []
         self._mirrors: dict[Path, StoreMirror] = {}  # local root -> its s3:// repository
+        self._keys: dict[str, Path] = {}  # a repository as named (normalised) -> its root
+        self._renames: dict[Path, dict[str, str]] = {}  # root -> {folder: model name}
+        self._retired: list[StoreMirror] = []  # unregistered remote repositories
         try:
             for path in paths:
-                if is_remote(path):
-                    mirror = StoreMirror(str(path))
-                    self._mirrors[mirror.root] = mirror
-                    self.paths.append(mirror.root)
-                    continue
-                if "://" in str(path):
-                    raise InvalidArgumentError(
-                        f"model repository '{path}': only local folders and s3://, gs:// "
-                        "and as:// URLs are supported"
-                    )
-                resolved = Path(path).expanduser().resolve()
-                if not resolved.is_dir():
-                    raise InvalidArgumentError(f"model repository '{path}' is not a directory")
-                self.paths.append(resolved)
+                self._add(path)
         except BaseException:
             for mirror in self._mirrors.values():
                 mirror.close()
             raise
         self._uploads = Path(tempfile.mkdtemp(prefix="dlserve-uploads-"))
+
+    @staticmethod
+    def _key(path: str | Path) -> str:
+        """How a repository is told apart: its URL, or its folder's real path."""
+        return str(path) if is_remote(path) else str(Path(path).expanduser().resolve())
+
+    def _add(self, path: str | Path) -> Path:
+        """Open a repository (listing a remote one: blocking) and add it last."""
+        if is_remote(path):
+            mirror = StoreMirror(str(path))
+            self._mirrors[mirror.root] = mirror
+            root = mirror.root
+        else:
+            if "://" in str(path):
+                raise InvalidArgumentError(
+                    f"model repository '{path}': only local folders and s3://, gs:// "
+                    "and as:// URLs are supported"
+                )
+            root = Path(path).expanduser().resolve()
+            if not root.is_dir():
+                raise InvalidArgumentError(f"model repository '{path}' is not a directory")
+        self.paths.append(root)
+        self._keys[self._key(path)] = root
+        return root
+
+    def register(self, path: str, name_mapping: dict[str, str] | None = None) -> None:
+        """Add a repository while serving; ``name_mapping`` serves some of its folders
+        under other names ({folder: model name}). Blocking for a remote one (its
+        listing). Triton's checks and messages."""
+        key = self._key(path)
+        if key in self._keys:
+            raise AlreadyExistsError(f"model repository '{path}' has already been registered")
+        mapping = dict(name_mapping or {})
+        taken = {name for renames in self._renames.values() for name in renames.values()}
+        for folder, name in mapping.items():
+            check_model_name(folder)
+            check_model_name(name)
+            if name in taken or list(mapping.values()).count(name) > 1:
+                raise AlreadyExistsError(
+                    f"failed to register '{name}', there is a conflicting mapping for '{name}'"
+                )
+        try:
+            root = self._add(path)
+        except InvalidArgumentError:
+            raise InvalidArgumentError(f"failed to register '{path}', repository not found") from None
+        mirror = self._mirrors.get(root)
+        if mirror is not None:
+            try:
+                mirror.refresh()
+            except ObjectStoreError as exc:
+                mirror.close()
+                self._drop(root)
+                raise InvalidArgumentError(f"failed to register '{path}': {exc.message}") from None
+        if mapping:
+            self._renames[root] = mapping
+        log.info("Model repository registered: %s", path)
+
+    def unregister(self, path: str) -> None:
+        """Remove a repository (its loaded models keep serving until unloaded)."""
+        root = self._keys.get(self._key(path))
+        if root is None:
+            raise InvalidArgumentError(f"failed to unregister '{path}', repository not found")
+        mirror = self._drop(root)
+        if mirror is not None:  # its models' files stay until the stop: loaded ones may restart
+            self._retired.append(mirror)
+        log.info("Model repository unregistered: %s", path)
+
+    def _drop(self, root: Path) -> StoreMirror | None:
+        """Forget a repository; its mirror, if remote, is the caller's to close."""
+        self.paths.remove(root)
+        self._keys = {key: r for key, r in self._keys.items() if r != root}
+        self._renames.pop(root, None)
+        return self._mirrors.pop(root, None)
 
     @property
     def remote(self) -> bool:
@@ -164,6 +241,12 @@ class Repository:
                     for entry in sorted(os.scandir(repo), key=lambda e: e.name)
                     if entry.is_dir() and not entry.name.startswith(".")
                 ]
+            renames = self._renames.get(repo)
+            if renames:
+                sources = [
+                    dataclasses.replace(s, name=renames[s.name], renamed=True) if s.name in renames else s
+                    for s in sources
+                ]
             for source in sources:
                 if source.name in found:
                     found[source.name] = (
@@ -182,8 +265,9 @@ class Repository:
         """:meth:`find`, after bringing the model's files from remote repositories up
         to date (blocking)."""
         check_model_name(name)
-        for mirror in self._mirrors.values():
-            mirror.fetch(name)
+        for root, mirror in self._mirrors.items():
+            renames = self._renames.get(root, {})
+            mirror.fetch(next((folder for folder, n in renames.items() if n == name), name))
         return self.find(name)
 
     def find(self, name: str) -> ModelSource:
@@ -199,7 +283,7 @@ class Repository:
     def read_config(self, source: ModelSource) -> mc.ModelConfig | None:
         """The model's config.pbtxt, or None when it has none."""
         try:
-            text = source.config_path.read_text()
+            text = source.config_path(self.config_name).read_text()
         except FileNotFoundError:
             return None
         return cfg.parse_text(text, source.name)
@@ -222,6 +306,6 @@ class Repository:
         return ModelSource(name, root)
 
     def close(self) -> None:
-        for mirror in self._mirrors.values():
+        for mirror in [*self._mirrors.values(), *self._retired]:
             mirror.close()
         shutil.rmtree(self._uploads, ignore_errors=True)

@@ -20,6 +20,7 @@ import weakref
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from typing import Any, TypeVar
 
+from dlserve.engine import prometheus
 from dlserve.engine.core import Engine, EngineSettings
 from dlserve.engine.logs import LogSettings
 from dlserve.engine.manager import ModelControlMode
@@ -30,6 +31,7 @@ from dlserve.errors import (
     InvalidArgumentError,
     TritonError,
     UnavailableError,
+    UnsupportedError,
 )
 from dlserve.memory.dtypes import DataType
 from dlserve.memory.tensor import Tensor
@@ -46,6 +48,10 @@ class RateLimitMode(enum.IntEnum):
 class LogFormat(enum.IntEnum):
     DEFAULT = 0
     ISO8601 = 1
+
+
+class MetricFormat(enum.IntEnum):
+    PROMETHEUS = 0
 
 
 class InstanceGroupKind(enum.IntEnum):
@@ -71,10 +77,13 @@ class Options:
 
     dlserve reads these Triton fields: model_repository, server_id,
     model_control_mode, startup_models, strict_model_config, exit_on_error,
-    strict_readiness, exit_timeout, log_file, log_info/warn/error, log_verbose,
-    and ``backend_configuration["python"]`` keys ``shm-default-byte-size`` and
+    strict_readiness, exit_timeout, model_load_retry_count, log_file,
+    log_info/warn/error, log_verbose, metrics, cpu_metrics, gpu_metrics, and
+    ``backend_configuration["python"]`` keys ``shm-default-byte-size`` and
     ``shm-growth-byte-size`` (each worker's shared-memory arena). The rest are
-    accepted for compatibility. dlserve's own: ``shm_arena_size`` sizes the
+    accepted for compatibility. ``model_config_name`` is tritonserver's
+    ``--model-config-name`` (``<model>/configs/<name>.pbtxt`` where a model has
+    one, else its config.pbtxt). dlserve's own: ``shm_arena_size`` sizes the
     server's arena for request inputs; ``repository_poll_secs`` sets the POLL period;
     ``busy_poll_us`` is the most the server and the models' workers poll for an
     expected message before they sleep (:mod:`dlserve.ipc.polling`; 0 = never);
@@ -100,6 +109,7 @@ class Options:
     model_load_thread_count: int = 4
     model_load_retry_count: int = 0
     model_namespacing: bool = False
+    model_config_name: str = ""
     enable_peer_access: bool = True
     log_file: str | None = None
     log_info: bool = False
@@ -136,6 +146,8 @@ class Options:
             raise InvalidArgumentError("shm-default-byte-size must be at least 1 MiB")
         if self.exit_timeout < 0:
             raise InvalidArgumentError("exit_timeout must be >= 0")
+        if self.model_load_retry_count < 0:
+            raise InvalidArgumentError("model_load_retry_count must be >= 0")
         if not 0 <= self.busy_poll_us <= 10_000:
             raise InvalidArgumentError("busy_poll_us must be between 0 and 10000")
         self.trace.values()  # raises on a bad setting
@@ -152,6 +164,8 @@ class Options:
             arena_bytes=int(self.shm_arena_size),
             worker_arena_bytes=worker_bytes,
             busy_poll_us=int(self.busy_poll_us),
+            model_config_name=self.model_config_name,
+            model_load_retry_count=int(self.model_load_retry_count),
             log=self.log_settings(),
             trace=self.trace,
         )
@@ -421,6 +435,7 @@ class Server:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._services: list[Any] = []  # frontends running on our loop, stopped with us
+        self._cpu = prometheus.CpuSampler()  # CPU use between calls of metrics()
 
     # -- plumbing -----------------------------------------------------------------------
     def _engine_or_raise(self) -> Engine:
@@ -559,6 +574,34 @@ class Server:
         """Unload every version; unloading finishes before this returns in dlserve."""
         name = model.name if isinstance(model, Model) else model
         self._run(self._engine_or_raise().unload(name, unload_dependents))
+
+    def register_model_repository(
+        self, repository_path: str, name_mapping: dict[str, str] | None = None
+    ) -> None:
+        """Add a model repository (EXPLICIT mode); ``name_mapping`` serves some of its
+        model folders under other names: ``{folder: model name}``. Its models load on
+        request, like the others'."""
+        engine = self._engine_or_raise()
+        assert engine.manager is not None
+        self._run(engine.manager.register_repository(str(repository_path), name_mapping))
+
+    def unregister_model_repository(self, repository_path: str) -> None:
+        """Remove a model repository (EXPLICIT mode); its loaded models keep serving
+        until they are unloaded."""
+        engine = self._engine_or_raise()
+        assert engine.manager is not None
+        manager = engine.manager
+        self._call_sync(lambda _: manager.unregister_repository(str(repository_path)))
+
+    def metrics(self, metric_format: MetricFormat = MetricFormat.PROMETHEUS) -> str:
+        """The metrics the metrics port serves, as Prometheus text."""
+        if not self.options.metrics:
+            raise UnsupportedError("metrics are disabled (Options.metrics is False)")
+        if metric_format not in (MetricFormat.PROMETHEUS,):
+            raise UnsupportedError(f"unsupported metric format {metric_format!r}")
+        cpu = self._cpu if self.options.cpu_metrics else None
+        gpu = self.options.gpu_metrics
+        return self._call_sync(lambda engine: prometheus.render(engine, cpu, gpu))
 
     def poll_model_repository(self) -> None:
         engine = self._engine_or_raise()

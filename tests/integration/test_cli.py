@@ -30,6 +30,7 @@ import pytest
 from dlserve.cli import build_parser
 
 from ..conftest import worker_processes
+from .test_repositories import FLAKY, FLAKY_CONFIG, TWO_INSTANCES
 
 BIN = Path(sys.executable).parent
 DLSERVE = str(BIN / "dlserve")
@@ -525,6 +526,28 @@ def test_exit_on_error_false_keeps_serving_the_other_models(serve, make_repo):
     assert request(port, "/v2/health/ready")[0] == 400  # strict readiness
     assert request(port, "/v2/models/add_sub/ready")[0] == 200
     assert request(port, "/v2/models/add_sub/infer", "POST", add_sub_body())[0] == 200
+    code, _ = process.stop()
+    assert code == 0, process.output()
+    process.assert_clean()
+
+
+def test_model_config_name_and_load_retry_count(serve, make_repo):
+    repo = make_repo(
+        "add_sub",
+        extra={
+            "add_sub": {"configs/two.pbtxt": TWO_INSTANCES},
+            "flaky": {"config.pbtxt": FLAKY_CONFIG, "1/model.py": FLAKY},
+        },
+    )
+    process = serve(
+        "--model-repository", str(repo), "--model-config-name", "two", "--model-load-retry-count", "1",
+    ).wait_started()
+    port = process.ports["http"]
+    assert request(port, "/v2/health/ready")[0] == 200  # flaky started at its second try
+    status, body = request(port, "/v2/models/add_sub/config")
+    assert status == 200 and json.loads(body)["instance_group"][0]["count"] == 2
+    assert len(process.workers()) == 3
+    assert "flaky' failed to start (try 1 of 2): " in process.stderr
     code, _ = process.stop()
     assert code == 0, process.output()
     process.assert_clean()

@@ -1,0 +1,187 @@
+"""Model repositories while serving, as tritonserver's in-process API has them:
+repositories registered and unregistered (with folders served under other names),
+custom model configs (``model_config_name``), retried model starts
+(``model_load_retry_count``), and ``Server.metrics()``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import dlserve
+from dlserve import ModelControlMode
+
+from ..conftest import MODELS
+
+ONES = np.ones(16, dtype=np.float32)
+EXPLICIT = ModelControlMode.EXPLICIT
+
+
+def index(server: dlserve.Server) -> dict[str, str | None]:
+    return {name: model.state for (name, _), model in server.models().items()}
+
+
+def add_sub(server: dlserve.Server, name: str = "add_sub") -> np.ndarray:
+    response = list(server.model(name).infer(inputs={"INPUT0": ONES, "INPUT1": ONES}))[0]
+    assert response.error is None
+    return np.from_dlpack(response.outputs["OUTPUT0"])
+
+
+# -- register / unregister ---------------------------------------------------------------------
+def test_a_registered_repository_serves_its_models_until_unregistered(servers, make_repo):
+    server = servers.start(make_repo("identity"), model_control_mode=EXPLICIT)
+    extra = make_repo("add_sub")
+    assert "add_sub" not in index(server)
+    with pytest.raises(dlserve.NotFoundError):
+        server.load("add_sub")
+
+    server.register_model_repository(str(extra))
+    assert index(server) == {"add_sub": None, "identity": None}
+    server.load("add_sub")
+    assert (add_sub(server) == 2).all()
+
+    server.unregister_model_repository(str(extra))
+    # Loaded, it keeps serving (and stays listed) until it is unloaded...
+    assert index(server)["add_sub"] == "READY"
+    assert (add_sub(server) == 2).all()
+    server.unload("add_sub")
+    # ...and then it cannot be loaded again: no repository holds it.
+    assert index(server)["add_sub"] == "UNAVAILABLE"
+    with pytest.raises(dlserve.NotFoundError):
+        server.load("add_sub")
+    server.register_model_repository(str(extra))  # registered again, it is back
+    server.load("add_sub")
+    assert (add_sub(server) == 2).all()
+
+
+def test_a_name_mapping_serves_a_folder_under_another_name(servers, make_repo):
+    server = servers.start(make_repo("identity"), model_control_mode=EXPLICIT)
+    extra = make_repo("add_sub")
+    server.register_model_repository(str(extra), {"add_sub": "adder"})
+    assert index(server) == {"adder": None, "identity": None}  # the folder's own name is not served
+    server.load("adder")
+    assert (add_sub(server, "adder") == 2).all()
+    # The config's name is the one it is served under (its config.pbtxt says "add_sub").
+    assert server.model("adder").config()["name"] == "adder"
+    assert server.model("adder").metadata()["name"] == "adder"
+    with pytest.raises(dlserve.NotFoundError):
+        server.load("add_sub")
+
+
+def test_registration_errors_are_tritons(servers, make_repo, tmp_path):
+    first = make_repo("identity")
+    server = servers.start(first, model_control_mode=EXPLICIT)
+    missing = tmp_path / "nowhere"
+    with pytest.raises(dlserve.InvalidArgumentError, match=f"failed to register '{missing}', repository not found"):
+        server.register_model_repository(str(missing))
+    with pytest.raises(dlserve.AlreadyExistsError, match="has already been registered"):
+        server.register_model_repository(str(first))  # the startup repository counts
+    extra = make_repo("add_sub")
+    server.register_model_repository(str(extra), {"add_sub": "adder"})
+    other = make_repo("add_sub")
+    with pytest.raises(dlserve.AlreadyExistsError, match="there is a conflicting mapping for 'adder'"):
+        server.register_model_repository(str(other), {"add_sub": "adder"})
+    with pytest.raises(dlserve.InvalidArgumentError, match="path traversal"):
+        server.register_model_repository(str(other), {"add_sub": "../adder"})
+    with pytest.raises(dlserve.InvalidArgumentError, match=f"failed to unregister '{missing}', repository not found"):
+        server.unregister_model_repository(str(missing))
+    # A refused registration leaves nothing behind: the same folder registers afterwards.
+    server.register_model_repository(str(other), {"add_sub": "adder2"})
+    assert set(index(server)) == {"identity", "adder", "adder2"}
+    # The server still serves.
+    server.load("adder2")
+    assert (add_sub(server, "adder2") == 2).all()
+
+
+def test_two_repositories_holding_one_name_fail_that_model_only(servers, make_repo):
+    server = servers.start(make_repo("add_sub", "identity"), model_control_mode=EXPLICIT)
+    server.register_model_repository(str(make_repo("add_sub")))
+    with pytest.raises(dlserve.InvalidArgumentError, match="appears in more than one model repository"):
+        server.load("add_sub")
+    server.load("identity")
+    assert server.model("identity").ready()
+
+
+@pytest.mark.parametrize("mode", [ModelControlMode.NONE, ModelControlMode.POLL])
+def test_registration_needs_explicit_mode(servers, make_repo, mode):
+    server = servers.start(make_repo("identity"), model_control_mode=mode, repository_poll_secs=60)
+    extra = make_repo("add_sub")
+    with pytest.raises(dlserve.UnsupportedError, match="repository registration is not allowed if model control mode is not EXPLICIT"):
+        server.register_model_repository(str(extra))
+    with pytest.raises(dlserve.UnsupportedError, match="repository unregistration is not allowed"):
+        server.unregister_model_repository(str(extra))
+
+
+# -- model_config_name ---------------------------------------------------------------------------
+TWO_INSTANCES = (MODELS / "add_sub" / "config.pbtxt").read_text().replace("count: 1", "count: 2")
+
+
+def test_model_config_name_picks_configs_folder_and_falls_back(servers, make_repo):
+    repo = make_repo("add_sub", "identity", extra={"add_sub": {"configs/two.pbtxt": TWO_INSTANCES}})
+    custom = servers.start(repo, model_config_name="two")
+    assert len(custom.model("add_sub").config()["instance_group"]) == 1
+    assert custom.model("add_sub").config()["instance_group"][0]["count"] == 2
+    assert custom.model("identity").ready()  # no configs/two.pbtxt: its config.pbtxt
+    assert (add_sub(custom) == 2).all()
+    default = servers.start(repo)
+    assert default.model("add_sub").config()["instance_group"][0]["count"] == 1
+
+
+def test_a_model_config_name_must_be_a_file_name(make_repo):
+    with pytest.raises(dlserve.InvalidArgumentError, match="path traversal"):
+        dlserve.Server(dlserve.Options(model_repository=str(make_repo("identity")), model_config_name="../x")).start()
+
+
+# -- model_load_retry_count ----------------------------------------------------------------------
+# Fails its first initialize (leaving a mark in its model folder), then starts.
+FLAKY = """
+import os
+
+class TritonPythonModel:
+    def initialize(self, args):
+        mark = os.path.join(args["model_repository"], "tried")
+        if not os.path.exists(mark):
+            open(mark, "w").close()
+            raise RuntimeError("first start fails")
+
+    def execute(self, requests):
+        return []
+"""
+FLAKY_CONFIG = 'backend: "python"\ninput [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
+
+
+def test_load_retry_count_starts_a_model_again(servers, make_repo):
+    files = {"config.pbtxt": FLAKY_CONFIG, "1/model.py": FLAKY}
+    retried = servers.start(make_repo(extra={"flaky": files}), model_load_retry_count=1)
+    assert retried.model("flaky").ready()
+    with pytest.raises(dlserve.InternalError, match="first start fails"):
+        servers.start(make_repo(extra={"flaky": files}))  # no retry: exit_on_error stops the start
+
+
+def test_load_retry_count_must_not_be_negative(make_repo):
+    with pytest.raises(dlserve.InvalidArgumentError, match="model_load_retry_count"):
+        dlserve.Server(dlserve.Options(model_repository=str(make_repo("identity")), model_load_retry_count=-1)).start()
+
+
+# -- Server.metrics() ----------------------------------------------------------------------------
+def test_server_metrics_render_the_metrics_ports_text(servers, make_repo):
+    server = servers.start(make_repo("add_sub"))
+    add_sub(server)
+    text = server.metrics()
+    assert "nv_inference_count" in server.metrics(dlserve.MetricFormat.PROMETHEUS)
+    assert '# TYPE nv_inference_count counter' in text
+    assert 'nv_inference_count{model="add_sub",version="1"} 1' in text
+    assert 'nv_inference_request_success{model="add_sub",version="1"} 1' in text
+    assert "nv_cpu_utilization" in text
+    with pytest.raises(dlserve.UnsupportedError, match="unsupported metric format"):
+        server.metrics(7)
+
+
+def test_server_metrics_follow_the_options(servers, make_repo):
+    repo = make_repo("identity")
+    no_cpu = servers.start(repo, cpu_metrics=False)
+    text = no_cpu.metrics()
+    assert "nv_cpu_utilization" not in text and "nv_inference_count" in text
+    disabled = servers.start(repo, metrics=False)
+    with pytest.raises(dlserve.UnsupportedError, match="metrics are disabled"):
+        disabled.metrics()
