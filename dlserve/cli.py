@@ -96,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--backend-config", action="append", default=[], metavar="python,KEY=VALUE",
         help="python backend settings: shm-default-byte-size, shm-growth-byte-size",
     )
+    models.add_argument(
+        "--cache-config", action="append", default=[], metavar="local,size=BYTES",
+        help="a response cache of BYTES for the models whose config enables response_cache",
+    )
+    models.add_argument("--response-cache-byte-size", type=int, default=None, metavar="BYTES",
+                        help="deprecated spelling of --cache-config local,size=BYTES")
     models.add_argument("--id", default="dlserve", help="server id reported by metadata")
     models.add_argument("--busy-poll-us", type=int, default=1000, metavar="MICROSECONDS",
                         help="the most the server and the models' workers poll for an expected "
@@ -154,14 +160,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _backend_config(entries: list[str]) -> dict[str, dict[str, str]]:
+def _grouped_settings(flag: str, entries: list[str], example: str) -> dict[str, dict[str, str]]:
+    """``NAME,KEY=VALUE`` entries (--backend-config, --cache-config) as {NAME: {KEY: VALUE}}."""
     config: dict[str, dict[str, str]] = {}
     for entry in entries:
-        backend, _, setting = entry.partition(",")
+        name, _, setting = entry.partition(",")
         key, _, value = setting.partition("=")
-        if not backend or not key or not value:
-            raise SystemExit(f"dlserve: --backend-config '{entry}' must look like python,KEY=VALUE")
-        config.setdefault(backend, {})[key] = value
+        if not name or not key or not value:
+            raise SystemExit(f"dlserve: {flag} '{entry}' must look like {example}")
+        config.setdefault(name, {})[key] = value
     return config
 
 
@@ -227,6 +234,12 @@ def serve(args: argparse.Namespace) -> int:
         if args.exit_on_error is None:
             exit_on_error = False  # examples whose framework is missing must not stop the rest
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cache_config = _grouped_settings("--cache-config", args.cache_config, "local,size=BYTES")
+    if args.response_cache_byte_size is not None:
+        logging.getLogger("dlserve").warning(
+            "--response-cache-byte-size is deprecated: use --cache-config local,size=BYTES"
+        )
+        cache_config.setdefault("local", {}).setdefault("size", str(args.response_cache_byte_size))
     options = dlserve.Options(
         model_repository=repositories,
         server_id=args.id,
@@ -241,7 +254,8 @@ def serve(args: argparse.Namespace) -> int:
         log_warn=args.log_warning,
         log_error=args.log_error,
         log_verbose=args.log_verbose,
-        backend_configuration=_backend_config(args.backend_config),
+        backend_configuration=_grouped_settings("--backend-config", args.backend_config, "python,KEY=VALUE"),
+        cache_config=cache_config,
         repository_poll_secs=args.repository_poll_secs,
         model_config_name=args.model_config_name,
         model_load_retry_count=args.model_load_retry_count,

@@ -263,6 +263,18 @@ def validate(config: mc.ModelConfig, model_name: str, gpu_count: int = 0) -> Non
             f"model '{model_name}': parameter ASYNC_EXECUTE_CONCURRENCY must be a positive "
             f"integer, got '{concurrency.string_value}'"
         )
+    if config.response_cache.enable:
+        if config.model_transaction_policy.decoupled:
+            unsupported = "with 'decoupled' transaction policy"
+        elif config.HasField("sequence_batching"):
+            unsupported = "with sequence batching scheduler"
+        else:
+            unsupported = ""
+        if unsupported:  # Triton's message
+            raise InvalidArgumentError(
+                f"Response Cache does not currently support model {model_name} {unsupported}. "
+                "Please disable the response cache."
+            )
     if ensemble != config.HasField("ensemble_scheduling"):
         raise InvalidArgumentError(
             f"model '{model_name}': ensemble_scheduling goes with platform \"ensemble\", and "

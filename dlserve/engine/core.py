@@ -26,6 +26,7 @@ from dlserve.engine.manager import ModelControlMode, ModelManager
 from dlserve.engine.model import EngineResources, ModelVersion
 from dlserve.engine.repository import Repository
 from dlserve.engine.request import Request, validate_request
+from dlserve.engine.response_cache import ResponseCache
 from dlserve.engine.tracing import Tracer, TraceSettings
 from dlserve.errors import (
     InternalError,
@@ -80,6 +81,7 @@ class EngineSettings:
     busy_poll_us: int = 1000
     model_config_name: str = ""
     model_load_retry_count: int = 0
+    response_cache_bytes: int | None = None  # --cache-config local,size=<bytes>; None: no cache
     log: LogSettings = dataclasses.field(default_factory=LogSettings)
     trace: TraceSettings = dataclasses.field(default_factory=TraceSettings)
 
@@ -127,6 +129,8 @@ class Engine:
         self.custom_metrics = CustomMetrics()
         self.regions = SystemRegions(self.space, SEGMENT_NAMESPACE, on_forget=self._forget_everywhere)
         self.tracer = Tracer(settings.trace, self._knows)
+        size = settings.response_cache_bytes
+        self.response_cache = ResponseCache(size) if size else None
         self.live = False
 
     def _knows(self, name: str) -> bool:
@@ -151,6 +155,7 @@ class Engine:
             host=self,
             environments=self.environments,
             gpu_count=gpu_count(),
+            response_cache=self.response_cache,
         )
         self.manager = ModelManager(
             Repository(s.model_repositories, s.model_config_name),

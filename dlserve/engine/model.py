@@ -16,6 +16,7 @@ from dlserve.engine.custom_metrics import CustomMetrics
 from dlserve.engine.instance import ModelInstance
 from dlserve.engine.proto import model_config_pb2 as mc
 from dlserve.engine.request import Request, Signature
+from dlserve.engine.response_cache import ResponseCache
 from dlserve.engine.batcher import DynamicBatcher
 from dlserve.engine.scheduler import DefaultScheduler, Scheduler
 from dlserve.engine.sequence import SequenceBatcher
@@ -48,6 +49,7 @@ class EngineResources:
     environments: Environments  # EXECUTION_ENV_PATH environments, unpacked once
     gpu_count: int = 0
     serial: int = 0
+    response_cache: ResponseCache | None = None  # the server's, if it has one
 
     def next_serial(self) -> int:
         self.serial += 1
@@ -80,6 +82,8 @@ class ModelVersion:
             o.name: list(o.dims) for o in self.signature.outputs.values() if o.reshape is not None
         }
         self.instances: list[ModelInstance] = []
+        # Where its responses are cached, if the server has a cache and its config asks.
+        self.cache = resources.response_cache if config.response_cache.enable else None
         self.is_ensemble = config.platform == cfg.ENSEMBLE_PLATFORM
         self.scheduler: Scheduler
         if self.is_ensemble:

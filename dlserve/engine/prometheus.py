@@ -34,6 +34,47 @@ _MODEL_METRICS = (
 )
 
 
+# Per model whose config enables the response cache (Triton lists them for those only).
+_CACHE_MODEL_METRICS = (
+    ("nv_cache_num_hits_per_model", "counter", "Number of cache hits per model", "cache_hit", False),
+    ("nv_cache_hit_duration_per_model", "counter", "Total cache hit duration per model, in microseconds", "cache_hit", True),
+    ("nv_cache_num_misses_per_model", "counter", "Number of cache misses per model", "cache_miss", False),
+    ("nv_cache_miss_duration_per_model", "counter", "Total cache miss (lookup and insertion) duration per model, in microseconds", "cache_miss", True),
+)
+
+
+def _cache_lines(engine: Engine) -> list[str]:
+    """The response cache's metrics: per model that uses it, and the cache's own
+    gauges when the server has one."""
+    rows: dict[str, list[str]] = {name: [] for name, *_ in _CACHE_MODEL_METRICS}
+    for entry in engine.manager.models.values() if engine.manager is not None else ():
+        for model in entry.versions.values():
+            if not model.config.response_cache.enable:
+                continue
+            labels = (("model", model.name), ("version", str(model.version)))
+            for name, _, _, field, is_duration in _CACHE_MODEL_METRICS:
+                duration = model.stats.durations[field]
+                rows[name].append(sample(name, labels, duration.ns // 1000 if is_duration else duration.count))
+    lines: list[str] = []
+    for name, kind, help_text, _, _ in _CACHE_MODEL_METRICS:
+        if rows[name]:
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", *rows[name]]
+    cache = engine.response_cache
+    if cache is not None:
+        for name, help_text, value in (
+            ("nv_cache_num_entries", "Number of responses stored in the response cache", len(cache)),
+            ("nv_cache_num_lookups", "Number of response cache lookups", cache.lookups),
+            ("nv_cache_num_hits", "Number of response cache hits", cache.hits),
+            ("nv_cache_num_misses", "Number of response cache misses", cache.misses),
+            ("nv_cache_num_evictions", "Number of response cache evictions", cache.evictions),
+            ("nv_cache_lookup_duration", "Total response cache lookup duration, in microseconds", cache.lookup_ns // 1000),
+            ("nv_cache_insertion_duration", "Total response cache insertion duration, in microseconds", cache.insertion_ns // 1000),
+            ("nv_cache_util", "Response cache utilization [0.0 - 1.0]", cache.utilization),
+        ):
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", sample(name, (), value)]
+    return lines
+
+
 def _model_samples(engine: Engine) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {name: [] for name, _, _ in _MODEL_METRICS}
     if engine.manager is None:
@@ -187,5 +228,6 @@ def render(engine: Engine, cpu: CpuSampler | None = None, gpu: bool = True) -> s
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", sample(name, (), value)]
     if gpu:
         lines += _gpu_lines()
+    lines += _cache_lines(engine)
     lines += engine.custom_metrics.render()
     return "\n".join(lines) + "\n"

@@ -26,6 +26,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from dlserve.engine import response_cache
 from dlserve.engine.request import STREAMING, Request, Response
 from dlserve.errors import (
     CancelledError,
@@ -114,6 +115,12 @@ class Scheduler:
                 UnavailableError(f"model '{self.model.name}' version {self.model.version} is not ready"),
             )
             return False
+        cache = self.model.cache
+        if cache is not None:
+            hit = response_cache.answer(cache, self.model, request)
+            if hit is not None:
+                self._deliver(request, hit, None)
+                return False
         return True
 
     def _unavailable(self) -> UnavailableError:

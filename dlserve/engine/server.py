@@ -25,6 +25,7 @@ from dlserve.engine.core import Engine, EngineSettings
 from dlserve.engine.logs import LogSettings
 from dlserve.engine.manager import ModelControlMode
 from dlserve.engine.request import Request, Response
+from dlserve.engine.response_cache import cache_size
 from dlserve.engine.tracing import TraceSettings
 from dlserve.errors import (
     InternalError,
@@ -77,7 +78,8 @@ class Options:
 
     dlserve reads these Triton fields: model_repository, server_id,
     model_control_mode, startup_models, strict_model_config, exit_on_error,
-    strict_readiness, exit_timeout, model_load_retry_count, log_file,
+    strict_readiness, exit_timeout, model_load_retry_count, cache_config
+    (``{"local": {"size": <bytes>}}``: the response cache), log_file,
     log_info/warn/error, log_verbose, metrics, cpu_metrics, gpu_metrics, and
     ``backend_configuration["python"]`` keys ``shm-default-byte-size`` and
     ``shm-growth-byte-size`` (each worker's shared-memory arena). The rest are
@@ -166,6 +168,7 @@ class Options:
             busy_poll_us=int(self.busy_poll_us),
             model_config_name=self.model_config_name,
             model_load_retry_count=int(self.model_load_retry_count),
+            response_cache_bytes=cache_size(self.cache_config),
             log=self.log_settings(),
             trace=self.trace,
         )

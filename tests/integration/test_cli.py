@@ -244,6 +244,8 @@ def test_bad_backend_config_exits_with_a_message():
         (["--http-thread-count", "0"], "thread_count must be a positive integer, got 0"),
         (["--grpc-use-ssl", "true"], "use_ssl needs server_cert and server_key"),
         (["--http-restricted-api", "inference"], "restriction 'inference' must look like"),
+        (["--cache-config", "local,size=abc"], "size must be a positive number of bytes, got 'abc'"),
+        (["--cache-config", "local"], "--cache-config 'local' must look like local,size=BYTES"),
     ],
 )
 def test_bad_service_options_exit_1_and_leave_nothing(serve, tmp_path, args, message):
@@ -531,9 +533,9 @@ def test_exit_on_error_false_keeps_serving_the_other_models(serve, make_repo):
     process.assert_clean()
 
 
-def test_model_config_name_and_load_retry_count(serve, make_repo):
+def test_model_config_name_load_retry_count_and_response_cache(serve, make_repo):
     repo = make_repo(
-        "add_sub",
+        "add_sub", "cached",
         extra={
             "add_sub": {"configs/two.pbtxt": TWO_INSTANCES},
             "flaky": {"config.pbtxt": FLAKY_CONFIG, "1/model.py": FLAKY},
@@ -541,13 +543,18 @@ def test_model_config_name_and_load_retry_count(serve, make_repo):
     )
     process = serve(
         "--model-repository", str(repo), "--model-config-name", "two", "--model-load-retry-count", "1",
+        "--response-cache-byte-size", "4096",
     ).wait_started()
     port = process.ports["http"]
     assert request(port, "/v2/health/ready")[0] == 200  # flaky started at its second try
     status, body = request(port, "/v2/models/add_sub/config")
     assert status == 200 and json.loads(body)["instance_group"][0]["count"] == 2
-    assert len(process.workers()) == 3
+    assert len(process.workers()) == 4
     assert "flaky' failed to start (try 1 of 2): " in process.stderr
+    body = {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 2], "data": [1, 2]}]}
+    answers = [json.loads(request(port, "/v2/models/cached/infer", "POST", body)[1]) for _ in range(2)]
+    assert [a["outputs"][1]["data"] for a in answers] == [[1], [1]]  # the second from the cache
+    assert "--response-cache-byte-size is deprecated" in process.stderr
     code, _ = process.stop()
     assert code == 0, process.output()
     process.assert_clean()
