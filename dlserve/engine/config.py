@@ -275,6 +275,8 @@ def validate(config: mc.ModelConfig, model_name: str, gpu_count: int = 0) -> Non
                 f"Response Cache does not currently support model {model_name} {unsupported}. "
                 "Please disable the response cache."
             )
+    if ensemble and config.model_warmup:
+        raise InvalidArgumentError(f"model_warmup can not be specified for ensemble '{model_name}'")
     if ensemble != config.HasField("ensemble_scheduling"):
         raise InvalidArgumentError(
             f"model '{model_name}': ensemble_scheduling goes with platform \"ensemble\", and "

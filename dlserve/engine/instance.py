@@ -394,7 +394,7 @@ class ModelInstance:
         except Exception as exc:  # noqa: BLE001 - fail this request, keep the channel
             self._discard(wire)
             self._cancel(handle)  # the model stops making responses nobody will read
-            self.model.scheduler.fail(request, self._unreadable(exc, "response"))
+            request.owner.fail(request, self._unreadable(exc, "response"))
             return
         if not self.model.decoupled:
             # Default mode: the one response becomes final with the flag that closes it.
@@ -408,7 +408,7 @@ class ModelInstance:
             model = self.model
             response = Response(model.name, model.version, request.request_id, flags_only=True)
         response.final = final
-        self.model.scheduler.stream_response(request, response)
+        request.owner.stream_response(request, response)
 
     def _discard(self, wire: Any) -> None:
         worker = self._worker
@@ -428,7 +428,7 @@ class ModelInstance:
         self._held.clear()
         error = InternalError(f"model instance '{self.name}': {reason}")
         for request in streaming.values():
-            self.model.scheduler.fail(request, error)
+            request.owner.fail(request, error)
 
     def open_requests(self, handles: list[int] | None) -> list[Request]:
         """The requests with these handles (all open ones for None) still open here."""

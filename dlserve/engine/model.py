@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from dlserve.engine import config as cfg
-from dlserve.engine import ensemble
+from dlserve.engine import ensemble, warmup
 from dlserve.engine.calls import Host
 from dlserve.engine.custom_metrics import CustomMetrics
 from dlserve.engine.instance import ModelInstance
@@ -144,12 +144,13 @@ class ModelVersion:
         return plan
 
     async def load(self) -> None:
-        """Start every instance; if any fails, stop the others and raise its error."""
+        """Start and warm up every instance; if any fails, stop the others and raise its error."""
         resources = self.resources
         if self.is_ensemble:
             self.state, self.reason = "READY", ""
             return
         try:
+            samples = warmup.samples(self)  # checked before any worker starts
             self.environment = await resources.environments.for_model(
                 *cfg.environment_parameters(self.config), self.model_dir, self.name
             )
@@ -160,8 +161,13 @@ class ModelVersion:
             ModelInstance(self, name, kind, device, resources.next_serial(), self._instance_changed)
             for name, kind, device in self._instance_plan()
         ]
+
+        async def start(instance: ModelInstance) -> None:
+            await instance.start()
+            await warmup.warm_up(instance, samples)
+
         results = await asyncio.gather(
-            *(instance.start() for instance in self.instances), return_exceptions=True
+            *(start(instance) for instance in self.instances), return_exceptions=True
         )
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:

@@ -82,7 +82,7 @@ class Request:
     arrival_ns: int = dataclasses.field(default_factory=time.monotonic_ns)
     finished: bool = False
     cancelled: bool = False
-    owner: Any = None  # the scheduler that accepted it
+    owner: Any = None  # who answers it: the scheduler that accepted it (or a model's warmup)
     cancel_hook: Callable[[], None] | None = None
     compute_input_ns: int = 0
     compute_infer_ns: int = 0
