@@ -37,7 +37,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -348,12 +348,16 @@ class Server:
         SHM_LEDGER.note(found)
 
     def stats(self, model: str) -> dict[str, int]:
-        """inference_count and execution_count of a model (statistics extension; {} without it)."""
+        """inference_count, execution_count and the cache_hit count of a model (statistics
+        extension; {} without it)."""
         document = http_json(self.ports["http"], f"/v2/models/{model}/stats") or {}
         for entry in document.get("model_stats", []):
-            return {
+            counts = {
                 key: int(entry.get(key, 0) or 0) for key in ("inference_count", "execution_count")
             }
+            hits = entry.get("inference_stats", {}).get("cache_hit", {})
+            counts["cache_hits"] = int(hits.get("count", 0) or 0)
+            return counts
         return {}
 
     def stop(self) -> None:
@@ -396,7 +400,7 @@ def _listen_flags(ports: dict[str, int]) -> list[str]:
     return flags
 
 
-def dlserve(repo: Path, models: list[str] | None = None) -> Server:
+def dlserve(repo: Path, models: list[str] | None = None, flags: Sequence[str] = ()) -> Server:
     ports = _ports()
     command = [
         str(DLSERVE_BIN),
@@ -410,6 +414,7 @@ def dlserve(repo: Path, models: list[str] | None = None) -> Server:
         str(1 << 28),
         "--grpc-max-message-size",
         str(1 << 28),
+        *flags,
     ]
     return Server("dlserve", command, repo, ports, models=list(models or []))
 
@@ -425,7 +430,7 @@ def _triton_libdir() -> str:
     return out.stdout.strip()
 
 
-def triton(repo: Path, models: list[str] | None = None) -> Server:
+def triton(repo: Path, models: list[str] | None = None, flags: Sequence[str] = ()) -> Server:
     """Triton 2.51 with its Python backend, started as reference-servers/start_triton.sh starts it
     (the stub for Python 3.11 next to libtriton_python.so; LD_LIBRARY_PATH led by the LIBDIR of
     the venv's Python, whose libpython the stub embeds; the venv's bin first on PATH so the stub
@@ -462,6 +467,7 @@ def triton(repo: Path, models: list[str] | None = None) -> Server:
         "true",
         "--log-verbose",
         "0",
+        *flags,
     ]
     shown = f"LD_LIBRARY_PATH={libs} PATH={TRITON_VENV / 'bin'}:$PATH"
     return Server(

@@ -12,7 +12,16 @@ from clients import BIG, STREAM_LEN, TINY, size
 from measure import Measurement
 from peers import ANCHORS, REFERENCE
 from plots import plot_add_sub
-from sections import Plan, Served, batching_cases, bytes_cases, identity_cases, sections
+from sections import (
+    CACHE_BYTES,
+    Plan,
+    Served,
+    batching_cases,
+    bytes_cases,
+    cache_cases,
+    identity_cases,
+    sections,
+)
 from tables import (
     Row,
     combine,
@@ -325,6 +334,32 @@ def report_batching(served: dict[str, Served], plan: Plan) -> list[str]:
     return lines + notes(served)
 
 
+def report_cache(served: dict[str, Served], plan: Plan) -> list[str]:
+    rows: list[Row] = []
+    for label, _ in cache_cases(plan):
+        for concurrency in (1, 4):
+            rows += [
+                (f"{label} c{concurrency}: infer/s ↑", metric(label, concurrency), 1),
+                (f"{label} c{concurrency}: p50 µs ↓", metric(label, concurrency, "p50_us"), 0),
+            ]
+        if label.startswith("add_sub_cached"):
+            rows.append((f"{label}: answered from the cache (server) ↑", metric(label, key="hit_share"), 4))
+    lines = [
+        (
+            f"Models: add_sub (reference-servers, FP32[16]) and benchmarks/models/add_sub_cached, the same "
+            f"model with `response_cache {{ enable: true }}`; both servers run with `--cache-config "
+            f"local,size={CACHE_BYTES}`. perf_analyzer sends the same inputs in every request, so every "
+            "request to add_sub_cached but the first is a cache hit (the share is read from the "
+            "statistics extension's cache_hit and inference counts around the run), while add_sub runs "
+            "its model every time. Concurrency 1 and 4."
+        ),
+        "",
+        *table(rows, served, ["dlserve", "Triton"]),
+        "",
+    ]
+    return lines + notes(served)
+
+
 # ---------------------------------------------------------------- the whole document
 
 
@@ -388,6 +423,7 @@ def render(
         "bytes": lambda s: report_bytes(s, plan),
         "bls": lambda s: report_bls(s, plan),
         "batching": lambda s: report_batching(s, plan),
+        "cache": lambda s: report_cache(s, plan),
     }
     number = 0
     for key in chosen:
@@ -445,7 +481,7 @@ def render(
         lines += [f"Clients, {key} (the same for every server):", "", *command_lines(served)]
         if key == "bls":
             lines.append(f"- streaming: benchmarks/clients.py `streaming(url, {plan.stream_s:g})`")
-        if key == "batching":
+        if key in ("batching", "cache"):
             lines.append(
                 "- statistics: `GET /v2/models/$MODEL/stats` before and after each run"
             )

@@ -27,6 +27,8 @@ Sections (--only takes any of them; default all):
              (perf_analyzer and a tritonclient stream; dlserve vs Triton)
   batching   a dynamically batched model at concurrency 16: throughput and the server-side
              average batch size (perf_analyzer and the statistics extension; dlserve vs Triton)
+  cache      add_sub with and without the response cache, all hits but the first
+             (perf_analyzer and the statistics extension; dlserve vs Triton)
 
 A full run takes about 20 minutes on 2 cores, --quick about 6 (fewer levels, sizes and cases,
 shorter windows). Every server it starts is stopped when it ends, also on Ctrl-C or SIGTERM,

@@ -9,6 +9,7 @@ part), each started fresh, and records what each did in a :class:`Served`.
 
 from __future__ import annotations
 
+import functools
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from clients import BIG, STREAM_LEN, TINY, size
 from measure import Measurement, Window
 from peers import BENCH_MODELS, EXAMPLES, REFERENCE, Server, log
 
-SECTIONS = ("add_sub", "identity", "bytes", "bls", "batching")
+SECTIONS = ("add_sub", "identity", "bytes", "bls", "batching", "cache")
 PEERS = ("Triton", "MLServer")
 
 
@@ -261,6 +262,32 @@ def measure_batching(server: Server, plan: Plan, out: Results) -> None:
             log(f"    {server.name:8s}               average batch {m.extra['batch']:.2f}")
 
 
+CACHE_MODELS = ("add_sub", "add_sub_cached")  # the same model without and with the cache
+CACHE_BYTES = 1 << 20
+
+
+def cache_cases(plan: Plan) -> list[tuple[str, list[str]]]:
+    return [
+        (f"{model} {protocol}", ["-m", model, "-i", protocol, "--concurrency-range", "1:4:3"])
+        for model in CACHE_MODELS
+        for protocol in (("grpc",) if plan.quick else ("http", "grpc"))
+    ]
+
+
+def measure_cache(server: Server, plan: Plan, out: Results) -> None:
+    out["problems"] = clients.check_add_sub(server.url("grpc"), CACHE_MODELS)
+    for label, args in cache_cases(plan):
+        model = args[1]
+        before = server.stats(model)
+        out[label] = m = pa_or_perf(measure.perf_analyzer, server, args, plan.small)
+        after = server.stats(model)
+        requests = after.get("cache_hits", 0) - before.get("cache_hits", 0)
+        requests += after.get("inference_count", 0) - before.get("inference_count", 0)
+        if requests > 0:  # perf_analyzer sends the same inputs every time: all hits but the first
+            m.extra["hit_share"] = (after["cache_hits"] - before["cache_hits"]) / requests
+            log(f"    {server.name:8s}               cache hits {m.extra['hit_share']:.1%}")
+
+
 @dataclass
 class Section:
     key: str
@@ -270,6 +297,7 @@ class Section:
     mlserver: list[Path] = field(
         default_factory=list
     )  # MLServer model folders (MLServer takes part)
+    flags: list[str] = field(default_factory=list)  # for dlserve's and Triton's command lines
 
 
 def sections() -> dict[str, Section]:
@@ -310,6 +338,13 @@ def sections() -> dict[str, Section]:
                 [BENCH_MODELS / model for model in BATCHING_MODELS],
                 measure_batching,
             ),
+            Section(
+                "cache",
+                "Response cache",
+                [ref / "add_sub", BENCH_MODELS / "add_sub_cached"],
+                measure_cache,
+                flags=["--cache-config", f"local,size={CACHE_BYTES}"],
+            ),
         )
     }
 
@@ -330,8 +365,8 @@ def run_section(section: Section, plan: Plan, served: dict[str, Served]) -> None
     """Serve the section's models from dlserve and each peer in turn and measure each; fills
     ``served`` as it goes (so an interrupted run still reports what it measured)."""
     runs: list[tuple[Callable[..., Server], list[Path], list[Path]]] = [
-        (peers.dlserve, section.sources, []),
-        (peers.triton, section.sources, []),
+        (functools.partial(peers.dlserve, flags=section.flags), section.sources, []),
+        (functools.partial(peers.triton, flags=section.flags), section.sources, []),
     ]
     if section.mlserver:
         runs.append((peers.mlserver, section.mlserver, [REFERENCE / "mlserver" / "runtimes.py"]))

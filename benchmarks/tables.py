@@ -23,7 +23,7 @@ def metric(label: str, concurrency: int | None = None, key: str = "throughput") 
             return None, ""
         if not m.ok:
             return None, "failed"
-        if key in m.extra or key in ("batch", "executions_per_s"):
+        if key in m.extra or key in ("batch", "executions_per_s", "hit_share"):
             return m.extra.get(key), "†" if m.relaxed else ""
         level = m.at(concurrency)
         value = None if level is None else getattr(level, key)
