@@ -31,6 +31,7 @@ _EXPORTS = {
     "ModelTxnPropertyFlag": "dlserve.engine.server",
     "Options": "dlserve.engine.server",
     "RateLimitMode": "dlserve.engine.server",
+    "RateLimiterResource": "dlserve.engine.rate_limiter",
     "Server": "dlserve.engine.server",
     "TraceSettings": "dlserve.engine.tracing",
     "AlreadyExistsError": "dlserve.errors",

@@ -102,6 +102,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     models.add_argument("--response-cache-byte-size", type=int, default=None, metavar="BYTES",
                         help="deprecated spelling of --cache-config local,size=BYTES")
+    models.add_argument(
+        "--rate-limit", choices=["off", "execution_count"], default="off",
+        help="execution_count: instances execute only when the resources of their instance "
+        "group's rate_limiter are free (default: off)",
+    )
+    models.add_argument(
+        "--rate-limit-resource", action="append", default=[], metavar="NAME:COUNT[:DEVICE]",
+        help="how many copies of a rate limiter resource exist (default: the most any instance asks for)",
+    )
     models.add_argument("--id", default="dlserve", help="server id reported by metadata")
     models.add_argument("--busy-poll-us", type=int, default=1000, metavar="MICROSECONDS",
                         help="the most the server and the models' workers poll for an expected "
@@ -256,6 +265,10 @@ def serve(args: argparse.Namespace) -> int:
         log_verbose=args.log_verbose,
         backend_configuration=_grouped_settings("--backend-config", args.backend_config, "python,KEY=VALUE"),
         cache_config=cache_config,
+        rate_limiter_mode=(
+            dlserve.RateLimitMode.EXEC_COUNT if args.rate_limit == "execution_count" else dlserve.RateLimitMode.OFF
+        ),
+        rate_limiter_resources=args.rate_limit_resource,
         repository_poll_secs=args.repository_poll_secs,
         model_config_name=args.model_config_name,
         model_load_retry_count=args.model_load_retry_count,

@@ -25,6 +25,7 @@ from dlserve.engine.logs import LogSettings
 from dlserve.engine.manager import ModelControlMode, ModelManager
 from dlserve.engine.model import EngineResources, ModelVersion
 from dlserve.engine.repository import Repository
+from dlserve.engine.rate_limiter import RateLimiter, RateLimiterResource
 from dlserve.engine.request import Request, validate_request
 from dlserve.engine.response_cache import ResponseCache
 from dlserve.engine.tracing import Tracer, TraceSettings
@@ -82,6 +83,8 @@ class EngineSettings:
     model_config_name: str = ""
     model_load_retry_count: int = 0
     response_cache_bytes: int | None = None  # --cache-config local,size=<bytes>; None: no cache
+    # --rate-limit=execution_count: the rate limiter's pool sizes (None: no rate limiter)
+    rate_limit_resources: list[RateLimiterResource] | None = None
     log: LogSettings = dataclasses.field(default_factory=LogSettings)
     trace: TraceSettings = dataclasses.field(default_factory=TraceSettings)
 
@@ -131,6 +134,8 @@ class Engine:
         self.tracer = Tracer(settings.trace, self._knows)
         size = settings.response_cache_bytes
         self.response_cache = ResponseCache(size) if size else None
+        pools = settings.rate_limit_resources
+        self.rate_limiter = RateLimiter(pools) if pools is not None else None
         self.live = False
 
     def _knows(self, name: str) -> bool:
@@ -156,6 +161,7 @@ class Engine:
             environments=self.environments,
             gpu_count=gpu_count(),
             response_cache=self.response_cache,
+            rate_limiter=self.rate_limiter,
         )
         self.manager = ModelManager(
             Repository(s.model_repositories, s.model_config_name),

@@ -16,6 +16,7 @@ from dlserve.engine.custom_metrics import CustomMetrics
 from dlserve.engine.instance import ModelInstance
 from dlserve.engine.proto import model_config_pb2 as mc
 from dlserve.engine.request import Request, Signature
+from dlserve.engine.rate_limiter import RateLimiter
 from dlserve.engine.response_cache import ResponseCache
 from dlserve.engine.batcher import DynamicBatcher
 from dlserve.engine.scheduler import DefaultScheduler, Scheduler
@@ -50,6 +51,7 @@ class EngineResources:
     gpu_count: int = 0
     serial: int = 0
     response_cache: ResponseCache | None = None  # the server's, if it has one
+    rate_limiter: RateLimiter | None = None  # with --rate-limit=execution_count
 
     def next_serial(self) -> int:
         self.serial += 1
@@ -131,8 +133,8 @@ class ModelVersion:
             return 1
         return next(iter(request.inputs.values())).shape[0]
 
-    def _instance_plan(self) -> list[tuple[str, str, int]]:
-        """(instance name, kind, device id) for every instance the config asks for."""
+    def _instance_plan(self) -> list[tuple[str, str, int, mc.ModelInstanceGroup]]:
+        """(instance name, kind, device id, its group) for every instance the config asks for."""
         plan = []
         for group in self.config.instance_group:
             devices = list(group.gpus) if group.kind == mc.ModelInstanceGroup.KIND_GPU else [0]
@@ -140,7 +142,7 @@ class ModelVersion:
             for device in devices:
                 for index in range(group.count):
                     suffix = f"_{index}_{device}" if len(devices) > 1 else f"_{index}"
-                    plan.append((f"{group.name}{suffix}", kind, device))
+                    plan.append((f"{group.name}{suffix}", kind, device, group))
         return plan
 
     async def load(self) -> None:
@@ -157,10 +159,20 @@ class ModelVersion:
         except TritonError as exc:
             self.state, self.reason = "UNAVAILABLE", str(exc)
             raise
+        plan = self._instance_plan()
         self.instances = [
             ModelInstance(self, name, kind, device, resources.next_serial(), self._instance_changed)
-            for name, kind, device in self._instance_plan()
+            for name, kind, device, _ in plan
         ]
+        limiter = resources.rate_limiter
+        if limiter is not None:
+            try:
+                for instance, (_, _, device, group) in zip(self.instances, plan):
+                    limiter.register(instance, group.rate_limiter, device)
+            except TritonError as exc:
+                self._leave_limiter()
+                self.state, self.reason = "UNAVAILABLE", str(exc)
+                raise
 
         async def start(instance: ModelInstance) -> None:
             await instance.start()
@@ -172,9 +184,16 @@ class ModelVersion:
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             await asyncio.gather(*(i.stop(time.monotonic() + 5.0) for i in self.instances))
+            self._leave_limiter()
             self.state, self.reason = "UNAVAILABLE", str(errors[0])
             raise errors[0]
         self.state, self.reason = "READY", ""
+
+    def _leave_limiter(self) -> None:
+        limiter = self.resources.rate_limiter
+        if limiter is not None:
+            for instance in self.instances:
+                limiter.unregister(instance)
 
     def _instance_changed(self, _instance: ModelInstance) -> None:
         self.scheduler.instance_state_changed()
@@ -190,6 +209,7 @@ class ModelVersion:
                 self.version,
             )
         await asyncio.gather(*(instance.stop(deadline) for instance in self.instances))
+        self._leave_limiter()
         self.scheduler.close()
         self.state, self.reason = "UNAVAILABLE", "unloaded"
 

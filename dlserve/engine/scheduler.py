@@ -140,8 +140,12 @@ class Scheduler:
             self._execute(instance, batch)
 
     def has_room(self, instance: ModelInstance) -> bool:
-        """Ready, with room for another execute (async models take many at once)."""
-        return instance.ready and instance.in_flight < (instance.concurrency or self.pipeline_depth)
+        """Ready, with room for another execute (async models take many at once), and the
+        rate limiter's resources for it, if there is a rate limiter."""
+        if not instance.ready or instance.in_flight >= (instance.concurrency or self.pipeline_depth):
+            return False
+        limiter = self.model.resources.rate_limiter
+        return limiter is None or limiter.admits(instance, self)
 
     def _pick(self) -> ModelInstance | None:
         """The least-loaded ready instance with room in its pipeline (ties round-robin)."""
@@ -164,6 +168,8 @@ class Scheduler:
 
     # -- execution ----------------------------------------------------------------------
     def _execute(self, instance: ModelInstance, batch: list[Request]) -> None:
+        limiter = self.model.resources.rate_limiter
+        taken = limiter.acquire(instance) if limiter is not None else None
         instance.in_flight += 1
         start = time.monotonic_ns()
         queue_ns = [start - r.arrival_ns for r in batch]
@@ -177,6 +183,9 @@ class Scheduler:
             if busy:
                 busy = False
                 instance.in_flight -= 1
+                if taken:
+                    assert limiter is not None
+                    limiter.release(taken)
                 # A pipelined execute waited in the worker behind the previous one: that
                 # wait is queue time, not compute time, as Triton would count it.
                 waited = max(0, instance.last_done_ns - start)

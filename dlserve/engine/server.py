@@ -25,6 +25,7 @@ from dlserve.engine.core import Engine, EngineSettings
 from dlserve.engine.logs import LogSettings
 from dlserve.engine.manager import ModelControlMode
 from dlserve.engine.request import Request, Response
+from dlserve.engine.rate_limiter import RateLimiterResource, parse_resource
 from dlserve.engine.response_cache import cache_size
 from dlserve.engine.tracing import TraceSettings
 from dlserve.errors import (
@@ -78,7 +79,9 @@ class Options:
 
     dlserve reads these Triton fields: model_repository, server_id,
     model_control_mode, startup_models, strict_model_config, exit_on_error,
-    strict_readiness, exit_timeout, model_load_retry_count, cache_config
+    strict_readiness, exit_timeout, model_load_retry_count, rate_limiter_mode and
+    rate_limiter_resources (``RateLimiterResource(name, count, device=None)`` or
+    ``"NAME:COUNT[:DEVICE]"``), cache_config
     (``{"local": {"size": <bytes>}}``: the response cache), log_file,
     log_info/warn/error, log_verbose, metrics, cpu_metrics, gpu_metrics, and
     ``backend_configuration["python"]`` keys ``shm-default-byte-size`` and
@@ -169,9 +172,23 @@ class Options:
             model_config_name=self.model_config_name,
             model_load_retry_count=int(self.model_load_retry_count),
             response_cache_bytes=cache_size(self.cache_config),
+            rate_limit_resources=self._rate_limit_resources(),
             log=self.log_settings(),
             trace=self.trace,
         )
+
+    def _rate_limit_resources(self) -> list[RateLimiterResource] | None:
+        """The rate limiter's explicit pool sizes; None when rate limiting is off."""
+        if RateLimitMode(self.rate_limiter_mode) is RateLimitMode.OFF:
+            return None
+        pools = []
+        for entry in self.rate_limiter_resources:
+            if isinstance(entry, str):
+                entry = parse_resource(entry)
+            elif not isinstance(entry, RateLimiterResource):  # tritonserver's, or alike
+                entry = RateLimiterResource(entry.name, int(entry.count), getattr(entry, "device", None))
+            pools.append(entry)
+        return pools
 
     def log_settings(self) -> LogSettings:
         """Triton's cascade: verbose implies info, info implies warnings; errors always log."""

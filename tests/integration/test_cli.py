@@ -202,6 +202,7 @@ def test_help():
         (["--grpc-port", "-1"], "argument --grpc-port: port must be in [0, 65535], got -1"),
         (["--metrics-port", "eighty"], "argument --metrics-port: invalid"),
         (["--model-control-mode", "bogus"], "--model-control-mode: invalid choice: 'bogus'"),
+        (["--rate-limit", "sometimes"], "--rate-limit: invalid choice: 'sometimes'"),
         (["--allow-http", "maybe"], "argument --allow-http: expected true or false, got 'maybe'"),
         (["--exit-timeout-secs", "soon"], "--exit-timeout-secs: invalid int value: 'soon'"),
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
@@ -246,6 +247,8 @@ def test_bad_backend_config_exits_with_a_message():
         (["--http-restricted-api", "inference"], "restriction 'inference' must look like"),
         (["--cache-config", "local,size=abc"], "size must be a positive number of bytes, got 'abc'"),
         (["--cache-config", "local"], "--cache-config 'local' must look like local,size=BYTES"),
+        (["--rate-limit", "execution_count", "--rate-limit-resource", "R1:x"],
+         "rate limit resource 'R1:x' must look like NAME:COUNT[:DEVICE]"),
     ],
 )
 def test_bad_service_options_exit_1_and_leave_nothing(serve, tmp_path, args, message):

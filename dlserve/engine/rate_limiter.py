@@ -1,0 +1,195 @@
+"""Triton's rate limiter (``--rate-limit=execution_count``): model instances execute only
+when the resources their instance group's ``rate_limiter`` lists are free, across every
+model, so models that would overload the machine together take turns.
+
+Resources are counted per device (an instance draws on its own device's copies) unless a
+model marks one ``global``. How many copies exist: ``--rate-limit-resource
+NAME:COUNT[:DEVICE]`` (without a device: every device's, or the global pool's), else the
+most any loaded instance asks for, so every instance can run alone. An execute takes its
+instance's resources when it starts and gives them back when its worker answers. When
+several instances wait, the one with the fewest grants weighted by its ``priority`` goes
+first: an instance of priority 2 gets half the turns of one of priority 1 (stride
+scheduling, as Triton's documentation describes the weighting). Instances without
+resources are never held back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import TYPE_CHECKING, Protocol
+
+from dlserve.engine.proto import model_config_pb2 as mc
+from dlserve.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from dlserve.engine.instance import ModelInstance
+
+GLOBAL = -1  # the device of a global resource's pool
+
+
+@dataclasses.dataclass(frozen=True)
+class RateLimiterResource:
+    """A pool size from the command line / ``Options.rate_limiter_resources``, as
+    ``tritonserver.RateLimiterResource``; ``device`` None: every device's pool (or the
+    global one, for a resource a model marks global)."""
+
+    name: str
+    count: int
+    device: int | None = None
+
+
+def parse_resource(text: str) -> RateLimiterResource:
+    """``NAME:COUNT[:DEVICE]`` (tritonserver's --rate-limit-resource)."""
+    parts = text.split(":")
+    try:
+        if len(parts) not in (2, 3) or not parts[0]:
+            raise ValueError
+        count = int(parts[1])
+        device = int(parts[2]) if len(parts) == 3 else None
+    except ValueError:
+        raise InvalidArgumentError(
+            f"rate limit resource '{text}' must look like NAME:COUNT[:DEVICE]"
+        ) from None
+    if count < 0 or (device is not None and device < 0):
+        raise InvalidArgumentError(f"rate limit resource '{text}': count and device must be >= 0")
+    return RateLimiterResource(parts[0], count, device)
+
+
+class Waiter(Protocol):
+    """A scheduler with work held back by the limiter."""
+
+    def dispatch(self) -> None: ...
+
+
+@dataclasses.dataclass(eq=False)
+class _Client:
+    needs: dict[tuple[str, int], int]  # (resource, device or GLOBAL) -> copies
+    priority: int
+    turns: float = 0.0  # grants so far, weighted by priority (its stride)
+
+
+class RateLimiter:
+    """The server's resource pools and who holds them; on the event loop only."""
+
+    def __init__(self, explicit: list[RateLimiterResource]) -> None:
+        self._explicit = list(explicit)
+        self._clients: dict[ModelInstance, _Client] = {}
+        self._pools: dict[tuple[str, int], int] = {}
+        self._in_use: dict[tuple[str, int], int] = {}
+        self._waiting: dict[ModelInstance, Waiter] = {}
+        self._wake_due = False
+
+    # -- instances come and go -------------------------------------------------------------
+    def register(self, instance: ModelInstance, config: mc.ModelRateLimiter, device: int) -> None:
+        """Add an instance with its group's ``rate_limiter`` (raises if it could never run)."""
+        needs: dict[tuple[str, int], int] = {}
+        for resource in config.resources:
+            if not resource.name:
+                raise InvalidArgumentError(f"instance '{instance.name}': a rate limiter resource needs a name")
+            key = (resource.name, GLOBAL if getattr(resource, "global") else device)
+            needs[key] = needs.get(key, 0) + int(resource.count)
+        self._check_scope(instance, needs)
+        self._clients[instance] = _Client(needs, max(int(config.priority), 1))
+        # A newcomer starts level with the least served, not ahead of everyone.
+        self._clients[instance].turns = min((c.turns for c in self._clients.values()), default=0.0)
+        try:
+            self._resize()
+        except InvalidArgumentError:
+            self.unregister(instance)
+            raise
+
+    def unregister(self, instance: ModelInstance) -> None:
+        self._clients.pop(instance, None)
+        self._waiting.pop(instance, None)
+        self._resize()
+
+    def _check_scope(self, instance: ModelInstance, needs: dict[tuple[str, int], int]) -> None:
+        scopes: dict[str, set[bool]] = {}
+        for client in [*self._clients.values(), _Client(needs, 1)]:
+            for name, device in client.needs:
+                scopes.setdefault(name, set()).add(device == GLOBAL)
+        for name, kinds in scopes.items():
+            if len(kinds) > 1:
+                raise InvalidArgumentError(
+                    f"instance '{instance.name}': rate limiter resource '{name}' is global in one "
+                    "model configuration and per device in another"
+                )
+
+    def _resize(self) -> None:
+        """Pool sizes: the explicit ones, else the most any instance asks for."""
+        pools: dict[tuple[str, int], int] = {}
+        for client in self._clients.values():
+            for key, count in client.needs.items():
+                pools[key] = max(pools.get(key, 0), count)
+        for key in pools:
+            name, device = key
+            for given in self._explicit:
+                if given.name == name and given.device in (None, device):
+                    pools[key] = given.count  # a device's own entry, given later, wins
+        for instance, client in self._clients.items():
+            for key, count in client.needs.items():
+                if count > pools[key]:
+                    name, device = key
+                    where = "globally" if device == GLOBAL else f"on device {device}"
+                    raise InvalidArgumentError(
+                        f"instance '{instance.name}' needs {count} of rate limiter resource "
+                        f"'{name}', but only {pools[key]} exist {where} (--rate-limit-resource)"
+                    )
+        self._pools = pools
+
+    # -- executes ---------------------------------------------------------------------------
+    def admits(self, instance: ModelInstance, waiter: Waiter) -> bool:
+        """Whether ``instance`` may start an execute now; if not, ``waiter`` is asked to
+        dispatch again when resources come back."""
+        client = self._clients.get(instance)
+        if client is None or not client.needs:
+            return True
+        if self._fits(client) and not self._outranked(instance, client):
+            self._waiting.pop(instance, None)  # its turn: taken now, or not needed after all
+            return True
+        self._waiting[instance] = waiter
+        return False
+
+    def _fits(self, client: _Client) -> bool:
+        return all(self._in_use.get(k, 0) + n <= self._pools.get(k, 0) for k, n in client.needs.items())
+
+    def _outranked(self, instance: ModelInstance, client: _Client) -> bool:
+        """Another waiting instance that would fit is owed the turn first."""
+        return any(
+            other is not instance and self._clients[other].turns < client.turns and self._fits(self._clients[other])
+            for other in self._waiting
+            if other in self._clients
+        )
+
+    def acquire(self, instance: ModelInstance) -> dict[tuple[str, int], int]:
+        """Take ``instance``'s resources for one execute; what it took goes back to
+        :meth:`release` (even if the instance is gone by then)."""
+        client = self._clients.get(instance)
+        if client is None or not client.needs:
+            return {}
+        for key, count in client.needs.items():
+            self._in_use[key] = self._in_use.get(key, 0) + count
+        client.turns += client.priority
+        return client.needs
+
+    def release(self, taken: dict[tuple[str, int], int]) -> None:
+        if not taken:
+            return
+        for key, count in taken.items():
+            self._in_use[key] = max(0, self._in_use.get(key, 0) - count)
+        if self._waiting and not self._wake_due:
+            # On the next loop turn: the releasing scheduler finishes its bookkeeping first.
+            self._wake_due = True
+            asyncio.get_running_loop().call_soon(self._wake)
+
+    def _wake(self) -> None:
+        """The waiters' schedulers try again, the least served first."""
+        self._wake_due = False
+        for waiting in sorted(self._waiting, key=lambda i: self._clients[i].turns if i in self._clients else 0.0):
+            waiter = self._waiting.get(waiting)
+            if waiter is not None:
+                waiter.dispatch()
+
+    def in_use(self) -> dict[tuple[str, int], int]:
+        return {key: count for key, count in self._in_use.items() if count}

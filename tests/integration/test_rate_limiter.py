@@ -1,0 +1,136 @@
+"""The rate limiter (``--rate-limit=execution_count`` + instance groups' ``rate_limiter``):
+instances that need the same resources take turns across models, pool sizes from the
+command line, priorities, and configs that could never run."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import dlserve
+
+# Records when each execute ran (monotonic seconds) into <repository>/runs.jsonl.
+SLEEPER = """
+import json, os, time
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.name = args["model_name"]
+        self.log = os.path.join(os.path.dirname(args["model_repository"]), "runs.jsonl")
+
+    def execute(self, requests):
+        start = time.monotonic()
+        time.sleep(0.15)
+        with open(self.log, "a") as f:
+            f.write(json.dumps({"model": self.name, "start": start, "end": time.monotonic()}) + "\\n")
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", np.zeros(1, np.float32))]) for _ in requests]
+"""
+
+
+def config(resources: str, priority: int = 1) -> str:
+    return f"""
+backend: "python"
+input [ {{ name: "X" data_type: TYPE_FP32 dims: [ 1 ] }} ]
+output [ {{ name: "Y" data_type: TYPE_FP32 dims: [ 1 ] }} ]
+instance_group [ {{ count: 1 kind: KIND_CPU rate_limiter {{ resources [ {resources} ] priority: {priority} }} }} ]
+"""
+
+
+def repo_of(make_repo, **models: str):
+    return make_repo(extra={name: {"config.pbtxt": text, "1/model.py": SLEEPER} for name, text in models.items()})
+
+
+def run_together(server: dlserve.Server, calls: list[str]) -> list[dict]:
+    """Send one request per name in ``calls`` at once; the executes, in start order."""
+
+    def call(name: str) -> None:
+        list(server.model(name).infer(inputs={"X": np.zeros(1, np.float32)}))
+
+    threads = [threading.Thread(target=call, args=(name,)) for name in calls]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    return runs(server)
+
+
+def runs(server: dlserve.Server) -> list[dict]:
+    log = Path(str(server.options.model_repository)) / "runs.jsonl"
+    return sorted((json.loads(line) for line in log.read_text().splitlines()), key=lambda r: r["start"])
+
+
+def overlaps(records: list[dict]) -> bool:
+    return any(b["start"] < a["end"] for a, b in zip(records, records[1:]))
+
+
+R1 = '{ name: "R1" count: 1 }'
+
+
+def test_instances_sharing_a_resource_take_turns(servers, make_repo):
+    repo = repo_of(make_repo, a=config(R1), b=config(R1))
+    limited = servers.start(repo, rate_limiter_mode=dlserve.RateLimitMode.EXEC_COUNT)
+    records = run_together(limited, ["a", "b", "a", "b"])
+    assert len(records) == 4 and not overlaps(records), records
+
+
+def test_without_rate_limiting_the_resources_are_ignored(servers, make_repo):
+    repo = repo_of(make_repo, a=config(R1), b=config(R1))
+    free = servers.start(repo)
+    records = run_together(free, ["a", "b"])
+    assert overlaps(records), records  # both models ran at once
+
+
+def test_a_pool_size_from_the_options_lets_more_run(servers, make_repo):
+    repo = repo_of(make_repo, a=config(R1), b=config(R1))
+    wide = servers.start(repo, rate_limiter_mode=dlserve.RateLimitMode.EXEC_COUNT, rate_limiter_resources=["R1:2"])
+    assert overlaps(run_together(wide, ["a", "b"]))
+
+
+def test_other_resources_do_not_hold_each_other_back(servers, make_repo):
+    repo = repo_of(make_repo, a=config(R1), b=config('{ name: "R2" count: 3 }'))
+    server = servers.start(repo, rate_limiter_mode=dlserve.RateLimitMode.EXEC_COUNT)
+    assert overlaps(run_together(server, ["a", "b"]))
+
+
+def test_priority_weights_the_turns(servers, make_repo):
+    repo = repo_of(make_repo, a=config(R1, priority=1), b=config(R1, priority=2))
+    server = servers.start(repo, rate_limiter_mode=dlserve.RateLimitMode.EXEC_COUNT)
+    records = run_together(server, ["a"] * 6 + ["b"] * 6)
+    assert not overlaps(records)
+    first = [r["model"] for r in records[:9]]
+    # Priority 2 gets half the turns of priority 1 while both wait: about 6 a's to 3 b's.
+    assert first.count("a") >= 6 and first.count("b") >= 2, first  # equal priorities: 5 and 4
+
+
+@pytest.mark.parametrize(
+    ("models", "pools", "message"),
+    [
+        ({"a": config('{ name: "R1" count: 3 }')}, ["R1:2"],
+         "instance 'a_0_0' needs 3 of rate limiter resource 'R1', but only 2 exist on device 0"),
+        ({"a": config(R1), "b": config('{ name: "R1" global: true count: 1 }')}, [],
+         "rate limiter resource 'R1' is global in one model configuration and per device in another"),
+    ],
+)
+def test_configs_that_could_never_run_fail_their_load(servers, make_repo, models, pools, message):
+    repo = repo_of(make_repo, **models)
+    server = servers.start(
+        repo, rate_limiter_mode=dlserve.RateLimitMode.EXEC_COUNT, rate_limiter_resources=pools, exit_on_error=False
+    )
+    reasons = [m.reason for m in server.models().values() if m.state == "UNAVAILABLE"]
+    assert any(message in (reason or "") for reason in reasons), reasons
+    ready = [name for (name, _), m in server.models().items() if m.state == "READY"]
+    assert len(ready) == len(models) - 1  # the other model loaded
+
+
+@pytest.mark.parametrize("text", ["R1", "R1:x", "R1:2:y", ":2", "R1:-1", "R1:1:2:3"])
+def test_bad_pool_sizes_are_refused(make_repo, text):
+    options = dlserve.Options(model_repository=str(make_repo()), rate_limiter_mode=dlserve.RateLimitMode.EXEC_COUNT,
+                              rate_limiter_resources=[text])
+    with pytest.raises(dlserve.InvalidArgumentError, match="rate limit resource"):
+        dlserve.Server(options).start()
