@@ -13,6 +13,7 @@ import asyncio
 import atexit
 import dataclasses
 import enum
+import logging
 import queue
 import threading
 import time
@@ -40,6 +41,16 @@ from dlserve.memory.tensor import Tensor
 
 T = TypeVar("T")
 _MIB = 1 << 20
+log = logging.getLogger("dlserve")
+
+# tritonserver.Options fields dlserve does not act on: refused when set where they would
+# change what the server does, a warning where they only tune Triton's C++ core.
+_REFUSED = ("model_namespacing", "host_policies", "model_load_device_limits", "repo_agent_directory")
+_IGNORED = (
+    "pinned_memory_pool_size", "cuda_memory_pool_sizes", "min_supported_compute_capability",
+    "buffer_manager_thread_count", "model_load_thread_count", "enable_peer_access",
+    "backend_directory", "cache_directory", "metrics_interval", "metrics_configuration",
+)
 
 
 class RateLimitMode(enum.IntEnum):
@@ -85,8 +96,11 @@ class Options:
     (``{"local": {"size": <bytes>}}``: the response cache), log_file,
     log_info/warn/error, log_verbose, metrics, cpu_metrics, gpu_metrics, and
     ``backend_configuration["python"]`` keys ``shm-default-byte-size`` and
-    ``shm-growth-byte-size`` (each worker's shared-memory arena). The rest are
-    accepted for compatibility. ``model_config_name`` is tritonserver's
+    ``shm-growth-byte-size`` (each worker's shared-memory arena). Of the rest,
+    those that would change what the server does (``model_namespacing``,
+    ``host_policies``, ``model_load_device_limits``, ``repo_agent_directory``) are
+    refused when set, and the tuning knobs of Triton's C++ core are accepted with a
+    warning that they do nothing here. ``model_config_name`` is tritonserver's
     ``--model-config-name`` (``<model>/configs/<name>.pbtxt`` where a model has
     one, else its config.pbtxt). dlserve's own: ``shm_arena_size`` sizes the
     server's arena for request inputs; ``repository_poll_secs`` sets the POLL period;
@@ -137,7 +151,18 @@ class Options:
     busy_poll_us: int = 1000
     trace: TraceSettings = dataclasses.field(default_factory=TraceSettings)
 
+    def _check_unsupported(self) -> None:
+        defaults = {f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+                    for f in dataclasses.fields(self)}
+        for name in _REFUSED:
+            if getattr(self, name) != defaults[name]:
+                raise UnsupportedError(f"Options.{name} is not supported by dlserve")
+        for name in _IGNORED:
+            if getattr(self, name) != defaults[name]:
+                log.warning("Options.%s has no effect in dlserve (a setting of Triton's C++ core)", name)
+
     def engine_settings(self) -> EngineSettings:
+        self._check_unsupported()
         repos = self.model_repository
         if repos is None:
             raise InvalidArgumentError("Model repository must be specified.")

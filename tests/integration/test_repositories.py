@@ -185,3 +185,22 @@ def test_server_metrics_follow_the_options(servers, make_repo):
     disabled = servers.start(repo, metrics=False)
     with pytest.raises(dlserve.UnsupportedError, match="metrics are disabled"):
         disabled.metrics()
+
+
+# -- tritonserver.Options fields dlserve does not act on ---------------------------------------------
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("model_namespacing", True), ("host_policies", {"p": {"numa-node": "0"}}),
+     ("model_load_device_limits", ["x"]), ("repo_agent_directory", "/opt/agents")],
+)
+def test_options_that_would_change_behaviour_are_refused(make_repo, field, value):
+    options = dlserve.Options(model_repository=str(make_repo("identity")), **{field: value})
+    with pytest.raises(dlserve.UnsupportedError, match=f"Options.{field} is not supported by dlserve"):
+        dlserve.Server(options).start()
+
+
+def test_tuning_options_of_tritons_core_are_accepted_with_a_warning(servers, make_repo, caplog):
+    server = servers.start(make_repo("identity"), model_load_thread_count=8, pinned_memory_pool_size=1 << 20)
+    assert server.model("identity").ready()
+    warned = [r.getMessage() for r in caplog.records if "has no effect in dlserve" in r.getMessage()]
+    assert len(warned) == 2 and any("model_load_thread_count" in m for m in warned), warned
