@@ -85,6 +85,7 @@ class EngineSettings:
     response_cache_bytes: int | None = None  # --cache-config local,size=<bytes>; None: no cache
     # --rate-limit=execution_count: the rate limiter's pool sizes (None: no rate limiter)
     rate_limit_resources: list[RateLimiterResource] | None = None
+    without_effect: list[str] = dataclasses.field(default_factory=list)  # settings given, not acted on
     log: LogSettings = dataclasses.field(default_factory=LogSettings)
     trace: TraceSettings = dataclasses.field(default_factory=TraceSettings)
 
@@ -148,6 +149,8 @@ class Engine:
         if not s.model_repositories:
             raise InvalidArgumentError("Model repository must be specified.")
         s.log.apply()
+        for setting in s.without_effect:
+            log.warning("%s has no effect in dlserve (a setting of Triton's C++ core)", setting)
         remove_stale_segments()
         self.arena = Arena(self.space, f"{self.segment_prefix}_s", s.arena_bytes, s.arena_bytes)
         resources = EngineResources(

@@ -13,7 +13,6 @@ import asyncio
 import atexit
 import dataclasses
 import enum
-import logging
 import queue
 import threading
 import time
@@ -41,7 +40,6 @@ from dlserve.memory.tensor import Tensor
 
 T = TypeVar("T")
 _MIB = 1 << 20
-log = logging.getLogger("dlserve")
 
 # tritonserver.Options fields dlserve does not act on: refused when set where they would
 # change what the server does, a warning where they only tune Triton's C++ core.
@@ -151,18 +149,17 @@ class Options:
     busy_poll_us: int = 1000
     trace: TraceSettings = dataclasses.field(default_factory=TraceSettings)
 
-    def _check_unsupported(self) -> None:
+    def _without_effect(self) -> list[str]:
+        """The fields set that dlserve ignores; raises for those it refuses."""
         defaults = {f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
                     for f in dataclasses.fields(self)}
         for name in _REFUSED:
             if getattr(self, name) != defaults[name]:
                 raise UnsupportedError(f"Options.{name} is not supported by dlserve")
-        for name in _IGNORED:
-            if getattr(self, name) != defaults[name]:
-                log.warning("Options.%s has no effect in dlserve (a setting of Triton's C++ core)", name)
+        return [f"Options.{name}" for name in _IGNORED if getattr(self, name) != defaults[name]]
 
     def engine_settings(self) -> EngineSettings:
-        self._check_unsupported()
+        without_effect = self._without_effect()
         repos = self.model_repository
         if repos is None:
             raise InvalidArgumentError("Model repository must be specified.")
@@ -198,6 +195,7 @@ class Options:
             model_load_retry_count=int(self.model_load_retry_count),
             response_cache_bytes=cache_size(self.cache_config),
             rate_limit_resources=self._rate_limit_resources(),
+            without_effect=without_effect,
             log=self.log_settings(),
             trace=self.trace,
         )

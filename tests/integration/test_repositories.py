@@ -200,7 +200,9 @@ def test_options_that_would_change_behaviour_are_refused(make_repo, field, value
 
 
 def test_tuning_options_of_tritons_core_are_accepted_with_a_warning(servers, make_repo, caplog):
-    server = servers.start(make_repo("identity"), model_load_thread_count=8, pinned_memory_pool_size=1 << 20)
+    server = servers.start(
+        make_repo("identity"), model_load_thread_count=8, pinned_memory_pool_size=1 << 20, log_warn=True
+    )
     assert server.model("identity").ready()
     warned = [r.getMessage() for r in caplog.records if "has no effect in dlserve" in r.getMessage()]
     assert len(warned) == 2 and any("model_load_thread_count" in m for m in warned), warned
