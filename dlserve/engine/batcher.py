@@ -195,6 +195,11 @@ class DynamicBatcher(Scheduler):
         return chosen
 
     # -- responses ----------------------------------------------------------------------
+    def _answer_from_cache(self, request: Request, response: Response) -> None:
+        if self.preserve_ordering:  # a hit waits its turn behind the requests before it
+            self._order_of[id(request)] = next(self._order)
+        super()._answer_from_cache(request, response)
+
     def _deliver(self, request: Request, response: Response, failure: str | None) -> None:
         order = self._order_of.pop(id(request), None) if self.preserve_ordering else None
         if order is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import time
 from pathlib import Path
@@ -28,6 +29,7 @@ from dlserve.memory.arena import Arena, MemorySpace
 from dlserve.memory.dtypes import DataType
 
 log = logging.getLogger("dlserve.engine")
+_LOADS = itertools.count(1)
 
 _KIND_NAMES = {
     mc.ModelInstanceGroup.KIND_CPU: "CPU",
@@ -84,6 +86,7 @@ class ModelVersion:
             o.name: list(o.dims) for o in self.signature.outputs.values() if o.reshape is not None
         }
         self.instances: list[ModelInstance] = []
+        self.generation = next(_LOADS)  # tells this load from earlier ones of the same version
         # Where its responses are cached, if the server has a cache and its config asks.
         self.cache = resources.response_cache if config.response_cache.enable else None
         self.is_ensemble = config.platform == cfg.ENSEMBLE_PLATFORM
@@ -210,6 +213,8 @@ class ModelVersion:
             )
         await asyncio.gather(*(instance.stop(deadline) for instance in self.instances))
         self._leave_limiter()
+        if self.cache is not None:
+            self.cache.forget(self.generation)
         self.scheduler.close()
         self.state, self.reason = "UNAVAILABLE", "unloaded"
 

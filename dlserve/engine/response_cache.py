@@ -15,6 +15,8 @@ Measured against Triton 2.51, and where dlserve differs on purpose:
   request for every output with the one output an earlier request asked for.
 * Triton caches error responses (a later identical request gets an empty 200
   response); dlserve caches successful responses only.
+* Triton's entries outlive the model: a model reloaded with new code answers with
+  its old outputs. dlserve's belong to one load of the model, dropped at its unload.
 * As in Triton, a hit counts as a success with its lookup in ``cache_hit`` and the
   time before it as queue time, but not as an inference or an execution; a miss
   adds its lookup and insertion to ``cache_miss``. Identical requests arriving
@@ -72,6 +74,7 @@ def cache_size(cache_config: dict[str, dict[str, object]]) -> int | None:
 class _Entry:
     outputs: tuple[tuple[str, DataType, tuple[int, ...], np.ndarray], ...]  # read-only storage
     nbytes: int
+    generation: int  # the ModelVersion load it came from
 
 
 def _entry_size(outputs: tuple[tuple[str, DataType, tuple[int, ...], np.ndarray], ...]) -> int:
@@ -100,7 +103,7 @@ class ResponseCache:
     @staticmethod
     def key(model: ModelVersion, request: Request) -> bytes:
         digest = hashlib.blake2b(digest_size=16)
-        digest.update(f"{model.name}\0{model.version}\0".encode())
+        digest.update(f"{model.name}\0{model.version}\0{model.generation}\0".encode())
         for name in sorted(request.inputs):
             tensor = request.inputs[name]
             shape = ",".join(str(int(d)) for d in tensor.shape)
@@ -124,7 +127,7 @@ class ResponseCache:
         self.lookup_ns += time.monotonic_ns() - start
         return entry
 
-    def put(self, key: bytes, response: Response) -> None:
+    def put(self, key: bytes, response: Response, generation: int) -> None:
         """Keep a successful response's outputs (copied, read-only) under ``key``."""
         start = time.monotonic_ns()
         outputs = []
@@ -133,7 +136,7 @@ class ResponseCache:
             data.flags.writeable = False
             outputs.append((name, tensor.data_type, tuple(int(d) for d in tensor.shape), data))
         frozen = tuple(outputs)
-        entry = _Entry(frozen, _entry_size(frozen))
+        entry = _Entry(frozen, _entry_size(frozen), generation)
         if entry.nbytes <= self.capacity and key not in self._entries:
             while self.used + entry.nbytes > self.capacity:
                 _, evicted = self._entries.popitem(last=False)
@@ -142,6 +145,11 @@ class ResponseCache:
             self._entries[key] = entry
             self.used += entry.nbytes
         self.insertion_ns += time.monotonic_ns() - start
+
+    def forget(self, generation: int) -> None:
+        """Drop the entries of one load of a model (it is unloaded)."""
+        for key in [k for k, e in self._entries.items() if e.generation == generation]:
+            self.used -= self._entries.pop(key).nbytes
 
     @property
     def utilization(self) -> float:
@@ -161,7 +169,7 @@ def answer(cache: ResponseCache, model: ModelVersion, request: Request) -> Respo
         def remember(response: Response) -> None:
             began = time.monotonic_ns()
             if response.final and response.error is None and not response.flags_only:
-                cache.put(key, response)
+                cache.put(key, response, model.generation)
             stats["cache_miss"].add(lookup_ns + time.monotonic_ns() - began)
             deliver(response)
 

@@ -119,9 +119,13 @@ class Scheduler:
         if cache is not None:
             hit = response_cache.answer(cache, self.model, request)
             if hit is not None:
-                self._deliver(request, hit, None)
+                self._answer_from_cache(request, hit)
                 return False
         return True
+
+    def _answer_from_cache(self, request: Request, response: Response) -> None:
+        # A hit that could not be written into the client's memory is a failed request.
+        self._deliver(request, response, None if response.error is None else "OTHER")
 
     def _unavailable(self) -> UnavailableError:
         model = self.model

@@ -14,11 +14,13 @@ import tritonclient.utils.shared_memory as shm
 from multiprocessing import resource_tracker
 
 import dlserve
+from dlserve.engine.request import Request
 from dlserve.engine.response_cache import _entry_size, cache_size
 from dlserve.memory.dtypes import DataType
+from dlserve.memory.tensor import Tensor
 from dlserve.frontends import KServeHttp, Metrics
 
-from ..conftest import MODELS
+from ..conftest import MODELS, wait_until
 from .test_metrics import scrape, value
 
 CACHE = {"local": {"size": str(1 << 20)}}
@@ -225,3 +227,62 @@ def test_an_ensemble_caches_its_own_responses(servers, make_repo):
     assert stats["cache_hit"]["count"] == 2 and stats["cache_miss"]["count"] == 1
     # Its steps ran once: the hits never reached them.
     assert server.model("add_sub").statistics()["model_stats"][0]["execution_count"] == 1
+
+
+_ORDERED = """
+name: "ordered" backend: "python" max_batch_size: 8
+input [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] } ]
+dynamic_batching { preserve_ordering: true }
+response_cache { enable: true }
+instance_group [ { count: 2 kind: KIND_CPU } ]
+"""
+_SLOW_ON_ONE = """
+import threading, time
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            x = pb_utils.get_input_tensor_by_name(r, "X").as_numpy()
+            if x[0, 0] == 1:
+                time.sleep(1.0)
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x)]))
+        return out
+"""
+
+
+def test_a_hit_keeps_its_place_when_the_batcher_preserves_ordering(servers, make_repo):
+    repo = make_repo(extra={"ordered": {"config.pbtxt": _ORDERED, "1/model.py": _SLOW_ON_ONE}})
+    server = servers.start(repo, cache_config=CACHE)
+    list(server.model("ordered").infer(inputs={"X": np.array([[2.0]], np.float32)}))  # cached
+    answered: list[str] = []  # in the order the engine delivers them (on its loop)
+
+    def send(value: float, name: str) -> None:
+        def submit(engine) -> None:
+            x = Tensor.from_numpy(np.array([[value]], np.float32))
+            engine.submit(Request("ordered", {"X": x}, on_response=lambda _: answered.append(name), request_id=name))
+
+        server._call_sync(submit)
+
+    send(1.0, "slow miss")
+    wait_until(lambda: server.engine.response_cache.misses == 2)  # looked up: it is executing
+    send(2.0, "later hit")
+    wait_until(lambda: len(answered) == 2)
+    assert answered == ["slow miss", "later hit"]
+
+
+def test_a_reloaded_model_does_not_answer_with_its_old_outputs(servers, make_repo):
+    repo = make_repo("cached")
+    server = servers.start(repo, cache_config=CACHE, model_control_mode=dlserve.ModelControlMode.EXPLICIT,
+                           startup_models=["cached"])
+    np.testing.assert_array_equal(np.from_dlpack(infer(server, X).outputs["OUTPUT0"]), X * 2)
+    assert len(server.engine.response_cache) == 1
+    code = repo / "cached" / "1" / "model.py"
+    code.write_text(code.read_text().replace("x * 2", "x * 3"))
+    server.load("cached")  # the new code's load replaces the old
+    np.testing.assert_array_equal(np.from_dlpack(infer(server, X).outputs["OUTPUT0"]), X * 3)
+    assert len(server.engine.response_cache) == 1  # the old load's entry went with it
+    server.unload("cached")
+    assert len(server.engine.response_cache) == 0
