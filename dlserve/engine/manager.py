@@ -215,10 +215,15 @@ class ModelManager:
     async def register_repository(self, path: str, name_mapping: dict[str, str] | None) -> None:
         """Add a repository (explicit mode only, as in Triton); its models load on request."""
         self._check_registration_allowed("registration")
-        if is_remote(path):  # opening it lists the store: network I/O
-            await asyncio.to_thread(self.repository.register, path, name_mapping)
-        else:
-            self.repository.register(path, name_mapping)
+        # Opening a remote one lists the store (network I/O, on a thread); the
+        # repositories themselves change here, on the loop.
+        mirror = await asyncio.to_thread(Repository.open_remote, path) if is_remote(path) else None
+        try:
+            self.repository.register(path, name_mapping, mirror)
+        except BaseException:
+            if mirror is not None:
+                mirror.close()
+            raise
 
     def unregister_repository(self, path: str) -> None:
         self._check_registration_allowed("unregistration")

@@ -128,7 +128,10 @@ class Repository:
 
     An object-store repository is listed by :meth:`refresh` and a model's files are
     downloaded by :meth:`fetch`; both block on the network, so the engine runs them
-    on a thread. :meth:`scan` and :meth:`find` never touch the network.
+    on a thread. :meth:`scan` and :meth:`find` never touch the network. The set of
+    repositories changes on the engine's loop only (the network part of registering
+    a remote one, :meth:`open_remote`, runs first, changing nothing); the threads read
+    snapshots of it.
     """
 
     def __init__(self, paths: list[str | Path], config_name: str = "") -> None:
@@ -151,13 +154,25 @@ class Repository:
 
     @staticmethod
     def _key(path: str | Path) -> str:
-        """How a repository is told apart: its URL, or its folder's real path."""
-        return str(path) if is_remote(path) else str(Path(path).expanduser().resolve())
+        """How a repository is told apart: its URL (trailing slashes aside), or its
+        folder's real path."""
+        return str(path).rstrip("/") if is_remote(path) else str(Path(path).expanduser().resolve())
 
-    def _add(self, path: str | Path) -> Path:
-        """Open a repository (listing a remote one: blocking) and add it last."""
+    @staticmethod
+    def open_remote(path: str) -> StoreMirror:
+        """A remote repository, listed (blocking), for :meth:`register`."""
+        mirror = StoreMirror(path)
+        try:
+            mirror.refresh()
+        except ObjectStoreError as exc:
+            mirror.close()
+            raise InvalidArgumentError(f"failed to register '{path}': {exc.message}") from None
+        return mirror
+
+    def _add(self, path: str | Path, mirror: StoreMirror | None = None) -> Path:
+        """Add a repository last (a remote one as ``mirror``, if opened already)."""
         if is_remote(path):
-            mirror = StoreMirror(str(path))
+            mirror = mirror or StoreMirror(str(path))
             self._mirrors[mirror.root] = mirror
             root = mirror.root
         else:
@@ -173,10 +188,12 @@ class Repository:
         self._keys[self._key(path)] = root
         return root
 
-    def register(self, path: str, name_mapping: dict[str, str] | None = None) -> None:
-        """Add a repository while serving; ``name_mapping`` serves some of its folders
-        under other names ({folder: model name}). Blocking for a remote one (its
-        listing). Triton's checks and messages."""
+    def register(
+        self, path: str, name_mapping: dict[str, str] | None = None, mirror: StoreMirror | None = None
+    ) -> None:
+        """Add a repository while serving (a remote one opened by :meth:`open_remote`);
+        ``name_mapping`` serves some of its folders under other names ({folder: model
+        name}). Triton's checks and messages."""
         key = self._key(path)
         if key in self._keys:
             raise AlreadyExistsError(f"model repository '{path}' has already been registered")
@@ -189,18 +206,12 @@ class Repository:
                 raise AlreadyExistsError(
                     f"failed to register '{name}', there is a conflicting mapping for '{name}'"
                 )
+        if is_remote(path) and mirror is None:
+            raise InvalidArgumentError(f"failed to register '{path}': open it with open_remote first")
         try:
-            root = self._add(path)
+            root = self._add(path, mirror)
         except InvalidArgumentError:
             raise InvalidArgumentError(f"failed to register '{path}', repository not found") from None
-        mirror = self._mirrors.get(root)
-        if mirror is not None:
-            try:
-                mirror.refresh()
-            except ObjectStoreError as exc:
-                mirror.close()
-                self._drop(root)
-                raise InvalidArgumentError(f"failed to register '{path}': {exc.message}") from None
         if mapping:
             self._renames[root] = mapping
         log.info("Model repository registered: %s", path)
@@ -230,7 +241,7 @@ class Repository:
     def scan(self) -> dict[str, ModelSource | str]:
         """Every model folder by name; a name found in two repositories maps to an error."""
         found: dict[str, ModelSource | str] = {}
-        for repo in self.paths:
+        for repo in tuple(self.paths):
             mirror = self._mirrors.get(repo)
             if mirror is not None:
                 listing = sorted(mirror.listing.items())
@@ -258,14 +269,14 @@ class Repository:
 
     def refresh(self) -> None:
         """List the remote repositories again (blocking)."""
-        for mirror in self._mirrors.values():
+        for mirror in tuple(self._mirrors.values()):
             mirror.refresh()
 
     def fetch(self, name: str) -> ModelSource:
         """:meth:`find`, after bringing the model's files from remote repositories up
         to date (blocking)."""
         check_model_name(name)
-        for root, mirror in self._mirrors.items():
+        for root, mirror in tuple(self._mirrors.items()):  # (the loop may change it meanwhile)
             renames = self._renames.get(root, {})
             mirror.fetch(next((folder for folder, n in renames.items() if n == name), name))
         return self.find(name)

@@ -271,3 +271,22 @@ def test_the_index_outlives_the_store(mount, servers, monkeypatch) -> None:
     assert [key[0] for key in server.models()] == ["add_sub"]  # the last listing
     assert [key[0] for key in server.models(exclude_not_ready=True)] == ["add_sub"]
     assert add_sub(server) == (np.arange(16) * 2).tolist()
+
+
+def test_a_repository_in_s3_registered_while_serving(store, mount, servers, make_repo) -> None:
+    store.put("registered", "add_sub", MODELS / "add_sub")
+    server = servers.start(make_repo("identity"), model_control_mode=dlserve.ModelControlMode.EXPLICIT)
+    url = store.url("registered")
+    server.register_model_repository(url, {"add_sub": "adder"})
+    with pytest.raises(dlserve.AlreadyExistsError, match="has already been registered"):
+        server.register_model_repository(url + "/")  # the same repository
+    assert sorted(key[0] for key in server.models()) == ["adder", "identity"]
+    server.load("adder")  # fetched under its folder's name, served under the mapped one
+    assert server.model("adder").ready()
+    server.unregister_model_repository(url + "/")
+    assert sorted(key[0] for key in server.models()) == ["adder", "identity"]  # still loaded
+    missing = url.replace(f"/{BUCKET}/", "/no-such-bucket/")
+    with pytest.raises(dlserve.InvalidArgumentError, match=f"failed to register '{missing}': .*cannot list it"):
+        server.register_model_repository(missing)
+    servers.stop(server)
+    assert list(mount.iterdir()) == []  # every mirror removed at stop, the unregistered one too
