@@ -148,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     metrics = serve.add_argument_group("metrics")
     _bool_flag(metrics, "--allow-metrics", True, "serve Prometheus metrics")
+    _bool_flag(metrics, "--allow-cpu-metrics", True, "include CPU utilisation and memory")
+    _bool_flag(metrics, "--allow-gpu-metrics", True, "include GPU metrics (nvidia-ml-py, where a GPU exists)")
     metrics.add_argument("--metrics-address", default="0.0.0.0")
     metrics.add_argument("--metrics-port", type=_port, default=8002)
 
@@ -271,6 +273,8 @@ def serve(args: argparse.Namespace) -> int:
         rate_limiter_resources=args.rate_limit_resource,
         repository_poll_secs=args.repository_poll_secs,
         model_config_name=args.model_config_name,
+        cpu_metrics=args.allow_cpu_metrics,
+        gpu_metrics=args.allow_gpu_metrics,
         model_load_retry_count=args.model_load_retry_count,
         busy_poll_us=args.busy_poll_us,
         trace=_trace_settings(_trace_entries(args)),

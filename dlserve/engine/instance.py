@@ -7,7 +7,8 @@ final response.
 
 An instance that dies (segfault, ``os._exit``, SIGKILL, OOM) fails its open
 requests at once with the reason, is marked not ready, and is restarted with
-exponential backoff; its ``initialize`` runs again, exactly as on first load.
+exponential backoff; its ``initialize`` and its model's warmup run again, exactly as
+on first load.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from dlserve.engine import warmup
 from dlserve.engine.calls import ModelCalls
 from dlserve.engine.request import STREAMING, Request, Response, reshaped
 from dlserve.errors import ErrorCode, InternalError, TritonError, UnavailableError
@@ -49,9 +51,13 @@ DEFAULT_ASYNC_CONCURRENCY = 16
 
 class InstanceState(enum.Enum):
     STARTING = "STARTING"
+    WARMING = "WARMING"  # running its model's warmup samples: executes, but takes no requests
     READY = "READY"
     RESTARTING = "RESTARTING"
     STOPPED = "STOPPED"
+
+
+_EXECUTING = (InstanceState.READY, InstanceState.WARMING)
 
 
 class Timings:
@@ -135,7 +141,8 @@ class ModelInstance:
         }
 
     async def start(self) -> None:
-        """Spawn the worker and run ``initialize``; raises with the model's error."""
+        """Spawn the worker, run ``initialize`` and the model's warmup; raises with the
+        model's error."""
         resources = self.model.resources
         worker = WorkerProcess(
             instance_name=self.name,
@@ -167,6 +174,14 @@ class ModelInstance:
         self.has_is_ready = bool(reply["has_is_ready"])
         self.concurrency = self._async_concurrency() if reply["async_execute"] else None
         self._started_at = time.monotonic()
+        if self.model.warmup_samples:
+            self._set_state(InstanceState.WARMING)
+            try:
+                await warmup.warm_up(self, self.model.warmup_samples)
+            except TritonError:
+                await worker.stop(time.monotonic() + 5.0)  # finalize runs, as in Triton
+                self._set_state(InstanceState.STARTING)
+                raise
         self._set_state(InstanceState.READY)
 
     def _async_concurrency(self) -> int:
@@ -278,7 +293,7 @@ class ModelInstance:
         per request on the hot path. Raises at once if the instance is not ready.
         """
         worker = self._worker
-        if worker is None or worker.peer is None or not self.ready:
+        if worker is None or worker.peer is None or self.state not in _EXECUTING:
             raise UnavailableError(f"model instance '{self.name}' is not ready: {self.last_error}")
         model = self.model
         peer = worker.peer

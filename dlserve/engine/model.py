@@ -102,6 +102,7 @@ class ModelVersion:
         self.state = "LOADING"
         self.reason = ""
         self.environment: ExecutionEnvironment | None = None  # the Python its workers run in
+        self.warmup_samples: list[warmup.Sample] = []  # run by each instance before it serves
 
     @property
     def ready(self) -> bool:
@@ -155,7 +156,7 @@ class ModelVersion:
             self.state, self.reason = "READY", ""
             return
         try:
-            samples = warmup.samples(self)  # checked before any worker starts
+            self.warmup_samples = warmup.samples(self)  # checked before any worker starts
             self.environment = await resources.environments.for_model(
                 *cfg.environment_parameters(self.config), self.model_dir, self.name
             )
@@ -176,13 +177,8 @@ class ModelVersion:
                 self._leave_limiter()
                 self.state, self.reason = "UNAVAILABLE", str(exc)
                 raise
-
-        async def start(instance: ModelInstance) -> None:
-            await instance.start()
-            await warmup.warm_up(instance, samples)
-
         results = await asyncio.gather(
-            *(start(instance) for instance in self.instances), return_exceptions=True
+            *(instance.start() for instance in self.instances), return_exceptions=True
         )
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:

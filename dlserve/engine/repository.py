@@ -31,6 +31,8 @@ log = logging.getLogger("dlserve.engine")
 
 CONFIG_FILE = "config.pbtxt"
 CUSTOM_CONFIGS = "configs"  # <model>/configs/<name>.pbtxt: the config --model-config-name picks
+WARMUP_FOLDER = "warmup"  # <model>/warmup/<file>: model_warmup's input_data_file
+_MODEL_FOLDERS = (CUSTOM_CONFIGS, WARMUP_FOLDER)  # a model's folders that are not versions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +64,7 @@ class ModelSource:
                 continue
             if entry.name.isascii() and entry.name.isdigit():
                 versions.append(int(entry.name))
-            elif entry.name != CUSTOM_CONFIGS:
+            elif entry.name not in _MODEL_FOLDERS:
                 log.warning(
                     "model '%s': ignoring folder '%s', version folders must be numbers",
                     self.name,
@@ -135,8 +137,10 @@ class Repository:
     """
 
     def __init__(self, paths: list[str | Path], config_name: str = "") -> None:
-        if config_name:
-            check_model_name(config_name)  # a plain file name under configs/
+        if config_name and ("/" in config_name or "\\" in config_name or config_name in (".", "..")):
+            raise InvalidArgumentError(
+                f"model config name '{config_name}' must be a file name (it names configs/<name>.pbtxt)"
+            )
         self.config_name = config_name
         self.paths: list[Path] = []
         self._mirrors: dict[Path, StoreMirror] = {}  # local root -> its s3:// repository

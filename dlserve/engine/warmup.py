@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from dlserve.engine.proto import model_config_pb2 as mc
+from dlserve.engine.repository import WARMUP_FOLDER
 from dlserve.engine.request import STREAMING, Request, Response, validate_request
 from dlserve.errors import InternalError, InvalidArgumentError, TritonError
 from dlserve.memory import bytes_codec
@@ -41,7 +43,6 @@ if TYPE_CHECKING:
     from dlserve.engine.instance import ModelInstance
     from dlserve.engine.model import ModelVersion
 
-WARMUP_FOLDER = "warmup"  # <model>/warmup/<input_data_file>
 _RANDOM_SEED = 0  # random_data is the same at every load, as Triton's is
 
 
@@ -124,8 +125,11 @@ def _from_file(
     path = (folder / file).resolve()
     if not path.is_relative_to(folder) or path == folder:
         raise InvalidArgumentError(f"{where}: input_data_file '{file}' is not in the model's warmup folder")
+    needed = -1 if data_type is DataType.BYTES else count * data_type.itemsize  # BYTES: all of it
     try:
-        raw = np.fromfile(path, dtype=np.uint8)
+        if not path.is_file():  # (not a FIFO or a device, which would block the load)
+            raise FileNotFoundError(errno.ENOENT, "not a regular file")
+        raw = np.fromfile(path, dtype=np.uint8, count=needed)
     except OSError as exc:
         raise InvalidArgumentError(f"{where}: cannot read input_data_file '{file}': {exc.strerror}") from None
     if data_type is DataType.BYTES:
@@ -140,7 +144,6 @@ def _from_file(
                 f"{where}: input_data_file '{file}' holds {found} strings, the input needs {count}"
             )
         return Tensor(data_type, shape, data=raw)
-    needed = count * data_type.itemsize
     if raw.nbytes < needed:
         raise InvalidArgumentError(
             f"{where}: input_data_file '{file}' holds {raw.nbytes} bytes, the input needs {needed}"

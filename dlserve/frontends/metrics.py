@@ -13,9 +13,10 @@ from dlserve.frontends.http_server import HttpRequest, HttpResponse, HttpServer
 class MetricsEndpoint:
     """``GET /metrics`` on its own port."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, cpu: bool = True, gpu: bool = True) -> None:
         self.engine = engine
-        self._cpu = CpuSampler()
+        self._cpu = CpuSampler() if cpu else None
+        self._gpu = gpu
         self._http = HttpServer(self._handle, max_body=1 << 12)
         self.started = time.monotonic()
 
@@ -24,7 +25,7 @@ class MetricsEndpoint:
             return HttpResponse(404, [b'{"error":"Not Found"}'])
         if request.method != "GET":
             return HttpResponse(405, [b'{"error":"Method Not Allowed"}'])
-        return HttpResponse(200, [render(self.engine, self._cpu).encode()], CONTENT_TYPE)
+        return HttpResponse(200, [render(self.engine, self._cpu, self._gpu).encode()], CONTENT_TYPE)
 
     async def start(self, host: str, port: int) -> int:
         return await self._http.start(host, port)

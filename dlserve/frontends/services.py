@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from dlserve.engine.server import Server
-from dlserve.errors import AlreadyExistsError, InvalidArgumentError, UnavailableError
+from dlserve.errors import AlreadyExistsError, InvalidArgumentError, UnavailableError, UnsupportedError
 from dlserve.frontends.dataplane import DataPlane
 from dlserve.frontends.http_api import KServeHttpApi
 from dlserve.frontends.http_server import HttpServer
@@ -262,9 +262,12 @@ class Metrics(Service):
         self._http: Any = None
 
     async def _start(self) -> int:
-        from dlserve.frontends.metrics import MetricsEndpoint  # prometheus-client, loaded on use
+        from dlserve.frontends.metrics import MetricsEndpoint  # loaded only where metrics are served
 
-        self._http = MetricsEndpoint(self.server.engine)
+        settings = self.server.options
+        if not settings.metrics:
+            raise UnsupportedError("metrics are disabled (Options.metrics is False)")
+        self._http = MetricsEndpoint(self.server.engine, cpu=settings.cpu_metrics, gpu=settings.gpu_metrics)
         return await self._http.start(self.options.address, self.options.port)
 
     async def _stop(self, grace: float) -> None:

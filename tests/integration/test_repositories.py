@@ -128,7 +128,7 @@ def test_model_config_name_picks_configs_folder_and_falls_back(servers, make_rep
 
 
 def test_a_model_config_name_must_be_a_file_name(make_repo):
-    with pytest.raises(dlserve.InvalidArgumentError, match="path traversal"):
+    with pytest.raises(dlserve.InvalidArgumentError, match="model config name '../x' must be a file name"):
         dlserve.Server(dlserve.Options(model_repository=str(make_repo("identity")), model_config_name="../x")).start()
 
 
@@ -206,3 +206,17 @@ def test_tuning_options_of_tritons_core_are_accepted_with_a_warning(servers, mak
     assert server.model("identity").ready()
     warned = [r.getMessage() for r in caplog.records if "has no effect in dlserve" in r.getMessage()]
     assert len(warned) == 2 and any("model_load_thread_count" in m for m in warned), warned
+
+
+def test_the_metrics_port_follows_the_same_options(servers, make_repo):
+    from dlserve.frontends import Metrics
+
+    from .test_metrics import get
+
+    no_cpu = servers.start(make_repo("identity"), cpu_metrics=False)
+    with Metrics(no_cpu, Metrics.Options(address="127.0.0.1", port=0)) as service:
+        status, _, body = get(service.port)
+    assert status == 200 and "nv_inference_count" in body and "nv_cpu_utilization" not in body
+    disabled = servers.start(make_repo("identity"), metrics=False)
+    with pytest.raises(dlserve.UnsupportedError, match="metrics are disabled"):
+        Metrics(disabled, Metrics.Options(address="127.0.0.1", port=0)).start()

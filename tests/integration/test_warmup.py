@@ -5,6 +5,8 @@ and decoupled models."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 
 import numpy as np
@@ -258,3 +260,24 @@ def test_reloading_a_model_warms_the_new_instances_while_the_old_serve(servers, 
     finally:
         loader.join(30)
     assert len(seen(repo)) == 7
+
+
+def test_a_restarted_instance_warms_up_again_before_it_serves(servers, make_repo):
+    repo = probe_repo(make_repo, probe_config(SAMPLES, instances=1))
+    server = servers.start(repo)
+    assert len(seen(repo)) == 3
+    (instance,) = server.engine.model("probe").instances
+    os.kill(instance.pid, signal.SIGKILL)
+    wait_until(lambda: instance.restarts == 1 and instance.ready, timeout=30)
+    records = seen(repo)
+    assert [len(r["requests"]) for r in records] == [2, 2, 1, 2, 2, 1]  # the samples again
+    inputs = {"F": np.ones((1, 3), np.float32), "S": np.array([[b"a", b"b"]], dtype=object),
+              "I": np.zeros((1, 2), np.int32)}
+    (response,) = server.model("probe").infer(inputs=inputs)
+    assert response.error is None
+
+
+def test_the_warmup_folder_is_not_taken_for_a_version(servers, make_repo, caplog):
+    repo = probe_repo(make_repo, probe_config(SAMPLES, instances=1))
+    servers.start(repo, log_warn=True)
+    assert not [r for r in caplog.records if "ignoring folder" in r.getMessage()]
