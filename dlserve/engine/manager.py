@@ -81,6 +81,7 @@ class ModelManager:
         self.exit_timeout = exit_timeout
         self.load_retries = load_retries  # tries after a model's first failed start
         self.models: dict[str, ModelEntry] = {}
+        self._starting: set[ModelVersion] = set()  # versions whose load is under way
         self._poll_task: asyncio.Task[None] | None = None
 
     # -- lookups --------------------------------------------------------------------
@@ -200,10 +201,19 @@ class ModelManager:
         """Unload everything by ``deadline`` (``time.monotonic()``)."""
         if self._poll_task is not None:
             self._poll_task.cancel()
-        await asyncio.gather(
+        unloads = asyncio.gather(
             *(self._unload_entry(entry, deadline) for entry in list(self.models.values())),
             return_exceptions=True,
         )
+        try:
+            await asyncio.wait_for(asyncio.shield(unloads), max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            # A load still starting (an initialize or a warmup that does not return) holds
+            # its model's lock: end its workers, so that the load fails and the unload runs.
+            for model in list(self._starting):
+                log.warning("stopping: model '%s' is still starting; ending its workers", model.name)
+                model.kill()
+            await unloads
         self.repository.close()
 
     def kill(self) -> None:
@@ -336,7 +346,11 @@ class ModelManager:
             for version in versions:
                 model = ModelVersion(name, version, config, source.path, self.resources)
                 loaded[version] = model
-                await model.load()
+                self._starting.add(model)
+                try:
+                    await model.load()
+                finally:
+                    self._starting.discard(model)
         except TritonError:
             await asyncio.gather(*(m.unload(time.monotonic() + 1.0) for m in loaded.values()))
             raise

@@ -423,3 +423,43 @@ class TritonPythonModel:
     thread.join()
     assert "LOADING" in states
     assert server.models()[("slow", 1)].state == "READY"
+
+
+HANGS_IN_INITIALIZE = """
+import time
+
+class TritonPythonModel:
+    def initialize(self, args):
+        time.sleep(3600)
+
+    def execute(self, requests):
+        return []
+"""
+
+
+def test_stop_ends_a_load_that_never_finishes_at_the_exit_timeout(servers, make_repo):
+    config = 'backend: "python"\ninput [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
+    repo = make_repo("identity", extra={"stuck": {"config.pbtxt": config, "1/model.py": HANGS_IN_INITIALIZE}})
+    server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT, startup_models=["identity"],
+                           exit_timeout=1)
+    outcome: list[BaseException | None] = []
+
+    def load() -> None:
+        try:
+            server.load("stuck")
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - recorded for the assertion
+            outcome.append(exc)
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    deadline = time.monotonic() + 20
+    while not [m for (n, _), m in server.models().items() if n == "stuck" and m.state == "LOADING"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    stopper = threading.Thread(target=servers.stop, args=(server,))  # checks nothing leaked
+    stopper.start()
+    stopper.join(30)
+    assert not stopper.is_alive(), "stop() waited on the stuck load"
+    loader.join(10)
+    assert outcome and isinstance(outcome[0], dlserve.TritonError)
