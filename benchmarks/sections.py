@@ -240,24 +240,36 @@ def measure_bls(server: Server, plan: Plan, out: Results) -> None:
 BATCHING_MODELS = ("add_sub_batched", "add_sub_unbatched")  # the same model with and without
 
 
-def batching_cases(plan: Plan) -> list[tuple[str, list[str]]]:
+def perf_cases(plan: Plan, models: tuple[str, ...], concurrency: str, suffix: str = "") -> list[tuple[str, list[str]]]:
+    """(label, perf_analyzer arguments) for each model over HTTP and gRPC (gRPC only with --quick)."""
     return [
-        (f"{model} {protocol} c16", ["-m", model, "-i", protocol, "--concurrency-range", "16"])
-        for model in BATCHING_MODELS
+        (f"{model} {protocol}{suffix}", ["-m", model, "-i", protocol, "--concurrency-range", concurrency])
+        for model in models
         for protocol in (("grpc",) if plan.quick else ("http", "grpc"))
     ]
+
+
+def batching_cases(plan: Plan) -> list[tuple[str, list[str]]]:
+    return perf_cases(plan, BATCHING_MODELS, "16", " c16")
+
+
+def measured_with_stats(server: Server, args: list[str], plan: Plan) -> tuple[Measurement, dict[str, int]]:
+    """A perf_analyzer run and how the model's statistics moved during it."""
+    model = args[1]
+    before = server.stats(model)
+    m = pa_or_perf(measure.perf_analyzer, server, args, plan.small)
+    after = server.stats(model)
+    return m, {key: after.get(key, 0) - before.get(key, 0) for key in after}
 
 
 def measure_batching(server: Server, plan: Plan, out: Results) -> None:
     out["problems"] = clients.check_add_sub(server.url("grpc"), BATCHING_MODELS, batched=True)
     for label, args in batching_cases(plan):
-        model = args[1]
-        before = server.stats(model)
-        out[label] = m = pa_or_perf(measure.perf_analyzer, server, args, plan.small)
-        after = server.stats(model)
-        executions = after.get("execution_count", 0) - before.get("execution_count", 0)
+        m, moved = measured_with_stats(server, args, plan)
+        out[label] = m
+        executions = moved.get("execution_count", 0)
         if executions > 0:
-            m.extra["batch"] = (after["inference_count"] - before["inference_count"]) / executions
+            m.extra["batch"] = moved["inference_count"] / executions
             m.extra["executions_per_s"] = executions / m.wall_s
             log(f"    {server.name:8s}               average batch {m.extra['batch']:.2f}")
 
@@ -267,24 +279,17 @@ CACHE_BYTES = 1 << 20
 
 
 def cache_cases(plan: Plan) -> list[tuple[str, list[str]]]:
-    return [
-        (f"{model} {protocol}", ["-m", model, "-i", protocol, "--concurrency-range", "1:4:3"])
-        for model in CACHE_MODELS
-        for protocol in (("grpc",) if plan.quick else ("http", "grpc"))
-    ]
+    return perf_cases(plan, CACHE_MODELS, "1:4:3")
 
 
 def measure_cache(server: Server, plan: Plan, out: Results) -> None:
     out["problems"] = clients.check_add_sub(server.url("grpc"), CACHE_MODELS)
     for label, args in cache_cases(plan):
-        model = args[1]
-        before = server.stats(model)
-        out[label] = m = pa_or_perf(measure.perf_analyzer, server, args, plan.small)
-        after = server.stats(model)
-        requests = after.get("cache_hits", 0) - before.get("cache_hits", 0)
-        requests += after.get("inference_count", 0) - before.get("inference_count", 0)
+        m, moved = measured_with_stats(server, args, plan)
+        out[label] = m
+        requests = moved.get("cache_hits", 0) + moved.get("inference_count", 0)
         if requests > 0:  # perf_analyzer sends the same inputs every time: all hits but the first
-            m.extra["hit_share"] = (after["cache_hits"] - before["cache_hits"]) / requests
+            m.extra["hit_share"] = moved["cache_hits"] / requests
             log(f"    {server.name:8s}               cache hits {m.extra['hit_share']:.1%}")
 
 
