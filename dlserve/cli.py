@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -146,6 +147,14 @@ def build_parser() -> argparse.ArgumentParser:
     grpc.add_argument("--grpc-max-message-size", type=int, default=1 << 26, metavar="BYTES",
                       help="largest gRPC message (default: 64 MiB)")
 
+    sagemaker = serve.add_argument_group("SageMaker")
+    _bool_flag(sagemaker, "--allow-sagemaker", False,
+               "serve Amazon SageMaker's /ping and /invocations (model: SAGEMAKER_TRITON_DEFAULT_MODEL_NAME, "
+               "else the only one)")
+    sagemaker.add_argument("--sagemaker-address", default="0.0.0.0")
+    sagemaker.add_argument("--sagemaker-port", type=_port, default=int(os.environ.get("SAGEMAKER_BIND_TO_PORT", 8080)),
+                           help="(default: SAGEMAKER_BIND_TO_PORT, else 8080)")
+
     metrics = serve.add_argument_group("metrics")
     _bool_flag(metrics, "--allow-metrics", True, "serve Prometheus metrics")
     _bool_flag(metrics, "--allow-cpu-metrics", True, "include CPU utilisation and memory")
@@ -234,7 +243,7 @@ def _trace_settings(entries: list[str]) -> TraceSettings:
 
 def serve(args: argparse.Namespace) -> int:
     import dlserve
-    from dlserve.frontends import KServeGrpc, KServeHttp, Metrics
+    from dlserve.frontends import KServeGrpc, KServeHttp, Metrics, SageMaker
 
     repositories = args.model_repository
     exit_on_error = True if args.exit_on_error is None else args.exit_on_error
@@ -308,6 +317,11 @@ def serve(args: argparse.Namespace) -> int:
             )))
         if args.allow_metrics:
             services.append(Metrics(server, Metrics.Options(address=args.metrics_address, port=args.metrics_port)))
+        if args.allow_sagemaker:
+            services.append(SageMaker(server, SageMaker.Options(
+                address=args.sagemaker_address, port=args.sagemaker_port, max_input_size=args.http_max_input_size,
+                allow_client_shm=args.allow_client_shm,
+            )))
         for service in services:
             service.start()
             print(f"dlserve: {type(service).__name__} listening on port {service.port}", flush=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 import re
 import time
 from typing import Any
@@ -23,6 +24,7 @@ from dlserve.errors import AlreadyExistsError, InvalidArgumentError, Unavailable
 from dlserve.frontends.dataplane import DataPlane
 from dlserve.frontends.http_api import KServeHttpApi
 from dlserve.frontends.http_server import HttpServer
+from dlserve.frontends.sagemaker import PING_MODE_VARIABLE, SageMakerApi, default_model
 from dlserve.frontends.restrictions import Restriction
 
 _MIB = 1 << 20
@@ -109,7 +111,20 @@ class Service:
         self.stop()
 
 
-class KServeHttp(Service):
+class _HttpService(Service):
+    """A service over dlserve's HTTP server (:func:`_http_server`)."""
+
+    def __init__(self, server: Server, options: Any = None) -> None:
+        super().__init__(server, options)
+        self._http: HttpServer | None = None
+
+    async def _stop(self, grace: float) -> None:
+        if self._http is not None:
+            await self._http.stop(grace)
+            self._http = None
+
+
+class KServeHttp(_HttpService):
     @dataclasses.dataclass
     class Options:
         address: str = "0.0.0.0"
@@ -129,35 +144,62 @@ class KServeHttp(Service):
             _check_pattern("header_forward_pattern", self.header_forward_pattern)
             self._restrictions = [Restriction.parse(r) for r in self.restricted_apis]
 
-    def __init__(self, server: Server, options: KServeHttp.Options | None = None) -> None:
-        super().__init__(server, options)
-        self._http: Any = None
-
     async def _start(self) -> int:
-        engine = self.server.engine
         options = self.options
         api = KServeHttpApi(
-            DataPlane(engine, allow_client_shm=options.allow_client_shm),
+            DataPlane(self.server.engine, allow_client_shm=options.allow_client_shm),
             options._restrictions,
             header_forward_pattern=options.header_forward_pattern,
         )
-
-        def allocate_body(nbytes: int) -> np.ndarray:
-            assert engine.arena is not None
-            return np.frombuffer(engine.arena.allocate(nbytes), dtype=np.uint8)
-
-        self._http = HttpServer(
-            api,
-            allocate_body,
-            max_body=options.max_input_size,
-            poll_limit=engine.settings.busy_poll_us / 1e6,
-        )
+        self._http = _http_server(self.server, api, options.max_input_size)
         return await self._http.start(options.address, options.port, options.reuse_port)
 
-    async def _stop(self, grace: float) -> None:
-        if self._http is not None:
-            await self._http.stop(grace)
-            self._http = None
+
+def _http_server(server: Server, handler: Any, max_input_size: int) -> HttpServer:
+    """An HTTP server on the engine's loop whose large request bodies land in shared memory."""
+    engine = server.engine
+
+    def allocate_body(nbytes: int) -> np.ndarray:
+        assert engine.arena is not None
+        return np.frombuffer(engine.arena.allocate(nbytes), dtype=np.uint8)
+
+    return HttpServer(handler, allocate_body, max_body=max_input_size, poll_limit=engine.settings.busy_poll_us / 1e6)
+
+
+class SageMaker(_HttpService):
+    """Amazon SageMaker's ``/ping`` and ``/invocations`` (:mod:`dlserve.frontends.sagemaker`),
+    as tritonserver's ``--allow-sagemaker`` serves them."""
+
+    @dataclasses.dataclass
+    class Options:
+        address: str = "0.0.0.0"
+        port: int = 8080
+        # The endpoint's model; None: SAGEMAKER_TRITON_DEFAULT_MODEL_NAME, else the only model.
+        default_model: str | None = None
+        # "ready" or "live": what /ping answers for (None: SAGEMAKER_TRITON_PING_MODE, else ready)
+        ping_mode: str | None = None
+        max_input_size: int = 64 * _MIB
+        allow_client_shm: bool = False
+
+        def __post_init__(self) -> None:
+            _check_port(self.port)
+            _check_positive("max_input_size", self.max_input_size)
+            if self.ping_mode is None:
+                self.ping_mode = os.environ.get(PING_MODE_VARIABLE, "ready")
+            if self.ping_mode not in ("ready", "live"):
+                raise InvalidArgumentError(f"ping_mode must be 'ready' or 'live', got {self.ping_mode!r}")
+
+    async def _start(self) -> int:
+        options = self.options
+        engine = self.server.engine
+        names = sorted({row["name"] for row in await engine.repository_index()})
+        api = SageMakerApi(
+            KServeHttpApi(DataPlane(engine, allow_client_shm=options.allow_client_shm)),
+            default_model(options.default_model, names),
+            options.ping_mode,
+        )
+        self._http = _http_server(self.server, api, options.max_input_size)
+        return await self._http.start(options.address, options.port)
 
 
 class GrpcCompressionLevel(enum.IntEnum):
@@ -276,4 +318,4 @@ class Metrics(Service):
             self._http = None
 
 
-__all__ = ["KServeGrpc", "KServeHttp", "Metrics"]
+__all__ = ["KServeGrpc", "KServeHttp", "Metrics", "SageMaker"]
