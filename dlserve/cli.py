@@ -50,6 +50,11 @@ def _port(text: str) -> int:
     return value
 
 
+# Vertex AI runs a custom container with AIP_MODE=PREDICTION (tritonserver then serves
+# Vertex AI's routes instead of HTTP and gRPC by default).
+VERTEX_MODE = os.environ.get("AIP_MODE") == "PREDICTION"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dlserve",
@@ -119,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: 1000; 0 = never)")
 
     http = serve.add_argument_group("HTTP")
-    _bool_flag(http, "--allow-http", True, "serve KServe v2 HTTP/REST")
+    _bool_flag(http, "--allow-http", not VERTEX_MODE, "serve KServe v2 HTTP/REST")
     http.add_argument("--http-address", default="0.0.0.0")
     http.add_argument("--http-port", type=_port, default=8000)
     _bool_flag(http, "--reuse-http-port", False, "SO_REUSEPORT on the HTTP socket")
@@ -132,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="require a header for API categories (repeatable)")
 
     grpc = serve.add_argument_group("gRPC")
-    _bool_flag(grpc, "--allow-grpc", True, "serve KServe v2 gRPC")
+    _bool_flag(grpc, "--allow-grpc", not VERTEX_MODE, "serve KServe v2 gRPC")
     grpc.add_argument("--grpc-address", default="0.0.0.0")
     grpc.add_argument("--grpc-port", type=_port, default=8001)
     _bool_flag(grpc, "--reuse-grpc-port", False, "SO_REUSEPORT on the gRPC socket")
@@ -154,6 +159,16 @@ def build_parser() -> argparse.ArgumentParser:
     sagemaker.add_argument("--sagemaker-address", default="0.0.0.0")
     sagemaker.add_argument("--sagemaker-port", type=_port, default=int(os.environ.get("SAGEMAKER_BIND_TO_PORT", 8080)),
                            help="(default: SAGEMAKER_BIND_TO_PORT, else 8080)")
+
+    vertex = serve.add_argument_group("Vertex AI")
+    _bool_flag(vertex, "--allow-vertex-ai", VERTEX_MODE,
+               "serve Google Vertex AI's AIP_HEALTH_ROUTE and AIP_PREDICT_ROUTE (on by default, and HTTP "
+               "and gRPC off, when AIP_MODE=PREDICTION)")
+    vertex.add_argument("--vertex-ai-address", default="0.0.0.0")
+    vertex.add_argument("--vertex-ai-port", type=_port, default=None,
+                        help="(default: AIP_HTTP_PORT, else 8080)")
+    vertex.add_argument("--vertex-ai-default-model", default=None, metavar="NAME",
+                        help="the predict route's model (default: the one loaded model)")
 
     metrics = serve.add_argument_group("metrics")
     _bool_flag(metrics, "--allow-metrics", True, "serve Prometheus metrics")
@@ -243,9 +258,11 @@ def _trace_settings(entries: list[str]) -> TraceSettings:
 
 def serve(args: argparse.Namespace) -> int:
     import dlserve
-    from dlserve.frontends import KServeGrpc, KServeHttp, Metrics, SageMaker
+    from dlserve.frontends import KServeGrpc, KServeHttp, Metrics, SageMaker, VertexAi
 
     repositories = args.model_repository
+    if not repositories and VERTEX_MODE and os.environ.get("AIP_STORAGE_URI"):
+        repositories = [os.environ["AIP_STORAGE_URI"]]  # where Vertex AI put the model
     exit_on_error = True if args.exit_on_error is None else args.exit_on_error
     if not repositories:
         if not EXAMPLES.is_dir():
@@ -317,6 +334,14 @@ def serve(args: argparse.Namespace) -> int:
             )))
         if args.allow_metrics:
             services.append(Metrics(server, Metrics.Options(address=args.metrics_address, port=args.metrics_port)))
+        if args.allow_vertex_ai:
+            vertex_options = VertexAi.Options(
+                address=args.vertex_ai_address, default_model=args.vertex_ai_default_model,
+                max_input_size=args.http_max_input_size, allow_client_shm=args.allow_client_shm,
+            )
+            if args.vertex_ai_port is not None:
+                vertex_options.port = args.vertex_ai_port
+            services.append(VertexAi(server, vertex_options))
         if args.allow_sagemaker:
             services.append(SageMaker(server, SageMaker.Options(
                 address=args.sagemaker_address, port=args.sagemaker_port, max_input_size=args.http_max_input_size,

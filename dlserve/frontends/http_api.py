@@ -102,6 +102,11 @@ class KServeHttpApi:
         self._routes = [(re.compile(f"^{p}$"), methods, category, fn) for p, methods, category, fn in table]
         self._matched: dict[str, tuple[set[str], str, Route, dict[str, str]]] = {}
 
+    def methods_of(self, path: str) -> set[str] | None:
+        """The methods ``path`` takes (None: no such endpoint)."""
+        found = self._route(path)
+        return None if found is None else found[0]
+
     def _route(self, path: str) -> tuple[set[str], str, Route, dict[str, str]] | None:
         cached = self._matched.get(path)
         if cached is not None:

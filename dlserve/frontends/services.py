@@ -24,7 +24,13 @@ from dlserve.errors import AlreadyExistsError, InvalidArgumentError, Unavailable
 from dlserve.frontends.dataplane import DataPlane
 from dlserve.frontends.http_api import KServeHttpApi
 from dlserve.frontends.http_server import HttpServer
-from dlserve.frontends.sagemaker import PING_MODE_VARIABLE, SageMakerApi, default_model
+from dlserve.frontends.hosted import (
+    PING_MODE_VARIABLE,
+    SageMakerApi,
+    VertexAiApi,
+    sagemaker_model,
+    vertex_model,
+)
 from dlserve.frontends.restrictions import Restriction
 
 _MIB = 1 << 20
@@ -167,7 +173,7 @@ def _http_server(server: Server, handler: Any, max_input_size: int) -> HttpServe
 
 
 class SageMaker(_HttpService):
-    """Amazon SageMaker's ``/ping`` and ``/invocations`` (:mod:`dlserve.frontends.sagemaker`),
+    """Amazon SageMaker's ``/ping`` and ``/invocations`` (:mod:`dlserve.frontends.hosted`),
     as tritonserver's ``--allow-sagemaker`` serves them."""
 
     @dataclasses.dataclass
@@ -195,11 +201,57 @@ class SageMaker(_HttpService):
         names = sorted({row["name"] for row in await engine.repository_index()})
         api = SageMakerApi(
             KServeHttpApi(DataPlane(engine, allow_client_shm=options.allow_client_shm)),
-            default_model(options.default_model, names),
+            sagemaker_model(options.default_model, names),
             options.ping_mode,
         )
         self._http = _http_server(self.server, api, options.max_input_size)
         return await self._http.start(options.address, options.port)
+
+
+class VertexAi(_HttpService):
+    """Google Vertex AI's health and predict routes (:mod:`dlserve.frontends.hosted`), as
+    tritonserver's ``--allow-vertex-ai`` serves them; the defaults come from the AIP_*
+    variables Vertex AI sets in a custom container."""
+
+    @dataclasses.dataclass
+    class Options:
+        address: str = "0.0.0.0"
+        port: int = dataclasses.field(default_factory=lambda: _env_port("AIP_HTTP_PORT", 8080))
+        health_route: str = dataclasses.field(default_factory=lambda: os.environ.get("AIP_HEALTH_ROUTE", ""))
+        predict_route: str = dataclasses.field(default_factory=lambda: os.environ.get("AIP_PREDICT_ROUTE", ""))
+        # The predict route's model; None: the one loaded model (there must be one only).
+        default_model: str | None = None
+        max_input_size: int = 64 * _MIB
+        allow_client_shm: bool = False
+
+        def __post_init__(self) -> None:
+            _check_port(self.port)
+            _check_positive("max_input_size", self.max_input_size)
+            if not self.predict_route:
+                raise InvalidArgumentError("predict_route (AIP_PREDICT_ROUTE) is not set for the Vertex AI endpoint")
+            if not self.health_route:
+                raise InvalidArgumentError("health_route (AIP_HEALTH_ROUTE) is not set for the Vertex AI endpoint")
+
+    async def _start(self) -> int:
+        options = self.options
+        engine = self.server.engine
+        loaded = sorted({row["name"] for row in await engine.repository_index(ready=True)})
+        api = VertexAiApi(
+            KServeHttpApi(DataPlane(engine, allow_client_shm=options.allow_client_shm)),
+            vertex_model(options.default_model, loaded),
+            options.health_route,
+            options.predict_route,
+        )
+        self._http = _http_server(self.server, api, options.max_input_size)
+        return await self._http.start(options.address, options.port)
+
+
+def _env_port(variable: str, default: int) -> int:
+    text = os.environ.get(variable, "")
+    try:
+        return int(text) if text else default
+    except ValueError:
+        raise InvalidArgumentError(f"{variable} '{text}' is not a port number") from None
 
 
 class GrpcCompressionLevel(enum.IntEnum):
@@ -318,4 +370,4 @@ class Metrics(Service):
             self._http = None
 
 
-__all__ = ["KServeGrpc", "KServeHttp", "Metrics", "SageMaker"]
+__all__ = ["KServeGrpc", "KServeHttp", "Metrics", "SageMaker", "VertexAi"]
