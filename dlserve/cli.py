@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
                "serve Amazon SageMaker's /ping and /invocations (model: SAGEMAKER_TRITON_DEFAULT_MODEL_NAME, "
                "else the only one)")
     sagemaker.add_argument("--sagemaker-address", default="0.0.0.0")
-    sagemaker.add_argument("--sagemaker-port", type=_port, default=int(os.environ.get("SAGEMAKER_BIND_TO_PORT", 8080)),
+    sagemaker.add_argument("--sagemaker-port", type=_port, default=None,
                            help="(default: SAGEMAKER_BIND_TO_PORT, else 8080)")
 
     vertex = serve.add_argument_group("Vertex AI")
@@ -299,6 +299,7 @@ def serve(args: argparse.Namespace) -> int:
         rate_limiter_resources=args.rate_limit_resource,
         repository_poll_secs=args.repository_poll_secs,
         model_config_name=args.model_config_name,
+        metrics=args.allow_metrics,
         cpu_metrics=args.allow_cpu_metrics,
         gpu_metrics=args.allow_gpu_metrics,
         model_load_retry_count=args.model_load_retry_count,
@@ -343,10 +344,13 @@ def serve(args: argparse.Namespace) -> int:
                 vertex_options.port = args.vertex_ai_port
             services.append(VertexAi(server, vertex_options))
         if args.allow_sagemaker:
-            services.append(SageMaker(server, SageMaker.Options(
-                address=args.sagemaker_address, port=args.sagemaker_port, max_input_size=args.http_max_input_size,
+            sagemaker_options = SageMaker.Options(
+                address=args.sagemaker_address, max_input_size=args.http_max_input_size,
                 allow_client_shm=args.allow_client_shm,
-            )))
+            )
+            if args.sagemaker_port is not None:
+                sagemaker_options.port = args.sagemaker_port
+            services.append(SageMaker(server, sagemaker_options))
         for service in services:
             service.start()
             print(f"dlserve: {type(service).__name__} listening on port {service.port}", flush=True)

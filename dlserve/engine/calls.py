@@ -179,15 +179,20 @@ class ModelCalls:
         if not any(self._has_room_for_a_self_call(i) for i in target.instances):
             raise UnavailableError(
                 f"model '{name}' called itself ({path}) with no other instance free to run "
-                "the call: it would wait on itself forever. Give it more instances "
-                "(instance_group count) or do the work without the self-call"
+                "the call (or the rate limiter's resources the caller holds leave it none): it "
+                "would wait on itself forever. Give it more instances (instance_group count) or "
+                "do the work without the self-call"
             )
 
     def _has_room_for_a_self_call(self, instance: ModelInstance) -> bool:
         """An ``async def execute`` instance runs up to its concurrency at once, the
         caller's own execute included; any other is free only when idle (its next
-        execute would wait behind the one making the call)."""
+        execute would wait behind the one making the call), and only if the rate
+        limiter's resources the caller holds leave room for it."""
         if not instance.ready:
+            return False
+        limiter = self.instance.model.resources.rate_limiter
+        if limiter is not None and not limiter.fits_beside(instance, self.instance):
             return False
         if instance.concurrency:
             return instance.in_flight < instance.concurrency

@@ -180,7 +180,7 @@ class ModelInstance:
                 await warmup.warm_up(self, self.model.warmup_samples)
             except TritonError:
                 await worker.stop(time.monotonic() + 5.0)  # finalize runs, as in Triton
-                self._set_state(InstanceState.STARTING)
+                self._set_state(InstanceState.RESTARTING if self.restarts else InstanceState.STARTING)
                 raise
         self._set_state(InstanceState.READY)
 
@@ -224,6 +224,11 @@ class ModelInstance:
                 channel.reply(corr, result)
 
     def _on_worker_exit(self, worker: WorkerProcess, description: str) -> None:
+        if worker is self._worker and self.state is InstanceState.WARMING:
+            # Its warmup's open requests fail (their start() fails with them).
+            self.calls.close()
+            self._fail_streaming(f"{description} while warming up")
+            return
         if worker is not self._worker or self.state is not InstanceState.READY:
             # It died before it served (in or right after initialize): the start()
             # waiting for it fails, and whoever called it (a load, the restart loop)

@@ -81,7 +81,9 @@ class ModelManager:
         self.exit_timeout = exit_timeout
         self.load_retries = load_retries  # tries after a model's first failed start
         self.models: dict[str, ModelEntry] = {}
-        self._starting: set[ModelVersion] = set()  # versions whose load is under way
+        # What a load is starting (versions, auto-complete workers): ended at the stop deadline.
+        self._starting: set[ModelVersion | WorkerProcess] = set()
+        self._stopping = False
         self._poll_task: asyncio.Task[None] | None = None
 
     # -- lookups --------------------------------------------------------------------
@@ -205,15 +207,19 @@ class ModelManager:
             *(self._unload_entry(entry, deadline) for entry in list(self.models.values())),
             return_exceptions=True,
         )
+        self._stopping = True  # no load starts a worker from now on (retries included)
         try:
             await asyncio.wait_for(asyncio.shield(unloads), max(0.0, deadline - time.monotonic()))
         except asyncio.TimeoutError:
-            # A load still starting (an initialize or a warmup that does not return) holds
-            # its model's lock: end its workers, so that the load fails and the unload runs.
-            for model in list(self._starting):
-                log.warning("stopping: model '%s' is still starting; ending its workers", model.name)
-                model.kill()
-            await unloads
+            # A load still starting (an initialize, auto-complete or warmup that does not
+            # return) holds its model's lock: end its workers, so that it fails and the
+            # unload runs.
+            while not unloads.done():
+                for starting in list(self._starting):
+                    what = starting.name if isinstance(starting, ModelVersion) else starting.instance_name
+                    log.warning("stopping: '%s' is still starting; ending its workers", what)
+                    starting.kill()
+                await asyncio.wait({unloads}, timeout=1.0)
         self.repository.close()
 
     def kill(self) -> None:
@@ -329,7 +335,7 @@ class ModelManager:
             try:
                 return await self._start_versions(name, versions, config, source)
             except TritonError as exc:
-                if attempt == self.load_retries:
+                if attempt == self.load_retries or self._stopping:
                     raise
                 log.warning(
                     "model '%s' failed to start (try %d of %d): %s",
@@ -341,6 +347,8 @@ class ModelManager:
         self, name: str, versions: list[int], config: mc.ModelConfig, source: ModelSource
     ) -> dict[int, ModelVersion]:
         """Start every version's instances; all or none of them."""
+        if self._stopping:
+            raise UnavailableError(f"model '{name}' not started: the server is stopping")
         loaded: dict[int, ModelVersion] = {}
         try:
             for version in versions:
@@ -389,6 +397,7 @@ class ModelManager:
             environment=environment,
         )
         await worker.start()
+        self._starting.add(worker)
         try:
             result = await worker.request(
                 Kind.AUTO_COMPLETE,
@@ -397,6 +406,7 @@ class ModelManager:
         except TritonError as exc:
             raise type(exc)(f"auto_complete_config of model '{name}' failed: {exc.message}") from None
         finally:
+            self._starting.discard(worker)
             await worker.stop(time.monotonic() + 5.0, finalize=False)
         return cfg.parse_json(result, name)
 

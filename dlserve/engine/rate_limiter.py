@@ -6,11 +6,15 @@ Resources are counted per device (an instance draws on its own device's copies) 
 model marks one ``global``. How many copies exist: ``--rate-limit-resource
 NAME:COUNT[:DEVICE]`` (without a device: every device's, or the global pool's), else the
 most any loaded instance asks for, so every instance can run alone. An execute takes its
-instance's resources when it starts and gives them back when its worker answers. When
-several instances wait, the one with the fewest grants weighted by its ``priority`` goes
-first: an instance of priority 2 gets half the turns of one of priority 1 (stride
-scheduling, as Triton's documentation describes the weighting). Instances without
-resources are never held back.
+instance's resources when it starts and gives them back when its worker answers; an
+instance with resources runs one execute at a time (a second one queued in its worker
+would hold resources while it waits). When resources come back and instances wait for
+them, nobody takes them until the waiters have been offered them, the one with the
+fewest grants weighted by its ``priority`` first: an instance of priority 2 gets half
+the turns of one of priority 1 (stride scheduling, as Triton's documentation describes
+the weighting). A waiter offered the turn that takes nothing (it has nothing queued, or
+is down) passes it on and stops waiting. Instances without resources are never held
+back.
 """
 
 from __future__ import annotations
@@ -73,12 +77,16 @@ class RateLimiter:
     """The server's resource pools and who holds them; on the event loop only."""
 
     def __init__(self, explicit: list[RateLimiterResource]) -> None:
+        for given in explicit:
+            if not given.name or given.count < 0 or (given.device is not None and given.device < 0):
+                raise InvalidArgumentError(f"rate limit resource {given}: a name, count and device >= 0")
         self._explicit = list(explicit)
         self._clients: dict[ModelInstance, _Client] = {}
         self._pools: dict[tuple[str, int], int] = {}
         self._in_use: dict[tuple[str, int], int] = {}
         self._waiting: dict[ModelInstance, Waiter] = {}
-        self._wake_due = False
+        self._wake_due = False  # resources came back: the waiters are offered them first
+        self._offered: ModelInstance | None = None  # the waiter being offered them now
 
     # -- instances come and go -------------------------------------------------------------
     def register(self, instance: ModelInstance, config: mc.ModelRateLimiter, device: int) -> None:
@@ -90,9 +98,9 @@ class RateLimiter:
             key = (resource.name, GLOBAL if getattr(resource, "global") else device)
             needs[key] = needs.get(key, 0) + int(resource.count)
         self._check_scope(instance, needs)
-        self._clients[instance] = _Client(needs, max(int(config.priority), 1))
         # A newcomer starts level with the least served, not ahead of everyone.
-        self._clients[instance].turns = min((c.turns for c in self._clients.values()), default=0.0)
+        turns = min((c.turns for c in self._clients.values()), default=0.0)
+        self._clients[instance] = _Client(needs, max(int(config.priority), 1), turns)
         try:
             self._resize()
         except InvalidArgumentError:
@@ -103,6 +111,7 @@ class RateLimiter:
         self._clients.pop(instance, None)
         self._waiting.pop(instance, None)
         self._resize()
+        self._wake_soon()  # pools may have changed size
 
     def _check_scope(self, instance: ModelInstance, needs: dict[tuple[str, int], int]) -> None:
         scopes: dict[str, set[bool]] = {}
@@ -124,9 +133,10 @@ class RateLimiter:
                 pools[key] = max(pools.get(key, 0), count)
         for key in pools:
             name, device = key
-            for given in self._explicit:
+            # A device's own entry wins over one for every device, whatever their order.
+            for given in sorted(self._explicit, key=lambda g: g.device is not None):
                 if given.name == name and given.device in (None, device):
-                    pools[key] = given.count  # a device's own entry, given later, wins
+                    pools[key] = given.count
         for instance, client in self._clients.items():
             for key, count in client.needs.items():
                 if count > pools[key]:
@@ -140,27 +150,28 @@ class RateLimiter:
 
     # -- executes ---------------------------------------------------------------------------
     def admits(self, instance: ModelInstance, waiter: Waiter) -> bool:
-        """Whether ``instance`` may start an execute now; if not, ``waiter`` is asked to
-        dispatch again when resources come back."""
+        """Whether ``instance`` may start an execute now; if not, and only for want of
+        resources, ``waiter`` is asked to dispatch again when they come back."""
         client = self._clients.get(instance)
         if client is None or not client.needs:
             return True
-        if self._fits(client) and not self._outranked(instance, client):
-            self._waiting.pop(instance, None)  # its turn: taken now, or not needed after all
-            return True
+        if instance.in_flight and not instance.concurrency:
+            return False  # one at a time: its next dispatch comes when this one is done
+        if self._offered is instance or (not self._wake_due and self._offered is None and self._fits(client)):
+            return self._fits(client)
         self._waiting[instance] = waiter
         return False
 
     def _fits(self, client: _Client) -> bool:
         return all(self._in_use.get(k, 0) + n <= self._pools.get(k, 0) for k, n in client.needs.items())
 
-    def _outranked(self, instance: ModelInstance, client: _Client) -> bool:
-        """Another waiting instance that would fit is owed the turn first."""
-        return any(
-            other is not instance and self._clients[other].turns < client.turns and self._fits(self._clients[other])
-            for other in self._waiting
-            if other in self._clients
-        )
+    def fits_beside(self, instance: ModelInstance, holder: ModelInstance) -> bool:
+        """Whether ``instance`` could ever run while ``holder`` keeps what it holds (a
+        model's call into another that would otherwise wait on itself)."""
+        client, held = self._clients.get(instance), self._clients.get(holder)
+        if client is None or held is None:
+            return True
+        return all(held.needs.get(k, 0) + n <= self._pools.get(k, 0) for k, n in client.needs.items())
 
     def acquire(self, instance: ModelInstance) -> dict[tuple[str, int], int]:
         """Take ``instance``'s resources for one execute; what it took goes back to
@@ -178,18 +189,35 @@ class RateLimiter:
             return
         for key, count in taken.items():
             self._in_use[key] = max(0, self._in_use.get(key, 0) - count)
+        self._wake_soon()
+
+    def _wake_soon(self) -> None:
         if self._waiting and not self._wake_due:
-            # On the next loop turn: the releasing scheduler finishes its bookkeeping first.
+            # On the next loop turn: the releasing scheduler finishes its bookkeeping first,
+            # and wanting the resources again, waits its turn with the others.
             self._wake_due = True
             asyncio.get_running_loop().call_soon(self._wake)
 
     def _wake(self) -> None:
-        """The waiters' schedulers try again, the least served first."""
+        """Offer the resources to the waiters, the least served first; each either takes
+        what it needs or passes (and waits again only if it asks again)."""
         self._wake_due = False
-        for waiting in sorted(self._waiting, key=lambda i: self._clients[i].turns if i in self._clients else 0.0):
-            waiter = self._waiting.get(waiting)
-            if waiter is not None:
+        order = sorted(self._waiting, key=lambda i: self._clients[i].turns if i in self._clients else 0.0)
+        for instance in order:
+            waiter = self._waiting.pop(instance, None)
+            client = self._clients.get(instance)
+            if waiter is None or client is None or not self._fits(client):
+                if waiter is not None and client is not None:
+                    self._waiting[instance] = waiter  # still too big for what is free
+                continue
+            self._offered = instance
+            try:
                 waiter.dispatch()
+            finally:
+                self._offered = None
+        # Waiters that came while it ran (not offered yet) get their turn next.
+        if any(self._fits(self._clients[i]) for i in self._waiting if i in self._clients):
+            self._wake_soon()
 
     def in_use(self) -> dict[tuple[str, int], int]:
         return {key: count for key, count in self._in_use.items() if count}

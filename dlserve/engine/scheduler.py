@@ -145,7 +145,8 @@ class Scheduler:
 
     def has_room(self, instance: ModelInstance) -> bool:
         """Ready, with room for another execute (async models take many at once), and the
-        rate limiter's resources for it, if there is a rate limiter."""
+        rate limiter's resources for it, if there is a rate limiter (which, when they are
+        taken, notes this scheduler to dispatch again when they come back)."""
         if not instance.ready or instance.in_flight >= (instance.concurrency or self.pipeline_depth):
             return False
         limiter = self.model.resources.rate_limiter
@@ -204,8 +205,10 @@ class Scheduler:
         released = functools.partial(release, True) if self.dispatch_on_reply else None
         try:
             instance.execute(batch, done, released)
-        except TritonError as exc:
-            done(exc, None)
+        except Exception as exc:  # noqa: BLE001 - answered (and the instance freed) either way
+            if not isinstance(exc, TritonError):
+                log.exception("sending an execute to '%s' failed", instance.name)
+            done(exc if isinstance(exc, TritonError) else InternalError(str(exc)), None)
 
     def _finished(
         self,

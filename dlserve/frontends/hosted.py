@@ -60,8 +60,6 @@ class _HostedApi:
     unnamed = ""  # how to name the model, for the error when there is none
 
     def __init__(self, api: KServeHttpApi, model: str, health_mode: str = "ready") -> None:
-        if health_mode not in ("ready", "live"):
-            raise InvalidArgumentError(f"health mode must be 'ready' or 'live', got '{health_mode}'")
         self.api = api
         self.model = model
         self.health_mode = health_mode
@@ -78,7 +76,7 @@ class _HostedApi:
         try:
             if not self.model:
                 raise NotFoundError(f"Request for unknown model: no model to serve ({self.unnamed})")
-            self.api.engine.model(self.model)  # NOT_FOUND before the body is read, as Triton
+            self.api.engine.model(self.model)  # NOT_FOUND before the body is parsed, as Triton
             request.headers = self._binary_header(request)
             return await self.api.infer(request, {"model": self.model})
         except TritonError as exc:

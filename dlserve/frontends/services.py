@@ -179,7 +179,7 @@ class SageMaker(_HttpService):
     @dataclasses.dataclass
     class Options:
         address: str = "0.0.0.0"
-        port: int = 8080
+        port: int = dataclasses.field(default_factory=lambda: _env_port("SAGEMAKER_BIND_TO_PORT", 8080))
         # The endpoint's model; None: SAGEMAKER_TRITON_DEFAULT_MODEL_NAME, else the only model.
         default_model: str | None = None
         # "ready" or "live": what /ping answers for (None: SAGEMAKER_TRITON_PING_MODE, else ready)

@@ -437,11 +437,30 @@ class TritonPythonModel:
 """
 
 
-def test_stop_ends_a_load_that_never_finishes_at_the_exit_timeout(servers, make_repo):
+HANGS_IN_AUTO_COMPLETE = """
+import time
+
+class TritonPythonModel:
+    @staticmethod
+    def auto_complete_config(config):
+        time.sleep(3600)
+        return config
+
+    def execute(self, requests):
+        return []
+"""
+
+
+@pytest.mark.parametrize(
+    ("model", "options"),
+    [(HANGS_IN_INITIALIZE, {}), (HANGS_IN_INITIALIZE, {"model_load_retry_count": 2}), (HANGS_IN_AUTO_COMPLETE, {})],
+    ids=["initialize", "initialize-with-retries", "auto-complete"],
+)
+def test_stop_ends_a_load_that_never_finishes_at_the_exit_timeout(servers, make_repo, model, options):
     config = 'backend: "python"\ninput [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
-    repo = make_repo("identity", extra={"stuck": {"config.pbtxt": config, "1/model.py": HANGS_IN_INITIALIZE}})
+    repo = make_repo("identity", extra={"stuck": {"config.pbtxt": config, "1/model.py": model}})
     server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT, startup_models=["identity"],
-                           exit_timeout=1)
+                           exit_timeout=1, **options)
     outcome: list[BaseException | None] = []
 
     def load() -> None:
@@ -454,7 +473,7 @@ def test_stop_ends_a_load_that_never_finishes_at_the_exit_timeout(servers, make_
     loader = threading.Thread(target=load)
     loader.start()
     deadline = time.monotonic() + 20
-    while not [m for (n, _), m in server.models().items() if n == "stuck" and m.state == "LOADING"]:
+    while not server.engine.manager._starting:  # initialize or auto_complete running
         assert time.monotonic() < deadline
         time.sleep(0.05)
     stopper = threading.Thread(target=servers.stop, args=(server,))  # checks nothing leaked

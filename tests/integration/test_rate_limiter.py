@@ -134,3 +134,75 @@ def test_bad_pool_sizes_are_refused(make_repo, text):
                               rate_limiter_resources=[text])
     with pytest.raises(dlserve.InvalidArgumentError, match="rate limit resource"):
         dlserve.Server(options).start()
+
+
+CRASHES_ON_ONE = """
+import os, time
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        time.sleep(0.2)
+        if pb_utils.get_input_tensor_by_name(requests[0], "X").as_numpy()[0] == 1:
+            os._exit(3)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", np.zeros(1, np.float32))]) for _ in requests]
+"""
+
+
+def test_an_instance_that_died_waiting_holds_nobody_back(servers, make_repo):
+    repo = make_repo(extra={"a": {"config.pbtxt": config(R1), "1/model.py": SLEEPER},
+                            "c": {"config.pbtxt": config(R1), "1/model.py": CRASHES_ON_ONE}})
+    server = servers.start(repo, rate_limiter_mode=dlserve.RateLimitMode.EXEC_COUNT)
+
+    def send(name: str, x: float) -> None:
+        list(server.model(name).infer(inputs={"X": np.array([x], np.float32)}, raise_on_error=False))
+
+    crash = threading.Thread(target=send, args=("c", 1.0))
+    crash.start()
+    queued = threading.Thread(target=send, args=("c", 0.0))  # waits behind it, then its worker is gone
+    queued.start()
+    crash.join(30)
+    queued.join(30)
+    answered = threading.Thread(target=send, args=("a", 0.0))
+    answered.start()
+    answered.join(30)
+    assert not answered.is_alive(), "a's request was held back by c's dead waiter"
+    assert server.engine.rate_limiter.in_use() == {}
+
+
+def test_an_instance_runs_one_execute_at_a_time_so_others_get_the_free_copies(servers, make_repo):
+    repo = repo_of(make_repo, a=config(R1), b=config(R1))
+    server = servers.start(repo, rate_limiter_mode=dlserve.RateLimitMode.EXEC_COUNT, rate_limiter_resources=["R1:2"])
+    records = run_together(server, ["a", "a", "b"])
+    first_b = next(r for r in records if r["model"] == "b")
+    first_a = records[0] if records[0]["model"] == "a" else records[1]
+    assert first_b["start"] < first_a["end"], records  # b used the second copy at once
+
+
+SELF_CALLER = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        x = pb_utils.get_input_tensor_by_name(requests[0], "X").as_numpy()
+        if x[0] == 1:
+            call = pb_utils.InferenceRequest(model_name="selfcall", inputs=[pb_utils.Tensor("X", x * 0)],
+                                             requested_output_names=["Y"])
+            answer = call.exec()
+            if answer.has_error():
+                return [pb_utils.InferenceResponse(error=answer.error())]
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", np.zeros(1, np.float32))])]
+"""
+
+
+def test_a_self_call_that_could_never_get_the_resources_is_refused(servers, make_repo):
+    text = config(R1).replace("count: 1 kind", "count: 2 kind")  # a free instance, but one R1
+    repo = make_repo(extra={"selfcall": {"config.pbtxt": text, "1/model.py": SELF_CALLER}})
+    server = servers.start(repo, rate_limiter_mode=dlserve.RateLimitMode.EXEC_COUNT)
+    (response,) = server.model("selfcall").infer(inputs={"X": np.ones(1, np.float32)}, raise_on_error=False)
+    assert response.error is not None and "rate limiter's resources the caller holds" in response.error.message
+    free = servers.start(repo)  # without the limiter the other instance takes the call
+    (response,) = free.model("selfcall").infer(inputs={"X": np.ones(1, np.float32)}, raise_on_error=False)
+    assert response.error is None

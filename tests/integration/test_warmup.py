@@ -281,3 +281,34 @@ def test_the_warmup_folder_is_not_taken_for_a_version(servers, make_repo, caplog
     repo = probe_repo(make_repo, probe_config(SAMPLES, instances=1))
     servers.start(repo, log_warn=True)
     assert not [r for r in caplog.records if "ignoring folder" in r.getMessage()]
+
+
+DIES_WHILE_STREAMING = """
+import os, threading, time
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        sender = requests[0].get_response_sender()
+
+        def later():
+            sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.zeros(1, np.int32))]))
+            time.sleep(0.2)
+            os._exit(3)
+
+        threading.Thread(target=later).start()
+        return None
+"""
+
+
+def test_a_worker_that_dies_while_its_warmup_streams_fails_the_load(servers, make_repo):
+    config = (MODELS / "decoupled" / "config.pbtxt").read_text() + """
+model_warmup [ { name: "w" batch_size: 1
+  inputs { key: "IN" value { data_type: TYPE_INT32 dims: [ 3 ] zero_data: true } } } ]
+"""
+    repo = make_repo(extra={"dies": {"config.pbtxt": config, "1/model.py": DIES_WHILE_STREAMING}})
+    server = servers.start(repo, exit_on_error=False)  # returns: the load did not hang
+    (row,) = server.models().values()
+    assert row.state == "UNAVAILABLE"
+    assert "failed to run warmup sample 'w'" in row.reason and "while warming up" in row.reason, row.reason
