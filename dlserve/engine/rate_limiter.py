@@ -14,7 +14,9 @@ fewest grants weighted by its ``priority`` first: an instance of priority 2 gets
 the turns of one of priority 1 (stride scheduling, as Triton's documentation describes
 the weighting). A waiter offered the turn that takes nothing (it has nothing queued, or
 is down) passes it on and stops waiting. Instances without resources are never held
-back.
+back. Not done: an instance that needs more than is free waits while smaller ones that
+fit go ahead, so under steady load it may wait long (Triton's documentation promises no
+more); warmup executes do not take resources.
 """
 
 from __future__ import annotations
