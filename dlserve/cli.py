@@ -55,6 +55,29 @@ def _port(text: str) -> int:
 VERTEX_MODE = os.environ.get("AIP_MODE") == "PREDICTION"
 
 
+def _hosted_flags(
+    serve: argparse.ArgumentParser, title: str, name: str, allow: bool, help_text: str, port_variable: str
+) -> Any:
+    """A managed-hosting protocol's --allow-NAME, --NAME-address and --NAME-port."""
+    group = serve.add_argument_group(title)
+    _bool_flag(group, f"--allow-{name}", allow, help_text)
+    group.add_argument(f"--{name}-address", default="0.0.0.0")
+    group.add_argument(f"--{name}-port", type=_port, default=None, help=f"(default: {port_variable}, else 8080)")
+    return group
+
+
+def _hosted_service(service_class: Any, server: Any, args: argparse.Namespace, name: str, **options: Any) -> Any:
+    """The service for --allow-NAME, its port from --NAME-port if given (else its Options' default)."""
+    settings = service_class.Options(
+        address=getattr(args, f"{name}_address"), max_input_size=args.http_max_input_size,
+        allow_client_shm=args.allow_client_shm, **options,
+    )
+    port = getattr(args, f"{name}_port")
+    if port is not None:
+        settings.port = port
+    return service_class(server, settings)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dlserve",
@@ -152,21 +175,12 @@ def build_parser() -> argparse.ArgumentParser:
     grpc.add_argument("--grpc-max-message-size", type=int, default=1 << 26, metavar="BYTES",
                       help="largest gRPC message (default: 64 MiB)")
 
-    sagemaker = serve.add_argument_group("SageMaker")
-    _bool_flag(sagemaker, "--allow-sagemaker", False,
-               "serve Amazon SageMaker's /ping and /invocations (model: SAGEMAKER_TRITON_DEFAULT_MODEL_NAME, "
-               "else the only one)")
-    sagemaker.add_argument("--sagemaker-address", default="0.0.0.0")
-    sagemaker.add_argument("--sagemaker-port", type=_port, default=None,
-                           help="(default: SAGEMAKER_BIND_TO_PORT, else 8080)")
-
-    vertex = serve.add_argument_group("Vertex AI")
-    _bool_flag(vertex, "--allow-vertex-ai", VERTEX_MODE,
-               "serve Google Vertex AI's AIP_HEALTH_ROUTE and AIP_PREDICT_ROUTE (on by default, and HTTP "
-               "and gRPC off, when AIP_MODE=PREDICTION)")
-    vertex.add_argument("--vertex-ai-address", default="0.0.0.0")
-    vertex.add_argument("--vertex-ai-port", type=_port, default=None,
-                        help="(default: AIP_HTTP_PORT, else 8080)")
+    _hosted_flags(serve, "SageMaker", "sagemaker", False,
+                  "serve Amazon SageMaker's /ping and /invocations (model: SAGEMAKER_TRITON_DEFAULT_MODEL_NAME, "
+                  "else the only one)", "SAGEMAKER_BIND_TO_PORT")
+    vertex = _hosted_flags(serve, "Vertex AI", "vertex-ai", VERTEX_MODE,
+                           "serve Google Vertex AI's AIP_HEALTH_ROUTE and AIP_PREDICT_ROUTE (on by default, and "
+                           "HTTP and gRPC off, when AIP_MODE=PREDICTION)", "AIP_HTTP_PORT")
     vertex.add_argument("--vertex-ai-default-model", default=None, metavar="NAME",
                         help="the predict route's model (default: the one loaded model)")
 
@@ -336,21 +350,10 @@ def serve(args: argparse.Namespace) -> int:
         if args.allow_metrics:
             services.append(Metrics(server, Metrics.Options(address=args.metrics_address, port=args.metrics_port)))
         if args.allow_vertex_ai:
-            vertex_options = VertexAi.Options(
-                address=args.vertex_ai_address, default_model=args.vertex_ai_default_model,
-                max_input_size=args.http_max_input_size, allow_client_shm=args.allow_client_shm,
-            )
-            if args.vertex_ai_port is not None:
-                vertex_options.port = args.vertex_ai_port
-            services.append(VertexAi(server, vertex_options))
+            services.append(_hosted_service(VertexAi, server, args, "vertex_ai",
+                                            default_model=args.vertex_ai_default_model))
         if args.allow_sagemaker:
-            sagemaker_options = SageMaker.Options(
-                address=args.sagemaker_address, max_input_size=args.http_max_input_size,
-                allow_client_shm=args.allow_client_shm,
-            )
-            if args.sagemaker_port is not None:
-                sagemaker_options.port = args.sagemaker_port
-            services.append(SageMaker(server, sagemaker_options))
+            services.append(_hosted_service(SageMaker, server, args, "sagemaker"))
         for service in services:
             service.start()
             print(f"dlserve: {type(service).__name__} listening on port {service.port}", flush=True)

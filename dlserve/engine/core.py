@@ -24,8 +24,8 @@ from dlserve.engine.custom_metrics import CustomMetrics
 from dlserve.engine.logs import LogSettings
 from dlserve.engine.manager import ModelControlMode, ModelManager
 from dlserve.engine.model import EngineResources, ModelVersion
-from dlserve.engine.repository import Repository
 from dlserve.engine.rate_limiter import RateLimiter, RateLimiterResource
+from dlserve.engine.repository import Repository
 from dlserve.engine.request import Request, validate_request
 from dlserve.engine.response_cache import ResponseCache
 from dlserve.engine.tracing import Tracer, TraceSettings

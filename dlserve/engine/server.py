@@ -24,8 +24,8 @@ from dlserve.engine import prometheus
 from dlserve.engine.core import Engine, EngineSettings
 from dlserve.engine.logs import LogSettings
 from dlserve.engine.manager import ModelControlMode
-from dlserve.engine.request import Request, Response
 from dlserve.engine.rate_limiter import RateLimiterResource, parse_resource
+from dlserve.engine.request import Request, Response
 from dlserve.engine.response_cache import cache_size
 from dlserve.engine.tracing import TraceSettings
 from dlserve.errors import (

@@ -31,7 +31,13 @@ import re
 
 from dlserve.engine import prometheus
 from dlserve.errors import InvalidArgumentError, NotFoundError, TritonError
-from dlserve.frontends.http_api import HEADER_LENGTH, KServeHttpApi, empty, error_response, json_response
+from dlserve.frontends.http_api import (
+    HEADER_LENGTH,
+    KServeHttpApi,
+    empty,
+    error_response,
+    json_response,
+)
 from dlserve.frontends.http_server import HttpRequest, HttpResponse
 
 SAGEMAKER_BINARY = "application/vnd.sagemaker-triton.binary+json"

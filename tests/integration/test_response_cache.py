@@ -6,19 +6,19 @@ over HTTP, including outputs into a client's shared memory."""
 from __future__ import annotations
 
 import os
+from multiprocessing import resource_tracker
 
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
-from multiprocessing import resource_tracker
 
 import dlserve
 from dlserve.engine.request import Request
 from dlserve.engine.response_cache import _entry_size, cache_size
+from dlserve.frontends import KServeHttp, Metrics
 from dlserve.memory.dtypes import DataType
 from dlserve.memory.tensor import Tensor
-from dlserve.frontends import KServeHttp, Metrics
 
 from ..conftest import MODELS, wait_until
 from .test_metrics import scrape, value
