@@ -140,6 +140,7 @@ class ModelCalls:
                     "its responses"
                 )
             self._check_cycle(request, target)
+            self._check_resources(target)
             validate_request(request, target.signature)
             if trace_id:  # the model passed on a traced request's trace (trace=request.trace())
                 parent = self.host.tracer.open_trace(trace_id)
@@ -182,6 +183,19 @@ class ModelCalls:
                 "the call (or the rate limiter's resources the caller holds leave it none): it "
                 "would wait on itself forever. Give it more instances (instance_group count) or "
                 "do the work without the self-call"
+            )
+
+    def _check_resources(self, target: ModelVersion) -> None:
+        """With the rate limiter on, a call into a model none of whose instances could
+        run while the caller holds its own resources would wait forever: refused."""
+        limiter = self.instance.model.resources.rate_limiter
+        if limiter is None or target.is_ensemble or target.name == self.instance.model.name:
+            return  # (self-calls: _check_cycle decides, instance by instance)
+        if target.instances and not any(limiter.fits_beside(i, self.instance) for i in target.instances):
+            raise UnavailableError(
+                f"model '{target.name}' needs rate limiter resources that the calling instance "
+                f"'{self.instance.name}' holds while it waits for the call: it would wait forever. "
+                "Give the pool more copies (--rate-limit-resource) or the models separate resources"
             )
 
     def _has_room_for_a_self_call(self, instance: ModelInstance) -> bool:

@@ -206,3 +206,30 @@ def test_a_self_call_that_could_never_get_the_resources_is_refused(servers, make
     free = servers.start(repo)  # without the limiter the other instance takes the call
     (response,) = free.model("selfcall").infer(inputs={"X": np.ones(1, np.float32)}, raise_on_error=False)
     assert response.error is None
+
+
+CALLS_B = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        call = pb_utils.InferenceRequest(model_name="b", inputs=[pb_utils.Tensor("X", np.zeros(1, np.float32))],
+                                         requested_output_names=["Y"])
+        answer = call.exec()
+        if answer.has_error():
+            return [pb_utils.InferenceResponse(error=answer.error())]
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", np.zeros(1, np.float32))])]
+"""
+
+
+def test_a_call_into_a_model_that_needs_what_the_caller_holds_is_refused(servers, make_repo):
+    repo = make_repo(extra={"a": {"config.pbtxt": config(R1), "1/model.py": CALLS_B},
+                            "b": {"config.pbtxt": config(R1), "1/model.py": SLEEPER}})
+    server = servers.start(repo, rate_limiter_mode=dlserve.RateLimitMode.EXEC_COUNT)
+    (response,) = server.model("a").infer(inputs={"X": np.zeros(1, np.float32)}, raise_on_error=False)
+    assert response.error is not None
+    assert "needs rate limiter resources that the calling instance 'a_0_0' holds" in response.error.message
+    wide = servers.start(repo, rate_limiter_mode=dlserve.RateLimitMode.EXEC_COUNT, rate_limiter_resources=["R1:2"])
+    (response,) = wide.model("a").infer(inputs={"X": np.zeros(1, np.float32)}, raise_on_error=False)
+    assert response.error is None  # two copies: b runs beside a
