@@ -17,6 +17,16 @@ from dlserve.engine.statistics import FAILURE_REASONS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
+
+def _family(name: str, kind: str, help_text: str, samples: list[str]) -> list[str]:
+    """One metric family: its HELP and TYPE lines, then its samples."""
+    return [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", *samples]
+
+
+def _gauges(rows: tuple[tuple[str, str, float], ...]) -> list[str]:
+    """Unlabelled gauges, one family each: (name, help, value) rows."""
+    return [line for name, help_text, value in rows for line in _family(name, "gauge", help_text, [sample(name, (), value)])]
+
 _MODEL_METRICS = (
     ("nv_inference_request_success", "counter", "Number of successful inference requests, all batch sizes"),
     ("nv_inference_request_failure", "counter", "Number of failed inference requests, all batch sizes"),
@@ -58,10 +68,10 @@ def _cache_lines(engine: Engine) -> list[str]:
     lines: list[str] = []
     for name, kind, help_text, _, _ in _CACHE_MODEL_METRICS:
         if rows[name]:
-            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", *rows[name]]
+            lines += _family(name, kind, help_text, rows[name])
     cache = engine.response_cache
     if cache is not None:
-        for name, help_text, value in (
+        lines += _gauges((
             ("nv_cache_num_entries", "Number of responses stored in the response cache", len(cache)),
             ("nv_cache_num_lookups", "Number of response cache lookups", cache.lookups),
             ("nv_cache_num_hits", "Number of response cache hits", cache.hits),
@@ -70,8 +80,7 @@ def _cache_lines(engine: Engine) -> list[str]:
             ("nv_cache_lookup_duration", "Total response cache lookup duration, in microseconds", cache.lookup_ns // 1000),
             ("nv_cache_insertion_duration", "Total response cache insertion duration, in microseconds", cache.insertion_ns // 1000),
             ("nv_cache_util", "Response cache utilization [0.0 - 1.0]", cache.utilization),
-        ):
-            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", sample(name, (), value)]
+        ))
     return lines
 
 
@@ -194,7 +203,7 @@ def _gpu_lines() -> list[str]:
             "nv_gpu_power_limit": "GPU power management limit in watts",
         }
         for name, samples in rows.items():
-            lines += [f"# HELP {name} {helps[name]}", f"# TYPE {name} gauge", *samples]
+            lines += _family(name, "gauge", helps[name], samples)
     except Exception:  # noqa: BLE001 - a flaky driver must not break the scrape
         return lines
     finally:
@@ -206,9 +215,9 @@ def render(engine: Engine, cpu: CpuSampler | None = None, gpu: bool = True) -> s
     lines: list[str] = []
     samples = _model_samples(engine)
     for name, kind, help_text in _MODEL_METRICS:
-        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", *samples[name]]
+        lines += _family(name, kind, help_text, samples[name])
     arena = engine.arena
-    for name, help_text, value in (
+    lines += _gauges((
         # dlserve uses no pinned memory; the gauges exist because dashboards expect them
         ("nv_pinned_memory_pool_total_bytes", "Pinned memory pool total memory size, in bytes", 0),
         ("nv_pinned_memory_pool_used_bytes", "Pinned memory pool used memory size, in bytes", 0),
@@ -216,16 +225,14 @@ def render(engine: Engine, cpu: CpuSampler | None = None, gpu: bool = True) -> s
          arena.bytes_reserved if arena else 0),
         ("dlserve_shm_arena_used_bytes", "Shared memory in use by tensors in the server's arena, in bytes",
          arena.bytes_in_use if arena else 0),
-    ):
-        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", sample(name, (), value)]
+    ))
     if cpu is not None:
         total, used = cpu.memory()
-        for name, help_text, value in (
+        lines += _gauges((
             ("nv_cpu_utilization", "CPU utilization rate [0.0 - 1.0]", cpu.utilization()),
             ("nv_cpu_memory_total_bytes", "CPU total memory (RAM), in bytes", total),
             ("nv_cpu_memory_used_bytes", "CPU used memory (RAM), in bytes", used),
-        ):
-            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", sample(name, (), value)]
+        ))
     if gpu:
         lines += _gpu_lines()
     lines += _cache_lines(engine)
