@@ -20,10 +20,13 @@ from typing import Any
 import numpy as np
 
 from dlserve.engine.server import Server
-from dlserve.errors import AlreadyExistsError, InvalidArgumentError, UnavailableError, UnsupportedError
+from dlserve.errors import (
+    AlreadyExistsError,
+    InvalidArgumentError,
+    UnavailableError,
+    UnsupportedError,
+)
 from dlserve.frontends.dataplane import DataPlane
-from dlserve.frontends.http_api import KServeHttpApi
-from dlserve.frontends.http_server import HttpServer
 from dlserve.frontends.hosted import (
     PING_MODE_VARIABLE,
     SageMakerApi,
@@ -31,6 +34,8 @@ from dlserve.frontends.hosted import (
     sagemaker_model,
     vertex_model,
 )
+from dlserve.frontends.http_api import KServeHttpApi
+from dlserve.frontends.http_server import HttpServer
 from dlserve.frontends.restrictions import Restriction
 
 _MIB = 1 << 20
@@ -118,11 +123,29 @@ class Service:
 
 
 class _HttpService(Service):
-    """A service over dlserve's HTTP server (:func:`_http_server`)."""
+    """A service over dlserve's HTTP server, on the engine's loop, whose large request
+    bodies land in shared memory. Its Options have address, port, max_input_size and
+    allow_client_shm."""
 
     def __init__(self, server: Server, options: Any = None) -> None:
         super().__init__(server, options)
         self._http: HttpServer | None = None
+
+    def _kserve_api(self, **extra: Any) -> KServeHttpApi:
+        return KServeHttpApi(DataPlane(self.server.engine, allow_client_shm=self.options.allow_client_shm), **extra)
+
+    async def _listen(self, handler: Any, reuse_port: bool = False) -> int:
+        engine = self.server.engine
+
+        def allocate_body(nbytes: int) -> np.ndarray:
+            assert engine.arena is not None
+            return np.frombuffer(engine.arena.allocate(nbytes), dtype=np.uint8)
+
+        options = self.options
+        self._http = HttpServer(
+            handler, allocate_body, max_body=options.max_input_size, poll_limit=engine.settings.busy_poll_us / 1e6
+        )
+        return await self._http.start(options.address, options.port, reuse_port)
 
     async def _stop(self, grace: float) -> None:
         if self._http is not None:
@@ -152,24 +175,10 @@ class KServeHttp(_HttpService):
 
     async def _start(self) -> int:
         options = self.options
-        api = KServeHttpApi(
-            DataPlane(self.server.engine, allow_client_shm=options.allow_client_shm),
-            options._restrictions,
-            header_forward_pattern=options.header_forward_pattern,
+        api = self._kserve_api(
+            restrictions=options._restrictions, header_forward_pattern=options.header_forward_pattern
         )
-        self._http = _http_server(self.server, api, options.max_input_size)
-        return await self._http.start(options.address, options.port, options.reuse_port)
-
-
-def _http_server(server: Server, handler: Any, max_input_size: int) -> HttpServer:
-    """An HTTP server on the engine's loop whose large request bodies land in shared memory."""
-    engine = server.engine
-
-    def allocate_body(nbytes: int) -> np.ndarray:
-        assert engine.arena is not None
-        return np.frombuffer(engine.arena.allocate(nbytes), dtype=np.uint8)
-
-    return HttpServer(handler, allocate_body, max_body=max_input_size, poll_limit=engine.settings.busy_poll_us / 1e6)
+        return await self._listen(api, options.reuse_port)
 
 
 class SageMaker(_HttpService):
@@ -197,15 +206,9 @@ class SageMaker(_HttpService):
 
     async def _start(self) -> int:
         options = self.options
-        engine = self.server.engine
-        names = sorted({row["name"] for row in await engine.repository_index()})
-        api = SageMakerApi(
-            KServeHttpApi(DataPlane(engine, allow_client_shm=options.allow_client_shm)),
-            sagemaker_model(options.default_model, names),
-            options.ping_mode,
-        )
-        self._http = _http_server(self.server, api, options.max_input_size)
-        return await self._http.start(options.address, options.port)
+        names = sorted({row["name"] for row in await self.server.engine.repository_index()})
+        model = sagemaker_model(options.default_model, names)
+        return await self._listen(SageMakerApi(self._kserve_api(), model, options.ping_mode))
 
 
 class VertexAi(_HttpService):
@@ -234,16 +237,9 @@ class VertexAi(_HttpService):
 
     async def _start(self) -> int:
         options = self.options
-        engine = self.server.engine
-        loaded = sorted({row["name"] for row in await engine.repository_index(ready=True)})
-        api = VertexAiApi(
-            KServeHttpApi(DataPlane(engine, allow_client_shm=options.allow_client_shm)),
-            vertex_model(options.default_model, loaded),
-            options.health_route,
-            options.predict_route,
-        )
-        self._http = _http_server(self.server, api, options.max_input_size)
-        return await self._http.start(options.address, options.port)
+        loaded = sorted({row["name"] for row in await self.server.engine.repository_index(ready=True)})
+        model = vertex_model(options.default_model, loaded)
+        return await self._listen(VertexAiApi(self._kserve_api(), model, options.health_route, options.predict_route))
 
 
 def _env_port(variable: str, default: int) -> int:
@@ -356,7 +352,9 @@ class Metrics(Service):
         self._http: Any = None
 
     async def _start(self) -> int:
-        from dlserve.frontends.metrics import MetricsEndpoint  # loaded only where metrics are served
+        from dlserve.frontends.metrics import (
+            MetricsEndpoint,  # loaded only where metrics are served
+        )
 
         settings = self.server.options
         if not settings.metrics:
