@@ -54,6 +54,7 @@ _REDIRECTS = re.compile(
     r"|v2/repository(?:/[^/]+)?/(?:index|models/[^/]+/(?:load|unload)))"
 )
 
+
 def _method_not_allowed() -> HttpResponse:
     return json_response({"error": "Method Not Allowed"}, 405)
 
