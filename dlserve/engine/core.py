@@ -296,6 +296,17 @@ class Engine:
         return self.manager.index(ready)
 
     # -- model control -------------------------------------------------------------------
+    async def register_repository(self, path: str, name_mapping: dict[str, str] | None = None) -> None:
+        """Add a model repository (EXPLICIT mode); ``name_mapping`` serves some of its
+        folders under other names: ``{folder: model name}``."""
+        assert self.manager is not None
+        await self.manager.register_repository(path, name_mapping)
+
+    def unregister_repository(self, path: str) -> None:
+        """Remove a model repository (on the loop); its loaded models keep serving."""
+        assert self.manager is not None
+        self.manager.unregister_repository(path)
+
     async def load(self, name: str, parameters: dict[str, Any] | None = None) -> None:
         """Load ``name``; ``parameters`` may carry ``config`` (JSON) and ``file:<path>`` bytes."""
         assert self.manager is not None

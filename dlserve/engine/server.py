@@ -624,17 +624,12 @@ class Server:
         """Add a model repository (EXPLICIT mode); ``name_mapping`` serves some of its
         model folders under other names: ``{folder: model name}``. Its models load on
         request, like the others'."""
-        engine = self._engine_or_raise()
-        assert engine.manager is not None
-        self._run(engine.manager.register_repository(str(repository_path), name_mapping))
+        self._run(self._engine_or_raise().register_repository(str(repository_path), name_mapping))
 
     def unregister_model_repository(self, repository_path: str) -> None:
         """Remove a model repository (EXPLICIT mode); its loaded models keep serving
         until they are unloaded."""
-        engine = self._engine_or_raise()
-        assert engine.manager is not None
-        manager = engine.manager
-        self._call_sync(lambda _: manager.unregister_repository(str(repository_path)))
+        self._call_sync(lambda engine: engine.unregister_repository(str(repository_path)))
 
     def metrics(self, metric_format: MetricFormat = MetricFormat.PROMETHEUS) -> str:
         """The metrics the metrics port serves, as Prometheus text."""

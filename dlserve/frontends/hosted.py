@@ -8,7 +8,7 @@ v2 inference request for the endpoint's model (``SAGEMAKER_TRITON_DEFAULT_MODEL_
 without it, a repository's only model, as Triton's SageMaker entry script picks it).
 The binary extension is spelled in the content type,
 ``application/vnd.sagemaker-triton.binary+json;json-header-size=N``, both ways. Other
-paths: 400, empty. Multi-model endpoint routes (``/models``...) are not served.
+paths: 400, empty. Multi-model endpoints (``/models``...): :mod:`dlserve.frontends.sagemaker_models`.
 
 **Vertex AI** (port ``AIP_HTTP_PORT``): the health route (``AIP_HEALTH_ROUTE``) answers
 as ``/ping`` does; the predict route (``AIP_PREDICT_ROUTE``) is a KServe v2 inference
@@ -39,6 +39,8 @@ from dlserve.frontends.http_api import (
     json_response,
 )
 from dlserve.frontends.http_server import HttpRequest, HttpResponse
+from dlserve.frontends.sagemaker_models import ROUTE as MODELS_ROUTE
+from dlserve.frontends.sagemaker_models import MultiModelEndpoint
 
 SAGEMAKER_BINARY = "application/vnd.sagemaker-triton.binary+json"
 VERTEX_BINARY = "application/vnd.vertex-ai-triton.binary+json"
@@ -77,15 +79,17 @@ class _HostedApi:
         engine = self.api.engine
         return empty(200 if (engine.live if self.health_mode == "live" else engine.ready()) else 400)
 
-    async def infer(self, request: HttpRequest) -> HttpResponse:
+    async def infer(self, request: HttpRequest, model: str | None = None) -> HttpResponse:
+        """An inference request for ``model`` (default: the endpoint's model)."""
         if request.method != "POST":
             return _method_not_allowed()
+        model = model or self.model
         try:
-            if not self.model:
+            if not model:
                 raise NotFoundError(f"Request for unknown model: no model to serve ({self.unnamed})")
-            self.api.engine.model(self.model)  # NOT_FOUND before the body is parsed, as Triton
+            self.api.engine.model(model)  # NOT_FOUND before the body is parsed, as Triton
             request.headers = self._binary_header(request)
-            return await self.api.infer(request, {"model": self.model})
+            return await self.api.infer(request, {"model": model})
         except TritonError as exc:
             return error_response(exc)
 
@@ -110,12 +114,22 @@ class SageMakerApi(_HostedApi):
     binary_type = SAGEMAKER_BINARY
     unnamed = f"set {DEFAULT_MODEL_VARIABLE}"
 
+    def __init__(self, api: KServeHttpApi, model: str, health_mode: str = "ready") -> None:
+        super().__init__(api, model, health_mode)
+        self.endpoint = MultiModelEndpoint(api.engine, self._invoke)
+
     async def __call__(self, request: HttpRequest) -> HttpResponse:
         if request.path == "/ping":
             return self.health(request)
         if request.path == "/invocations":
-            return _sagemaker_binary(await self.infer(request))
+            return await self._invoke(request)
+        found = MODELS_ROUTE.fullmatch(request.path)
+        if found is not None:
+            return await self.endpoint(request, found.group(1) or "", bool(found.group(2)))
         return empty(400)
+
+    async def _invoke(self, request: HttpRequest, model: str | None = None) -> HttpResponse:
+        return _sagemaker_binary(await self.infer(request, model))
 
 
 def _sagemaker_binary(response: HttpResponse) -> HttpResponse:

@@ -173,14 +173,14 @@ class KServeHttpApi:
 
     # -- model repository ---------------------------------------------------------------
     async def index(self, request: HttpRequest, args: dict[str, str]) -> HttpResponse:
-        body = _json_object(request, allow_empty=True)
+        body = json_object(request, allow_empty=True)
         ready = body.get("ready", False)
         if not isinstance(ready, bool):
             raise InvalidArgumentError("'ready' must be a boolean")
         return json_response(await self.engine.repository_index(ready))
 
     async def load(self, request: HttpRequest, args: dict[str, str]) -> HttpResponse:
-        parameters = _json_object(request, allow_empty=True).get("parameters") or {}
+        parameters = json_object(request, allow_empty=True).get("parameters") or {}
         if not isinstance(parameters, dict):
             raise InvalidArgumentError("'parameters' must be an object")
         decoded: dict[str, Any] = {}
@@ -200,7 +200,7 @@ class KServeHttpApi:
         return json_response({})
 
     async def unload(self, request: HttpRequest, args: dict[str, str]) -> HttpResponse:
-        parameters = _json_object(request, allow_empty=True).get("parameters") or {}
+        parameters = json_object(request, allow_empty=True).get("parameters") or {}
         dependents = parameters.get("unload_dependents", False) if isinstance(parameters, dict) else False
         if not isinstance(dependents, bool):
             raise InvalidArgumentError("'unload_dependents' must be a boolean")
@@ -212,7 +212,7 @@ class KServeHttpApi:
         return json_response(self.dataplane.system_shm_status(args.get("region")))
 
     async def system_register(self, request: HttpRequest, args: dict[str, str]) -> HttpResponse:
-        body = _json_object(request)
+        body = json_object(request)
         key = body.get("key")
         offset = body.get("offset", 0)
         byte_size = body.get("byte_size")
@@ -229,7 +229,7 @@ class KServeHttpApi:
         return json_response(self.dataplane.cuda_shm_status(args.get("region")))
 
     async def cuda_register(self, request: HttpRequest, args: dict[str, str]) -> HttpResponse:
-        body = _json_object(request)
+        body = json_object(request)
         handle = body.get("raw_handle", {})
         raw = handle.get("b64") if isinstance(handle, dict) else None
         device_id, byte_size = body.get("device_id", 0), body.get("byte_size", 0)
@@ -252,14 +252,14 @@ class KServeHttpApi:
     async def logging(self, request: HttpRequest, args: dict[str, str]) -> HttpResponse:
         settings = self.engine.settings.log
         if request.method == "POST":
-            settings.update(_json_object(request))
+            settings.update(json_object(request))
         return json_response(settings.as_dict())
 
     # -- trace ----------------------------------------------------------------------------
     async def trace_setting(self, request: HttpRequest, args: dict[str, str]) -> HttpResponse:
         tracer, model = self.engine.tracer, args.get("model")
         if request.method == "POST":
-            return json_response(tracer.update(model, _json_object(request, allow_empty=True)))
+            return json_response(tracer.update(model, json_object(request, allow_empty=True)))
         return json_response(tracer.settings(model))
 
     # -- inference ------------------------------------------------------------------------
@@ -316,7 +316,7 @@ def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _json_object(request: HttpRequest, allow_empty: bool = False) -> dict[str, Any]:
+def json_object(request: HttpRequest, allow_empty: bool = False) -> dict[str, Any]:
     body = decode_body(request)
     if not len(body) and allow_empty:
         return {}

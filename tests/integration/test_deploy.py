@@ -205,35 +205,32 @@ def test_the_kserve_runtimes_arguments_serve_the_mounted_models(tmp_path, repo):
         server.kill()
 
 
-def test_the_sagemaker_images_serve_command_answers_sagemaker_and_stops_cleanly(tmp_path, repo):
-    found = instructions(SAGEMAKER_DOCKERFILE)
-    assert json.loads(found["ENTRYPOINT"]) == ["tini", "--"] and json.loads(found["CMD"]) == ["serve"]
+def start_sagemaker_serve(tmp_path: Path, port: int, **environment: str) -> subprocess.Popen:
+    """The SageMaker image's `serve`, as SageMaker runs it (here on loopback; its
+    arguments go to dlserve serve), once /ping answers 200."""
+    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", SAGEMAKER_BIND_TO_PORT=str(port), **environment)
     script = DEPLOY / "sagemaker" / "serve"
-    assert "deploy/sagemaker/serve /usr/local/bin/serve" in found["COPY"]
-    port = free_port()
-    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", SAGEMAKER_MODEL_DIR=str(repo),
-               SAGEMAKER_BIND_TO_PORT=str(port))
-    # SageMaker runs `serve`; here on loopback (its arguments go to dlserve serve).
     process = subprocess.Popen(["sh", str(script), "--sagemaker-address", "127.0.0.1"], env=env, cwd=tmp_path,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if request(port, "/ping")[0] == 200:
+                return process
+        except OSError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            stop_sagemaker_serve(process)
+            raise AssertionError("the SageMaker server did not start")
+        time.sleep(0.1)
+
+
+def stop_sagemaker_serve(process: subprocess.Popen) -> None:
+    """SIGTERM, as SageMaker stops a container: a clean exit leaving nothing behind."""
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if request(port, "/ping")[0] == 200:
-                    break
-            except OSError:
-                pass
-            assert process.poll() is None and time.monotonic() < deadline, "the SageMaker server did not start"
-            time.sleep(0.1)
-        status, body = request(port, "/invocations", "POST", add_sub_body())
-        assert status == 200 and json.loads(body)["model_name"] == "add_sub"
-        healthcheck = json.loads(instructions()["HEALTHCHECK"].split(" CMD ", 1)[1])
-        assert image_environment(SAGEMAKER_DOCKERFILE)["DLSERVE_HEALTH_URL"] == "http://127.0.0.1:8080/ping"
-        probe_env = dict(os.environ, DLSERVE_HEALTH_URL=f"http://127.0.0.1:{port}/ping")
-        assert subprocess.run([sys.executable, *healthcheck[1:]], env=probe_env, timeout=30, check=False).returncode == 0
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=60) == 0
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=60) == 0
         assert not worker_processes(f"dlserve_{process.pid}")
         assert not glob.glob(f"/dev/shm/dlserve_{process.pid}_*")
     finally:
@@ -242,3 +239,34 @@ def test_the_sagemaker_images_serve_command_answers_sagemaker_and_stops_cleanly(
             process.wait()
         if process.stdout is not None:
             process.stdout.close()
+
+
+def test_the_sagemaker_images_serve_command_answers_sagemaker_and_stops_cleanly(tmp_path, repo):
+    found = instructions(SAGEMAKER_DOCKERFILE)
+    assert json.loads(found["ENTRYPOINT"]) == ["tini", "--"] and json.loads(found["CMD"]) == ["serve"]
+    assert "deploy/sagemaker/serve /usr/local/bin/serve" in found["COPY"]
+    port = free_port()
+    process = start_sagemaker_serve(tmp_path, port, SAGEMAKER_MODEL_DIR=str(repo))
+    try:
+        status, body = request(port, "/invocations", "POST", add_sub_body())
+        assert status == 200 and json.loads(body)["model_name"] == "add_sub"
+        healthcheck = json.loads(instructions()["HEALTHCHECK"].split(" CMD ", 1)[1])
+        assert image_environment(SAGEMAKER_DOCKERFILE)["DLSERVE_HEALTH_URL"] == "http://127.0.0.1:8080/ping"
+        probe_env = dict(os.environ, DLSERVE_HEALTH_URL=f"http://127.0.0.1:{port}/ping")
+        assert subprocess.run([sys.executable, *healthcheck[1:]], env=probe_env, timeout=30, check=False).returncode == 0
+    finally:
+        stop_sagemaker_serve(process)
+
+
+def test_the_sagemaker_images_serve_command_as_a_multi_model_endpoint(tmp_path, repo):
+    port = free_port()
+    process = start_sagemaker_serve(tmp_path, port, SAGEMAKER_MULTI_MODEL="true",
+                                    SAGEMAKER_MULTI_MODEL_REPO=str(tmp_path / "mme"))
+    try:
+        load = {"model_name": "0123abcd", "url": str(repo / "add_sub")}  # an archive holding the model folder
+        assert request(port, "/models", "POST", load)[0] == 200
+        status, body = request(port, "/models/0123abcd/invoke", "POST", add_sub_body())
+        assert status == 200 and json.loads(body)["model_name"] == "0123abcd", body
+        assert request(port, "/models/0123abcd", "DELETE")[0] == 200
+    finally:
+        stop_sagemaker_serve(process)

@@ -19,10 +19,11 @@ from .test_cli import A, B, Serve, add_sub_body, free_port, request
 BINARY = "application/vnd.sagemaker-triton.binary+json"
 
 
-def post(port: int, path: str, body: bytes, content_type: str = "application/json", method: str = "POST"):
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+def post(port: int, path: str, body: bytes, content_type: str = "application/json", method: str = "POST",
+         headers: dict | None = None):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     try:
-        conn.request(method, path, body=body, headers={"Content-Type": content_type})
+        conn.request(method, path, body=body, headers={"Content-Type": content_type, **(headers or {})})
         response = conn.getresponse()
         return response.status, response.getheader("Content-Type"), response.read()
     finally:
