@@ -458,17 +458,20 @@ class ModelInstance:
         return [r for r in found if r is not None]
 
     async def _report_death(self, worker: WorkerProcess, done: ExecuteCallback) -> None:
-        """Fail the call with the worker's exit status (waited for briefly)."""
+        """Fail the call with the worker's exit status (waited for briefly). A worker
+        that serves is restarted; one that dies warming up fails its start instead."""
+        warming = self.state is InstanceState.WARMING
         try:
             await asyncio.wait_for(worker.wait_exited(), 2.0)
         except asyncio.TimeoutError:
             pass
         reason = worker.exit_description or "worker process connection closed"
+        what = "while warming up" if warming else "while executing the request(s); it is being restarted"
         self.calls.close()
         done(
             InternalError(
                 f"Failed to process the request(s) for model instance '{self.name}', "
-                f"message: {reason} while executing the request(s); it is being restarted"
+                f"message: {reason} {what}"
             ),
             None,
         )

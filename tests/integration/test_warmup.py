@@ -312,3 +312,18 @@ model_warmup [ { name: "w" batch_size: 1
     (row,) = server.models().values()
     assert row.state == "UNAVAILABLE"
     assert "failed to run warmup sample 'w'" in row.reason and "while warming up" in row.reason, row.reason
+
+
+def test_a_worker_that_dies_in_a_warmup_execute_fails_the_load_and_says_so(servers, make_repo):
+    config = (MODELS / "add_sub" / "config.pbtxt").read_text() + """
+model_warmup [ { name: "w" batch_size: 1
+  inputs { key: "INPUT0" value { data_type: TYPE_FP32 dims: [ 16 ] zero_data: true } }
+  inputs { key: "INPUT1" value { data_type: TYPE_FP32 dims: [ 16 ] zero_data: true } } } ]
+"""
+    model = "import os\n\nclass TritonPythonModel:\n    def execute(self, requests):\n        os._exit(3)\n"
+    repo = make_repo(extra={"add_sub": {"config.pbtxt": config, "1/model.py": model}})
+    server = servers.start(repo, exit_on_error=False)
+    (row,) = server.models().values()
+    assert row.state == "UNAVAILABLE"
+    assert "failed to run warmup sample 'w'" in row.reason and "while warming up" in row.reason, row.reason
+    assert "restarted" not in row.reason
