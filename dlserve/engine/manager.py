@@ -56,6 +56,9 @@ class ModelEntry:
     unloaded: list[int] = dataclasses.field(default_factory=list)  # versions an unload removed
     fingerprint: Any = None
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+    # Loaded only because an ensemble needs it (not asked for by name): unloading that
+    # ensemble with unload_dependents takes it too, as in Triton.
+    as_step: bool = False
 
     def latest_loaded(self) -> ModelVersion | None:
         """The highest loaded version, even if its instances are restarting right now."""
@@ -265,8 +268,10 @@ class ModelManager:
         config: str | None = None,
         files: dict[str, bytes] | None = None,
         _internal: bool = False,
+        _as_step: bool = False,
     ) -> None:
-        """Load (or reload) ``name``; ``config`` overrides config.pbtxt (JSON)."""
+        """Load (or reload) ``name``; ``config`` overrides config.pbtxt (JSON). Internal
+        loads (startup, an ensemble's steps) are allowed in every control mode."""
         if not _internal:
             self._check_api_allowed()
         check_model_name(name)
@@ -288,6 +293,7 @@ class ModelManager:
                 entry.loading = False
             old = entry.versions
             entry.versions, entry.error, entry.unloaded = loaded, "", []
+            entry.as_step = _as_step
             entry.fingerprint = source.fingerprint()
             await asyncio.gather(*(v.unload(self._deadline()) for v in old.values()))
 
@@ -373,7 +379,7 @@ class ModelManager:
             entry = self.models.get(step)
             if entry is None or not entry.versions:
                 try:
-                    await self.load(step, _internal=True)
+                    await self.load(step, _internal=True, _as_step=True)
                 except TritonError as exc:
                     raise InvalidArgumentError(
                         f"failed to load ensemble '{name}': its step model '{step}' did not "
@@ -411,24 +417,43 @@ class ModelManager:
         return cfg.parse_json(result, name)
 
     async def unload(self, name: str, unload_dependents: bool = False) -> None:
-        """Unload every version of ``name``; with ``unload_dependents``, an ensemble's
-        step models go too."""
+        """Unload every version of ``name``, and the loaded ensembles that use it (they
+        could not run without it); with ``unload_dependents``, an ensemble's step
+        models that were loaded only for it, and that no other loaded ensemble uses,
+        go too. A name that is not loaded (or not known at all) is nothing to do, as in
+        Triton."""
         self._check_api_allowed()
         entry = self.models.get(name)
         if entry is None:
-            if isinstance(self.repository.scan().get(name), ModelSource):
-                return  # known but not loaded: nothing to do, as in Triton
-            raise NotFoundError(f"failed to unload '{name}', model is not found")
+            return
         steps = {
             step.model
             for version in entry.versions.values()
             if unload_dependents and version.is_ensemble
             for step in ensemble.steps_of(version.config)
         }
-        await self._unload_entry(entry)
+        await self._unload_with_users(entry)
         for step in sorted(steps):
-            if step in self.models:
-                await self._unload_entry(self.models[step])
+            step_entry = self.models.get(step)
+            if step_entry is not None and step_entry.as_step and not self._users_of(step):
+                await self._unload_with_users(step_entry)
+
+    def _users_of(self, name: str) -> list[str]:
+        """The loaded ensembles with a step that runs ``name``."""
+        return sorted(
+            user
+            for user, entry in self.models.items()
+            if any(
+                version.is_ensemble and any(step.model == name for step in ensemble.steps_of(version.config))
+                for version in entry.versions.values()
+            )
+        )
+
+    async def _unload_with_users(self, entry: ModelEntry) -> None:
+        for user in self._users_of(entry.name):
+            log.info("unloading ensemble '%s': it uses '%s', which is being unloaded", user, entry.name)
+            await self._unload_with_users(self.models[user])
+        await self._unload_entry(entry)
 
     def _deadline(self) -> float:
         return time.monotonic() + self.exit_timeout
@@ -438,7 +463,8 @@ class ModelManager:
             entry.error = ""
             # The versions stay listed (as UNLOADING) until their requests have drained.
             await asyncio.gather(*(v.unload(deadline or self._deadline()) for v in entry.versions.values()))
-            entry.unloaded = sorted(entry.versions)
+            if entry.versions:  # unloading it again leaves it listed as unloaded
+                entry.unloaded = sorted(entry.versions)
             entry.versions = {}
 
     # -- poll mode --------------------------------------------------------------------

@@ -18,7 +18,7 @@ import dlserve
 from dlserve import ModelControlMode
 from dlserve.frontends import KServeGrpc
 
-from ..conftest import frontend, serve
+from ..conftest import MODELS, frontend, serve
 
 LOADED = ["pipeline", "add_sub", "identity", "faulty", "stream_double", "decoupled", "double"]
 REFERENCE = Path(__file__).parents[1] / "data" / "triton_reference"  # captured from Triton 2.51
@@ -286,6 +286,33 @@ def test_explicit_mode_loading_an_ensemble_loads_its_steps(make_repo, servers):
     assert outputs(response)["SUM"] == (A + B).tolist()
     server.unload("pipeline", unload_dependents=True)  # the steps' models go with it
     assert not any(server.model(m).ready() for m in ("pipeline", "add_sub", "identity"))
+
+
+def test_unload_dependents_keeps_models_loaded_by_name_or_used_by_another_ensemble(make_repo, servers):
+    second = (MODELS / "pipeline" / "config.pbtxt").read_text().replace('name: "pipeline"', 'name: "second"')
+    repo = make_repo("pipeline", "add_sub", "identity", extra={"second": {"config.pbtxt": second, "1/.keep": ""}})
+    server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT)
+    server.load("identity")  # by name: stays, as in Triton
+    server.load("pipeline")  # loads add_sub for its steps
+    server.load("second")
+    server.unload("pipeline", unload_dependents=True)
+    assert server.model("identity").ready() and server.model("add_sub").ready()  # second uses add_sub
+    assert server.model("second").ready()
+    server.unload("second", unload_dependents=True)
+    assert not server.model("add_sub").ready()  # loaded only for the ensembles, now unused
+    assert server.model("identity").ready()
+
+
+def test_unloading_a_step_model_unloads_the_ensembles_that_use_it(make_repo, servers):
+    server = servers.start(
+        make_repo("pipeline", "add_sub", "identity"), model_control_mode=ModelControlMode.EXPLICIT
+    )
+    server.load("pipeline")
+    server.unload("add_sub")  # the ensemble cannot run without it: it goes too, as in Triton
+    states = {name: (model.state, model.reason) for (name, _), model in server.models().items()}
+    assert states["pipeline"] == states["add_sub"] == ("UNAVAILABLE", "unloaded")
+    assert states["identity"][0] == "READY"
+    assert server.ready()  # what is loaded is ready
 
 
 @pytest.mark.parametrize(

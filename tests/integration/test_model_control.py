@@ -49,6 +49,16 @@ def test_explicit_mode_load_and_unload(servers, make_repo):
     assert server.model("add_sub").ready()
     with pytest.raises(dlserve.NotFoundError, match="failed to load 'nope'"):
         server.load("nope")
+    # As in Triton: unloading twice, or a name that is not loaded or not known, is no error,
+    # and an unloaded model stays listed as unloaded.
+    server.unload("add_sub")
+    server.unload("add_sub")
+    server.unload("identity")
+    server.unload("nope")
+    assert rows(server) == {
+        "add_sub:1": {"state": "UNAVAILABLE", "reason": "unloaded"},
+        "identity:-1": {"state": None, "reason": None},
+    }
 
 
 def test_startup_models_and_star(servers, make_repo):
