@@ -54,6 +54,9 @@ def _input(name: str, spec: TensorSpec, value: Any, batching: bool) -> InputSpec
 def _json_value(tensor: Tensor) -> Any:
     """One element as a scalar, anything else as a flat list."""
     values = json_values.to_json(tensor)
+    if isinstance(values, json_values.NonFinite):
+        values.scalar = len(values.values) == 1
+        return values
     if isinstance(values, np.ndarray):
         values = values.tolist()
     return values[0] if len(values) == 1 else values

@@ -4,6 +4,10 @@ Reading is strict: a value of the wrong JSON type for the tensor's data type (a
 float for an integer, a number for a bool, an out-of-range integer) is refused
 rather than converted, so a client bug shows up as an error instead of as
 silently different data. FP16 and BF16 only travel as binary data.
+
+NaN and infinities, which JSON proper cannot spell, are spelled ``NaN``, ``Infinity``
+and ``-Infinity`` both ways, as Triton and Python's json module (which tritonclient
+uses) spell them.
 """
 
 from __future__ import annotations
@@ -31,7 +35,10 @@ def parse_object(data: Any) -> dict[str, Any]:
     try:
         value = orjson.loads(memoryview(data))
     except orjson.JSONDecodeError as exc:
-        raise InvalidArgumentError(f"failed to parse the request JSON buffer: {exc}") from None
+        try:  # NaN, Infinity, -Infinity: only Python's json reads them
+            value = json.loads(bytes(data))
+        except (ValueError, RecursionError):
+            raise InvalidArgumentError(f"failed to parse the request JSON buffer: {exc}") from None
     if not isinstance(value, dict):
         raise InvalidArgumentError("request body must be a JSON object")
     return value
@@ -97,15 +104,43 @@ def from_json(data_type: DataType, data: Any) -> np.ndarray:
     return np.array(flat, dtype=numpy_dtype(data_type))
 
 
+class NonFinite:
+    """Floats among which NaN or an infinity appears (orjson would write them as null),
+    a flat list or, with ``scalar``, its one element."""
+
+    __slots__ = ("scalar", "values")
+
+    def __init__(self, values: np.ndarray, scalar: bool = False) -> None:
+        self.values = values
+        self.scalar = scalar
+
+    def plain(self) -> Any:
+        return self.values[0].item() if self.scalar else self.values.tolist()
+
+    def fragment(self) -> orjson.Fragment:
+        """The JSON text: orjson's for the finite values, Triton's words for the rest."""
+        values = self.values[:1] if self.scalar else self.values
+        pieces = orjson.dumps(values, option=orjson.OPT_SERIALIZE_NUMPY).split(b"null")
+        words = [
+            b"NaN" if np.isnan(v) else b"Infinity" if v > 0 else b"-Infinity"
+            for v in values[~np.isfinite(values)]
+        ]
+        text = b"".join(piece + word for piece, word in zip(pieces, [*words, b""]))
+        return orjson.Fragment(text[1:-1] if self.scalar else text)
+
+
 def to_json(tensor: Tensor) -> Any:
     """A tensor's values, flat: strings for BYTES (bytes that are not UTF-8 kept as
-    they are, see :func:`dumps`), numbers otherwise (a numpy array, which orjson writes)."""
+    they are, see :func:`dumps`), numbers otherwise (a numpy array, which orjson writes,
+    or :class:`NonFinite`)."""
     if tensor.data_type is DataType.BYTES:
         values = tensor.to_bytes_array().reshape(-1)
         return [v.decode("utf-8", "surrogateescape") for v in values.tolist()]
     array = tensor.as_numpy().reshape(-1)
     if tensor.data_type in (DataType.FP16, DataType.BF16):
-        return array.astype(np.float32)
+        array = array.astype(np.float32)
+    if array.dtype.kind == "f" and not np.isfinite(array).all():
+        return NonFinite(array)
     return array
 
 
@@ -113,14 +148,22 @@ def dumps(document: dict[str, Any], sort_keys: bool = False) -> bytes:
     """The JSON bytes of a response document holding :func:`to_json` values."""
     option = orjson.OPT_SERIALIZE_NUMPY | (orjson.OPT_SORT_KEYS if sort_keys else 0)
     try:
-        return orjson.dumps(document, option=option)
+        return orjson.dumps(document, default=_fragment, option=option)
     except TypeError:  # BYTES that are not UTF-8: written raw, as Triton does
         return json.dumps(document, ensure_ascii=False, sort_keys=sort_keys, default=_plain).encode(
             "utf-8", "surrogateescape"
         )
 
 
+def _fragment(value: Any) -> Any:
+    if isinstance(value, NonFinite):
+        return value.fragment()
+    raise TypeError(f"cannot encode {type(value).__name__}")
+
+
 def _plain(value: Any) -> Any:
     if isinstance(value, np.ndarray):
         return value.tolist()
+    if isinstance(value, NonFinite):
+        return value.plain()
     raise TypeError(f"cannot encode {type(value).__name__}")

@@ -25,6 +25,7 @@ import zlib
 from typing import Any
 
 import aiohttp
+import numpy as np
 import pytest
 import requests
 
@@ -214,6 +215,13 @@ def test_generate_answers_one_flat_object_with_sorted_keys(port):
         b'"params":"{}","text_output":"echo:hello"}'
     )
     assert reply.body == expected
+
+
+def test_generate_spells_nan_and_infinities_as_triton_does(port):
+    reply = raw_post(port, gen_path("generate_echo"), {"text_input": "nan"})
+    assert reply.status == 200
+    answer = json.loads(reply.body)  # Python's json reads NaN / Infinity, as Triton writes them
+    assert np.isnan(answer["fp1"]) and answer["fp3"][1:] == [float("inf"), -float("inf")]
 
 
 def test_keys_sort_by_byte_order_and_id_is_echoed(port):

@@ -37,12 +37,14 @@ class TritonPythonModel:
             text = pb_utils.get_input_tensor_by_name(request, "text_input").as_numpy().flat[0]
             int_in = pb_utils.get_input_tensor_by_name(request, "int_in")
             int_out = int(int_in.as_numpy().reshape(-1)[0]) if int_in is not None else 42
+            nan = text == b"nan"  # non-finite floats out
             outputs = [
                 pb_utils.Tensor("text_output", np.array([b"echo:" + text], dtype=np.object_)),
                 pb_utils.Tensor("int_out", np.array([int_out], dtype=np.int32)),
                 pb_utils.Tensor("int3", np.array([1, 2, 3], dtype=np.int32)),
-                pb_utils.Tensor("fp1", np.array([0.5], dtype=np.float32)),
-                pb_utils.Tensor("fp3", np.array([0.1, 0.25, 3.0], dtype=np.float32)),
+                pb_utils.Tensor("fp1", np.array([np.nan if nan else 0.5], dtype=np.float32)),
+                pb_utils.Tensor("fp3", np.array([0.1, np.inf, -np.inf] if nan else [0.1, 0.25, 3.0],
+                                                dtype=np.float32)),
                 pb_utils.Tensor("bool_out", np.array([True])),
                 pb_utils.Tensor("grid", np.array([[b"x", b"y"], [b"z", b"w"]], dtype=np.object_)),
                 pb_utils.Tensor("empty", np.zeros(0, dtype=np.int32)),
