@@ -431,16 +431,38 @@ def decode_body(request: HttpRequest) -> Any:
     return out
 
 
+def accepted_compression(accept_encoding: str) -> str | None:
+    """gzip or deflate, whichever ``Accept-Encoding`` weighs more (gzip on a tie), or
+    None when it accepts neither (absent, or ``q=0``)."""
+    weights: dict[str, float] = {}
+    for item in accept_encoding.lower().split(","):
+        coding, _, parameters = item.partition(";")
+        coding = coding.strip()
+        if coding not in ("gzip", "deflate"):
+            continue
+        weight = 1.0
+        for parameter in parameters.split(";"):
+            key, _, value = parameter.partition("=")
+            if key.strip() == "q":
+                try:
+                    weight = float(value)
+                except ValueError:
+                    weight = 0.0
+        weights[coding] = weight
+    best = max(("gzip", "deflate"), key=lambda c: weights.get(c, 0.0))
+    return best if weights.get(best, 0.0) > 0 else None
+
+
 def encode_body(request: HttpRequest, response: HttpResponse) -> HttpResponse:
     """Compress a response when the client accepts gzip or deflate."""
-    accepted = request.header("accept-encoding").lower()
-    if not response.body or ("gzip" not in accepted and "deflate" not in accepted):
+    name = accepted_compression(request.header("accept-encoding"))
+    if not response.body or name is None:
         return response
     raw = b"".join(bytes(part) for part in response.body)
-    if "gzip" in accepted:
-        data, name = gzip.compress(raw, compresslevel=1), "gzip"
+    if name == "gzip":
+        data = gzip.compress(raw, compresslevel=1)
     else:
-        data, name = zlib.compress(raw, 1), "deflate"
+        data = zlib.compress(raw, 1)
     headers = [(k, v) for k, v in response.headers if k.lower() != "inference-header-content-length"]
     headers.append(("Content-Encoding", name))
     for k, v in response.headers:

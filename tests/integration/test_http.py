@@ -1300,6 +1300,13 @@ def test_compression_on_the_wire(port):
             == plain.headers["inference-header-content-length"]
         )
         assert decompress(reply.body) == plain.body
+    # Weights as Triton reads them: q=0 refuses a coding; the heavier one wins.
+    for accept, expected in (("gzip;q=0, identity", None), ("deflate;q=0.5, gzip;q=0.1", "deflate"),
+                             ("gzip;q=0, deflate", "deflate"), ("identity", None), ("GZIP", "gzip")):
+        reply = request(port, "POST", "/v2/models/add_sub/infer", body,
+                        {"Inference-Header-Content-Length": str(header_length), "Accept-Encoding": accept})
+        assert reply.status == 200 and reply.headers.get("content-encoding") == expected, accept
+        assert (zlib.decompress(reply.body, 47) if expected else reply.body) == plain.body
     for encoding, data, status in (
         ("gzip", b"not gzip", 400),
         ("br", b"x", 400),
