@@ -271,6 +271,7 @@ class KServeHttpApi:
         header, binary = _split_body(request)
         body = json_values.parse_object(header)
         request_id, parameters = json_values.id_and_parameters(body)
+        json_values.check_infer_parameters(parameters)
         if self.forward is not None:
             parameters = dict(parameters)
             for key, value in request.headers.items():
@@ -382,6 +383,8 @@ def _decode_inputs(raw_inputs: Any, binary: np.ndarray, request_id: str) -> list
             spec.raw = binary[position : position + size]
             position += size
         elif has_data:
+            if not isinstance(item["data"], list):
+                raise InvalidArgumentError(f"{label}input '{name}': 'data' must be a JSON array")
             spec.array = _json_data(name, datatype, shape, item["data"], label)
         specs.append(spec)
     if position != binary.nbytes:
@@ -419,8 +422,15 @@ def _decode_outputs(raw: Any) -> list[OutputSpec] | None:
     for item in raw:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             raise InvalidArgumentError("each requested output needs a 'name'")
-        parameters = json_values.object_field(item.get("parameters"), f"parameters of output '{item['name']}'")
-        specs.append(OutputSpec(item["name"], parameters, shm_ref(parameters, f"output '{item['name']}'")))
+        name = item["name"]
+        parameters = json_values.object_field(item.get("parameters"), f"parameters of output '{name}'")
+        binary = parameters.get("binary_data")
+        if binary is not None and not isinstance(binary, bool):
+            raise InvalidArgumentError(f"output '{name}': 'binary_data' must be a boolean")
+        ref = shm_ref(parameters, f"output '{name}'")
+        if ref is not None and binary:
+            raise InvalidArgumentError("Output can't set both 'shared_memory_region' and 'binary_data'")
+        specs.append(OutputSpec(name, parameters, ref))
     return specs
 
 

@@ -61,6 +61,28 @@ def id_and_parameters(document: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     return request_id, object_field(document.get("parameters"), "parameters")
 
 
+def check_infer_parameters(parameters: dict[str, Any]) -> None:
+    """What Triton's infer endpoint refuses (its generate endpoint takes them all): keys
+    it keeps for itself, and the ones it reads without their types."""
+    for key, value in parameters.items():
+        if key.startswith("triton_"):
+            raise InvalidArgumentError(
+                "parameter keys starting with 'triton_' are reserved for Triton usage and should "
+                "not be specified."
+            )
+        if key == "headers":
+            raise InvalidArgumentError(
+                "parameter 'headers' is reserved: the server fills it from the request's "
+                "HTTP headers (--http-header-forward-pattern)"
+            )
+        if key in ("sequence_start", "sequence_end", "binary_data_output") and not isinstance(value, bool):
+            raise InvalidArgumentError(f"parameter '{key}' must be a boolean")
+        if key == "sequence_id" and (
+            isinstance(value, bool) or not isinstance(value, (int, str)) or (isinstance(value, int) and value < 0)
+        ):
+            raise InvalidArgumentError("parameter 'sequence_id' must be a non-negative integer or a string")
+
+
 def flatten(data: Any) -> list[Any]:
     """A JSON value or (nested) list of them as one flat list, in row-major order."""
     out: list[Any] = []

@@ -1744,6 +1744,43 @@ BAD_INFER_BODIES = {
         ),
         "a classification cannot be written to shared memory",
     ),
+    # Found comparing with Triton 2.51, which refuses these too (400, or 500 for a wrong type).
+    "reserved triton_ parameter": (
+        json_infer([identity_input()], parameters={"triton_foo": 1}),
+        "parameter keys starting with 'triton_' are reserved for Triton usage",
+    ),
+    "headers parameter": (
+        json_infer([identity_input()], parameters={"headers": {"a": "b"}}),
+        "parameter 'headers' is reserved",
+    ),
+    "sequence_start not a bool": (
+        json_infer([identity_input()], parameters={"sequence_start": "true"}),
+        "parameter 'sequence_start' must be a boolean",
+    ),
+    "negative sequence_id": (
+        json_infer([identity_input()], parameters={"sequence_id": -5}),
+        "parameter 'sequence_id' must be a non-negative integer or a string",
+    ),
+    "binary_data_output not a bool": (
+        json_infer([identity_input()], parameters={"binary_data_output": "yes"}),
+        "parameter 'binary_data_output' must be a boolean",
+    ),
+    "output binary_data not a bool": (
+        json_infer([identity_input()], outputs=[{"name": "OUTPUT0", "parameters": {"binary_data": "x"}}]),
+        "'binary_data' must be a boolean",
+    ),
+    "data not an array": (
+        '{"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1], "data": 1}]}',
+        "'data' must be a JSON array",
+    ),
+    "output in shared memory and binary": (
+        json_infer(
+            [identity_input()],
+            outputs=[{"name": "OUTPUT0", "parameters": {
+                "binary_data": True, "shared_memory_region": "r", "shared_memory_byte_size": 64}}],
+        ),
+        "Output can't set both 'shared_memory_region' and 'binary_data'",
+    ),
 }
 
 
