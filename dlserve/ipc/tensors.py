@@ -32,9 +32,10 @@ from typing import Any
 
 import numpy as np
 
-from dlserve.errors import InternalError
+from dlserve.errors import InternalError, InvalidArgumentError
 from dlserve.memory.arena import ALIGNMENT, Anchor, Arena, MemorySpace
 from dlserve.memory.dtypes import DataType
+from dlserve.memory.shm import is_pinned
 from dlserve.memory.tensor import Tensor
 
 INLINE_MAX = 4096
@@ -196,6 +197,11 @@ class Peer:
     def _import_ref(self, ref: tuple[str, int, int, int]) -> tuple[np.ndarray, int]:
         segment_name, offset, nbytes, lease = ref
         segment = self.space.segment(segment_name)
+        if is_pinned(segment_name) and segment.current_size() < offset + nbytes:
+            # A client's object, shrunk since its region was checked: touching it is a SIGBUS.
+            raise InvalidArgumentError(
+                "a shared memory region the request uses was shrunk by its owner; register it again"
+            )
         if lease:
             anchor = self.space.anchor(segment, offset, nbytes, lambda: self._returned(lease))
             anchor.origin = self

@@ -8,9 +8,17 @@ model reads its inputs from, and writes its outputs into, the client's memory.
 Every reference is checked: the region must fit the object, a reference must fit
 the region, and — because a client can shrink its object after registering it,
 which would turn a touch into SIGBUS — the object's current size is checked again
-each time a region is used. Keys in dlserve's own namespace can never be
-registered, with or without a leading ``/`` (the same POSIX object), and errors
-never echo an internal segment name.
+each time a region is used, and again when a worker's answer refers to it
+(dlserve.ipc.tensors). A region means the object its key named when it was
+registered: the mapping is named after that object (``key#inode``, see
+:func:`dlserve.memory.shm.pinned_name`), and a region whose key now names another
+object (the client removed and re-created it) is refused until registered again.
+Keys in dlserve's own namespace can never be registered, with or without a leading
+``/`` (the same POSIX object), and errors never echo an internal segment name.
+
+Left: a client that shrinks its object in the microseconds between such a check and
+the server's touch (writing a response that refers to the region) still crashes the
+server; everywhere else a shrunk object fails only the requests that use it.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ import numpy as np
 
 from dlserve.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError
 from dlserve.memory.arena import Anchor, MemorySpace
-from dlserve.memory.shm import Segment, shm_path
+from dlserve.memory.shm import Segment, pinned_name, shm_path
 
 
 @dataclasses.dataclass
@@ -36,6 +44,7 @@ class Region:
     byte_size: int
     segment: Segment
     anchor: Anchor  # keeps the mapping alive while requests use the region
+    path: str  # of the key in /dev/shm
 
     def status(self) -> dict[str, Any]:
         return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
@@ -92,19 +101,16 @@ class SystemRegions:
                     f"the {segment.size}-byte object '{key}'"
                 )
             anchor = self._space.anchor(segment, offset, byte_size)
-            self._regions[name] = Region(name, key, offset, byte_size, segment, anchor)
+            self._regions[name] = Region(name, key, offset, byte_size, segment, anchor, path)
 
     def _mapping(self, key: str, path: str) -> Segment:
-        """The object's mapping, reopened if the name now belongs to a new object."""
-        segment = self._space.known_segment(key)
-        if segment is not None and segment.inode != os.stat(path).st_ino:
-            self._forget(key)
-            segment = None
-        return segment if segment is not None else self._space.segment(key)
+        """The mapping of the object ``key`` names now (shared by its regions)."""
+        name = pinned_name(key, os.stat(path).st_ino)
+        return self._space.known_segment(name) or self._space.segment(name)
 
-    def _forget(self, key: str) -> None:
-        self._space.forget_segment(key)
-        self._on_forget(key)
+    def _forget(self, name: str) -> None:
+        self._space.forget_segment(name)
+        self._on_forget(name)
 
     def unregister(self, name: str | None = None) -> None:
         """Forget one region (``name``) or all; requests using them keep their mapping."""
@@ -112,8 +118,8 @@ class SystemRegions:
             names = list(self._regions) if name is None else [name]
             removed = [self._regions.pop(n) for n in names if n in self._regions]
             in_use = {region.segment.name for region in self._regions.values()}
-            for key in {region.segment.name for region in removed} - in_use:
-                self._forget(key)
+            for segment_name in {region.segment.name for region in removed} - in_use:
+                self._forget(segment_name)
 
     def status(self, name: str | None = None) -> list[dict[str, Any]]:
         with self._lock:
@@ -138,6 +144,15 @@ class SystemRegions:
         if region.segment.current_size() < region.offset + region.byte_size:
             raise InvalidArgumentError(
                 f"shared memory region '{name}' was shrunk by its owner; register it again"
+            )
+        try:
+            replaced = os.stat(region.path).st_ino != region.segment.inode
+        except FileNotFoundError:
+            replaced = False  # removed, not replaced: the mapping still holds the object
+        if replaced:
+            raise InvalidArgumentError(
+                f"shared memory region '{name}': its object '{region.key}' was replaced after the "
+                "region was registered; register it again"
             )
         full = np.frombuffer(region.anchor, dtype=np.uint8)
         return full[offset : offset + byte_size]

@@ -36,6 +36,7 @@ from dlserve.errors import InvalidArgumentError, UnavailableError
 SHM_DIR = "/dev/shm"
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
 _MEMFD_NAME = re.compile(r"^([A-Za-z0-9_.\-]{1,200})@(\d+)\.(\d+)\.(\d+)$")  # name@pid.fd.inode
+_PINNED_NAME = re.compile(r"^([A-Za-z0-9_.\-]{1,200})#(\d+)$")  # name#inode
 BACKING_VARIABLE = "DLSERVE_SHM"  # "memfd": every segment is one; otherwise /dev/shm first
 
 log = logging.getLogger("dlserve.memory")
@@ -50,10 +51,34 @@ def shm_path(name: str) -> str:
     return os.path.join(SHM_DIR, bare)
 
 
+def pinned_name(name: str, inode: int) -> str:
+    """The name of the object now called ``name`` in /dev/shm that stays its name:
+    opening it fails once another object takes the name (a client's region must not
+    quietly move to whatever its key names later)."""
+    bare = name[1:] if name.startswith("/") else name
+    return f"{bare}#{inode}"
+
+
+def is_pinned(name: str) -> bool:
+    """Whether ``name`` is a :func:`pinned_name` (a client's object, not dlserve's)."""
+    return "#" in name
+
+
 def _open(name: str) -> int:
-    """A descriptor of a peer's segment: in /dev/shm, or through /proc/<pid>/fd/<fd> for
-    a memfd (if that is still the same memfd: the number may have been reused). A memfd
-    that cannot be opened (its owner is gone, or is not dumpable) is UNAVAILABLE."""
+    """A descriptor of a peer's segment: in /dev/shm (a pinned name: if it is still the
+    same object), or through /proc/<pid>/fd/<fd> for a memfd (if that is still the same
+    memfd: the number may have been reused). A memfd that cannot be opened (its owner
+    is gone, or is not dumpable) is UNAVAILABLE."""
+    pinned = _PINNED_NAME.match(name)
+    if pinned is not None:
+        fd = os.open(shm_path(pinned[1]), os.O_RDWR)
+        if os.fstat(fd).st_ino != int(pinned[2]):
+            os.close(fd)
+            raise InvalidArgumentError(
+                f"shared memory object '{pinned[1]}' was replaced after its region was registered; "
+                "register the region again"
+            )
+        return fd
     memfd = _MEMFD_NAME.match(name)
     if memfd is None:
         return os.open(shm_path(name), os.O_RDWR)

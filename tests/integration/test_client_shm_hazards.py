@@ -1,0 +1,103 @@
+"""What a client can do to its own registered shared memory behind the server's back:
+shrink the object while a request uses it (touching it would be a SIGBUS that kills
+the server), or remove it and create another object under the same key (a region
+must not quietly move to the new object). Each fails the requests concerned with a
+clear error; the server serves on and the regions can be registered again."""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from dlserve.frontends import KServeHttp
+
+N = 1 << 14  # FP32 values: 64 KiB, passed by reference (not inline)
+
+
+@pytest.fixture
+def client(servers, make_repo):
+    server = servers.start(make_repo("identity", "faulty"))
+    service = KServeHttp(server, KServeHttp.Options(address="127.0.0.1", port=0, allow_client_shm=True))
+    service.start()
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{service.port}", network_timeout=60)
+    try:
+        yield client
+    finally:
+        client.unregister_system_shared_memory()
+        client.close()
+        service.stop()
+
+
+@pytest.fixture
+def key():
+    name = f"client_shm_test_{uuid.uuid4().hex[:8]}"
+    yield name
+    if os.path.exists(f"/dev/shm/{name}"):
+        os.unlink(f"/dev/shm/{name}")
+
+
+def make_object(key: str, values: np.ndarray) -> None:
+    with open(f"/dev/shm/{key}", "wb") as f:
+        f.write(values.tobytes())
+
+
+def input_in(region: str) -> httpclient.InferInput:
+    tensor = httpclient.InferInput("INPUT0", [N], "FP32")
+    tensor.set_shared_memory(region, N * 4)
+    return tensor
+
+
+def assert_serving(client: httpclient.InferenceServerClient) -> None:
+    tensor = httpclient.InferInput("INPUT0", [3], "FP32")
+    tensor.set_data_from_numpy(np.arange(3, dtype=np.float32))
+    np.testing.assert_array_equal(client.infer("identity", [tensor]).as_numpy("OUTPUT0"), np.arange(3))
+
+
+def test_an_object_shrunk_while_its_request_runs_fails_that_request_not_the_server(client, key):
+    make_object(key, np.ones(N, np.float32))
+    client.register_system_shared_memory("in", f"/{key}", N * 4)
+    # The model hands its input back: the answer refers to the client's object, which
+    # the server would read to write the response; it is shrunk while the model sleeps.
+    shrink = threading.Timer(0.3, os.truncate, (f"/dev/shm/{key}", 0))
+    shrink.start()
+    with pytest.raises(InferenceServerException, match="was shrunk by its owner; register it again"):
+        client.infer("faulty", [input_in("in")], parameters={"mode": "sleep:1"})
+    shrink.join()
+    assert_serving(client)
+    with pytest.raises(InferenceServerException, match="'in' was shrunk by its owner"):
+        client.infer("identity", [input_in("in")])  # already shrunk: refused before it runs
+    client.unregister_system_shared_memory("in")
+    make_object(key, np.full(N, 2.0, np.float32))
+    client.register_system_shared_memory("in", f"/{key}", N * 4)
+    np.testing.assert_array_equal(client.infer("identity", [input_in("in")]).as_numpy("OUTPUT0"), 2.0)
+
+
+@pytest.mark.parametrize("use", ["input", "output"])
+def test_a_region_whose_key_now_names_another_object_is_refused(client, key, use):
+    make_object(key, np.ones(N, np.float32))
+    client.register_system_shared_memory("A", f"/{key}", N * 4)
+    tensor = input_in("A") if use == "input" else httpclient.InferInput("INPUT0", [N], "FP32")
+    output = httpclient.InferRequestedOutput("OUTPUT0")
+    if use == "output":
+        tensor.set_data_from_numpy(np.full(N, 3.0, np.float32))
+        output.set_shared_memory("A", N * 4)
+    client.infer("identity", [tensor], outputs=[output])  # a first use: A's object is mapped
+
+    os.unlink(f"/dev/shm/{key}")  # the client re-creates its object under the same key
+    make_object(key, np.full(N, 9.0, np.float32))
+    client.register_system_shared_memory("B", f"/{key}", N * 4)
+    with pytest.raises(InferenceServerException, match="'A': its object .* was replaced"):
+        client.infer("identity", [tensor], outputs=[output])
+    # B is the new object, untouched by A's request.
+    assert np.array_equal(np.fromfile(f"/dev/shm/{key}", np.float32), np.full(N, 9.0, np.float32))
+    np.testing.assert_array_equal(client.infer("identity", [input_in("B")]).as_numpy("OUTPUT0"), 9.0)
+    client.unregister_system_shared_memory("A")
+    client.register_system_shared_memory("A", f"/{key}", N * 4)  # registered again: the new object
+    np.testing.assert_array_equal(client.infer("identity", [input_in("A")]).as_numpy("OUTPUT0"), 9.0)
+    assert_serving(client)
