@@ -114,6 +114,7 @@ class HttpConnection(asyncio.BufferedProtocol):
         self._parser = httptools.HttpRequestParser(self)
         self._direct: np.ndarray | None = None  # body block being filled straight from the socket
         self._filled = 0
+        self._reserved = 0  # bytes of the server's body reserve this connection's block holds
         self._reset_message()
         self._begun_ns = 0
         self._pending: collections.deque[HttpRequest | HttpError] = collections.deque()
@@ -175,8 +176,13 @@ class HttpConnection(asyncio.BufferedProtocol):
                 "bytes (--http-max-input-size)",
             )
         self._expected = expected
-        if expected >= DIRECT_BODY_MIN and "content-encoding" not in self._headers:
-            self._block = self.server.allocate_body(expected)
+        if expected >= DIRECT_BODY_MIN and "content-encoding" not in self._headers and self.server.reserve(expected):
+            self._reserved = expected
+            try:
+                self._block = self.server.allocate_body(expected)
+            except BaseException:
+                self._unreserve()
+                raise
         expect = self._headers.get("expect", "").lower()
         if expect == "100-continue" and self.transport is not None and not self.in_flight:
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -197,9 +203,15 @@ class HttpConnection(asyncio.BufferedProtocol):
     def on_message_complete(self) -> None:
         if self._block is not None:
             body: Any = self._block
+            self._unreserve()
         else:
             body = b"".join(self._body_parts)
         self._queue_request(body)
+
+    def _unreserve(self) -> None:
+        """The block is full (or dropped): it no longer waits for bytes to come."""
+        self.server.reserved -= self._reserved
+        self._reserved = 0
 
     def _queue_request(self, body: Any) -> None:
         parsed = httptools.parse_url(self._url)
@@ -239,6 +251,7 @@ class HttpConnection(asyncio.BufferedProtocol):
             self._filled += nbytes
             if self._filled == self._direct.nbytes:
                 block, self._direct = self._direct, None
+                self._unreserve()
                 self._queue_request(block)
                 self._parser = httptools.HttpRequestParser(self)  # the old one stopped mid-body
             return
@@ -274,6 +287,7 @@ class HttpConnection(asyncio.BufferedProtocol):
         # Drop a half-received body now (it may be a 64 MiB shared-memory block) rather
         # than when the garbage collector breaks the parser <-> connection cycle.
         self._block = self._direct = None
+        self._unreserve()
         self._body_parts = []
         self._pending.clear()
         self._parser = None  # type: ignore[assignment]
@@ -480,16 +494,33 @@ class HttpServer:
         allocate_body: BodyAllocator | None = None,
         max_body: int = 1 << 26,
         poll_limit: float = 0.0,
+        body_reserve: int | None = None,
     ) -> None:
         """``allocate_body(n)`` gives the memory a large body is read into (default:
         ordinary memory; the KServe frontend passes shared memory). ``poll_limit``:
-        the most the loop polls for a keep-alive client's next request (seconds)."""
+        the most the loop polls for a keep-alive client's next request (seconds).
+
+        A large body's block is allocated when its headers arrive, so that it is read
+        straight into place; ``body_reserve`` bounds the bytes such blocks may hold
+        while their bodies are still to come (default: twice ``max_body``, at least
+        256 MiB). Beyond it, bodies are gathered as their bytes arrive, so clients
+        that declare large bodies and send nothing cannot claim memory."""
         self.handler = handler
         self.allocate_body = allocate_body or (lambda nbytes: np.empty(nbytes, dtype=np.uint8))
         self.max_body = max_body
+        self.body_reserve = max(2 * max_body, 256 << 20) if body_reserve is None else body_reserve
+        self.reserved = 0
         self.poll_limit = poll_limit
         self.connections: set[HttpConnection] = set()
         self._server: asyncio.AbstractServer | None = None
+
+    def reserve(self, nbytes: int) -> bool:
+        """Whether a block of ``nbytes`` for a body still to come fits the reserve (it
+        is then counted until the connection gives it back)."""
+        if self.reserved + nbytes > self.body_reserve:
+            return False
+        self.reserved += nbytes
+        return True
 
     async def dispatch(self, request: HttpRequest) -> HttpResponse:
         try:

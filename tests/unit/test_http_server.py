@@ -7,6 +7,8 @@ import asyncio
 import socket
 from collections.abc import AsyncGenerator
 
+import numpy as np
+
 from dlserve.frontends.http_server import HttpRequest, HttpResponse, HttpServer
 
 
@@ -62,5 +64,53 @@ def test_a_stream_that_fails_after_its_head_closes_the_connection() -> None:
         assert not body.endswith(b"0\r\n\r\n")  # never terminated as if complete
         assert b'{"ok":true}' not in body
         assert fine.startswith(b"HTTP/1.1 200") and fine.endswith(b'{"ok":true}')
+
+    asyncio.run(main())
+
+
+def test_blocks_for_bodies_still_to_come_stay_within_the_reserve() -> None:
+    """Clients that declare large bodies and send nothing get at most ``body_reserve``
+    bytes of pre-allocated blocks; the other bodies are gathered as they arrive, and
+    every request is answered with its whole body either way."""
+    size = 1 << 20
+    allocated: list[int] = []
+
+    def allocate(nbytes: int) -> np.ndarray:
+        allocated.append(nbytes)
+        return np.empty(nbytes, dtype=np.uint8)
+
+    async def echo_size(request: HttpRequest) -> HttpResponse:
+        body = request.body
+        ok = len(body) == size and bytes(body[:4]) == b"abcd" and bytes(body[-4:]) == b"wxyz"
+        return HttpResponse(body=[str(len(body) if ok else -1).encode()])
+
+    async def main() -> None:
+        server = HttpServer(echo_size, allocate, max_body=size, body_reserve=2 * size)
+        port = await server.start("127.0.0.1", 0)
+        loop = asyncio.get_running_loop()
+        head = f"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: {size}\r\nConnection: close\r\n\r\n".encode()
+        body = b"abcd" + b"." * (size - 8) + b"wxyz"
+        socks = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(5)]
+        try:
+            for sock in socks:
+                sock.sendall(head)  # headers only, for now
+            for _ in range(100):
+                await asyncio.sleep(0.01)
+                if len(allocated) >= 2 and server.reserved == 2 * size:
+                    break
+            assert allocated == [size, size] and server.reserved == 2 * size
+
+            def finish() -> list[bytes]:
+                for sock in socks:
+                    sock.sendall(body)
+                return [_read_until_closed(sock) for sock in socks]
+
+            answers = await loop.run_in_executor(None, finish)
+        finally:
+            for sock in socks:
+                sock.close()
+            await server.stop()
+        assert all(a.startswith(b"HTTP/1.1 200") and a.endswith(str(size).encode()) for a in answers), answers
+        assert allocated == [size, size] and server.reserved == 0
 
     asyncio.run(main())
