@@ -321,13 +321,26 @@ def serve(args: argparse.Namespace) -> int:
         trace=_trace_settings(_trace_entries(args)),
     )
     stop = threading.Event()
+    starting = [True]
+
+    def on_signal(*_: Any) -> None:
+        stop.set()
+        if starting[0]:  # out of a start still loading models: it shuts down what it began
+            starting[0] = False
+            raise _StopWhileStarting
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     try:
         server = dlserve.Server(options).start()
+    except _StopWhileStarting:
+        print("dlserve: stopped while starting", file=sys.stderr)
+        return 0
     except dlserve.TritonError as exc:
         print(f"dlserve: {exc}", file=sys.stderr)
         return 1
+    finally:
+        starting[0] = False
     log = logging.getLogger("dlserve")
     services: list[Any] = []
     try:
@@ -366,6 +379,10 @@ def serve(args: argparse.Namespace) -> int:
     log.info("shutting down: finishing in-flight requests (up to %d s)", args.exit_timeout_secs)
     server.stop()  # stops the services first, draining them
     return 0
+
+
+class _StopWhileStarting(Exception):
+    """SIGTERM or SIGINT while the server loads its models."""
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,7 +29,7 @@ import pytest
 
 from dlserve.cli import build_parser
 
-from ..conftest import worker_processes
+from ..conftest import MODELS, worker_processes
 from .test_repositories import FLAKY, FLAKY_CONFIG, TWO_INSTANCES
 
 BIN = Path(sys.executable).parent
@@ -676,3 +676,33 @@ def test_a_workers_stderr_reaches_the_servers(serve, make_repo):
     code, _ = process.stop()
     assert code == 0, process.output()
     process.assert_clean()
+
+
+SLOW_START = """
+import time
+
+class TritonPythonModel:
+    def initialize(self, args):
+        time.sleep(600)
+
+    def execute(self, requests):
+        return []
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_while_models_load_at_start_stops_the_server(make_repo, tmp_path, sig):
+    config = (MODELS / "identity" / "config.pbtxt").read_text().replace('name: "identity"', 'name: "slow"')
+    repo = make_repo(extra={"slow": {"config.pbtxt": config, "1/model.py": SLOW_START}})
+    process = Serve(tmp_path, ["--model-repository", str(repo), "--exit-timeout-secs", "2"])
+    try:
+        deadline = time.monotonic() + 60
+        while not process.workers():  # the model's worker runs its initialize
+            assert process.proc.poll() is None and time.monotonic() < deadline, process.output()
+            time.sleep(0.05)
+        code, seconds = process.stop(sig, timeout=30)
+        assert code == 0 and seconds < 15, (seconds, process.output())
+        assert "stopped while starting" in process.stderr
+        process.assert_clean()
+    finally:
+        process.kill()
