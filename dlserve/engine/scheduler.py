@@ -322,6 +322,8 @@ class Scheduler:
 
     async def drain(self, timeout: float) -> bool:
         """Wait until nothing is queued or executing; False if ``timeout`` ran out."""
+        if self._idle.is_set():  # (wait_for with no time left would time out regardless)
+            return True
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
             return True

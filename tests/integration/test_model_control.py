@@ -335,6 +335,13 @@ def test_unload_waits_for_in_flight_requests(servers, make_repo):
     assert results and results[0].error is None  # finished, not cut off
 
 
+def test_an_idle_model_stopped_with_no_time_left_is_not_said_to_have_requests(servers, make_repo, caplog):
+    server = servers.start(make_repo("add_sub"), exit_timeout=0)
+    with caplog.at_level(logging.WARNING, logger="dlserve"):
+        servers.stop(server)
+    assert not [r for r in caplog.records if "still had requests in flight" in r.getMessage()]
+
+
 def test_model_logs_reach_the_server_log(servers, make_repo, caplog):
     server = servers.start(make_repo("logger"), log_verbose=1)
     with caplog.at_level(logging.DEBUG, logger="dlserve.model.logger"):
