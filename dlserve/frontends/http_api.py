@@ -1,7 +1,8 @@
 """The KServe v2 REST API with Triton's extensions, over :mod:`http_server`.
 
 Paths, JSON shapes, the binary tensor extension (``Inference-Header-Content-Length``,
-``binary_data``, ``binary_data_size``, ``binary_data_output``), shared-memory
+``binary_data``, ``binary_data_size``, ``binary_data_output``, raw binary requests with
+a header length of 0), shared-memory
 references, restricted API categories and the error body ``{"error": "..."}`` follow
 Triton's HTTP frontend. Status codes come from the error's Triton code (see
 :data:`STATUS`); nothing below the frontends knows about HTTP.
@@ -264,11 +265,20 @@ class KServeHttpApi:
 
     # -- inference ------------------------------------------------------------------------
     async def infer(self, request: HttpRequest, args: dict[str, str]) -> HttpResponse:
-        if self.engine.model(args["model"], _version(args)).decoupled:
+        model = self.engine.model(args["model"], _version(args))
+        if model.decoupled:
             raise UnsupportedError(
                 "HTTP end point doesn't support models with decoupled transaction policy"
             )
         header, binary = _split_body(request)
+        if header is None:  # a raw binary request: the body is the model's one input
+            engine_request = self.dataplane.build_request(
+                args["model"], args.get("version"), "", {}, [_raw_input(model.name, model.config, binary)], None
+            )
+            response = await self.dataplane.infer(engine_request)
+            if response.error is not None:
+                return error_response(response.error)
+            return _encode_response(response, [], binary_default=True)
         body = json_values.parse_object(header)
         request_id, parameters = json_values.id_and_parameters(body)
         json_values.check_infer_parameters(parameters)
@@ -325,7 +335,8 @@ def json_object(request: HttpRequest, allow_empty: bool = False) -> dict[str, An
 
 
 def _split_body(request: HttpRequest) -> tuple[Any, np.ndarray]:
-    """(JSON header, binary tail as a uint8 array) per Inference-Header-Content-Length."""
+    """(JSON header, binary tail as a uint8 array) per Inference-Header-Content-Length;
+    a header length of 0 (a raw binary request) gives (None, the body)."""
     body = decode_body(request)
     data = body if isinstance(body, np.ndarray) else np.frombuffer(body, dtype=np.uint8)
     length_text = request.header(HEADER_LENGTH)
@@ -336,15 +347,52 @@ def _split_body(request: HttpRequest) -> tuple[Any, np.ndarray]:
     except ValueError:
         raise InvalidArgumentError(f"invalid Inference-Header-Content-Length '{length_text}'") from None
     if length == 0:
-        raise UnsupportedError(
-            "raw binary requests (Inference-Header-Content-Length: 0) are not supported; "
-            "send a JSON header describing the inputs"
-        )
+        return None, data
     if length < 0 or length > data.nbytes:
         raise InvalidArgumentError(
             f"Inference-Header-Content-Length {length} is outside the {data.nbytes}-byte body"
         )
     return data[:length], data[length:]
+
+
+def _raw_input(model: str, config: Any, data: np.ndarray) -> InputSpec:
+    """A raw binary request's one input, as Triton deduces it: the data type and dims
+    of the model's only input (a batch of 1 in front if the model batches), one
+    variable dimension deduced from the size; BYTES only for dims [1], the whole body
+    being its one element."""
+    if len(config.input) != 1:
+        raise InvalidArgumentError(
+            "a raw binary request (Inference-Header-Content-Length: 0) needs a model with "
+            f"exactly one input; '{model}' has {len(config.input)}"
+        )
+    spec = config.input[0]
+    data_type = DataType(spec.data_type)
+    dims = [int(d) for d in spec.dims]
+    batch = [1] if config.max_batch_size > 0 else []
+    if data_type is DataType.BYTES:
+        if dims != [1]:
+            raise InvalidArgumentError(
+                f"For BYTE datatype raw input '{spec.name}', the model must have input shape [1]"
+            )
+        array = np.empty(1, dtype=np.object_)
+        array[0] = data.tobytes()
+        return InputSpec(spec.name, data_type.wire_name, [*batch, 1], array=array)
+    variable = [i for i, d in enumerate(dims) if d < 0]
+    if len(variable) > 1:
+        raise InvalidArgumentError(
+            f"the shape of raw input '{spec.name}' cannot be deduced: its dims {dims} have "
+            "more than one variable dimension"
+        )
+    row = data_type.itemsize * math.prod(d for d in dims if d >= 0)
+    if variable and row:
+        dims[variable[0]] = data.nbytes // row
+    expected = math.prod(dims) * data_type.itemsize
+    if expected != data.nbytes:
+        raise InvalidArgumentError(
+            f"input byte size mismatch for raw input '{spec.name}' for model '{model}'. "
+            f"Expected {expected}, got {data.nbytes}"
+        )
+    return InputSpec(spec.name, data_type.wire_name, [*batch, *dims], raw=data)
 
 
 def _decode_inputs(raw_inputs: Any, binary: np.ndarray, request_id: str) -> list[InputSpec]:

@@ -1883,12 +1883,6 @@ def _fp32_input(size: int) -> dict:
             400,
             "only one of",
         ),
-        (
-            "raw binary request (header length 0)",
-            _binary(_fp32_input(16), fp32([1, 2, 3, 4]), 0),
-            501,
-            "raw binary",
-        ),
     ],
     ids=lambda v: v if isinstance(v, str) else "",
 )
@@ -1898,6 +1892,39 @@ def test_bad_binary_bodies(port, label, body_and_headers, status, fragment):
         request(port, "POST", "/v2/models/identity/infer", body, headers), status, fragment
     )
     assert_serving(port)
+
+
+def test_raw_binary_requests_as_triton_deduces_them(port):
+    """Inference-Header-Content-Length: 0: the body is the model's one input, its data
+    type and shape from the config (compared with Triton 2.51), every output binary."""
+    headers = {"Inference-Header-Content-Length": "0"}
+    reply = request(port, "POST", "/v2/models/identity/infer", fp32([1, 2, 3, 4, 5]), headers)
+    assert reply.status == 200, reply.body
+    header, tail = split_binary_response(reply)
+    assert header["outputs"] == [{"name": "OUTPUT0", "datatype": "FP32", "shape": [5],
+                                  "parameters": {"binary_data_size": 20}}]
+    assert np.frombuffer(tail["OUTPUT0"], np.float32).tolist() == [1, 2, 3, 4, 5]
+    for model, body, fragment in [
+        ("identity", b"abc", "input byte size mismatch for raw input 'INPUT0' for model 'identity'. Expected 0, got 3"),
+        ("add_sub", fp32([1] * 16), "needs a model with exactly one input; 'add_sub' has 2"),
+        ("bytes_model", b"hello", "For BYTE datatype raw input 'INPUT0', the model must have input shape [1]"),
+    ]:
+        assert_error(request(port, "POST", f"/v2/models/{model}/infer", body, headers), 400, fragment)
+    assert_serving(port)
+
+
+def test_a_raw_binary_request_to_a_bytes_model_is_its_one_element(servers, make_repo):
+    config = (MODELS / "bytes_model" / "config.pbtxt").read_text().replace("dims: [ -1 ]", "dims: [ 1 ]")
+    model = (MODELS / "bytes_model" / "1" / "model.py").read_text()
+    server = servers.start(make_repo(extra={"bytes_model": {"config.pbtxt": config, "1/model.py": model}}))
+    service = KServeHttp(server, KServeHttp.Options(address="127.0.0.1", port=0))
+    with service:
+        reply = request(service.port, "POST", "/v2/models/bytes_model/infer", b"hello world",
+                        {"Inference-Header-Content-Length": "0"})
+    assert reply.status == 200, reply.body
+    header, blobs = split_binary_response(reply)
+    assert header["outputs"][0]["shape"] == [1]
+    assert blobs["OUTPUT0"] == len(b"HELLO WORLD").to_bytes(4, "little") + b"HELLO WORLD"
 
 
 @pytest.mark.parametrize(
