@@ -196,6 +196,10 @@ def validate_request(request: Request, signature: Signature) -> int:
                     f"({batch_size} and {shape[0]})"
                 )
             batch_size = shape[0]
+            if batch_size == 0:  # Triton refuses an empty batch too
+                raise InvalidArgumentError(
+                    f"{request.label}inference request batch-size must be >= 1 for '{name}'"
+                )
             if batch_size > signature.max_batch_size:
                 raise InvalidArgumentError(
                     f"{request.label}inference request batch-size must be <= "

@@ -290,6 +290,8 @@ def test_batch_dimension_rules(server):
     model = server.model("reshape")
     with pytest.raises(dlserve.InvalidArgumentError, match="batch-size must be <= 4"):
         model.infer(inputs={"INPUT0": np.zeros((5, 2, 2), dtype=np.int32)})
+    with pytest.raises(dlserve.InvalidArgumentError, match="batch-size must be >= 1"):
+        model.infer(inputs={"INPUT0": np.zeros((0, 2, 2), dtype=np.int32)})
     with pytest.raises(dlserve.InvalidArgumentError, match="requires a batch dimension"):
         model.infer(inputs={"INPUT0": np.zeros((2, 2), dtype=np.int32)})
 
