@@ -312,7 +312,7 @@ class ModelInstance:
                     r.correlation_id,
                     r.flags,
                     r.timeout_us,
-                    json.dumps(r.parameters) if r.parameters else "{}",
+                    json.dumps(r.parameters, separators=(",", ":")) if r.parameters else "{}",  # as Triton writes it
                     model.output_names if r.requested_outputs is None else r.requested_outputs,
                     [out.add(name, tensor) for name, tensor in r.inputs.items()],
                     None if not r.output_buffers else [

@@ -20,6 +20,7 @@ class TritonPythonModel:
                 "flags": request.flags(),
                 "timeout": request.timeout(),
                 "parameters": json.loads(request.parameters()),
+                "parameters_text": request.parameters(),
                 "requested_output_names": sorted(request.requested_output_names()),
                 "inputs": [t.name() for t in request.inputs()],
                 "args": self.args,
