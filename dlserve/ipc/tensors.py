@@ -35,7 +35,7 @@ import numpy as np
 from dlserve.errors import InternalError, InvalidArgumentError
 from dlserve.memory.arena import ALIGNMENT, Anchor, Arena, MemorySpace
 from dlserve.memory.dtypes import DataType
-from dlserve.memory.shm import is_pinned
+from dlserve.memory.shm import is_client_object
 from dlserve.memory.tensor import Tensor
 
 INLINE_MAX = 4096
@@ -197,7 +197,7 @@ class Peer:
     def _import_ref(self, ref: tuple[str, int, int, int]) -> tuple[np.ndarray, int]:
         segment_name, offset, nbytes, lease = ref
         segment = self.space.segment(segment_name)
-        if is_pinned(segment_name) and segment.current_size() < offset + nbytes:
+        if is_client_object(segment_name) and segment.current_size() < offset + nbytes:
             # A client's object, shrunk since its region was checked: touching it is a SIGBUS.
             raise InvalidArgumentError(
                 "a shared memory region the request uses was shrunk by its owner; register it again"

@@ -10,11 +10,12 @@ the region, and — because a client can shrink its object after registering it,
 which would turn a touch into SIGBUS — the object's current size is checked again
 each time a region is used, and again when a worker's answer refers to it
 (dlserve.ipc.tensors). A region means the object its key named when it was
-registered: the mapping is named after that object (``key#inode``, see
-:func:`dlserve.memory.shm.pinned_name`), and a region whose key now names another
-object (the client removed and re-created it) is refused until registered again.
-Keys in dlserve's own namespace can never be registered, with or without a leading
-``/`` (the same POSIX object), and errors never echo an internal segment name.
+registered, as in Triton: the server holds that object open
+(:meth:`dlserve.memory.shm.Segment.pin`) and its workers open it through the server,
+so a client may remove it once registered, or create another object under the same
+key, and the region still means the first. Keys in dlserve's own namespace can never
+be registered, with or without a leading ``/`` (the same POSIX object), and errors
+never echo an internal segment name.
 
 Left: a client that shrinks its object in the microseconds between such a check and
 the server's touch (writing a response that refers to the region) still crashes the
@@ -33,7 +34,7 @@ import numpy as np
 
 from dlserve.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError
 from dlserve.memory.arena import Anchor, MemorySpace
-from dlserve.memory.shm import Segment, pinned_name, shm_path
+from dlserve.memory.shm import Segment, shm_path
 
 
 @dataclasses.dataclass
@@ -44,7 +45,6 @@ class Region:
     byte_size: int
     segment: Segment
     anchor: Anchor  # keeps the mapping alive while requests use the region
-    path: str  # of the key in /dev/shm
 
     def status(self) -> dict[str, Any]:
         return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
@@ -57,15 +57,16 @@ class SystemRegions:
         self,
         space: MemorySpace,
         reserved_prefix: str,
-        on_forget: Callable[[str], None] = lambda key: None,
+        on_forget: Callable[[str], None] = lambda name: None,
     ) -> None:
-        """``on_forget(key)`` is told when no region uses an object any more, so
-        workers drop their mapping too (a new object may later take the name)."""
+        """``on_forget(segment name)`` is told when no region uses an object any more,
+        so that workers drop their mapping of it too."""
         self._space = space
         self._reserved = reserved_prefix
         self._on_forget = on_forget
         self._lock = threading.Lock()
         self._regions: dict[str, Region] = {}
+        self._objects: dict[tuple[str, int], Segment] = {}  # (key, inode) -> its mapping
 
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
         if not name:
@@ -101,25 +102,30 @@ class SystemRegions:
                     f"the {segment.size}-byte object '{key}'"
                 )
             anchor = self._space.anchor(segment, offset, byte_size)
-            self._regions[name] = Region(name, key, offset, byte_size, segment, anchor, path)
+            self._regions[name] = Region(name, key, offset, byte_size, segment, anchor)
 
     def _mapping(self, key: str, path: str) -> Segment:
         """The mapping of the object ``key`` names now (shared by its regions)."""
-        name = pinned_name(key, os.stat(path).st_ino)
-        return self._space.known_segment(name) or self._space.segment(name)
+        segment = self._objects.get((key, os.stat(path).st_ino))
+        if segment is None:
+            segment = Segment.pin(key)
+            self._space.add_segment(segment)
+            self._objects[(key, segment.inode)] = segment
+        return segment
 
-    def _forget(self, name: str) -> None:
-        self._space.forget_segment(name)
-        self._on_forget(name)
+    def _forget(self, segment: Segment) -> None:
+        self._objects = {k: s for k, s in self._objects.items() if s is not segment}
+        self._space.forget_segment(segment.name)
+        self._on_forget(segment.name)
 
     def unregister(self, name: str | None = None) -> None:
         """Forget one region (``name``) or all; requests using them keep their mapping."""
         with self._lock:
             names = list(self._regions) if name is None else [name]
             removed = [self._regions.pop(n) for n in names if n in self._regions]
-            in_use = {region.segment.name for region in self._regions.values()}
-            for segment_name in {region.segment.name for region in removed} - in_use:
-                self._forget(segment_name)
+            in_use = {id(region.segment) for region in self._regions.values()}
+            for segment in {id(r.segment): r.segment for r in removed if id(r.segment) not in in_use}.values():
+                self._forget(segment)
 
     def status(self, name: str | None = None) -> list[dict[str, Any]]:
         with self._lock:
@@ -144,15 +150,6 @@ class SystemRegions:
         if region.segment.current_size() < region.offset + region.byte_size:
             raise InvalidArgumentError(
                 f"shared memory region '{name}' was shrunk by its owner; register it again"
-            )
-        try:
-            replaced = os.stat(region.path).st_ino != region.segment.inode
-        except FileNotFoundError:
-            replaced = False  # removed, not replaced: the mapping still holds the object
-        if replaced:
-            raise InvalidArgumentError(
-                f"shared memory region '{name}': its object '{region.key}' was replaced after the "
-                "region was registered; register it again"
             )
         full = np.frombuffer(region.anchor, dtype=np.uint8)
         return full[offset : offset + byte_size]

@@ -19,7 +19,8 @@ named ``<name>@<pid>.<fd>.<inode>`` so that the other processes of the server op
 through ``/proc/<pid>/fd/<fd>`` (and know it is still that memfd). It needs no
 clean-up: the kernel frees it once the last process that has it open or mapped lets
 go, crashes included. ``DLSERVE_SHM=memfd`` makes every segment a memfd (nothing of
-dlserve's in ``/dev/shm`` at all).
+dlserve's in ``/dev/shm`` at all). A client's object that a region is registered on is
+held open the same way (``<key>%<pid>.<fd>.<inode>``, :meth:`Segment.pin`).
 """
 
 from __future__ import annotations
@@ -29,14 +30,16 @@ import logging
 import mmap
 import os
 import re
+import weakref
 from typing import Any
 
 from dlserve.errors import InvalidArgumentError, UnavailableError
 
 SHM_DIR = "/dev/shm"
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
-_MEMFD_NAME = re.compile(r"^([A-Za-z0-9_.\-]{1,200})@(\d+)\.(\d+)\.(\d+)$")  # name@pid.fd.inode
-_PINNED_NAME = re.compile(r"^([A-Za-z0-9_.\-]{1,200})#(\d+)$")  # name#inode
+# A segment another process of the server holds open: name@pid.fd.inode for a memfd,
+# name%pid.fd.inode for a client's object in /dev/shm (see Segment.pin).
+_HELD_NAME = re.compile(r"^([A-Za-z0-9_.\-]{1,200})([@%])(\d+)\.(\d+)\.(\d+)$")
 BACKING_VARIABLE = "DLSERVE_SHM"  # "memfd": every segment is one; otherwise /dev/shm first
 
 log = logging.getLogger("dlserve.memory")
@@ -51,49 +54,33 @@ def shm_path(name: str) -> str:
     return os.path.join(SHM_DIR, bare)
 
 
-def pinned_name(name: str, inode: int) -> str:
-    """The name of the object now called ``name`` in /dev/shm that stays its name:
-    opening it fails once another object takes the name (a client's region must not
-    quietly move to whatever its key names later)."""
-    bare = name[1:] if name.startswith("/") else name
-    return f"{bare}#{inode}"
-
-
-def is_pinned(name: str) -> bool:
-    """Whether ``name`` is a :func:`pinned_name` (a client's object, not dlserve's)."""
-    return "#" in name
+def is_client_object(name: str) -> bool:
+    """Whether segment ``name`` is a client's object (:meth:`Segment.pin`), which its
+    owner may shrink at any time, rather than dlserve's own."""
+    return "%" in name
 
 
 def _open(name: str) -> int:
-    """A descriptor of a peer's segment: in /dev/shm (a pinned name: if it is still the
-    same object), or through /proc/<pid>/fd/<fd> for a memfd (if that is still the same
-    memfd: the number may have been reused). A memfd that cannot be opened (its owner
-    is gone, or is not dumpable) is UNAVAILABLE."""
-    pinned = _PINNED_NAME.match(name)
-    if pinned is not None:
-        fd = os.open(shm_path(pinned[1]), os.O_RDWR)
-        if os.fstat(fd).st_ino != int(pinned[2]):
-            os.close(fd)
-            raise InvalidArgumentError(
-                f"shared memory object '{pinned[1]}' was replaced after its region was registered; "
-                "register the region again"
-            )
-        return fd
-    memfd = _MEMFD_NAME.match(name)
-    if memfd is None:
+    """A descriptor of a peer's segment: in /dev/shm, or through /proc/<pid>/fd/<fd> for
+    one a process of the server holds open (if that is still the same object: the
+    number may have been reused). One that cannot be opened (its holder is gone, or is
+    not dumpable) is UNAVAILABLE."""
+    held = _HELD_NAME.match(name)
+    if held is None:
         return os.open(shm_path(name), os.O_RDWR)
-    path = f"/proc/{memfd[2]}/fd/{memfd[3]}"
+    path = f"/proc/{held[3]}/fd/{held[4]}"
+    kind = "/memfd:" if held[2] == "@" else f"{SHM_DIR}/"
     try:
         # what the number names now, before opening it: opening a terminal or a
         # device has effects of its own
-        if not os.readlink(path).startswith("/memfd:"):
+        if not os.readlink(path).startswith(kind):
             raise UnavailableError(f"shared memory segment {name} is gone")
         fd = os.open(path, os.O_RDWR | os.O_NOCTTY)
     except OSError as exc:
         raise UnavailableError(
             f"cannot open shared memory segment {name} through {path}: {exc.strerror}"
         ) from None
-    if os.fstat(fd).st_ino != int(memfd[4]):  # another memfd took the number
+    if os.fstat(fd).st_ino != int(held[5]):  # another object took the number
         os.close(fd)
         raise UnavailableError(f"shared memory segment {name} is gone")
     return fd
@@ -205,6 +192,27 @@ class Segment:
             os.close(fd)
         return cls(name, mm, owned=False, skip=offset - start, inode=stat.st_ino)
 
+    @classmethod
+    def pin(cls, key: str) -> Segment:
+        """Map a client's object in /dev/shm and hold it open for as long as this
+        segment lives, under a name the server's other processes open it by (through
+        /proc/<pid>/fd/<fd>) that keeps meaning that object: its owner may remove it,
+        or create another under the same key, and a region registered on it still
+        means it, as in Triton, which maps a region once too."""
+        bare = key[1:] if key.startswith("/") else key
+        fd = os.open(shm_path(key), os.O_RDWR | os.O_CLOEXEC)
+        try:
+            stat = os.fstat(fd)
+            if stat.st_size == 0:
+                raise InvalidArgumentError(f"shared memory object '{key}' is empty")
+            mm = mmap.mmap(fd, stat.st_size, flags=mmap.MAP_SHARED)
+        except BaseException:
+            os.close(fd)
+            raise
+        segment = cls(f"{bare}%{os.getpid()}.{fd}.{stat.st_ino}", mm, owned=False, inode=stat.st_ino)
+        weakref.finalize(segment, os.close, fd)
+        return segment
+
     def anchor(self, offset: int, nbytes: int) -> ctypes.Array[Any]:
         """A new view object over ``[offset, offset + nbytes)`` of this segment."""
         if offset < 0 or nbytes < 0 or offset + nbytes > self.size:
@@ -219,7 +227,7 @@ class Segment:
 
     def unlink(self) -> None:
         """Remove the name; existing mappings stay valid until their views die."""
-        if _MEMFD_NAME.match(self.name):  # closing the owner's descriptor is a memfd's unlink
+        if "@" in self.name:  # closing the owner's descriptor is a memfd's unlink
             fd, self._memfd = self._memfd, None
             if fd is not None:
                 os.close(fd)
