@@ -14,6 +14,7 @@ import enum
 import json
 import logging
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from dlserve.engine import config as cfg
@@ -334,20 +335,25 @@ class ModelManager:
             config = await self._auto_complete(name, config, model_file)
         cfg.complete(config, name, self.resources.gpu_count)
         cfg.validate(config, name, self.resources.gpu_count)
+        steps: list[str] = []
         if is_ensemble:
             ensemble.validate(config, name)
-            await self._load_steps(name, config)
-        for attempt in range(self.load_retries + 1):
-            try:
-                return await self._start_versions(name, versions, config, source)
-            except TritonError as exc:
-                if attempt == self.load_retries or self._stopping:
-                    raise
-                log.warning(
-                    "model '%s' failed to start (try %d of %d): %s",
-                    name, attempt + 1, self.load_retries + 1, exc.message,
-                )
-        raise AssertionError("unreachable")
+            steps = await self._load_steps(name, config)
+        try:
+            for attempt in range(self.load_retries + 1):
+                try:
+                    return await self._start_versions(name, versions, config, source)
+                except TritonError as exc:
+                    if attempt == self.load_retries or self._stopping:
+                        raise
+                    log.warning(
+                        "model '%s' failed to start (try %d of %d): %s",
+                        name, attempt + 1, self.load_retries + 1, exc.message,
+                    )
+            raise AssertionError("unreachable")
+        except BaseException:
+            await self._unload_unused(steps)  # what this load brought in for nothing
+            raise
 
     async def _start_versions(
         self, name: str, versions: list[int], config: mc.ModelConfig, source: ModelSource
@@ -370,21 +376,26 @@ class ModelManager:
             raise
         return loaded
 
-    async def _load_steps(self, name: str, config: mc.ModelConfig) -> None:
+    async def _load_steps(self, name: str, config: mc.ModelConfig) -> list[str]:
         """In explicit mode, loading an ensemble loads the models of its steps that are
-        not loaded yet, as Triton does (in the other modes they load with the rest)."""
+        not loaded (or are being unloaded), as Triton does (in the other modes they load
+        with the rest); returns those it loaded. If one fails, those it loaded go again."""
         if self.control_mode is not ModelControlMode.EXPLICIT:
-            return
-        for step in {s.model for s in ensemble.steps_of(config)}:
+            return []
+        loaded: list[str] = []
+        for step in sorted({s.model for s in ensemble.steps_of(config)}):
             entry = self.models.get(step)
-            if entry is None or not entry.versions:
+            if entry is None or entry.latest_loaded() is None:
                 try:
                     await self.load(step, _internal=True, _as_step=True)
                 except TritonError as exc:
+                    await self._unload_unused(loaded)
                     raise InvalidArgumentError(
                         f"failed to load ensemble '{name}': its step model '{step}' did not "
                         f"load: {exc.message}"
                     ) from None
+                loaded.append(step)
+        return loaded
 
     async def _auto_complete(self, name: str, config: mc.ModelConfig, model_file: Any) -> mc.ModelConfig:
         """Run ``auto_complete_config`` in a throwaway worker, as Triton does."""
@@ -426,28 +437,33 @@ class ModelManager:
         entry = self.models.get(name)
         if entry is None:
             return
-        steps = {
+        steps = self._steps_of(entry) if unload_dependents else set()
+        await self._unload_with_users(entry)
+        await self._unload_unused(steps)
+
+    async def _unload_unused(self, names: Iterable[str]) -> None:
+        """Of these step models, unload those loaded only for ensembles that no loaded
+        ensemble uses any more, and in turn theirs (a step may be an ensemble)."""
+        for name in sorted(names):
+            entry = self.models.get(name)
+            if entry is None or not entry.versions or not entry.as_step or self._users_of(name):
+                continue
+            steps = self._steps_of(entry)
+            await self._unload_with_users(entry)
+            await self._unload_unused(steps)
+
+    @staticmethod
+    def _steps_of(entry: ModelEntry) -> set[str]:
+        return {
             step.model
             for version in entry.versions.values()
-            if unload_dependents and version.is_ensemble
+            if version.is_ensemble
             for step in ensemble.steps_of(version.config)
         }
-        await self._unload_with_users(entry)
-        for step in sorted(steps):
-            step_entry = self.models.get(step)
-            if step_entry is not None and step_entry.as_step and not self._users_of(step):
-                await self._unload_with_users(step_entry)
 
     def _users_of(self, name: str) -> list[str]:
         """The loaded ensembles with a step that runs ``name``."""
-        return sorted(
-            user
-            for user, entry in self.models.items()
-            if any(
-                version.is_ensemble and any(step.model == name for step in ensemble.steps_of(version.config))
-                for version in entry.versions.values()
-            )
-        )
+        return sorted(user for user, entry in self.models.items() if name in self._steps_of(entry))
 
     async def _unload_with_users(self, entry: ModelEntry) -> None:
         for user in self._users_of(entry.name):
@@ -475,7 +491,7 @@ class ModelManager:
         for name in list(self.models):
             if name not in found and self.models[name].versions:
                 log.info("model '%s' was removed from the repository; unloading", name)
-                await self._unload_entry(self.models[name])
+                await self._unload_with_users(self.models[name])
         for name, source in found.items():
             entry = self.models.get(name)
             if entry is not None and entry.fingerprint == source.fingerprint():

@@ -112,7 +112,10 @@ class MultiModelEndpoint:
         self.engine = engine
         self._infer = infer
         self._loaded: dict[str, _Loaded] = {}
-        self._control = asyncio.Lock()  # one load or unload at a time
+        # Names being loaded or unloaded. Their work runs shielded from the request's
+        # cancellation (a client that hangs up must not leave a repository registered
+        # and nothing recorded); other names' loads go on meanwhile.
+        self._busy: set[str] = set()
 
     async def __call__(self, request: HttpRequest, name: str, invoke: bool) -> HttpResponse:
         if request.method == "GET":
@@ -162,9 +165,15 @@ class MultiModelEndpoint:
             repository, folder = archive_layout(url)
         except TritonError as exc:
             return _failure(exc.message)
-        async with self._control:
-            if name in self._loaded:
-                return json_response({"error": f"model '{name}' is already loaded"}, 409)
+        if name in self._loaded:
+            return json_response({"error": f"model '{name}' is already loaded"}, 409)
+        if name in self._busy:
+            return json_response({"error": f"model '{name}' is being loaded or unloaded"}, 409)
+        self._busy.add(name)
+        return await asyncio.shield(self._load_archive(name, target, repository, folder))
+
+    async def _load_archive(self, name: str, target: str, repository: str, folder: str) -> HttpResponse:
+        try:
             try:
                 await self.engine.register_repository(repository, {folder: target})
             except AlreadyExistsError as exc:
@@ -173,21 +182,32 @@ class MultiModelEndpoint:
                 return _failure(exc.message)
             try:
                 await self.engine.load(target)
-            except TritonError as exc:
+            except BaseException as exc:
                 self.engine.unregister_repository(repository)
-                return _failure(exc.message)
+                if isinstance(exc, TritonError):
+                    return _failure(exc.message)
+                raise
             self._loaded[name] = _Loaded(target, repository)
-        return empty(200)
+            return empty(200)
+        finally:
+            self._busy.discard(name)
 
     async def _unload(self, request: HttpRequest, name: str) -> HttpResponse:
-        async with self._control:
-            loaded = self._loaded.get(name)
-            if loaded is None:
-                return empty(404)
-            try:
-                await self.engine.unload(self._target(request, loaded), unload_dependents=True)
-                del self._loaded[name]
-                self.engine.unregister_repository(loaded.repository)
-            except TritonError as exc:
-                return json_response({"error": exc.message}, 400)
-        return empty(200)
+        loaded = self._loaded.get(name)
+        if loaded is None:
+            return empty(404)
+        if name in self._busy:
+            return json_response({"error": f"model '{name}' is being unloaded"}, 409)
+        self._busy.add(name)
+        return await asyncio.shield(self._unload_archive(name, self._target(request, loaded), loaded))
+
+    async def _unload_archive(self, name: str, target: str, loaded: _Loaded) -> HttpResponse:
+        try:
+            await self.engine.unload(target, unload_dependents=True)
+            del self._loaded[name]
+            self.engine.unregister_repository(loaded.repository)
+            return empty(200)
+        except TritonError as exc:
+            return json_response({"error": exc.message}, 400)
+        finally:
+            self._busy.discard(name)

@@ -7,6 +7,7 @@ import asyncio
 import json
 import queue
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -301,6 +302,62 @@ def test_unload_dependents_keeps_models_loaded_by_name_or_used_by_another_ensemb
     server.unload("second", unload_dependents=True)
     assert not server.model("add_sub").ready()  # loaded only for the ensembles, now unused
     assert server.model("identity").ready()
+
+
+OUTER = """
+name: "outer"
+platform: "ensemble"
+input [ { name: "A" data_type: TYPE_FP32 dims: [ 16 ] }, { name: "B" data_type: TYPE_FP32 dims: [ 16 ] } ]
+output [ { name: "SUM" data_type: TYPE_FP32 dims: [ 16 ] } ]
+ensemble_scheduling { step [ {
+  model_name: "pipeline" model_version: -1
+  input_map { key: "A" value: "A" } input_map { key: "B" value: "B" }
+  output_map { key: "SUM" value: "SUM" } } ] }
+"""
+
+
+def test_unload_dependents_goes_down_through_ensembles_of_ensembles(make_repo, servers):
+    repo = make_repo("pipeline", "add_sub", "identity", extra={"outer": {"config.pbtxt": OUTER, "1/.keep": ""}})
+    server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT)
+    server.load("outer")  # loads pipeline, which loads add_sub and identity
+    assert all(server.model(m).ready() for m in ("outer", "pipeline", "add_sub", "identity"))
+    server.unload("outer", unload_dependents=True)
+    assert not any(server.model(m).ready() for m in ("outer", "pipeline", "add_sub", "identity"))
+
+
+def test_an_ensemble_that_fails_to_load_leaves_no_step_model_it_loaded(make_repo, servers):
+    failing = (MODELS / "init_fail" / "1" / "model.py").read_text()
+    identity = {"config.pbtxt": (MODELS / "identity" / "config.pbtxt").read_text(), "1/model.py": failing}
+    repo = make_repo("pipeline", "add_sub", extra={"identity": identity})
+    server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT)
+    with pytest.raises(dlserve.InvalidArgumentError, match="its step model 'identity' did not load"):
+        server.load("pipeline")
+    assert not server.model("add_sub").ready()  # loaded for it (first, by name order), unloaded again
+    server.load("add_sub")  # a model loaded by name is not the failed ensemble's to unload
+    with pytest.raises(dlserve.InvalidArgumentError):
+        server.load("pipeline")
+    assert server.model("add_sub").ready()
+
+
+def test_an_ensemble_loaded_while_its_step_unloads_loads_the_step_again(make_repo, servers, tmp_path):
+    slow = (MODELS / "add_sub" / "1" / "model.py").read_text() + """
+
+    def finalize(self):
+        import time
+        time.sleep(1.5)
+"""
+    add_sub = {"config.pbtxt": (MODELS / "add_sub" / "config.pbtxt").read_text(), "1/model.py": slow}
+    repo = make_repo("pipeline", "identity", extra={"add_sub": add_sub})
+    server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT)
+    server.load("add_sub")
+    unloading = threading.Thread(target=server.unload, args=("add_sub",))
+    unloading.start()
+    time.sleep(0.5)  # add_sub is UNLOADING (its finalize sleeps)
+    server.load("pipeline")
+    unloading.join()
+    assert server.model("pipeline").ready() and server.model("add_sub").ready()
+    (response,) = server.model("pipeline").infer(inputs={"A": A, "B": B})
+    assert outputs(response)["SUM"] == (A + B).tolist()
 
 
 def test_unloading_a_step_model_unloads_the_ensembles_that_use_it(make_repo, servers):

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
+import time
 from pathlib import Path
 
 import numpy as np
@@ -162,3 +164,35 @@ def test_outside_explicit_mode_loads_are_refused(servers, make_repo):
         assert status == 400 and "not allowed if model control mode is not EXPLICIT" in json.loads(raw)["error"]
         assert call(service.port, "POST", "/invocations", add_sub_body())[0] == 200
 
+
+
+def test_a_load_whose_client_hangs_up_still_completes_and_is_recorded(endpoint, tmp_path):
+    server, port = endpoint
+    url = archive(tmp_path / "models", "slow", "add_sub", model_folder=True)
+    model_py = url / "1" / "model.py"
+    model_py.write_text(model_py.read_text().replace(
+        "    def initialize(self, args):\n", "    def initialize(self, args):\n        __import__('time').sleep(1.0)\n", 1))
+    body = json.dumps({"model_name": "slow", "url": str(url)}).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"POST /models HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        time.sleep(0.3)  # the load is under way; the client goes away
+    deadline = time.monotonic() + 30
+    while call(port, "GET", "/models/slow")[0] != 200:
+        assert time.monotonic() < deadline, "the load was dropped with its client"
+        time.sleep(0.1)
+    assert call(port, "POST", "/models/slow/invoke", add_sub_body())[0] == 200
+    assert call(port, "DELETE", "/models/slow")[0] == 200
+    assert call(port, "POST", "/models", {"model_name": "slow", "url": str(url)})[0] == 200  # nothing left over
+
+
+def test_a_failed_ensemble_archive_leaves_no_model_loaded(endpoint, tmp_path):
+    server, port = endpoint
+    url = archive(tmp_path / "models", "bad", "pipeline", "add_sub", "identity")
+    model_py = url / "identity" / "1" / "model.py"
+    model_py.write_text((MODELS / "init_fail" / "1" / "model.py").read_text())
+    status, _, raw = call(port, "POST", "/models", {"model_name": "bad", "url": str(url)})
+    assert status == 400 and "did not load" in json.loads(raw)["error"], raw
+    assert not any(model.ready() for model in server.models().values())  # add_sub went again
+    server.register_model_repository(str(url))  # and the repository is not registered
+    server.unregister_model_repository(str(url))
