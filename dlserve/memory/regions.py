@@ -97,6 +97,8 @@ class SystemRegions:
                     f"Unable to open shared memory region: '{key}' (permission denied)"
                 ) from None
             if offset + byte_size > segment.size:
+                if not any(region.segment is segment for region in self._regions.values()):
+                    self._forget(segment)  # let go of what no region holds
                 raise InvalidArgumentError(
                     f"shared memory region '{name}': [{offset}, {offset + byte_size}) is outside "
                     f"the {segment.size}-byte object '{key}'"

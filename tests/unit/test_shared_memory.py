@@ -631,3 +631,45 @@ def test_an_arena_grows_in_memfd_segments(prefix, monkeypatch):
 def test_a_memfd_name_from_a_client_is_just_an_invalid_key():
     with pytest.raises(InvalidArgumentError, match="invalid shared memory key"):
         shm_path("region@1.3")  # never read as another process's descriptor
+
+
+# -- client regions -------------------------------------------------------------------------
+def _held_descriptors(path: str) -> int:
+    """This process's descriptors open on ``path`` (removed or not)."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        count += target in (path, f"{path} (deleted)")
+    return count
+
+
+def test_a_region_holds_its_object_and_lets_go_when_unregistered_or_refused(prefix):
+    from dlserve.memory.regions import SystemRegions
+
+    key = f"client_{prefix}"
+    path = os.path.join(SHM_DIR, key)
+    with open(path, "wb") as f:
+        f.write(b"\x01" * PAGE)
+    regions = SystemRegions(MemorySpace(), reserved_prefix="dlserve_")
+    try:
+        regions.register("r", f"/{key}", 0, PAGE)
+        assert _held_descriptors(path) > 0  # held open (and mapped) for the workers
+        os.unlink(path)  # removed by its owner: the region still reads the object
+        assert bytes(regions.view("r", 0, 4)) == b"\x01" * 4
+        regions.unregister("r")
+        gc.collect()
+        assert _held_descriptors(path) == 0
+        with open(path, "wb") as f:
+            f.write(b"\x02" * PAGE)
+        for _ in range(3):  # refused: bigger than the object; nothing is kept for it
+            with pytest.raises(InvalidArgumentError, match="outside the"):
+                regions.register("big", f"/{key}", 0, 2 * PAGE)
+        gc.collect()
+        assert _held_descriptors(path) == 0
+    finally:
+        regions.unregister()
+        if os.path.exists(path):
+            os.unlink(path)
