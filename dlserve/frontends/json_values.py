@@ -35,9 +35,13 @@ def parse_object(data: Any) -> dict[str, Any]:
     try:
         value = orjson.loads(memoryview(data))
     except orjson.JSONDecodeError as exc:
-        try:  # NaN, Infinity, -Infinity: only Python's json reads them
+        # NaN, Infinity, -Infinity: only Python's json reads them. It also reads what
+        # orjson rightly refuses (lone surrogates), which orjson finds when it writes
+        # the value back out (NaN aside, which it writes as null).
+        try:
             value = json.loads(bytes(data))
-        except (ValueError, RecursionError):
+            orjson.dumps(value)
+        except (ValueError, TypeError, RecursionError):
             raise InvalidArgumentError(f"failed to parse the request JSON buffer: {exc}") from None
     if not isinstance(value, dict):
         raise InvalidArgumentError("request body must be a JSON object")

@@ -1745,6 +1745,10 @@ BAD_INFER_BODIES = {
         ),
         "a classification cannot be written to shared memory",
     ),
+    "lone surrogate in a string": (
+        '{"id": "\\ud800", "inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1], "data": [NaN]}]}',
+        "failed to parse the request JSON buffer",
+    ),
     # Found comparing with Triton 2.51, which refuses these too (400, or 500 for a wrong type).
     "reserved triton_ parameter": (
         json_infer([identity_input()], parameters={"triton_foo": 1}),
