@@ -321,26 +321,23 @@ def serve(args: argparse.Namespace) -> int:
         trace=_trace_settings(_trace_entries(args)),
     )
     stop = threading.Event()
-    starting = [True]
+    server = dlserve.Server(options)
 
     def on_signal(*_: Any) -> None:
         stop.set()
-        if starting[0]:  # out of a start still loading models: it shuts down what it began
-            starting[0] = False
+        if server.loading:  # out of a start still loading models: it shuts down what it began
             raise _StopWhileStarting
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
     try:
-        server = dlserve.Server(options).start()
+        server.start()
     except _StopWhileStarting:
         print("dlserve: stopped while starting", file=sys.stderr)
         return 0
     except dlserve.TritonError as exc:
         print(f"dlserve: {exc}", file=sys.stderr)
         return 1
-    finally:
-        starting[0] = False
     log = logging.getLogger("dlserve")
     services: list[Any] = []
     try:

@@ -322,8 +322,8 @@ class Scheduler:
 
     async def drain(self, timeout: float) -> bool:
         """Wait until nothing is queued or executing; False if ``timeout`` ran out."""
-        if self._idle.is_set():  # (wait_for with no time left would time out regardless)
-            return True
+        if self._idle.is_set() and not any(instance.in_flight for instance in self.instances):
+            return True  # (wait_for with no time left would time out regardless)
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
             return True

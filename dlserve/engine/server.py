@@ -479,6 +479,7 @@ class Server:
         self._thread: threading.Thread | None = None
         self._services: list[Any] = []  # frontends running on our loop, stopped with us
         self._cpu = prometheus.CpuSampler()  # CPU use between calls of metrics()
+        self._loading = False  # start() is loading the models
 
     # -- plumbing -----------------------------------------------------------------------
     def _engine_or_raise(self) -> Engine:
@@ -529,7 +530,11 @@ class Server:
         self._engine, self._loop, self._thread = engine, loop, thread
         _LIVE_SERVERS.add(self)
         try:
-            errors = self._run(engine.start())
+            self._loading = True
+            try:
+                errors = self._run(engine.start())
+            finally:
+                self._loading = False
         except BaseException:
             self._shutdown()
             raise
@@ -543,6 +548,13 @@ class Server:
                     raise UnavailableError("Timeout before ready")
                 time.sleep(polling_interval)
         return self
+
+    @property
+    def loading(self) -> bool:
+        """Whether :meth:`start` is loading the models. An exception raised in its
+        thread meanwhile (a signal handler's) makes it shut down what it started
+        and raise it; at any other time, stop() is the way."""
+        return self._loading
 
     def stop(self) -> None:
         """Drain in-flight requests (up to ``exit_timeout``), finalize models, end workers."""

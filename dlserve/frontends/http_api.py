@@ -271,24 +271,23 @@ class KServeHttpApi:
                 "HTTP end point doesn't support models with decoupled transaction policy"
             )
         header, binary = _split_body(request)
+        inputs: list[InputSpec]
+        outputs: list[OutputSpec] | None = None
         if header is None:  # a raw binary request: the body is the model's one input
-            engine_request = self.dataplane.build_request(
-                args["model"], args.get("version"), "", {}, [_raw_input(model.name, model.config, binary)], None
-            )
-            response = await self.dataplane.infer(engine_request)
-            if response.error is not None:
-                return error_response(response.error)
-            return _encode_response(response, [], binary_default=True)
-        body = json_values.parse_object(header)
-        request_id, parameters = json_values.id_and_parameters(body)
-        json_values.check_infer_parameters(parameters)
+            request_id, parameters = "", {}
+            inputs = [_raw_input(model.name, model.config, binary)]
+        else:
+            body = json_values.parse_object(header)
+            request_id, parameters = json_values.id_and_parameters(body)
+            json_values.check_infer_parameters(parameters)
+            inputs = _decode_inputs(body.get("inputs"), binary, request_id)
+            outputs = _decode_outputs(body.get("outputs"))
+        binary_default = header is None or bool(parameters.get("binary_data_output", False))
         if self.forward is not None:
             parameters = dict(parameters)
             for key, value in request.headers.items():
                 if not key.startswith("_") and self.forward.search(key):
                     parameters[key] = value
-        inputs = _decode_inputs(body.get("inputs"), binary, request_id)
-        outputs = _decode_outputs(body.get("outputs"))
         engine_request = self.dataplane.build_request(
             args["model"], args.get("version"), request_id, parameters, inputs, outputs
         )
@@ -297,7 +296,6 @@ class KServeHttpApi:
         if response.error is not None:
             return error_response(response.error)
         response = self.dataplane.classified(response, outputs or [])
-        binary_default = bool(parameters.get("binary_data_output", False))
         return _encode_response(response, outputs or [], binary_default)
 
 

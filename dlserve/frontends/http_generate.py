@@ -55,8 +55,7 @@ def _json_value(tensor: Tensor) -> Any:
     """One element as a scalar, anything else as a flat list."""
     values = json_values.to_json(tensor)
     if isinstance(values, json_values.NonFinite):
-        values.scalar = len(values.values) == 1
-        return values
+        return json_values.NonFinite(values.values, scalar=len(values.values) == 1)
     if isinstance(values, np.ndarray):
         values = values.tolist()
     return values[0] if len(values) == 1 else values

@@ -706,3 +706,28 @@ def test_a_signal_while_models_load_at_start_stops_the_server(make_repo, tmp_pat
         process.assert_clean()
     finally:
         process.kill()
+
+
+def test_a_signal_while_a_failed_start_shuts_down_lets_it_finish(make_repo, tmp_path):
+    """A model failed to load (exit on error): the shutdown that follows is not cut
+    short by Ctrl-C, the exit status says the start failed, and nothing is left."""
+    slow_stop = (MODELS / "identity" / "1" / "model.py").read_text() + """
+
+    def finalize(self):
+        __import__("time").sleep(2)
+"""
+    identity = {"config.pbtxt": (MODELS / "identity" / "config.pbtxt").read_text(), "1/model.py": slow_stop}
+    repo = make_repo("init_fail", extra={"identity": identity})
+    process = Serve(tmp_path, ["--model-repository", str(repo)])
+    try:
+        deadline = time.monotonic() + 60
+        while "weights file is missing" not in process.stderr:
+            assert process.proc.poll() is None and time.monotonic() < deadline, process.output()
+            time.sleep(0.05)
+        time.sleep(0.5)  # identity's finalize is running
+        code, _ = process.stop(signal.SIGINT, timeout=30)
+        assert code == 1, process.output()
+        assert "failed to load all models" in process.stderr
+        process.assert_clean()
+    finally:
+        process.kill()

@@ -1918,18 +1918,31 @@ def test_raw_binary_requests_as_triton_deduces_them(port):
     assert_serving(port)
 
 
-def test_a_raw_binary_request_to_a_bytes_model_is_its_one_element(servers, make_repo):
+def test_raw_binary_requests_to_batching_and_bytes_models(servers, make_repo):
+    """A batching model gets a batch of 1 in front (a variable dim deduced from the
+    size); a BYTES input of dims [1] is the whole body, as Triton 2.51 does."""
     config = (MODELS / "bytes_model" / "config.pbtxt").read_text().replace("dims: [ -1 ]", "dims: [ 1 ]")
     model = (MODELS / "bytes_model" / "1" / "model.py").read_text()
-    server = servers.start(make_repo(extra={"bytes_model": {"config.pbtxt": config, "1/model.py": model}}))
-    service = KServeHttp(server, KServeHttp.Options(address="127.0.0.1", port=0))
-    with service:
-        reply = request(service.port, "POST", "/v2/models/bytes_model/infer", b"hello world",
-                        {"Inference-Header-Content-Length": "0"})
-    assert reply.status == 200, reply.body
-    header, blobs = split_binary_response(reply)
+    repo = make_repo("classifier", "batcher", extra={"bytes_model": {"config.pbtxt": config, "1/model.py": model}})
+    server = servers.start(repo)
+    headers = {"Inference-Header-Content-Length": "0"}
+    with KServeHttp(server, KServeHttp.Options(address="127.0.0.1", port=0)) as service:
+        replies = {
+            name: request(service.port, "POST", f"/v2/models/{name}/infer", body, headers)
+            for name, body in [("bytes_model", b"hello world"), ("classifier", fp32([1, 2, 3, 4, 5])),
+                               ("batcher", fp32([1, 2, 3, 4]))]
+        }
+        short = request(service.port, "POST", "/v2/models/classifier/infer", fp32([1, 2, 3, 4]), headers)
+    assert all(reply.status == 200 for reply in replies.values()), {n: r.body for n, r in replies.items()}
+    header, blobs = split_binary_response(replies["bytes_model"])
     assert header["outputs"][0]["shape"] == [1]
     assert blobs["OUTPUT0"] == len(b"HELLO WORLD").to_bytes(4, "little") + b"HELLO WORLD"
+    header, _ = split_binary_response(replies["classifier"])
+    assert {o["name"]: o["shape"] for o in header["outputs"]} == {"PROBS": [1, 5], "LOGITS": [1, 5]}
+    header, blobs = split_binary_response(replies["batcher"])
+    assert header["outputs"][0]["shape"] == [1, 4]
+    assert np.frombuffer(blobs["OUTPUT0"], np.float32).tolist() == [2, 4, 6, 8]  # batcher doubles
+    assert_error(short, 400, "input byte size mismatch for raw input 'SCORES' for model 'classifier'. Expected 20, got 16")
 
 
 @pytest.mark.parametrize(

@@ -114,3 +114,32 @@ def test_blocks_for_bodies_still_to_come_stay_within_the_reserve() -> None:
         assert allocated == [size, size] and server.reserved == 0
 
     asyncio.run(main())
+
+
+def test_a_body_cut_off_by_its_client_gives_its_reserve_back() -> None:
+    size = 1 << 20
+
+    async def never(request: HttpRequest) -> HttpResponse:
+        raise AssertionError("an incomplete request was handled")
+
+    async def main() -> None:
+        server = HttpServer(never, max_body=size)
+        port = await server.start("127.0.0.1", 0)
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                sock.sendall(f"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: {size}\r\n\r\n".encode())
+                sock.sendall(b"." * (size // 2))  # half of it, straight into the block
+                for _ in range(100):
+                    await asyncio.sleep(0.01)
+                    if server.reserved == size:
+                        break
+                assert server.reserved == size
+            for _ in range(100):  # the client hung up mid-body
+                await asyncio.sleep(0.01)
+                if server.reserved == 0:
+                    break
+            assert server.reserved == 0
+        finally:
+            await server.stop()
+
+    asyncio.run(main())
