@@ -383,7 +383,14 @@ class ModelManager:
         if self.control_mode is not ModelControlMode.EXPLICIT:
             return []
         loaded: list[str] = []
+        listed = self.repository.scan()
         for step in sorted({s.model for s in ensemble.steps_of(config)}):
+            if isinstance(listed.get(step), str):  # loaded from one of them or not, it is ambiguous
+                await self._unload_unused(loaded)
+                raise InvalidArgumentError(
+                    f"failed to load ensemble '{name}': {listed[step]}, and model namespacing, "
+                    "which would take the one in the ensemble's repository, is not supported"
+                )
             entry = self.models.get(step)
             if entry is None or entry.latest_loaded() is None:
                 try:

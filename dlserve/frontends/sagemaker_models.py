@@ -20,8 +20,8 @@ frontend serves them (measured): SageMaker unpacks each model's archive under
 Registering repositories needs model control mode EXPLICIT, which is how SageMaker
 images run Triton (and dlserve, deploy/sagemaker/serve) with
 ``SAGEMAKER_MULTI_MODEL=true``. Triton's image also turns model namespacing on, which
-dlserve lacks: a step model folder of the same name in two archives is one model here,
-loaded from the archive loaded first, and unloading either ensemble unloads it.
+dlserve lacks: an archive whose ensemble has a step model of the same name as a model of
+another archive loaded before is refused (400), where Triton serves each from its own.
 
 Where dlserve differs from Triton 2.51: a body that is not a JSON object with string
 ``model_name`` and ``url`` is a 400 (Triton's server crashed); a model not ready is

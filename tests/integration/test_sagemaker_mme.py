@@ -196,3 +196,18 @@ def test_a_failed_ensemble_archive_leaves_no_model_loaded(endpoint, tmp_path):
     assert not any(model.ready() for model in server.models().values())  # add_sub went again
     server.register_model_repository(str(url))  # and the repository is not registered
     server.unregister_model_repository(str(url))
+
+
+def test_two_ensemble_archives_with_steps_of_the_same_name_are_refused_not_mixed(endpoint, tmp_path):
+    """Without model namespacing, the second archive's ensemble would run the first
+    archive's step models (whatever its own say): its load is refused instead."""
+    server, port = endpoint
+    first = archive(tmp_path / "models", "e1", "pipeline", "add_sub", "identity")
+    second = archive(tmp_path / "models", "e2", "pipeline", "add_sub", "identity")
+    assert call(port, "POST", "/models", {"model_name": "e1", "url": str(first)})[0] == 200
+    status, _, raw = call(port, "POST", "/models", {"model_name": "e2", "url": str(second)})
+    assert status == 400 and "appears in more than one model repository" in json.loads(raw)["error"], raw
+    assert call(port, "GET", "/models/e2")[0] == 404
+    assert call(port, "POST", "/models/e1/invoke", {"inputs": [
+        {"name": "A", "datatype": "FP32", "shape": [16], "data": A.tolist()},
+        {"name": "B", "datatype": "FP32", "shape": [16], "data": B.tolist()}]})[0] == 200
