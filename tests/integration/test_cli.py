@@ -30,6 +30,7 @@ import pytest
 from dlserve.cli import build_parser
 
 from ..conftest import MODELS, worker_processes
+from .test_model_control import HANGS_IN_INITIALIZE
 from .test_repositories import FLAKY, FLAKY_CONFIG, TWO_INSTANCES
 
 BIN = Path(sys.executable).parent
@@ -678,22 +679,10 @@ def test_a_workers_stderr_reaches_the_servers(serve, make_repo):
     process.assert_clean()
 
 
-SLOW_START = """
-import time
-
-class TritonPythonModel:
-    def initialize(self, args):
-        time.sleep(600)
-
-    def execute(self, requests):
-        return []
-"""
-
-
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_while_models_load_at_start_stops_the_server(make_repo, tmp_path, sig):
     config = (MODELS / "identity" / "config.pbtxt").read_text().replace('name: "identity"', 'name: "slow"')
-    repo = make_repo(extra={"slow": {"config.pbtxt": config, "1/model.py": SLOW_START}})
+    repo = make_repo(extra={"slow": {"config.pbtxt": config, "1/model.py": HANGS_IN_INITIALIZE}})
     process = Serve(tmp_path, ["--model-repository", str(repo), "--exit-timeout-secs", "2"])
     try:
         deadline = time.monotonic() + 60
