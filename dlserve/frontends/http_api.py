@@ -198,7 +198,7 @@ class KServeHttpApi:
             else:
                 decoded[key] = value
         await self.engine.load(args["model"], decoded)
-        return json_response({})
+        return empty(200)  # as Triton: no body
 
     async def unload(self, request: HttpRequest, args: dict[str, str]) -> HttpResponse:
         parameters = json_object(request, allow_empty=True).get("parameters") or {}
@@ -206,7 +206,7 @@ class KServeHttpApi:
         if not isinstance(dependents, bool):
             raise InvalidArgumentError("'unload_dependents' must be a boolean")
         await self.engine.unload(args["model"], dependents)
-        return json_response({})
+        return empty(200)  # as Triton: no body
 
     # -- shared memory --------------------------------------------------------------------
     async def system_status(self, request: HttpRequest, args: dict[str, str]) -> HttpResponse:
@@ -220,11 +220,11 @@ class KServeHttpApi:
         if not isinstance(key, str) or not _is_count(offset) or not _is_count(byte_size):
             raise InvalidArgumentError("register needs 'key' (string), 'offset' and 'byte_size' (integers)")
         self.dataplane.register_system_shm(args["region"], key, offset, byte_size)
-        return json_response({})
+        return empty(200)  # as Triton: no body
 
     async def system_unregister(self, request: HttpRequest, args: dict[str, str]) -> HttpResponse:
         self.dataplane.unregister_system_shm(args.get("region"))
-        return json_response({})
+        return empty(200)  # as Triton: no body
 
     async def cuda_status(self, request: HttpRequest, args: dict[str, str]) -> HttpResponse:
         return json_response(self.dataplane.cuda_shm_status(args.get("region")))
@@ -243,11 +243,11 @@ class KServeHttpApi:
         except ValueError:
             raise InvalidArgumentError("'raw_handle.b64' is not valid base64") from None
         self.dataplane.register_cuda_shm(args["region"], raw, device_id, byte_size)
-        return json_response({})
+        return empty(200)  # as Triton: no body
 
     async def cuda_unregister(self, request: HttpRequest, args: dict[str, str]) -> HttpResponse:
         self.dataplane.unregister_cuda_shm(args.get("region"))
-        return json_response({})
+        return empty(200)  # as Triton: no body
 
     # -- logging --------------------------------------------------------------------------
     async def logging(self, request: HttpRequest, args: dict[str, str]) -> HttpResponse:

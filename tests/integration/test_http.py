@@ -1899,6 +1899,12 @@ def test_bad_binary_bodies(port, label, body_and_headers, status, fragment):
     assert_serving(port)
 
 
+def test_control_calls_answer_200_with_no_body_as_triton(port):
+    for path in ("/v2/systemsharedmemory/unregister", "/v2/cudasharedmemory/unregister"):
+        reply = request(port, "POST", path)
+        assert (reply.status, reply.body) == (200, b""), (path, reply.body)
+
+
 def test_raw_binary_requests_as_triton_deduces_them(port):
     """Inference-Header-Content-Length: 0: the body is the model's one input, its data
     type and shape from the config (compared with Triton 2.51), every output binary."""
