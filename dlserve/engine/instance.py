@@ -58,6 +58,8 @@ class InstanceState(enum.Enum):
 
 
 _EXECUTING = (InstanceState.READY, InstanceState.WARMING)
+# A request's parameters as Triton writes them ({"a":1}); one encoder, not one per call.
+_compact_json = json.JSONEncoder(separators=(",", ":")).encode
 
 
 class Timings:
@@ -312,7 +314,7 @@ class ModelInstance:
                     r.correlation_id,
                     r.flags,
                     r.timeout_us,
-                    json.dumps(r.parameters, separators=(",", ":")) if r.parameters else "{}",  # as Triton writes it
+                    _compact_json(r.parameters) if r.parameters else "{}",
                     model.output_names if r.requested_outputs is None else r.requested_outputs,
                     [out.add(name, tensor) for name, tensor in r.inputs.items()],
                     None if not r.output_buffers else [
