@@ -114,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="do not run the models' auto_complete_config")
     _bool_flag(models, "--strict-model-config", False, "deprecated spelling of --disable-auto-complete-config")
     _bool_flag(models, "--strict-readiness", True, "server is ready only when every model is ready")
+    _bool_flag(models, "--model-namespacing", False, "each repository is a namespace: a model name may "
+               "appear in several (an ensemble's steps are taken from its own)")
     models.add_argument(
         "--exit-on-error", type=boolean, nargs="?", const=True, default=None, metavar="BOOL",
         help="exit when a model fails to load at start-up (default: true; false when serving "
@@ -317,6 +319,7 @@ def serve(args: argparse.Namespace) -> int:
         cpu_metrics=args.allow_cpu_metrics,
         gpu_metrics=args.allow_gpu_metrics,
         model_load_retry_count=args.model_load_retry_count,
+        model_namespacing=args.model_namespacing,
         busy_poll_us=args.busy_poll_us,
         trace=_trace_settings(_trace_entries(args)),
     )

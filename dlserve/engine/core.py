@@ -82,6 +82,7 @@ class EngineSettings:
     busy_poll_us: int = 1000
     model_config_name: str = ""
     model_load_retry_count: int = 0
+    model_namespacing: bool = False  # each repository a namespace: a name may be in several
     response_cache_bytes: int | None = None  # --cache-config local,size=<bytes>; None: no cache
     # --rate-limit=execution_count: the rate limiter's pool sizes (None: no rate limiter)
     rate_limit_resources: list[RateLimiterResource] | None = None
@@ -140,7 +141,7 @@ class Engine:
         self.live = False
 
     def _knows(self, name: str) -> bool:
-        return self.manager is not None and name in self.manager.models
+        return self.manager is not None and self.manager.models.knows(name)
 
     # -- lifecycle ----------------------------------------------------------------------
     async def start(self) -> list[str]:
@@ -167,7 +168,7 @@ class Engine:
             rate_limiter=self.rate_limiter,
         )
         self.manager = ModelManager(
-            Repository(s.model_repositories, s.model_config_name),
+            Repository(s.model_repositories, s.model_config_name, s.model_namespacing),
             resources,
             control_mode=s.control_mode,
             auto_complete=s.auto_complete,
@@ -228,7 +229,7 @@ class Engine:
     def ready(self) -> bool:
         if not self.live or self.manager is None:
             return False
-        return self.manager.all_ready() if self.settings.strict_readiness else True
+        return self.manager.models.all_ready() if self.settings.strict_readiness else True
 
     def metadata(self) -> dict[str, Any]:
         return {
@@ -237,16 +238,18 @@ class Engine:
             "extensions": list(EXTENSIONS),
         }
 
-    def model(self, name: str, version: int = -1) -> ModelVersion:
+    def model(self, name: str, version: int = -1, namespace: str | None = None) -> ModelVersion:
+        """The version serving ``name``; ``namespace`` where an ensemble's step was
+        resolved (model namespacing)."""
         if self.manager is None:
             raise NotFoundError(f"Request for unknown model: '{name}' is not found")
-        return self.manager.get(name, version)
+        return self.manager.models.version(name, version, namespace)
 
-    async def model_ready(self, name: str, version: int = -1) -> bool:
+    async def model_ready(self, name: str, version: int = -1, namespace: str | None = None) -> bool:
         """Whether the version serves requests; asks the model's ``is_ready()`` if it has one."""
         try:
-            model = self.model(name, version)
-        except NotFoundError:
+            model = self.model(name, version, namespace)
+        except (NotFoundError, InvalidArgumentError):  # unknown, or ambiguous (namespacing)
             return False
         return await model.check_ready()
 
@@ -254,7 +257,7 @@ class Engine:
         model = self.model(name, version)
         meta = model.metadata()
         assert self.manager is not None
-        meta["versions"] = [str(v) for v in self.manager.ready_versions(name)] or meta["versions"]
+        meta["versions"] = [str(v) for v in self.manager.models.ready_versions(name)] or meta["versions"]
         return meta
 
     def model_config(self, name: str, version: int = -1) -> dict[str, Any]:
@@ -268,9 +271,9 @@ class Engine:
         if name:
             try:
                 if version is not None and version >= 0:
-                    models = [self.manager.get(name, version)]
+                    models = [self.manager.models.version(name, version)]
                 else:
-                    entry = self.manager.models.get(name)
+                    entry = self.manager.models.find(name)
                     models = list(entry.versions.values()) if entry else []
             except NotFoundError:
                 models = []
@@ -331,20 +334,23 @@ class Engine:
         await self.manager.unload(name, unload_dependents)
 
     # -- inference -----------------------------------------------------------------------
-    def prepare(self, request: Request) -> ModelVersion:
-        """Resolve and validate a request. Safe from any thread; raises on bad input."""
-        model = self.model(request.model_name, request.model_version)
+    def prepare(self, request: Request, model: ModelVersion | None = None) -> ModelVersion:
+        """Resolve (unless the caller did: ``model``) and validate a request. Safe from
+        any thread; raises on bad input."""
+        model = model or self.model(request.model_name, request.model_version)
         validate_request(request, model.signature)
         return model
 
-    def submit(self, request: Request, sample: bool = True) -> None:
+    def submit(self, request: Request, sample: bool = True, model: ModelVersion | None = None) -> None:
         """Validate and queue a request (on the loop); responses go to ``on_response``.
         With ``sample`` False it is never picked for tracing: a request made for
-        another (an ensemble's step) is traced only as a child of a traced one."""
+        another (an ensemble's step) is traced only as a child of a traced one.
+        ``model``: the version it is for, where the caller resolved it (an ensemble's
+        step, in the ensemble's namespace)."""
         try:
             if not self.live:
                 raise UnavailableError("the server is stopping and takes no new requests")
-            model = self.prepare(request)
+            model = self.prepare(request, model)
         except TritonError:
             if request.trace is not None:
                 request.trace.discard()

@@ -36,11 +36,12 @@ class Step:
     version: int  # -1: the latest
     inputs: dict[str, str]  # the model's input -> the ensemble tensor it reads
     outputs: dict[str, str]  # the model's output -> the ensemble tensor it makes
+    namespace: str = ""  # where the model was found, with model namespacing (set at load)
 
 
 def steps_of(config: mc.ModelConfig) -> list[Step]:
     return [
-        Step(s.model_name, int(s.model_version), dict(s.input_map), dict(s.output_map))
+        Step(s.model_name, int(s.model_version), dict(s.input_map), dict(s.output_map), s.model_namespace)
         for s in config.ensemble_scheduling.step
     ]
 
@@ -189,7 +190,7 @@ class _Run:
         )
         model = self.scheduler.model
         try:
-            target = model.resources.host.model(step.model, step.version)
+            target = model.resources.host.model(step.model, step.version, step.namespace)
             if target.decoupled:
                 if not model.decoupled:
                     raise UnsupportedError(
@@ -200,7 +201,7 @@ class _Run:
             branch.running[index] = call
             if request.trace is not None:  # made last: submit discards it if it refuses
                 call.trace = request.trace.child(step.model, request.request_id)
-            model.resources.host.submit(call, sample=False)
+            model.resources.host.submit(call, sample=False, model=target)
         except TritonError as exc:
             branch.running.pop(index, None)
             self._fail(exc)

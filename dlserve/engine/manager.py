@@ -4,12 +4,18 @@ Every model has a lock, so loads and unloads of one model never interleave while
 different models load in parallel. A reload loads the new versions first and
 swaps them in only when they are ready, so a broken edit never takes down a
 serving model.
+
+With model namespacing, as in Triton: a model is known by its repository and name
+(:data:`ModelKey`); a name alone means the one model of that name that is loaded, and
+is an error when several are; an ensemble's step means the model of that name in the
+ensemble's repository, else the only one there is (resolved at load, and written into
+the step's ``model_namespace``); loading or unloading a name takes every model of
+that name.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import enum
 import json
 import logging
@@ -20,9 +26,11 @@ from typing import Any
 from dlserve.engine import config as cfg
 from dlserve.engine import ensemble
 from dlserve.engine.model import EngineResources, ModelVersion
+from dlserve.engine.model_table import ModelEntry, ModelTable
 from dlserve.engine.object_store import ObjectStoreError, is_remote
 from dlserve.engine.proto import model_config_pb2 as mc
 from dlserve.engine.repository import (
+    ModelKey,
     ModelSource,
     Repository,
     check_model_name,
@@ -48,25 +56,6 @@ class ModelControlMode(enum.IntEnum):
     EXPLICIT = 2
 
 
-@dataclasses.dataclass
-class ModelEntry:
-    name: str
-    versions: dict[int, ModelVersion] = dataclasses.field(default_factory=dict)
-    error: str = ""  # why the model (as a whole) is not loaded
-    loading: bool = False
-    unloaded: list[int] = dataclasses.field(default_factory=list)  # versions an unload removed
-    fingerprint: Any = None
-    lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
-    # Loaded only because an ensemble needs it (not asked for by name): unloading that
-    # ensemble with unload_dependents takes it too, as in Triton.
-    as_step: bool = False
-
-    def latest_loaded(self) -> ModelVersion | None:
-        """The highest loaded version, even if its instances are restarting right now."""
-        loaded = [v for v in self.versions.values() if v.state == "READY"]
-        return max(loaded, key=lambda v: v.version) if loaded else None
-
-
 class ModelManager:
     def __init__(
         self,
@@ -84,46 +73,20 @@ class ModelManager:
         self.auto_complete = auto_complete
         self.exit_timeout = exit_timeout
         self.load_retries = load_retries  # tries after a model's first failed start
-        self.models: dict[str, ModelEntry] = {}
+        self.models = ModelTable(repository.namespacing)
         # What a load is starting (versions, auto-complete workers): ended at the stop deadline.
         self._starting: set[ModelVersion | WorkerProcess] = set()
         self._stopping = False
         self._poll_task: asyncio.Task[None] | None = None
 
-    # -- lookups --------------------------------------------------------------------
-    def get(self, name: str, version: int = -1) -> ModelVersion:
-        """The version that serves requests for ``(name, version)``; -1 = latest ready."""
-        entry = self.models.get(name)
-        if entry is None or (not entry.versions and entry.error):
-            raise NotFoundError(f"Request for unknown model: '{name}' is not found")
-        if version is None or version < 0:
-            found = entry.latest_loaded()
-            if found is None:
-                raise NotFoundError(f"Request for unknown model: '{name}' has no available versions")
-            return found
-        model = entry.versions.get(version)
-        if model is None:
-            raise NotFoundError(f"Request for unknown model: '{name}' version {version} is not found")
-        return model
-
-    def ready_versions(self, name: str) -> list[int]:
-        entry = self.models.get(name)
-        return sorted(v.version for v in entry.versions.values() if v.ready) if entry else []
-
-    def all_ready(self) -> bool:
-        return all(
-            entry.versions and all(v.ready for v in entry.versions.values())
-            for entry in self.models.values()
-            if entry.versions or entry.error
-        )
-
+    # -- the repository index ------------------------------------------------------
     def index(self, ready_only: bool = False) -> list[dict[str, Any]]:
         rows: list[dict[str, Any]] = []
-        names = set(self.models)
+        keys = set(self.models)
         if not ready_only:
-            names |= {n for n, s in self.repository.scan().items() if isinstance(s, ModelSource)}
-        for name in sorted(names):
-            entry = self.models.get(name)
+            keys |= {k for k, s in self.repository.scan().items() if isinstance(s, ModelSource)}
+        for key in sorted(keys, key=lambda k: (k[1], k[0])):
+            name, entry = key[1], self.models.get(key)
             if entry is not None and entry.loading and not entry.versions:
                 if not ready_only:
                     rows.append({"name": name, "state": "LOADING"})
@@ -168,11 +131,18 @@ class ModelManager:
                 raise
             log.warning("%s; using its last listing", exc.message)
 
-    async def _fetch(self, name: str) -> ModelSource:
-        """The model's source, its files brought from a remote repository first."""
+    async def _fetch(self, name: str) -> list[ModelSource]:
+        """The model's sources (with namespacing, one per repository that has it), its
+        files brought from a remote repository first."""
         if self.repository.remote:
             return await asyncio.to_thread(self.repository.fetch, name)
         return self.repository.find(name)
+
+    async def _fetch_source(self, source: ModelSource) -> ModelSource:
+        """A listed source, its files brought from its remote repository first."""
+        if source.stamps is not None:
+            return await asyncio.to_thread(self.repository.fetch_source, source)
+        return source
 
     # -- start / stop -----------------------------------------------------------------
     async def start(self, startup_models: list[str], poll_interval: float) -> list[str]:
@@ -181,24 +151,30 @@ class ModelManager:
         if self.control_mode is ModelControlMode.EXPLICIT and startup_models != ["*"]:
             if "*" in startup_models:
                 raise InvalidArgumentError("'*' must be the only startup model when it is used")
-            names = list(dict.fromkeys(startup_models))
-        else:
-            names = sorted(self.repository.scan())
-        results = await asyncio.gather(*(self._load_guarded(name) for name in names))
+            wanted: list[str | ModelSource] = list(dict.fromkeys(startup_models))
+        else:  # every model; a name in two repositories (no namespacing) fails as a name
+            wanted = [s if isinstance(s, ModelSource) else k[1] for k, s in sorted(self.repository.scan().items())]
+        results = await asyncio.gather(*(self._load_guarded(what) for what in wanted))
         errors = [failure.message for failure in results if failure is not None]
         if self.control_mode is ModelControlMode.POLL:
             self._poll_task = asyncio.get_running_loop().create_task(self._poll_forever(poll_interval))
         return errors
 
-    async def _load_guarded(self, name: str) -> TritonError | None:
-        """Load ``name``; its error, logged, rather than raised."""
+    async def _load_guarded(self, what: str | ModelSource) -> TritonError | None:
+        """Load a model by name, or from a source; its error, logged, rather than raised."""
         try:
-            await self.load(name, _internal=True)
+            if isinstance(what, ModelSource):
+                await self._load_source(await self._fetch_source(what))
+            else:
+                await self.load(what, _internal=True)
             return None
         except TritonError as exc:
+            source = what if isinstance(what, ModelSource) else None
+            name = what if source is None else source.name
             log.error("failed to load model '%s': %s", name, exc.message)
-            if not isinstance(exc, NotFoundError):  # listed as failed, with the reason
-                entry = self.models.setdefault(name, ModelEntry(name))
+            # Listed as failed, with the reason; a name's models are listed by their loads.
+            if not isinstance(exc, NotFoundError) and (source is not None or not self.models.knows(name)):
+                entry = self.models.entry(("", name) if source is None else source.key)
                 if not entry.versions:
                     entry.error = exc.message
             return exc
@@ -280,8 +256,16 @@ class ModelManager:
             raise InvalidArgumentError(
                 f"load of model '{name}': file: parameters need a 'config' parameter too"
             )
-        source = self.repository.write_upload(name, files) if files else await self._fetch(name)
-        entry = self.models.setdefault(name, ModelEntry(name))
+        sources = [self.repository.write_upload(name, files)] if files else await self._fetch(name)
+        results = await asyncio.gather(
+            *(self._load_source(source, config, _as_step) for source in sources), return_exceptions=True
+        )
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+
+    async def _load_source(self, source: ModelSource, config: str | None = None, as_step: bool = False) -> None:
+        entry = self.models.entry(source.key)
         async with entry.lock:
             entry.loading = True
             try:
@@ -294,7 +278,7 @@ class ModelManager:
                 entry.loading = False
             old = entry.versions
             entry.versions, entry.error, entry.unloaded = loaded, "", []
-            entry.as_step = _as_step
+            entry.as_step = as_step
             entry.fingerprint = source.fingerprint()
             await asyncio.gather(*(v.unload(self._deadline()) for v in old.values()))
 
@@ -335,10 +319,10 @@ class ModelManager:
             config = await self._auto_complete(name, config, model_file)
         cfg.complete(config, name, self.resources.gpu_count)
         cfg.validate(config, name, self.resources.gpu_count)
-        steps: list[str] = []
+        steps: list[ModelKey] = []
         if is_ensemble:
             ensemble.validate(config, name)
-            steps = await self._load_steps(name, config)
+            steps = await self._load_steps(source, config)
         try:
             for attempt in range(self.load_retries + 1):
                 try:
@@ -364,7 +348,7 @@ class ModelManager:
         loaded: dict[int, ModelVersion] = {}
         try:
             for version in versions:
-                model = ModelVersion(name, version, config, source.path, self.resources)
+                model = ModelVersion(name, version, config, source.path, self.resources, source.namespace)
                 loaded[version] = model
                 self._starting.add(model)
                 try:
@@ -376,33 +360,61 @@ class ModelManager:
             raise
         return loaded
 
-    async def _load_steps(self, name: str, config: mc.ModelConfig) -> list[str]:
-        """In explicit mode, loading an ensemble loads the models of its steps that are
-        not loaded (or are being unloaded), as Triton does (in the other modes they load
-        with the rest); returns those it loaded. If one fails, those it loaded go again."""
+    async def _load_steps(self, source: ModelSource, config: mc.ModelConfig) -> list[ModelKey]:
+        """Resolve the ensemble's steps to models (see the module's docstring), then, in
+        explicit mode, load those not loaded (or being unloaded), as Triton does (in the
+        other modes they load with the rest); returns those it loaded. If one fails,
+        those it loaded go again."""
+        name = source.name
+        listed = self.repository.scan()
+        keys: dict[str, ModelKey] = {}
+        for step in config.ensemble_scheduling.step:
+            key = keys.get(step.model_name) or self._step_key(source, step.model_name, listed)
+            keys[step.model_name] = key
+            step.model_namespace = key[0]
         if self.control_mode is not ModelControlMode.EXPLICIT:
             return []
-        loaded: list[str] = []
-        listed = self.repository.scan()
-        for step in sorted({s.model for s in ensemble.steps_of(config)}):
-            if isinstance(listed.get(step), str):  # loaded from one of them or not, it is ambiguous
+        loaded: list[ModelKey] = []
+        for key in sorted(set(keys.values())):
+            entry = self.models.get(key)
+            if entry is not None and entry.latest_loaded() is not None:
+                continue
+            found = listed.get(key)
+            try:
+                if not isinstance(found, ModelSource):  # an upload, or no longer listed
+                    await self.load(key[1], _internal=True, _as_step=True)
+                else:
+                    await self._load_source(await self._fetch_source(found), as_step=True)
+            except TritonError as exc:
                 await self._unload_unused(loaded)
                 raise InvalidArgumentError(
-                    f"failed to load ensemble '{name}': {listed[step]}, and model namespacing, "
-                    "which would take the one in the ensemble's repository, is not supported"
-                )
-            entry = self.models.get(step)
-            if entry is None or entry.latest_loaded() is None:
-                try:
-                    await self.load(step, _internal=True, _as_step=True)
-                except TritonError as exc:
-                    await self._unload_unused(loaded)
-                    raise InvalidArgumentError(
-                        f"failed to load ensemble '{name}': its step model '{step}' did not "
-                        f"load: {exc.message}"
-                    ) from None
-                loaded.append(step)
+                    f"failed to load ensemble '{name}': its step model '{key[1]}' did not "
+                    f"load: {exc.message}"
+                ) from None
+            loaded.append(key)
         return loaded
+
+    def _step_key(self, ensemble_source: ModelSource, step: str, listed: dict[ModelKey, ModelSource | str]) -> ModelKey:
+        """The model an ensemble's step names: with namespacing, the one in the
+        ensemble's repository, else the only one listed or loaded."""
+        found = listed.get(("", step))
+        if not self.models.namespacing:
+            if isinstance(found, str):  # loaded from one of them or not, it is ambiguous
+                raise InvalidArgumentError(
+                    f"failed to load ensemble '{ensemble_source.name}': {found}; with model "
+                    "namespacing on (--model-namespacing), the one in the ensemble's repository is taken"
+                )
+            return ("", step)
+        own = (ensemble_source.namespace, step)
+        if own in listed or own in self.models:
+            return own
+        candidates = {k for k in listed if k[1] == step} | {e.key for e in self.models.named(step) if e.versions}
+        if len(candidates) > 1:
+            raise InvalidArgumentError(
+                f"failed to load ensemble '{ensemble_source.name}': its step model '{step}' is in "
+                f"{len(candidates)} model repositories, none of them the ensemble's"
+            )
+        return candidates.pop() if candidates else own
 
     async def _auto_complete(self, name: str, config: mc.ModelConfig, model_file: Any) -> mc.ModelConfig:
         """Run ``auto_complete_config`` in a throwaway worker, as Triton does."""
@@ -441,40 +453,38 @@ class ModelManager:
         go too. A name that is not loaded (or not known at all) is nothing to do, as in
         Triton."""
         self._check_api_allowed()
-        entry = self.models.get(name)
-        if entry is None:
-            return
-        steps = self._steps_of(entry) if unload_dependents else set()
-        await self._unload_with_users(entry)
-        await self._unload_unused(steps)
+        for entry in self.models.named(name):
+            steps = self._steps_of(entry) if unload_dependents else set()
+            await self._unload_with_users(entry)
+            await self._unload_unused(steps)
 
-    async def _unload_unused(self, names: Iterable[str]) -> None:
+    async def _unload_unused(self, keys: Iterable[ModelKey]) -> None:
         """Of these step models, unload those loaded only for ensembles that no loaded
         ensemble uses any more, and in turn theirs (a step may be an ensemble)."""
-        for name in sorted(names):
-            entry = self.models.get(name)
-            if entry is None or not entry.versions or not entry.as_step or self._users_of(name):
+        for key in sorted(keys):
+            entry = self.models.get(key)
+            if entry is None or not entry.versions or not entry.as_step or self._users_of(key):
                 continue
             steps = self._steps_of(entry)
             await self._unload_with_users(entry)
             await self._unload_unused(steps)
 
     @staticmethod
-    def _steps_of(entry: ModelEntry) -> set[str]:
+    def _steps_of(entry: ModelEntry) -> set[ModelKey]:
         return {
-            step.model
+            (step.namespace, step.model)
             for version in entry.versions.values()
             if version.is_ensemble
             for step in ensemble.steps_of(version.config)
         }
 
-    def _users_of(self, name: str) -> list[str]:
-        """The loaded ensembles with a step that runs ``name``."""
-        return sorted(user for user, entry in self.models.items() if name in self._steps_of(entry))
+    def _users_of(self, key: ModelKey) -> list[ModelKey]:
+        """The loaded ensembles with a step that runs the model ``key``."""
+        return sorted(user for user, entry in self.models.items() if key in self._steps_of(entry))
 
     async def _unload_with_users(self, entry: ModelEntry) -> None:
-        for user in self._users_of(entry.name):
-            log.info("unloading ensemble '%s': it uses '%s', which is being unloaded", user, entry.name)
+        for user in self._users_of(entry.key):
+            log.info("unloading ensemble '%s': it uses '%s', which is being unloaded", user[1], entry.name)
             await self._unload_with_users(self.models[user])
         await self._unload_entry(entry)
 
@@ -494,22 +504,22 @@ class ModelManager:
     async def poll(self) -> None:
         """Load new models, reload changed ones, unload removed ones."""
         await self.refresh_repository()
-        found = {n: s for n, s in self.repository.scan().items() if isinstance(s, ModelSource)}
-        for name in list(self.models):
-            if name not in found and self.models[name].versions:
-                log.info("model '%s' was removed from the repository; unloading", name)
-                await self._unload_with_users(self.models[name])
-        for name, source in found.items():
-            entry = self.models.get(name)
+        found = {k: s for k, s in self.repository.scan().items() if isinstance(s, ModelSource)}
+        for key in list(self.models):
+            if key not in found and self.models[key].versions:
+                log.info("model '%s' was removed from the repository; unloading", key[1])
+                await self._unload_with_users(self.models[key])
+        for key, source in found.items():
+            entry = self.models.get(key)
             if entry is not None and entry.fingerprint == source.fingerprint():
                 continue
-            log.info("model '%s' is new or changed; loading", name)
-            failure = await self._load_guarded(name)
-            if failure is not None and name in self.models:
+            log.info("model '%s' is new or changed; loading", source.name)
+            failure = await self._load_guarded(source)
+            if failure is not None and key in self.models:
                 # A model that failed to load is tried again once it changes; one the
                 # store failed to hand over, at the next poll.
                 failed_store = isinstance(failure, ObjectStoreError)
-                self.models[name].fingerprint = None if failed_store else source.fingerprint()
+                self.models[key].fingerprint = None if failed_store else source.fingerprint()
 
     async def _poll_forever(self, interval: float) -> None:
         while True:

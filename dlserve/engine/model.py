@@ -70,8 +70,10 @@ class ModelVersion:
         config: mc.ModelConfig,
         model_dir: Path,
         resources: EngineResources,
+        namespace: str = "",
     ) -> None:
         self.name = name
+        self.namespace = namespace  # its repository as given, with model namespacing
         self.version = version
         self.config = config
         self.config_json = cfg.to_json(config)
@@ -115,9 +117,9 @@ class ModelVersion:
         if not self.ready:
             return False
         if self.is_ensemble:  # ready when every step's model is
-            steps = {(s.model, s.version) for s in ensemble.steps_of(self.config)}
+            steps = {(s.model, s.version, s.namespace) for s in ensemble.steps_of(self.config)}
             host = self.resources.host
-            return all(await asyncio.gather(*(host.model_ready(m, v) for m, v in steps)))
+            return all(await asyncio.gather(*(host.model_ready(*step) for step in steps)))
         checks = await asyncio.gather(*(i.check_ready() for i in self.instances if i.ready))
         return any(checks)
 

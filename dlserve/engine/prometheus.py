@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dlserve.engine.core import Engine
 from dlserve.engine.custom_metrics import sample
+from dlserve.engine.model import ModelVersion
 from dlserve.engine.statistics import FAILURE_REASONS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -53,6 +54,15 @@ _CACHE_MODEL_METRICS = (
 )
 
 
+def _model_labels(engine: Engine, model: ModelVersion, *more: tuple[str, str]) -> tuple[tuple[str, str], ...]:
+    """A model version's labels, in name order: with model namespacing, as in Triton,
+    its namespace too (the same name may be served from several repositories)."""
+    labels = [("model", model.name), ("version", str(model.version)), *more]
+    if engine.settings.model_namespacing:
+        labels.append(("namespace", model.namespace))
+    return tuple(sorted(labels))
+
+
 def _cache_lines(engine: Engine) -> list[str]:
     """The response cache's metrics: per model that uses it, and the cache's own
     gauges when the server has one."""
@@ -61,7 +71,7 @@ def _cache_lines(engine: Engine) -> list[str]:
         for model in entry.versions.values():
             if not model.config.response_cache.enable:
                 continue
-            labels = (("model", model.name), ("version", str(model.version)))
+            labels = _model_labels(engine, model)
             for name, _, _, field, is_duration in _CACHE_MODEL_METRICS:
                 duration = model.stats.durations[field]
                 rows[name].append(sample(name, labels, duration.ns // 1000 if is_duration else duration.count))
@@ -91,7 +101,7 @@ def _model_samples(engine: Engine) -> dict[str, list[str]]:
     for entry in engine.manager.models.values():
         for model in entry.versions.values():
             stats = model.stats
-            labels = (("model", model.name), ("version", str(model.version)))
+            labels = _model_labels(engine, model)
             d = stats.durations
             out["nv_inference_request_success"].append(
                 sample("nv_inference_request_success", labels, d["success"].count)
@@ -100,7 +110,7 @@ def _model_samples(engine: Engine) -> dict[str, list[str]]:
                 out["nv_inference_request_failure"].append(
                     sample(
                         "nv_inference_request_failure",
-                        (("model", model.name), ("reason", reason), ("version", str(model.version))),
+                        _model_labels(engine, model, ("reason", reason)),
                         stats.failures[reason],
                     )
                 )

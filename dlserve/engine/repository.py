@@ -9,6 +9,10 @@ request can never reach outside them; files uploaded with a load request are
 written under a private folder after the same check on every path. A repository
 may be an ``s3://``, ``gs://`` or ``as://`` URL: its models are read from a local
 mirror (object_store).
+
+With model namespacing (``--model-namespacing``) each repository is a namespace,
+named by the repository as given, and the same model name may appear in several:
+a model is then told apart by its :data:`ModelKey`.
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ CUSTOM_CONFIGS = "configs"  # <model>/configs/<name>.pbtxt: the config --model-c
 WARMUP_FOLDER = "warmup"  # <model>/warmup/<file>: model_warmup's input_data_file
 _MODEL_FOLDERS = (CUSTOM_CONFIGS, WARMUP_FOLDER)  # a model's folders that are not versions
 
+# (namespace, model name); the namespace is "" unless model namespacing is on.
+ModelKey = tuple[str, str]
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelSource:
@@ -47,6 +54,12 @@ class ModelSource:
     # Served under a name its repository's registration gave it (not its folder's):
     # its config's ``name`` becomes that name, as in Triton.
     renamed: bool = False
+    # Its repository as given, with model namespacing on ("" otherwise).
+    namespace: str = ""
+
+    @property
+    def key(self) -> ModelKey:
+        return (self.namespace, self.name)
 
     def config_path(self, config_name: str = "") -> Path:
         """Its ``configs/<config_name>.pbtxt`` if it has one, else its config.pbtxt."""
@@ -126,7 +139,8 @@ def check_model_name(name: str) -> None:
 
 
 class Repository:
-    """One or more repositories, searched in order; model names must be unique.
+    """One or more repositories, searched in order; model names must be unique, or,
+    with ``namespacing``, unique within each repository.
 
     An object-store repository is listed by :meth:`refresh` and a model's files are
     downloaded by :meth:`fetch`; both block on the network, so the engine runs them
@@ -136,16 +150,18 @@ class Repository:
     snapshots of it.
     """
 
-    def __init__(self, paths: list[str | Path], config_name: str = "") -> None:
+    def __init__(self, paths: list[str | Path], config_name: str = "", namespacing: bool = False) -> None:
         if config_name and ("/" in config_name or "\\" in config_name or config_name in (".", "..")):
             raise InvalidArgumentError(
                 f"model config name '{config_name}' must be a file name (it names configs/<name>.pbtxt)"
             )
         self.config_name = config_name
+        self.namespacing = namespacing
         self.paths: list[Path] = []
         self._mirrors: dict[Path, StoreMirror] = {}  # local root -> its s3:// repository
         self._keys: dict[str, Path] = {}  # a repository as named (normalised) -> its root
         self._renames: dict[Path, dict[str, str]] = {}  # root -> {folder: model name}
+        self._namespaces: dict[Path, str] = {}  # root -> the repository as given (Triton's namespace)
         self._retired: list[StoreMirror] = []  # unregistered remote repositories
         try:
             for path in paths:
@@ -190,6 +206,7 @@ class Repository:
                 raise InvalidArgumentError(f"model repository '{path}' is not a directory")
         self.paths.append(root)
         self._keys[self._key(path)] = root
+        self._namespaces[root] = str(path)
         return root
 
     def register(
@@ -235,6 +252,7 @@ class Repository:
         self.paths.remove(root)
         self._keys = {key: r for key, r in self._keys.items() if r != root}
         self._renames.pop(root, None)
+        self._namespaces.pop(root, None)
         return self._mirrors.pop(root, None)
 
     @property
@@ -242,17 +260,19 @@ class Repository:
         """Whether any repository is remote (refresh and fetch do network I/O)."""
         return bool(self._mirrors)
 
-    def scan(self) -> dict[str, ModelSource | str]:
-        """Every model folder by name; a name found in two repositories maps to an error."""
-        found: dict[str, ModelSource | str] = {}
+    def scan(self) -> dict[ModelKey, ModelSource | str]:
+        """Every model folder by key; a key found twice (a name in two repositories,
+        without namespacing) maps to an error."""
+        found: dict[ModelKey, ModelSource | str] = {}
         for repo in tuple(self.paths):
+            namespace = self._namespaces[repo] if self.namespacing else ""
             mirror = self._mirrors.get(repo)
             if mirror is not None:
                 listing = sorted(mirror.listing.items())
-                sources = [ModelSource(name, repo / name, stamps) for name, stamps in listing]
+                sources = [ModelSource(name, repo / name, stamps, namespace=namespace) for name, stamps in listing]
             else:
                 sources = [
-                    ModelSource(entry.name, Path(entry.path))
+                    ModelSource(entry.name, Path(entry.path), namespace=namespace)
                     for entry in sorted(os.scandir(repo), key=lambda e: e.name)
                     if entry.is_dir() and not entry.name.startswith(".")
                 ]
@@ -263,12 +283,12 @@ class Repository:
                     for s in sources
                 ]
             for source in sources:
-                if source.name in found:
-                    found[source.name] = (
+                if source.key in found:
+                    found[source.key] = (
                         f"model '{source.name}' appears in more than one model repository"
                     )
                 else:
-                    found[source.name] = source
+                    found[source.key] = source
         return found
 
     def refresh(self) -> None:
@@ -276,7 +296,7 @@ class Repository:
         for mirror in tuple(self._mirrors.values()):
             mirror.refresh()
 
-    def fetch(self, name: str) -> ModelSource:
+    def fetch(self, name: str) -> list[ModelSource]:
         """:meth:`find`, after bringing the model's files from remote repositories up
         to date (blocking)."""
         check_model_name(name)
@@ -285,15 +305,29 @@ class Repository:
             mirror.fetch(next((folder for folder, n in renames.items() if n == name), name))
         return self.find(name)
 
-    def find(self, name: str) -> ModelSource:
-        entry = self.scan().get(name)
-        if entry is None:
+    def fetch_source(self, source: ModelSource) -> ModelSource:
+        """``source`` as it is now, its files brought up to date if it is in a remote
+        repository (blocking)."""
+        mirror = self._mirrors.get(source.path.parent)
+        if mirror is None:
+            return source
+        mirror.fetch(source.path.name)
+        found = self.scan().get(source.key)
+        if not isinstance(found, ModelSource):
+            raise NotFoundError(f"failed to load '{source.name}', failed to poll from model repository")
+        return found
+
+    def find(self, name: str) -> list[ModelSource]:
+        """The models of this name: one, or with namespacing one per repository that has it."""
+        entries = [entry for (_, found), entry in self.scan().items() if found == name]
+        if not entries:
             raise NotFoundError(
                 f"failed to load '{name}', failed to poll from model repository"
             )
-        if isinstance(entry, str):
-            raise InvalidArgumentError(entry)
-        return entry
+        for entry in entries:
+            if isinstance(entry, str):
+                raise InvalidArgumentError(entry)
+        return [entry for entry in entries if isinstance(entry, ModelSource)]
 
     def read_config(self, source: ModelSource) -> mc.ModelConfig | None:
         """The model's config.pbtxt, or None when it has none."""

@@ -43,7 +43,7 @@ _MIB = 1 << 20
 
 # tritonserver.Options fields dlserve does not act on: refused when set where they would
 # change what the server does, a warning where they only tune Triton's C++ core.
-_REFUSED = ("model_namespacing", "host_policies", "model_load_device_limits", "repo_agent_directory")
+_REFUSED = ("host_policies", "model_load_device_limits", "repo_agent_directory")
 _IGNORED = (
     "pinned_memory_pool_size", "cuda_memory_pool_sizes", "min_supported_compute_capability",
     "buffer_manager_thread_count", "model_load_thread_count", "enable_peer_access",
@@ -88,15 +88,16 @@ class Options:
 
     dlserve reads these Triton fields: model_repository, server_id,
     model_control_mode, startup_models, strict_model_config, exit_on_error,
-    strict_readiness, exit_timeout, model_load_retry_count, rate_limiter_mode and
+    strict_readiness, exit_timeout, model_load_retry_count, model_namespacing
+    (:mod:`dlserve.engine.manager`), rate_limiter_mode and
     rate_limiter_resources (``RateLimiterResource(name, count, device=None)`` or
     ``"NAME:COUNT[:DEVICE]"``), cache_config
     (``{"local": {"size": <bytes>}}``: the response cache), log_file,
     log_info/warn/error, log_verbose, metrics, cpu_metrics, gpu_metrics, and
     ``backend_configuration["python"]`` keys ``shm-default-byte-size`` and
     ``shm-growth-byte-size`` (each worker's shared-memory arena). Of the rest,
-    those that would change what the server does (``model_namespacing``,
-    ``host_policies``, ``model_load_device_limits``, ``repo_agent_directory``) are
+    those that would change what the server does (``host_policies``,
+    ``model_load_device_limits``, ``repo_agent_directory``) are
     refused when set, and the tuning knobs of Triton's C++ core are accepted with a
     warning that they do nothing here. ``model_config_name`` is tritonserver's
     ``--model-config-name`` (``<model>/configs/<name>.pbtxt`` where a model has
@@ -193,6 +194,7 @@ class Options:
             busy_poll_us=int(self.busy_poll_us),
             model_config_name=self.model_config_name,
             model_load_retry_count=int(self.model_load_retry_count),
+            model_namespacing=bool(self.model_namespacing),
             response_cache_bytes=cache_size(self.cache_config),
             rate_limit_resources=self._rate_limit_resources(),
             without_effect=without_effect,

@@ -19,9 +19,9 @@ frontend serves them (measured): SageMaker unpacks each model's archive under
 
 Registering repositories needs model control mode EXPLICIT, which is how SageMaker
 images run Triton (and dlserve, deploy/sagemaker/serve) with
-``SAGEMAKER_MULTI_MODEL=true``. Triton's image also turns model namespacing on, which
-dlserve lacks: an archive whose ensemble has a step model of the same name as a model of
-another archive loaded before is refused (400), where Triton serves each from its own.
+``SAGEMAKER_MULTI_MODEL=true``; both also turn model namespacing on, so that each
+archive's ensemble runs its own step models when two archives hold models of the same
+names (without it, the second such archive is refused with a 400).
 
 Where dlserve differs from Triton 2.51: a body that is not a JSON object with string
 ``model_name`` and ``url`` is a 400 (Triton's server crashed); a model not ready is

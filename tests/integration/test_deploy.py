@@ -26,6 +26,7 @@ from dlserve.cli import build_parser
 
 from ..conftest import MODELS, worker_processes
 from .test_cli import BIN, Serve, add_sub_body, free_port, request
+from .test_sagemaker_mme import archive
 
 yaml = pytest.importorskip("yaml")
 
@@ -268,5 +269,9 @@ def test_the_sagemaker_images_serve_command_as_a_multi_model_endpoint(tmp_path, 
         status, body = request(port, "/models/0123abcd/invoke", "POST", add_sub_body())
         assert status == 200 and json.loads(body)["model_name"] == "0123abcd", body
         assert request(port, "/models/0123abcd", "DELETE")[0] == 200
+        # With model namespacing on: two archives whose ensembles have steps of the same names.
+        for name in ("e1", "e2"):
+            load = {"model_name": name, "url": str(archive(tmp_path / "archives", name, "pipeline", "add_sub", "identity"))}
+            assert request(port, "/models", "POST", load)[0] == 200, name
     finally:
         stop_sagemaker_serve(process)

@@ -190,7 +190,7 @@ def test_server_metrics_follow_the_options(servers, make_repo):
 # -- tritonserver.Options fields dlserve does not act on ---------------------------------------------
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("model_namespacing", True), ("host_policies", {"p": {"numa-node": "0"}}),
+    [("host_policies", {"p": {"numa-node": "0"}}),
      ("model_load_device_limits", ["x"]), ("repo_agent_directory", "/opt/agents")],
 )
 def test_options_that_would_change_behaviour_are_refused(make_repo, field, value):

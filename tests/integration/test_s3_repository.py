@@ -155,13 +155,13 @@ def test_poll_mode_follows_the_store(store, mount, servers) -> None:
         repository_poll_secs=3600,
     )
     assert version_of(server) == 1
-    worker = server.engine.manager.models["versioned"].versions[1].instances[0].pid
+    worker = server.engine.manager.models.find("versioned").versions[1].instances[0].pid
 
     store.put("polled", "add_sub", MODELS / "add_sub")
     server.poll_model_repository()
     assert add_sub(server) == (np.arange(16) * 2).tolist()
     # Unchanged in the store: not reloaded.
-    assert server.engine.manager.models["versioned"].versions[1].instances[0].pid == worker
+    assert server.engine.manager.models.find("versioned").versions[1].instances[0].pid == worker
 
     store.put("polled", "versioned", MODELS / "versioned", only="2")
     server.poll_model_repository()

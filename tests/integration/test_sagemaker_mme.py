@@ -44,9 +44,10 @@ def archive(root: Path, name: str, *models: str, model_folder: bool = False) -> 
 
 @pytest.fixture
 def endpoint(servers, tmp_path):
-    """An EXPLICIT-mode server with an empty repository and its SageMaker service."""
+    """An EXPLICIT-mode server with an empty repository and its SageMaker service, with
+    model namespacing, as deploy/sagemaker/serve runs it (and Triton's SageMaker image)."""
     (tmp_path / "empty").mkdir()
-    server = servers.start(tmp_path / "empty", model_control_mode=ModelControlMode.EXPLICIT)
+    server = servers.start(tmp_path / "empty", model_control_mode=ModelControlMode.EXPLICIT, model_namespacing=True)
     with sagemaker(server) as service:
         yield server, service.port
 
@@ -74,7 +75,7 @@ def test_a_model_archive_loaded_listed_invoked_and_unloaded(endpoint, tmp_path):
     status, _, raw = call(port, "POST", "/models/a1b2/invoke", add_sub_body())
     assert status == 200 and json.loads(raw)["model_name"] == "add.tar.gz"
 
-    pid = server.engine.manager.models["add.tar.gz"].versions[1].instances[0].pid
+    pid = server.engine.manager.models.find("add.tar.gz").versions[1].instances[0].pid
     assert call(port, "DELETE", "/models/a1b2", headers={TARGET: "add.tar.gz"})[0] == 200
     assert not server.model("add.tar.gz").ready()
     assert not Path(f"/proc/{pid}").exists()  # its worker ended
@@ -198,16 +199,28 @@ def test_a_failed_ensemble_archive_leaves_no_model_loaded(endpoint, tmp_path):
     server.unregister_model_repository(str(url))
 
 
-def test_two_ensemble_archives_with_steps_of_the_same_name_are_refused_not_mixed(endpoint, tmp_path):
-    """Without model namespacing, the second archive's ensemble would run the first
-    archive's step models (whatever its own say): its load is refused instead."""
+def test_two_ensemble_archives_with_steps_of_the_same_name_each_run_their_own(endpoint, tmp_path):
+    """Model namespacing: each archive's ensemble runs the step models of its own archive,
+    and unloading one archive leaves the other's steps serving."""
     server, port = endpoint
     first = archive(tmp_path / "models", "e1", "pipeline", "add_sub", "identity")
     second = archive(tmp_path / "models", "e2", "pipeline", "add_sub", "identity")
+    swapped = second / "add_sub" / "1" / "model.py"  # the second's add_sub answers a - b, a + b
+    swapped.write_text(swapped.read_text().replace('"OUTPUT0"', '"OUTPUTx"').replace('"OUTPUT1"', '"OUTPUT0"')
+                       .replace('"OUTPUTx"', '"OUTPUT1"'))
+    body = {"inputs": [{"name": "A", "datatype": "FP32", "shape": [16], "data": A.tolist()},
+                       {"name": "B", "datatype": "FP32", "shape": [16], "data": B.tolist()}],
+            "outputs": [{"name": "SUM"}]}
+
+    def total(name: str) -> list[float]:
+        status, _, raw = call(port, "POST", f"/models/{name}/invoke", body)
+        assert status == 200, raw
+        return json.loads(raw)["outputs"][0]["data"]
+
     assert call(port, "POST", "/models", {"model_name": "e1", "url": str(first)})[0] == 200
-    status, _, raw = call(port, "POST", "/models", {"model_name": "e2", "url": str(second)})
-    assert status == 400 and "appears in more than one model repository" in json.loads(raw)["error"], raw
-    assert call(port, "GET", "/models/e2")[0] == 404
-    assert call(port, "POST", "/models/e1/invoke", {"inputs": [
-        {"name": "A", "datatype": "FP32", "shape": [16], "data": A.tolist()},
-        {"name": "B", "datatype": "FP32", "shape": [16], "data": B.tolist()}]})[0] == 200
+    assert call(port, "POST", "/models", {"model_name": "e2", "url": str(second)})[0] == 200
+    assert total("e1") == (A + B).tolist() and total("e2") == (A - B).tolist()
+    assert call(port, "DELETE", "/models/e1")[0] == 200
+    assert total("e2") == (A - B).tolist()
+    assert sorted(key[1] for key, entry in server.engine.manager.models.items() if entry.versions) == [
+        "add_sub", "e2", "identity"]

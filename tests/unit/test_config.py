@@ -490,16 +490,31 @@ def test_scan_and_find(tmp_path):
     repo = Repository([a, b])
     try:
         found = repo.scan()
-        assert sorted(found) == ["dup", "m1", "m2"]
-        assert found["m1"] == ModelSource("m1", a.resolve() / "m1")
-        assert repo.find("m2").path == b.resolve() / "m2"
+        assert sorted(found) == [("", "dup"), ("", "m1"), ("", "m2")]
+        assert found[("", "m1")] == ModelSource("m1", a.resolve() / "m1")
+        assert [s.path for s in repo.find("m2")] == [b.resolve() / "m2"]
         with pytest.raises(InvalidArgumentError, match="'dup' appears in more than one model repository"):
             repo.find("dup")
         with pytest.raises(NotFoundError, match="failed to load 'nope'"):
             repo.find("nope")
-        assert repo.read_config(repo.find("m1")) is None
+        assert repo.read_config(repo.find("m1")[0]) is None
         (a / "m1" / "config.pbtxt").write_text('max_batch_size: 3')
-        assert repo.read_config(repo.find("m1")).max_batch_size == 3
+        assert repo.read_config(repo.find("m1")[0]).max_batch_size == 3
+    finally:
+        repo.close()
+
+
+def test_with_namespacing_each_repository_is_a_namespace_named_as_given(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    for path in [a / "m1", a / "dup", b / "dup"]:
+        path.mkdir(parents=True)
+    repo = Repository([a, f"{b}/"], namespacing=True)
+    try:
+        found = repo.scan()
+        assert sorted(found) == [(str(a), "dup"), (str(a), "m1"), (f"{b}/", "dup")]
+        assert {(s.namespace, s.path) for s in repo.find("dup")} == {
+            (str(a), a.resolve() / "dup"), (f"{b}/", b.resolve() / "dup")}
+        assert found[(str(a), "m1")].key == (str(a), "m1")
     finally:
         repo.close()
 

@@ -1,0 +1,118 @@
+"""The models a manager knows, and which one a name means.
+
+A model is known by its key, ``(namespace, name)``; the namespace is "" unless model
+namespacing is on, when it is the repository the model came from. A request, a BLS
+call or an API call names a model without a namespace: with namespacing, that name
+means the one model of that name that is loaded, and is an error (Triton's words) when
+several are. An ensemble's step also names its namespace, resolved when the ensemble
+loaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any
+
+from dlserve.engine.model import ModelVersion
+from dlserve.engine.repository import ModelKey
+from dlserve.errors import InvalidArgumentError, NotFoundError
+
+
+@dataclasses.dataclass
+class ModelEntry:
+    name: str
+    namespace: str = ""  # its repository as given, with model namespacing on
+    versions: dict[int, ModelVersion] = dataclasses.field(default_factory=dict)
+    error: str = ""  # why the model (as a whole) is not loaded
+    loading: bool = False
+    unloaded: list[int] = dataclasses.field(default_factory=list)  # versions an unload removed
+    fingerprint: Any = None
+    lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+    # Loaded only because an ensemble needs it (not asked for by name): unloading that
+    # ensemble with unload_dependents takes it too, as in Triton.
+    as_step: bool = False
+
+    @property
+    def key(self) -> ModelKey:
+        return (self.namespace, self.name)
+
+    def latest_loaded(self) -> ModelVersion | None:
+        """The highest loaded version, even if its instances are restarting right now."""
+        loaded = [v for v in self.versions.values() if v.state == "READY"]
+        return max(loaded, key=lambda v: v.version) if loaded else None
+
+
+class ModelTable(dict[ModelKey, ModelEntry]):
+    """Every model ever loaded or tried (an unloaded one keeps its entry), by key; add
+    them with :meth:`entry` only, so that they are found by name too."""
+
+    def __init__(self, namespacing: bool) -> None:
+        super().__init__()
+        self.namespacing = namespacing
+        self._named: dict[str, list[ModelEntry]] = {}  # name -> its entries, in every namespace
+
+    def entry(self, key: ModelKey) -> ModelEntry:
+        """The model's entry, made if it has none yet."""
+        entry = self.get(key)
+        if entry is None:
+            entry = self[key] = ModelEntry(key[1], namespace=key[0])
+            self._named.setdefault(entry.name, []).append(entry)
+        return entry
+
+    def knows(self, name: str) -> bool:
+        return name in self._named
+
+    def named(self, name: str) -> list[ModelEntry]:
+        """The models of this name, in every namespace."""
+        return list(self._named.get(name, ()))
+
+    def find(self, name: str, namespace: str | None = None) -> ModelEntry | None:
+        """The model a name means: the one in ``namespace`` if there is one there (an
+        ensemble's step), else the one loaded, else the one known. Raises when the name
+        is ambiguous: loaded from several repositories (with model namespacing)."""
+        if not self.namespacing:
+            return self.get(("", name))
+        if namespace is not None:
+            entry = self.get((namespace, name))
+            if entry is not None:
+                return entry
+        entries = self._named.get(name)
+        if not entries:
+            return None
+        if len(entries) == 1:
+            return entries[0]
+        loaded = [entry for entry in entries if entry.versions]
+        if len(loaded) > 1:
+            raise InvalidArgumentError(
+                f"There are {len(loaded)} identifiers of model '{name}' in global map, model "
+                "namespace must be provided to resolve ambiguity."
+            )
+        return loaded[0] if loaded else entries[0]
+
+    def version(self, name: str, version: int = -1, namespace: str | None = None) -> ModelVersion:
+        """The version that serves requests for ``(name, version)``; -1 = latest ready.
+        ``namespace``: where an ensemble's step was resolved (model namespacing)."""
+        entry = self.find(name, namespace)
+        if entry is None or (not entry.versions and entry.error):
+            raise NotFoundError(f"Request for unknown model: '{name}' is not found")
+        if version is None or version < 0:
+            found = entry.latest_loaded()
+            if found is None:
+                raise NotFoundError(f"Request for unknown model: '{name}' has no available versions")
+            return found
+        model = entry.versions.get(version)
+        if model is None:
+            raise NotFoundError(f"Request for unknown model: '{name}' version {version} is not found")
+        return model
+
+    def ready_versions(self, name: str) -> list[int]:
+        entry = self.find(name)
+        return sorted(v.version for v in entry.versions.values() if v.ready) if entry else []
+
+    def all_ready(self) -> bool:
+        return all(
+            entry.versions and all(v.ready for v in entry.versions.values())
+            for entry in self.values()
+            if entry.versions or entry.error
+        )
