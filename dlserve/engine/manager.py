@@ -16,6 +16,7 @@ that name.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import json
 import logging
@@ -172,11 +173,12 @@ class ModelManager:
             source = what if isinstance(what, ModelSource) else None
             name = what if source is None else source.name
             log.error("failed to load model '%s': %s", name, exc.message)
-            # Listed as failed, with the reason; a name's models are listed by their loads.
-            if not isinstance(exc, NotFoundError) and (source is not None or not self.models.knows(name)):
-                entry = self.models.entry(("", name) if source is None else source.key)
-                if not entry.versions:
-                    entry.error = exc.message
+            if not isinstance(exc, NotFoundError):  # listed as failed, with the reason
+                listed = [key for key in self.repository.scan() if key[1] == name] or [("", name)]
+                for key in [source.key] if source is not None else listed:
+                    entry = self.models.entry(key)
+                    if not entry.versions:
+                        entry.error = exc.message
             return exc
 
     async def stop(self, deadline: float) -> None:
@@ -256,7 +258,12 @@ class ModelManager:
             raise InvalidArgumentError(
                 f"load of model '{name}': file: parameters need a 'config' parameter too"
             )
-        sources = [self.repository.write_upload(name, files)] if files else await self._fetch(name)
+        if files:  # it replaces the model of that name, in its namespace
+            loaded = self.models.find(name)
+            upload = self.repository.write_upload(name, files)
+            sources = [dataclasses.replace(upload, namespace=loaded.namespace if loaded else "")]
+        else:
+            sources = await self._fetch(name)
         results = await asyncio.gather(
             *(self._load_source(source, config, _as_step) for source in sources), return_exceptions=True
         )
@@ -381,10 +388,9 @@ class ModelManager:
                 continue
             found = listed.get(key)
             try:
-                if not isinstance(found, ModelSource):  # an upload, or no longer listed
-                    await self.load(key[1], _internal=True, _as_step=True)
-                else:
-                    await self._load_source(await self._fetch_source(found), as_step=True)
+                if not isinstance(found, ModelSource):  # an upload unloaded since, or gone
+                    raise NotFoundError(f"failed to load '{key[1]}', failed to poll from model repository")
+                await self._load_source(await self._fetch_source(found), as_step=True)
             except TritonError as exc:
                 await self._unload_unused(loaded)
                 raise InvalidArgumentError(
@@ -406,7 +412,7 @@ class ModelManager:
                 )
             return ("", step)
         own = (ensemble_source.namespace, step)
-        if own in listed or own in self.models:
+        if own in listed or (own in self.models and self.models[own].versions):
             return own
         candidates = {k for k in listed if k[1] == step} | {e.key for e in self.models.named(step) if e.versions}
         if len(candidates) > 1:

@@ -265,7 +265,8 @@ class Repository:
         without namespacing) maps to an error."""
         found: dict[ModelKey, ModelSource | str] = {}
         for repo in tuple(self.paths):
-            namespace = self._namespaces[repo] if self.namespacing else ""
+            # (.get: a thread's snapshot may hold a repository unregistered meanwhile)
+            namespace = self._namespaces.get(repo, str(repo)) if self.namespacing else ""
             mirror = self._mirrors.get(repo)
             if mirror is not None:
                 listing = sorted(mirror.listing.items())

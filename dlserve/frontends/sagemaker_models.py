@@ -8,8 +8,10 @@ frontend serves them (measured): SageMaker unpacks each model's archive under
   folder) is the one served. The model is served as the target model
   (``X-Amzn-SageMaker-Target-Model``, else NAME): its repository is registered with
   that folder renamed, then the model is loaded. 200 (empty); 409 when the repository
-  or the name is taken; 400 with ``{"error": ...}`` otherwise, or 507 where the error
-  reads as running out of memory (SageMaker then unloads models to make room).
+  or the name is taken, or when a model of the archive has the name of another
+  archive's target or the reverse (archives may share step names, not the names they
+  are served by); 400 with ``{"error": ...}`` otherwise, or 507 where the error reads
+  as running out of memory (SageMaker then unloads models to make room).
 - ``GET /models`` lists the ready ones as ``{"models": [{"modelName", "modelUrl"}]}``
   (modelUrl: the repository registered); ``GET /models/NAME`` one of them, else 404.
 - ``POST /models/NAME/invoke`` runs an inference request, as ``/invocations`` does, on
@@ -68,12 +70,32 @@ Infer = Callable[[HttpRequest, str], Awaitable[HttpResponse]]
 class _Loaded:
     target: str  # the model it is served as
     repository: str  # the repository registered for it
+    others: frozenset[str] = frozenset()  # the names of the archive's other models (its steps)
+
+    def clashes_with(self, other: _Loaded) -> str:
+        """Why the two archives cannot be served side by side, or "": a model of one named
+        as the other's target would make that target's name mean two models."""
+        for one, two in ((self, other), (other, self)):
+            if one.target in two.others | {two.target}:
+                return (
+                    f"model '{one.target}' cannot be served: the archive at '{two.repository}' "
+                    "already has a model of that name"
+                )
+        return ""
 
 
 def _failure(message: str) -> HttpResponse:
     """400, or 507 where the message reads as running out of memory."""
     status = 507 if any(marker in message for marker in _OUT_OF_MEMORY) else 400
     return json_response({"error": message}, status)
+
+
+def archive_models(repository: str, folder: str) -> frozenset[str]:
+    """The model folders of an archive's repository other than the one it serves."""
+    try:
+        return frozenset(entry.name for entry in os.scandir(repository) if entry.is_dir() and entry.name != folder)
+    except OSError:
+        return frozenset()
 
 
 def archive_layout(url: str) -> tuple[str, str]:
@@ -112,10 +134,11 @@ class MultiModelEndpoint:
         self.engine = engine
         self._infer = infer
         self._loaded: dict[str, _Loaded] = {}
-        # Names being loaded or unloaded. Their work runs shielded from the request's
-        # cancellation (a client that hangs up must not leave a repository registered
-        # and nothing recorded); other names' loads go on meanwhile.
-        self._busy: set[str] = set()
+        # Names being loaded (with what they load) or unloaded (None). Their work runs
+        # shielded from the request's cancellation (a client that hangs up must not
+        # leave a repository registered and nothing recorded); other names' loads go on
+        # meanwhile.
+        self._busy: dict[str, _Loaded | None] = {}
 
     async def __call__(self, request: HttpRequest, name: str, invoke: bool) -> HttpResponse:
         if request.method == "GET":
@@ -169,10 +192,18 @@ class MultiModelEndpoint:
             return json_response({"error": f"model '{name}' is already loaded"}, 409)
         if name in self._busy:
             return json_response({"error": f"model '{name}' is being loaded or unloaded"}, 409)
-        self._busy.add(name)
-        return await asyncio.shield(self._load_archive(name, target, repository, folder))
+        loading = _Loaded(target, repository, archive_models(repository, folder))
+        # With model namespacing archives may share step names, but a target must stay
+        # the one model of its name: it is loaded, invoked and unloaded by name.
+        for other in [*self._loaded.values(), *self._busy.values()]:
+            clash = other.clashes_with(loading) if other is not None else ""
+            if clash:
+                return json_response({"error": clash}, 409)
+        self._busy[name] = loading
+        return await asyncio.shield(self._load_archive(name, loading, folder))
 
-    async def _load_archive(self, name: str, target: str, repository: str, folder: str) -> HttpResponse:
+    async def _load_archive(self, name: str, loading: _Loaded, folder: str) -> HttpResponse:
+        target, repository = loading.target, loading.repository
         try:
             try:
                 await self.engine.register_repository(repository, {folder: target})
@@ -187,10 +218,10 @@ class MultiModelEndpoint:
                 if isinstance(exc, TritonError):
                     return _failure(exc.message)
                 raise
-            self._loaded[name] = _Loaded(target, repository)
+            self._loaded[name] = loading
             return empty(200)
         finally:
-            self._busy.discard(name)
+            self._busy.pop(name, None)
 
     async def _unload(self, request: HttpRequest, name: str) -> HttpResponse:
         loaded = self._loaded.get(name)
@@ -198,7 +229,7 @@ class MultiModelEndpoint:
             return empty(404)
         if name in self._busy:
             return json_response({"error": f"model '{name}' is being unloaded"}, 409)
-        self._busy.add(name)
+        self._busy[name] = None
         return await asyncio.shield(self._unload_archive(name, self._target(request, loaded), loaded))
 
     async def _unload_archive(self, name: str, target: str, loaded: _Loaded) -> HttpResponse:
@@ -210,4 +241,4 @@ class MultiModelEndpoint:
         except TritonError as exc:
             return json_response({"error": exc.message}, 400)
         finally:
-            self._busy.discard(name)
+            self._busy.pop(name, None)

@@ -7,6 +7,7 @@ take every model of that name, metrics carry a ``namespace`` label."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import urllib.request
 from pathlib import Path
@@ -215,3 +216,31 @@ def test_poll_reloads_only_the_changed_repository_s_model(servers, repositories)
     server.poll_model_repository()
     assert not server.model("ens_2").ready()  # its step went with the folder
     assert run(server, "m") == [11, 21]  # and the bare name is R1's alone
+
+
+def test_an_upload_replaces_the_model_of_that_name_in_its_repository(servers, repositories):
+    server = servers.start([str(r) for r in repositories], model_namespacing=True,
+                           model_control_mode=ModelControlMode.EXPLICIT)
+    server.load("ens_1")  # R1's m, as a step
+    files = adder("m", 7)
+    config = {"name": "m", "backend": "python", "parameters": {"ADD": {"string_value": "7"}},
+              "input": [{"name": "INPUT0", "data_type": "TYPE_FP32", "dims": [-1]}],
+              "output": [{"name": "OUTPUT0", "data_type": "TYPE_FP32", "dims": [-1]}]}
+    server.load("m", {"config": json.dumps(config), "file:1/model.py": files["1/model.py"].encode()})
+    assert run(server, "m") == [17, 27]  # one m, the upload
+    assert run(server, "ens_1") == [17, 27]  # in R1's place
+
+
+def test_a_step_whose_folder_went_is_taken_from_the_other_repository(servers, repositories):
+    r1, r2 = repositories
+    server = servers.start([str(r1), str(r2)], model_namespacing=True,
+                           model_control_mode=ModelControlMode.EXPLICIT)
+    server.load("ens_1")
+    server.unload("ens_1", unload_dependents=True)
+    shutil.rmtree(r1 / "m")
+    server.load("ens_1")  # its own m is gone (an unloaded entry is left): R2's is the only one
+    assert run(server, "ens_1") == [12, 22]
+    assert server.model("ens_1").config()["ensemble_scheduling"]["step"][0]["model_namespace"] == str(r2)
+    server.unload("ens_1", unload_dependents=True)
+    assert not any(entry.versions for entry in server.engine.manager.models.values())
+

@@ -290,3 +290,22 @@ def test_a_repository_in_s3_registered_while_serving(store, mount, servers, make
         server.register_model_repository(missing)
     servers.stop(server)
     assert list(mount.iterdir()) == []  # every mirror removed at stop, the unregistered one too
+
+
+def test_with_namespacing_a_model_that_failed_at_start_is_one_row_once_it_loads(store, mount, servers) -> None:
+    """A store that fails to hand a model over at start lists it as failed under its own
+    namespace (the URL as given), so the load that works later replaces that row."""
+    config, model = renamed_add_sub("aaa")
+    store.put_object("spaced/aaa/config.pbtxt", config)
+    store.put_object("spaced/aaa/1/model.py", model, StorageClass="GLACIER")
+    server = servers.start(
+        store.url("spaced"), model_control_mode=dlserve.ModelControlMode.EXPLICIT,
+        startup_models=["aaa"], exit_on_error=False, model_namespacing=True,
+    )
+    assert [row.get("state") for row in server.engine.manager.index()] == ["UNAVAILABLE"]
+    assert not server.ready()
+    store.put_object("spaced/aaa/1/model.py", model)
+    server.load("aaa")
+    assert [row["state"] for row in server.engine.manager.index()] == ["READY"]
+    assert server.ready()
+    assert list(server.engine.manager.models) == [(store.url("spaced"), "aaa")]

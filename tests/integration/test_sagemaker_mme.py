@@ -224,3 +224,23 @@ def test_two_ensemble_archives_with_steps_of_the_same_name_each_run_their_own(en
     assert total("e2") == (A - B).tolist()
     assert sorted(key[1] for key, entry in server.engine.manager.models.items() if entry.versions) == [
         "add_sub", "e2", "identity"]
+
+
+@pytest.mark.parametrize("first_single", [True, False])
+def test_an_archive_whose_model_is_named_as_another_archive_s_target_is_refused(endpoint, tmp_path, first_single):
+    """Step names may repeat across archives, but not a target's: it is served by name."""
+    server, port = endpoint
+    single = ("add_sub", archive(tmp_path / "models", "add_sub", "add_sub", model_folder=True))
+    pipeline = ("e1", archive(tmp_path / "models", "e1", "pipeline", "add_sub", "identity"))
+    first, second = (single, pipeline) if first_single else (pipeline, single)
+    assert call(port, "POST", "/models", {"model_name": first[0], "url": str(first[1])})[0] == 200
+    status, _, raw = call(port, "POST", "/models", {"model_name": second[0], "url": str(second[1])})
+    assert status == 409 and "already has a model of that name" in json.loads(raw)["error"], raw
+    assert call(port, "GET", f"/models/{second[0]}")[0] == 404
+    invoke = add_sub_body() if first is single else {"inputs": [
+        {"name": "A", "datatype": "FP32", "shape": [16], "data": A.tolist()},
+        {"name": "B", "datatype": "FP32", "shape": [16], "data": B.tolist()}]}
+    assert call(port, "POST", f"/models/{first[0]}/invoke", invoke)[0] == 200  # untouched
+    assert call(port, "DELETE", f"/models/{first[0]}")[0] == 200
+    assert not any(entry.versions for entry in server.engine.manager.models.values())
+
