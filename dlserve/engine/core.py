@@ -37,7 +37,7 @@ from dlserve.errors import (
     UnavailableError,
 )
 from dlserve.ipc.environments import Environments
-from dlserve.ipc.polling import close_loop_poller
+from dlserve.ipc.polling import close_loop_poller, loop_poller
 from dlserve.ipc.supervisor import unlink_segments
 from dlserve.ipc.tensors import INLINE_MAX
 from dlserve.memory.arena import Arena, MemorySpace
@@ -175,6 +175,7 @@ class Engine:
             exit_timeout=s.exit_timeout,
             load_retries=s.model_load_retry_count,
         )
+        self._poller = loop_poller(asyncio.get_running_loop())
         self.live = True
         return await self.manager.start(s.startup_models, s.poll_interval)
 
@@ -367,7 +368,14 @@ class Engine:
             trace.record("REQUEST_START", request.arrival_ns)
             trace.record("QUEUE_START")
             trace.record_tensors("TENSOR_QUEUE_INPUT", request.inputs)
+        if sample:  # a client's: while more than one is answered, nobody polls
+            request.from_client = True
+            self._poller.request_started()
         model.scheduler.submit(request)
+
+    def request_finished(self) -> None:
+        """A client's request (one :meth:`enqueue` sampled) got its final response."""
+        self._poller.request_finished()
 
     @staticmethod
     def cancel(request: Request) -> None:

@@ -81,6 +81,7 @@ class Request:
     chain: tuple[str, ...] = ()
     arrival_ns: int = dataclasses.field(default_factory=time.monotonic_ns)
     finished: bool = False
+    from_client: bool = False  # counted by the loop's poller until finished (Engine.enqueue)
     cancelled: bool = False
     owner: Any = None  # who answers it: the scheduler that accepted it (or a model's warmup)
     cancel_hook: Callable[[], None] | None = None

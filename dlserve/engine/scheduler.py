@@ -275,6 +275,8 @@ class Scheduler:
             request.finished = True
             request.cancel_hook = None
             self.unfinished -= 1
+            if request.from_client:
+                self.model.resources.host.request_finished()
             self.model.stats.record_request(time.monotonic_ns() - request.arrival_ns, failure)
         trace = request.trace
         if trace is not None:

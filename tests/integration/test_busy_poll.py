@@ -68,12 +68,12 @@ def test_workers_poll_on_the_servers_board_and_give_their_slots_back(servers, ma
     instance = server.engine.model("add_sub").instances[0]
     assert len(board_descriptors(instance.pid)) == 1
     board = loop_poller(server.loop).board
-    assert board.free_slots == board.SLOTS - 2  # the loop's and the worker's
+    assert board.free_slots == board.SEATS - 2  # the loop's and the worker's
 
     old_pid = instance.pid
     os.kill(old_pid, signal.SIGKILL)
     wait_until(lambda: instance.ready and instance.pid != old_pid)  # restarted
-    assert board.free_slots == board.SLOTS - 2  # the dead worker's slot went to its successor
+    assert board.free_slots == board.SEATS - 2  # the dead worker's slot went to its successor
     assert len(board_descriptors(instance.pid)) == 1
     servers.stop(server)  # the harness checks that no descriptor is left, the board's included
 
@@ -84,3 +84,35 @@ def test_a_server_that_does_not_poll_gives_its_workers_no_board(servers, make_re
     (response,) = server.model("add_sub").infer(inputs={"INPUT0": a, "INPUT1": a})
     assert response.error is None
     assert board_descriptors(server.engine.model("add_sub").instances[0].pid) == []
+
+
+def test_requests_in_flight_are_counted_until_each_is_answered(servers, make_repo):
+    """More than one client request at once makes the server's processes stop polling
+    (dlserve.ipc.polling); a BLS call is part of its caller's request; every request is
+    counted off once answered, failed or cancelled, so polling comes back."""
+    server = servers.start(make_repo("faulty", "bls"), busy_poll_us=1000)
+    poller = loop_poller(server.loop)
+    faulty = server.model("faulty")
+    x = np.arange(4, dtype=np.float32)
+
+    slow = [faulty.infer(inputs={"INPUT0": x}, parameters={"mode": "sleep:0.3"}) for _ in range(2)]
+    wait_until(lambda: poller.requests == 2)
+    assert poller.board.busy()
+    assert all(list(responses)[-1].error is None for responses in slow)
+    wait_until(lambda: poller.requests == 0)
+    assert not poller.board.busy()
+
+    call = server.model("bls").infer(inputs={"INPUT0": x}, parameters={"route": "faulty", "inner_mode": "sleep:0.3"})
+    time.sleep(0.15)  # the BLS call to faulty is running
+    assert poller.requests == 1 and not poller.board.busy()
+    assert list(call)[-1].error is None
+
+    for mode in ("raise", "error:INVALID_ARG"):
+        assert list(faulty.infer(inputs={"INPUT0": x}, parameters={"mode": mode}, raise_on_error=False))[-1].error
+    with pytest.raises(dlserve.InvalidArgumentError):  # refused before it is queued: never counted
+        faulty.infer(inputs={"INPUT0": np.zeros((2, 2), np.int8)})
+    cancelled = faulty.infer(inputs={"INPUT0": x}, parameters={"mode": "sleep:0.3"})
+    wait_until(lambda: poller.requests == 1)
+    cancelled.cancel()
+    wait_until(lambda: poller.requests == 0)
+    assert not poller.board.busy()

@@ -218,8 +218,8 @@ def test_a_board_hands_out_distinct_slots_and_takes_them_back(board):
 
 
 def test_a_full_board_has_no_slot_to_give(board):
-    slots = {board.claim() for _ in range(polling.PollerBoard.SLOTS)}
-    assert len(slots) == polling.PollerBoard.SLOTS
+    slots = {board.claim() for _ in range(polling.PollerBoard.SEATS)}
+    assert len(slots) == polling.PollerBoard.SEATS
     assert board.claim() is None
 
 
@@ -335,3 +335,51 @@ def test_the_board_of_a_loop_nobody_stopped_closes_when_the_loop_goes():
     del loop
     gc.collect()
     assert board_fds() == before
+
+
+def test_while_the_server_answers_more_than_one_client_request_its_loop_does_not_poll(spare_cpu):
+    async def run() -> list[tuple[bool, bool]]:
+        loop = asyncio.get_running_loop()
+        poller = loop_poller(loop)
+        seen = []
+        try:
+            poller.request_started()
+            poller.poll("reply", 10.0)
+            seen.append((poller.board.busy(), poller.polling))  # one request: it polls
+            poller.request_started()
+            await asyncio.sleep(0.01)
+            seen.append((poller.board.busy(), poller.polling))  # two: it stopped
+            poller.poll("reply", 10.0)
+            seen.append((poller.board.busy(), poller.polling))  # and starts no more
+            poller.request_finished()
+            poller.poll("reply", 10.0)
+            seen.append((poller.board.busy(), poller.polling))  # one again: it polls
+            poller.request_finished()
+            poller.done("reply")
+            assert poller.requests == 0
+            return seen
+        finally:
+            close_loop_poller(loop)
+
+    assert asyncio.run(run()) == [(False, True), (True, False), (True, False), (False, True)]
+
+
+def test_a_worker_does_not_poll_while_its_server_is_busy(pair, spare_cpu, board, monkeypatch):
+    a, b = pair
+    slot = board.claim()
+    monkeypatch.setattr(polling, "_worker_seat", (board, slot))
+    seen = []
+
+    def look_then_send() -> None:
+        seen.append(board.snapshot()[slot])
+        b.sendall(b"soon")
+
+    board.set_busy(True)
+    sender = threading.Timer(0.02, look_then_send)
+    sender.start()
+    started = time.thread_time()
+    assert recv_polling(a, PollWindow(0.5)) == b"soon"
+    spent = time.thread_time() - started
+    sender.join()
+    assert seen == [0] and spent < 0.01  # asleep in recv, not polling
+    assert board.fellows(None) == 0  # the busy mark is no poller
