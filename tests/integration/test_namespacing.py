@@ -44,31 +44,25 @@ class TritonPythonModel:
 '''
 
 
-def adder(name: str, add: int) -> dict[str, str]:
-    return {
-        "config.pbtxt": f'''
-name: "{name}"
-backend: "python"
+def config(name: str, kind: str, rest: str) -> str:
+    """A config.pbtxt: FP32[-1] INPUT0 in, OUTPUT0 out."""
+    return f"""name: "{name}"
+{kind}
 input [ {{ name: "INPUT0" data_type: TYPE_FP32 dims: [ -1 ] }} ]
 output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1 ] }} ]
-parameters {{ key: "ADD" value: {{ string_value: "{add}" }} }}
-''',
-        "1/model.py": ADDER,
-    }
+{rest}
+"""
+
+
+def adder(name: str, add: int) -> dict[str, str]:
+    rest = f'parameters {{ key: "ADD" value: {{ string_value: "{add}" }} }}'
+    return {"config.pbtxt": config(name, 'backend: "python"', rest), "1/model.py": ADDER}
 
 
 def ensemble(name: str, step: str) -> dict[str, str]:
-    return {
-        "config.pbtxt": f'''
-name: "{name}"
-platform: "ensemble"
-input [ {{ name: "INPUT0" data_type: TYPE_FP32 dims: [ -1 ] }} ]
-output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1 ] }} ]
-ensemble_scheduling {{ step [ {{ model_name: "{step}" model_version: -1
-  input_map {{ key: "INPUT0" value: "INPUT0" }} output_map {{ key: "OUTPUT0" value: "OUTPUT0" }} }} ] }}
-''',
-        "1/.keep": "",
-    }
+    rest = f"""ensemble_scheduling {{ step [ {{ model_name: "{step}" model_version: -1
+  input_map {{ key: "INPUT0" value: "INPUT0" }} output_map {{ key: "OUTPUT0" value: "OUTPUT0" }} }} ] }}"""
+    return {"config.pbtxt": config(name, 'platform: "ensemble"', rest), "1/.keep": ""}
 
 
 def write(repo: Path, models: dict[str, dict[str, str]]) -> Path:

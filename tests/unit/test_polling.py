@@ -253,10 +253,13 @@ def test_fellow_pollers_do_not_count_as_work(tmp_path, board):
     assert not queue.cpu_to_spare(board, mine)
 
 
-def test_a_worker_is_marked_on_the_board_only_while_it_polls(pair, spare_cpu, board, monkeypatch):
+@pytest.mark.parametrize("server_busy", [False, True])
+def test_a_worker_is_marked_on_the_board_only_while_it_polls(pair, spare_cpu, board, monkeypatch, server_busy):
+    """And it does not poll at all while its server answers more than one client request."""
     a, b = pair
     slot = board.claim()
     monkeypatch.setattr(polling, "_worker_seat", (board, slot))
+    board.set_busy(server_busy)
     seen = []
 
     def look_then_send() -> None:
@@ -265,10 +268,16 @@ def test_a_worker_is_marked_on_the_board_only_while_it_polls(pair, spare_cpu, bo
 
     sender = threading.Timer(0.02, look_then_send)
     sender.start()
+    started = time.thread_time()
     assert recv_polling(a, PollWindow(0.5)) == b"soon"
+    spent = time.thread_time() - started
     sender.join()
-    assert seen == [1]  # marked while polling
+    if server_busy:
+        assert seen == [0] and spent < 0.01  # asleep in recv, not polling
+    else:
+        assert seen == [1]  # marked while polling
     assert board.snapshot()[slot] == 0  # and no longer once the message came
+    assert board.fellows(None) == 0  # the busy mark is no poller's
 
 
 def test_a_loop_is_marked_as_a_poller_only_while_its_turns_are_idle(spare_cpu):
@@ -363,23 +372,3 @@ def test_while_the_server_answers_more_than_one_client_request_its_loop_does_not
 
     assert asyncio.run(run()) == [(False, True), (True, False), (True, False), (False, True)]
 
-
-def test_a_worker_does_not_poll_while_its_server_is_busy(pair, spare_cpu, board, monkeypatch):
-    a, b = pair
-    slot = board.claim()
-    monkeypatch.setattr(polling, "_worker_seat", (board, slot))
-    seen = []
-
-    def look_then_send() -> None:
-        seen.append(board.snapshot()[slot])
-        b.sendall(b"soon")
-
-    board.set_busy(True)
-    sender = threading.Timer(0.02, look_then_send)
-    sender.start()
-    started = time.thread_time()
-    assert recv_polling(a, PollWindow(0.5)) == b"soon"
-    spent = time.thread_time() - started
-    sender.join()
-    assert seen == [0] and spent < 0.01  # asleep in recv, not polling
-    assert board.fellows(None) == 0  # the busy mark is no poller
