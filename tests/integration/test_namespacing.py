@@ -14,12 +14,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 import dlserve
 from dlserve import ModelControlMode
-from dlserve.frontends import KServeHttp, Metrics
+from dlserve.frontends import KServeGrpc, KServeHttp, Metrics
 
 from ..conftest import MODELS, wait_until
 
@@ -127,6 +128,16 @@ def test_each_repository_serves_its_own_model_and_a_bare_name_loaded_twice_is_am
         # A BLS call names a model, not a repository: ambiguous too.
         with pytest.raises(InferenceServerException, match="There are 2 identifiers of model 'm'"):
             client.infer("bls1", inputs, parameters={"route": "m"})
+        client.close()
+    with KServeGrpc(server, KServeGrpc.Options(address="127.0.0.1", port=0)) as service:
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{service.port}")
+        inputs = [grpcclient.InferInput("INPUT0", [2], "FP32")]
+        inputs[0].set_data_from_numpy(X)
+        with pytest.raises(InferenceServerException) as caught:
+            client.infer("m", inputs)
+        assert caught.value.status() == "StatusCode.INVALID_ARGUMENT" and caught.value.message() == AMBIGUOUS
+        assert client.infer("ens_2", inputs).as_numpy("OUTPUT0").tolist() == [12, 22]
+        assert not client.is_model_ready("m")
         client.close()
 
     # Every model's statistics (Triton 2.51 fails this request whenever namespacing is on).
