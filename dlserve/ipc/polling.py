@@ -231,12 +231,16 @@ class PollWindow:
             self.seconds = half if half >= _MIN_WINDOW else 0.0
 
 
+def _worker_may_poll(board: PollerBoard | None, slot: int | None) -> bool:
+    return not (board is not None and board.busy()) and cpu_to_spare(board, slot)
+
+
 def recv_polling(sock: socket.socket, window: PollWindow, size: int = 1 << 16) -> bytes:
     """``sock.recv(size)`` for a blocking socket, polling for up to the window first."""
     start = time.perf_counter()
     data: bytes | None = None
     board, slot = _worker_seat or (None, None)
-    if window.seconds and not (board is not None and board.busy()) and cpu_to_spare(board, slot):
+    if window.seconds and _worker_may_poll(board, slot):
         deadline = start + window.seconds
         if board is not None:
             board.mark(slot, True)
@@ -246,7 +250,7 @@ def recv_polling(sock: socket.socket, window: PollWindow, size: int = 1 << 16) -
                     data = sock.recv(size, socket.MSG_DONTWAIT)
                     break
                 except (BlockingIOError, InterruptedError):
-                    if time.perf_counter() >= deadline or not cpu_to_spare(board, slot):
+                    if time.perf_counter() >= deadline or not _worker_may_poll(board, slot):
                         break
                     os.sched_yield()  # whatever else is runnable on this CPU goes first
         finally:
