@@ -249,3 +249,11 @@ def test_a_step_whose_folder_went_is_taken_from_the_other_repository(servers, re
     server.unload("ens_1", unload_dependents=True)
     assert not any(entry.versions for entry in server.engine.manager.models.values())
 
+
+
+def test_a_model_that_fails_to_load_is_logged_with_its_namespace(servers, repositories, caplog):
+    r1, r2 = repositories
+    (r2 / "m" / "config.pbtxt").write_text('name: "m"\nbackend: "python"\nmax_batch_size: -3\n')
+    server = servers.start([str(r1), str(r2)], model_namespacing=True, exit_on_error=False)
+    assert f"failed to load model '{r2}::m'" in caplog.text  # as Triton writes it: ns::name
+    assert run(server, "m") == [11, 21]  # R1's is the one m loaded
