@@ -18,7 +18,9 @@ CONCURRENCIES=${4:-"1 4 16"}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 REF=${REF:-$ROOT/../shared/tools/reference-servers}
 WORK=$(mktemp -d)
-trap 'rm -rf "$WORK"' EXIT
+server=""
+stop_server() { if [ -n "$server" ]; then kill -INT "$server" 2>/dev/null && wait "$server" || true; server=""; fi; }
+trap 'stop_server; rm -rf "$WORK"' EXIT
 mkdir "$WORK/repo" && cp -r "$REF/models/add_sub" "$WORK/repo/"
 cd "$WORK"  # outside the checkout: its triton_python_backend_utils shim stays out of the way
 
@@ -52,6 +54,6 @@ for round in $(seq "$ROUNDS"); do
       line="$line c$c $("$ROOT/.venv/bin/python" -c "print(f'{($ticks1 - $ticks0) / $hz * 1e6 / ($n1 - $n0):.0f} us/request at {($n1 - $n0) / ($t1 - $t0):.0f}/s')")"
     done
     echo "$line"
-    kill -INT "$server"; wait "$server" || true
+    stop_server
   done
 done
