@@ -21,7 +21,7 @@ import time
 from typing import TYPE_CHECKING
 
 from dlserve.engine.proto import model_config_pb2 as mc
-from dlserve.engine.request import Request, Response
+from dlserve.engine.request import SEQUENCE_END, SEQUENCE_START, Request, Response
 from dlserve.engine.scheduler import Scheduler
 from dlserve.errors import InvalidArgumentError, TritonError, UnsupportedError
 from dlserve.memory.tensor import Tensor
@@ -281,6 +281,13 @@ class _Run:
         names = wanted if wanted is not None else [t.name for t in ensemble.config.output]
         response = Response(ensemble.name, ensemble.version, request.request_id)
         response.outputs = {name: tensors[name] for name in names if name in tensors}
+        # As Triton's ensembles answer (measured on 2.51, HTTP and gRPC): the request's
+        # sequence fields, whatever the steps answered.
+        response.parameters = {
+            "sequence_id": request.correlation_id or 0,
+            "sequence_start": bool(request.flags & SEQUENCE_START),
+            "sequence_end": bool(request.flags & SEQUENCE_END),
+        }
         response.final = final
         self._deliver(response)
 

@@ -43,6 +43,10 @@ class Response:
 
 ResponseCallback = Callable[[Response], None]
 
+# Request.flags (Triton's TRITONSERVER_REQUEST_FLAG_SEQUENCE_*).
+SEQUENCE_START = 1
+SEQUENCE_END = 2
+
 # In an execute's results, in place of a request's response: the request is answered
 # through responses its model streams (see Scheduler.stream_response).
 STREAMING: Any = object()

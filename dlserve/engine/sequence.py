@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dlserve.engine.proto import model_config_pb2 as mc
-from dlserve.engine.request import Request
+from dlserve.engine.request import SEQUENCE_END, SEQUENCE_START, Request
 from dlserve.engine.scheduler import Scheduler
 from dlserve.errors import InvalidArgumentError, UnavailableError
 from dlserve.memory.dtypes import DataType
@@ -37,8 +37,6 @@ if TYPE_CHECKING:
     from dlserve.engine.instance import ModelInstance
     from dlserve.engine.model import ModelVersion
 
-START = 1
-END = 2
 DEFAULT_IDLE_US = 1_000_000
 _Kind = mc.ModelSequenceBatching.Control
 
@@ -98,9 +96,9 @@ class ControlInput:
                 return Tensor(DataType.BYTES, shape, objects=objects.reshape(shape))
             value: Any = request.correlation_id
         elif self.kind == _Kind.CONTROL_SEQUENCE_START:
-            value = self.values[bool(request.flags & START)]
+            value = self.values[bool(request.flags & SEQUENCE_START)]
         elif self.kind == _Kind.CONTROL_SEQUENCE_END:
-            value = self.values[bool(request.flags & END)]
+            value = self.values[bool(request.flags & SEQUENCE_END)]
         else:  # READY: this request is in the batch
             value = self.values[1]
         return Tensor(self.data_type, shape, data=np.full(shape, value, self.data_type.storage_dtype))
@@ -143,7 +141,7 @@ class SequenceBatcher(Scheduler):
             )
         sequence = self.sequences.get(key)
         if sequence is None:
-            if not request.flags & START:
+            if not request.flags & SEQUENCE_START:
                 raise InvalidArgumentError(
                     f"inference request for sequence {key} to model '{name}' must specify the "
                     "START flag on the first request of the sequence"
@@ -157,7 +155,7 @@ class SequenceBatcher(Scheduler):
         if sequence.idle is not None:
             sequence.idle.cancel()
             sequence.idle = None
-        if request.flags & END:
+        if request.flags & SEQUENCE_END:
             sequence.ending = True
         sequence.queue.append(request)
 
@@ -223,7 +221,7 @@ class SequenceBatcher(Scheduler):
             if sequence is None:
                 continue
             sequence.running = False
-            if request.flags & END and not sequence.queue:
+            if request.flags & SEQUENCE_END and not sequence.queue:
                 self._release(sequence)
             elif not sequence.queue:
                 loop = asyncio.get_running_loop()

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from dlserve.engine.core import Engine
-from dlserve.engine.request import Request, Response, parse_version
+from dlserve.engine.request import SEQUENCE_END, SEQUENCE_START, Request, Response, parse_version
 from dlserve.engine.tracing import Trace
 from dlserve.errors import InvalidArgumentError, NotFoundError, UnsupportedError
 from dlserve.frontends import classification
@@ -27,8 +27,6 @@ from dlserve.memory.dtypes import DataType
 from dlserve.memory.tensor import Tensor
 
 # Request parameters Triton consumes itself instead of passing to the model.
-SEQUENCE_START = 1
-SEQUENCE_END = 2
 RESERVED_PARAMETERS = frozenset(
     {
         "sequence_id",

@@ -94,6 +94,18 @@ def test_tritonclient_grpc_sees_an_ordinary_model(server):
                 "identity",
                 "identity",
             ]
+            # Triton 2.51's ensembles answer with the request's sequence fields (measured).
+            answered = client.infer("pipeline", [a, b], sequence_id=7, sequence_start=True).get_response()
+            assert {key: str(value).strip() for key, value in answered.parameters.items()} == {
+                "sequence_id": "int64_param: 7", "sequence_start": "bool_param: true",
+                "sequence_end": "bool_param: false"}
+
+
+def test_an_ensembles_response_carries_the_requests_sequence_fields(server):
+    (response,) = server.model("pipeline").infer(inputs={"A": A, "B": B})
+    assert response.parameters == {"sequence_id": 0, "sequence_start": False, "sequence_end": False}
+    (response,) = server.model("pipeline").infer(inputs={"A": A, "B": B}, correlation_id="abc", flags=2)
+    assert response.parameters == {"sequence_id": "abc", "sequence_start": False, "sequence_end": True}
 
 
 def test_config_and_metadata_are_rendered_as_triton_renders_them(server):
