@@ -404,8 +404,8 @@ class ModelManager:
     def _step_key(self, ensemble_source: ModelSource, step: str, listed: dict[ModelKey, ModelSource | str]) -> ModelKey:
         """The model an ensemble's step names: with namespacing, the one in the
         ensemble's repository, else the only one listed or loaded."""
-        found = listed.get(("", step))
         if not self.models.namespacing:
+            found = listed.get(("", step))
             if isinstance(found, str):  # loaded from one of them or not, it is ambiguous
                 raise InvalidArgumentError(
                     f"failed to load ensemble '{ensemble_source.name}': {found}; with model "
