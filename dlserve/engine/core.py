@@ -279,6 +279,8 @@ class Engine:
             except NotFoundError:
                 models = []
             if not models:
+                if version >= 0 and self.manager.models.find(name):
+                    raise InvalidArgumentError(f"requested model version is not available for model '{name}'")
                 raise InvalidArgumentError(f"requested model '{name}' is not available")
         else:
             models = [

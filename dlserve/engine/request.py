@@ -169,8 +169,12 @@ def validate_request(request: Request, signature: Signature) -> int:
     missing = [n for n in signature.required if n not in inputs]
     if missing:
         got = ",".join(f"'{n}'" for n in inputs)
+        required, total = len(signature.required), len(declared)
+        expected = f"{total} inputs"
+        if required < total:  # Triton's wording where optional inputs make it a range
+            expected = f"number of inputs between {required} and {total}"
         raise InvalidArgumentError(
-            f"{request.label}expected {len(declared)} inputs but got {len(inputs)} inputs "
+            f"{request.label}expected {expected} but got {len(inputs)} inputs "
             f"for model '{name}'. Got input(s) [{got}], but missing required input(s) "
             f"[{','.join(repr(m) for m in missing)}]. Please provide all required input(s)."
         )

@@ -328,6 +328,9 @@ def test_statistics_of_a_model_and_a_version(client, port):
     )
     error = client_error(client.get_inference_statistics, "nope")
     assert error.status() == "400" and error.message() == "requested model 'nope' is not available"
+    error = client_error(client.get_inference_statistics, "versioned", "9")
+    assert error.status() == "400"
+    assert error.message() == "requested model version is not available for model 'versioned'"
 
 
 def test_statistics_count_inferences(client):
