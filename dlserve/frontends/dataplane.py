@@ -26,7 +26,9 @@ from dlserve.frontends import classification
 from dlserve.memory.dtypes import DataType
 from dlserve.memory.tensor import Tensor
 
-# Request parameters Triton consumes itself instead of passing to the model.
+# Request parameters Triton consumes itself instead of passing to the model. Its
+# documentation reserves "headers" and "binary_data_output" too, but Triton 2.51 hands
+# both to the model (the HTTP frontend consumes binary_data_output itself).
 RESERVED_PARAMETERS = frozenset(
     {
         "sequence_id",
@@ -34,8 +36,6 @@ RESERVED_PARAMETERS = frozenset(
         "sequence_end",
         "priority",
         "timeout",
-        "binary_data_output",
-        "headers",
         "triton_enable_empty_final_response",
     }
 )
@@ -203,8 +203,8 @@ class DataPlane:
             if key in RESERVED_PARAMETERS:
                 continue
             if isinstance(value, (dict, list)) or value is None:
-                raise InvalidArgumentError(
-                    f"{label}parameter '{key}' must be a bool, number or string"
+                raise InvalidArgumentError(  # Triton's words (and no request id label)
+                    f"parameter '{key}' has invalid type. It should be either 'int', 'bool', or 'string'."
                 )
             model_parameters[key] = value
         request.parameters = model_parameters

@@ -282,7 +282,8 @@ class KServeHttpApi:
             json_values.check_infer_parameters(parameters)
             inputs = _decode_inputs(body.get("inputs"), binary, request_id)
             outputs = _decode_outputs(body.get("outputs"))
-        binary_default = header is None or bool(parameters.get("binary_data_output", False))
+        # (consumed here: the model does not see it, as with Triton's HTTP frontend)
+        binary_default = header is None or bool(parameters.pop("binary_data_output", False))
         if self.forward is not None:
             parameters = dict(parameters)
             for key, value in request.headers.items():
@@ -501,7 +502,9 @@ def _encode_response(response: Response, outputs: list[OutputSpec], binary_defau
         }
         if spec is not None and spec.shm is not None:
             pass  # written into the client's region: like Triton, no data and no parameters
-        elif (spec.parameters.get("binary_data", binary_default) if spec else binary_default):
+        # A listed output is binary only if it says so: Triton 2.51 reads the request's
+        # binary_data_output only when no outputs are listed.
+        elif (spec.parameters.get("binary_data", False) if spec else binary_default):
             data = tensor.storage()
             entry["parameters"] = {"binary_data_size": int(data.nbytes)}
             buffers.append(data.reshape(-1).view(np.uint8) if data.nbytes else b"")

@@ -74,11 +74,6 @@ def check_infer_parameters(parameters: dict[str, Any]) -> None:
                 "parameter keys starting with 'triton_' are reserved for Triton usage and should "
                 "not be specified."
             )
-        if key == "headers":
-            raise InvalidArgumentError(
-                "parameter 'headers' is reserved: the server fills it from the request's "
-                "HTTP headers (--http-header-forward-pattern)"
-            )
         if key in ("sequence_start", "sequence_end", "binary_data_output") and not isinstance(value, bool):
             raise InvalidArgumentError(f"parameter '{key}' must be a boolean")
         if key == "sequence_id" and (

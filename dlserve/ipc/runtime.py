@@ -52,7 +52,7 @@ def encode_response(
     server's shared memory where it named a destination."""
     error = response.error()
     if error is not None:
-        return ((), (error.code(), error.message()), response.parameters())
+        return ((), (int(error.code()), error.message()), response.parameters())
     with peer.exports() as out:
         for tensor in response.output_tensors():
             name = tensor.name()

@@ -65,7 +65,8 @@ def describe_exception(exc: BaseException) -> str:
         if not frame.filename.startswith(_PACKAGE_DIR)
     ]
     where = "".join(f"  {f.filename}({f.lineno}): {f.name}\n" for f in reversed(frames))
-    return f"{type(exc).__name__}: {exc}\n\nAt:\n{where}" if where else f"{type(exc).__name__}: {exc}"
+    head = f"{type(exc).__name__}: {str(exc) or '<EMPTY MESSAGE>'}"  # Triton's words for ''
+    return f"{head}\n\nAt:\n{where}" if where else head
 
 
 def load_module(model_file: str) -> ModuleType:

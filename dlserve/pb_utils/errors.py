@@ -12,24 +12,25 @@ class TritonError(Exception):
     widens what models may do. ``message()`` and ``code()`` are methods, as in Triton.
     """
 
-    UNKNOWN = int(ErrorCode.UNKNOWN)
-    INTERNAL = int(ErrorCode.INTERNAL)
-    NOT_FOUND = int(ErrorCode.NOT_FOUND)
-    INVALID_ARG = int(ErrorCode.INVALID_ARG)
-    UNAVAILABLE = int(ErrorCode.UNAVAILABLE)
-    UNSUPPORTED = int(ErrorCode.UNSUPPORTED)
-    ALREADY_EXISTS = int(ErrorCode.ALREADY_EXISTS)
-    CANCELLED = int(ErrorCode.CANCELLED)
+    # Enum members, as Triton's are (``code().name`` works); they compare equal to ints.
+    UNKNOWN = ErrorCode.UNKNOWN
+    INTERNAL = ErrorCode.INTERNAL
+    NOT_FOUND = ErrorCode.NOT_FOUND
+    INVALID_ARG = ErrorCode.INVALID_ARG
+    UNAVAILABLE = ErrorCode.UNAVAILABLE
+    UNSUPPORTED = ErrorCode.UNSUPPORTED
+    ALREADY_EXISTS = ErrorCode.ALREADY_EXISTS
+    CANCELLED = ErrorCode.CANCELLED
 
-    def __init__(self, message: str, code: int = INTERNAL) -> None:
+    def __init__(self, message: str, code: int = ErrorCode.INTERNAL) -> None:
         super().__init__(message)
         self._message = str(message)
-        self._code = int(ErrorCode(code))
+        self._code = ErrorCode(code)
 
     def message(self) -> str:  # type: ignore[override]
         return self._message
 
-    def code(self) -> int:
+    def code(self) -> ErrorCode:
         return self._code
 
     def __str__(self) -> str:

@@ -228,8 +228,9 @@ class InferenceRequest:
         """The request parameters as a JSON object string."""
         return self._parameters
 
-    def requested_output_names(self) -> list[str]:
-        return self._requested
+    def requested_output_names(self) -> set[str]:
+        """A set, as Triton's (order carries no meaning)."""
+        return set(self._requested)
 
     def model_name(self) -> str:
         return self._model_name

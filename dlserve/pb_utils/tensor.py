@@ -28,6 +28,8 @@ class Tensor:
     def __init__(self, name: str, tensor: Any) -> None:
         if not isinstance(name, str):
             raise TritonModelException("Tensor name must be a string")
+        if not name:
+            raise TritonModelException("Tensor name cannot be an empty string.")
         self._name = name
         if isinstance(tensor, _CoreTensor):
             self._tensor = tensor
@@ -91,8 +93,13 @@ class Tensor:
             raise TritonModelException(str(exc)) from None
 
     def to_dlpack(self) -> Any:
-        """A legacy ``"dltensor"`` capsule (what TensorFlow's importer expects)."""
-        return self.__dlpack__()
+        """A legacy ``"dltensor"`` capsule (what TensorFlow's importer expects). Raises
+        TritonModelException where DLPack cannot carry the tensor (BYTES), as Triton's
+        does; ``__dlpack__`` raises the protocol's BufferError."""
+        try:
+            return self.__dlpack__()
+        except BufferError as exc:
+            raise TritonModelException(str(exc)) from None
 
     def __dlpack__(self, stream: Any = None, **kwargs: Any) -> Any:
         return self._tensor.__dlpack__(stream=stream, **kwargs)

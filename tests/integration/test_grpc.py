@@ -24,7 +24,7 @@ import tritonclient.grpc.aio as aioclient
 import tritonclient.utils.shared_memory as shm
 from google.protobuf import json_format, text_format
 from google.protobuf.message import DecodeError
-from tritonclient.utils import InferenceServerException
+from tritonclient.utils import InferenceServerException, deserialize_bytes_tensor
 
 import dlserve
 from dlserve import ModelControlMode
@@ -525,6 +525,14 @@ def test_parameter_types_are_checked(stub):
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and error.details().startswith(text)
     ok = stub.ModelInfer(request("priority", uint64_param=3), timeout=30)
     assert ok.model_name == "params_echo"
+    # Reserved in Triton's documentation, but Triton 2.51 hands these to the model over
+    # gRPC (measured side by side); dropping them silently lost what a client sent.
+    message = request("headers", string_param="h")
+    message.parameters["binary_data_output"].bool_param = True
+    message.outputs.add(name="INFO")
+    reply = stub.ModelInfer(message, timeout=30)
+    info = json.loads(deserialize_bytes_tensor(reply.raw_output_contents[0])[0])
+    assert info["parameters"] == {"headers": "h", "binary_data_output": True}
 
 
 CODES = {

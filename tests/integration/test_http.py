@@ -997,6 +997,21 @@ def test_parameters_reach_the_model_and_response_parameters_come_back(client):
     np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), [2, 4])
 
 
+def test_headers_parameter_reaches_the_model_and_binary_data_output_does_not(port):
+    """As Triton 2.51 does (measured side by side): its documentation reserves both
+    names, but it hands ``headers`` to the model and consumes ``binary_data_output``,
+    which it reads only when no outputs are listed."""
+    body = json_infer(
+        [{"name": "INPUT0", "shape": [2], "datatype": "FP32", "data": [1, 2]}],
+        parameters={"headers": "h", "binary_data_output": True, "x": 1},
+        outputs=[{"name": "INFO"}],
+    )
+    reply = request(port, "POST", "/v2/models/params_echo/infer", body)
+    assert reply.status == 200 and reply.headers["content-type"] == "application/json"
+    info = json.loads(reply.json()["outputs"][0]["data"][0])
+    assert info["parameters"] == {"headers": "h", "x": 1}
+
+
 def test_reserved_parameters_are_consumed(client):
     x = httpclient.InferInput("INPUT0", [2], "FP32")
     x.set_data_from_numpy(np.array([1, 2], dtype=np.float32))
@@ -1757,9 +1772,9 @@ BAD_INFER_BODIES = {
         json_infer([identity_input()], parameters={"triton_foo": 1}),
         "parameter keys starting with 'triton_' are reserved for Triton usage",
     ),
-    "headers parameter": (
+    "headers parameter, an object": (
         json_infer([identity_input()], parameters={"headers": {"a": "b"}}),
-        "parameter 'headers' is reserved",
+        "parameter 'headers' has invalid type. It should be either 'int', 'bool', or 'string'.",
     ),
     "sequence_start not a bool": (
         json_infer([identity_input()], parameters={"sequence_start": "true"}),

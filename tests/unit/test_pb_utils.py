@@ -108,7 +108,9 @@ def test_triton_error_message_and_default_code():
 def test_triton_error_with_each_code(name):
     code = getattr(pb_utils.TritonError, name)
     err = pb_utils.TritonError("m", code)
-    assert err.code() == code and type(err.code()) is int
+    # An enum member, as Triton's (whose repr is <__ErrorCode.NOT_FOUND: 2>), equal to its int.
+    assert err.code() == code == int(code) and err.code().name == name
+    assert pb_utils.TritonError("m", int(code)).code() is code
     assert pb_utils.TritonError("m", code=code).code() == code
 
 
@@ -149,6 +151,23 @@ def test_tensor_rejects_bad_names_and_types():
         pb_utils.Tensor(5, np.zeros(1))
     with pytest.raises(pb_utils.TritonModelException, match="Tensor 'C'"):
         pb_utils.Tensor("C", np.zeros(2, dtype=np.complex64))
+    # Triton's words; an unnamed output used to vanish from the response without a word.
+    with pytest.raises(pb_utils.TritonModelException, match="^Tensor name cannot be an empty string.$"):
+        pb_utils.Tensor("", np.zeros(1))
+
+
+def test_an_exception_without_a_message_is_described_as_tritons_are():
+    from dlserve.ipc.stub import describe_exception
+
+    def fail(exc: Exception) -> str:
+        try:
+            raise exc
+        except Exception as caught:  # noqa: BLE001
+            return describe_exception(caught).split("\n\nAt:\n")[0]
+
+    assert fail(RuntimeError()) == "RuntimeError: <EMPTY MESSAGE>"
+    assert fail(pb_utils.TritonModelException("")) == "TritonModelException: <EMPTY MESSAGE>"
+    assert fail(ValueError("boom")) == "ValueError: boom"
 
 
 def test_tensor_dlpack_round_trip():
@@ -381,7 +400,7 @@ def test_inference_request_accessors():
     assert request.flags() == 1
     assert request.timeout() == 100
     assert json.loads(request.parameters()) == {"k": "v"}
-    assert list(request.requested_output_names()) == ["OUT"]
+    assert request.requested_output_names() == {"OUT"}  # a set, as Triton's
     assert pb_utils.InferenceRequest().parameters() == "{}"
     with pytest.raises(pb_utils.TritonModelException, match="inputs must be pb_utils.Tensor"):
         pb_utils.InferenceRequest(inputs=[np.zeros(1)])
