@@ -261,9 +261,8 @@ class ModelCalls:
                 await self.host.load(name, parameters)
             elif operation == "unload":
                 await self.host.unload(name, bool(arguments[1]))
-            elif operation == "ready":
-                version = arguments[1]  # "-1", like "", is the server's choice
-                result = await self.host.model_ready(name, -1 if version == "-1" else parse_version(version))
+            elif operation == "ready":  # ("" is the server's choice; "-1" is refused, as by Triton)
+                result = await self.host.model_ready(name, parse_version(arguments[1]))
             else:
                 raise UnsupportedError(f"unknown model control operation '{operation}'")
         except TritonError as exc:

@@ -65,9 +65,9 @@ class CustomMetrics:
         family = self.families.get(name)
         if family is None:
             self.families[name] = Family(name, description, kind)
-        elif family.kind is not kind or family.description != description:
+        elif family.kind is not kind:  # (another description: the first one stays, as in Triton)
             raise InvalidArgumentError(
-                f"metric family '{name}' already exists with a different kind or description"
+                f"metric family '{name}' already exists as a {family.kind.name}, not a {kind.name}"
             )
 
     def _family(self, name: str) -> Family:

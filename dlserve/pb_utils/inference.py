@@ -109,6 +109,8 @@ class InferenceRequest:
             raise TritonModelException("trace must be a pb_utils.InferenceTrace (request.trace())")
         if not isinstance(correlation_id, (int, str)) or isinstance(correlation_id, bool):
             raise TritonModelException("correlation_id must be an int or a str")
+        if isinstance(correlation_id, int) and not 0 <= correlation_id < 2**64:
+            raise TritonModelException("correlation_id must be an unsigned 64-bit integer (or a str)")
         self._model_name = model_name
         self._model_version = int(model_version)
         self._inputs = list(inputs)

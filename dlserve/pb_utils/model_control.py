@@ -36,6 +36,8 @@ def unload_model(model_name: str, unload_dependents: bool = False) -> None:
 
 
 def is_model_ready(model_name: str, model_version: str = "") -> bool:
-    if not isinstance(model_name, str) or not model_name:
+    if not isinstance(model_name, str):
         raise TritonModelException("is_model_ready needs a model name")
+    if not model_name:
+        return False  # (no model has no name: Triton answers False too)
     return bool(_call("ready", model_name, str(model_version)))

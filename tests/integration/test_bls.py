@@ -245,6 +245,10 @@ def test_model_loading_api_in_explicit_mode(make_repo, servers):
     assert control(srv, op="ready", target="identity") == {"ready": True}
     assert control(srv, op="ready", target="identity", version="1") == {"ready": True}
     assert control(srv, op="ready", target="identity", version="7") == {"ready": False}
+    # As Triton 2.51 answers them (measured side by side): no name is not ready, and a
+    # version must be a number >= 0.
+    assert control(srv, op="ready", target="") == {"ready": False}
+    assert "invalid model version '-1'" in control(srv, op="ready", target="identity", version="-1")["error"]
     assert srv.model("identity").ready()
     assert control(srv, op="unload", target="identity") == {"ok": True}
     assert control(srv, op="ready", target="identity") == {"ready": False}

@@ -93,8 +93,8 @@ class TritonPythonModel:
                 self.histogram.observe(float(value))
             return self._values(self.counter.value(), self.gauge.value())
         if op == "shared":  # the same family and labels declared again share the value
-            family = pb_utils.MetricFamily(
-                name=COUNTER, description=COUNTER_HELP, kind=pb_utils.MetricFamily.COUNTER
+            family = pb_utils.MetricFamily(  # (worded otherwise: the first description stays)
+                name=COUNTER, description="Reworded", kind=pb_utils.MetricFamily.COUNTER
             )
             metric = family.Metric(labels={"kind": "plain", "model": "metrics_model"})
             metric.increment(float(x[0]))
@@ -421,8 +421,7 @@ def test_custom_metrics_through_the_model_and_metrics(server, port):
         ("histogram_without_buckets", "a histogram metric needs buckets"),
         (
             "redeclare_other_kind",
-            "metric family 'dlserve_test_requests' already exists "
-            "with a different kind or description",
+            "metric family 'dlserve_test_requests' already exists as a COUNTER, not a GAUGE",
         ),
         ("reserved_name", "invalid metric family name 'nv_custom_thing'"),
     ],

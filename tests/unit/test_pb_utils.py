@@ -401,6 +401,10 @@ def test_inference_request_accessors():
     assert request.timeout() == 100
     assert json.loads(request.parameters()) == {"k": "v"}
     assert request.requested_output_names() == {"OUT"}  # a set, as Triton's
+    assert pb_utils.InferenceRequest(correlation_id=2**64 - 1).correlation_id() == 2**64 - 1
+    for bad in (-5, 2**64):  # Triton's is a uint64 (it raises on -5 too)
+        with pytest.raises(pb_utils.TritonModelException, match="unsigned 64-bit"):
+            pb_utils.InferenceRequest(correlation_id=bad)
     assert pb_utils.InferenceRequest().parameters() == "{}"
     with pytest.raises(pb_utils.TritonModelException, match="inputs must be pb_utils.Tensor"):
         pb_utils.InferenceRequest(inputs=[np.zeros(1)])
