@@ -290,12 +290,9 @@ def encode_response(
         output = outputs.add(name=name, datatype=tensor.data_type.wire_name, shape=tensor.shape)
         spec = specs.get(name) if specs else None
         if spec is not None and spec.shm is not None:
-            parameters = output.parameters
-            parameters["shared_memory_region"].string_param = spec.shm.region
-            parameters["shared_memory_byte_size"].int64_param = tensor.size
-            if spec.shm.offset:
-                parameters["shared_memory_offset"].int64_param = spec.shm.offset
-            raws.append(memoryview(b""))  # keeps raw_output_contents[i] aligned with outputs[i]
+            # Written into the client's region: no parameters (as Triton 2.51, and as over
+            # HTTP), and an empty raw entry keeps raw_output_contents[i] aligned with outputs[i].
+            raws.append(memoryview(b""))
         else:
             raws.append(memoryview(tensor.storage().reshape(-1).view(np.uint8)))
     if response.parameters:
@@ -797,7 +794,11 @@ class InferenceServicer:
         # A client that cancels or whose deadline passes cancels its request in there.
         response = await self.dataplane.infer(engine_request, traced)
         if response.error is not None:
-            raise response.error
+            # A new exception: raising the one this frame's response holds would make a
+            # cycle (error -> traceback -> frame -> response -> error) that keeps the
+            # request's tensors, a client's shared memory among them, until the cyclic
+            # garbage collector happens to run.
+            raise TritonError.from_code(response.error.code, response.error.message)
         if specs:
             response = self.dataplane.classified(response, specs.values())
         if self.compression is not None:

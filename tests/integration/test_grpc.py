@@ -6,7 +6,10 @@ health stub. Error codes and texts are checked against what a real Triton answer
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import json
+import os
 import queue
 import shutil
 import subprocess
@@ -923,9 +926,7 @@ def test_system_shared_memory(client):
         output = grpcclient.InferRequestedOutput("OUTPUT0")
         output.set_shared_memory(f"out_{tag}", nbytes)
         result = client.infer("identity", [tensor], outputs=[output])
-        response = result.get_output("OUTPUT0")
-        assert response.parameters["shared_memory_region"].string_param == f"out_{tag}"
-        assert response.parameters["shared_memory_byte_size"].int64_param == nbytes
+        assert not result.get_output("OUTPUT0").parameters  # as Triton 2.51: nothing echoed
         assert result.get_response().raw_output_contents == [b""]
         written = shm.get_contents_as_numpy(out, np.float32, [128])
         np.testing.assert_array_equal(written[64:], data)
@@ -960,6 +961,43 @@ def test_system_shared_memory(client):
         shm.destroy_shared_memory_region(inp)
         shm.destroy_shared_memory_region(out)
     assert not client.get_system_shared_memory_status(as_json=True).get("regions")
+
+
+def test_a_refused_request_lets_go_of_the_clients_shared_memory(client):
+    """The server held a client's object (mapping and descriptors) after an infer that
+    failed over gRPC, until the cyclic garbage collector happened to run; with it off,
+    nothing may be left once the region is unregistered."""
+    tag = uuid.uuid4().hex[:8]
+    path = f"/dev/shm/grpc_refused_{tag}"
+    with open(path, "wb") as f:  # made without a mapping of ours: what is mapped is the server's
+        f.write(np.arange(64, dtype=np.float32).tobytes())
+
+    def held() -> list[str]:
+        maps = [line for line in Path("/proc/self/maps").read_text().splitlines() if path in line]
+        fds = []
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/self/fd/{fd}") == path:
+                    fds.append(fd)
+        return maps + fds
+
+    gc.disable()
+    try:
+        client.register_system_shared_memory(f"r_{tag}", f"/grpc_refused_{tag}", 256)
+        a = grpcclient.InferInput("INPUT0", [16], "FP32")
+        a.set_shared_memory(f"r_{tag}", 64)
+        b = grpcclient.InferInput("INPUT1", [16], "FP32")
+        b.set_shared_memory(f"r_{tag}", 64, offset=64)
+        small = grpcclient.InferRequestedOutput("OUTPUT0")
+        small.set_shared_memory(f"r_{tag}", 32, offset=128)  # 64 bytes needed
+        with pytest.raises(InferenceServerException, match="needs 64 bytes"):
+            client.infer("add_sub", [a, b], outputs=[small])
+        client.unregister_system_shared_memory(f"r_{tag}")
+        assert held() == []
+    finally:
+        gc.enable()
+        client.unregister_system_shared_memory()
+        os.unlink(path)
 
 
 def test_shared_memory_disabled(server):
