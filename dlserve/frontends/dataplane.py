@@ -129,7 +129,8 @@ class DataPlane:
         self.engine.regions.register(name, key, offset, byte_size)
 
     def unregister_system_shm(self, name: str | None = None) -> None:
-        self._check_shm_allowed()
+        # Allowed when client shared memory is off (nothing is registered then): clients
+        # clean up with an unregister-all before they start, and Triton answers it.
         self.engine.regions.unregister(name or None)
 
     def system_shm_status(self, name: str | None = None) -> list[dict[str, Any]]:
@@ -144,7 +145,7 @@ class DataPlane:
         )
 
     def unregister_cuda_shm(self, name: str | None = None) -> None:
-        self._check_shm_allowed()
+        """Nothing to do: no CUDA region can be registered here (see register_cuda_shm)."""
 
     def cuda_shm_status(self, name: str | None = None) -> list[dict[str, Any]]:
         if name:

@@ -1013,6 +1013,8 @@ def test_shared_memory_disabled(server):
             tensor.set_shared_memory("r", 64)
             with pytest.raises(InferenceServerException, match="Client shared memory is disabled"):
                 c.infer("identity", [tensor])
+            c.unregister_system_shared_memory()  # clean-up code's habit: nothing to do
+            c.unregister_cuda_shared_memory()
     finally:
         service.stop()
 

@@ -690,6 +690,10 @@ def test_client_shared_memory_can_be_disabled(main, regions):
         error = client_error(small.infer, "identity", [x])
         assert error.status() == "400" and "Client shared memory is disabled" in error.message()
         assert small.get_system_shared_memory_status() == []
+        # Clean-up code unregisters everything first: nothing to do, not an error.
+        small.unregister_system_shared_memory()
+        small.unregister_system_shared_memory("off_r")
+        small.unregister_cuda_shared_memory()
     finally:
         small.close()
 
