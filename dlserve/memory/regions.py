@@ -149,7 +149,9 @@ class SystemRegions:
                 f"shared memory reference [{offset}, {offset + byte_size}) is outside region "
                 f"'{name}' of {region.byte_size} bytes"
             )
-        if region.segment.current_size() < region.offset + region.byte_size:
+        # Only the bytes this reference touches must still exist (Triton serves what lies
+        # inside a shrunk object too); touching the rest would be a SIGBUS.
+        if region.segment.current_size() < region.offset + offset + byte_size:
             raise InvalidArgumentError(
                 f"shared memory region '{name}' was shrunk by its owner; register it again"
             )

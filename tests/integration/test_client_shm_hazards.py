@@ -76,6 +76,13 @@ def test_an_object_shrunk_while_its_request_runs_fails_that_request_not_the_serv
     make_object(key, np.full(N, 2.0, np.float32))
     client.register_system_shared_memory("in", f"/{key}", N * 4)
     np.testing.assert_array_equal(client.infer("identity", [input_in("in")]).as_numpy("OUTPUT0"), 2.0)
+    # Shrunk to half: what lies in the half that is left still serves (as in Triton).
+    os.truncate(f"/dev/shm/{key}", N * 2)
+    half = httpclient.InferInput("INPUT0", [N // 2], "FP32")
+    half.set_shared_memory("in", N * 2)
+    np.testing.assert_array_equal(client.infer("identity", [half]).as_numpy("OUTPUT0"), 2.0)
+    with pytest.raises(InferenceServerException, match="'in' was shrunk by its owner"):
+        client.infer("identity", [input_in("in")])
 
 
 @pytest.mark.parametrize("use", ["input", "output"])
