@@ -8,9 +8,10 @@ still in the worker memory that produced it, is the next step's input, with no c
 
 Composing models are ordinary models: their own schedulers (batching included) and
 statistics apply to the requests an ensemble sends them. A decoupled step (a model that
-streams) needs a decoupled ensemble: each of its responses flows on through the steps
-that read it and becomes one response of the ensemble; the last one is final (or, when
-the stream's end comes after it, a flag-only final follows), as Triton does.
+streams) makes the ensemble decoupled (Triton's rule, set at load): each of its responses
+flows on through the steps that read it and becomes one response of the ensemble; the
+last one is final (or, when the stream's end comes after it, a flag-only final follows),
+as Triton does.
 """
 
 from __future__ import annotations
@@ -89,6 +90,30 @@ def validate(config: mc.ModelConfig, model_name: str) -> None:
         for i in runnable:
             available.update(steps[i].outputs.values())
             left.remove(i)
+
+
+def check_step(config: mc.ModelConfig, model_name: str, step: Step, step_config: mc.ModelConfig) -> None:
+    """What Triton checks of an ensemble against the config of a step's loaded model (in
+    its words): the maps name the model's own inputs and outputs, and the ensemble's
+    batches fit the model's."""
+    inputs = {t.name for t in step_config.input}
+    for own, tensor in step.inputs.items():
+        if own not in inputs:
+            raise InvalidArgumentError(
+                f"ensemble tensor {tensor} is mapping to non-existing input {own} in model {step.model}"
+            )
+    outputs = {t.name for t in step_config.output}
+    for own, tensor in step.outputs.items():
+        if own not in outputs:
+            raise InvalidArgumentError(
+                f"ensemble tensor {tensor} is mapped from non-existing output {own} in model {step.model}"
+            )
+    if config.max_batch_size > step_config.max_batch_size:
+        raise InvalidArgumentError(
+            f"ensemble {model_name} allows maximum batch size {config.max_batch_size}, but it "
+            f"contains model {step.model} which only allows maximum batch size to be "
+            f"{step_config.max_batch_size}"
+        )
 
 
 class EnsembleScheduler(Scheduler):

@@ -16,6 +16,7 @@ that name.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import enum
 import json
@@ -155,11 +156,35 @@ class ModelManager:
             wanted: list[str | ModelSource] = list(dict.fromkeys(startup_models))
         else:  # every model; a name in two repositories (no namespacing) fails as a name
             wanted = [s if isinstance(s, ModelSource) else k[1] for k, s in sorted(self.repository.scan().items())]
-        results = await asyncio.gather(*(self._load_guarded(what) for what in wanted))
+        # Ensembles after the models they run: loading one checks what its steps are.
+        results = []
+        for group in self._ensembles_last(wanted):
+            results += await asyncio.gather(*(self._load_guarded(what) for what in group))
         errors = [failure.message for failure in results if failure is not None]
         if self.control_mode is ModelControlMode.POLL:
             self._poll_task = asyncio.get_running_loop().create_task(self._poll_forever(poll_interval))
         return errors
+
+    def _ensembles_last(self, wanted: list[str | ModelSource]) -> tuple[list[str | ModelSource], list[str | ModelSource]]:
+        """``wanted`` split in two: what is not an ensemble (or cannot be told: a remote
+        model not fetched yet, a config that does not parse), then the ensembles."""
+
+        def is_ensemble(source: ModelSource) -> bool:
+            try:
+                config = self.repository.read_config(source)
+            except (TritonError, OSError):
+                return False
+            return config is not None and config.platform == cfg.ENSEMBLE_PLATFORM
+
+        first: list[str | ModelSource] = []
+        last: list[str | ModelSource] = []
+        for what in wanted:
+            try:
+                sources = [what] if isinstance(what, ModelSource) else self.repository.find(what)
+            except TritonError:  # unknown or ambiguous: its load says so
+                sources = []
+            (last if any(is_ensemble(s) for s in sources) else first).append(what)
+        return first, last
 
     async def _load_guarded(self, what: str | ModelSource) -> TritonError | None:
         """Load a model by name, or from a source; its error, logged, rather than raised."""
@@ -331,6 +356,11 @@ class ModelManager:
         if is_ensemble:
             ensemble.validate(config, name)
             steps = await self._load_steps(source, config)
+            try:
+                self._check_steps(name, config)
+            except BaseException:
+                await self._unload_unused(steps)
+                raise
         try:
             for attempt in range(self.load_retries + 1):
                 try:
@@ -400,6 +430,35 @@ class ModelManager:
                 ) from None
             loaded.append(key)
         return loaded
+
+    def _check_steps(self, name: str, config: mc.ModelConfig) -> None:
+        """Check an ensemble against its steps' loaded models, as Triton does at load
+        (ensemble.check_step), and make it decoupled if one of them is: a streaming step
+        makes a streaming ensemble, whatever its config said (Triton's rule). A step not
+        loaded yet (a remote or nested ensemble's, loading beside it) is judged by its
+        config.pbtxt, for decoupling only."""
+        decoupled = False
+        for step in ensemble.steps_of(config):
+            entry = self.models.get((step.namespace, step.model))
+            model = entry.latest_loaded() if entry is not None else None
+            if model is None:
+                source = self.repository.scan().get((step.namespace, step.model))
+                if isinstance(source, ModelSource):
+                    with contextlib.suppress(TritonError):
+                        listed = self.repository.read_config(source)
+                        decoupled |= bool(listed and listed.model_transaction_policy.decoupled)
+                continue
+            if step.version >= 0:
+                model = entry.versions.get(step.version) if entry is not None else None
+                if model is None or model.state != "READY":
+                    raise InvalidArgumentError(
+                        f"ensemble '{name}' depends on '{step.model}' whose required version "
+                        f"{step.version} is not loaded."
+                    )
+            ensemble.check_step(config, name, step, model.config)
+            decoupled |= model.decoupled
+        if decoupled:
+            config.model_transaction_policy.decoupled = True
 
     def _step_key(self, ensemble_source: ModelSource, step: str, listed: dict[ModelKey, ModelSource | str]) -> ModelKey:
         """The model an ensemble's step names: with namespacing, the one in the
@@ -516,7 +575,10 @@ class ModelManager:
             if key not in found and self.models[key].versions:
                 log.info("model '%s' was removed from the repository; unloading", key[1])
                 await self._unload_with_users(self.models[key])
-        for key, source in found.items():
+        first, last = self._ensembles_last(list(found.values()))
+        for source in [*first, *last]:
+            assert isinstance(source, ModelSource)
+            key = source.key
             entry = self.models.get(key)
             if entry is not None and entry.fingerprint == source.fingerprint():
                 continue

@@ -253,12 +253,16 @@ def test_a_decoupled_ensemble_streams_over_grpc(server):
     assert got == [([10], False), ([12], False), ([14], True)]
 
 
-def test_a_streaming_step_needs_a_decoupled_ensemble(server):
+def test_a_streaming_step_makes_the_ensemble_decoupled(server):
+    """Triton's rule (measured on 2.51): an ensemble with a decoupled step is decoupled,
+    whatever its config says; it answered every request with an error before."""
     server.load("not_decoupled", {"config": config_json(STREAMING_NOT_DECOUPLED), "file:1/.keep": b""})
-    (response,) = server.model("not_decoupled").infer(
-        inputs={"IN": np.array([1], np.int32)}, raise_on_error=False
-    )
-    assert "is decoupled, so the ensemble must be too" in response.error.message
+    model = server.model("not_decoupled")
+    assert model.config()["model_transaction_policy"] == {"decoupled": True}
+    responses = list(model.infer(inputs={"IN": np.array([4, 5, 6], np.int32)}, raise_on_error=False))
+    assert all(r.error is None for r in responses)
+    assert len([r for r in responses if r.outputs]) == 3  # one per element, as the step sends
+    assert [r.final for r in responses] == [False] * (len(responses) - 1) + [True]
 
 
 STREAMING_NOT_DECOUPLED = """
@@ -418,3 +422,44 @@ def test_a_bad_ensemble_config_is_refused_with_the_reason(make_repo, servers, st
     text += f"ensemble_scheduling {{ step [ {steps} ] }}" if steps else "ensemble_scheduling { }"
     with pytest.raises(dlserve.InvalidArgumentError, match=re.escape(message)):
         server.load("bad", {"config": config_json(text), "file:1/.keep": b""})
+
+
+def _ensemble_over(step: str, input_key: str = "INPUT0", output_key: str = "OUTPUT0", version: int = -1, batch: int = 0) -> dict[str, str]:
+    return {
+        "config.pbtxt": f"""
+platform: "ensemble"
+max_batch_size: {batch}
+input [ {{ name: "EIN" data_type: TYPE_FP32 dims: [ -1 ] }} ]
+output [ {{ name: "EOUT" data_type: TYPE_FP32 dims: [ -1 ] }} ]
+ensemble_scheduling {{ step [ {{ model_name: "{step}" model_version: {version}
+  input_map {{ key: "{input_key}" value: "EIN" }} output_map {{ key: "{output_key}" value: "EOUT" }} }} ] }}
+""",
+        "1/.keep": "",
+    }
+
+
+def test_an_ensemble_that_does_not_fit_its_steps_fails_to_load_as_in_triton(make_repo, servers):
+    """Checked at load against the steps' loaded configs, in Triton 2.51's words (they
+    loaded READY and failed every request). Their names sort before the step's: the
+    ensembles load after the models they run all the same."""
+    repo = make_repo(
+        "identity",
+        extra={
+            "a_bad_input": _ensemble_over("identity", input_key="NOPE"),
+            "a_bad_output": _ensemble_over("identity", output_key="NOPE"),
+            "a_pinned_missing": _ensemble_over("identity", version=7),
+            "a_bigger_batches": _ensemble_over("identity", batch=8),
+            "a_fine": _ensemble_over("identity"),
+        },
+    )
+    server = servers.start(repo, exit_on_error=False)
+    reasons = {name: entry.reason for (name, _), entry in server.models().items() if entry.state != "READY"}
+    assert reasons == {
+        "a_bad_input": "ensemble tensor EIN is mapping to non-existing input NOPE in model identity",
+        "a_bad_output": "ensemble tensor EOUT is mapped from non-existing output NOPE in model identity",
+        "a_pinned_missing": "ensemble 'a_pinned_missing' depends on 'identity' whose required version 7 is not loaded.",
+        "a_bigger_batches": "ensemble a_bigger_batches allows maximum batch size 8, but it contains model "
+        "identity which only allows maximum batch size to be 0",
+    }
+    (response,) = server.model("a_fine").infer(inputs={"EIN": np.arange(3, dtype=np.float32)})
+    np.testing.assert_array_equal(response.outputs["EOUT"].as_numpy(), np.arange(3))
