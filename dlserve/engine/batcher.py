@@ -45,11 +45,11 @@ class DynamicBatcher(Scheduler):
         config = model.config
         batching = config.dynamic_batching
         self.max_batch = max(config.max_batch_size, 1)
-        self.preferred = {size for size in batching.preferred_batch_size if 0 < size <= self.max_batch}
+        self.preferred = set(batching.preferred_batch_size)  # (1..max_batch_size: config.validate)
         self.delay_ns = batching.max_queue_delay_microseconds * 1000
         self.preserve_ordering = batching.preserve_ordering
         levels = max(batching.priority_levels, 1)
-        self.default_level = min(max(batching.default_priority_level, 1), levels) if batching.priority_levels else 1
+        self.default_level = batching.default_priority_level if batching.priority_levels else 1
         self.queues: list[collections.deque[Request]] = [collections.deque() for _ in range(levels)]
         self.policies = [
             batching.priority_queue_policy[level]

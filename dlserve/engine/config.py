@@ -184,6 +184,8 @@ def _check_tensors(config: mc.ModelConfig, kind: str, tensors: Any) -> None:
         seen.add(tensor.name)
         if tensor.data_type == mc.TYPE_INVALID:
             raise InvalidArgumentError(f"{where}: data_type must be set")
+        if not tensor.dims and config.platform != ENSEMBLE_PLATFORM:  # (Triton's words)
+            raise InvalidArgumentError(f"model {kind} '{tensor.name}' must specify 'dims' for {config.name}")
         for dim in tensor.dims:
             if dim < -1 or dim == 0:
                 raise InvalidArgumentError(
@@ -282,12 +284,39 @@ def validate(config: mc.ModelConfig, model_name: str, gpu_count: int = 0) -> Non
             f"model '{model_name}': ensemble_scheduling goes with platform \"ensemble\", and "
             "an ensemble needs it"
         )
+    if config.HasField("dynamic_batching"):
+        _check_dynamic_batching(config.dynamic_batching, config.max_batch_size)
     if config.HasField("sequence_batching"):
         names = {t.name for t in config.input}
+        kinds: set[int] = set()
         for spec in config.sequence_batching.control_input:
             if spec.name in names:
                 raise InvalidArgumentError(
                     f"model '{model_name}': control input '{spec.name}' is also a model input"
                 )
-            ControlInput.parse(model_name, spec)
+            control = ControlInput.parse(model_name, spec)
+            if control.kind in kinds:
+                kind = mc.ModelSequenceBatching.Control.Kind.Name(control.kind)
+                raise InvalidArgumentError(f"sequence batching specifies multiple {kind} tensors")
+            kinds.add(control.kind)
+        oldest = config.sequence_batching.oldest
+        if any(size > config.max_batch_size for size in oldest.preferred_batch_size):
+            raise InvalidArgumentError("sequence batching preferred batch size must be <= max batch size")
+
+
+def _check_dynamic_batching(batching: mc.ModelDynamicBatching, max_batch_size: int) -> None:
+    """What Triton refuses of ``dynamic_batching`` at load, in its words."""
+    for size in batching.preferred_batch_size:
+        if size <= 0:
+            raise InvalidArgumentError("dynamic batching preferred size must be positive")
+        if size > max_batch_size:
+            raise InvalidArgumentError("dynamic batching preferred size must be <= max batch size")
+    levels = batching.priority_levels
+    if levels:
+        if not 1 <= batching.default_priority_level <= levels:
+            raise InvalidArgumentError(f"default priority level must be in range [1, {levels}]")
+        if any(not 1 <= level <= levels for level in batching.priority_queue_policy):
+            raise InvalidArgumentError(
+                f"priority queue policy must have priority level in range [1, {levels}]"
+            )
 

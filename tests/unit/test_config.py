@@ -278,8 +278,45 @@ def test_validate_bad_dims(kind, dims):
     assert message.startswith(f"InvalidArgumentError: model 'm', {kind} 'X': dims must be integers >= 1, or -1")
 
 
-def test_validate_accepts_variable_and_empty_dims():
-    cfg.validate(completed('input [ { name: "X" data_type: TYPE_INT32 dims: [ -1, 3 ] }, { name: "S" data_type: TYPE_INT32 dims: [ ] } ]'), "m")
+def test_validate_accepts_variable_dims():
+    cfg.validate(completed('input [ { name: "X" data_type: TYPE_INT32 dims: [ -1, 3 ] } ]'), "m")
+
+
+@pytest.mark.parametrize("kind", ["input", "output"])
+def test_validate_refuses_empty_dims_as_triton_does(kind):
+    # Triton 2.51 (measured): "Invalid argument: model input 'IN' must specify 'dims' for m"
+    message = invalid(f'{kind} [ {{ name: "S" data_type: TYPE_INT32 dims: [ ] }} ]')
+    assert message == f"InvalidArgumentError: model {kind} 'S' must specify 'dims' for m"
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("max_batch_size: 4 dynamic_batching { preferred_batch_size: [ 8 ] }", "dynamic batching preferred size must be <= max batch size"),
+        ("max_batch_size: 0 dynamic_batching { preferred_batch_size: [ 2 ] }", "dynamic batching preferred size must be <= max batch size"),
+        ("max_batch_size: 4 dynamic_batching { preferred_batch_size: [ 0 ] }", "dynamic batching preferred size must be positive"),
+        ("max_batch_size: 4 dynamic_batching { priority_levels: 2 default_priority_level: 5 }", "default priority level must be in range [1, 2]"),
+        ("max_batch_size: 4 dynamic_batching { priority_levels: 2 }", "default priority level must be in range [1, 2]"),
+        (
+            "max_batch_size: 4 dynamic_batching { priority_levels: 2 default_priority_level: 1 "
+            "priority_queue_policy { key: 5 value: { max_queue_size: 1 } } }",
+            "priority queue policy must have priority level in range [1, 2]",
+        ),
+        (
+            "max_batch_size: 4 sequence_batching { oldest { max_candidate_sequences: 4 preferred_batch_size: [ 8 ] } }",
+            "sequence batching preferred batch size must be <= max batch size",
+        ),
+        (
+            'max_batch_size: 4 sequence_batching { control_input [ { name: "S1" control [ { kind: CONTROL_SEQUENCE_START '
+            'int32_false_true: [ 0, 1 ] } ] }, { name: "S2" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] } ] }',
+            "sequence batching specifies multiple CONTROL_SEQUENCE_START tensors",
+        ),
+    ],
+)
+def test_validate_refuses_batching_settings_triton_refuses(text, message):
+    # Each measured on Triton 2.51, which fails the load with these words; they loaded
+    # READY here and the batchers quietly clamped what made no sense.
+    assert invalid(text) == f"InvalidArgumentError: {message}"
 
 
 @pytest.mark.parametrize("kind", ["input", "output"])
