@@ -78,7 +78,7 @@ class DynamicBatcher(Scheduler):
         level = self._level(request.priority)
         policy = self.policies[level]
         if policy.max_queue_size and len(self.queues[level]) >= policy.max_queue_size:
-            raise UnavailableError("Exceeds maximum queue size")
+            raise UnavailableError(f"{request.label}Exceeds maximum queue size")  # (Triton's words)
         timeout_us = policy.default_timeout_microseconds
         if policy.allow_timeout_override and request.timeout_us > 0:
             timeout_us = request.timeout_us

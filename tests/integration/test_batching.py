@@ -156,6 +156,7 @@ def test_full_queue_rejects(server):
     errors = [r.error for r in responses if r.error is not None]
     assert len(errors) == 3
     assert all(isinstance(e, dlserve.UnavailableError) and "Exceeds maximum queue size" in str(e) for e in errors)
+    assert all(str(e).startswith("[request id: <id_unknown>] Exceeds") for e in errors)  # as Triton 2.51
     after = server.model("batcher").statistics()["model_stats"][0]["inference_stats"]["fail"]["count"]
     assert after - before == 3
     failures = server.engine.model("batcher").stats.failures
