@@ -106,7 +106,9 @@ class ModelManager:
                 continue
             if not entry.versions:
                 if not ready_only:
-                    rows.append({"name": name, "state": "UNAVAILABLE", "reason": entry.error})
+                    failed = {"state": "UNAVAILABLE", "reason": entry.error}
+                    versions = [{"name": name, "version": str(v), **failed} for v in entry.tried]
+                    rows.extend(versions or [{"name": name, **failed}])
                 continue
             for version in sorted(entry.versions):
                 model = entry.versions[version]
@@ -302,7 +304,7 @@ class ModelManager:
         async with entry.lock:
             entry.loading = True
             try:
-                loaded = await self._load_versions(source, config)
+                loaded = await self._load_versions(source, config, entry)
             except TritonError as exc:
                 if not entry.versions:
                     entry.error = exc.message
@@ -310,13 +312,16 @@ class ModelManager:
             finally:
                 entry.loading = False
             old = entry.versions
-            entry.versions, entry.error, entry.unloaded = loaded, "", []
+            entry.versions, entry.error, entry.unloaded, entry.tried = loaded, "", [], []
             entry.as_step = as_step
             entry.fingerprint = source.fingerprint()
             await asyncio.gather(*(v.unload(self._deadline()) for v in old.values()))
 
-    async def _load_versions(self, source: ModelSource, override: str | None) -> dict[int, ModelVersion]:
+    async def _load_versions(
+        self, source: ModelSource, override: str | None, entry: ModelEntry
+    ) -> dict[int, ModelVersion]:
         name = source.name
+        entry.tried = []
         if override is not None:
             config = cfg.parse_json(override, name)
         else:
@@ -347,6 +352,7 @@ class ModelManager:
                 f"failed to load model '{name}': no version folder {holding} "
                 f"(version folders with it: {available or 'none'})"
             )
+        entry.tried = versions  # from here on a failure is these versions' (as Triton lists it)
         model_file = source.path / str(max(versions)) / filename
         if not is_ensemble and self.auto_complete and defines_auto_complete(model_file):
             config = await self._auto_complete(name, config, model_file)

@@ -25,6 +25,7 @@ class ModelEntry:
     namespace: str = ""  # its repository as given, with model namespacing on
     versions: dict[int, ModelVersion] = dataclasses.field(default_factory=dict)
     error: str = ""  # why the model (as a whole) is not loaded
+    tried: list[int] = dataclasses.field(default_factory=list)  # the versions that error is of
     loading: bool = False
     unloaded: list[int] = dataclasses.field(default_factory=list)  # versions an unload removed
     fingerprint: Any = None

@@ -225,7 +225,7 @@ def test_exit_on_error(servers, make_repo):
     lenient = servers.start(repo, exit_on_error=False)
     assert lenient.model("identity").ready() and not lenient.model("init_fail").ready()
     assert not lenient.ready()  # strict readiness
-    entry = lenient.models()[("init_fail", -1)]
+    entry = lenient.models()[("init_fail", 1)]  # its version 1 failed, as Triton lists it
     assert entry.state == "UNAVAILABLE" and "cannot initialize" in entry.reason
     relaxed = servers.start(repo, exit_on_error=False, strict_readiness=False)
     assert relaxed.ready()
@@ -254,7 +254,7 @@ def test_bad_models_fail_to_load_with_a_clear_reason(servers, make_repo, files, 
     repo = make_repo("identity", extra={"bad": files})
     server = servers.start(repo, exit_on_error=False)
     assert server.model("identity").ready()
-    entry = server.models()[("bad", -1)]
+    (entry,) = [e for (name, _), e in server.models().items() if name == "bad"]
     assert entry.state == "UNAVAILABLE"
     assert message in entry.reason
 
