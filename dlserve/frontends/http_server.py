@@ -140,6 +140,9 @@ class HttpConnection(asyncio.BufferedProtocol):
         self._body_size = 0
         self._block: np.ndarray | None = None
         self._expected = -1
+        self._upgrade_body = 0  # body bytes of an upgrade request still to read by hand
+        self._method = ""  # (read at the end of the headers: the parser may be replaced after)
+        self._keep_alive = True
 
     # -- httptools callbacks ---------------------------------------------------------
     def on_message_begin(self) -> None:
@@ -160,8 +163,11 @@ class HttpConnection(asyncio.BufferedProtocol):
         self._headers[key] = f"{self._headers[key]},{text}" if key in self._headers else text
 
     def on_headers_complete(self) -> None:
-        if self._parser.should_upgrade():
-            raise HttpError(400, "protocol upgrades are not supported")
+        self._method = self._parser.get_method().decode()
+        self._keep_alive = self._parser.should_keep_alive()
+        upgrade = self._parser.should_upgrade()
+        if upgrade and "transfer-encoding" in self._headers:
+            raise HttpError(400, "an Upgrade request with a chunked body is not supported")
         length = self._headers.get("content-length")
         if length is None:
             return
@@ -176,6 +182,9 @@ class HttpConnection(asyncio.BufferedProtocol):
                 "bytes (--http-max-input-size)",
             )
         self._expected = expected
+        if upgrade:  # see _feed: its body is read by hand
+            self._upgrade_body = expected
+            return
         if expected >= DIRECT_BODY_MIN and "content-encoding" not in self._headers and self.server.reserve(expected):
             self._reserved = expected
             try:
@@ -201,6 +210,8 @@ class HttpConnection(asyncio.BufferedProtocol):
             )
 
     def on_message_complete(self) -> None:
+        if self._upgrade_body:
+            return  # the parser ended an upgrade request at its headers: its body comes next
         if self._block is not None:
             body: Any = self._block
             self._unreserve()
@@ -216,7 +227,7 @@ class HttpConnection(asyncio.BufferedProtocol):
     def _queue_request(self, body: Any) -> None:
         parsed = httptools.parse_url(self._url)
         request = HttpRequest(
-            method=self._parser.get_method().decode(),
+            method=self._method,
             path=unquote(parsed.path.decode("latin-1")),
             query=(parsed.query or b"").decode("latin-1"),
             headers=self._headers,
@@ -224,7 +235,7 @@ class HttpConnection(asyncio.BufferedProtocol):
             connection=self,
             received_ns=(self._begun_ns, time.monotonic_ns()),
         )
-        request.headers["_keep_alive"] = "1" if self._parser.should_keep_alive() else "0"
+        request.headers["_keep_alive"] = "1" if self._keep_alive else "0"
         self._pending.append(request)
         self._serve_soon()
         if len(self._pending) > 16 and self.transport is not None:
@@ -239,6 +250,27 @@ class HttpConnection(asyncio.BufferedProtocol):
         if self._direct is not None:
             return memoryview(self._direct)[self._filled :]  # type: ignore[arg-type]
         return self._scratch_view
+
+    def _feed(self, data: memoryview) -> None:
+        """Parse these bytes. HTTP/1.1 lets a server ignore ``Upgrade`` (``curl --http2``
+        asks every request, bodies included, to switch to h2c), but httptools stops at
+        an upgrade request's headers: its body, if any, is read here by hand, and the
+        bytes after it go to a fresh parser."""
+        while data:
+            if self._upgrade_body:
+                take = min(len(data), self._upgrade_body)
+                self.on_body(bytes(data[:take]))
+                self._upgrade_body -= take
+                data = data[take:]
+                if not self._upgrade_body:
+                    self.on_message_complete()
+                continue
+            try:
+                self._parser.feed_data(data)
+                return
+            except httptools.HttpParserUpgrade as upgrade:
+                self._parser = httptools.HttpRequestParser(self)
+                data = data[upgrade.args[0] :]
 
     def buffer_updated(self, nbytes: int) -> None:
         if self._idle_since:
@@ -256,12 +288,9 @@ class HttpConnection(asyncio.BufferedProtocol):
                 self._parser = httptools.HttpRequestParser(self)  # the old one stopped mid-body
             return
         try:
-            self._parser.feed_data(self._scratch_view[:nbytes])
+            self._feed(self._scratch_view[:nbytes])
         except HttpError as exc:
             self._fail(exc.status, exc.message)
-            return
-        except httptools.HttpParserUpgrade:
-            self._fail(400, "protocol upgrades are not supported")
             return
         except httptools.HttpParserError as exc:
             cause = exc.__context__
