@@ -11,7 +11,7 @@ import dataclasses
 import logging
 from typing import Any
 
-from dlserve.errors import InvalidArgumentError
+from dlserve.errors import InvalidArgumentError, UnsupportedError
 
 LOGGER = "dlserve"
 _FORMATS = ("default", "ISO8601")
@@ -53,10 +53,12 @@ class LogSettings:
         return dataclasses.asdict(self)
 
     def update(self, changes: dict[str, Any]) -> None:
-        """Apply a partial update; unknown keys, wrong types and ``log_file`` are refused."""
+        """Apply a partial update; unknown keys, wrong types and ``log_file`` are refused,
+        a None value (JSON null) leaves its setting as it is (as Triton does)."""
+        changes = {key: value for key, value in changes.items() if value is not None}
         for key, value in changes.items():
-            if key == "log_file":
-                raise InvalidArgumentError("log_file cannot be changed while the server runs")
+            if key == "log_file":  # (Triton's words and status)
+                raise UnsupportedError("log file location can not be updated through network protocol")
             if key not in {f.name for f in dataclasses.fields(self)}:
                 raise InvalidArgumentError(f"unknown log setting '{key}'")
             current = getattr(self, key)

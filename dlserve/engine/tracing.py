@@ -94,10 +94,15 @@ def _integer(name: str, value: Any, least: int) -> int:
         raise InvalidArgumentError(
             f"Unable to parse '{name}'. Expecting value >= {least}, got:{value}"
         )
+    if number > _MOST[name]:  # Triton keeps them in 32 bits: its words
+        raise InvalidArgumentError(
+            f"Unable to parse '{name}', value is out of range [ {least}, {_MOST[name]} ], got: {value}"
+        )
     return number
 
 
 _LEAST = {"trace_rate": 1, "trace_count": -1, "log_frequency": 0}  # the integer settings
+_MOST = {"trace_rate": 2**32 - 1, "trace_count": 2**31 - 1, "log_frequency": 2**32 - 1}
 
 
 def _parse(name: str, value: Any) -> Any:
@@ -350,6 +355,9 @@ class Tracer:
                     f"'{name}' is a server-wide trace setting: set it without a model"
                 )
             parsed[name] = _parse(name, value)
+        if parsed.get("trace_level", ("OFF",)) != ("OFF",) and not self._global["trace_file"]:
+            # (Triton's words: nothing could be written, so nothing would be traced)
+            raise InvalidArgumentError("Attempting to set invalid trace setting :trace file name is not given")
         if model is None:
             for name, value in parsed.items():
                 self._global[name] = self._startup[name] if value is None else value

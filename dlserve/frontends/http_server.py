@@ -465,7 +465,7 @@ def decode_body(request: HttpRequest) -> Any:
         elif encoding == "deflate":
             decompressor = zlib.decompressobj()
         else:
-            raise HttpError(400, f"unsupported Content-Encoding '{encoding}'")
+            raise HttpError(501, f"unsupported Content-Encoding '{encoding}'")  # (Triton's status)
         out = decompressor.decompress(data, limit + 1)
     except zlib.error as exc:
         raise HttpError(400, f"cannot decode {encoding} body: {exc}") from None

@@ -324,12 +324,27 @@ def test_bad_http_settings_are_clear_errors(traced):
         ({"trace_rate": 3}, 400, "must be a string"),
         ({"trace_rate": "0"}, 400, "Expecting value >= 1"),
         ({"log_frequency": "-1"}, 400, "Expecting value >= 0"),
+        # Triton keeps them in 32 bits and refuses more, in these words
+        ({"trace_count": "2147483648"}, 400, "Unable to parse 'trace_count', value is out of range [ -1, 2147483647 ], got: 2147483648"),
+        ({"trace_rate": "4294967296"}, 400, "value is out of range [ 1, 4294967295 ]"),
         ([1], 400, "JSON object"),
     ]
     for body, status, message in cases:
         got_status, got = setting(urls["http"], "POST", "/v2/trace/setting", body)
         assert got_status == status and message in got["error"], (body, got)
     assert setting(urls["http"], "GET", "/v2/trace/setting")[0] == 200
+
+
+def test_a_level_without_a_trace_file_is_refused_as_in_triton(make_repo, servers):
+    """Traces go to the trace file: with none, a level would trace nothing (it answered
+    200 and did nothing); Triton 2.51 refuses it with these words."""
+    server = servers.start(make_repo("identity"))
+    message = "Attempting to set invalid trace setting :trace file name is not given"
+    with pytest.raises(dlserve.InvalidArgumentError, match=message):
+        server.engine.tracer.update(None, {"trace_level": ["TIMESTAMPS"]})
+    with pytest.raises(dlserve.InvalidArgumentError, match=message):
+        server.engine.tracer.update("identity", {"trace_level": ["TENSORS"]})
+    assert server.engine.tracer.update(None, {"trace_level": ["OFF"], "trace_rate": "5"})["trace_rate"] == "5"
 
 
 def test_trace_is_listed_as_an_extension(traced):
