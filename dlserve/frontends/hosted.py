@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import re
+from urllib.parse import unquote
 
 from dlserve.engine import prometheus
 from dlserve.errors import InvalidArgumentError, NotFoundError, TritonError
@@ -125,7 +126,7 @@ class SageMakerApi(_HostedApi):
             return await self._invoke(request)
         found = MODELS_ROUTE.fullmatch(request.path)
         if found is not None:
-            return await self.endpoint(request, found.group(1) or "", bool(found.group(2)))
+            return await self.endpoint(request, unquote(found.group(1) or ""), bool(found.group(2)))
         return empty(400)
 
     async def _invoke(self, request: HttpRequest, model: str | None = None) -> HttpResponse:

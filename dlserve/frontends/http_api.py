@@ -17,6 +17,7 @@ import math
 import re
 from collections.abc import Awaitable, Callable
 from typing import Any
+from urllib.parse import unquote
 
 import numpy as np
 import orjson
@@ -115,7 +116,10 @@ class KServeHttpApi:
         for pattern, methods, category, route in self._routes:
             match = pattern.match(path)
             if match is not None:
-                found = (methods, category, route, {k: v for k, v in match.groupdict().items() if v is not None})
+                # Routed on the path as sent, its parts decoded after: an encoded '/' in a
+                # model name (%2F) is part of the name, never a separator.
+                args = {k: unquote(v) for k, v in match.groupdict().items() if v is not None}
+                found = (methods, category, route, args)
                 if len(self._matched) < 4096:  # clients reuse a handful of paths
                     self._matched[path] = found
                 return found

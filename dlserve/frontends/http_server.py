@@ -28,7 +28,6 @@ import time
 import zlib
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
-from urllib.parse import unquote
 
 import httptools
 import numpy as np
@@ -57,7 +56,7 @@ REASONS = {
 @dataclasses.dataclass
 class HttpRequest:
     method: str
-    path: str
+    path: str  # as sent, percent-encoded: a router decodes the parts it captures
     query: str
     headers: dict[str, str]
     body: Any  # bytes, or a uint8 numpy view of shared memory for large bodies
@@ -129,6 +128,9 @@ class HttpConnection(asyncio.BufferedProtocol):
         self._next_request = PollWindow(server.poll_limit)
         self._poller = loop_poller(asyncio.get_running_loop())
         self._idle_since = 0.0
+        # An HTTP/1.0 client keeps its connection only if told so (ApacheBench's -k waits
+        # for a close otherwise); its version is the one of its latest request.
+        self._http10 = False
 
     # -- message state ---------------------------------------------------------------
     def _reset_message(self) -> None:
@@ -165,6 +167,7 @@ class HttpConnection(asyncio.BufferedProtocol):
     def on_headers_complete(self) -> None:
         self._method = self._parser.get_method().decode()
         self._keep_alive = self._parser.should_keep_alive()
+        self._http10 = self._parser.get_http_version() == "1.0"
         upgrade = self._parser.should_upgrade()
         if upgrade and "transfer-encoding" in self._headers:
             raise HttpError(400, "an Upgrade request with a chunked body is not supported")
@@ -228,7 +231,7 @@ class HttpConnection(asyncio.BufferedProtocol):
         parsed = httptools.parse_url(self._url)
         request = HttpRequest(
             method=self._method,
-            path=unquote(parsed.path.decode("latin-1")),
+            path=parsed.path.decode("latin-1"),
             query=(parsed.query or b"").decode("latin-1"),
             headers=self._headers,
             body=body,
@@ -393,6 +396,8 @@ class HttpConnection(asyncio.BufferedProtocol):
         head.extend(f"{k}: {v}" for k, v in response.headers)
         if not keep_alive:
             head.append("Connection: close")
+        elif self._http10:
+            head.append("Connection: keep-alive")
         return bytearray(("\r\n".join(head) + "\r\n\r\n").encode("latin-1"))
 
     async def _write_stream(self, response: HttpResponse, keep_alive: bool) -> bool:

@@ -870,6 +870,10 @@ def test_model_names_cannot_traverse_paths(explicit, port):
         assert reply.status == 404, (path, reply.body)
     names = {row["name"] for row in explicit.client.get_model_repository_index()}
     assert names <= {"add_sub", "identity", "init_fail", "uploaded"}, names
+    # Routed as sent, then decoded: %2F is part of a name, never a separator (as Triton).
+    assert request(port, "GET", "/v2/models/identity%2Fready").status == 404
+    assert request(port, "GET", "/v2/models/identity%2Fconfig").status == 404
+    assert request(port, "GET", "/v2/models/%69dentity/ready").status == 200  # tritonclient quotes names
     assert_serving(port)
 
 
@@ -1454,6 +1458,12 @@ def test_http_1_0_closes_after_the_response(port):
     received, closed = exchange(port, b"GET /v2/health/live HTTP/1.0\r\n\r\n")
     (reply,) = parse_responses(received)
     assert reply.status == 200 and closed
+    # ...unless it asks to keep it, and then it is told so (ApacheBench -k waits for it)
+    keep = b"GET /v2/health/live HTTP/1.0\r\nConnection: keep-alive\r\n\r\n"
+    received, closed = exchange(port, keep + b"GET /v2/health/live HTTP/1.0\r\n\r\n")
+    first, second = parse_responses(received)
+    assert first.headers.get("connection") == "keep-alive" and second.headers.get("connection") == "close"
+    assert closed
 
 
 def test_aio_client(main):
