@@ -85,6 +85,7 @@ class Request:
     chain: tuple[str, ...] = ()
     arrival_ns: int = dataclasses.field(default_factory=time.monotonic_ns)
     finished: bool = False
+    counted: bool = False  # its success is in its model's statistics already (a streamed one's)
     from_client: bool = False  # counted by the loop's poller until finished (Engine.enqueue)
     cancelled: bool = False
     owner: Any = None  # who answers it: the scheduler that accepted it (or a model's warmup)

@@ -237,15 +237,22 @@ class Scheduler:
                 output_ns=timings.output_ns,
             )
             # An error the model returns in a response still counts as a success, as
-            # in Triton's statistics: the request was executed and answered.
+            # in Triton's statistics: the request was executed and answered. A request
+            # answered by its model's response sender counts when the execute ends, as
+            # in Triton (whose success time is then the request's time up to here),
+            # however long its stream goes on after.
+            now = time.monotonic_ns()
             for request, response in zip(batch, result):
                 request.compute_input_ns += timings.input_ns
                 request.compute_infer_ns += timings.infer_ns
                 request.compute_output_ns += timings.output_ns
                 if response is None:
                     self._reschedule(request)
-                elif response is not STREAMING:  # those come through stream_response
+                elif response is not STREAMING:
                     self._deliver(request, response, None)
+                elif not request.finished:  # its answers come through stream_response
+                    request.counted = True
+                    self.model.stats.record_request(now - request.arrival_ns)
         self._completed(batch)
         self.dispatch()
 
@@ -277,7 +284,8 @@ class Scheduler:
             self.unfinished -= 1
             if request.from_client:
                 self.model.resources.host.request_finished()
-            self.model.stats.record_request(time.monotonic_ns() - request.arrival_ns, failure)
+            if not request.counted:
+                self.model.stats.record_request(time.monotonic_ns() - request.arrival_ns, failure)
         trace = request.trace
         if trace is not None:
             if response.outputs:

@@ -73,6 +73,30 @@ def test_responses_from_a_thread_after_execute_returned(server):
     assert [value_of(r) for r in responses] == list(range(20)) + [None]
 
 
+def test_a_streamed_request_counts_as_a_success_when_its_execute_ends(server):
+    """Triton's statistics (measured on 2.51, and what perf_analyzer's server section
+    reads): a request its model answers through the response sender is a success when
+    execute returns, timed up to then, however long the stream goes on after."""
+    model = server.model("decoupled")
+
+    def success() -> dict:
+        return model.statistics()["model_stats"][0]["inference_stats"]["success"]
+
+    before = success()
+    responses = model.infer(
+        inputs={"IN": np.array([1, 2, 3], np.int32)}, parameters={"mode": "thread", "delay_ms": 150}
+    )
+    first = next(responses)  # execute returned before it: the model's thread sends it
+    during = success()
+    assert value_of(first) == 1
+    assert during["count"] == before["count"] + 1
+    rest = list(responses)
+    assert [value_of(r) for r in rest] == [2, 3, None]
+    after = success()
+    assert after == during  # counted once, and not for the stream's ~450 ms
+    assert after["ns"] - before["ns"] < 300_000_000
+
+
 def test_error_mid_stream_is_final_and_keeps_its_code(server):
     responses = stream(server, "error_mid", [3, 4])
     assert value_of(responses[0]) == 3 and not responses[0].final
