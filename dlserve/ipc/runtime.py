@@ -62,6 +62,14 @@ def encode_response(
             if destination is None:
                 out.add(name, tensor._tensor)
                 continue
+            needed = tensor._tensor.storage().nbytes
+            if needed > destination.nbytes:  # (Triton's words)
+                out.revoke()
+                message = (
+                    f"shared memory size specified with the request for output '{name}' "
+                    f"({destination.nbytes} bytes) should be at least {needed} bytes to hold the results"
+                )
+                return ((), (int(ErrorCode.INVALID_ARG), message), response.parameters())
             try:
                 placed = tensor._tensor.write_into(destination)
             except ValueError as exc:

@@ -990,7 +990,7 @@ def test_a_refused_request_lets_go_of_the_clients_shared_memory(client):
         b.set_shared_memory(f"r_{tag}", 64, offset=64)
         small = grpcclient.InferRequestedOutput("OUTPUT0")
         small.set_shared_memory(f"r_{tag}", 32, offset=128)  # 64 bytes needed
-        with pytest.raises(InferenceServerException, match="needs 64 bytes"):
+        with pytest.raises(InferenceServerException, match="should be at least 64 bytes"):
             client.infer("add_sub", [a, b], outputs=[small])
         client.unregister_system_shared_memory(f"r_{tag}")
         assert held() == []

@@ -646,7 +646,9 @@ def test_shared_memory_references_are_bounds_checked(client, port, regions):
             (
                 ok,
                 {"shared_memory_region": "ref_r", "shared_memory_byte_size": 16},
-                "needs 64 bytes",
+                # (Triton's words)
+                "shared memory size specified with the request for output 'OUTPUT0' (16 bytes) "
+                "should be at least 64 bytes to hold the results",
             ),
             (
                 ok,
