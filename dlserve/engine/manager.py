@@ -352,7 +352,8 @@ class ModelManager:
                 f"failed to load model '{name}': no version folder {holding} "
                 f"(version folders with it: {available or 'none'})"
             )
-        entry.tried = versions  # from here on a failure is these versions' (as Triton lists it)
+        if not is_ensemble:  # from here on a failure is these versions' (as Triton lists it;
+            entry.tried = versions  # an ensemble that fails over its steps, by name only)
         model_file = source.path / str(max(versions)) / filename
         if not is_ensemble and self.auto_complete and defines_auto_complete(model_file):
             config = await self._auto_complete(name, config, model_file)
