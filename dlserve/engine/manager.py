@@ -446,17 +446,18 @@ class ModelManager:
         config.pbtxt, for decoupling only."""
         decoupled = False
         for step in ensemble.steps_of(config):
-            entry = self.models.get((step.namespace, step.model))
+            key = (step.namespace, step.model)
+            entry = self.models.get(key)
             model = entry.latest_loaded() if entry is not None else None
-            if model is None:
-                source = self.repository.scan().get((step.namespace, step.model))
+            if entry is None or model is None:
+                source = self.repository.scan().get(key)
                 if isinstance(source, ModelSource):
                     with contextlib.suppress(TritonError):
                         listed = self.repository.read_config(source)
                         decoupled |= bool(listed and listed.model_transaction_policy.decoupled)
                 continue
             if step.version >= 0:
-                model = entry.versions.get(step.version) if entry is not None else None
+                model = entry.versions.get(step.version)
                 if model is None or model.state != "READY":
                     raise InvalidArgumentError(
                         f"ensemble '{name}' depends on '{step.model}' whose required version "

@@ -23,6 +23,7 @@ from dlserve.ipc.channel import Stream, WorkerChannel
 from dlserve.ipc.protocol import Kind
 from dlserve.ipc.tensors import Peer
 from dlserve.memory.arena import Arena
+from dlserve.memory.tensor import DestinationTooSmall
 from dlserve.pb_utils.errors import TritonError as ModelError
 from dlserve.pb_utils.errors import TritonModelException
 from dlserve.pb_utils.inference import InferenceRequest, InferenceResponse
@@ -62,19 +63,14 @@ def encode_response(
             if destination is None:
                 out.add(name, tensor._tensor)
                 continue
-            needed = tensor._tensor.storage().nbytes
-            if needed > destination.nbytes:  # (Triton's words)
-                out.revoke()
-                message = (
-                    f"shared memory size specified with the request for output '{name}' "
-                    f"({destination.nbytes} bytes) should be at least {needed} bytes to hold the results"
-                )
-                return ((), (int(ErrorCode.INVALID_ARG), message), response.parameters())
             try:
                 placed = tensor._tensor.write_into(destination)
-            except ValueError as exc:
+            except DestinationTooSmall as small:
                 out.revoke()
-                message = f"output '{name}' {exc} (its shared memory region)"
+                message = (  # (Triton's words)
+                    f"shared memory size specified with the request for output '{name}' "
+                    f"({small.holds} bytes) should be at least {small.needed} bytes to hold the results"
+                )
                 return ((), (int(ErrorCode.INVALID_ARG), message), response.parameters())
             out.add(name, placed, by_reference=True)
     return (out.wires, None, response.parameters())

@@ -33,6 +33,15 @@ from dlserve.memory.dlpack import (
 from dlserve.memory.dtypes import DataType, bfloat16_dtype
 
 
+class DestinationTooSmall(ValueError):
+    """:meth:`Tensor.write_into` was given less room than the tensor's bytes take."""
+
+    def __init__(self, needed: int, holds: int) -> None:
+        super().__init__(f"needs {needed} bytes, but its destination holds {holds}")
+        self.needed = needed
+        self.holds = holds
+
+
 class MemoryType(enum.IntEnum):
     """``TRITONSERVER_MemoryType``."""
 
@@ -162,10 +171,10 @@ class Tensor:
 
     def write_into(self, buffer: np.ndarray) -> Tensor:
         """This tensor's bytes placed at the start of ``buffer`` (a uint8 view of shared
-        memory): copied there unless already there. Raises ValueError if too small."""
+        memory): copied there unless already there. Raises DestinationTooSmall if it is."""
         data = self.storage()
         if data.nbytes > buffer.nbytes:
-            raise ValueError(f"needs {data.nbytes} bytes, but its destination holds {buffer.nbytes}")
+            raise DestinationTooSmall(data.nbytes, buffer.nbytes)
         target = buffer[: data.nbytes]
         if target.__array_interface__["data"][0] != data.__array_interface__["data"][0]:
             copy_bytes(target, data.reshape(-1).view(np.uint8))
