@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 import dlserve
-from dlserve.engine.custom_metrics import CustomMetrics
+from dlserve.engine.custom_metrics import APPLICATION, CustomMetrics
 from dlserve.engine.logs import LogSettings
 from dlserve.engine.manager import ModelControlMode, ModelManager
 from dlserve.engine.model import EngineResources, ModelVersion
@@ -131,7 +131,7 @@ class Engine:
         self.arena: Arena | None = None
         self.environments = Environments()  # EXECUTION_ENV_PATH environments, shared by models
         self.manager: ModelManager | None = None
-        self.custom_metrics = CustomMetrics()
+        self.custom_metrics = CustomMetrics(shared=APPLICATION)
         self.regions = SystemRegions(self.space, SEGMENT_NAMESPACE, on_forget=self._forget_everywhere)
         self.tracer = Tracer(settings.trace, self._knows)
         size = settings.response_cache_bytes

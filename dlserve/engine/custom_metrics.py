@@ -1,9 +1,14 @@
-"""Metrics that models define with ``pb_utils.MetricFamily``: the server-side registry.
+"""Custom metrics: the registries behind ``pb_utils.MetricFamily`` and ``dlserve.MetricFamily``.
 
-Workers send family declarations (answered, so a conflict raises in the model),
-fire-and-forget updates, and value queries (answered in order after the updates
-before them, since one channel carries both). The registry renders itself in the
-Prometheus text format next to the server's own ``nv_*`` metrics.
+Each engine keeps one for its models. Workers send family declarations (answered,
+so a conflict raises in the model), fire-and-forget updates, and value queries
+(answered in order after the updates before them, since one channel carries both).
+The application embedding dlserve has one more, :data:`APPLICATION`, shared by every
+server in the process as Triton's metrics registry is (``dlserve.MetricFamily``,
+:mod:`dlserve.engine.app_metrics`). A family name belongs to one of them: a model
+cannot declare a family the application has, nor the application one a model of a
+running server has. Each renders itself in the Prometheus text format next to the
+server's own ``nv_*`` metrics.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ import dataclasses
 import enum
 import math
 import re
+import threading
+import weakref
 from typing import Any
 
 from dlserve.errors import InvalidArgumentError, NotFoundError
@@ -44,7 +51,7 @@ class Family:
     values: dict[Labels, Any] = dataclasses.field(default_factory=dict)
 
 
-def _labels(labels: Any) -> Labels:
+def label_key(labels: Any) -> Labels:
     pairs = tuple(sorted((str(k), str(v)) for k, v in dict(labels or {}).items()))
     for key, _ in pairs:
         if not _LABEL.match(key) or key.startswith("__"):
@@ -53,8 +60,15 @@ def _labels(labels: Any) -> Labels:
 
 
 class CustomMetrics:
-    def __init__(self) -> None:
+    """One registry of families. Safe to use from any thread: the application's is
+    updated from its threads while a server's loop renders it."""
+
+    def __init__(self, shared: CustomMetrics | None = None) -> None:
         self.families: dict[str, Family] = {}
+        self._lock = threading.Lock()
+        self._shared = shared  # the application's registry, whose names a model may not take
+        if shared is not None:
+            _model_registries.add(self)
 
     def declare(self, name: str, description: str, kind: int) -> None:
         if not _NAME.match(name) or name.startswith("nv_"):
@@ -62,13 +76,21 @@ class CustomMetrics:
                 f"invalid metric family name '{name}' (Prometheus names; 'nv_' is reserved)"
             )
         kind = MetricKind(kind)
-        family = self.families.get(name)
-        if family is None:
-            self.families[name] = Family(name, description, kind)
-        elif family.kind is not kind:  # (another description: the first one stays, as in Triton)
+        if self._shared is not None and name in self._shared.families:
             raise InvalidArgumentError(
-                f"metric family '{name}' already exists as a {family.kind.name}, not a {kind.name}"
+                f"metric family '{name}' is the application's (dlserve.MetricFamily): a model "
+                "cannot declare it"
             )
+        if self is APPLICATION and any(name in r.families for r in list(_model_registries)):
+            raise InvalidArgumentError(f"metric family '{name}' is declared by a model of a running server")
+        with self._lock:
+            family = self.families.get(name)
+            if family is None:
+                self.families[name] = Family(name, description, kind)
+            elif family.kind is not kind:  # (another description: the first one stays, as in Triton)
+                raise InvalidArgumentError(
+                    f"metric family '{name}' already exists as a {family.kind.name}, not a {kind.name}"
+                )
 
     def _family(self, name: str) -> Family:
         family = self.families.get(name)
@@ -78,23 +100,40 @@ class CustomMetrics:
 
     def create(self, name: str, labels: Any, buckets: list[float] | None) -> None:
         family = self._family(name)
-        key = _labels(labels)
+        key = label_key(labels)
         if family.kind is MetricKind.HISTOGRAM:
             if not buckets:
                 raise InvalidArgumentError(f"histogram '{name}' needs buckets")
             edges = sorted(float(b) for b in buckets)
-            family.values.setdefault(key, Histogram(edges, [0] * len(edges)))
+            initial: Any = Histogram(edges, [0] * len(edges))
         else:
             if buckets:
                 raise InvalidArgumentError(f"only histograms take buckets ('{name}')")
-            family.values.setdefault(key, 0.0)
+            initial = 0.0
+        with self._lock:
+            family.values.setdefault(key, initial)
+
+    def remove(self, name: str, labels: Any = None) -> None:
+        """Drop one metric of a family, or (``labels`` None) the whole family."""
+        with self._lock:
+            if labels is None:
+                self.families.pop(name, None)
+                return
+            family = self.families.get(name)
+            if family is not None:
+                family.values.pop(label_key(labels), None)
 
     def update(self, op: str, name: str, labels: Any, value: float) -> None:
         """Apply ``increment``/``set``/``observe`` (worker updates; errors were checked there)."""
         family = self.families.get(name)
         if family is None:
             return
-        key = _labels(labels)
+        key = label_key(labels)
+        with self._lock:
+            self._apply(family, key, op, value)
+
+    @staticmethod
+    def _apply(family: Family, key: Labels, op: str, value: float) -> None:
         current = family.values.get(key)
         if current is None:
             return
@@ -111,7 +150,7 @@ class CustomMetrics:
 
     def value(self, name: str, labels: Any) -> float:
         family = self._family(name)
-        current = family.values.get(_labels(labels))
+        current = family.values.get(label_key(labels))
         if current is None:
             raise NotFoundError(f"metric '{name}' with labels {dict(labels or {})} does not exist")
         if isinstance(current, Histogram):
@@ -119,6 +158,10 @@ class CustomMetrics:
         return float(current)
 
     def render(self) -> list[str]:
+        with self._lock:
+            return self._render()
+
+    def _render(self) -> list[str]:
         lines: list[str] = []
         for family in self.families.values():
             kind = family.kind.name.lower()
@@ -136,6 +179,11 @@ class CustomMetrics:
                 else:
                     lines.append(sample(family.name, key, value))
         return lines
+
+
+APPLICATION = CustomMetrics()
+# The engines' registries, so the application cannot take a name a model has.
+_model_registries: weakref.WeakSet[CustomMetrics] = weakref.WeakSet()
 
 
 def _number(value: float) -> str:

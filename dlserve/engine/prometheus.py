@@ -12,7 +12,7 @@ nvidia-ml-py when a GPU and its driver are present. The metrics port
 from __future__ import annotations
 
 from dlserve.engine.core import Engine
-from dlserve.engine.custom_metrics import sample
+from dlserve.engine.custom_metrics import APPLICATION, sample
 from dlserve.engine.model import ModelVersion
 from dlserve.engine.statistics import FAILURE_REASONS
 
@@ -247,4 +247,5 @@ def render(engine: Engine, cpu: CpuSampler | None = None, gpu: bool = True) -> s
         lines += _gpu_lines()
     lines += _cache_lines(engine)
     lines += engine.custom_metrics.render()
+    lines += APPLICATION.render()  # dlserve.MetricFamily: the embedding application's
     return "\n".join(lines) + "\n"

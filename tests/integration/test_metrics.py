@@ -7,7 +7,8 @@ successes / an execute exception / a per-request error, durations against the
 statistics extension, the pending-request gauge, nv_cpu_*; custom metrics that a
 model declares with ``pb_utils.MetricFamily`` (counter, gauge, histogram), read back
 with ``value()`` and seen on /metrics, and the errors pb_utils raises in the model;
-the service's options and its answers to other paths and verbs.
+the application's own metrics (``dlserve.MetricFamily``, Triton's ``tritonserver``
+ones) on /metrics and in ``Server.metrics()``, gone with their objects; the service's options and its answers to other paths and verbs.
 Known bugs are ``xfail(strict=True)`` with the reason.
 """
 
@@ -128,6 +129,9 @@ ERRORS = {
     ),
     "reserved_name": lambda m: pb_utils.MetricFamily(
         name="nv_custom_thing", description="reserved", kind=pb_utils.MetricFamily.COUNTER
+    ),
+    "app_owned": lambda m: pb_utils.MetricFamily(
+        name="dlserve_test_app_owned", description="the application's", kind=pb_utils.MetricFamily.COUNTER
     ),
 }
 '''
@@ -439,6 +443,98 @@ def test_metric_misuse_raises_triton_model_exception_in_the_model(server, port, 
         return [line for line in t.splitlines() if line.startswith("dlserve_test_")]
 
     assert custom(text) == custom(before)
+
+
+# -- the application's metrics (dlserve.MetricFamily, as tritonserver.MetricFamily) ------------
+def test_application_metrics_on_the_endpoint_and_in_server_metrics(server, port):
+    requests = dlserve.MetricFamily(dlserve.MetricKind.COUNTER, "app_test_requests", "Requests the app saw")
+    level = dlserve.MetricFamily(dlserve.MetricKind.GAUGE, "app_test_level", "A level")
+    sizes = dlserve.MetricFamily(dlserve.MetricKind.HISTOGRAM, "app_test_sizes", "Sizes")
+    ok = dlserve.Metric(requests, labels={"outcome": "ok"})
+    failed = dlserve.Metric(requests, labels={"outcome": "failed"})
+    gauge = dlserve.Metric(level)
+    histogram = dlserve.Metric(sizes, buckets=[1.0, 10.0])
+    ok.increment(3)
+    ok.increment(0.5)
+    gauge.set_value(7)
+    gauge.increment(-2.5)
+    for observed in (0.5, 5.0, 50.0):
+        histogram.observe(observed)
+    assert (ok.value, failed.value, gauge.value, histogram.value) == (3.5, 0.0, 4.5, 55.5)
+    assert ok.kind is dlserve.MetricKind.COUNTER
+
+    text, fams = scrape(port)
+    assert (fams["app_test_requests"].type, fams["app_test_requests"].documentation) == (
+        "counter", "Requests the app saw",
+    )
+    assert value(fams, "app_test_requests", outcome="ok") == 3.5
+    assert value(fams, "app_test_requests", outcome="failed") == 0.0
+    assert value(fams, "app_test_level") == 4.5
+    buckets = {s.labels.get("le"): s.value for s in fams["app_test_sizes"].samples if s.name.endswith("_bucket")}
+    assert buckets == {"1": 1, "10": 2, "+Inf": 3}
+    assert 'app_test_requests{outcome="ok"} 3.5' in server.metrics()
+
+    # a second family object of the name shares it; another kind is refused
+    again = dlserve.MetricFamily(dlserve.MetricKind.COUNTER, "app_test_requests", "Reworded")
+    assert dlserve.Metric(again, labels={"outcome": "ok"}).value == 3.5
+    with pytest.raises(dlserve.InvalidArgumentError, match="already exists as a COUNTER, not a GAUGE"):
+        dlserve.MetricFamily(dlserve.MetricKind.GAUGE, "app_test_requests", "x")
+    # a model's family name is the model's
+    infer(server, "metrics_model", {"INPUT0": np.array([1.0])})
+    with pytest.raises(dlserve.InvalidArgumentError, match="declared by a model"):
+        dlserve.MetricFamily(dlserve.MetricKind.COUNTER, "dlserve_test_requests", "x")
+
+    # gone with their objects, as in Triton (the last holder of a name takes it along)
+    del failed
+    assert 'outcome="failed"' not in scrape(port)[0]
+    del requests, again, ok, level, gauge, sizes, histogram
+    text = scrape(port)[0]
+    assert "app_test_" not in text, text
+
+
+@pytest.mark.parametrize(
+    "make,error,message",
+    [
+        (lambda f: f.increment(-1), dlserve.InvalidArgumentError, "cannot be incremented by a negative"),
+        (lambda f: f.set_value(1), dlserve.UnsupportedError, "only gauge metrics can be set"),
+        (lambda f: f.observe(1), dlserve.UnsupportedError, "only histogram metrics observe"),
+        (lambda f: f.increment("x"), dlserve.InvalidArgumentError, "must be a number"),
+    ],
+)
+def test_application_metric_misuse_raises(make, error, message):
+    family = dlserve.MetricFamily(dlserve.MetricKind.COUNTER, "app_test_misuse", "x")
+    metric = dlserve.Metric(family)
+    with pytest.raises(error, match=message):
+        make(metric)
+    assert metric.value == 0.0
+
+
+@pytest.mark.parametrize(
+    "make,message",
+    [
+        (lambda: dlserve.MetricFamily(dlserve.MetricKind.COUNTER, "nv_app", "x"), "'nv_' is reserved"),
+        (lambda: dlserve.MetricFamily(dlserve.MetricKind.COUNTER, "1bad", "x"), "invalid metric family name"),
+        (lambda: dlserve.MetricFamily(7, "app_x", "x"), "unknown metric kind"),
+        (
+            lambda: dlserve.Metric(dlserve.MetricFamily(dlserve.MetricKind.HISTOGRAM, "app_h", "x")),
+            "needs buckets",
+        ),
+        (
+            lambda: dlserve.Metric(dlserve.MetricFamily(dlserve.MetricKind.GAUGE, "app_g", "x"), {"__x": "1"}),
+            "invalid metric label name",
+        ),
+    ],
+)
+def test_application_metric_families_are_checked(make, message):
+    with pytest.raises(dlserve.InvalidArgumentError, match=message):
+        make()
+
+
+def test_a_model_cannot_declare_an_application_family(server):
+    family = dlserve.MetricFamily(dlserve.MetricKind.COUNTER, "dlserve_test_app_owned", "x")
+    response = infer(server, "metrics_model", {"INPUT0": np.array([1.0])}, parameters={"op": "app_owned"})
+    assert "is the application's" in str(response.error), response.error
+    del family
 
 
 # -- the service -------------------------------------------------------------------------------
