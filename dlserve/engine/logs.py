@@ -66,8 +66,8 @@ class LogSettings:
                 if not isinstance(value, bool):
                     raise InvalidArgumentError(f"log setting '{key}' must be a boolean")
             elif isinstance(current, int):
-                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                    raise InvalidArgumentError(f"log setting '{key}' must be a non-negative integer")
+                if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**32:
+                    raise InvalidArgumentError(f"log setting '{key}' must be a non-negative 32-bit integer")
             elif key == "log_format" and value not in _FORMATS:
                 raise InvalidArgumentError(f"log_format must be one of {', '.join(_FORMATS)}")
         for key, value in changes.items():

@@ -89,6 +89,7 @@ STREAM_BACKLOG = 128
 # infer_compression_level -> the algorithm gRPC core picks for that level when the client
 # accepts gzip and deflate (its ranking: low = gzip, medium and high = deflate).
 _COMPRESSION = {1: "gzip", 2: "deflate", 3: "deflate"}
+_EXPECTED_LOG_VALUE = {bool: "boolean", int: "int32", str: "string"}  # a log setting sent without one
 _STOL = re.compile(r"\s*([+-]?\d+)")
 _INT64_MAX = (1 << 63) - 1
 
@@ -646,11 +647,17 @@ class InferenceServicer:
     @_rpc("logging")
     async def LogSettings(self, request: Any, context: Any) -> pb.LogSettingsResponse:
         settings = self.engine.settings.log
+        current = settings.as_dict()
         changes = {}
         for key, value in request.settings.items():
             decoded = _value(value)
-            if decoded is not None:  # an entry without a value changes nothing
+            if decoded is not None:
                 changes[key] = decoded
+            elif key == "log_file":
+                changes[key] = ""  # refused as with a value: it cannot be changed at all
+            elif key in current:  # (Triton's words; an unknown key without a value is ignored)
+                expected = _EXPECTED_LOG_VALUE[type(current[key])]
+                raise InvalidArgumentError(f"expect {expected} for '{key}'")
         if changes:
             settings.update(changes)
         response = pb.LogSettingsResponse()

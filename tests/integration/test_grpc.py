@@ -807,6 +807,30 @@ def test_log_settings(server, client):
     assert client.get_log_settings(as_json=True)["settings"] == original
 
 
+@pytest.mark.parametrize(
+    "key,code,message",
+    [
+        ("log_info", grpc.StatusCode.INVALID_ARGUMENT, "expect boolean for 'log_info'"),
+        ("log_verbose_level", grpc.StatusCode.INVALID_ARGUMENT, "expect int32 for 'log_verbose_level'"),
+        ("log_format", grpc.StatusCode.INVALID_ARGUMENT, "expect string for 'log_format'"),
+        ("log_file", grpc.StatusCode.UNIMPLEMENTED, "log file location can not be updated"),
+        ("not_a_setting", None, None),
+    ],
+)
+def test_log_setting_sent_without_a_value(server, client, stub, key, code, message):
+    """Triton refuses a known setting whose value is unset (and ignores an unknown one)."""
+    before = client.get_log_settings(as_json=True)["settings"]
+    request = pb.LogSettingsRequest()
+    request.settings[key].CopyFrom(pb.LogSettingsRequest.SettingValue())
+    if code is None:
+        stub.LogSettings(request)
+    else:
+        with pytest.raises(grpc.RpcError) as info:
+            stub.LogSettings(request)
+        assert info.value.code() == code and message in info.value.details()
+    assert client.get_log_settings(as_json=True)["settings"] == before
+
+
 def test_trace_settings_and_cuda_shared_memory(client):
     # Tracing is off by default, as in Triton (test_trace.py covers it turned on).
     settings = client.get_trace_settings(as_json=True)["settings"]

@@ -436,6 +436,7 @@ def test_log_settings(client, port):
             {"log_verbose_level": "x"},
             {"log_format": "xml"},
             {"bogus": 1},
+            {"log_verbose_level": 2**32},  # (Triton keeps it in 32 bits)
         ):
             error = client_error(client.update_log_settings, bad)
             assert error.status() == "400", bad
