@@ -24,6 +24,8 @@ Files are Triton's: a JSON array of ``{"id", "model_name", "model_version", "req
 "parent_id"}`` and one ``{"id", "timestamps": [{"name", "ns"}]}`` per event. With
 ``log_frequency`` 0 every trace goes to ``trace_file`` (streamed as it completes, the array
 closed at stop); with N > 0 each N traces go to ``trace_file.0``, ``trace_file.1``, ...
+A model with a ``log_frequency`` of its own has its traces gathered apart, N at a time,
+into the same numbered files (or, with 0, into the streamed one).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ log = logging.getLogger("dlserve.trace")
 LEVELS = ("OFF", "TIMESTAMPS", "TENSORS")
 # In the order Triton answers them.
 _NAMES = ("trace_level", "trace_rate", "trace_count", "log_frequency", "trace_file", "trace_mode")
-_SERVER_WIDE = ("trace_file", "log_frequency", "trace_mode")
+_SERVER_WIDE = ("trace_file", "trace_mode")
 
 
 @dataclasses.dataclass
@@ -243,11 +245,13 @@ class _Writer:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._stream: IO[str] | None = None
-        self._batch: list[Trace] = []
+        # Traces waiting for a numbered file: the server's (None) and those of each
+        # model with a log_frequency of its own.
+        self._batches: dict[str | None, list[Trace]] = {}
         self._index = 0
         self._closed = False
 
-    def add(self, path: str, trace: Trace, log_frequency: int) -> None:
+    def add(self, path: str, trace: Trace, log_frequency: int, scope: str | None = None) -> None:
         with self._lock:
             if self._closed:  # finished after the server stopped: the file is complete
                 log.debug("trace %d finished after the trace file was closed", trace.id)
@@ -256,9 +260,10 @@ class _Writer:
                 if log_frequency == 0:
                     self._streamed(path, trace)
                 else:
-                    self._batch.append(trace)
-                    if len(self._batch) >= log_frequency:
-                        self._write_batch(path)
+                    batch = self._batches.setdefault(scope, [])
+                    batch.append(trace)
+                    if len(batch) >= log_frequency:
+                        self._write_batch(path, self._batches.pop(scope))
             except OSError as exc:
                 log.error("cannot write trace file %s: %s", path, exc)
 
@@ -270,8 +275,7 @@ class _Writer:
         else:
             self._stream.write("," + entries)
 
-    def _write_batch(self, path: str) -> None:
-        batch, self._batch = self._batch, []
+    def _write_batch(self, path: str, batch: list[Trace]) -> None:
         entries = [entry for trace in batch for entry in trace.entries()]
         target = f"{path}.{self._index}"
         # Written aside (a hidden name no "PATH.*" matches), then renamed: whoever
@@ -289,8 +293,9 @@ class _Writer:
                 return
             self._closed = True
             try:
-                if self._batch:
-                    self._write_batch(path)
+                for batch in self._batches.values():
+                    self._write_batch(path, batch)
+                self._batches.clear()
                 if self._stream is not None:
                     self._stream.write("]")
                     self._stream.close()
@@ -423,7 +428,11 @@ class Tracer:
         return self._open.get(trace_id)
 
     def _finished(self, trace: Trace) -> None:
-        self._writer.add(self._global["trace_file"], trace, self._global["log_frequency"])
+        own = self._models.get(trace.model_name, {}).get("log_frequency")
+        if own is None:
+            self._writer.add(self._global["trace_file"], trace, self._global["log_frequency"])
+        else:
+            self._writer.add(self._global["trace_file"], trace, own, trace.model_name)
 
     def close(self) -> None:
         """The server stops: write what is left and end the file."""

@@ -279,6 +279,29 @@ def test_a_models_own_level_turns_its_tracing_off(traced):
     assert {t["request_id"] for t in traces} == {"on"}  # the pipeline's add_sub step too
 
 
+def test_a_models_own_log_frequency_gathers_its_traces_apart(traced):
+    """As in Triton, log_frequency may be set per model: that model's traces are written
+    N to a file, the others as the server's setting says (here one to a file)."""
+    _, urls, file = traced
+    with httpclient.InferenceServerClient(urls["http"]) as client:
+        assert client.update_trace_settings("add_sub", {"log_frequency": "2"})["log_frequency"] == "2"
+        assert client.get_trace_settings()["log_frequency"] == "1"
+    infer(urls, "http", "add_sub", "a0")
+    # its steps: add_sub (add_sub's second trace: the two make a file), and identity twice
+    infer(urls, "http", "pipeline", "p0")
+    files = numbered(file, 4)
+    written = sorted(sorted((t["model_name"], t["request_id"]) for t in read_traces([f])) for f in files)
+    assert written == [
+        [("add_sub", "a0"), ("add_sub", "p0")],
+        [("identity", "p0")],
+        [("identity", "p0")],
+        [("pipeline", "p0")],
+    ]
+    infer(urls, "http", "add_sub", "a1")
+    time.sleep(0.2)
+    assert len(numbered(file, 5, timeout=0)) == 4  # a1 waits for its partner
+
+
 # -- the setting endpoints ------------------------------------------------------------------
 def test_http_settings_answer_as_triton(traced):
     _, urls, file = traced
@@ -306,7 +329,6 @@ def test_grpc_settings_and_errors(traced):
             ("nosuch", {"trace_rate": "2"}, "INVALID_ARGUMENT", "unknown model : nosuch"),
             (None, {"trace_rate": "x"}, "INVALID_ARGUMENT", "Unable to parse 'trace_rate'"),
             (None, {"trace_level": ["LOUD"]}, "INVALID_ARGUMENT", "unknown trace level 'LOUD'"),
-            ("add_sub", {"log_frequency": "5"}, "INVALID_ARGUMENT", "server-wide"),
             (None, {"trace_mode": "opentelemetry"}, "UNIMPLEMENTED", "not supported"),
             (None, {"sampling": "1"}, "INVALID_ARGUMENT", "unknown trace setting 'sampling'"),
         ]
