@@ -81,7 +81,8 @@ class DynamicBatcher(Scheduler):
             raise UnavailableError(f"{request.label}Exceeds maximum queue size")  # (Triton's words)
         timeout_us = policy.default_timeout_microseconds
         if policy.allow_timeout_override and request.timeout_us > 0:
-            timeout_us = request.timeout_us
+            # A request may shorten the model's timeout, never lengthen it (0: none to lengthen).
+            timeout_us = min(timeout_us, request.timeout_us) if timeout_us else request.timeout_us
         order = next(self._order)
         if self.preserve_ordering:
             self._order_of[id(request)] = order

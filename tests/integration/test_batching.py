@@ -180,16 +180,25 @@ def test_request_timeout_overrides_the_default_when_allowed(server):
     assert default.error is None
 
 
+def test_a_request_timeout_cannot_lengthen_the_default(server):
+    """Triton's rule (allow_timeout_override): a request may only shorten the model's
+    timeout, so no client keeps requests queued longer than the model allows."""
+    policy = {"default_timeout_microseconds": 100_000, "allow_timeout_override": True}
+    load(server, max_batch_size=1, dynamic_batching={"default_queue_policy": policy})
+    _, (longer,) = asyncio.run(hold_then(server, 0.5, [infer(server, rows(), timeout=10_000_000)]))
+    assert "Request timeout expired" in str(longer.error)
+
+
 def test_delay_action_moves_timed_out_requests_behind_the_others(server):
-    policy = {"default_timeout_microseconds": 100_000, "timeout_action": "DELAY", "allow_timeout_override": True}
+    policy = {"default_timeout_microseconds": 10_000_000, "timeout_action": "DELAY", "allow_timeout_override": True}
     load(server, max_batch_size=1, dynamic_batching={"default_queue_policy": policy})
 
     async def run() -> list[Any]:
         holder = asyncio.ensure_future(infer(server, rows(), parameters={"sleep": 0.5}))
         await asyncio.sleep(0.1)
-        early = asyncio.ensure_future(infer(server, rows(value=1)))  # times out while queued
+        early = asyncio.ensure_future(infer(server, rows(value=1), timeout=100_000))  # times out queued
         await asyncio.sleep(0.25)
-        late = [asyncio.ensure_future(infer(server, rows(value=2), timeout=10_000_000)) for _ in range(2)]
+        late = [asyncio.ensure_future(infer(server, rows(value=2))) for _ in range(2)]
         await holder
         return [await early, *[await f for f in late]]
 
