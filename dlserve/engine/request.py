@@ -201,9 +201,9 @@ def validate_request(request: Request, signature: Signature) -> int:
                     "max_batch_size."
                 )
             if batch_size and shape[0] != batch_size:
-                raise InvalidArgumentError(
-                    f"{request.label}inputs of model '{name}' disagree on the batch size "
-                    f"({batch_size} and {shape[0]})"
+                raise InvalidArgumentError(  # (Triton's words)
+                    f"{request.label}input '{input_name}' batch size does not match other inputs "
+                    f"for '{name}'"
                 )
             batch_size = shape[0]
             if batch_size == 0:  # Triton refuses an empty batch too

@@ -1,7 +1,9 @@
 """Triton's generate extension: ``/generate`` and ``/generate_stream`` (server-sent events).
 
-One flat JSON object in — keys naming model inputs become tensors, ``parameters``
-holds request parameters, anything else is a parameter too — and for each response
+One flat JSON object in — keys naming model inputs become tensors (those inside
+``parameters`` too, as Triton reads them: LLM clients put inputs such as
+``max_tokens`` there), the other members of ``parameters`` are request parameters,
+anything else is a parameter too — and for each response
 one flat JSON object out, outputs as plain JSON values. This is the shape LLM
 clients (LangChain, OpenAI-style proxies) speak. ``generate`` answers a model with
 exactly one response; ``generate_stream`` sends every response as an SSE ``data:``
@@ -28,15 +30,19 @@ from dlserve.memory.tensor import Tensor
 EVENT_STREAM = "text/event-stream; charset=utf-8"
 
 
-def _shape(dims: tuple[int, ...], count: int) -> list[int]:
-    """The config's dims with a wildcard filled in from ``count`` values (or [count])."""
+def _shape(dims: tuple[int, ...], count: int, batching: bool) -> list[int]:
+    """The config's dims with a wildcard filled in from ``count`` values (or [count]);
+    for a batching model, a batch dimension first: as many as the values fill fixed
+    dims (Triton's reading), else one."""
     known = math.prod(d for d in dims if d != -1)
     wildcards = sum(1 for d in dims if d == -1)
-    if wildcards == 0 and known == count:
-        return list(dims)
+    if wildcards == 0 and known and count % known == 0 and (batching or known == count):
+        return [count // known, *dims] if batching else list(dims)
     if wildcards == 1 and known and count % known == 0:
-        return [count // known if d == -1 else d for d in dims]
-    return [count]
+        shape = [count // known if d == -1 else d for d in dims]
+    else:
+        shape = [count]
+    return [1, *shape] if batching else shape
 
 
 def _input(name: str, spec: TensorSpec, value: Any, batching: bool) -> InputSpec:
@@ -45,9 +51,7 @@ def _input(name: str, spec: TensorSpec, value: Any, batching: bool) -> InputSpec
         array = json_values.from_json(spec.data_type, value)
     except (TypeError, ValueError, OverflowError) as exc:
         raise InvalidArgumentError(f"generate: input '{name}': {exc}") from None
-    shape = _shape(spec.dims, array.size)
-    if batching:
-        shape = [1, *shape]
+    shape = _shape(spec.dims, array.size, batching)
     return InputSpec(name, spec.data_type.wire_name, shape, array=array.reshape(shape))
 
 
@@ -71,19 +75,28 @@ class GenerateApi:
     def _request(self, request: HttpRequest, args: dict[str, str]) -> Request:
         model = self.engine.model(args["model"], parse_version(args.get("version")))
         document = json_values.parse_object(decode_body(request))
+        signature = model.signature
+        given = document.get("parameters")
+        named_inputs: dict[str, Any] = {}
+        if isinstance(given, dict) and any(key in signature.inputs for key in given):
+            named_inputs = {k: v for k, v in given.items() if k in signature.inputs}
+            document = {**document, "parameters": {k: v for k, v in given.items() if k not in named_inputs}}
         request_id, parameters = json_values.id_and_parameters(document)
         parameters = dict(parameters)
-        signature = model.signature
         batching = signature.max_batch_size > 0
-        inputs = []
+        values: dict[str, Any] = {}
         for key, value in document.items():
             if key == "parameters":
                 continue
-            spec = signature.inputs.get(key)
-            if spec is None:
-                parameters[key] = value  # not an input: a parameter ("id" too, as in Triton)
+            if key in signature.inputs:
+                values[key] = value
             else:
-                inputs.append(_input(key, spec, value, batching))
+                parameters[key] = value  # not an input: a parameter ("id" too, as in Triton)
+        for key, value in named_inputs.items():
+            if key in values:  # (Triton's words)
+                raise InvalidArgumentError(f"input '{key}' already exists in request")
+            values[key] = value
+        inputs = [_input(key, signature.inputs[key], value, batching) for key, value in values.items()]
         return self.dataplane.build_request(
             model.name, model.version, request_id, parameters, inputs, None
         )
@@ -111,19 +124,16 @@ class GenerateApi:
 
     async def generate_stream(self, request: HttpRequest, args: dict[str, str]) -> HttpResponse:
         """Server-sent events, one per response. The status waits for the first
-        response: an error there is a 400 (with the error as the one event); an error
-        later comes as an ``{"error": ...}`` event in the 200 stream."""
+        response: an error there makes it a 400; every error comes as an
+        ``{"error": ...}`` event, and the responses after it follow (as in Triton)."""
         responses = self.dataplane.stream(self._request(request, args))
         try:
             first = await anext(responses)
         except BaseException:
             await responses.aclose()
             raise
-        if first.error is not None:
-            await responses.aclose()
-            return HttpResponse(400, [_event(first)], EVENT_STREAM)
         return HttpResponse(
-            200,
+            400 if first.error is not None else 200,
             content_type=EVENT_STREAM,
             headers=[("Cache-Control", "no-cache")],
             stream=self._events(first, responses),
@@ -149,13 +159,11 @@ def _event(response: Response) -> bytes:
 
 
 def _flat(response: Response) -> bytes:
-    """One response as Triton's generate renders it: a flat object, keys sorted."""
-    result: dict[str, Any] = {
-        "model_name": response.model_name,
-        "model_version": str(response.model_version),
-    }
+    """One response as Triton's generate renders it: a flat object, keys sorted (an
+    output named like a member of the response's own gives way to it)."""
+    result: dict[str, Any] = {name: _json_value(tensor) for name, tensor in response.outputs.items()}
+    result["model_name"] = response.model_name
+    result["model_version"] = str(response.model_version)
     if response.request_id:
         result["id"] = response.request_id
-    for name, tensor in response.outputs.items():
-        result[name] = _json_value(tensor)
     return json_values.dumps(result, sort_keys=True)

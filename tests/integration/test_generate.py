@@ -285,6 +285,32 @@ def test_batched_model_gets_a_leading_1_and_answers_scalars(port):
     )
 
 
+def test_batched_model_takes_the_batch_from_values_that_fill_fixed_dims(port):
+    """Triton's reading: with max_batch_size > 0 and fixed dims, N times the dims' worth of
+    values is a batch of N (a wildcard in the dims keeps the batch at one)."""
+    reply = raw_post(port, gen_path("generate_batched"), {"text_input": ["a", "b"]})
+    assert reply.status == 200, reply.body
+    assert reply.json()["shape"] == [2, 1, 2, 1] and reply.json()["text_output"] == ["echo:a", "echo:b"]
+    reply = raw_post(port, gen_path("generate_batched"), {"text_input": list("abcdefghi")})
+    assert reply.status == 400
+    assert "inference request batch-size must be <= 8 for 'generate_batched'" in reply.json()["error"]
+
+
+def test_parameters_naming_inputs_are_inputs(port):
+    """As in Triton: a member of ``parameters`` named like an input is that input, not a
+    parameter (LLM clients send e.g. max_tokens there)."""
+    body = echo(port, {"parameters": {"text_input": "via parameters", "int_in": 5, "n": 1}})
+    assert body["text_output"] == "echo:via parameters" and body["int_out"] == 5
+    assert json.loads(body["params"]) == {"n": 1}
+    seen = json.loads(body["inputs_seen"])
+    assert seen["int_in"] == {"dtype": "int32", "shape": [1], "values": [5]}
+    for route in ROUTES:
+        reply = raw_post(port, gen_path("generate_echo", route), {"text_input": "a", "parameters": {"text_input": "b"}})
+        assert check_plain_error(reply, 400) == "input 'text_input' already exists in request"
+        reply = raw_post(port, gen_path("generate_echo", route), {"parameters": {"text_input": "a", "int_in": "x"}})
+        assert "INT32 data must be JSON integers" in check_plain_error(reply, 400)
+
+
 def test_other_keys_and_parameters_reach_the_model(port):
     body = echo(
         port,
@@ -460,6 +486,16 @@ def test_stream_exception_after_one_event_ends_the_stream_with_an_error_event(po
     assert "execute broke after one response" in error["error"]
     # the traceback's newlines are escaped in the JSON: still one line
     assert b"\\n" in reply.chunks[1] and reply.chunks[1].count(b"\n") == 2
+
+
+def test_stream_error_as_first_response_is_400_and_the_rest_follows(port):
+    """Triton's stream: the first response's error makes the status 400, and the model's
+    later responses are not lost: they follow as events."""
+    body = {"IN": [7, 8], "parameters": {"mode": "error_first"}}
+    reply = raw_post(port, gen_path("decoupled", "generate_stream"), body)
+    assert reply.status_line == "HTTP/1.1 400 Bad Request"
+    assert reply.headers["content-type"] == EVENT_STREAM
+    assert reply.events() == [{"error": "failed first"}, out(7), out(8)]
 
 
 @pytest.mark.parametrize(

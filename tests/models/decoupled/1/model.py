@@ -47,6 +47,12 @@ class TritonPythonModel:
                 sender.send(value(values[0]))
                 error = pb_utils.TritonError("failed halfway", pb_utils.TritonError.INVALID_ARG)
                 sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
+            elif mode == "error_first":  # an error response, then the values
+                error = pb_utils.TritonError("failed first", pb_utils.TritonError.INVALID_ARG)
+                sender.send(pb_utils.InferenceResponse(error=error))
+                for v in values:
+                    sender.send(value(v))
+                sender.send(flags=FINAL)
             elif mode == "raise_after_one":
                 sender.send(value(values[0]))
                 raise pb_utils.TritonModelException("execute broke after one response")

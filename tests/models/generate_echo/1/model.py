@@ -1,8 +1,9 @@
 """Generate-extension probe (like the `gen` model the Triton reference was captured
 with): fixed outputs of several types, plus what the model saw of the request —
 ``params`` is ``request.parameters()`` as it came, ``inputs_seen`` maps each input to
-its numpy dtype, shape and values. The request parameter "fail" makes it answer with
-an error response instead."""
+its numpy dtype, shape and values, and an output named ``model_name`` that the answer's
+own member must win over. The request parameter "fail" makes it answer with an error
+response instead."""
 
 import json
 
@@ -50,6 +51,7 @@ class TritonPythonModel:
                 pb_utils.Tensor("empty", np.zeros(0, dtype=np.int32)),
                 pb_utils.Tensor("params", np.array([params.encode()], dtype=np.object_)),
                 pb_utils.Tensor("inputs_seen", np.array([seen_json.encode()], dtype=np.object_)),
+                pb_utils.Tensor("model_name", np.array([b"not the model's name"], dtype=np.object_)),
             ]
             responses.append(pb_utils.InferenceResponse(outputs))
         return responses
