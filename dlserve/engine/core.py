@@ -255,10 +255,12 @@ class Engine:
         return await model.check_ready()
 
     def model_metadata(self, name: str, version: int = -1) -> dict[str, Any]:
+        """Triton's metadata: ``versions`` lists every ready version, or only the one asked for."""
         model = self.model(name, version)
         meta = model.metadata()
         assert self.manager is not None
-        meta["versions"] = [str(v) for v in self.manager.models.ready_versions(name)] or meta["versions"]
+        if version < 0:
+            meta["versions"] = [str(v) for v in self.manager.models.ready_versions(name)] or meta["versions"]
         return meta
 
     def model_config(self, name: str, version: int = -1) -> dict[str, Any]:

@@ -181,6 +181,8 @@ def test_version_policies(servers, make_repo):
         version_of(server, 2)
     reload("{ latest { num_versions: 2 } }")
     assert server.model("versioned").metadata()["versions"] == ["2", "3"]
+    # a version's own metadata names only that version, as Triton's does
+    assert server.model("versioned", 2).metadata()["versions"] == ["2"]
 
 
 def test_auto_complete_fills_the_config(servers, make_repo):
