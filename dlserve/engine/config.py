@@ -193,7 +193,16 @@ def _check_tensors(config: mc.ModelConfig, kind: str, tensors: Any) -> None:
                     f"dimension; got {list(tensor.dims)}"
                 )
         if tensor.HasField("reshape"):
+            if not tensor.reshape.shape and config.max_batch_size == 0:  # (Triton's words)
+                raise InvalidArgumentError(
+                    f"model {kind} '{tensor.name}' cannot have empty reshape for non-batching "
+                    f"model as scalar tensors are not supported for {config.name}"
+                )
             _check_reshape(where, list(tensor.dims), list(tensor.reshape.shape))
+        if tensor.is_shape_tensor:
+            raise InvalidArgumentError(
+                f"shape tensors are only supported for TensorRT platform for {config.name}"
+            )
 
 
 def _check_reshape(where: str, dims: list[int], shape: list[int]) -> None:
@@ -312,6 +321,8 @@ def _check_dynamic_batching(batching: mc.ModelDynamicBatching, max_batch_size: i
         if size > max_batch_size:
             raise InvalidArgumentError("dynamic batching preferred size must be <= max batch size")
     levels = batching.priority_levels
+    if batching.preserve_ordering and levels > 1:
+        raise InvalidArgumentError("Only one priority level is allowed when 'preserve_ordering' is true")
     if levels:
         if not 1 <= batching.default_priority_level <= levels:
             raise InvalidArgumentError(f"default priority level must be in range [1, {levels}]")

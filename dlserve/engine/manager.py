@@ -359,6 +359,12 @@ class ModelManager:
             config = await self._auto_complete(name, config, model_file)
         cfg.complete(config, name, self.resources.gpu_count)
         cfg.validate(config, name, self.resources.gpu_count)
+        for output in config.output:
+            labels = source.path / output.label_filename
+            if output.label_filename and not labels.is_file():  # (Triton's words)
+                raise InvalidArgumentError(
+                    f"failed to open text file for read {labels}: No such file or directory"
+                )
         steps: list[ModelKey] = []
         if is_ensemble:
             ensemble.validate(config, name)

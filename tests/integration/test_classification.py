@@ -14,6 +14,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from dlserve import ModelControlMode
 from dlserve.errors import InvalidArgumentError
 from dlserve.frontends import KServeGrpc, KServeHttp
 from dlserve.frontends.classification import labels, top_k
@@ -137,3 +138,17 @@ def test_a_label_file_outside_the_model_directory_is_not_read(tmp_path):
         labels(model_dir, "../secret.txt")
     with pytest.raises(InvalidArgumentError, match="'missing.txt' cannot be read"):
         labels(model_dir, "missing.txt")
+
+
+def test_a_model_whose_label_file_is_missing_fails_to_load(servers, make_repo):
+    """As in Triton 2.51 (measured), in its words: the model does not load READY and
+    fail, or quietly go without labels, only once a client asks for a classification."""
+    repo = make_repo("classifier")
+    (repo / "classifier" / "labels.txt").unlink()
+    server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT)
+    with pytest.raises(InvalidArgumentError) as info:
+        server.load("classifier")
+    missing = repo / "classifier" / "labels.txt"
+    assert f"failed to open text file for read {missing}: No such file or directory" in str(info.value)
+    assert not server.model("classifier").ready()
+

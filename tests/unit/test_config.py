@@ -311,12 +311,30 @@ def test_validate_refuses_empty_dims_as_triton_does(kind):
             'int32_false_true: [ 0, 1 ] } ] }, { name: "S2" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] } ] }',
             "sequence batching specifies multiple CONTROL_SEQUENCE_START tensors",
         ),
+        (
+            "max_batch_size: 4 dynamic_batching { preserve_ordering: true priority_levels: 3 default_priority_level: 1 }",
+            "Only one priority level is allowed when 'preserve_ordering' is true",
+        ),
     ],
 )
 def test_validate_refuses_batching_settings_triton_refuses(text, message):
     # Each measured on Triton 2.51, which fails the load with these words; they loaded
     # READY here and the batchers quietly clamped what made no sense.
     assert invalid(text) == f"InvalidArgumentError: {message}"
+
+
+@pytest.mark.parametrize("kind", ["input", "output"])
+def test_validate_refuses_what_triton_refuses_of_a_tensor(kind):
+    # Both measured on Triton 2.51, which fails the load with these words.
+    message = invalid(f'{kind} [ {{ name: "X" data_type: TYPE_INT32 dims: [ 1 ] reshape: {{ shape: [ ] }} }} ]')
+    assert message == (
+        f"InvalidArgumentError: model {kind} 'X' cannot have empty reshape for non-batching model "
+        "as scalar tensors are not supported for m"
+    )
+    batching = f'max_batch_size: 2 {kind} [ {{ name: "X" data_type: TYPE_INT32 dims: [ 1 ] reshape: {{ shape: [ ] }} }} ]'
+    cfg.validate(completed(batching), "m")  # (a batch of scalars is fine)
+    message = invalid(f'{kind} [ {{ name: "X" data_type: TYPE_INT32 dims: [ 1 ] is_shape_tensor: true }} ]')
+    assert message == "InvalidArgumentError: shape tensors are only supported for TensorRT platform for m"
 
 
 @pytest.mark.parametrize("kind", ["input", "output"])
@@ -348,7 +366,7 @@ def test_validate_bad_reshape(dims, shape, why):
 def test_validate_good_reshapes():
     cfg.validate(
         completed(
-            'input [ { name: "A" data_type: TYPE_FP32 dims: [ 1 ] reshape: { shape: [ ] } } ] '
+            'max_batch_size: 2 input [ { name: "A" data_type: TYPE_FP32 dims: [ 1 ] reshape: { shape: [ ] } } ] '
             'output [ { name: "R" data_type: TYPE_FP32 dims: [ 2, 3 ] reshape: { shape: [ 6 ] } }, '
             '{ name: "V" data_type: TYPE_FP32 dims: [ -1, 4 ] reshape: { shape: [ 2, -1, 2 ] } } ]'
         ),
