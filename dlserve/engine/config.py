@@ -144,15 +144,18 @@ def complete(config: mc.ModelConfig, model_name: str, gpu_count: int = 0) -> Non
         return
     if not config.default_model_filename:
         config.default_model_filename = DEFAULT_MODEL_FILENAME
-    if not config.HasField("optimization"):
-        config.optimization.input_pinned_memory.enable = True
-        config.optimization.output_pinned_memory.enable = True
+    optimization = config.optimization
+    for pinned in ("input_pinned_memory", "output_pinned_memory"):
+        if not optimization.HasField(pinned):  # (also beside other optimization settings)
+            getattr(optimization, pinned).enable = True
     if config.HasField("sequence_batching"):
         sequence = config.sequence_batching
         if not sequence.max_sequence_idle_microseconds:
             sequence.max_sequence_idle_microseconds = 1_000_000
-        if not sequence.WhichOneof("strategy_choice"):
-            sequence.direct.SetInParent()
+        # No strategy stays none (the direct one runs, as in Triton, which shows none).
+        oldest = sequence.oldest
+        if sequence.HasField("oldest") and not oldest.preferred_batch_size and config.max_batch_size > 0:
+            oldest.preferred_batch_size.append(config.max_batch_size)
     if config.HasField("dynamic_batching") and not config.dynamic_batching.preferred_batch_size:
         if config.max_batch_size > 0:
             config.dynamic_batching.preferred_batch_size.append(config.max_batch_size)

@@ -151,6 +151,7 @@ def test_complete_keeps_what_is_written():
     assert config.default_model_filename == "other.py"
     assert config.version_policy.WhichOneof("policy_choice") == "all"
     assert not config.optimization.input_pinned_memory.enable
+    assert config.optimization.output_pinned_memory.enable  # filled in beside it, as Triton does
 
 
 def test_complete_does_not_set_a_backend_next_to_a_platform():
@@ -432,8 +433,10 @@ def test_validate_ensemble_scheduling_goes_with_the_ensemble_platform():
 def test_sequence_batching_defaults_and_control_inputs():
     config = completed("sequence_batching { }")
     assert config.sequence_batching.max_sequence_idle_microseconds == 1_000_000
-    assert config.sequence_batching.WhichOneof("strategy_choice") == "direct"
+    assert config.sequence_batching.WhichOneof("strategy_choice") is None  # as Triton shows it
     cfg.validate(config, "m")
+    oldest = completed("max_batch_size: 4 sequence_batching { oldest { max_candidate_sequences: 4 } }")
+    assert list(oldest.sequence_batching.oldest.preferred_batch_size) == [4]  # Triton's filling
     two_controls = (
         'sequence_batching { control_input [ { name: "S" control [ { kind: CONTROL_SEQUENCE_START '
         "int32_false_true: [ 0, 1 ] }, { kind: CONTROL_SEQUENCE_END int32_false_true: [ 0, 1 ] } ] } ] }"
