@@ -132,6 +132,25 @@ def environment_parameters(config: mc.ModelConfig) -> tuple[str, str]:
 
 def complete(config: mc.ModelConfig, model_name: str, gpu_count: int = 0) -> None:
     """Fill in the defaults Triton fills in before a Python model loads."""
+    complete_instances(config, model_name, gpu_count)
+    if config.platform == ENSEMBLE_PLATFORM:
+        return
+    if config.HasField("sequence_batching"):
+        sequence = config.sequence_batching
+        if not sequence.max_sequence_idle_microseconds:
+            sequence.max_sequence_idle_microseconds = 1_000_000
+        # No strategy stays none (the direct one runs, as in Triton, which shows none).
+        oldest = sequence.oldest
+        if sequence.HasField("oldest") and not oldest.preferred_batch_size and config.max_batch_size > 0:
+            oldest.preferred_batch_size.append(config.max_batch_size)
+    if config.HasField("dynamic_batching") and not config.dynamic_batching.preferred_batch_size:
+        if config.max_batch_size > 0:
+            config.dynamic_batching.preferred_batch_size.append(config.max_batch_size)
+
+
+def complete_instances(config: mc.ModelConfig, model_name: str, gpu_count: int = 0) -> None:
+    """The defaults that do not depend on batching: what Triton has filled in when a
+    model's ``auto_complete_config`` sees the config (which may change max_batch_size)."""
     if not config.name:
         config.name = model_name
     if not config.backend and not config.platform:
@@ -148,17 +167,6 @@ def complete(config: mc.ModelConfig, model_name: str, gpu_count: int = 0) -> Non
     for pinned in ("input_pinned_memory", "output_pinned_memory"):
         if not optimization.HasField(pinned):  # (also beside other optimization settings)
             getattr(optimization, pinned).enable = True
-    if config.HasField("sequence_batching"):
-        sequence = config.sequence_batching
-        if not sequence.max_sequence_idle_microseconds:
-            sequence.max_sequence_idle_microseconds = 1_000_000
-        # No strategy stays none (the direct one runs, as in Triton, which shows none).
-        oldest = sequence.oldest
-        if sequence.HasField("oldest") and not oldest.preferred_batch_size and config.max_batch_size > 0:
-            oldest.preferred_batch_size.append(config.max_batch_size)
-    if config.HasField("dynamic_batching") and not config.dynamic_batching.preferred_batch_size:
-        if config.max_batch_size > 0:
-            config.dynamic_batching.preferred_batch_size.append(config.max_batch_size)
     if not config.instance_group:
         group = config.instance_group.add()
         group.name = config.name

@@ -356,6 +356,7 @@ class ModelManager:
             entry.tried = versions  # an ensemble that fails over its steps, by name only)
         model_file = source.path / str(max(versions)) / filename
         if not is_ensemble and self.auto_complete and defines_auto_complete(model_file):
+            cfg.complete_instances(config, name, self.resources.gpu_count)  # what Triton shows it
             config = await self._auto_complete(name, config, model_file)
         cfg.complete(config, name, self.resources.gpu_count)
         cfg.validate(config, name, self.resources.gpu_count)

@@ -198,6 +198,36 @@ def test_auto_complete_fills_the_config(servers, make_repo):
     np.testing.assert_array_equal(out.outputs["OUTPUT0"].as_numpy(), x * 2)
 
 
+SEES_MODEL = """
+import json
+import os
+
+
+class TritonPythonModel:
+    @staticmethod
+    def auto_complete_config(config):
+        with open(os.path.join(os.path.dirname(__file__), "seen.json"), "w") as out:
+            json.dump(config.as_dict(), out)
+        return config
+
+    def execute(self, requests):
+        return []
+"""
+
+
+def test_auto_complete_sees_the_defaults_triton_has_filled_in(servers, make_repo):
+    """Triton 2.51 (measured) hands auto_complete_config a config with its model file,
+    instance groups and optimization filled in; a model branching on them must see them."""
+    config = 'backend: "python"\ninstance_group [ { count: 2 kind: KIND_CPU } ]\n'
+    repo = make_repo(extra={"sees": {"config.pbtxt": config, "1/model.py": SEES_MODEL}})
+    servers.start(repo, exit_on_error=False)
+    seen = json.loads((repo / "sees" / "1" / "seen.json").read_text())
+    assert seen["default_model_filename"] == "model.py"
+    assert [(g["name"], g["count"], g["kind"]) for g in seen["instance_group"]] == [("sees_0", 2, "KIND_CPU")]
+    assert seen["optimization"]["input_pinned_memory"] == {"enable": True}
+    assert "dynamic_batching" not in seen
+
+
 def test_auto_complete_disabled(servers, make_repo):
     server = servers.start(make_repo("auto_complete"), strict_model_config=True, exit_on_error=False)
     config = server.model("auto_complete").config()
