@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 DEFAULT_IDLE_US = 1_000_000
 _Kind = mc.ModelSequenceBatching.Control
+_CORRID_TYPES = (mc.TYPE_UINT64, mc.TYPE_INT64, mc.TYPE_UINT32, mc.TYPE_INT32, mc.TYPE_STRING)
 
 
 @dataclasses.dataclass(eq=False)
@@ -70,6 +71,11 @@ class ControlInput:
         if control.kind == _Kind.CONTROL_SEQUENCE_CORRID:
             if control.data_type == mc.TYPE_INVALID:
                 raise InvalidArgumentError(f"model '{model}', control input '{spec.name}': CORRID needs data_type")
+            if control.data_type not in _CORRID_TYPES:  # (Triton's words)
+                raise InvalidArgumentError(
+                    f"unexpected data type for control CONTROL_SEQUENCE_CORRID for {model}. Allowed "
+                    "data types are TYPE_UINT64, TYPE_INT64, TYPE_UINT32, TYPE_INT32 and TYPE_STRING"
+                )
             return ControlInput(spec.name, control.kind, DataType(control.data_type), (None, None))
         for field, data_type in (
             ("int32_false_true", DataType.INT32),
@@ -94,7 +100,9 @@ class ControlInput:
             if self.data_type is DataType.BYTES:
                 objects = np.array([str(request.correlation_id).encode()], dtype=np.object_)
                 return Tensor(DataType.BYTES, shape, objects=objects.reshape(shape))
-            value: Any = request.correlation_id
+            # A correlation ID is a uint64; a narrower CORRID gets its low bits, as in Triton
+            # (a value that did not fit failed in dispatch and kept its sequence's slot).
+            value: Any = np.uint64(request.correlation_id % 2**64)
         elif self.kind == _Kind.CONTROL_SEQUENCE_START:
             value = self.values[bool(request.flags & SEQUENCE_START)]
         elif self.kind == _Kind.CONTROL_SEQUENCE_END:

@@ -117,6 +117,9 @@ def _request_parameters(parameters: Any) -> dict[str, Any]:
                     "invalid value type for 'sequence_id' parameter, expected "
                     "int64_param or string_param."
                 )
+            if kind == "int64_param":  # a uint64 carried in an int64, as Triton reads it
+                result[key] = parameter.int64_param % 2**64
+                continue
         elif key in ("sequence_start", "sequence_end"):
             if kind != "bool_param":
                 raise InvalidArgumentError(
@@ -288,7 +291,7 @@ def encode_response(
     outputs = message.outputs
     raws: list[memoryview] = []
     for name, tensor in response.outputs.items():
-        output = outputs.add(name=name, datatype=tensor.data_type.wire_name, shape=tensor.shape)
+        outputs.add(name=name, datatype=tensor.data_type.wire_name, shape=tensor.shape)
         spec = specs.get(name) if specs else None
         if spec is not None and spec.shm is not None:
             # Written into the client's region: no parameters (as Triton 2.51, and as over

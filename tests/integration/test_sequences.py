@@ -173,3 +173,11 @@ def test_sequence_parameters_over_http_and_grpc(server):
                 totals.append(int(result.as_numpy("OUTPUT")[0, 0]))
             assert totals == [2, 5, 9]
             client.close()
+        # A uint64 ID above 2**63 comes over gRPC as a negative int64_param (as C++ clients
+        # send it): it is that uint64, as Triton reads it; it failed and kept a slot.
+        with grpcclient.InferenceServerClient(f"127.0.0.1:{grpc.port}") as client:
+            for _ in range(3):  # more than the instances' slots, had any been kept
+                tensor = grpcclient.InferInput("INPUT", [1, 1], "INT32")
+                tensor.set_data_from_numpy(value(1))
+                result = client.infer("accumulate", [tensor], sequence_id=-1, sequence_start=True, sequence_end=True)
+                assert result.as_numpy("CONTROLS")[0].tolist() == [1, 1, 1, -1]  # (uint64 max as INT64)

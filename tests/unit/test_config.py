@@ -19,6 +19,8 @@ from dlserve.engine.repository import (
     defines_auto_complete,
     select_versions,
 )
+from dlserve.engine.request import Request
+from dlserve.engine.sequence import ControlInput
 from dlserve.errors import InvalidArgumentError, NotFoundError, UnsupportedError
 from dlserve.pb_utils.model_config import ModelConfig as PbModelConfig
 
@@ -623,3 +625,35 @@ def test_write_upload_model_name_cannot_escape_the_uploads_folder(repository, tm
         repository.write_upload(name, {"1/model.py": b""})
     assert (victim / "precious.txt").read_text() == "keep me"
     assert not (victim / "1").exists()
+
+
+@pytest.mark.parametrize(
+    "data_type,correlation_id,expected",
+    [
+        ("TYPE_INT32", 2**40 + 7, 7),  # the low bits, as Triton casts it
+        ("TYPE_UINT32", 2**40 + 7, 7),
+        ("TYPE_INT64", 2**63 + 5, -(2**63) + 5),
+        ("TYPE_UINT64", 2**64 - 1, 2**64 - 1),
+        ("TYPE_UINT64", -1, 2**64 - 1),  # (a gRPC int64_param: a uint64 in an int64)
+    ],
+)
+def test_a_corrid_control_takes_what_fits_of_the_correlation_id(data_type, correlation_id, expected):
+    """A correlation ID that did not fit the CORRID control's type raised while its
+    batch was made, which left its sequence's slot taken for good."""
+    spec = parse(
+        f'sequence_batching {{ control_input [ {{ name: "C" control [ {{ kind: CONTROL_SEQUENCE_CORRID '
+        f"data_type: {data_type} }} ] }} ] }}",
+        "m",
+    ).sequence_batching.control_input[0]
+    control = ControlInput.parse("m", spec)
+    request = Request(model_name="m", inputs={}, on_response=lambda response: None, correlation_id=correlation_id)
+    assert control.tensor(request, batching=True).as_numpy().tolist() == [[expected]]
+
+
+def test_a_corrid_control_of_another_type_is_refused_as_in_triton():
+    text = 'sequence_batching { control_input [ { name: "C" control [ { kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_FP32 } ] } ] }'
+    assert invalid(text) == (
+        "InvalidArgumentError: unexpected data type for control CONTROL_SEQUENCE_CORRID for m. Allowed "
+        "data types are TYPE_UINT64, TYPE_INT64, TYPE_UINT32, TYPE_INT32 and TYPE_STRING"
+    )
+

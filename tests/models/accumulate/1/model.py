@@ -34,7 +34,8 @@ class TritonPythonModel:
                         pb_utils.Tensor("OUTPUT", np.array([[total]], dtype=np.int32)),
                         pb_utils.Tensor("INSTANCE", np.array([[self.instance.encode()]], dtype=np.object_)),
                         pb_utils.Tensor("BATCH", np.array([[len(requests)]], dtype=np.int32)),
-                        pb_utils.Tensor("CONTROLS", np.array([controls], dtype=np.int64)),
+                        # (as uint64, read back as INT64: a CORRID above 2**63 comes out negative)
+                        pb_utils.Tensor("CONTROLS", np.array([controls], dtype=np.uint64).astype(np.int64)),
                     ]
                 )
             )
