@@ -17,7 +17,6 @@ delivers responses in arrival order even when several instances finish out of or
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import heapq
 import itertools
@@ -61,8 +60,6 @@ class DynamicBatcher(Scheduler):
         self._ragged = {t.name for t in config.input if t.allow_ragged_batch}
         self._order = itertools.count()
         self._deadlines: list[tuple[int, int, Request]] = []  # heap of (deadline_ns, order, request)
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at = 0
         self._held: dict[int, tuple[Request, Response, str | None] | None] = {}
         self._next_to_deliver = 0
         self._order_of: dict[int, int] = {}  # id(request) -> arrival order, for preserve_ordering
@@ -115,20 +112,6 @@ class DynamicBatcher(Scheduler):
         return taken
 
     # -- timers -------------------------------------------------------------------------
-    def _arm(self, at_ns: int) -> None:
-        """Make sure the timer fires no later than ``at_ns`` (monotonic ns)."""
-        if self._timer is not None and self._timer_at <= at_ns:
-            return
-        if self._timer is not None:
-            self._timer.cancel()
-        loop = asyncio.get_running_loop()
-        self._timer_at = at_ns
-        self._timer = loop.call_at(at_ns / 1e9, self._on_timer)
-
-    def _on_timer(self) -> None:
-        self._timer = None
-        self.dispatch()
-
     def _expire(self, now: int) -> None:
         """Apply the queue policies' timeouts to requests that waited too long."""
         while self._deadlines and self._deadlines[0][0] <= now:
@@ -218,8 +201,3 @@ class DynamicBatcher(Scheduler):
             if held is not None:
                 super()._deliver(*held)
             self._next_to_deliver += 1
-
-    def close(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None

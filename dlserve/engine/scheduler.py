@@ -64,6 +64,8 @@ class Scheduler:
         self._next = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        self._timer: asyncio.TimerHandle | None = None  # a dispatch due later (batching delays)
+        self._timer_at = 0
 
     @property
     def instances(self) -> list[ModelInstance]:
@@ -340,8 +342,25 @@ class Scheduler:
         except asyncio.TimeoutError:
             return False
 
+    def _arm(self, at_ns: int) -> None:
+        """Make sure a dispatch runs no later than ``at_ns`` (monotonic ns, the loop's clock)."""
+        if self._timer is not None and self._timer_at <= at_ns:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        loop = asyncio.get_running_loop()
+        self._timer_at = at_ns
+        self._timer = loop.call_at(at_ns / 1e9, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self.dispatch()
+
     def close(self) -> None:
-        """The model is unloading: stop any timers (subclasses)."""
+        """The model is unloading: stop any timers (subclasses stop theirs too)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
 
 class DefaultScheduler(Scheduler):

@@ -7,7 +7,10 @@ model can keep per-sequence state. An instance takes at most ``max_batch_size``
 sequences at once with the ``direct`` strategy (one batch slot each; further
 sequences wait for a slot) and ``max_candidate_sequences`` with ``oldest``; each
 ``execute`` gets the next request of up to ``max_batch_size`` of its sequences,
-oldest first.
+oldest first. With a ``max_queue_delay_microseconds``, a batch waits up to that long
+after its oldest request came for more: until ``minimum_slot_utilization`` of the
+instance's slots have a request (direct) or a ``preferred_batch_size`` is reached
+(oldest), as Triton's does.
 
 The model sees the control inputs the config declares (START, END, READY, CORRID)
 as extra input tensors. A sequence that receives no request for
@@ -22,6 +25,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import math
+import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -124,6 +129,16 @@ class SequenceBatcher(Scheduler):
         strategy = config.WhichOneof("strategy_choice") or "direct"
         candidates = config.oldest.max_candidate_sequences if strategy == "oldest" else 0
         self.slots = self.max_batch if strategy == "direct" else (candidates or 1 << 30)
+        # A batch of ``_enough`` requests (or of a preferred size) need not wait for more.
+        if strategy == "direct":
+            self.delay_ns = config.direct.max_queue_delay_microseconds * 1000
+            self._enough = math.ceil(config.direct.minimum_slot_utilization * self.slots)
+            self._preferred: set[int] = set()
+        else:
+            self.delay_ns = config.oldest.max_queue_delay_microseconds * 1000
+            self._preferred = set(config.oldest.preferred_batch_size)
+            self._enough = max(self._preferred, default=self.max_batch)
+        self._enough = min(self._enough, self.max_batch)
         self.controls = [ControlInput.parse(model.name, spec) for spec in config.control_input]
         self._numeric_corrid = any(
             c.kind == _Kind.CONTROL_SEQUENCE_CORRID and c.data_type is not DataType.BYTES
@@ -214,6 +229,12 @@ class SequenceBatcher(Scheduler):
         if not ready:
             return None
         ready.sort(key=lambda s: s.queue[0].arrival_ns)
+        count = min(len(ready), self.max_batch)
+        if self.delay_ns and count < self._enough and count not in self._preferred:
+            due = ready[0].queue[0].arrival_ns + self.delay_ns
+            if time.monotonic_ns() < due:
+                self._arm(due)  # more may come for the batch meanwhile
+                return None
         batch = []
         for sequence in ready[: self.max_batch]:
             sequence.running = True
@@ -284,6 +305,7 @@ class SequenceBatcher(Scheduler):
         super().instance_state_changed()
 
     def close(self) -> None:
+        super().close()
         for sequence in list(self.sequences.values()):
             if sequence.idle is not None:
                 sequence.idle.cancel()

@@ -181,3 +181,30 @@ def test_sequence_parameters_over_http_and_grpc(server):
                 tensor.set_data_from_numpy(value(1))
                 result = client.infer("accumulate", [tensor], sequence_id=-1, sequence_start=True, sequence_end=True)
                 assert result.as_numpy("CONTROLS")[0].tolist() == [1, 1, 1, -1]  # (uint64 max as INT64)
+
+
+@pytest.mark.parametrize(
+    "strategy,together",
+    [
+        ("direct { max_queue_delay_microseconds: 2000000 minimum_slot_utilization: 1.0 }", 4),
+        ("oldest { max_candidate_sequences: 4 preferred_batch_size: [ 3 ] max_queue_delay_microseconds: 2000000 }", 3),
+    ],
+)
+def test_a_batching_delay_gathers_sequences_into_one_batch(servers, make_repo, strategy, together):
+    """As Triton's: with max_queue_delay_microseconds the batch waits for its slots to fill
+    (direct: minimum_slot_utilization of them) or for a preferred size (oldest), and
+    goes when the delay is over if they do not. (Without the wait the first request ran
+    alone at once.)"""
+    repo = make_repo("accumulate")
+    config = repo / "accumulate" / "config.pbtxt"
+    text = config.read_text().replace("count: 2", "count: 1")
+    config.write_text(text.replace("sequence_batching {", f"sequence_batching {{\n  {strategy}", 1))
+    server = servers.start(repo)
+
+    async def run(keys: range) -> list[Any]:
+        return await asyncio.gather(*(send(server, key, 1, START | END) for key in keys))
+
+    assert [int(r.outputs["BATCH"].as_numpy()[0, 0]) for r in asyncio.run(run(range(1, together + 1)))] == [together] * together
+    (alone,) = asyncio.run(run(range(100, 101)))  # nothing more comes: it goes after the delay
+    assert total(alone) == 1 and int(alone.outputs["BATCH"].as_numpy()[0, 0]) == 1
+
