@@ -18,6 +18,14 @@ as extra input tensors. A sequence that receives no request for
 refused, as is one for a sequence whose instance died (its state is gone).
 Iterative sequences (``iterative_sequence: true``) let a model reschedule a
 request: it runs again, ahead of the sequence's later requests.
+
+Implicit state (``state [...]``, Triton's implicit state management, which its
+Python backend lacks): each request of a sequence gets the state input its previous
+request's state output left (the first: the ``initial_state``, zeros or a file under
+``<model>/initial_state/``, or zeros shaped like ``dims`` with 1 for each -1), so the
+model keeps no per-sequence state of its own. The state stays in shared memory where
+the worker wrote it, passed back by reference; a client sees a state output only if
+it asks for it and the config lists it among the outputs.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dlserve.engine.proto import model_config_pb2 as mc
-from dlserve.engine.request import SEQUENCE_END, SEQUENCE_START, Request
+from dlserve.engine.request import SEQUENCE_END, SEQUENCE_START, Request, Response
 from dlserve.engine.scheduler import Scheduler
 from dlserve.errors import InvalidArgumentError, UnavailableError
 from dlserve.memory.dtypes import DataType
@@ -55,6 +63,52 @@ class Sequence:
     running: bool = False
     ending: bool = False
     idle: asyncio.TimerHandle | None = None
+    state: dict[str, Tensor] = dataclasses.field(default_factory=dict)  # input name -> state
+
+
+@dataclasses.dataclass(frozen=True)
+class ImplicitState:
+    """One ``sequence_batching.state`` entry: which output feeds which input next time."""
+
+    input_name: str
+    output_name: str
+    initial: np.ndarray  # the first request's state, without a batch dimension
+
+    @staticmethod
+    def parse(model: ModelVersion, spec: Any) -> ImplicitState:
+        where = f"model '{model.name}', state '{spec.input_name}'"
+        if not spec.input_name or not spec.output_name:
+            raise InvalidArgumentError(f"{where}: a state needs input_name and output_name")
+        if spec.input_name in model.signature.inputs:
+            raise InvalidArgumentError(f"{where}: the state input is also a model input")
+        if spec.data_type in (mc.TYPE_INVALID, mc.TYPE_STRING):
+            raise InvalidArgumentError(f"{where}: implicit state needs a numeric data_type")
+        dtype = DataType(spec.data_type).storage_dtype
+        if not spec.initial_state:
+            return ImplicitState(spec.input_name, spec.output_name, np.zeros([max(d, 1) for d in spec.dims], dtype))
+        initial = spec.initial_state[0]
+        shape = list(initial.dims)
+        if any(d < 0 for d in shape) or initial.data_type != spec.data_type:
+            raise InvalidArgumentError(
+                f"{where}: initial_state needs fixed dims and the state's data_type"
+            )
+        if initial.WhichOneof("state_data") != "data_file":
+            return ImplicitState(spec.input_name, spec.output_name, np.zeros(shape, dtype))
+        path = model.model_dir / "initial_state" / initial.data_file
+        try:
+            data = np.fromfile(path, dtype=dtype)
+        except OSError as exc:
+            raise InvalidArgumentError(f"{where}: cannot read initial state file {path}: {exc}") from None
+        if data.size != math.prod(shape):
+            raise InvalidArgumentError(
+                f"{where}: initial state file {path} holds {data.size} values, dims {shape} need "
+                f"{math.prod(shape)}"
+            )
+        return ImplicitState(spec.input_name, spec.output_name, data.reshape(shape))
+
+    def first(self, batching: bool) -> Tensor:
+        data = self.initial.reshape((1, *self.initial.shape)) if batching else self.initial
+        return Tensor.from_numpy(data)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +194,9 @@ class SequenceBatcher(Scheduler):
             self._enough = max(self._preferred, default=self.max_batch)
         self._enough = min(self._enough, self.max_batch)
         self.controls = [ControlInput.parse(model.name, spec) for spec in config.control_input]
+        self.states = [ImplicitState.parse(model, spec) for spec in config.state]
+        # Per request (by id) the state outputs asked of the worker that its client did not ask for.
+        self._hidden: dict[int, set[str]] = {}
         self._numeric_corrid = any(
             c.kind == _Kind.CONTROL_SEQUENCE_CORRID and c.data_type is not DataType.BYTES
             for c in self.controls
@@ -241,8 +298,36 @@ class SequenceBatcher(Scheduler):
             request = sequence.queue.popleft()
             for control in self.controls:
                 request.inputs[control.name] = control.tensor(request, self.batching)
+            if self.states:
+                self._with_state(sequence, request)
             batch.append(request)
         return batch
+
+    def _with_state(self, sequence: Sequence, request: Request) -> None:
+        """Give the request its sequence's state and ask the worker for the next one."""
+        if request.flags & SEQUENCE_START:
+            sequence.state.clear()
+        wanted = list(self.model.output_names if request.requested_outputs is None else request.requested_outputs)
+        hidden = self._hidden.setdefault(id(request), set())
+        for state in self.states:
+            current = sequence.state.get(state.input_name)
+            request.inputs[state.input_name] = current if current is not None else state.first(self.batching)
+            if state.output_name not in wanted:
+                wanted.append(state.output_name)
+                hidden.add(state.output_name)
+        request.requested_outputs = wanted
+
+    def _deliver(self, request: Request, response: Response, failure: str | None) -> None:
+        if self.states:
+            hidden = self._hidden.pop(id(request), ()) if response.final else self._hidden.get(id(request), ())
+            sequence = self.sequences.get(request.correlation_id)
+            for state in self.states:
+                tensor = response.outputs.get(state.output_name)
+                if tensor is not None and sequence is not None:
+                    sequence.state[state.input_name] = tensor
+                if state.output_name in hidden:
+                    response.outputs.pop(state.output_name, None)
+        super()._deliver(request, response, failure)
 
     def _completed(self, batch: list[Request]) -> None:
         for request in batch:
@@ -266,6 +351,8 @@ class SequenceBatcher(Scheduler):
             return
         for control in self.controls:
             request.inputs.pop(control.name, None)
+        for state in self.states:
+            request.inputs.pop(state.input_name, None)
         sequence.queue.appendleft(request)
 
     def _expire(self, sequence: Sequence) -> None:

@@ -208,3 +208,68 @@ def test_a_batching_delay_gathers_sequences_into_one_batch(servers, make_repo, s
     (alone,) = asyncio.run(run(range(100, 101)))  # nothing more comes: it goes after the delay
     assert total(alone) == 1 and int(alone.outputs["BATCH"].as_numpy()[0, 0]) == 1
 
+
+# -- implicit state (sequence_batching.state) ---------------------------------------------------
+async def send_state(server: dlserve.Server, key: int, x: int, flags: int = 0, **kwargs: Any) -> Any:
+    async for response in server.model("state_accumulate").async_infer(
+        inputs={"INPUT": value(x)}, correlation_id=key, flags=flags, raise_on_error=False, **kwargs
+    ):
+        return response
+    raise AssertionError("no response")
+
+
+def test_implicit_state_carries_from_request_to_request(servers, make_repo):
+    """Triton's implicit state management (which its Python backend lacks): each request
+    gets the state output of the one before; the first, the initial state from its file
+    (10). The model keeps nothing, and a client that does not ask sees no state output."""
+    server = servers.start(make_repo("state_accumulate"))
+
+    async def run() -> list[list[Any]]:
+        async def sequence(key: int, values: list[int]) -> list[Any]:
+            out = []
+            for i, x in enumerate(values):
+                flags = (START if i == 0 else 0) | (END if i == len(values) - 1 else 0)
+                out.append(await send_state(server, key, x, flags, requested_output_names=["OUTPUT"]))
+            return out
+
+        return await asyncio.gather(sequence(1, [1, 2, 3]), sequence(2, [5, 5]))
+
+    first, second = asyncio.run(run())
+    assert [total(r) for r in first] == [11, 13, 16]
+    assert [total(r) for r in second] == [15, 20]
+    assert all(set(r.outputs) == {"OUTPUT"} for r in first + second)
+    # started again: the initial state, not what the sequence left
+    again = asyncio.run(send_state(server, 1, 1, START))
+    assert total(again) == 11
+    # the config lists the state output, so a client may ask for it (Triton's debugging aid)
+    shown = asyncio.run(send_state(server, 1, 4, END))
+    assert int(shown.outputs["OUTPUT_STATE"].as_numpy()[0, 0]) == 15
+
+
+@pytest.mark.parametrize(
+    "state,message",
+    [
+        ('input_name: "INPUT" output_name: "S" data_type: TYPE_INT32 dims: [ 1 ]', "the state input is also a model input"),
+        ('input_name: "S_IN" output_name: "S" data_type: TYPE_STRING dims: [ 1 ]', "needs a numeric data_type"),
+        (
+            'input_name: "S_IN" output_name: "S" data_type: TYPE_INT32 dims: [ 1 ] '
+            'initial_state: { data_type: TYPE_INT32 dims: [ 3 ] data_file: "start" }',
+            "holds 1 values, dims [3] need 3",
+        ),
+        (
+            'input_name: "S_IN" output_name: "S" data_type: TYPE_INT32 dims: [ 1 ] '
+            'initial_state: { data_type: TYPE_INT32 dims: [ 1 ] data_file: "missing" }',
+            "cannot read initial state file",
+        ),
+    ],
+)
+def test_bad_implicit_state_fails_the_load(servers, make_repo, state, message):
+    repo = make_repo("state_accumulate")
+    config = repo / "state_accumulate" / "config.pbtxt"
+    text = config.read_text()
+    start, end = text.index("state ["), text.index("instance_group")
+    config.write_text(text[:start] + f"state [ {{ {state} }} ]\n}}\n" + text[end:])
+    server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT)
+    with pytest.raises(dlserve.InvalidArgumentError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        server.load("state_accumulate")
+
