@@ -34,6 +34,23 @@ class ErrorCode(enum.IntEnum):
     ALREADY_EXISTS = 6
     CANCELLED = 7
 
+    @property
+    def words(self) -> str:
+        """How Triton's messages name the code (``Invalid argument: ...``)."""
+        return _WORDS[self]
+
+
+_WORDS = {
+    ErrorCode.UNKNOWN: "Unknown",
+    ErrorCode.INTERNAL: "Internal",
+    ErrorCode.NOT_FOUND: "Not found",
+    ErrorCode.INVALID_ARG: "Invalid argument",
+    ErrorCode.UNAVAILABLE: "Unavailable",
+    ErrorCode.UNSUPPORTED: "Unsupported",
+    ErrorCode.ALREADY_EXISTS: "Already exists",
+    ErrorCode.CANCELLED: "Cancelled",
+}
+
 
 class TritonError(Exception):
     """Base of every dlserve error; ``code`` says which kind it is."""

@@ -40,6 +40,7 @@ from dlserve.engine.repository import (
     select_versions,
 )
 from dlserve.errors import (
+    InternalError,
     InvalidArgumentError,
     NotFoundError,
     TritonError,
@@ -306,9 +307,17 @@ class ModelManager:
             try:
                 loaded = await self._load_versions(source, config, entry)
             except TritonError as exc:
+                if not entry.tried:  # (before its versions were known: the model's own error)
+                    if not entry.versions:
+                        entry.error = exc.message
+                    raise
+                # Its versions failed: said as Triton says it, in the index and to the loader.
+                reason = f"{exc.code.words}: {exc.message}"
                 if not entry.versions:
-                    entry.error = exc.message
-                raise
+                    entry.error = reason
+                states = "".join(f"version {v} is at UNAVAILABLE state: {reason};\n" for v in entry.tried)
+                bad_load = InvalidArgumentError if isinstance(exc, InternalError) else type(exc)
+                raise bad_load(f"load failed for model '{source.name}': {states}") from None
             finally:
                 entry.loading = False
             old = entry.versions

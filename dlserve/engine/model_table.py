@@ -16,7 +16,7 @@ from typing import Any
 
 from dlserve.engine.model import ModelVersion
 from dlserve.engine.repository import ModelKey
-from dlserve.errors import InvalidArgumentError, NotFoundError
+from dlserve.errors import InvalidArgumentError, NotFoundError, UnavailableError
 
 
 @dataclasses.dataclass
@@ -95,7 +95,7 @@ class ModelTable(dict[ModelKey, ModelEntry]):
         """The version that serves requests for ``(name, version)``; -1 = latest ready.
         ``namespace``: where an ensemble's step was resolved (model namespacing)."""
         entry = self.find(name, namespace)
-        if entry is None or (not entry.versions and entry.error):
+        if entry is None or (not entry.versions and entry.error and not entry.tried):
             raise NotFoundError(f"Request for unknown model: '{name}' is not found")
         if version is None or version < 0:
             found = entry.latest_loaded()
@@ -104,6 +104,10 @@ class ModelTable(dict[ModelKey, ModelEntry]):
             return found
         model = entry.versions.get(version)
         if model is None:
+            if not entry.versions and version in entry.tried:  # (Triton's words and code)
+                raise UnavailableError(
+                    f"Request for unknown model: '{name}' version {version} is not at ready state"
+                )
             raise NotFoundError(f"Request for unknown model: '{name}' version {version} is not found")
         return model
 

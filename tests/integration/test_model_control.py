@@ -198,6 +198,34 @@ def test_auto_complete_fills_the_config(servers, make_repo):
     np.testing.assert_array_equal(out.outputs["OUTPUT0"].as_numpy(), x * 2)
 
 
+NO_DIMS_CONFIG = 'backend: "python"\ninput [ { name: "X" data_type: TYPE_FP32 } ]\noutput [ { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
+
+
+def test_a_model_whose_versions_failed_is_reported_as_triton_reports_it(servers, make_repo):
+    """Triton 2.51's answers on the same repository (measured): the load error names
+    the failed version and the error's kind, the index says the same, and lookups
+    tell a failed version (UNAVAILABLE) from a model with none and an unknown version."""
+    repo = make_repo("add_sub", extra={"bad": {"config.pbtxt": NO_DIMS_CONFIG, "1/model.py": ""}})
+    server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT)
+    with pytest.raises(dlserve.InvalidArgumentError) as info:
+        server.load("bad")
+    assert str(info.value) == (
+        "load failed for model 'bad': version 1 is at UNAVAILABLE state: Invalid argument: "
+        "model input 'X' must specify 'dims' for bad;\n"
+    )
+    (row,) = [r for r in server.engine.manager.index() if r["name"] == "bad"]
+    assert row == {
+        "name": "bad", "version": "1", "state": "UNAVAILABLE",
+        "reason": "Invalid argument: model input 'X' must specify 'dims' for bad",
+    }
+    with pytest.raises(dlserve.NotFoundError, match="^Request for unknown model: 'bad' has no available versions$"):
+        server.model("bad").metadata()
+    with pytest.raises(dlserve.UnavailableError, match="^Request for unknown model: 'bad' version 1 is not at ready state$"):
+        server.model("bad", 1).metadata()
+    with pytest.raises(dlserve.NotFoundError, match="^Request for unknown model: 'bad' version 3 is not found$"):
+        server.model("bad", 3).config()
+
+
 SEES_MODEL = """
 import json
 import os
