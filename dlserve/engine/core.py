@@ -220,7 +220,7 @@ class Engine:
             instance.forget_segment(segment_name)
 
     def _release_memory(self) -> None:
-        self.regions.unregister()
+        self.regions.unregister(force=True)
         if self.arena is not None:
             self.arena.close()
         unlink_segments(self.segment_prefix)

@@ -17,6 +17,12 @@ key, and the region still means the first. Keys in dlserve's own namespace can n
 be registered, with or without a leading ``/`` (the same POSIX object), and errors
 never echo an internal segment name.
 
+A region is in use while a request holds a view of it (:meth:`SystemRegions.view`:
+each view is an anchor of its own that counts itself out when its last array dies).
+As in Triton, a region in use cannot be unregistered: the request would fail, the
+model's output would still land in memory the client was told it got back, and the
+mapping would outlive the region.
+
 Left: a client that shrinks its object in the microseconds between such a check and
 the server's touch (writing a response that refers to the region) still crashes the
 server; everywhere else a shrunk object fails only the requests that use it.
@@ -25,6 +31,7 @@ server; everywhere else a shrunk object fails only the requests that use it.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import threading
 from collections.abc import Callable
@@ -32,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from dlserve.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError
+from dlserve.errors import AlreadyExistsError, InternalError, InvalidArgumentError, NotFoundError
 from dlserve.memory.arena import Anchor, MemorySpace
 from dlserve.memory.shm import Segment, shm_path
 
@@ -45,6 +52,7 @@ class Region:
     byte_size: int
     segment: Segment
     anchor: Anchor  # keeps the mapping alive while requests use the region
+    users: int = 0  # views requests hold now
 
     def status(self) -> dict[str, Any]:
         return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
@@ -64,7 +72,8 @@ class SystemRegions:
         self._space = space
         self._reserved = reserved_prefix
         self._on_forget = on_forget
-        self._lock = threading.Lock()
+        # Re-entrant: a view's death (counted in _let_go) may come in the middle of a call.
+        self._lock = threading.RLock()
         self._regions: dict[str, Region] = {}
         self._objects: dict[tuple[str, int], Segment] = {}  # (key, inode) -> its mapping
 
@@ -120,14 +129,25 @@ class SystemRegions:
         self._space.forget_segment(segment.name)
         self._on_forget(segment.name)
 
-    def unregister(self, name: str | None = None) -> None:
-        """Forget one region (``name``) or all; requests using them keep their mapping."""
+    def unregister(self, name: str | None = None, force: bool = False) -> None:
+        """Forget one region (``name``) or all. A region a request uses stays (Triton's
+        words and status); with ``force`` (the server stops) every one goes."""
+        if not force and any(region.users for region in self._regions.values()):
+            gc.collect()  # a view only a reference cycle still holds is no use
         with self._lock:
             names = list(self._regions) if name is None else [name]
-            removed = [self._regions.pop(n) for n in names if n in self._regions]
+            busy = [n for n in names if n in self._regions and self._regions[n].users and not force]
+            removed = [self._regions.pop(n) for n in names if n in self._regions and n not in busy]
             in_use = {id(region.segment) for region in self._regions.values()}
             for segment in {id(r.segment): r.segment for r in removed if id(r.segment) not in in_use}.values():
                 self._forget(segment)
+        if busy and name is not None:
+            raise InternalError(f"Cannot unregister shared memory region '{name}', it is currently in use.")
+        if busy:
+            raise InternalError(
+                "Failed to unregister the following system shared memory regions: "
+                + "".join(f"{n} ," for n in busy)
+            )
 
     def status(self, name: str | None = None) -> list[dict[str, Any]]:
         with self._lock:
@@ -155,5 +175,13 @@ class SystemRegions:
             raise InvalidArgumentError(
                 f"shared memory region '{name}' was shrunk by its owner; register it again"
             )
-        full = np.frombuffer(region.anchor, dtype=np.uint8)
-        return full[offset : offset + byte_size]
+        with self._lock:
+            region.users += 1
+        view = self._space.anchor(
+            region.segment, region.offset + offset, byte_size, on_death=lambda: self._let_go(region)
+        )
+        return np.frombuffer(view, dtype=np.uint8)
+
+    def _let_go(self, region: Region) -> None:
+        with self._lock:
+            region.users -= 1

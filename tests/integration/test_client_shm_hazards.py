@@ -2,7 +2,9 @@
 shrink the object while a request uses it (touching it would be a SIGBUS that kills
 the server: the requests concerned fail with a clear error instead, and the server
 serves on), or remove it and create another object under the same key (a region
-keeps meaning the object it was registered on, as in Triton)."""
+keeps meaning the object it was registered on, as in Triton), or unregister a region
+a request still uses (refused in Triton's words: the request finishes, its output lands
+where the client was promised, and no mapping outlives the region)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import os
 import threading
 import uuid
 
+import gevent
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
@@ -21,17 +24,24 @@ N = 1 << 14  # FP32 values: 64 KiB, passed by reference (not inline)
 
 
 @pytest.fixture
-def client(servers, make_repo):
+def url(servers, make_repo):
     server = servers.start(make_repo("identity", "faulty"))
     service = KServeHttp(server, KServeHttp.Options(address="127.0.0.1", port=0, allow_client_shm=True))
     service.start()
-    client = httpclient.InferenceServerClient(f"127.0.0.1:{service.port}", network_timeout=60)
+    try:
+        yield f"127.0.0.1:{service.port}"
+    finally:
+        service.stop()
+
+
+@pytest.fixture
+def client(url):
+    client = httpclient.InferenceServerClient(url, network_timeout=60, concurrency=2)
     try:
         yield client
     finally:
         client.unregister_system_shared_memory()
         client.close()
-        service.stop()
 
 
 @pytest.fixture
@@ -111,3 +121,29 @@ def test_a_region_keeps_meaning_the_object_it_was_registered_on(client, key, use
     client.register_system_shared_memory("A", f"/{key}", N * 4)  # registered again: the new object
     np.testing.assert_array_equal(client.infer("identity", [input_in("A")]).as_numpy("OUTPUT0"), 9.0)
     assert_serving(client)
+
+
+def test_a_region_in_use_cannot_be_unregistered(client, url, key):
+    make_object(key, np.ones(2 * N, np.float32))
+    client.register_system_shared_memory("io", f"/{key}", 2 * N * 4)
+    client.register_system_shared_memory("idle", f"/{key}", 4)
+    output = httpclient.InferRequestedOutput("OUTPUT0")
+    output.set_shared_memory("io", N * 4, offset=N * 4)
+    tensor = httpclient.InferInput("INPUT0", [N], "FP32")
+    tensor.set_shared_memory("io", N * 4)
+    running = client.async_infer("faulty", [tensor], outputs=[output], parameters={"mode": "sleep:1.0"})
+    gevent.sleep(0.4)  # (tritonclient's greenlet sends it meanwhile; the model sleeps 1 s)
+    with pytest.raises(InferenceServerException) as info:
+        client.unregister_system_shared_memory("io")
+    assert info.value.status() == "500"
+    assert info.value.message() == "Cannot unregister shared memory region 'io', it is currently in use."
+    with pytest.raises(InferenceServerException) as info:
+        client.unregister_system_shared_memory()  # the others go, the one in use stays
+    assert info.value.message() == "Failed to unregister the following system shared memory regions: io ,"
+    assert [r["name"] for r in client.get_system_shared_memory_status()] == ["io"]
+    running.get_result()  # the request finished well
+    np.testing.assert_array_equal(np.fromfile(f"/dev/shm/{key}", np.float32)[N:], 1.0)
+    client.unregister_system_shared_memory("io")  # done: it goes now
+    assert client.get_system_shared_memory_status() == []
+    assert_serving(client)  # (and the harness checks that no descriptor or mapping is left)
+
