@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="model repository folder or s3:// URL; repeat for several (default: the bundled examples)",
     )
     models.add_argument(
-        "--model-control-mode", choices=["none", "poll", "explicit"], default="none",
+        "--model-control-mode", type=str.lower, choices=["none", "poll", "explicit"], default="none",
         help="none: load everything at start; poll: also follow repository changes; "
         "explicit: load only --load-model, then use the load/unload API (default: none)",
     )
@@ -125,7 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="how long shutdown waits for in-flight requests (default: 30)")
     models.add_argument(
         "--backend-config", action="append", default=[], metavar="python,KEY=VALUE",
-        help="python backend settings: shm-default-byte-size, shm-growth-byte-size",
+        help="python backend settings: shm-default-byte-size, shm-growth-byte-size (settings "
+        "for other backends, or for all of them without a name, are accepted and ignored)",
     )
     models.add_argument(
         "--cache-config", action="append", default=[], metavar="local,size=BYTES",
@@ -134,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--response-cache-byte-size", type=int, default=None, metavar="BYTES",
                         help="deprecated spelling of --cache-config local,size=BYTES")
     models.add_argument(
-        "--rate-limit", choices=["off", "execution_count"], default="off",
+        "--rate-limit", type=str.lower, choices=["off", "execution_count"], default="off",
         help="execution_count: instances execute only when the resources of their instance "
         "group's rate_limiter are free (default: off)",
     )
@@ -176,6 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
     grpc.add_argument("--grpc-root-cert", default="")
     grpc.add_argument("--grpc-max-message-size", type=int, default=1 << 26, metavar="BYTES",
                       help="largest gRPC message (default: 64 MiB)")
+    for flag, option, default in _GRPC_TUNING:
+        grpc.add_argument(flag, type=int, default=default, dest=f"grpc_{option}", metavar="N")
+    _bool_flag(grpc, "--grpc-keepalive-permit-without-calls", False, "allow keepalive pings without calls")
+    grpc.add_argument("--grpc-infer-response-compression-level", type=str.lower, default="none",
+                      choices=["none", "low", "med", "high"])
 
     _hosted_flags(serve, "SageMaker", "sagemaker", False,
                   "serve Amazon SageMaker's /ping and /invocations (model: SAGEMAKER_TRITON_DEFAULT_MODEL_NAME, "
@@ -190,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     _bool_flag(metrics, "--allow-metrics", True, "serve Prometheus metrics")
     _bool_flag(metrics, "--allow-cpu-metrics", True, "include CPU utilisation and memory")
     _bool_flag(metrics, "--allow-gpu-metrics", True, "include GPU metrics (nvidia-ml-py, where a GPU exists)")
-    metrics.add_argument("--metrics-address", default="0.0.0.0")
+    metrics.add_argument("--metrics-address", default=None, help="(default: --http-address)")
     metrics.add_argument("--metrics-port", type=_port, default=8002)
 
     shared = serve.add_argument_group("shared memory and logging")
@@ -199,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     _bool_flag(shared, "--log-info", True, "log info messages")
     _bool_flag(shared, "--log-warning", True, "log warnings")
     _bool_flag(shared, "--log-error", True, "log errors")
+    shared.add_argument("--log-format", type=str.lower, choices=["default", "iso8601"], default="default")
     shared.add_argument("--log-file", default="", metavar="PATH")
     shared.add_argument("--trace-config", action="append", default=[], metavar="[triton,]SETTING=VALUE",
                         help="request tracing, as tritonserver: file=PATH, level=TIMESTAMPS|TENSORS, "
@@ -207,8 +214,42 @@ def build_parser() -> argparse.ArgumentParser:
         shared.add_argument(f"--trace-{setting}", action="append", default=[], metavar="VALUE",
                             dest=_old_trace_dest(setting),
                             help=f"deprecated spelling of --trace-config {setting}=VALUE")
+    ignored = serve.add_argument_group(
+        "accepted for tritonserver's command lines, without effect here (settings of its C++ core)"
+    )
+    for flag in _IGNORED_FLAGS:
+        ignored.add_argument(flag, action="append", default=[], metavar="VALUE",
+                             dest="ignored_" + flag.strip("-").replace("-", "_"))
     perf_cli.add_parser(commands)
     return parser
+
+
+# tritonserver's gRPC tuning flags: (flag, KServeGrpc.Options field, default)
+_GRPC_TUNING = (
+    ("--grpc-keepalive-time", "keepalive_time_ms", 7_200_000),
+    ("--grpc-keepalive-timeout", "keepalive_timeout_ms", 20_000),
+    ("--grpc-http2-max-pings-without-data", "http2_max_pings_without_data", 2),
+    ("--grpc-http2-min-recv-ping-interval-without-data", "http2_min_recv_ping_interval_without_data_ms", 300_000),
+    ("--grpc-http2-max-ping-strikes", "http2_max_ping_strikes", 2),
+    ("--grpc-max-connection-age", "max_connection_age_ms", 0),
+    ("--grpc-max-connection-age-grace", "max_connection_age_grace_ms", 0),
+    ("--grpc-infer-allocation-pool-size", "infer_allocation_pool_size", 8),
+    ("--grpc-max-response-pool-size", "max_response_pool_size", 2_147_483_647),
+)
+_IGNORED_FLAGS = (
+    "--backend-directory", "--cache-directory", "--repoagent-directory", "--pinned-memory-pool-byte-size",
+    "--cuda-memory-pool-byte-size", "--cuda-virtual-address-size", "--min-supported-compute-capability",
+    "--buffer-manager-thread-count", "--host-policy", "--model-load-gpu-limit", "--metrics-interval-ms",
+    "--metrics-config", "--model-load-thread-count", "--enable-peer-access", "--sagemaker-safe-port-range",
+    "--sagemaker-thread-count", "--vertex-ai-thread-count",
+)
+
+
+def _warn_ignored(args: argparse.Namespace) -> None:
+    log = logging.getLogger("dlserve")
+    for flag in _IGNORED_FLAGS:
+        if getattr(args, "ignored_" + flag.strip("-").replace("-", "_")):
+            log.warning("%s has no effect in dlserve (a setting of Triton's C++ core)", flag)
 
 
 def _grouped_settings(flag: str, entries: list[str], example: str) -> dict[str, dict[str, str]]:
@@ -274,6 +315,7 @@ def _trace_settings(entries: list[str]) -> TraceSettings:
 
 def serve(args: argparse.Namespace) -> int:
     import dlserve
+    from dlserve.engine.rate_limiter import parse_resource
     from dlserve.frontends import KServeGrpc, KServeHttp, Metrics, SageMaker, VertexAi
 
     repositories = args.model_repository
@@ -287,6 +329,20 @@ def serve(args: argparse.Namespace) -> int:
         if args.exit_on_error is None:
             exit_on_error = False  # examples whose framework is missing must not stop the rest
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.load_model and args.model_control_mode != "explicit":  # (Triton's words and status)
+        print("Error: Use of '--load-model' requires setting '--model-control-mode=explicit' as well.",
+              file=sys.stderr)
+        return 1
+    for entry in args.rate_limit_resource:  # checked whether or not rate limiting is on
+        try:
+            parse_resource(entry)
+        except dlserve.TritonError as exc:
+            print(f"dlserve: --rate-limit-resource: {exc}", file=sys.stderr)
+            return 1
+    _warn_ignored(args)
+    backend_config = [e for e in args.backend_config if "," in e or "=" not in e]
+    for entry in sorted(set(args.backend_config) - set(backend_config)):
+        logging.getLogger("dlserve").warning("--backend-config %s (for every backend) has no effect in dlserve", entry)
     cache_config = _grouped_settings("--cache-config", args.cache_config, "local,size=BYTES")
     if args.response_cache_byte_size is not None:
         logging.getLogger("dlserve").warning(
@@ -307,7 +363,8 @@ def serve(args: argparse.Namespace) -> int:
         log_warn=args.log_warning,
         log_error=args.log_error,
         log_verbose=args.log_verbose,
-        backend_configuration=_grouped_settings("--backend-config", args.backend_config, "python,KEY=VALUE"),
+        log_format=dlserve.LogFormat.ISO8601 if args.log_format == "iso8601" else dlserve.LogFormat.DEFAULT,
+        backend_configuration=_grouped_settings("--backend-config", backend_config, "python,KEY=VALUE"),
         cache_config=cache_config,
         rate_limiter_mode=(
             dlserve.RateLimitMode.EXEC_COUNT if args.rate_limit == "execution_count" else dlserve.RateLimitMode.OFF
@@ -347,7 +404,7 @@ def serve(args: argparse.Namespace) -> int:
         if args.allow_http:
             services.append(KServeHttp(server, KServeHttp.Options(
                 address=args.http_address, port=args.http_port, reuse_port=args.reuse_http_port,
-                thread_count=args.http_thread_count, header_forward_pattern=args.http_header_forward_pattern,
+                thread_count=max(args.http_thread_count, 1), header_forward_pattern=args.http_header_forward_pattern,
                 max_input_size=args.http_max_input_size, allow_client_shm=args.allow_client_shm,
                 restricted_apis=args.http_restricted_api,
             )))
@@ -359,17 +416,26 @@ def serve(args: argparse.Namespace) -> int:
                 infer_thread_count=args.grpc_infer_thread_count, forward_header_pattern=args.grpc_header_forward_pattern,
                 max_message_size=args.grpc_max_message_size, allow_client_shm=args.allow_client_shm,
                 restricted_protocols=args.grpc_restricted_protocol,
+                keepalive_permit_without_calls=args.grpc_keepalive_permit_without_calls,
+                infer_compression_level=_COMPRESSION_LEVELS[args.grpc_infer_response_compression_level],
+                **{option: getattr(args, f"grpc_{option}") for _, option, _ in _GRPC_TUNING},
             )))
         if args.allow_metrics:
-            services.append(Metrics(server, Metrics.Options(address=args.metrics_address, port=args.metrics_port)))
+            address = args.metrics_address if args.metrics_address is not None else args.http_address
+            services.append(Metrics(server, Metrics.Options(address=address, port=args.metrics_port)))
         if args.allow_vertex_ai:
             services.append(_hosted_service(VertexAi, server, args, "vertex_ai",
                                             default_model=args.vertex_ai_default_model))
         if args.allow_sagemaker:
             services.append(_hosted_service(SageMaker, server, args, "sagemaker"))
+        for line in _model_table(server.engine.manager.index() if server.engine.manager else []):
+            log.info("%s", line)
         for service in services:
             service.start()
             print(f"dlserve: {type(service).__name__} listening on port {service.port}", flush=True)
+            # The line scripts wait for, in Triton's words (its gRPC, HTTP and metrics services).
+            started = _STARTED.get(type(service).__name__, type(service).__name__)
+            log.info("Started %s at %s:%d", started, service.options.address, service.port)
     except (dlserve.TritonError, OSError) as exc:
         print(f"dlserve: {exc}", file=sys.stderr)
         server.stop()
@@ -377,8 +443,31 @@ def serve(args: argparse.Namespace) -> int:
     print("dlserve: ready" if server.ready() else "dlserve: started (some models are not ready)", flush=True)
     stop.wait()
     log.info("shutting down: finishing in-flight requests (up to %d s)", args.exit_timeout_secs)
-    server.stop()  # stops the services first, draining them
+    if not server.stop():  # stops the services first, draining them
+        log.error("failed to stop server: Internal - Exit timeout expired. Exiting immediately.")
+        return 1  # (as tritonserver: requests in flight were dropped)
     return 0
+
+
+_STARTED = {"KServeGrpc": "GRPCInferenceService", "KServeHttp": "HTTPService", "Metrics": "Metrics Service"}
+_COMPRESSION_LEVELS = {"none": 0, "low": 1, "med": 2, "high": 3}
+
+
+def _model_table(rows: list[dict[str, Any]]) -> list[str]:
+    """The repository index as tritonserver's start-up table (Model | Version | Status)."""
+    table = [("Model", "Version", "Status")] + [
+        (
+            row["name"],
+            row.get("version", "-"),
+            row.get("state", "UNAVAILABLE")
+            + (f": {row['reason']}".splitlines()[0] if row.get("reason") and row.get("state") != "READY" else ""),
+        )
+        for row in rows
+    ]
+    widths = [max(len(cells[i]) for cells in table) for i in range(3)]
+    rule = "+" + "+".join("-" * (w + 2) for w in widths) + "+"
+    lines = [" | ".join(cell.ljust(w) for cell, w in zip(cells, widths)) for cells in table]
+    return [rule, f"| {lines[0]} |", rule, *(f"| {line} |" for line in lines[1:]), rule]
 
 
 class _StopWhileStarting(Exception):

@@ -179,21 +179,24 @@ class Engine:
         self.live = True
         return await self.manager.start(s.startup_models, s.poll_interval)
 
-    async def stop(self, deadline: float | None = None) -> None:
+    async def stop(self, deadline: float | None = None) -> bool:
         """Finish in-flight requests, finalize models and end workers by ``deadline``
-        (``time.monotonic()``; default: ``exit_timeout`` from now)."""
+        (``time.monotonic()``; default: ``exit_timeout`` from now); whether every
+        request in flight finished."""
         self.live = False
         self.environments.cancel_builds()  # a pip run would hold the stop up for minutes
         if deadline is None:
             deadline = time.monotonic() + self.settings.exit_timeout
+        drained = True
         try:
             if self.manager is not None:
-                await self.manager.stop(deadline)
+                drained = await self.manager.stop(deadline)
             await asyncio.sleep(0)  # traces let go in the last turn are written first
             self.tracer.close()
             self._release_memory()
         finally:
             close_loop_poller(asyncio.get_running_loop())
+        return drained
 
     def kill(self) -> None:
         """Stop without asking models to finalize (the loop is gone)."""

@@ -206,12 +206,13 @@ class ModelManager:
                 listed = [key for key in self.repository.scan() if key[1] == name] or [("", name)]
                 for key in [source.key] if source is not None else listed:
                     entry = self.models.entry(key)
-                    if not entry.versions:
+                    if not entry.versions and not entry.tried:  # (a version's failure is listed already)
                         entry.error = exc.message
             return exc
 
-    async def stop(self, deadline: float) -> None:
-        """Unload everything by ``deadline`` (``time.monotonic()``)."""
+    async def stop(self, deadline: float) -> bool:
+        """Unload everything by ``deadline`` (``time.monotonic()``); whether every
+        request in flight finished by then."""
         if self._poll_task is not None:
             self._poll_task.cancel()
         unloads = asyncio.gather(
@@ -232,6 +233,7 @@ class ModelManager:
                     starting.kill()
                 await asyncio.wait({unloads}, timeout=1.0)
         self.repository.close()
+        return all(drained is True for drained in unloads.result())
 
     def kill(self) -> None:
         for entry in self.models.values():
@@ -581,14 +583,16 @@ class ModelManager:
     def _deadline(self) -> float:
         return time.monotonic() + self.exit_timeout
 
-    async def _unload_entry(self, entry: ModelEntry, deadline: float | None = None) -> None:
+    async def _unload_entry(self, entry: ModelEntry, deadline: float | None = None) -> bool:
+        """Unload every version of ``entry``; whether their requests all finished."""
         async with entry.lock:
             entry.error = ""
             # The versions stay listed (as UNLOADING) until their requests have drained.
-            await asyncio.gather(*(v.unload(deadline or self._deadline()) for v in entry.versions.values()))
+            drained = await asyncio.gather(*(v.unload(deadline or self._deadline()) for v in entry.versions.values()))
             if entry.versions:  # unloading it again leaves it listed as unloaded
                 entry.unloaded = sorted(entry.versions)
             entry.versions = {}
+        return all(drained)
 
     # -- poll mode --------------------------------------------------------------------
     async def poll(self) -> None:
@@ -596,9 +600,12 @@ class ModelManager:
         await self.refresh_repository()
         found = {k: s for k, s in self.repository.scan().items() if isinstance(s, ModelSource)}
         for key in list(self.models):
-            if key not in found and self.models[key].versions:
+            if key in found or key not in self.models:
+                continue
+            if self.models[key].versions:
                 log.info("model '%s' was removed from the repository; unloading", key[1])
                 await self._unload_with_users(self.models[key])
+            self.models.forget(key)  # gone from the index too, as in Triton
         first, last = self._ensembles_last(list(found.values()))
         for source in [*first, *last]:
             assert isinstance(source, ModelSource)

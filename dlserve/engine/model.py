@@ -199,11 +199,12 @@ class ModelVersion:
     def _instance_changed(self, _instance: ModelInstance) -> None:
         self.scheduler.instance_state_changed()
 
-    async def unload(self, deadline: float) -> None:
+    async def unload(self, deadline: float) -> bool:
         """Stop taking requests, let in-flight ones finish and stop the workers, all by
-        ``deadline`` (``time.monotonic()``)."""
+        ``deadline`` (``time.monotonic()``); whether every request finished."""
         self.state = "UNLOADING"
-        if not await self.scheduler.drain(max(0.0, deadline - time.monotonic())):
+        drained = await self.scheduler.drain(max(0.0, deadline - time.monotonic()))
+        if not drained:
             log.warning(
                 "model '%s' version %d still had requests in flight at its unload deadline",
                 self.name,
@@ -215,6 +216,7 @@ class ModelVersion:
             self.cache.forget(self.generation)
         self.scheduler.close()
         self.state, self.reason = "UNAVAILABLE", "unloaded"
+        return drained
 
     def kill(self) -> None:
         for instance in self.instances:

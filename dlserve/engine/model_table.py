@@ -61,6 +61,16 @@ class ModelTable(dict[ModelKey, ModelEntry]):
             self._named.setdefault(entry.name, []).append(entry)
         return entry
 
+    def forget(self, key: ModelKey) -> None:
+        """Drop a model's entry (it left the repository, in poll mode)."""
+        entry = self.pop(key, None)
+        if entry is not None:
+            same = [e for e in self._named.get(entry.name, []) if e is not entry]
+            if same:
+                self._named[entry.name] = same
+            else:
+                self._named.pop(entry.name, None)
+
     def knows(self, name: str) -> bool:
         return name in self._named
 

@@ -558,21 +558,23 @@ class Server:
         and raise it; at any other time, stop() is the way."""
         return self._loading
 
-    def stop(self) -> None:
-        """Drain in-flight requests (up to ``exit_timeout``), finalize models, end workers."""
+    def stop(self) -> bool:
+        """Drain in-flight requests (up to ``exit_timeout``), finalize models, end workers.
+        Returns whether every request in flight finished (False: the exit timeout
+        expired and the rest were dropped; Triton's stop raises then)."""
         self._engine_or_raise()
-        self._shutdown()
+        return self._shutdown()
 
-    def _shutdown(self) -> None:
+    def _shutdown(self) -> bool:
         engine, loop, thread = self._engine, self._loop, self._thread
         if engine is None or loop is None:
-            return
+            return True
         # One budget for the whole shutdown: the services drain, then the engine.
         deadline = time.monotonic() + engine.settings.exit_timeout
         for service in list(self._services):  # no new requests from the network first
             service.stop(deadline)
         try:
-            asyncio.run_coroutine_threadsafe(engine.stop(deadline), loop).result()
+            return asyncio.run_coroutine_threadsafe(engine.stop(deadline), loop).result()
         finally:
             loop.call_soon_threadsafe(loop.stop)
             if thread is not None:

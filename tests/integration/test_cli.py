@@ -233,6 +233,32 @@ def test_boolean_flags_take_tritonservers_forms():
     assert args.model_repository == ["a", "b"] and args.load_model == ["x", "y"]
 
 
+def test_tritonservers_other_flags_are_accepted_and_cased_as_it_takes_them():
+    """A tritonserver command line starts dlserve: its C++ core's settings are accepted
+    (warned about), gRPC tuning goes to the gRPC service, enum values take any case."""
+    args = build_parser().parse_args([
+        "serve", "--pinned-memory-pool-byte-size=0", "--cuda-memory-pool-byte-size=0:0",
+        "--backend-directory", "/opt/tritonserver/backends", "--metrics-interval-ms=500",
+        "--model-control-mode=EXPLICIT", "--rate-limit=Execution_Count", "--log-format=ISO8601",
+        "--grpc-keepalive-time=10000", "--grpc-keepalive-permit-without-calls=true",
+        "--grpc-infer-response-compression-level=HIGH",
+    ])
+    assert (args.model_control_mode, args.rate_limit, args.log_format) == ("explicit", "execution_count", "iso8601")
+    assert args.grpc_keepalive_time_ms == 10000 and args.grpc_keepalive_permit_without_calls is True
+    assert args.ignored_pinned_memory_pool_byte_size == ["0"] and args.ignored_backend_directory
+
+
+def test_load_model_needs_explicit_mode_as_in_triton():
+    result = run_cli("serve", "--load-model", "add_sub")
+    assert result.returncode == 1
+    assert "Use of '--load-model' requires setting '--model-control-mode=explicit' as well." in result.stderr
+
+
+def test_bad_rate_limit_resource_exits_even_with_rate_limiting_off():
+    result = run_cli("serve", "--rate-limit-resource", "R1")
+    assert result.returncode == 1 and "must look like NAME:COUNT[:DEVICE]" in result.stderr, result.stderr
+
+
 def test_bad_backend_config_exits_with_a_message():
     result = run_cli("serve", "--backend-config", "shm-default-byte-size")
     assert result.returncode != 0
@@ -243,7 +269,7 @@ def test_bad_backend_config_exits_with_a_message():
 @pytest.mark.parametrize(
     "args,message",
     [
-        (["--http-thread-count", "0"], "thread_count must be a positive integer, got 0"),
+        (["--grpc-keepalive-time", "-1"], "keepalive_time_ms must be a non-negative integer, got -1"),
         (["--grpc-use-ssl", "true"], "use_ssl needs server_cert and server_key"),
         (["--http-restricted-api", "inference"], "restriction 'inference' must look like"),
         (["--cache-config", "local,size=abc"], "size must be a positive number of bytes, got 'abc'"),
@@ -283,6 +309,10 @@ def test_serve_infers_with_curl_reports_metrics_and_drains_on_sigterm(serve, mak
     services = (("KServeHttp", http_port), ("KServeGrpc", grpc_port), ("Metrics", metrics_port))
     for name, port in services:
         assert f"dlserve: {name} listening on port {port}" in process.stdout
+    # tritonserver's lines, which scripts wait for, and its model table
+    for name, port in (("HTTPService", http_port), ("GRPCInferenceService", grpc_port), ("Metrics Service", metrics_port)):
+        assert f"Started {name} at 127.0.0.1:{port}" in process.stderr, process.output()
+    assert "| Model   | Version | Status |" in process.stderr and "| add_sub | 1       | READY  |" in process.stderr
     assert "dlserve: ready" in process.stdout
     assert request(http_port, "/v2/health/ready")[0] == 200
     assert len(process.workers()) == 2
@@ -364,8 +394,9 @@ def test_exit_timeout_bounds_shutdown_with_a_stuck_request(serve, make_repo):
     time.sleep(0.5)
     code, took = process.stop(signal.SIGTERM, timeout=60)
     thread.join(timeout=40)
-    assert code == 0, process.output()
+    assert code == 1, process.output()  # as tritonserver: a request was dropped
     assert "still had requests in flight" in process.stderr, process.output()
+    assert "failed to stop server: Internal - Exit timeout expired. Exiting immediately." in process.stderr
     process.assert_clean()  # the stuck worker was ended
     assert took < 2.5, f"exit took {took:.1f} s with --exit-timeout-secs 1"
 

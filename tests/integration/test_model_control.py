@@ -357,6 +357,8 @@ def test_poll_mode_picks_up_new_changed_and_removed_models(servers, make_repo):
     assert not server.model("identity").ready()
     with pytest.raises(dlserve.UnavailableError):
         server.load("identity")
+    # gone from the index as well, as in Triton (it stayed listed as UNAVAILABLE "unloaded")
+    assert [row["name"] for row in server.engine.manager.index()] == ["add_sub"]
 
 
 def test_multiple_instances_share_the_load(servers, make_repo):
