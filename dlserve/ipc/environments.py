@@ -59,6 +59,10 @@ PARAMETER = "EXECUTION_ENV_PATH"
 REQUIREMENTS_PARAMETER = "EXECUTION_ENV_REQUIREMENTS"
 MODEL_DIRECTORY = "$$TRITON_MODEL_DIRECTORY"
 ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar")
+# Python 3.11+: the working directory does not go first on the worker's sys.path, so a file
+# there named like a module the worker imports (ssl.py, json.py) cannot stand in for it; the
+# worker puts the directory last once it has started (dlserve.ipc.stub.main).
+SAFE_PATH = "PYTHONSAFEPATH"
 # Run by the environment's Python: put the server's paths after its own, then start the stub.
 _BOOTSTRAP = (
     "import os, runpy, sys; "
@@ -94,6 +98,7 @@ class ExecutionEnvironment:
         marker = "CONDA_PREFIX" if (self.root / "conda-meta").is_dir() else "VIRTUAL_ENV"
         env[marker] = str(self.root)
         env["DLSERVE_FALLBACK_PATH"] = os.pathsep.join(self.fallback)
+        env[SAFE_PATH] = "1"
         return [str(self.python), "-c", _BOOTSTRAP], env
 
 
@@ -105,6 +110,7 @@ class ServerPython:
         """As :meth:`ExecutionEnvironment.launch`."""
         env = dict(base)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_ROOT, base.get("PYTHONPATH", "")) if p)
+        env[SAFE_PATH] = "1"
         return [sys.executable, "-m", "dlserve.ipc.stub"], env
 
 

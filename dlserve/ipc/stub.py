@@ -397,6 +397,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--poll-board", type=int, help="descriptor of the server's PollerBoard")
     parser.add_argument("--poll-slot", type=int, help="this worker's slot on it")
     args = parser.parse_args(argv)
+    # Started with the working directory off sys.path (environments.SAFE_PATH): models may
+    # still import from it, after everything else, and what they start runs as usual.
+    os.environ.pop("PYTHONSAFEPATH", None)
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
     # A crash in native code (an extension's segfault) prints the Python stack first: the
     # server passes the worker's last output on with the news of its death.
     faulthandler.enable()

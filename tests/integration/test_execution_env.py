@@ -398,3 +398,37 @@ def test_stopping_the_server_kills_a_build_in_progress(make_repo, servers, tmp_p
     assert time.monotonic() - started < 15
     assert errors and isinstance(errors[0], dlserve.TritonError)
     assert not [p for p in me.children(recursive=True) if "pip" in " ".join(p.cmdline())]
+
+
+CWD_MODEL = """
+import helper_in_cwd
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [
+            pb_utils.InferenceResponse([pb_utils.Tensor("Y", pb_utils.get_input_tensor_by_name(r, "X").as_numpy()
+                                                          + helper_in_cwd.VALUE)])
+            for r in requests
+        ]
+"""
+CWD_CONFIG = (
+    'backend: "python"\ninput [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
+    'output [ { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
+)
+
+
+def test_the_working_directory_cannot_shadow_what_a_worker_imports(make_repo, servers, tmp_path, monkeypatch):
+    """A file named like a module the worker imports (here ssl.py) in the directory the
+    server runs in killed every worker as it started; models still import from there."""
+    workdir = tmp_path / "workdir"
+    workdir.mkdir()
+    (workdir / "ssl.py").write_text('raise SystemExit("the working directory\'s ssl.py was imported")\n')
+    (workdir / "helper_in_cwd.py").write_text("VALUE = 41\n")
+    repo = make_repo(extra={"uses_cwd": {"config.pbtxt": CWD_CONFIG, "1/model.py": CWD_MODEL}})
+    monkeypatch.chdir(workdir)
+    server = servers.start(repo)
+    (response,) = server.model("uses_cwd").infer(inputs={"X": np.ones(1, np.float32)})
+    assert response.outputs["Y"].as_numpy().tolist() == [42.0]
+
