@@ -253,7 +253,7 @@ class Engine:
         """Whether the version serves requests; asks the model's ``is_ready()`` if it has one."""
         try:
             model = self.model(name, version, namespace)
-        except (NotFoundError, InvalidArgumentError):  # unknown, or ambiguous (namespacing)
+        except (NotFoundError, UnavailableError, InvalidArgumentError):  # unknown, failed, ambiguous
             return False
         return await model.check_ready()
 
@@ -281,7 +281,7 @@ class Engine:
                 else:
                     entry = self.manager.models.find(name)
                     models = list(entry.versions.values()) if entry else []
-            except NotFoundError:
+            except (NotFoundError, UnavailableError):  # (unknown, or a version that failed)
                 models = []
             if not models:
                 if version >= 0 and self.manager.models.find(name):

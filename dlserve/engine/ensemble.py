@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dlserve.engine.proto import model_config_pb2 as mc
 from dlserve.engine.request import SEQUENCE_END, SEQUENCE_START, Request, Response
@@ -114,6 +114,37 @@ def check_step(config: mc.ModelConfig, model_name: str, step: Step, step_config:
             f"contains model {step.model} which only allows maximum batch size to be "
             f"{step_config.max_batch_size}"
         )
+    # An ensemble input or output the step reads or makes must agree with the step's.
+    own_inputs = {t.name: t for t in step_config.input}
+    own_outputs = {t.name: t for t in step_config.output}
+    for declared in config.input:
+        for own, tensor in step.inputs.items():
+            if tensor == declared.name:
+                _agree(model_name, config, declared, step.model, step_config, own_inputs[own])
+    for declared in config.output:
+        for own, tensor in step.outputs.items():
+            if tensor == declared.name:
+                _agree(model_name, config, declared, step.model, step_config, own_outputs[own])
+
+
+def _agree(
+    name: str, config: mc.ModelConfig, declared: Any, step_model: str, step_config: mc.ModelConfig, own: Any
+) -> None:
+    """The ensemble's tensor and the step's have one data type and compatible shapes
+    (batch dimension included, -1 matching any size); Triton's words otherwise."""
+    where = f"in ensemble {name}, ensemble tensor {declared.name}"
+    if declared.data_type != own.data_type:
+        raise InvalidArgumentError(
+            f"{where}: inconsistent data type: {mc.DataType.Name(declared.data_type)} is inferred from "
+            f"model {name} while {mc.DataType.Name(own.data_type)} is inferred from model {step_model}"
+        )
+    ours = ([-1] if config.max_batch_size > 0 else []) + list(declared.dims)
+    theirs = ([-1] if step_config.max_batch_size > 0 else []) + list(own.dims)
+    if len(ours) != len(theirs) or any(a != b and -1 not in (a, b) for a, b in zip(ours, theirs)):
+        raise InvalidArgumentError(
+            f"{where}: inconsistent shape: [{','.join(map(str, ours))}] is inferred from model {name} "
+            f"while [{','.join(map(str, theirs))}] is inferred from model {step_model}"
+        )
 
 
 class EnsembleScheduler(Scheduler):
@@ -152,9 +183,10 @@ class _Branch:
         self.downstream: dict[int, list[int]] = {}
 
     def advance(self) -> None:
-        """Start every step whose inputs all exist; end the branch when none is left."""
-        steps = self.run.steps
-        for index in [i for i in self.waiting if set(steps[i].inputs.values()) <= self.tensors.keys()]:
+        """Start every step whose inputs all exist (or are optional inputs the request
+        left out); end the branch when none is left."""
+        steps, absent = self.run.steps, self.run.absent
+        for index in [i for i in self.waiting if set(steps[i].inputs.values()) - absent <= self.tensors.keys()]:
             self.waiting.remove(index)
             self.run.start(self, index)
             if self.run.request.finished:
@@ -190,6 +222,8 @@ class _Run:
         self.started_ns = time.monotonic_ns()
         self.compute_ns = [0, 0, 0]  # the finished steps' compute input, infer, output
         self.branches: list[_Branch] = []
+        # Optional ensemble inputs the request left out: the steps reading them run without.
+        self.absent = {t.name for t in scheduler.model.config.input if t.optional} - request.inputs.keys()
         request.cancel_hook = self.cancel
         self.root = self._branch(dict(request.inputs), list(range(len(self.steps))))
 
@@ -203,7 +237,7 @@ class _Run:
         request = self.request
         call = Request(
             model_name=step.model,
-            inputs={name: branch.tensors[tensor] for name, tensor in step.inputs.items()},
+            inputs={name: branch.tensors[tensor] for name, tensor in step.inputs.items() if tensor in branch.tensors},
             on_response=functools.partial(self._answered, branch, index),
             model_version=step.version,
             request_id=request.request_id,

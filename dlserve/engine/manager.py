@@ -207,7 +207,7 @@ class ModelManager:
                 for key in [source.key] if source is not None else listed:
                     entry = self.models.entry(key)
                     if not entry.versions and not entry.tried:  # (a version's failure is listed already)
-                        entry.error = exc.message
+                        entry.error = _listed(exc)
             return exc
 
     async def stop(self, deadline: float) -> bool:
@@ -311,7 +311,7 @@ class ModelManager:
             except TritonError as exc:
                 if not entry.tried:  # (before its versions were known: the model's own error)
                     if not entry.versions:
-                        entry.error = exc.message
+                        entry.error = _listed(exc)
                     raise
                 # Its versions failed: said as Triton says it, in the index and to the loader.
                 reason = f"{exc.code.words}: {exc.message}"
@@ -383,6 +383,11 @@ class ModelManager:
             steps = await self._load_steps(source, config)
             try:
                 self._check_steps(name, config)
+            except TritonError as exc:  # (Triton's prefix for what it finds at this stage)
+                await self._unload_unused(steps)
+                failure = type(exc)(f"load failed for model '{name}': {exc.message}\n")
+                failure.listed = exc.message  # type: ignore[attr-defined]  # the index's reason
+                raise failure from None
             except BaseException:
                 await self._unload_unused(steps)
                 raise
@@ -443,9 +448,10 @@ class ModelManager:
             if entry is not None and entry.latest_loaded() is not None:
                 continue
             found = listed.get(key)
+            if not isinstance(found, ModelSource):  # none in the repository (an upload unloaded since)
+                await self._unload_unused(loaded)
+                raise InvalidArgumentError(f"load failed for model '{name}': {_unavailable_steps(name, key[1])}\n")
             try:
-                if not isinstance(found, ModelSource):  # an upload unloaded since, or gone
-                    raise NotFoundError(f"failed to load '{key[1]}', failed to poll from model repository")
                 await self._load_source(await self._fetch_source(found), as_step=True)
             except TritonError as exc:
                 await self._unload_unused(loaded)
@@ -469,10 +475,12 @@ class ModelManager:
             model = entry.latest_loaded() if entry is not None else None
             if entry is None or model is None:
                 source = self.repository.scan().get(key)
-                if isinstance(source, ModelSource):
-                    with contextlib.suppress(TritonError):
-                        listed = self.repository.read_config(source)
-                        decoupled |= bool(listed and listed.model_transaction_policy.decoupled)
+                if not isinstance(source, ModelSource) or (entry is not None and entry.error):
+                    # None such, or it failed to load: the ensemble cannot run (Triton's words)
+                    raise InvalidArgumentError(_unavailable_steps(name, step.model))
+                with contextlib.suppress(TritonError):
+                    listed = self.repository.read_config(source)
+                    decoupled |= bool(listed and listed.model_transaction_policy.decoupled)
                 continue
             if step.version >= 0:
                 model = entry.versions.get(step.version)
@@ -630,3 +638,14 @@ class ModelManager:
                 log.warning("repository poll skipped: %s", exc.message)
             except Exception:  # noqa: BLE001 - a poll must never kill the loop
                 log.exception("repository poll failed")
+
+
+def _listed(exc: TritonError) -> str:
+    """What the index says of a failed load: the error, without the prefix the loader
+    gets (see _load_versions)."""
+    return getattr(exc, "listed", exc.message)
+
+
+def _unavailable_steps(ensemble_name: str, step: str) -> str:
+    return f"ensemble {ensemble_name} contains models that are not available or ambiguous: {step}"
+

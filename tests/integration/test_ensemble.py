@@ -283,13 +283,23 @@ def stats_of(server: dlserve.Server, model: str) -> dict:
     return server.model(model).statistics()["model_stats"][0]
 
 
-def test_a_step_model_that_is_not_loaded_is_a_clear_error(make_repo, servers):
+def test_an_ensemble_whose_step_model_is_missing_fails_to_load_as_in_triton(make_repo, servers):
+    """Triton 2.51 (measured) refuses it at load in these words (it loaded READY here and
+    failed every request)."""
     repo = make_repo("pipeline", "identity")  # add_sub is missing
-    server = servers.start(repo)
-    assert not server.model("pipeline").ready()  # ready only when every step's model is
-    (response,) = server.model("pipeline").infer(inputs={"A": A, "B": B}, raise_on_error=False)
-    assert response.error.message.startswith("in ensemble 'pipeline', ")
-    assert "add_sub" in response.error.message
+    server = servers.start(repo, exit_on_error=False)
+    assert not server.model("pipeline").ready()
+    (row,) = [r for r in server.engine.manager.index() if r["name"] == "pipeline"]
+    assert (row["state"], row["reason"]) == (
+        "UNAVAILABLE", "ensemble pipeline contains models that are not available or ambiguous: add_sub"
+    )
+    explicit = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT)
+    with pytest.raises(dlserve.InvalidArgumentError) as info:
+        explicit.load("pipeline")
+    assert str(info.value) == (
+        "load failed for model 'pipeline': ensemble pipeline contains models that are not "
+        "available or ambiguous: add_sub\n"
+    )
 
 
 def test_explicit_mode_loading_an_ensemble_loads_its_steps(make_repo, servers):
@@ -424,13 +434,16 @@ def test_a_bad_ensemble_config_is_refused_with_the_reason(make_repo, servers, st
         server.load("bad", {"config": config_json(text), "file:1/.keep": b""})
 
 
-def _ensemble_over(step: str, input_key: str = "INPUT0", output_key: str = "OUTPUT0", version: int = -1, batch: int = 0) -> dict[str, str]:
+def _ensemble_over(
+    step: str, input_key: str = "INPUT0", output_key: str = "OUTPUT0", version: int = -1, batch: int = 0,
+    out_type: str = "TYPE_FP32", in_dims: str = "-1",
+) -> dict[str, str]:
     return {
         "config.pbtxt": f"""
 platform: "ensemble"
 max_batch_size: {batch}
-input [ {{ name: "EIN" data_type: TYPE_FP32 dims: [ -1 ] }} ]
-output [ {{ name: "EOUT" data_type: TYPE_FP32 dims: [ -1 ] }} ]
+input [ {{ name: "EIN" data_type: TYPE_FP32 dims: [ {in_dims} ] }} ]
+output [ {{ name: "EOUT" data_type: {out_type} dims: [ -1 ] }} ]
 ensemble_scheduling {{ step [ {{ model_name: "{step}" model_version: {version}
   input_map {{ key: "{input_key}" value: "EIN" }} output_map {{ key: "{output_key}" value: "EOUT" }} }} ] }}
 """,
@@ -449,6 +462,8 @@ def test_an_ensemble_that_does_not_fit_its_steps_fails_to_load_as_in_triton(make
             "a_bad_output": _ensemble_over("identity", output_key="NOPE"),
             "a_pinned_missing": _ensemble_over("identity", version=7),
             "a_bigger_batches": _ensemble_over("identity", batch=8),
+            "a_other_type": _ensemble_over("identity", out_type="TYPE_INT32"),
+            "a_other_shape": _ensemble_over("identity", in_dims="2, 3"),
             "a_fine": _ensemble_over("identity"),
         },
     )
@@ -460,6 +475,62 @@ def test_an_ensemble_that_does_not_fit_its_steps_fails_to_load_as_in_triton(make
         "a_pinned_missing": "ensemble 'a_pinned_missing' depends on 'identity' whose required version 7 is not loaded.",
         "a_bigger_batches": "ensemble a_bigger_batches allows maximum batch size 8, but it contains model "
         "identity which only allows maximum batch size to be 0",
+        # (both loaded and answered with another type or shape than their metadata said)
+        "a_other_type": "in ensemble a_other_type, ensemble tensor EOUT: inconsistent data type: TYPE_INT32 "
+        "is inferred from model a_other_type while TYPE_FP32 is inferred from model identity",
+        "a_other_shape": "in ensemble a_other_shape, ensemble tensor EIN: inconsistent shape: [2,3] is "
+        "inferred from model a_other_shape while [-1] is inferred from model identity",
     }
     (response,) = server.model("a_fine").infer(inputs={"EIN": np.arange(3, dtype=np.float32)})
     np.testing.assert_array_equal(response.outputs["EOUT"].as_numpy(), np.arange(3))
+
+
+OPTIONAL_STEP_CONFIG = """
+backend: "python"
+input [
+  { name: "X" data_type: TYPE_FP32 dims: [ -1 ] },
+  { name: "OPT" data_type: TYPE_FP32 dims: [ -1 ] optional: true }
+]
+output [ { name: "Y" data_type: TYPE_FP32 dims: [ -1 ] } ]
+"""
+OPTIONAL_STEP_MODEL = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            opt = pb_utils.get_input_tensor_by_name(request, "OPT")
+            y = x * 2 if opt is None else x + opt.as_numpy()
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", y)]))
+        return responses
+"""
+OPTIONAL_ENSEMBLE = """
+platform: "ensemble"
+input [
+  { name: "EX" data_type: TYPE_FP32 dims: [ -1 ] },
+  { name: "EOPT" data_type: TYPE_FP32 dims: [ -1 ] optional: true }
+]
+output [ { name: "EY" data_type: TYPE_FP32 dims: [ -1 ] } ]
+ensemble_scheduling { step [ { model_name: "opt_step" model_version: -1
+  input_map { key: "X" value: "EX" } input_map { key: "OPT" value: "EOPT" }
+  output_map { key: "Y" value: "EY" } } ] }
+"""
+
+
+def test_an_optional_input_the_request_leaves_out_is_left_out_of_the_steps(make_repo, servers):
+    """As in Triton: the step runs without it (the request waited forever for a tensor
+    that would never come)."""
+    repo = make_repo(extra={
+        "opt_step": {"config.pbtxt": OPTIONAL_STEP_CONFIG, "1/model.py": OPTIONAL_STEP_MODEL},
+        "opt_ensemble": {"config.pbtxt": OPTIONAL_ENSEMBLE, "1/.keep": ""},
+    })
+    server = servers.start(repo)
+    x = np.array([1.0, 2.0], dtype=np.float32)
+    (without,) = server.model("opt_ensemble").infer(inputs={"EX": x})
+    assert without.outputs["EY"].as_numpy().tolist() == [2.0, 4.0]
+    (given,) = server.model("opt_ensemble").infer(inputs={"EX": x, "EOPT": np.ones(2, np.float32)})
+    assert given.outputs["EY"].as_numpy().tolist() == [2.0, 3.0]
+
