@@ -301,6 +301,17 @@ class ModelManager:
         for result in results:
             if isinstance(result, BaseException):
                 raise result
+        await self._reload_waiting([source.key for source in sources])
+
+    async def _reload_waiting(self, loaded: list[ModelKey]) -> None:
+        """Ensembles unloaded with these step models load again, as Triton's do, once
+        every step they lost is back."""
+        for user in list(self.models.values()):
+            if user.waits_for & set(loaded):
+                user.waits_for -= set(loaded)
+                if not user.waits_for and not user.versions:
+                    log.info("loading ensemble '%s' again: its step models are back", user.name)
+                    await self._load_guarded(user.name)
 
     async def _load_source(self, source: ModelSource, config: str | None = None, as_step: bool = False) -> None:
         entry = self.models.entry(source.key)
@@ -324,6 +335,7 @@ class ModelManager:
                 entry.loading = False
             old = entry.versions
             entry.versions, entry.error, entry.unloaded, entry.tried = loaded, "", [], []
+            entry.waits_for.clear()
             entry.as_step = as_step
             entry.fingerprint = source.fingerprint()
             await asyncio.gather(*(v.unload(self._deadline()) for v in old.values()))
@@ -556,6 +568,7 @@ class ModelManager:
         for entry in self.models.named(name):
             steps = self._steps_of(entry) if unload_dependents else set()
             await self._unload_with_users(entry)
+            entry.waits_for.clear()  # unloaded by name: it stays unloaded
             await self._unload_unused(steps)
 
     async def _unload_unused(self, keys: Iterable[ModelKey]) -> None:
@@ -585,6 +598,7 @@ class ModelManager:
     async def _unload_with_users(self, entry: ModelEntry) -> None:
         for user in self._users_of(entry.key):
             log.info("unloading ensemble '%s': it uses '%s', which is being unloaded", user[1], entry.name)
+            self.models[user].waits_for.add(entry.key)
             await self._unload_with_users(self.models[user])
         await self._unload_entry(entry)
 
@@ -623,6 +637,8 @@ class ModelManager:
                 continue
             log.info("model '%s' is new or changed; loading", source.name)
             failure = await self._load_guarded(source)
+            if failure is None:
+                await self._reload_waiting([key])
             if failure is not None and key in self.models:
                 # A model that failed to load is tried again once it changes; one the
                 # store failed to hand over, at the next poll.

@@ -33,6 +33,8 @@ class ModelEntry:
     # Loaded only because an ensemble needs it (not asked for by name): unloading that
     # ensemble with unload_dependents takes it too, as in Triton.
     as_step: bool = False
+    # An ensemble unloaded because these step models were: it loads again once they have.
+    waits_for: set[ModelKey] = dataclasses.field(default_factory=set)
 
     @property
     def key(self) -> ModelKey:

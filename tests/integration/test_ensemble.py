@@ -396,6 +396,16 @@ def test_unloading_a_step_model_unloads_the_ensembles_that_use_it(make_repo, ser
     assert states["pipeline"] == states["add_sub"] == ("UNAVAILABLE", "unloaded")
     assert states["identity"][0] == "READY"
     assert server.ready()  # what is loaded is ready
+    # loaded again, it brings the ensemble back with it, as Triton does
+    server.load("add_sub")
+    assert server.model("pipeline").ready()
+    (response,) = server.model("pipeline").infer(inputs={"A": A, "B": B})
+    assert outputs(response)["SUM"] == (A + B).tolist()
+    # an ensemble unloaded by name stays unloaded when its steps come and go
+    server.unload("pipeline")
+    server.unload("add_sub")
+    server.load("add_sub")
+    assert not server.model("pipeline").ready()
 
 
 @pytest.mark.parametrize(
