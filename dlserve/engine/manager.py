@@ -397,9 +397,7 @@ class ModelManager:
                 self._check_steps(name, config)
             except TritonError as exc:  # (Triton's prefix for what it finds at this stage)
                 await self._unload_unused(steps)
-                failure = type(exc)(f"load failed for model '{name}': {exc.message}\n")
-                failure.listed = exc.message  # type: ignore[attr-defined]  # the index's reason
-                raise failure from None
+                raise _load_failed(name, exc) from None
             except BaseException:
                 await self._unload_unused(steps)
                 raise
@@ -462,7 +460,7 @@ class ModelManager:
             found = listed.get(key)
             if not isinstance(found, ModelSource):  # none in the repository (an upload unloaded since)
                 await self._unload_unused(loaded)
-                raise InvalidArgumentError(f"load failed for model '{name}': {_unavailable_steps(name, key[1])}\n")
+                raise _load_failed(name, InvalidArgumentError(_unavailable_steps(name, key[1])))
             try:
                 await self._load_source(await self._fetch_source(found), as_step=True)
             except TritonError as exc:
@@ -656,9 +654,16 @@ class ModelManager:
                 log.exception("repository poll failed")
 
 
+def _load_failed(name: str, exc: TritonError) -> TritonError:
+    """``exc`` as Triton words an ensemble's failure at load for the loader; the index
+    lists it without the prefix (:func:`_listed`)."""
+    failure = type(exc)(f"load failed for model '{name}': {exc.message}\n")
+    failure.listed = exc.message  # type: ignore[attr-defined]
+    return failure
+
+
 def _listed(exc: TritonError) -> str:
-    """What the index says of a failed load: the error, without the prefix the loader
-    gets (see _load_versions)."""
+    """What the index says of a failed load (see :func:`_load_failed`)."""
     return getattr(exc, "listed", exc.message)
 
 
