@@ -36,7 +36,7 @@ from dlserve.errors import (
     UnsupportedError,
 )
 from dlserve.memory.dtypes import DataType
-from dlserve.memory.tensor import Tensor
+from dlserve.memory.tensor import Tensor, is_host_memory
 
 T = TypeVar("T")
 _MIB = 1 << 20
@@ -253,7 +253,7 @@ class InferenceResponse:
     """One response; ``outputs`` are :class:`dlserve.Tensor` views of shared memory."""
 
     model: Model
-    request_id: str | None = None
+    request_id: str = ""
     parameters: dict[str, Any] = dataclasses.field(default_factory=dict)
     outputs: dict[str, Tensor] = dataclasses.field(default_factory=dict)
     error: TritonError | None = None
@@ -273,7 +273,7 @@ def _engine_request(request: InferenceRequest, deliver: Any) -> Request:
             raise InvalidArgumentError(
                 f"Unsupported Value. Can't convert {type(value)} to Request Parameter ('{key}')"
             )
-    if request.output_memory_type not in (None, "cpu", "CPU", 0):
+    if not is_host_memory(request.output_memory_type):
         raise InvalidArgumentError(
             f"output memory type {request.output_memory_type!r} is not supported without CUDA"
         )
@@ -294,6 +294,18 @@ def _engine_request(request: InferenceRequest, deliver: Any) -> Request:
     )
 
 
+def _public(server: Server, response: Response) -> InferenceResponse:
+    """The engine's response as the API gives it (to the iterator and a response_queue)."""
+    return InferenceResponse(
+        model=Model(server, response.model_name, response.model_version),
+        request_id=response.request_id,  # ('' without one, as tritonserver's)
+        parameters=response.parameters,
+        outputs=response.outputs,
+        error=response.error,
+        final=response.final,
+    )
+
+
 class _Iterator:
     """Shared state of the sync and async response iterators."""
 
@@ -304,20 +316,11 @@ class _Iterator:
         self._raise_on_error = raise_on_error
         self._done = False
 
-    def _convert(self, response: Response) -> InferenceResponse:
+    def _hand_out(self, response: InferenceResponse) -> InferenceResponse:
         self._done = response.final
-        model = Model(self._server, response.model_name, response.model_version)
-        result = InferenceResponse(
-            model=model,
-            request_id=response.request_id or None,
-            parameters=response.parameters,
-            outputs=response.outputs,
-            error=response.error,
-            final=response.final,
-        )
         if response.error is not None and self._raise_on_error:
             raise response.error
-        return result
+        return response
 
     def cancel(self) -> None:
         """Cancel the request: the iterator ends with a CANCELLED response at once; a
@@ -327,7 +330,7 @@ class _Iterator:
 
 class ResponseIterator(_Iterator):
     def __init__(self, server: Server, model: Model, request: Request, raise_on_error: bool,
-                 responses: queue.SimpleQueue[Response]) -> None:
+                 responses: queue.SimpleQueue[InferenceResponse]) -> None:
         super().__init__(server, model, request, raise_on_error)
         self._responses = responses
 
@@ -337,12 +340,12 @@ class ResponseIterator(_Iterator):
     def __next__(self) -> InferenceResponse:
         if self._done:
             raise StopIteration
-        return self._convert(self._responses.get())
+        return self._hand_out(self._responses.get())
 
 
 class AsyncResponseIterator(_Iterator):
     def __init__(self, server: Server, model: Model, request: Request, raise_on_error: bool,
-                 responses: asyncio.Queue[Response]) -> None:
+                 responses: asyncio.Queue[InferenceResponse]) -> None:
         super().__init__(server, model, request, raise_on_error)
         self._responses = responses
 
@@ -352,7 +355,7 @@ class AsyncResponseIterator(_Iterator):
     async def __anext__(self) -> InferenceResponse:
         if self._done:
             raise StopAsyncIteration
-        return self._convert(await self._responses.get())
+        return self._hand_out(await self._responses.get())
 
 
 class Model:
@@ -399,16 +402,25 @@ class Model:
         Bad requests (unknown model, wrong dtype or shape, ...) raise here; with
         ``raise_on_error`` an error response raises while iterating.
         """
-        responses: queue.SimpleQueue[Response] = queue.SimpleQueue()
-        user_queue = getattr(inference_request, "response_queue", None) or kwargs.get("response_queue")
+        # A response_queue (tritonserver's) is where the responses go: the iterator reads it too.
+        responses = self._response_queue(inference_request, kwargs, queue.SimpleQueue, "queue.SimpleQueue")
+        server = self._server
 
         def deliver(response: Response) -> None:
-            responses.put(response)
-            if user_queue is not None:
-                user_queue.put(response)
+            responses.put(_public(server, response))
 
         request = self._start(inference_request, kwargs, deliver)
         return ResponseIterator(self._server, self, request, raise_on_error, responses)
+
+    @staticmethod
+    def _response_queue(request: InferenceRequest | None, kwargs: dict[str, Any], kind: type, what: str) -> Any:
+        given = request.response_queue if request is not None else kwargs.get("response_queue")
+        if given is None:
+            return kind()
+        if not isinstance(given, kind):  # (tritonserver's words)
+            iterator = "async response iterator" if kind is asyncio.Queue else "response iterator"
+            raise InvalidArgumentError(f"{what} must be used for {iterator}")
+        return given
 
     def async_infer(
         self,
@@ -418,10 +430,11 @@ class Model:
     ) -> AsyncResponseIterator:
         """Like :meth:`infer`, for ``async for`` on the caller's running event loop."""
         loop = asyncio.get_running_loop()
-        responses: asyncio.Queue[Response] = asyncio.Queue()
+        responses = self._response_queue(inference_request, kwargs, asyncio.Queue, "asyncio.Queue")
+        server = self._server
 
         def deliver(response: Response) -> None:
-            loop.call_soon_threadsafe(responses.put_nowait, response)
+            loop.call_soon_threadsafe(responses.put_nowait, _public(server, response))
 
         request = self._start(inference_request, kwargs, deliver)
         return AsyncResponseIterator(self._server, self, request, raise_on_error, responses)

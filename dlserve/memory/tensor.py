@@ -50,6 +50,33 @@ class MemoryType(enum.IntEnum):
     GPU = 2
 
 
+_MEMORY_WORDS = {"cpu": MemoryType.CPU, "cpu_pinned": MemoryType.CPU_PINNED, "gpu": MemoryType.GPU,
+                 "cuda": MemoryType.GPU}
+
+
+def is_host_memory(where: Any) -> bool:
+    """Whether a memory type or device, in any of the forms ``tritonserver`` takes
+    (``"cpu"``, ``"cpu:0"``, ``MemoryType.CPU_PINNED``, ``(MemoryType.CPU, 0)``,
+    ``(DLDeviceType.kDLCPU, 0)``, ``"cuda:1"``, None for the default), names host
+    memory rather than a GPU's; InvalidArgumentError for anything else."""
+    if isinstance(where, tuple) and len(where) == 2 and isinstance(where[1], int):
+        where = where[0]
+    if where is None:
+        return True
+    if isinstance(where, DLDeviceType):
+        if where in HOST_DEVICES:
+            return True
+        if where in (DLDeviceType.kDLCUDA, DLDeviceType.kDLCUDAManaged):
+            return False
+    elif isinstance(where, str):
+        kind, _, index = where.lower().partition(":")
+        if kind in _MEMORY_WORDS and (not index or index.isdigit()):
+            return _MEMORY_WORDS[kind] is not MemoryType.GPU
+    elif isinstance(where, int) and not isinstance(where, bool) and where in set(MemoryType):
+        return MemoryType(where) is not MemoryType.GPU
+    raise InvalidArgumentError(f"unsupported memory type or device {where!r}")
+
+
 @dataclasses.dataclass
 class MemoryBuffer:
     """Where a tensor's bytes are: address, kind of memory, device and size."""
@@ -268,11 +295,8 @@ class Tensor:
         return self
 
     def to_device(self, device: Any) -> Tensor:
-        """Only ``"cpu"`` (or ``MemoryType.CPU``) is available without CUDA."""
-        if device in ("cpu", "CPU", MemoryType.CPU, MemoryType.CPU_PINNED) or device == (
-            MemoryType.CPU,
-            0,
-        ):
+        """Only host memory (see :func:`is_host_memory`) is available without CUDA."""
+        if is_host_memory(device):
             return self
         raise UnsupportedError(f"moving a tensor to {device!r} needs CUDA, which is not available")
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import queue
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -48,6 +50,42 @@ def test_server_reports_ready_and_metadata(server):
     models = server.models()
     assert ("add_sub", 1) in models and models[("add_sub", 1)].state == "READY"
     assert server.model("add_sub").ready()
+
+
+def test_a_response_queue_gets_the_responses_as_tritonserver_gives_them(server):
+    """tritonserver's response_queue: the responses go into the caller's queue (the
+    iterator reads that queue too), as the API's InferenceResponse objects."""
+    a = np.arange(16, dtype=np.float32)
+    responses: queue.SimpleQueue = queue.SimpleQueue()
+    server.model("add_sub").infer(inputs={"INPUT0": a, "INPUT1": a}, response_queue=responses)
+    response = responses.get(timeout=10)
+    assert isinstance(response, dlserve.InferenceResponse) and response.final
+    assert response.model.name == "add_sub" and response.request_id == ""
+    np.testing.assert_array_equal(response.outputs["OUTPUT0"].as_numpy(), a + a)
+    with pytest.raises(dlserve.InvalidArgumentError, match="^queue.SimpleQueue must be used for response iterator$"):
+        server.model("add_sub").infer(inputs={"INPUT0": a, "INPUT1": a}, response_queue=queue.Queue())
+
+
+def test_async_infer_takes_an_asyncio_response_queue(server):
+    a = np.arange(16, dtype=np.float32)
+
+    async def run() -> Any:
+        given: asyncio.Queue = asyncio.Queue()
+        server.model("add_sub").async_infer(inputs={"INPUT0": a, "INPUT1": a}, response_queue=given)
+        with pytest.raises(dlserve.InvalidArgumentError, match="^asyncio.Queue must be used for async response iterator$"):
+            server.model("add_sub").async_infer(inputs={"INPUT0": a, "INPUT1": a}, response_queue=queue.SimpleQueue())
+        return await asyncio.wait_for(given.get(), 10)
+
+    response = asyncio.run(run())
+    assert isinstance(response, dlserve.InferenceResponse) and response.final
+    np.testing.assert_array_equal(response.outputs["OUTPUT1"].as_numpy(), np.zeros(16))
+
+
+@pytest.mark.parametrize("where", ["cpu:0", dlserve.MemoryType.CPU_PINNED, (dlserve.MemoryType.CPU, 0),
+                                   (dlserve.DLDeviceType.kDLCPU, 0)], ids=str)
+def test_output_memory_type_takes_tritonservers_host_forms(server, where):
+    a = np.arange(16, dtype=np.float32)
+    assert infer_one(server, "add_sub", inputs={"INPUT0": a, "INPUT1": a}, output_memory_type=where).error is None
 
 
 def test_add_sub(server):

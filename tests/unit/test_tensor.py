@@ -392,7 +392,12 @@ def test_memory_buffer_fields():
     assert (int(MemoryType.CPU), int(MemoryType.CPU_PINNED), int(MemoryType.GPU)) == (0, 1, 2)
 
 
-@pytest.mark.parametrize("device", ["cpu", "CPU", MemoryType.CPU, MemoryType.CPU_PINNED, (MemoryType.CPU, 0)], ids=str)
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", "CPU", "cpu:0", MemoryType.CPU, MemoryType.CPU_PINNED, (MemoryType.CPU, 0), (DLDeviceType.kDLCPU, 0),
+     DLDeviceType.kDLCUDAHost],
+    ids=str,
+)  # (the forms tritonserver's parse_device_or_memory_type takes)
 def test_to_device_cpu_returns_self(device):
     t = Tensor.from_numpy(np.zeros(2, dtype=np.float32))
     assert t.to_device(device) is t
@@ -403,6 +408,13 @@ def test_to_device_cpu_returns_self(device):
 def test_to_device_gpu_is_unsupported(device):
     t = Tensor.from_numpy(np.zeros(2, dtype=np.float32))
     with pytest.raises(UnsupportedError, match="needs CUDA"):
+        t.to_device(device)
+
+
+@pytest.mark.parametrize("device", ["bogus", "cpu:x", 7, (DLDeviceType.kDLOpenCL, 0), object()], ids=str)
+def test_to_device_refuses_what_names_no_memory(device):
+    t = Tensor.from_numpy(np.zeros(2, dtype=np.float32))
+    with pytest.raises(InvalidArgumentError, match="unsupported memory type or device"):
         t.to_device(device)
 
 
