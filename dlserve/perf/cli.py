@@ -1,8 +1,9 @@
 """The ``dlserve perf`` subcommand: perf_analyzer's flags, checked into :class:`Settings`.
 
-Every bad value ends the command with exit status 2 and a one-line reason, the way
-argparse reports its own errors (``dlserve perf: error: ...``). Importing this module
-is cheap: the benchmark's machinery is imported when the command runs.
+Every bad value ends the command with perf_analyzer's exit status for errors (99) and a
+one-line reason, the way argparse reports its own errors (``dlserve perf: error: ...``).
+Importing this module is cheap: the benchmark's machinery is imported when the command
+runs.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import dataclasses
 import math
 import os
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 PROTOCOLS = ("http", "grpc", "inprocess")
 DEFAULT_URLS = {"http": "localhost:8000", "grpc": "localhost:8001"}
@@ -25,13 +26,24 @@ examples:
   dlserve perf -m add_sub --request-rate-range 500:2000:500 --request-distribution poisson
   dlserve perf -m add_sub -i inprocess --model-repository tests/models
 
-exit status: 0 done, 1 a request failed or a measurement never became stable,
-2 bad flags.
+exit status (perf_analyzer's): 0 done, 2 the first level never became stable,
+99 anything else (bad flags, a request failed, no server).
 """
+UNSTABLE = 2  # perf_analyzer's exit status when no measurement became stable
+FAILED = 99  # and for any error, bad flags included
 
 
 class UsageError(Exception):
-    """A flag value that cannot work; reported like argparse's errors (exit 2)."""
+    """A flag value that cannot work; reported like argparse's errors (exit 99)."""
+
+
+class _PerfArgumentParser(argparse.ArgumentParser):
+    """Ends a bad command line with perf_analyzer's exit status (99), not argparse's 2:
+    scripts read 2 as "not stable, try again"."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(FAILED, f"{self.prog}: error: {message}\n")
 
 
 @dataclasses.dataclass
@@ -186,6 +198,7 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    perf.__class__ = _PerfArgumentParser  # (add_parser makes every subcommand's parser of one class)
     perf.set_defaults(perf_parser=perf)
     target = perf.add_argument_group("target")
     target.add_argument("-m", "--model-name", dest="model", required=True, metavar="MODEL",
@@ -403,7 +416,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         settings = settings_from_args(args)
     except UsageError as exc:
-        parser.error(str(exc))  # exits 2
+        parser.error(str(exc))  # exits 99
     from dlserve.perf.profile import main
 
     return main(settings)

@@ -159,11 +159,13 @@ class LoadGenerator:
         while True:
             now = _now()
             while due <= now:
-                if not idle:
-                    self.recorder.delayed += 1
-                    while not idle:
-                        self._slot_freed.clear()
-                        await self._slot_freed.wait()
+                late = not idle
+                while not idle:
+                    self._slot_freed.clear()
+                    await self._slot_freed.wait()
+                # Counted with its sending, in the window that sends it (the wait may
+                # outlast a window: a delayed count above the sent one).
+                self.recorder.delayed += late
                 slot = idle.pop()
                 task = loop.create_task(self._one(slot, payloads[index]))
                 self._in_flight.add(task)

@@ -4,8 +4,9 @@ Per level (a concurrency or a request rate): set the load, discard what ended be
 then measure windows of ``--measurement-interval`` ms -- each with the server's
 statistics read at its end, so the window's server numbers are the delta -- until the
 last 3 are stable or ``--max-trials`` windows have passed. Like perf_analyzer, the sweep
-ends at a level that never became stable (reported, exit status 1) or whose latency
-passed ``--latency-threshold``.
+ends at a level that never became stable or whose latency passed
+``--latency-threshold``; that level is shown but left out of the summary and the CSV
+(exit status 2 when it was the first level: nothing was measured).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from dlserve.perf import report
-from dlserve.perf.cli import Settings, UsageError
+from dlserve.perf.cli import FAILED, UNSTABLE, Settings, UsageError
 from dlserve.perf.clients import ControlClient, RequestError, ServerError, control_client
 from dlserve.perf.inputs import ModelInfo, make_requests
 from dlserve.perf.measure import LevelResult, ServerStats, Window, is_stable, summarize
@@ -27,7 +28,7 @@ from dlserve.perf.workers import LoadGroup, new_event_loop
 
 
 class Failed(Exception):
-    """The benchmark could not go on (exit status 1)."""
+    """The benchmark could not go on (exit status 99)."""
 
 
 def _levels(settings: Settings) -> Iterator[float]:
@@ -46,7 +47,8 @@ class Profiler:
         self.control = control
         self.server_stats = server_stats
         self.progress = report.Progress(settings.progress)
-        self.results: list[LevelResult] = []
+        self.results: list[LevelResult] = []  # the levels measured stable and within the latency limit
+        self.unstable = False
 
     async def _stats(self) -> ServerStats | None:
         if not self.server_stats:
@@ -80,16 +82,18 @@ class Profiler:
                 self._check(group)
             for value in _levels(settings):
                 result = await self._level(group, value)
-                self.results.append(result)
                 report.print_out(report.level_text(result, settings.protocol, header=False) + "\n", self.progress)
                 warning = report.delayed_warning(result)
                 if warning:
                     print(warning, file=sys.stderr)
                 if not result.stable:
+                    self.unstable = True
                     break
                 threshold = settings.latency_threshold_ms
                 if threshold and result.latency_us > threshold * 1000:
+                    report.print_out(f"Measured latency went over the set limit of {threshold} msec.\n", self.progress)
                     break
+                self.results.append(result)
         finally:
             self.progress.clear()
             await group.stop()
@@ -155,9 +159,10 @@ def _probe_statistics(control: ControlClient, settings: Settings) -> bool:
     return ServerStats.from_json(document, settings.model, settings.version) is not None
 
 
-def benchmark(settings: Settings, server: Any = None) -> tuple[list[LevelResult], bool]:
-    """Run the whole benchmark (prints the console report); the results and whether the
-    server's statistics were available."""
+def benchmark(settings: Settings, server: Any = None) -> tuple[list[LevelResult], bool, bool]:
+    """Run the whole benchmark (prints the console report); the levels to report, whether
+    the server's statistics were available, and whether the sweep ended on a level that
+    never became stable."""
     control = control_client(settings, server)
     try:
         info = control.model_info(settings.model, settings.version)
@@ -185,7 +190,7 @@ def benchmark(settings: Settings, server: Any = None) -> tuple[list[LevelResult]
         finally:
             loop.run_until_complete(loop.shutdown_asyncgens())
             loop.close()
-        return results, profiler.server_stats
+        return results, profiler.server_stats, profiler.unstable
     finally:
         control.close()
 
@@ -197,21 +202,23 @@ def main(settings: Settings) -> int:
             from dlserve.perf.clients.inprocess import start_server
 
             server = start_server(settings.model_repository, settings.model)
-        results, server_stats = benchmark(settings, server)
+        results, server_stats, unstable = benchmark(settings, server)
     except UsageError as exc:
         print(f"dlserve perf: error: {exc}", file=sys.stderr)
-        return 2
+        return FAILED
     except (Failed, ServerError, RequestError) as exc:
         print(f"dlserve perf: {exc}", file=sys.stderr)
-        return 1
+        return FAILED
     except KeyboardInterrupt:
         print("dlserve perf: interrupted", file=sys.stderr)
         return 130
     finally:
         if server is not None:
             server.stop()
-    if not results:
-        return 1
+    if unstable:
+        print("Failed to obtain stable measurement.", file=sys.stderr)  # (perf_analyzer's words)
+    if not results and unstable:
+        return UNSTABLE  # nothing measured (no summary, no files): try again
     report.print_out(report.summary_text(results, settings.percentile))
     if settings.csv_file:
         report.write_csv(settings.csv_file, results, settings.mode, server_stats)
@@ -219,4 +226,4 @@ def main(settings: Settings) -> int:
         report.write_json(settings.json_file, settings, results, server_stats)
     if settings.plot_file:
         report.write_plot(settings.plot_file, settings, results)
-    return 0 if all(r.stable for r in results) else 1
+    return 0

@@ -52,12 +52,36 @@ def ready(port: int) -> bool:
         conn.close()
 
 
+SLEEPY_CONFIG = """
+backend: "python"
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]
+"""
+SLEEPY_MODEL = """
+import time
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        time.sleep(0.005)
+        return [
+            pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy())])
+            for r in requests
+        ]
+"""
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
     work = tmp_path_factory.mktemp("perf")
     repo = work / "repo"
     for name in ("add_sub", "identity", "bytes_model", "reshape"):
         shutil.copytree(MODELS / name, repo / name)
+    (repo / "sleepy" / "1").mkdir(parents=True)  # 5 ms per request, always over a 1 ms limit
+    (repo / "sleepy" / "config.pbtxt").write_text(SLEEPY_CONFIG)
+    (repo / "sleepy" / "1" / "model.py").write_text(SLEEPY_MODEL)
     ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
     log_path = work / "serve.log"
     with log_path.open("w") as log:
@@ -164,7 +188,7 @@ def test_a_refused_request_ends_the_run_with_the_servers_message(server, tmp_pat
                                           "INPUT1": {"content": [1.0] * 3, "shape": [3]}}]}))
     protocol = extra[1]
     result = perf("-m", "add_sub", "-u", f"127.0.0.1:{server['ports'][protocol]}", *extra, *QUICK,
-                  "--input-data", str(data), expect=1)
+                  "--input-data", str(data), expect=99)
     assert "a request failed" in result.stderr and "Expected [16], got [3]" in result.stderr, result.stderr
 
 
@@ -191,7 +215,7 @@ def test_system_shared_memory(server, tmp_path, protocol):
 
 def test_output_shared_memory_too_small_fails_clearly(server):
     result = perf("-m", "identity", *url(server, "grpc"), *QUICK, "--shape", "INPUT0:1024",
-                  "--shared-memory", "system", "--output-shared-memory-size", "16", expect=1)
+                  "--shared-memory", "system", "--output-shared-memory-size", "16", expect=99)
     assert "a request failed" in result.stderr
 
 
@@ -268,30 +292,46 @@ def test_plot(server, tmp_path):
 
 # -- failures -----------------------------------------------------------------------------------
 def test_unknown_model(server):
-    result = perf("-m", "nope", *url(server, "http"), *QUICK, expect=1)
+    result = perf("-m", "nope", *url(server, "http"), *QUICK, expect=99)
     assert "nope" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_variable_shape_without_shape(server):
-    result = perf("-m", "identity", *url(server, "http"), *QUICK, expect=2)
+    result = perf("-m", "identity", *url(server, "http"), *QUICK, expect=99)
     assert "--shape INPUT0:1" in result.stderr
 
 
 def test_batch_on_a_model_without_batching(server):
-    result = perf("-m", "add_sub", *url(server, "grpc"), *QUICK, "-b", "2", expect=2)
+    result = perf("-m", "add_sub", *url(server, "grpc"), *QUICK, "-b", "2", expect=99)
     assert "does not support batching" in result.stderr
 
 
-def test_unstable_measurement_exits_1(server, tmp_path):
+def test_unstable_first_level_exits_2_and_writes_no_csv(server, tmp_path):
+    """perf_analyzer's behaviour (measured): a level that never became stable is shown but
+    not reported; when it is the first, exit 2 ("try again") and no CSV."""
     out = tmp_path / "out.csv"
     result = perf("-m", "add_sub", *url(server, "http"), "-p", "100", "-s", "0.0001", "-r", "3",
-                  "-f", str(out), expect=1)
+                  "-f", str(out), expect=2)
     assert "failed to obtain stable measurement within 3 measurement windows for concurrency 1" in result.stderr
-    assert len(read_csv(out)) == 1  # still reported
+    assert "Failed to obtain stable measurement." in result.stderr
+    assert not out.exists()
+
+
+def test_a_level_over_the_latency_limit_ends_the_sweep_unreported(server, tmp_path):
+    """As perf_analyzer: the level that went over --latency-threshold is shown, then the
+    sweep ends without reporting it."""
+    out = tmp_path / "out.csv"
+    perf("-m", "sleepy", *url(server, "http"), "--concurrency-range", "1:2", "-l", "1000",
+         "-p", "300", "-s", "100", "-f", str(out))
+    assert [row["Concurrency"] for row in read_csv(out)] == ["1", "2"]
+    result = perf("-m", "sleepy", *url(server, "http"), "--concurrency-range", "1:2", "-l", "1",
+                  "-p", "300", "-s", "100", "-f", str(out))
+    assert "Measured latency went over the set limit of 1 msec." in result.stdout, result.stdout
+    assert read_csv(out) == []  # (the header only)
 
 
 def test_no_server():
-    result = perf("-m", "add_sub", "-u", f"127.0.0.1:{free_port()}", *QUICK, expect=1)
+    result = perf("-m", "add_sub", "-u", f"127.0.0.1:{free_port()}", *QUICK, expect=99)
     assert "cannot reach the server" in result.stderr
 
 

@@ -1,4 +1,5 @@
-"""``dlserve perf`` flags: ranges, shapes, and bad values (exit 2 with a clear message)."""
+"""``dlserve perf`` flags: ranges, shapes, and bad values (exit 99, perf_analyzer's status
+for errors, with a clear message)."""
 
 from __future__ import annotations
 
@@ -20,10 +21,10 @@ def settings(*argv: str):
 
 
 def usage_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
-    """Run ``dlserve perf ARGV``; it must exit 2; return what it said."""
+    """Run ``dlserve perf ARGV``; it must exit 99; return what it said."""
     with pytest.raises(SystemExit) as exc:
         main(["perf", *argv])
-    assert exc.value.code == 2
+    assert exc.value.code == 99
     err = capsys.readouterr().err
     assert "dlserve perf: error:" in err, err
     return err
