@@ -70,6 +70,8 @@ class Settings:
     shared_memory: str = "none"
     output_shm_size: int = 102400
     streaming: bool = False
+    # --async or --streaming: stable means the throughput is (perf_analyzer's rule there)
+    throughput_only: bool = False
     grpc_transport: str = "h2"
     measurement_interval_ms: int = 5000
     stability_percentage: float = 10.0
@@ -232,7 +234,8 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
                       help="gRPC unary calls on dlserve perf's own lean HTTP/2 connection (h2) or "
                       "through grpcio (grpcio; --streaming always uses grpcio) (default: h2)")
     load.add_argument("-a", "--async", dest="async_mode", action="store_true",
-                      help="accepted for compatibility: requests are always asynchronous (asyncio)")
+                      help="requests are always asynchronous (asyncio); as in perf_analyzer, a level "
+                      "is then stable when its throughput is (as with --streaming)")
     load.add_argument("--sync", action="store_true", help="accepted for compatibility")
 
     data = perf.add_argument_group("input data")
@@ -393,6 +396,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         shared_memory=args.shared_memory,
         output_shm_size=args.output_shared_memory_size,
         streaming=args.streaming,
+        throughput_only=args.async_mode or args.streaming,
         grpc_transport=args.grpc_transport,
         measurement_interval_ms=args.measurement_interval,
         stability_percentage=args.stability_percentage,

@@ -29,12 +29,13 @@ _now = time.perf_counter_ns
 
 
 class Recorder:
-    __slots__ = ("latencies", "send", "recv", "delayed", "sent", "start_ns")
+    __slots__ = ("latencies", "send", "recv", "responses", "delayed", "sent", "start_ns")
 
     def __init__(self) -> None:
         self.latencies: list[int] = []
         self.send = 0
         self.recv = 0
+        self.responses = 0
         self.delayed = 0
         self.sent = 0
         self.start_ns = _now()
@@ -112,6 +113,7 @@ class LoadGenerator:
                 recorder.latencies.append(end - start)
                 recorder.send += send
                 recorder.recv += recv
+                recorder.responses += slot.responses
                 index += 1
                 if index == count:
                     index = 0
@@ -190,6 +192,7 @@ class LoadGenerator:
         recorder.latencies.append(end - start)
         recorder.send += send
         recorder.recv += recv
+        recorder.responses += slot.responses
         self._idle.append(slot)
         self._slot_freed.set()
 
@@ -225,6 +228,7 @@ class LoadGenerator:
             latencies_ns=np.array(recorder.latencies, dtype=np.int64),
             send_ns=recorder.send,
             recv_ns=recorder.recv,
+            responses=recorder.responses,
             delayed=recorder.delayed,
             sent=recorder.sent,
         )

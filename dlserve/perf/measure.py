@@ -30,6 +30,7 @@ class ClientWindow:
     latencies_ns: np.ndarray  # int64, one per request that ended in the window
     send_ns: int = 0  # summed over requests
     recv_ns: int = 0
+    responses: int = 0  # responses with outputs (a decoupled model's: several per request)
     delayed: int = 0  # request-rate mode: requests sent late because every slot was busy
     sent: int = 0  # requests started in the window
 
@@ -45,6 +46,7 @@ class ClientWindow:
             latencies_ns=np.concatenate([p.latencies_ns for p in parts]) if parts else np.empty(0, np.int64),
             send_ns=sum(p.send_ns for p in parts),
             recv_ns=sum(p.recv_ns for p in parts),
+            responses=sum(p.responses for p in parts),
             delayed=sum(p.delayed for p in parts),
             sent=sum(p.sent for p in parts),
         )
@@ -155,15 +157,16 @@ def _within(values: list[float], pct: float) -> bool:
     return high / low <= 1 + pct / 100.0
 
 
-def is_stable(windows: list[Window], pct: float, percentile: int = -1) -> bool:
-    """perf_analyzer's rule over the last 3 windows."""
+def is_stable(windows: list[Window], pct: float, percentile: int = -1, throughput_only: bool = False) -> bool:
+    """perf_analyzer's rule over the last 3 windows (in its async and streaming modes, the
+    throughput alone)."""
     if len(windows) < STABILITY_WINDOW:
         return False
     last = windows[-STABILITY_WINDOW:]
     if any(w.client.count == 0 for w in last):
         return False
-    return _within([w.throughput for w in last], pct) and _within(
-        [w.latency_ns(percentile) for w in last], pct
+    return _within([w.throughput for w in last], pct) and (
+        throughput_only or _within([w.latency_ns(percentile) for w in last], pct)
     )
 
 
@@ -188,6 +191,12 @@ class LevelResult:
     sent: int = 0
     server: dict[str, Any] | None = None
     stability_percentile: int = -1
+    responses: int = 0  # responses with outputs over the level's windows
+    decoupled: bool = False  # a decoupled model's: its response throughput is reported too
+
+    @property
+    def response_throughput(self) -> float:
+        return self.responses / self.duration_s if self.duration_s > 0 else 0.0
 
     @property
     def latency_us(self) -> float:
@@ -203,7 +212,9 @@ class LevelResult:
         return out
 
 
-def summarize(mode: str, value: float, windows: list[Window], stable: bool, percentile: int = -1) -> LevelResult:
+def summarize(
+    mode: str, value: float, windows: list[Window], stable: bool, percentile: int = -1, decoupled: bool = False
+) -> LevelResult:
     """Merge the last 3 windows (fewer if there are fewer) into the level's result."""
     last = windows[-STABILITY_WINDOW:]
     batch = last[0].batch_size if last else 1
@@ -235,4 +246,6 @@ def summarize(mode: str, value: float, windows: list[Window], stable: bool, perc
         sent=sum(w.client.sent for w in last),
         server=server,
         stability_percentile=percentile,
+        responses=sum(w.client.responses for w in last),
+        decoupled=decoupled,
     )

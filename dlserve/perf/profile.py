@@ -139,8 +139,8 @@ class Profiler:
                 latencies = client.latencies_ns
                 avg, std = (latencies.mean() / 1000, latencies.std() / 1000) if client.count else (0, 0)
                 report.print_out(report.pass_text(trial, window.throughput, avg, std) + "\n", self.progress)
-            if is_stable(windows, settings.stability_percentage, settings.percentile):
-                return summarize(mode, value, windows, True, settings.percentile)
+            if is_stable(windows, settings.stability_percentage, settings.percentile, settings.throughput_only):
+                return summarize(mode, value, windows, True, settings.percentile, self.info.decoupled)
         self.progress.clear()
         what = "concurrency" if mode == "concurrency" else "request rate"
         print(
@@ -148,7 +148,7 @@ class Profiler:
             f"windows for {what} {shown}. Please try to increase the --measurement-interval.",
             file=sys.stderr,
         )
-        return summarize(mode, value, windows, False, settings.percentile)
+        return summarize(mode, value, windows, False, settings.percentile, self.info.decoupled)
 
 
 def _probe_statistics(control: ControlClient, settings: Settings) -> bool:

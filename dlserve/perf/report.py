@@ -52,7 +52,10 @@ def settings_text(settings: Any, server_stats: bool) -> str:
         lines.append(f"  Service Kind: TRITON ({PROTOCOL_NAMES[settings.protocol]} {settings.url})")
     lines.append('  Using "time_windows" mode for stabilization')
     metric = "average latency" if settings.percentile < 0 else f"p{settings.percentile}latency"
-    lines.append(f"  Stabilizing using {metric} and throughput")
+    if settings.throughput_only:
+        lines.append("  Stabilizing using average throughput")
+    else:
+        lines.append(f"  Stabilizing using {metric} and throughput")
     lines.append(f"  Measurement window: {settings.measurement_interval_ms} msec")
     if settings.mode == "concurrency":
         lines.append(f"  Latency limit: {settings.latency_threshold_ms} msec")
@@ -90,6 +93,8 @@ def level_text(result: LevelResult, protocol: str, header: bool = True) -> str:
     lines = [level_header(result.mode, result.value)] if header else []
     lines += ["  Client: ", f"    Request count: {result.request_count}"]
     lines.append(f"    Throughput: {pa_number(result.throughput)} infer/sec")
+    if result.decoupled:  # (perf_analyzer's line for a decoupled model)
+        lines.append(f"    Response Throughput: {pa_number(result.response_throughput)} infer/sec")
     if result.stability_percentile < 0:
         lines.append(
             f"    Avg latency: {int(result.avg_latency_us)} usec "
@@ -157,7 +162,10 @@ def summary_text(results: list[LevelResult], percentile: int) -> str:
 
 # -- CSV ---------------------------------------------------------------------------------
 def csv_columns(results: list[LevelResult], mode: str, server_stats: bool) -> list[str]:
-    columns = ["Concurrency" if mode == "concurrency" else "Request Rate", "Inferences/Second", "Client Send"]
+    columns = ["Concurrency" if mode == "concurrency" else "Request Rate", "Inferences/Second"]
+    if results and results[0].decoupled:
+        columns.append("Response Throughput")
+    columns.append("Client Send")
     if server_stats:
         columns += SERVER_COLUMNS
     columns.append("Client Recv")
@@ -169,7 +177,10 @@ def csv_columns(results: list[LevelResult], mode: str, server_stats: bool) -> li
 def csv_rows(results: list[LevelResult], server_stats: bool) -> list[list[str]]:
     rows = []
     for r in sorted(results, key=lambda r: r.throughput):
-        row = [level_label(r.mode, r.value), pa_number(r.throughput), str(int(r.avg_send_us))]
+        row = [level_label(r.mode, r.value), pa_number(r.throughput)]
+        if r.decoupled:
+            row.append(pa_number(r.response_throughput))
+        row.append(str(int(r.avg_send_us)))
         if server_stats:
             s = r.server or {}
             queue = int(s.get("queue_us", 0))

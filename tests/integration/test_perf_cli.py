@@ -77,7 +77,7 @@ class TritonPythonModel:
 def server(tmp_path_factory: pytest.TempPathFactory):
     work = tmp_path_factory.mktemp("perf")
     repo = work / "repo"
-    for name in ("add_sub", "identity", "bytes_model", "reshape"):
+    for name in ("add_sub", "identity", "bytes_model", "reshape", "decoupled"):
         shutil.copytree(MODELS / name, repo / name)
     (repo / "sleepy" / "1").mkdir(parents=True)  # 5 ms per request, always over a 1 ms limit
     (repo / "sleepy" / "config.pbtxt").write_text(SLEEPY_CONFIG)
@@ -198,6 +198,24 @@ def test_grpc_streaming(server, tmp_path):
     assert "Using gRPC streaming" in result.stdout
     (level,) = json.loads(out.read_text())["results"]
     assert level["request_count"] > 0 and level["server"]["success_count"] > 0
+
+
+def test_a_decoupled_model_streams_with_perf_analyzers_response_throughput(server, tmp_path):
+    """perf_analyzer's report and CSV for a decoupled model: a Response Throughput line and
+    column (after Inferences/Second; CSV readers go by position), and stability judged on
+    the throughput alone, as in its streaming mode. Three responses per request here (and
+    a flag-only final, which is no response)."""
+    out = tmp_path / "out.csv"
+    result = perf("-m", "decoupled", *url(server, "grpc"), *QUICK, "--streaming", "--shape", "IN:3",
+                  "--input-data", "zero", "-f", str(out))
+    assert "Stabilizing using average throughput" in result.stdout
+    assert "Response Throughput:" in result.stdout
+    with out.open() as f:
+        header = f.readline().strip().split(",")
+    assert header[:4] == ["Concurrency", "Inferences/Second", "Response Throughput", "Client Send"]
+    (row,) = read_csv(out)
+    ratio = float(row["Response Throughput"]) / float(row["Inferences/Second"])
+    assert abs(ratio - 3) < 0.01, row
 
 
 # -- shared memory ----------------------------------------------------------------------------

@@ -57,6 +57,10 @@ class ControlClient:
 
 
 class Slot:
+    # How many responses with outputs the last request got (a decoupled model's stream:
+    # as many as it sent), for perf_analyzer's "Response Throughput".
+    responses = 1
+
     async def infer(self, payload: Any) -> tuple[int, int]:
         raise NotImplementedError
 

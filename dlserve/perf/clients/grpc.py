@@ -129,6 +129,7 @@ class StreamSlot(Slot):
         if self.call is None:
             self.call = self.method()
         call = self.call
+        self.responses = 0
         try:
             await call.write(payload)
             while True:
@@ -138,8 +139,14 @@ class StreamSlot(Slot):
                     raise RequestError("the server ended the stream")
                 if response[:1] == b"\x0a":
                     raise RequestError(_stream_error(response))
-                if not self.decoupled or _final(response):
+                if not self.decoupled:
+                    self.responses = 1
                     return 0, 0
+                if not _final(response):
+                    self.responses += 1
+                    continue
+                self.responses += _has_outputs(response)  # (a flag-only final is no response)
+                return 0, 0
         except grpc.aio.AioRpcError as exc:
             self.call = None
             raise RequestError(f"gRPC {exc.code().name}: {exc.details()}") from None
@@ -152,6 +159,12 @@ class StreamSlot(Slot):
             except Exception:  # noqa: BLE001 - the stream may be gone already
                 pass
             call.cancel()
+
+
+def _has_outputs(response: bytes) -> bool:
+    from dlserve.frontends.proto import grpc_service_pb2 as pb
+
+    return bool(pb.ModelStreamInferResponse.FromString(response).infer_response.outputs)
 
 
 def _stream_error(response: bytes) -> str:

@@ -71,9 +71,10 @@ class InprocessSlot(Slot):
     async def infer(self, payload: dict[str, Any]) -> tuple[int, int]:
         import dlserve
 
+        self.responses = 0
         try:
-            async for _ in self.model.async_infer(inputs=payload):
-                pass
+            async for response in self.model.async_infer(inputs=payload):
+                self.responses += bool(response.outputs)
         except dlserve.TritonError as exc:
             raise RequestError(str(exc)) from None
         return 0, 0
