@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from urllib.parse import quote
 
 import numpy as np
 
-from dlserve.perf.inputs import ModelInfo, raw_bytes
+from dlserve.memory.dtypes import DataType
+from dlserve.perf.inputs import ModelInfo, TensorInfo, raw_bytes
 from dlserve.perf.shm import Layout, ShmRef
 
 
@@ -40,8 +42,18 @@ def plan_shm(requests: list[dict[str, np.ndarray]], info: ModelInfo, output_size
         {name: layout.add_blob(raw_bytes(array, types[name])) for name, array in request.items()}
         for request in requests
     ]
-    outputs = {t.name: layout.add_area(output_size) for t in info.outputs}
+    batching = info.max_batch_size > 0 and requests and requests[0]
+    batch = next(iter(requests[0].values())).shape[0] if batching else 1
+    outputs = {t.name: layout.add_area(_output_bytes(t, batch, output_size)) for t in info.outputs}
     return ShmPlan(layout, inputs, outputs)
+
+
+def _output_bytes(tensor: TensorInfo, batch: int, given: int) -> int:
+    """An output's region: what its fixed shape takes, as perf_analyzer sizes it; for a
+    variable shape or BYTES, ``--output-shared-memory-size``."""
+    if tensor.datatype == "BYTES" or any(d < 0 for d in tensor.dims):
+        return given
+    return batch * math.prod(tensor.dims) * DataType.from_wire(tensor.datatype).itemsize
 
 
 def model_path(model: str, version: str) -> str:

@@ -231,6 +231,15 @@ def test_system_shared_memory(server, tmp_path, protocol):
     assert set(no_client_segments()) == before, "the client's segment was left behind"
 
 
+def test_fixed_shape_outputs_get_regions_of_their_size(server, tmp_path):
+    """As perf_analyzer: --output-shared-memory-size is for outputs of variable shape (or
+    BYTES); add_sub's [16] FP32 outputs get their 64 bytes whatever it says."""
+    out = tmp_path / "out.csv"
+    perf("-m", "add_sub", *url(server, "http"), *QUICK, "--shared-memory", "system",
+         "--output-shared-memory-size", "4", "-f", str(out))
+    assert len(read_csv(out)) == 1
+
+
 def test_output_shared_memory_too_small_fails_clearly(server):
     result = perf("-m", "identity", *url(server, "grpc"), *QUICK, "--shape", "INPUT0:1024",
                   "--shared-memory", "system", "--output-shared-memory-size", "16", expect=99)
