@@ -74,6 +74,7 @@ class Settings:
     throughput_only: bool = False
     grpc_transport: str = "h2"
     measurement_interval_ms: int = 5000
+    count_windows: int = 0  # count_windows mode: a window ends once this many requests ended
     stability_percentage: float = 10.0
     max_trials: int = 10
     percentile: int = -1
@@ -260,6 +261,11 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     measure = perf.add_argument_group("measurement")
     measure.add_argument("-p", "--measurement-interval", type=_int_at_least(1), default=5000, metavar="MS",
                          help="measurement window in milliseconds (default: 5000)")
+    measure.add_argument("--measurement-mode", choices=["time_windows", "count_windows"], default="time_windows",
+                         help="windows of --measurement-interval, or of --measurement-request-count "
+                         "requests (default: time_windows)")
+    measure.add_argument("--measurement-request-count", type=_int_at_least(1), default=50, metavar="N",
+                         help="requests per window in count_windows mode (default: 50)")
     measure.add_argument("-s", "--stability-percentage", type=_positive_float, default=10.0, metavar="PCT",
                          help="the last 3 windows must agree within this percentage (default: 10)")
     measure.add_argument("-r", "--max-trials", type=_int_at_least(3), default=10, metavar="N",
@@ -399,6 +405,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         throughput_only=args.async_mode or args.streaming,
         grpc_transport=args.grpc_transport,
         measurement_interval_ms=args.measurement_interval,
+        count_windows=args.measurement_request_count if args.measurement_mode == "count_windows" else 0,
         stability_percentage=args.stability_percentage,
         max_trials=args.max_trials,
         percentile=args.percentile,

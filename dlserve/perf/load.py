@@ -219,6 +219,11 @@ class LoadGenerator:
         slots = [await self._slot() for _ in range(max(1, min(concurrency, requests)))]
         await asyncio.gather(*(run(slot) for slot in slots))
 
+    @property
+    def ended(self) -> int:
+        """Requests that ended in the current window."""
+        return len(self.recorder.latencies)
+
     def collect(self) -> ClientWindow:
         """The requests that ended since the last call; starts the next window."""
         recorder, self.recorder = self.recorder, Recorder()

@@ -118,16 +118,19 @@ class Profiler:
                 f" {int(windows[-1].latency_ns(settings.percentile) / 1000)} usec"
                 if windows and self.progress.enabled else ""
             )
-            while True:
-                left = end - time.monotonic()
-                if left <= 0:
-                    break
-                self._check(group)
-                self.progress.update(
-                    f"dlserve perf: {label} {shown} | window {trial}/{settings.max_trials} "
-                    f"| {interval - left:.1f}/{interval:.1f} s{last}"
-                )
-                await asyncio.sleep(min(left, 0.1) if self.progress.enabled else left)
+            if settings.count_windows:
+                await self._count_window(group, settings.count_windows, f"{label} {shown}", trial, last)
+            else:
+                while True:
+                    left = end - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._check(group)
+                    self.progress.update(
+                        f"dlserve perf: {label} {shown} | window {trial}/{settings.max_trials} "
+                        f"| {interval - left:.1f}/{interval:.1f} s{last}"
+                    )
+                    await asyncio.sleep(min(left, 0.1) if self.progress.enabled else left)
             client = await group.collect()
             self._check(group)
             after = await self._stats()
@@ -149,6 +152,16 @@ class Profiler:
             file=sys.stderr,
         )
         return summarize(mode, value, windows, False, settings.percentile, self.info.decoupled)
+
+
+    async def _count_window(self, group: LoadGroup, requests: int, level: str, trial: int, last: str) -> None:
+        """A count_windows window: until ``requests`` requests ended."""
+        while (ended := await group.ended()) < requests:
+            self._check(group)
+            self.progress.update(
+                f"dlserve perf: {level} | window {trial}/{self.settings.max_trials} | {ended}/{requests} requests{last}"
+            )
+            await asyncio.sleep(0.01)
 
 
 def _probe_statistics(control: ControlClient, settings: Settings) -> bool:

@@ -50,13 +50,18 @@ def settings_text(settings: Any, server_stats: bool) -> str:
         lines.append("  Service Kind: dlserve in-process API")
     else:
         lines.append(f"  Service Kind: TRITON ({PROTOCOL_NAMES[settings.protocol]} {settings.url})")
-    lines.append('  Using "time_windows" mode for stabilization')
+    if settings.count_windows:  # (perf_analyzer's lines)
+        lines.append('  Using "count_windows" mode for stabilization')
+        lines.append(f"  Minimum number of samples in each window: {settings.count_windows}")
+    else:
+        lines.append('  Using "time_windows" mode for stabilization')
     metric = "average latency" if settings.percentile < 0 else f"p{settings.percentile}latency"
     if settings.throughput_only:
         lines.append("  Stabilizing using average throughput")
     else:
         lines.append(f"  Stabilizing using {metric} and throughput")
-    lines.append(f"  Measurement window: {settings.measurement_interval_ms} msec")
+    if not settings.count_windows:
+        lines.append(f"  Measurement window: {settings.measurement_interval_ms} msec")
     if settings.mode == "concurrency":
         lines.append(f"  Latency limit: {settings.latency_threshold_ms} msec")
         top = "no limit" if settings.sweep_unbounded else f"{int(max(settings.levels))} concurrent requests"

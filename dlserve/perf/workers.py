@@ -60,6 +60,9 @@ class LocalLoad:
     async def collect(self) -> ClientWindow:
         return self.generator.collect()
 
+    async def ended(self) -> int:
+        return self.generator.ended
+
     async def stop(self) -> None:
         await self.generator.stop()
 
@@ -105,6 +108,9 @@ class RemoteLoad:
 
     async def collect(self) -> ClientWindow:
         return await self._ask("collect")
+
+    async def ended(self) -> int:
+        return int(await self._ask("ended"))
 
     async def stop(self) -> None:
         if self.process.is_alive():
@@ -163,6 +169,8 @@ async def _serve(conn: Any, settings: Any, info: Any, requests: list) -> None:
                     await generator.warmup(*argument)
                 elif command == "collect":
                     value = generator.collect()
+                elif command == "ended":
+                    value = generator.ended
                 elif command == "stop":
                     break
                 reply = ("ok", value, generator.error)
@@ -219,6 +227,10 @@ class LoadGroup:
         await asyncio.gather(*(
             load.warmup(int(count), int(share)) for load, count, share in zip(self.loads, counts, shares)
         ))
+
+    async def ended(self) -> int:
+        """Requests that ended in the window so far (count_windows mode)."""
+        return sum(await asyncio.gather(*(load.ended() for load in self.loads)))
 
     async def collect(self) -> ClientWindow:
         parts = await asyncio.gather(*(load.collect() for load in self.loads))

@@ -231,6 +231,18 @@ def test_system_shared_memory(server, tmp_path, protocol):
     assert set(no_client_segments()) == before, "the client's segment was left behind"
 
 
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_count_windows_mode_measures_windows_of_so_many_requests(server, tmp_path, processes):
+    out = tmp_path / "out.json"
+    result = perf("-m", "add_sub", *url(server, "http"), "--measurement-mode", "count_windows",
+                  "--measurement-request-count", "150", "-s", "1000", "-r", "3", "--processes", processes,
+                  "--json", str(out))
+    assert 'Using "count_windows" mode for stabilization' in result.stdout
+    assert "Minimum number of samples in each window: 150" in result.stdout
+    (level,) = json.loads(out.read_text())["results"]
+    assert level["request_count"] >= 3 * 150  # the last 3 windows, each of at least 150
+
+
 def test_fixed_shape_outputs_get_regions_of_their_size(server, tmp_path):
     """As perf_analyzer: --output-shared-memory-size is for outputs of variable shape (or
     BYTES); add_sub's [16] FP32 outputs get their 64 bytes whatever it says."""
