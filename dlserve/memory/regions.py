@@ -132,7 +132,7 @@ class SystemRegions:
     def unregister(self, name: str | None = None, force: bool = False) -> None:
         """Forget one region (``name``) or all. A region a request uses stays (Triton's
         words and status); with ``force`` (the server stops) every one goes."""
-        if not force and any(region.users for region in self._regions.values()):
+        if not force and any(region.users for region in list(self._regions.values())):
             gc.collect()  # a view only a reference cycle still holds is no use
         with self._lock:
             names = list(self._regions) if name is None else [name]
@@ -175,11 +175,11 @@ class SystemRegions:
             raise InvalidArgumentError(
                 f"shared memory region '{name}' was shrunk by its owner; register it again"
             )
-        with self._lock:
-            region.users += 1
         view = self._space.anchor(
             region.segment, region.offset + offset, byte_size, on_death=lambda: self._let_go(region)
         )
+        with self._lock:
+            region.users += 1
         return np.frombuffer(view, dtype=np.uint8)
 
     def _let_go(self, region: Region) -> None:
