@@ -267,7 +267,10 @@ _PARAMETER_TYPES = (str, int, bool, float)
 def _engine_request(request: InferenceRequest, deliver: Any) -> Request:
     inputs: dict[str, Tensor] = {}
     for name, value in request.inputs.items():
-        inputs[name] = Tensor.from_object(value)
+        try:
+            inputs[name] = Tensor.from_object(value)
+        except (TypeError, ValueError, BufferError) as exc:  # (tritonserver: InvalidArgumentError)
+            raise InvalidArgumentError(f"input '{name}': {exc}") from None
     for key, value in request.parameters.items():
         if type(value) not in _PARAMETER_TYPES:
             raise InvalidArgumentError(

@@ -81,6 +81,17 @@ def test_async_infer_takes_an_asyncio_response_queue(server):
     np.testing.assert_array_equal(response.outputs["OUTPUT1"].as_numpy(), np.zeros(16))
 
 
+@pytest.mark.parametrize(
+    "value,message",
+    [(np.zeros(16, np.complex64), "input 'INPUT0': .*complex64"), (object(), "input of type object")],
+    ids=["complex", "not an array"],
+)
+def test_an_input_that_is_no_tensor_is_an_invalid_argument(server, value, message):
+    """As tritonserver: an InvalidArgumentError (a complex array's TypeError escaped)."""
+    with pytest.raises(dlserve.InvalidArgumentError, match=message):
+        server.model("add_sub").infer(inputs={"INPUT0": value, "INPUT1": np.zeros(16, np.float32)})
+
+
 @pytest.mark.parametrize("where", ["cpu:0", dlserve.MemoryType.CPU_PINNED, (dlserve.MemoryType.CPU, 0),
                                    (dlserve.DLDeviceType.kDLCPU, 0)], ids=str)
 def test_output_memory_type_takes_tritonservers_host_forms(server, where):
