@@ -139,10 +139,18 @@ class Tensor:
 
     @classmethod
     def from_bytes_array(cls, values: Any) -> Tensor:
+        """A BYTES tensor of these elements, held as ``bytes`` (str encoded as UTF-8, anything
+        else as its ``str``), so that ``to_bytes_array`` gives bytes back, as tritonserver's."""
         arr = np.asarray(values, dtype=np.object_) if isinstance(values, list) else np.asarray(values)
         if arr.dtype.kind not in ("O", "S", "U"):
             raise InvalidArgumentError(f"cannot make a BYTES tensor from a {arr.dtype} array")
-        return cls(DataType.BYTES, arr.shape, objects=arr)
+        items = [
+            v if isinstance(v, bytes) else (v if isinstance(v, str) else str(v)).encode("utf-8")
+            for v in arr.ravel().tolist()
+        ]
+        objects = np.empty(len(items), dtype=np.object_)
+        objects[:] = items
+        return cls(DataType.BYTES, arr.shape, objects=objects.reshape(arr.shape))
 
     from_string_array = from_bytes_array
 

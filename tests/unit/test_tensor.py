@@ -249,6 +249,11 @@ def test_from_bytes_array():
     assert t.data_type is DataType.BYTES and t.shape == (2,)
     assert t.storage().tobytes() == b"\x01\x00\x00\x00a\x01\x00\x00\x00b"
     assert Tensor.from_string_array(np.array(["x"])).data_type is DataType.BYTES
+    # bytes back, whatever went in (as tritonserver: str as UTF-8, other items as their str)
+    assert t.to_bytes_array().tolist() == [b"a", b"b"]
+    assert Tensor.from_string_array(["héllo", "b"]).to_bytes_array().tolist() == ["héllo".encode(), b"b"]
+    assert Tensor.from_string_array(np.array(["ab", "c"])).to_bytes_array().tolist() == [b"ab", b"c"]
+    assert Tensor.from_bytes_array(np.array([[1], [2]], dtype=object)).to_bytes_array().tolist() == [[b"1"], [b"2"]]
     with pytest.raises(InvalidArgumentError, match="cannot make a BYTES tensor from a float64"):
         Tensor.from_bytes_array(np.zeros(2))
 
