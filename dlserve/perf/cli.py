@@ -83,6 +83,7 @@ class Settings:
     max_threads: int = 16
     processes: int = 1
     csv_file: str | None = None
+    verbose_csv: bool = False
     json_file: str | None = None
     plot_file: str | None = None
     progress: bool = True
@@ -280,6 +281,8 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     output = perf.add_argument_group("output")
     output.add_argument("-f", "--latency-report-file", dest="csv_file", default=None, metavar="FILE.csv",
                         help="write perf_analyzer's CSV")
+    output.add_argument("--verbose-csv", action="store_true",
+                        help="add perf_analyzer's Avg latency, request/response and response wait columns")
     output.add_argument("--json", dest="json_file", default=None, metavar="FILE.json",
                         help="write every result as JSON")
     output.add_argument("--plot", dest="plot_file", default=None, metavar="FILE.png",
@@ -414,6 +417,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         max_threads=args.max_threads,
         processes=args.processes,
         csv_file=args.csv_file,
+        verbose_csv=args.verbose_csv,
         json_file=args.json_file,
         plot_file=args.plot_file,
         progress=args.progress and sys.stderr.isatty(),

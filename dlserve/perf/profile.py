@@ -234,7 +234,7 @@ def main(settings: Settings) -> int:
         return UNSTABLE  # nothing measured (no summary, no files): try again
     report.print_out(report.summary_text(results, settings.percentile))
     if settings.csv_file:
-        report.write_csv(settings.csv_file, results, settings.mode, server_stats)
+        report.write_csv(settings.csv_file, results, settings.mode, server_stats, settings.verbose_csv)
     if settings.json_file:
         report.write_json(settings.json_file, settings, results, server_stats)
     if settings.plot_file:

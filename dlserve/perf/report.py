@@ -166,7 +166,7 @@ def summary_text(results: list[LevelResult], percentile: int) -> str:
 
 
 # -- CSV ---------------------------------------------------------------------------------
-def csv_columns(results: list[LevelResult], mode: str, server_stats: bool) -> list[str]:
+def csv_columns(results: list[LevelResult], mode: str, server_stats: bool, verbose: bool = False) -> list[str]:
     columns = ["Concurrency" if mode == "concurrency" else "Request Rate", "Inferences/Second"]
     if results and results[0].decoupled:
         columns.append("Response Throughput")
@@ -176,10 +176,12 @@ def csv_columns(results: list[LevelResult], mode: str, server_stats: bool) -> li
     columns.append("Client Recv")
     percentiles = sorted(results[0].percentiles_us) if results else [50, 90, 95, 99]
     columns += [f"p{p} latency" for p in percentiles]
+    if verbose:  # (--verbose-csv, as perf_analyzer's)
+        columns += ["Avg latency", "request/response", "response wait"]
     return columns
 
 
-def csv_rows(results: list[LevelResult], server_stats: bool) -> list[list[str]]:
+def csv_rows(results: list[LevelResult], server_stats: bool, verbose: bool = False) -> list[list[str]]:
     rows = []
     for r in sorted(results, key=lambda r: r.throughput):
         row = [level_label(r.mode, r.value), pa_number(r.throughput)]
@@ -197,15 +199,18 @@ def csv_rows(results: list[LevelResult], server_stats: bool) -> list[list[str]]:
             row += [str(network), str(queue), str(c_in), str(c_infer), str(c_out)]
         row.append(str(int(r.avg_recv_us)))
         row += [str(int(v)) for _, v in sorted(r.percentiles_us.items())]
+        if verbose:  # the average; sending and receiving; the rest of it, waiting for the answer
+            exchange = r.avg_send_us + r.avg_recv_us
+            row += [str(int(r.avg_latency_us)), str(int(exchange)), str(int(r.avg_latency_us - exchange))]
         rows.append(row)
     return rows
 
 
-def write_csv(path: str, results: list[LevelResult], mode: str, server_stats: bool) -> None:
+def write_csv(path: str, results: list[LevelResult], mode: str, server_stats: bool, verbose: bool = False) -> None:
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
-    writer.writerow(csv_columns(results, mode, server_stats))
-    writer.writerows(csv_rows(results, server_stats))
+    writer.writerow(csv_columns(results, mode, server_stats, verbose))
+    writer.writerows(csv_rows(results, server_stats, verbose))
     with open(path, "w", encoding="utf-8") as f:
         f.write(buffer.getvalue())
 

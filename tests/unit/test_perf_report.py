@@ -74,6 +74,27 @@ def test_csv_with_an_extra_percentile(tmp_path):
     assert header[-5:] == ["p50 latency", "p75 latency", "p90 latency", "p95 latency", "p99 latency"]
 
 
+def test_verbose_csv_adds_perf_analyzers_three_columns(tmp_path):
+    path = tmp_path / "out.csv"
+    report.write_csv(str(path), [result(1, 1924.37)], "concurrency", True, verbose=True)
+    header, row = read_csv(path)
+    assert header == [*PA_COLUMNS, "Avg latency", "request/response", "response wait"]
+    # average 516.8; sending + receiving 48.6 + 0.4 = 49; waiting for the answer 467
+    assert row[-3:] == ["516", "49", "467"]
+    assert settings("--verbose-csv").verbose_csv and not settings().verbose_csv
+
+
+def test_a_decoupled_models_response_throughput_follows_inferences_per_second(tmp_path):
+    path = tmp_path / "out.csv"
+    streamed = result(1, 15.2596)
+    streamed.decoupled, streamed.responses = True, 165  # 3 per request, over 3.6 s
+    report.write_csv(str(path), [streamed], "concurrency", True)
+    header, row = read_csv(path)
+    assert header[:3] == ["Concurrency", "Inferences/Second", "Response Throughput"]
+    assert row[1:3] == ["15.2596", "45.8333"]
+    assert "Response Throughput: 45.8333 infer/sec" in report.level_text(streamed, "grpc")
+
+
 def test_numbers_print_like_cpp_streams():
     assert report.pa_number(1924.3712) == "1924.37"
     assert report.pa_number(500.0) == "500"
