@@ -49,7 +49,8 @@ def settings_text(settings: Any, server_stats: bool) -> str:
     if settings.protocol == "inprocess":
         lines.append("  Service Kind: dlserve in-process API")
     else:
-        lines.append(f"  Service Kind: TRITON ({PROTOCOL_NAMES[settings.protocol]} {settings.url})")
+        lines.append("  Service Kind: TRITON")  # (perf_analyzer's line, which scripts match whole)
+        lines.append(f"  Server: {PROTOCOL_NAMES[settings.protocol]} {settings.url}")
     if settings.count_windows:  # (perf_analyzer's lines)
         lines.append('  Using "count_windows" mode for stabilization')
         lines.append(f"  Minimum number of samples in each window: {settings.count_windows}")

@@ -142,6 +142,7 @@ def test_console_text():
     head = report.settings_text(settings("--percentile", "95", "--shared-memory", "system"), False)
     assert "Stabilizing using p95latency and throughput" in head and "system shared memory" in head
     assert "Server-side statistics: not available" in head
+    assert "\n  Service Kind: TRITON\n" in head  # the whole line, as perf_analyzer's
 
 
 def test_plot(tmp_path):
