@@ -219,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for flag in _IGNORED_FLAGS:
         ignored.add_argument(flag, action="append", default=[], metavar="VALUE",
-                             dest="ignored_" + flag.strip("-").replace("-", "_"))
+                             dest=_ignored_dest(flag))
     perf_cli.add_parser(commands)
     return parser
 
@@ -245,10 +245,14 @@ _IGNORED_FLAGS = (
 )
 
 
+def _ignored_dest(flag: str) -> str:
+    return "ignored_" + flag.strip("-").replace("-", "_")
+
+
 def _warn_ignored(args: argparse.Namespace) -> None:
     log = logging.getLogger("dlserve")
     for flag in _IGNORED_FLAGS:
-        if getattr(args, "ignored_" + flag.strip("-").replace("-", "_")):
+        if getattr(args, _ignored_dest(flag)):
             log.warning("%s has no effect in dlserve (a setting of Triton's C++ core)", flag)
 
 

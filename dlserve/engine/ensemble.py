@@ -115,16 +115,14 @@ def check_step(config: mc.ModelConfig, model_name: str, step: Step, step_config:
             f"{step_config.max_batch_size}"
         )
     # An ensemble input or output the step reads or makes must agree with the step's.
-    own_inputs = {t.name: t for t in step_config.input}
-    own_outputs = {t.name: t for t in step_config.output}
-    for declared in config.input:
-        for own, tensor in step.inputs.items():
-            if tensor == declared.name:
-                _agree(model_name, config, declared, step.model, step_config, own_inputs[own])
-    for declared in config.output:
-        for own, tensor in step.outputs.items():
-            if tensor == declared.name:
-                _agree(model_name, config, declared, step.model, step_config, own_outputs[own])
+    for declared_tensors, mapping, own_tensors in (
+        (config.input, step.inputs, {t.name: t for t in step_config.input}),
+        (config.output, step.outputs, {t.name: t for t in step_config.output}),
+    ):
+        for declared in declared_tensors:
+            for own, tensor in mapping.items():
+                if tensor == declared.name:
+                    _agree(model_name, config, declared, step.model, step_config, own_tensors[own])
 
 
 def _agree(

@@ -429,10 +429,8 @@ class Tracer:
 
     def _finished(self, trace: Trace) -> None:
         own = self._models.get(trace.model_name, {}).get("log_frequency")
-        if own is None:
-            self._writer.add(self._global["trace_file"], trace, self._global["log_frequency"])
-        else:
-            self._writer.add(self._global["trace_file"], trace, own, trace.model_name)
+        frequency, scope = (self._global["log_frequency"], None) if own is None else (own, trace.model_name)
+        self._writer.add(self._global["trace_file"], trace, frequency, scope)
 
     def close(self) -> None:
         """The server stops: write what is left and end the file."""
