@@ -97,6 +97,20 @@ def test_requests_must_name_a_started_sequence(server):
     assert total(response) == 3 and "START flag" in str(late.error)  # ended sequences are gone
 
 
+def test_a_sequence_request_carries_one_batch_row(server):
+    async def run() -> Any:
+        async for response in server.model("accumulate").async_infer(
+            inputs={"INPUT": np.array([[1], [2]], dtype=np.int32)}, correlation_id=31, flags=START,
+            raise_on_error=False,
+        ):
+            return response
+
+    response = asyncio.run(run())
+    assert isinstance(response.error, dlserve.InvalidArgumentError)
+    assert "must specify batch-size 1 due to requirements of sequence batcher" in str(response.error)
+    assert total(asyncio.run(send(server, 31, 4, START | END))) == 4  # the sequence was never started
+
+
 def test_idle_sequences_are_released(server):
     assert total(asyncio.run(send(server, 77, 5, START))) == 5
     time.sleep(0.8)  # max_sequence_idle_microseconds is 0.5 s
