@@ -260,6 +260,9 @@ class SequenceBatcher(Scheduler):
         return sum(len(s.queue) for s in self.sequences.values())
 
     def _remove(self, request: Request) -> bool:
+        """Take a queued request back (cancelled, or its timeout passed). A sequence left
+        with nothing to do idles out like any other: waiting for a slot with no request,
+        it would otherwise take one for good."""
         sequence = self.sequences.get(request.correlation_id)
         if sequence is None:
             return False
@@ -267,7 +270,16 @@ class SequenceBatcher(Scheduler):
             sequence.queue.remove(request)
         except ValueError:
             return False
+        if request.flags & SEQUENCE_END:
+            sequence.ending = False  # (the client may send its END again)
+        if not sequence.queue and not sequence.running:
+            self._idle_out(sequence)
         return True
+
+    def _idle_out(self, sequence: Sequence) -> None:
+        """Start the sequence's idle time: it ends then unless a request comes."""
+        if sequence.idle is None:
+            sequence.idle = asyncio.get_running_loop().call_later(self.idle_s, self._expire, sequence)
 
     def _take_all(self) -> list[Request]:
         taken = [r for s in self.sequences.values() for r in s.queue]
@@ -344,8 +356,7 @@ class SequenceBatcher(Scheduler):
             if request.flags & SEQUENCE_END and not sequence.queue:
                 self._release(sequence)
             elif not sequence.queue:
-                loop = asyncio.get_running_loop()
-                sequence.idle = loop.call_later(self.idle_s, self._expire, sequence)
+                self._idle_out(sequence)
 
     def _reschedule(self, request: Request) -> None:
         if not self.iterative:

@@ -5,6 +5,7 @@ sequence parameters over HTTP and gRPC."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -16,7 +17,7 @@ import pytest
 import dlserve
 from dlserve import ModelControlMode
 
-from ..conftest import serve
+from ..conftest import MODELS, serve
 
 START, END = 1, 2
 
@@ -109,6 +110,44 @@ def test_a_sequence_request_carries_one_batch_row(server):
     assert isinstance(response.error, dlserve.InvalidArgumentError)
     assert "must specify batch-size 1 due to requirements of sequence batcher" in str(response.error)
     assert total(asyncio.run(send(server, 31, 4, START | END))) == 4  # the sequence was never started
+
+
+def test_a_sequence_whose_waiting_request_was_cancelled_does_not_keep_a_slot(server):
+    """One slot: B's first request waits behind A and is cancelled; once A ends, B holds
+    the slot with nothing to do and must idle out, or C would wait for good."""
+    config = {
+        "backend": "python", "max_batch_size": 1,
+        "input": [{"name": "INPUT", "data_type": "TYPE_INT32", "dims": [1]}],
+        "output": [{"name": "OUTPUT", "data_type": "TYPE_INT32", "dims": [1]}],
+        "sequence_batching": {"max_sequence_idle_microseconds": 300000, "control_input": [
+            {"name": name, "control": [{"kind": f"CONTROL_SEQUENCE_{kind}", **spec}]}
+            for name, kind, spec in [
+                ("START", "START", {"int32_false_true": [0, 1]}), ("END", "END", {"int32_false_true": [0, 1]}),
+                ("READY", "READY", {"int32_false_true": [0, 1]}), ("CORRID", "CORRID", {"data_type": "TYPE_UINT64"}),
+            ]
+        ]},
+        "instance_group": [{"count": 1, "kind": "KIND_CPU"}],
+    }
+    source = (MODELS / "accumulate" / "1" / "model.py").read_bytes()
+    server.load("one_slot", {"config": json.dumps(config), "file:1/model.py": source})
+    model = server.model("one_slot")
+
+    async def one(key: int, flags: int) -> Any:
+        async for response in model.async_infer(inputs={"INPUT": value(1)}, correlation_id=key, flags=flags):
+            return response
+
+    async def run() -> Any:
+        await one(1, START)  # A takes the slot
+        waiting = model.async_infer(inputs={"INPUT": value(1)}, correlation_id=2, flags=START)
+        await asyncio.sleep(0.1)
+        waiting.cancel()
+        await one(1, END)  # A ends: B gets the slot, with nothing queued
+        return await asyncio.wait_for(one(3, START | END), timeout=10)
+
+    try:
+        assert int(asyncio.run(run()).outputs["OUTPUT"].as_numpy()[0, 0]) == 1
+    finally:
+        server.unload("one_slot")
 
 
 def test_idle_sequences_are_released(server):
