@@ -29,6 +29,8 @@ examples:
 exit status (perf_analyzer's): 0 done, 2 the first level never became stable,
 99 anything else (bad flags, a request failed, no server).
 """
+# Request parameters dlserve perf sets itself (sequences, decoupled streams).
+RESERVED_PARAMETERS = {"sequence_id", "sequence_start", "sequence_end", "triton_enable_empty_final_response"}
 UNSTABLE = 2  # perf_analyzer's exit status when no measurement became stable
 FAILED = 99  # and for any error, bad flags included
 
@@ -69,9 +71,20 @@ class Settings:
     json_outputs: bool = False  # --output-tensor-format json (HTTP)
     shared_memory: str = "none"
     output_shm_size: int = 102400
+    request_parameters: dict[str, bool | int | str] = dataclasses.field(default_factory=dict)
+    http_headers: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     streaming: bool = False
-    # --async or --streaming: stable means the throughput is (perf_analyzer's rule there)
+    # --async or --streaming (or a sequence model without --sync): stable means the
+    # throughput is (perf_analyzer's rule there)
     throughput_only: bool = False
+    sync: bool = False
+    # Sequence models (dlserve.perf.sequences); sequence_length None: 20, or a JSON file's streams
+    sequence_length: int | None = None
+    sequence_length_variation: float = 20.0
+    sequence_id_start: int = 1
+    sequence_id_end: int = 0  # excluded; 0: no end
+    num_sequences: int = 4
+    serial_sequences: bool = False
     grpc_transport: str = "h2"
     measurement_interval_ms: int = 5000
     count_windows: int = 0  # count_windows mode: a window ends once this many requests ended
@@ -174,6 +187,64 @@ def parse_shape(text: str) -> tuple[str, list[int]]:
     return name, shape
 
 
+def parse_id_range(text: str) -> tuple[int, int]:
+    """``--sequence-id-range start[:end]`` (end excluded; none: no end)."""
+    parts = text.split(":")
+    try:
+        values = [int(part) for part in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected start[:end] integers, got '{text}'") from None
+    if len(values) > 2:
+        raise argparse.ArgumentTypeError(f"expected start[:end], got '{text}'")
+    start, end = values[0], values[1] if len(values) == 2 else 0
+    if start < 1:
+        raise argparse.ArgumentTypeError(f"sequence IDs start at 1 or more, got '{text}'")
+    if len(values) == 2 and end <= start:
+        raise argparse.ArgumentTypeError(f"end must be above start, got '{text}'")
+    if max(start, end) >= 2**64:
+        raise argparse.ArgumentTypeError(f"sequence IDs are 64-bit, got '{text}'")
+    return start, end
+
+
+def parse_request_parameter(text: str) -> tuple[str, bool | int | str]:
+    """perf_analyzer's ``name:value:type`` (type bool, int or string)."""
+    name, sep, rest = text.partition(":")
+    value, sep2, kind = rest.rpartition(":")
+    if not (sep and sep2 and name):
+        raise argparse.ArgumentTypeError(f"expected name:value:type, got '{text}'")
+    if kind == "string":
+        return name, value
+    if kind == "int":
+        try:
+            return name, int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"'{value}' in '{text}' is not an integer") from None
+    if kind == "bool":
+        if value.lower() not in ("true", "false"):
+            raise argparse.ArgumentTypeError(f"'{value}' in '{text}' is not true or false")
+        return name, value.lower() == "true"
+    raise argparse.ArgumentTypeError(f"type '{kind}' in '{text}' is not bool, int or string")
+
+
+def parse_header(text: str) -> tuple[str, str]:
+    """``-H Name:Value``."""
+    name, sep, value = text.partition(":")
+    name = name.strip()
+    if not sep or not name or any(c in name for c in " \t\r\n") or any(c in value for c in "\r\n"):
+        raise argparse.ArgumentTypeError(f"expected Header:Value, got '{text}'")
+    return name, value.strip()
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got '{text}'") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative number, got '{text}'")
+    return value
+
+
 def _percentile(text: str) -> int:
     try:
         value = int(text)
@@ -238,7 +309,25 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     load.add_argument("-a", "--async", dest="async_mode", action="store_true",
                       help="requests are always asynchronous (asyncio); as in perf_analyzer, a level "
                       "is then stable when its throughput is (as with --streaming)")
-    load.add_argument("--sync", action="store_true", help="accepted for compatibility")
+    load.add_argument("--sync", action="store_true",
+                      help="a level is stable when its latency is too, also for sequence models "
+                      "(perf_analyzer's synchronous mode; requests still go out through asyncio)")
+
+    sequences = perf.add_argument_group(
+        "sequence models", "used when the model has sequence_batching: each request is a step of a sequence"
+    )
+    sequences.add_argument("--sequence-length", type=_int_at_least(1), default=None, metavar="N",
+                           help="requests per sequence (default: 20; with a JSON data file, each "
+                           "stream of the file whole)")
+    sequences.add_argument("--sequence-length-variation", type=_non_negative_float, default=20.0, metavar="PCT",
+                           help="sequence lengths vary at random by up to this percentage (default: 20)")
+    sequences.add_argument("--sequence-id-range", type=parse_id_range, default=(1, 0), metavar="START[:END]",
+                           help="sequence IDs from START, wrapping before END (default: 1, no end)")
+    sequences.add_argument("--num-of-sequences", type=_int_at_least(1), default=4, metavar="N",
+                           help="request-rate mode: live sequences the requests are spread over (default: 4)")
+    sequences.add_argument("--serial-sequences", action="store_true",
+                           help="request-rate mode: at most one request of a sequence in flight "
+                           "(without it a sequence's requests may overtake each other on the way)")
 
     data = perf.add_argument_group("input data")
     data.add_argument("--shape", type=parse_shape, action="append", default=[], metavar="NAME:D1,D2,...",
@@ -258,6 +347,12 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
                       help="pass inputs and outputs through registered shared memory (default: none)")
     data.add_argument("--output-shared-memory-size", type=_int_at_least(1), default=102400, metavar="BYTES",
                       help="shared memory for each output (default: 102400)")
+    data.add_argument("--request-parameter", type=parse_request_parameter, action="append", default=[],
+                      metavar="NAME:VALUE:TYPE",
+                      help="a request parameter for the model, TYPE bool, int or string (repeatable; "
+                      "HTTP, gRPC and in-process)")
+    data.add_argument("-H", dest="headers", type=parse_header, action="append", default=[], metavar="NAME:VALUE",
+                      help="an HTTP header added to every inference request (repeatable; ignored for gRPC)")
 
     measure = perf.add_argument_group("measurement")
     measure.add_argument("-p", "--measurement-interval", type=_int_at_least(1), default=5000, metavar="MS",
@@ -330,6 +425,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     """Check the flags together; raise :class:`UsageError` for combinations that cannot work."""
     if args.concurrency_range is not None and args.request_rate_range is not None:
         raise UsageError("--concurrency-range and --request-rate-range cannot be used together")
+    if args.async_mode and args.sync:
+        raise UsageError("-a/--async and --sync cannot be used together")
     if args.request_rate_range is not None:
         mode, (start, end, step) = "request_rate", args.request_rate_range
     else:
@@ -366,6 +463,10 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         if name in shapes and shapes[name] != shape:
             raise UsageError(f"--shape: two different shapes for input '{name}'")
         shapes[name] = shape
+    parameters = dict(args.request_parameter)
+    reserved = sorted(set(parameters) & RESERVED_PARAMETERS)
+    if reserved:
+        raise UsageError(f"--request-parameter: {', '.join(reserved)} is set by dlserve perf itself")
     input_data = args.input_data
     if input_data not in ("zero", "random"):
         if os.path.isdir(input_data):
@@ -404,8 +505,17 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         json_outputs=args.output_tensor_format == "json",
         shared_memory=args.shared_memory,
         output_shm_size=args.output_shared_memory_size,
+        request_parameters=parameters,
+        http_headers=list(args.headers),
         streaming=args.streaming,
         throughput_only=args.async_mode or args.streaming,
+        sync=args.sync,
+        sequence_length=args.sequence_length,
+        sequence_length_variation=args.sequence_length_variation,
+        sequence_id_start=args.sequence_id_range[0],
+        sequence_id_end=args.sequence_id_range[1],
+        num_sequences=args.num_of_sequences,
+        serial_sequences=args.serial_sequences,
         grpc_transport=args.grpc_transport,
         measurement_interval_ms=args.measurement_interval,
         count_windows=args.measurement_request_count if args.measurement_mode == "count_windows" else 0,

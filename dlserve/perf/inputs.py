@@ -61,6 +61,7 @@ class ModelInfo:
     outputs: list[TensorInfo]
     max_batch_size: int = 0
     decoupled: bool = False
+    sequence: bool = False  # it has a sequence batcher: requests go in sequences
 
     @classmethod
     def from_json(cls, metadata: dict[str, Any], config: dict[str, Any]) -> ModelInfo:
@@ -85,6 +86,7 @@ class ModelInfo:
             outputs=tensors(metadata.get("outputs", [])),
             max_batch_size=max_batch,
             decoupled=bool(policy.get("decoupled", False)),
+            sequence="sequence_batching" in config,
         )
 
 
@@ -92,6 +94,10 @@ def check_batch(info: ModelInfo, batch_size: int) -> None:
     if batch_size > 1 and info.max_batch_size == 0:
         raise UsageError(
             f"-b {batch_size}: model '{info.name}' does not support batching (max_batch_size 0)"
+        )
+    if info.sequence and batch_size > 1:
+        raise UsageError(
+            f"-b {batch_size}: model '{info.name}' has a sequence batcher, which takes requests of batch size 1"
         )
     if info.max_batch_size and batch_size > info.max_batch_size:
         raise UsageError(

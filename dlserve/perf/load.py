@@ -11,6 +11,12 @@ Every answered request appends its latency (ns, from send to response) to the cu
 :class:`Recorder`; :meth:`LoadGenerator.collect` swaps the recorder, so a window holds
 exactly the requests that ended in it. Per request the hot path costs two clock reads,
 the slot's send/receive, and a list append.
+
+What each request carries comes from a source: the distinct requests in turn
+(:class:`_Cycle`), or for a sequence model the steps of one sequence after another
+(:class:`_SequenceSteps`, encoded per request since each names its sequence). A load
+that stops mid-sequence ends it with one more request flagged END, so the server does
+not hold the sequence's slot until it idles out.
 """
 
 from __future__ import annotations
@@ -24,12 +30,13 @@ import numpy as np
 
 from dlserve.perf.clients import DataPlane, Slot
 from dlserve.perf.measure import ClientWindow
+from dlserve.perf.sequences import SequenceMaker, Step
 
 _now = time.perf_counter_ns
 
 
 class Recorder:
-    __slots__ = ("latencies", "send", "recv", "responses", "delayed", "sent", "start_ns")
+    __slots__ = ("latencies", "send", "recv", "responses", "delayed", "sent", "sequences", "start_ns")
 
     def __init__(self) -> None:
         self.latencies: list[int] = []
@@ -38,7 +45,58 @@ class Recorder:
         self.responses = 0
         self.delayed = 0
         self.sent = 0
+        self.sequences = 0  # sequences whose last request ended in the window
         self.start_ns = _now()
+
+
+class _Cycle:
+    """The distinct requests in turn, from ``start``."""
+
+    __slots__ = ("payloads", "index")
+
+    def __init__(self, payloads: list[Any], start: int) -> None:
+        self.payloads = payloads
+        self.index = start % len(payloads)
+
+    def next(self) -> tuple[Any, bool]:
+        """The next request, and whether it ends a sequence."""
+        payload = self.payloads[self.index]
+        self.index += 1
+        if self.index == len(self.payloads):
+            self.index = 0
+        return payload, False
+
+    def unfinished(self) -> Any:
+        """A request that ends what was left midway (nothing here)."""
+        return None
+
+
+class _SequenceSteps:
+    """One sequence after another, each step encoded as it is sent."""
+
+    __slots__ = ("plane", "maker", "steps", "position", "last")
+
+    def __init__(self, plane: DataPlane, maker: SequenceMaker) -> None:
+        self.plane = plane
+        self.maker = maker
+        self.steps: list[Step] = []
+        self.position = 0
+        self.last: asyncio.Task[None] | None = None  # request-rate mode: its latest request
+
+    def next(self) -> tuple[Any, bool]:
+        if self.position == len(self.steps):
+            self.steps = self.maker.new()
+            self.position = 0
+        step = self.steps[self.position]
+        self.position += 1
+        return self.plane.encode(step.data, step.parameters()), step.end
+
+    def unfinished(self) -> Any:
+        if not 0 < self.position < len(self.steps):
+            return None
+        step = self.steps[self.position]
+        self.position = len(self.steps)
+        return self.plane.encode(step.data, Step(step.data, step.sequence_id, False, True).parameters())
 
 
 class _Worker:
@@ -53,9 +111,15 @@ class _Worker:
 class LoadGenerator:
     """Drives one data plane; used directly (one process) or inside a worker process."""
 
-    def __init__(self, plane: DataPlane, max_threads: int = 16) -> None:
+    def __init__(self, plane: DataPlane, max_threads: int = 16, sequences: SequenceMaker | None = None,
+                 num_sequences: int = 4, serial_sequences: bool = False) -> None:
         self.plane = plane
         self.max_threads = max_threads
+        self.sequences = sequences
+        self.num_sequences = num_sequences
+        self.serial_sequences = serial_sequences
+        self._live: list[_SequenceSteps] = []  # request-rate mode's sequences
+        self._busy: set[int] = set()  # those of them with a request in flight
         self.recorder = Recorder()
         self.error: str | None = None
         self._workers: list[_Worker] = []
@@ -65,10 +129,17 @@ class LoadGenerator:
         self._in_flight: set[asyncio.Task[None]] = set()  # request-rate mode's requests
         self._slot_freed = asyncio.Event()
         self._next = 0  # payload index, shared so slots spread over the payloads
+        self._rng = random.Random(0)  # which live sequence a request-rate request goes to
 
     # -- set-up ---------------------------------------------------------------------------
     async def start(self) -> None:
         await self.plane.setup()
+
+    def _source(self) -> _Cycle | _SequenceSteps:
+        if self.sequences is not None:
+            return _SequenceSteps(self.plane, self.sequences)
+        self._next += 1
+        return _Cycle(self.plane.payloads, self._next - 1)
 
     async def _slot(self) -> Slot:
         if self._idle:
@@ -97,26 +168,24 @@ class LoadGenerator:
             self._workers.append(worker)
 
     async def _closed_loop(self, worker: _Worker) -> None:
-        payloads = self.plane.payloads
-        count = len(payloads)
-        index = self._next % count
-        self._next += 1
+        source = self._source()
         slot = worker.slot
         infer = slot.infer
         now = _now
         try:
             while not worker.stop:
+                payload, ends = source.next()
                 start = now()
-                send, recv = await infer(payloads[index])
+                send, recv = await infer(payload)
                 end = now()
                 recorder = self.recorder
                 recorder.latencies.append(end - start)
                 recorder.send += send
                 recorder.recv += recv
                 recorder.responses += slot.responses
-                index += 1
-                if index == count:
-                    index = 0
+                recorder.sequences += ends
+            if self.error is None:
+                await self._finish(slot, source)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - any client failure ends the run with its reason
@@ -150,9 +219,9 @@ class LoadGenerator:
 
     async def _open_loop(self, rate: float, distribution: str, seed: int | None) -> None:
         loop = asyncio.get_running_loop()
-        payloads = self.plane.payloads
-        count = len(payloads)
-        index = 0
+        cycle = _Cycle(self.plane.payloads, 0)
+        if self.sequences is not None and not self._live:
+            self._live = [_SequenceSteps(self.plane, self.sequences) for _ in range(self.num_sequences)]
         interval = 1e9 / rate
         rng = random.Random(seed)
         gap = (lambda: rng.expovariate(1.0) * interval) if distribution == "poisson" else (lambda: interval)
@@ -165,22 +234,41 @@ class LoadGenerator:
                 while not idle:
                     self._slot_freed.clear()
                     await self._slot_freed.wait()
+                sequence = -1
+                if self._live:
+                    sequence, waited = await self._pick_sequence()
+                    late = late or waited
                 # Counted with its sending, in the window that sends it (the wait may
                 # outlast a window: a delayed count above the sent one).
                 self.recorder.delayed += late
                 slot = idle.pop()
-                task = loop.create_task(self._one(slot, payloads[index]))
+                payload, ends = (self._live[sequence] if sequence >= 0 else cycle).next()
+                task = loop.create_task(self._one(slot, payload, ends, sequence))
+                if sequence >= 0:
+                    self._live[sequence].last = task
                 self._in_flight.add(task)
                 task.add_done_callback(self._in_flight.discard)
                 self.recorder.sent += 1
-                index += 1
-                if index == count:
-                    index = 0
                 due += gap()
                 now = _now()
             await asyncio.sleep((due - now) / 1e9)
 
-    async def _one(self, slot: Slot, payload: Any) -> None:
+    async def _pick_sequence(self) -> tuple[int, bool]:
+        """The live sequence the next request goes to (at random; with
+        --serial-sequences, one without a request in flight, waited for if need be)."""
+        if not self.serial_sequences:
+            return self._rng.randrange(len(self._live)), False
+        waited = False
+        while len(self._busy) == len(self._live):
+            waited = True
+            self._slot_freed.clear()
+            await self._slot_freed.wait()
+        free = [i for i in range(len(self._live)) if i not in self._busy]
+        chosen = free[self._rng.randrange(len(free))]
+        self._busy.add(chosen)
+        return chosen, waited
+
+    async def _one(self, slot: Slot, payload: Any, ends: bool, sequence: int) -> None:
         start = _now()
         try:
             send, recv = await slot.infer(payload)
@@ -193,24 +281,51 @@ class LoadGenerator:
         recorder.send += send
         recorder.recv += recv
         recorder.responses += slot.responses
+        recorder.sequences += ends
+        self._busy.discard(sequence)
         self._idle.append(slot)
         self._slot_freed.set()
+
+    async def _end_live(self) -> None:
+        """End request-rate mode's sequences left midway, each once its last request is
+        answered (before that, it may hold the server's slot that another's waits for)."""
+
+        async def end(steps: _SequenceSteps) -> None:
+            if steps.last is not None:
+                await asyncio.wait([steps.last])
+            while not self._idle:
+                self._slot_freed.clear()
+                await self._slot_freed.wait()
+            slot = self._idle.pop()
+            try:
+                await self._finish(slot, steps)
+            finally:
+                self._idle.append(slot)
+                self._slot_freed.set()
+
+        if self.error is None:  # (a failed run's server may refuse them too; they idle out)
+            await asyncio.gather(*(end(steps) for steps in self._live), return_exceptions=True)
+
+    async def _finish(self, slot: Slot, source: _Cycle | _SequenceSteps) -> None:
+        """End the sequence ``source`` left midway, if any (not measured)."""
+        payload = source.unfinished()
+        if payload is not None:
+            await slot.infer(payload)
 
     # -- warm-up, windows, the end --------------------------------------------------------
     async def warmup(self, requests: int, concurrency: int) -> None:
         """Send ``requests`` requests on up to ``concurrency`` slots; record nothing."""
         if requests <= 0:
             return
-        payloads = self.plane.payloads
         left = [requests]
 
         async def run(slot: Slot) -> None:
-            index = 0
+            source = self._source()
             try:
                 while left[0] > 0:
                     left[0] -= 1
-                    await slot.infer(payloads[index % len(payloads)])
-                    index += 1
+                    await slot.infer(source.next()[0])
+                await self._finish(slot, source)
             except Exception as exc:  # noqa: BLE001
                 self._fail(exc)
             finally:
@@ -236,6 +351,7 @@ class LoadGenerator:
             responses=recorder.responses,
             delayed=recorder.delayed,
             sent=recorder.sent,
+            sequences=recorder.sequences,
         )
 
     async def stop(self) -> None:
@@ -244,7 +360,9 @@ class LoadGenerator:
         for worker in self._workers:
             worker.stop = True
         tasks += list(self._in_flight)
-        if tasks:  # let the requests in flight finish
+        if self._live:
+            tasks.append(asyncio.get_running_loop().create_task(self._end_live()))
+        if tasks:  # let the requests in flight finish (and the sequences end)
             _, pending = await asyncio.wait(tasks, timeout=5)
             for task in pending:
                 task.cancel()

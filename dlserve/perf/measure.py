@@ -33,6 +33,7 @@ class ClientWindow:
     responses: int = 0  # responses with outputs (a decoupled model's: several per request)
     delayed: int = 0  # request-rate mode: requests sent late because every slot was busy
     sent: int = 0  # requests started in the window
+    sequences: int = 0  # sequences whose last request ended in the window
 
     @property
     def count(self) -> int:
@@ -49,6 +50,7 @@ class ClientWindow:
             responses=sum(p.responses for p in parts),
             delayed=sum(p.delayed for p in parts),
             sent=sum(p.sent for p in parts),
+            sequences=sum(p.sequences for p in parts),
         )
 
 
@@ -193,6 +195,11 @@ class LevelResult:
     stability_percentile: int = -1
     responses: int = 0  # responses with outputs over the level's windows
     decoupled: bool = False  # a decoupled model's: its response throughput is reported too
+    sequences: int | None = None  # a sequence model's: the sequences that ended
+
+    @property
+    def sequence_throughput(self) -> float:
+        return (self.sequences or 0) / self.duration_s if self.duration_s > 0 else 0.0
 
     @property
     def response_throughput(self) -> float:
@@ -213,7 +220,8 @@ class LevelResult:
 
 
 def summarize(
-    mode: str, value: float, windows: list[Window], stable: bool, percentile: int = -1, decoupled: bool = False
+    mode: str, value: float, windows: list[Window], stable: bool, percentile: int = -1, decoupled: bool = False,
+    sequence: bool = False,
 ) -> LevelResult:
     """Merge the last 3 windows (fewer if there are fewer) into the level's result."""
     last = windows[-STABILITY_WINDOW:]
@@ -248,4 +256,5 @@ def summarize(
         stability_percentile=percentile,
         responses=sum(w.client.responses for w in last),
         decoupled=decoupled,
+        sequences=sum(w.client.sequences for w in last) if sequence else None,
     )

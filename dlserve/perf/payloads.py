@@ -91,11 +91,13 @@ def http_request(
     parameters: dict[str, object] | None = None,
     json_inputs: bool = False,
     json_outputs: bool = False,
+    headers: list[tuple[str, str]] | None = None,
 ) -> bytes:
     """One complete HTTP/1.1 request (keep-alive), ready for ``transport.write``.
 
     Tensors travel with Triton's binary extension unless ``json_inputs`` /
     ``json_outputs`` ask for plain KServe v2 JSON (servers without the extension).
+    ``headers`` are added as given (``-H``).
     """
     types = {t.name: t.datatype for t in info.inputs}
     header_inputs = []
@@ -132,6 +134,7 @@ def http_request(
         lines.append(f"Inference-Header-Content-Length: {len(head)}")
     else:
         lines.append("Content-Type: application/json")
+    lines += [f"{name}: {value}" for name, value in headers or ()]
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
 
 
@@ -166,6 +169,8 @@ def grpc_request(
 def _set_parameter(parameter: object, value: bool | int | str) -> None:
     if isinstance(value, bool):
         parameter.bool_param = value  # type: ignore[attr-defined]
+    elif isinstance(value, int) and value >= 2**63:  # (a sequence ID may use all 64 bits)
+        parameter.uint64_param = value  # type: ignore[attr-defined]
     elif isinstance(value, int):
         parameter.int64_param = value  # type: ignore[attr-defined]
     else:

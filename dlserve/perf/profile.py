@@ -12,6 +12,7 @@ ends at a level that never became stable or whose latency passed
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import signal
 import sys
@@ -24,6 +25,7 @@ from dlserve.perf.cli import FAILED, UNSTABLE, Settings, UsageError
 from dlserve.perf.clients import ControlClient, RequestError, ServerError, control_client
 from dlserve.perf.inputs import ModelInfo, make_requests
 from dlserve.perf.measure import LevelResult, ServerStats, Window, is_stable, summarize
+from dlserve.perf.sequences import check_id_range, stream_lengths
 from dlserve.perf.workers import LoadGroup, new_event_loop
 
 
@@ -40,10 +42,11 @@ def _levels(settings: Settings) -> Iterator[float]:
 
 class Profiler:
     def __init__(self, settings: Settings, info: ModelInfo, requests: list, control: ControlClient,
-                 server_stats: bool) -> None:
+                 server_stats: bool, streams: list[int] | None = None) -> None:
         self.settings = settings
         self.info = info
         self.requests = requests
+        self.streams = streams
         self.control = control
         self.server_stats = server_stats
         self.progress = report.Progress(settings.progress)
@@ -68,7 +71,7 @@ class Profiler:
 
     async def run(self) -> list[LevelResult]:
         settings = self.settings
-        group = LoadGroup(settings, self.info, self.requests, self.control)
+        group = LoadGroup(settings, self.info, self.requests, self.control, self.streams)
         try:
             self.progress.update("dlserve perf: connecting and encoding requests", force=True)
             try:
@@ -143,7 +146,8 @@ class Profiler:
                 avg, std = (latencies.mean() / 1000, latencies.std() / 1000) if client.count else (0, 0)
                 report.print_out(report.pass_text(trial, window.throughput, avg, std) + "\n", self.progress)
             if is_stable(windows, settings.stability_percentage, settings.percentile, settings.throughput_only):
-                return summarize(mode, value, windows, True, settings.percentile, self.info.decoupled)
+                return summarize(mode, value, windows, True, settings.percentile, self.info.decoupled,
+                                 self.info.sequence)
         self.progress.clear()
         what = "concurrency" if mode == "concurrency" else "request rate"
         print(
@@ -151,7 +155,7 @@ class Profiler:
             f"windows for {what} {shown}. Please try to increase the --measurement-interval.",
             file=sys.stderr,
         )
-        return summarize(mode, value, windows, False, settings.percentile, self.info.decoupled)
+        return summarize(mode, value, windows, False, settings.percentile, self.info.decoupled, self.info.sequence)
 
 
     async def _count_window(self, group: LoadGroup, requests: int, level: str, trial: int, last: str) -> None:
@@ -162,6 +166,16 @@ class Profiler:
                 f"dlserve perf: {level} | window {trial}/{self.settings.max_trials} | {ended}/{requests} requests{last}"
             )
             await asyncio.sleep(0.01)
+
+
+def _for_sequences(settings: Settings) -> Settings:
+    """The settings for a sequence model, checked: as in perf_analyzer, a level is stable
+    when its throughput is unless --sync says otherwise."""
+    if settings.sweep_unbounded:
+        raise UsageError("--concurrency-range with end 0 cannot be used for a sequence model")
+    most = int(max(settings.levels)) if settings.mode == "concurrency" else settings.num_sequences
+    check_id_range(settings, most)
+    return dataclasses.replace(settings, throughput_only=settings.throughput_only or not settings.sync)
 
 
 def _probe_statistics(control: ControlClient, settings: Settings) -> bool:
@@ -187,9 +201,12 @@ def benchmark(settings: Settings, server: Any = None) -> tuple[list[LevelResult]
             info, settings.batch_size, settings.shapes, settings.input_data,
             settings.string_length, settings.string_data,
         )
+        streams = None
+        if info.sequence:
+            settings, streams = _for_sequences(settings), stream_lengths(settings.input_data)
         server_stats = _probe_statistics(control, settings)
         report.print_out(report.settings_text(settings, server_stats) + "\n")
-        profiler = Profiler(settings, info, requests, control, server_stats)
+        profiler = Profiler(settings, info, requests, control, server_stats, streams)
         loop = new_event_loop()
         task = loop.create_task(profiler.run())
         try:

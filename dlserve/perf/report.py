@@ -98,6 +98,8 @@ def pass_text(trial: int, throughput: float, avg_us: float, std_us: float) -> st
 def level_text(result: LevelResult, protocol: str, header: bool = True) -> str:
     lines = [level_header(result.mode, result.value)] if header else []
     lines += ["  Client: ", f"    Request count: {result.request_count}"]
+    if result.sequences is not None:  # (perf_analyzer's line for a sequence model)
+        lines.append(f"    Sequence count: {result.sequences} ({pa_number(result.sequence_throughput)} seq/sec)")
     lines.append(f"    Throughput: {pa_number(result.throughput)} infer/sec")
     if result.decoupled:  # (perf_analyzer's line for a decoupled model)
         lines.append(f"    Response Throughput: {pa_number(result.response_throughput)} infer/sec")

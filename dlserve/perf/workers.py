@@ -17,6 +17,7 @@ from typing import Any
 from dlserve.perf.clients import ControlClient, control_client, data_plane
 from dlserve.perf.load import LoadGenerator
 from dlserve.perf.measure import ClientWindow
+from dlserve.perf.sequences import SequenceMaker
 
 
 def split(total: float, parts: int, integer: bool) -> list[float]:
@@ -25,6 +26,17 @@ def split(total: float, parts: int, integer: bool) -> list[float]:
         base, extra = divmod(int(total), parts)
         return [base + (1 if i < extra else 0) for i in range(parts)]
     return [total / parts] * parts
+
+
+def make_generator(settings: Any, info: Any, requests: list, control: ControlClient,
+                   streams: list[int] | None, part: int, parts: int) -> LoadGenerator:
+    """Process ``part`` of ``parts``'s generator (its own sequence IDs, its share of
+    --num-of-sequences)."""
+    maker = SequenceMaker(settings, streams, part, parts, seed=part) if info.sequence else None
+    return LoadGenerator(
+        data_plane(settings, info, requests, control), settings.max_threads, maker,
+        max(1, int(split(settings.num_sequences, parts, integer=True)[part])), settings.serial_sequences,
+    )
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -70,11 +82,12 @@ class LocalLoad:
 class RemoteLoad:
     """A worker process running a :class:`LoadGenerator`; commands over a pipe."""
 
-    def __init__(self, settings: Any, info: Any, requests: list) -> None:
+    def __init__(self, settings: Any, info: Any, requests: list, streams: list[int] | None, part: int) -> None:
         context = multiprocessing.get_context("spawn")
         self.conn, child = context.Pipe()
         self.process = context.Process(
-            target=worker_main, args=(child, settings, info, requests), daemon=True, name="dlserve-perf-worker"
+            target=worker_main, args=(child, settings, info, requests, streams, part),
+            daemon=True, name="dlserve-perf-worker",
         )
         self.process.start()
         child.close()
@@ -125,20 +138,20 @@ class RemoteLoad:
         self.conn.close()
 
 
-def worker_main(conn: Any, settings: Any, info: Any, requests: list) -> None:
+def worker_main(conn: Any, settings: Any, info: Any, requests: list, streams: list[int] | None, part: int) -> None:
     """Entry point of a worker process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the coordinator decides when to stop
     loop = new_event_loop()
     try:
-        loop.run_until_complete(_serve(conn, settings, info, requests))
+        loop.run_until_complete(_serve(conn, settings, info, requests, streams, part))
     finally:
         loop.close()
         conn.close()
 
 
-async def _serve(conn: Any, settings: Any, info: Any, requests: list) -> None:
+async def _serve(conn: Any, settings: Any, info: Any, requests: list, streams: list[int] | None, part: int) -> None:
     control = control_client(settings)
-    generator = LoadGenerator(data_plane(settings, info, requests, control), settings.max_threads)
+    generator = make_generator(settings, info, requests, control, streams, part, settings.processes)
     loop = asyncio.get_running_loop()
     commands: asyncio.Queue[Any] = asyncio.Queue()
 
@@ -196,13 +209,13 @@ async def _serve(conn: Any, settings: Any, info: Any, requests: list) -> None:
 class LoadGroup:
     """The loads of this run (one local, or N remote), driven together."""
 
-    def __init__(self, settings: Any, info: Any, requests: list, control: ControlClient) -> None:
+    def __init__(self, settings: Any, info: Any, requests: list, control: ControlClient,
+                 streams: list[int] | None = None) -> None:
         self.settings = settings
         if settings.processes == 1:
-            plane = data_plane(settings, info, requests, control)
-            self.loads: list[Any] = [LocalLoad(LoadGenerator(plane, settings.max_threads))]
+            self.loads: list[Any] = [LocalLoad(make_generator(settings, info, requests, control, streams, 0, 1))]
         else:
-            self.loads = [RemoteLoad(settings, info, requests) for _ in range(settings.processes)]
+            self.loads = [RemoteLoad(settings, info, requests, streams, k) for k in range(settings.processes)]
 
     @property
     def error(self) -> str | None:

@@ -20,7 +20,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -73,15 +75,8 @@ class TritonPythonModel:
 """
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
-    work = tmp_path_factory.mktemp("perf")
-    repo = work / "repo"
-    for name in ("add_sub", "identity", "bytes_model", "reshape", "decoupled"):
-        shutil.copytree(MODELS / name, repo / name)
-    (repo / "sleepy" / "1").mkdir(parents=True)  # 5 ms per request, always over a 1 ms limit
-    (repo / "sleepy" / "config.pbtxt").write_text(SLEEPY_CONFIG)
-    (repo / "sleepy" / "1" / "model.py").write_text(SLEEPY_MODEL)
+def run_server(work: Path, repo: Path, *extra: str) -> Iterator[dict[str, Any]]:
+    """``dlserve serve`` over ``repo`` on free ports until the generator is closed."""
     ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
     log_path = work / "serve.log"
     with log_path.open("w") as log:
@@ -90,7 +85,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):
                 DLSERVE, "serve", "--model-repository", str(repo), "--allow-client-shm", "true",
                 "--http-address", "127.0.0.1", "--http-port", str(ports["http"]),
                 "--grpc-address", "127.0.0.1", "--grpc-port", str(ports["grpc"]),
-                "--metrics-address", "127.0.0.1", "--metrics-port", str(ports["metrics"]),
+                "--metrics-address", "127.0.0.1", "--metrics-port", str(ports["metrics"]), *extra,
             ],
             stdout=log, stderr=subprocess.STDOUT, cwd=work,
         )
@@ -108,6 +103,18 @@ def server(tmp_path_factory: pytest.TempPathFactory):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    work = tmp_path_factory.mktemp("perf")
+    repo = work / "repo"
+    for name in ("add_sub", "identity", "bytes_model", "reshape", "decoupled"):
+        shutil.copytree(MODELS / name, repo / name)
+    (repo / "sleepy" / "1").mkdir(parents=True)  # 5 ms per request, always over a 1 ms limit
+    (repo / "sleepy" / "config.pbtxt").write_text(SLEEPY_CONFIG)
+    (repo / "sleepy" / "1" / "model.py").write_text(SLEEPY_MODEL)
+    yield from run_server(work, repo)
 
 
 def perf(*args: str, expect: int = 0, timeout: float = 90) -> subprocess.CompletedProcess:

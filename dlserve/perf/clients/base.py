@@ -69,7 +69,12 @@ class Slot:
 
 
 class DataPlane:
-    """Encodes the requests once (:meth:`setup`), then opens slots that send them."""
+    """Encodes the requests once (:meth:`setup`), then opens slots that send them.
+
+    :meth:`encode` makes one request: the distinct request ``index`` with request
+    parameters (``--request-parameter``'s, and a sequence step's); ``payloads`` holds
+    each distinct request encoded with ``--request-parameter``'s alone.
+    """
 
     def __init__(self, settings: Any, info: ModelInfo, requests: list[dict[str, np.ndarray]],
                  control: ControlClient) -> None:
@@ -80,18 +85,30 @@ class DataPlane:
         self.payloads: list[Any] = []
         self.region: SystemRegion | CudaRegion | None = None
         self._registered = False
+        self.shm_inputs: list[dict[str, ShmRef]] | None = None
+        self.shm_outputs: dict[str, ShmRef] | None = None
 
-    def shared_memory(self) -> tuple[list[dict[str, ShmRef]] | None, dict[str, ShmRef] | None]:
-        """With --shared-memory: make and register this process's region; the refs."""
+    def shared_memory(self) -> None:
+        """With --shared-memory: make and register this process's region; keep the refs."""
         if self.settings.shared_memory == "none":
-            return None, None
+            return
         plan: ShmPlan = plan_shm(self.requests, self.info, self.settings.output_shm_size)
         self.region = make_region(self.settings.shared_memory, plan.layout)
         self.control.register(self.region)
         self._registered = True
-        return plan.refs(self.region.name)
+        self.shm_inputs, self.shm_outputs = plan.refs(self.region.name)
+
+    def parameters(self, extra: dict[str, object] | None) -> dict[str, object]:
+        """A request's parameters: ``--request-parameter``'s, then ``extra``."""
+        return {**self.settings.request_parameters, **extra} if extra else self.settings.request_parameters
+
+    def encode_all(self) -> list[Any]:
+        return [self.encode(index) for index in range(len(self.requests))]
 
     async def setup(self) -> None:
+        raise NotImplementedError
+
+    def encode(self, index: int, extra: dict[str, object] | None = None) -> Any:
         raise NotImplementedError
 
     async def open_slot(self) -> Slot:

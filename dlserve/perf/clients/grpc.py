@@ -183,23 +183,25 @@ def _final(response: bytes) -> bool:
 
 class GrpcDataPlane(DataPlane):
     async def setup(self) -> None:
-        shm_inputs, shm_outputs = self.shared_memory()
+        self.shared_memory()
         streaming = self.settings.streaming
-        parameters = {"triton_enable_empty_final_response": True} if streaming and self.info.decoupled else None
-        self.payloads = [
-            grpc_request(
-                self.info, self.settings.version, request,
-                None if shm_inputs is None else shm_inputs[i], shm_outputs, parameters,
-            )
-            for i, request in enumerate(self.requests)
-        ]
+        # (a decoupled model's stream says where its request's responses end)
+        self._flags = {"triton_enable_empty_final_response": True} if streaming and self.info.decoupled else {}
         self.h2: H2Channel | None = None
         if self.settings.grpc_transport == "h2" and not streaming:
             self.h2 = H2Channel(self.settings.url, INFER)
-            self.payloads = [grpc_message(p) for p in self.payloads]
             await self.h2.connect()
-            return
-        await self._grpcio()
+        else:
+            await self._grpcio()
+        self.payloads = self.encode_all()
+
+    def encode(self, index: int, extra: dict[str, object] | None = None) -> bytes:
+        request = grpc_request(
+            self.info, self.settings.version, self.requests[index],
+            None if self.shm_inputs is None else self.shm_inputs[index], self.shm_outputs,
+            {**self._flags, **self.parameters(extra)},
+        )
+        return request if self.h2 is None else grpc_message(request)
 
     async def _grpcio(self) -> None:
         self.channel = grpc.aio.insecure_channel(self.settings.url, options=CHANNEL_OPTIONS)

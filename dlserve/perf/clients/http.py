@@ -222,17 +222,18 @@ def _error_message(status: int, body: bytes) -> str:
 
 class HttpDataPlane(DataPlane):
     async def setup(self) -> None:
-        shm_inputs, shm_outputs = self.shared_memory()
-        host = self.settings.url
-        self.payloads = [
-            http_request(
-                host, self.info, self.settings.version, request,
-                None if shm_inputs is None else shm_inputs[i], shm_outputs,
-                json_inputs=self.settings.json_inputs, json_outputs=self.settings.json_outputs,
-            )
-            for i, request in enumerate(self.requests)
-        ]
+        self.shared_memory()
+        self.payloads = self.encode_all()
         self.host, self.port = split_url(self.settings.url)
+
+    def encode(self, index: int, extra: dict[str, object] | None = None) -> bytes:
+        settings = self.settings
+        return http_request(
+            settings.url, self.info, settings.version, self.requests[index],
+            None if self.shm_inputs is None else self.shm_inputs[index], self.shm_outputs,
+            self.parameters(extra), json_inputs=settings.json_inputs, json_outputs=settings.json_outputs,
+            headers=settings.http_headers,
+        )
 
     async def open_slot(self) -> Slot:
         slot = HttpSlot(self.host, self.port)

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from dlserve.engine.request import SEQUENCE_END, SEQUENCE_START
 from dlserve.perf.clients.base import ControlClient, DataPlane, RequestError, ServerError, Slot
 from dlserve.perf.inputs import ModelInfo
 
@@ -69,11 +70,12 @@ class InprocessSlot(Slot):
         self.model = model
 
     async def infer(self, payload: dict[str, Any]) -> tuple[int, int]:
+        """``payload``: the keyword arguments of ``async_infer``."""
         import dlserve
 
         self.responses = 0
         try:
-            async for response in self.model.async_infer(inputs=payload):
+            async for response in self.model.async_infer(**payload):
                 self.responses += bool(response.outputs)
         except dlserve.TritonError as exc:
             raise RequestError(str(exc)) from None
@@ -89,7 +91,7 @@ class InprocessDataPlane(DataPlane):
         server = control.server
         zero_copy = self.settings.shared_memory == "system"
         types = {t.name: t.datatype for t in self.info.inputs}
-        payloads = []
+        self.tensors = []
         for request in self.requests:
             tensors = {}
             for name, array in request.items():
@@ -99,9 +101,22 @@ class InprocessDataPlane(DataPlane):
                 else:
                     tensor = dlserve.Tensor.from_object(array)
                 tensors[name] = tensor
-            payloads.append(tensors)
-        self.payloads = payloads
+            self.tensors.append(tensors)
+        self.payloads = self.encode_all()
         self.model = server.model(self.info.name, _version(self.settings.version))
+
+    def encode(self, index: int, extra: dict[str, object] | None = None) -> dict[str, Any]:
+        """The in-process API takes a sequence's ID and flags as arguments of their own."""
+        parameters = dict(self.parameters(extra))
+        request: dict[str, Any] = {"inputs": self.tensors[index]}
+        if "sequence_id" in parameters:
+            request["correlation_id"] = parameters.pop("sequence_id")
+            request["flags"] = SEQUENCE_START * bool(parameters.pop("sequence_start", False)) | SEQUENCE_END * bool(
+                parameters.pop("sequence_end", False)
+            )
+        if parameters:
+            request["parameters"] = parameters
+        return request
 
     async def open_slot(self) -> Slot:
         return InprocessSlot(self.model)
