@@ -291,6 +291,7 @@ class Engine:
             models = [
                 m for e in self.manager.models.values() for m in e.versions.values() if m.ready
             ]
+        models.sort(key=lambda m: (m.name, m.version))  # (Triton's order)
         return {"model_stats": [self._model_statistics(m, instances) for m in models]}
 
     @staticmethod

@@ -226,7 +226,10 @@ class Scheduler:
                 timings.infer_ns = max(0, timings.infer_ns - waited)
         if isinstance(result, TritonError) or timings is None:
             error = result if isinstance(result, TritonError) else InternalError("execute failed")
-            self.model.stats.execution_count += 1  # as Triton: a failed execute still ran
+            started = batch[0].arrival_ns + queue_ns[0]
+            self.model.stats.record_failed_execution(
+                sum(self.model.batch_size_of(r) for r in batch), time.monotonic_ns() - started
+            )
             for request in batch:
                 self._fail(request, error, "BACKEND")
         else:

@@ -80,6 +80,16 @@ class ModelStatistics:
         d["compute_input"].add(input_ns * request_count, request_count)
         d["compute_infer"].add(infer_ns * request_count, request_count)
         d["compute_output"].add(output_ns * request_count, request_count)
+        self._batch_row(batch_size, input_ns, infer_ns, output_ns)
+
+    def record_failed_execution(self, batch_size: int, elapsed_ns: int) -> None:
+        """An ``execute`` that failed as a whole (it raised, or its worker died): as in
+        Triton it ran, so it counts as an execution with its batch row, but it inferred
+        nothing."""
+        self.execution_count += 1
+        self._batch_row(batch_size, 0, elapsed_ns, 0)
+
+    def _batch_row(self, batch_size: int, input_ns: int, infer_ns: int, output_ns: int) -> None:
         row = self.batches.get(batch_size)
         if row is None:
             row = self.batches[batch_size] = BatchStats()

@@ -312,6 +312,8 @@ def test_statistics_of_all_models(client, port):
     everything = client.get_inference_statistics()
     names = sorted({row["name"] for row in everything["model_stats"]})
     assert names == sorted(LOADED)
+    order = [(row["name"], int(row["version"])) for row in everything["model_stats"]]
+    assert order == sorted(order)  # by name, then version, as Triton lists them
     reply = request(port, "GET", "/v2/models/stats")
     assert reply.status == 200 and sorted(r["name"] for r in reply.json()["model_stats"]) == names
 
@@ -362,6 +364,8 @@ def _faulty_stats(client) -> dict:
         "execution_count": row["execution_count"],
         "success": stats["success"]["count"],
         "fail": stats["fail"]["count"],
+        # (Triton's batch_stats count every execution, failed ones too)
+        "batch_executions": sum(batch["compute_infer"]["count"] for batch in row["batch_stats"]),
     }
 
 
@@ -389,8 +393,8 @@ def test_statistics_count_a_raising_execute_as_a_failure(client):
 @pytest.mark.parametrize(
     "mode,expected",
     [
-        ("error:NOT_FOUND", {"inference_count": 1, "execution_count": 1, "success": 1, "fail": 0}),
-        ("raise", {"inference_count": 0, "execution_count": 1, "success": 0, "fail": 1}),
+        ("error:NOT_FOUND", {"inference_count": 1, "execution_count": 1, "success": 1, "fail": 0, "batch_executions": 1}),
+        ("raise", {"inference_count": 0, "execution_count": 1, "success": 0, "fail": 1, "batch_executions": 1}),
     ],
 )
 def test_statistics_count_errors_as_triton_does(client, mode, expected):
