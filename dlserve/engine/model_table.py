@@ -128,8 +128,10 @@ class ModelTable(dict[ModelKey, ModelEntry]):
         return sorted(v.version for v in entry.versions.values() if v.ready) if entry else []
 
     def all_ready(self) -> bool:
+        """Every model asked for serves (a first load still going is not serving yet;
+        a reload is: its old versions serve until the new ones replace them)."""
         return all(
             entry.versions and all(v.ready for v in entry.versions.values())
             for entry in self.values()
-            if entry.versions or entry.error
+            if entry.versions or entry.error or entry.loading
         )

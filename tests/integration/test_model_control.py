@@ -478,7 +478,9 @@ class TritonPythonModel:
     assert server.model("probe").ready()
 
 
-def test_index_shows_loading_while_a_model_loads(servers, make_repo):
+def test_index_shows_loading_while_a_model_loads_and_the_server_is_not_ready(servers, make_repo):
+    """As Triton (strict readiness): a model loading is a model not yet available, so the
+    server says it is not ready until the load ends (readiness probes wait for it)."""
     slow = """
 import time
 
@@ -496,12 +498,14 @@ class TritonPythonModel:
     thread.start()
     deadline = time.monotonic() + 5
     states = set()
+    server_ready = set()
     while thread.is_alive() and time.monotonic() < deadline:
         states.update(m.state for (name, _), m in server.models().items() if name == "slow")
+        server_ready.add(server.ready())
         time.sleep(0.05)
     thread.join()
-    assert "LOADING" in states
-    assert server.models()[("slow", 1)].state == "READY"
+    assert "LOADING" in states and False in server_ready
+    assert server.models()[("slow", 1)].state == "READY" and server.ready()
 
 
 HANGS_IN_INITIALIZE = """
