@@ -4,8 +4,10 @@ model, so models that would overload the machine together take turns.
 
 Resources are counted per device (an instance draws on its own device's copies) unless a
 model marks one ``global``. How many copies exist: ``--rate-limit-resource
-NAME:COUNT[:DEVICE]`` (without a device: every device's, or the global pool's), else the
-most any loaded instance asks for, so every instance can run alone. An execute takes its
+NAME:COUNT[:DEVICE]`` (without a device: every device's, or the global pool's); with no
+such flag at all, the most any loaded instance asks for, so every instance can run alone;
+once any is given, none of a resource it does not name (as in Triton, whose instances
+needing it then fail to load). An execute takes its
 instance's resources when it starts and gives them back when its worker answers; an
 instance with resources runs one execute at a time (a second one queued in its worker
 would hold resources while it waits). When resources come back and instances wait for
@@ -128,11 +130,11 @@ class RateLimiter:
                 )
 
     def _resize(self) -> None:
-        """Pool sizes: the explicit ones, else the most any instance asks for."""
+        """Pool sizes: the explicit ones, else (none given at all) the most any instance asks for."""
         pools: dict[tuple[str, int], int] = {}
         for client in self._clients.values():
             for key, count in client.needs.items():
-                pools[key] = max(pools.get(key, 0), count)
+                pools[key] = 0 if self._explicit else max(pools.get(key, 0), count)
         for key in pools:
             name, device = key
             # A device's own entry wins over one for every device, whatever their order.
@@ -144,9 +146,10 @@ class RateLimiter:
                 if count > pools[key]:
                     name, device = key
                     where = "globally" if device == GLOBAL else f"on device {device}"
-                    raise InvalidArgumentError(
-                        f"instance '{instance.name}' needs {count} of rate limiter resource "
-                        f"'{name}', but only {pools[key]} exist {where} (--rate-limit-resource)"
+                    raise InvalidArgumentError(  # (Triton's words, then which instance and where)
+                        f'Resource count for "{name}" is limited to {pools[key]} which will prevent '
+                        "scheduling of one or more model instances, the minimum required count is "
+                        f"{count} (instance '{instance.name}' {where}; --rate-limit-resource)"
                     )
         self._pools = pools
 

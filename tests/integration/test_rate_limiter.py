@@ -112,7 +112,11 @@ def test_priority_weights_the_turns(servers, make_repo):
     ("models", "pools", "message"),
     [
         ({"a": config('{ name: "R1" count: 3 }')}, ["R1:2"],
-         "instance 'a_0_0' needs 3 of rate limiter resource 'R1', but only 2 exist on device 0"),
+         'Resource count for "R1" is limited to 2 which will prevent scheduling of one or more model '
+         "instances, the minimum required count is 3 (instance 'a_0_0' on device 0"),
+        # Once any pool is given, one not given has none (Triton's rule).
+        ({"a": config('{ name: "U" count: 2 }'), "b": config('{ name: "R1" count: 1 }')}, ["R1:2"],
+         'Resource count for "U" is limited to 0 which will prevent scheduling'),
         ({"a": config(R1), "b": config('{ name: "R1" global: true count: 1 }')}, [],
          "rate limiter resource 'R1' is global in one model configuration and per device in another"),
     ],
