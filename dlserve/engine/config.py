@@ -173,7 +173,7 @@ def complete_instances(config: mc.ModelConfig, model_name: str, gpu_count: int =
     for index, group in enumerate(config.instance_group):
         if not group.name:
             group.name = f"{config.name}_{index}"
-        if group.count == 0:
+        if group.count < 1:  # (Triton runs one instance for 0 and for a negative count)
             group.count = 1
         if group.kind == InstanceGroup.KIND_AUTO:
             if gpu_count > 0:
@@ -255,8 +255,6 @@ def validate(config: mc.ModelConfig, model_name: str, gpu_count: int = 0) -> Non
     _check_tensors(config, "output", config.output)
     for group in config.instance_group:
         where = f"model '{model_name}', instance_group '{group.name}'"
-        if group.count < 1:
-            raise InvalidArgumentError(f"{where}: count must be >= 1, got {group.count}")
         if group.kind == InstanceGroup.KIND_GPU:
             if gpu_count == 0:
                 raise InvalidArgumentError(

@@ -377,9 +377,11 @@ def test_validate_good_reshapes():
     )
 
 
-def test_validate_instance_count():
-    message = invalid('instance_group [ { count: -1 kind: KIND_CPU } ]')
-    assert message == "InvalidArgumentError: model 'm', instance_group 'm_0': count must be >= 1, got -1"
+@pytest.mark.parametrize("count", [0, -1])
+def test_an_instance_count_below_one_is_one(count):
+    config = completed(f"instance_group [ {{ count: {count} kind: KIND_CPU }} ]")
+    cfg.validate(config, "m")
+    assert config.instance_group[0].count == 1  # as Triton loads it
 
 
 def test_validate_kind_gpu_without_gpus():
