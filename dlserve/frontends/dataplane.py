@@ -80,9 +80,10 @@ class OutputSpec:
 
     def __post_init__(self) -> None:
         count = self.parameters.get(CLASSIFICATION, 0)
-        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-            raise InvalidArgumentError(
-                f"output '{self.name}': '{CLASSIFICATION}' must be a non-negative integer"
+        given = CLASSIFICATION in self.parameters
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0 or (given and count == 0):
+            raise InvalidArgumentError(  # (Triton refuses 0 too, when sent)
+                f"output '{self.name}': '{CLASSIFICATION}' must be a positive integer"
             )
         if count and self.shm is not None:
             raise InvalidArgumentError(

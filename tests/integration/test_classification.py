@@ -79,7 +79,7 @@ def test_a_negative_class_count_is_refused(urls, protocol):
     with pytest.raises(InferenceServerException) as caught:
         ask(urls, protocol, "classifier", [["PROBS", -1, True]])
     assert caught.value.status() in ("400", "StatusCode.INVALID_ARGUMENT")
-    assert "'classification' must be a non-negative integer" in caught.value.message()
+    assert "'classification' must be a positive integer" in caught.value.message()
     # the server stays up and answers the next request
     assert ask(urls, protocol, "classifier", [["PROBS", 1, True]])["PROBS"][1] == [2, 1]
 

@@ -627,7 +627,7 @@ def test_bad_requests(client, stub):
     )
     assert (code, text) == (
         "INVALID_ARGUMENT",
-        "output 'OUTPUT0': 'classification' must be a non-negative integer",
+        "output 'OUTPUT0': 'classification' must be a positive integer",
     )
 
     # raw_input_contents: one per input, the right number of bytes

@@ -1773,7 +1773,11 @@ BAD_INFER_BODIES = {
         json_infer(
             [identity_input()], outputs=[{"name": "OUTPUT0", "parameters": {"classification": -2}}]
         ),
-        "'classification' must be a non-negative integer",
+        "'classification' must be a positive integer",
+    ),
+    "zero classification": (
+        json_infer([identity_input()], outputs=[{"name": "OUTPUT0", "parameters": {"classification": 0}}]),
+        "'classification' must be a positive integer",
     ),
     "classification into shared memory": (
         json_infer(
