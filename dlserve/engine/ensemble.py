@@ -320,7 +320,7 @@ class _Run:
         self.cancel()
         error = TritonError.from_code(error.code, message)
         response = Response(ensemble.name, ensemble.version, self.request.request_id, error=error)
-        self.scheduler._deliver(self.request, response, "BACKEND")
+        self.scheduler._deliver(self.request, response, "OTHER")  # (Triton's label for an ensemble's)
 
     def cancel(self) -> None:
         branches, self.branches = self.branches, []

@@ -165,6 +165,10 @@ def test_a_failing_step_fails_the_request_with_its_error(server):
         inputs={"X": x}, parameters={"mode": "error:INVALID_ARG"}, raise_on_error=False
     )
     assert isinstance(coded.error, dlserve.InvalidArgumentError)
+    # The step's failures are its BACKEND failures; the ensemble's, OTHER (Triton's labels).
+    metrics = server.metrics()
+    assert 'nv_inference_request_failure{model="guarded",reason="BACKEND",version="1"} 0' in metrics
+    assert 'nv_inference_request_failure{model="guarded",reason="OTHER",version="1"} 2' in metrics
 
 
 def test_cancelling_the_ensemble_cancels_the_running_step(server):
