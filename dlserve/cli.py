@@ -176,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     grpc.add_argument("--grpc-server-key", default="")
     grpc.add_argument("--grpc-root-cert", default="")
     grpc.add_argument("--grpc-max-message-size", type=int, default=1 << 26, metavar="BYTES",
-                      help="largest gRPC message (default: 64 MiB)")
+                      help="largest gRPC request message (default: 64 MiB; responses: up to 2 GiB)")
     for flag, option, default in _GRPC_TUNING:
         grpc.add_argument(flag, type=int, default=default, dest=f"grpc_{option}", metavar="N")
     _bool_flag(grpc, "--grpc-keepalive-permit-without-calls", False, "allow keepalive pings without calls")

@@ -34,6 +34,7 @@ _TIMEOUT = re.compile(r"([0-9]{1,8})([HMSmun])")
 _TIMEOUT_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
 _CODECS = ("gzip", "deflate")
 _WBITS = {"gzip": 31, "deflate": 15}  # gRPC's "deflate" is the zlib format
+MAX_PROTOBUF_MESSAGE = 2**31 - 1  # the largest message protobuf serializes or parses
 _OK_HEADERS = b"\x88" + literal(31, "application/grpc")  # :status 200 (static 8), content-type
 _HEADER_BLOCKS = {
     name: _OK_HEADERS + literal("grpc-encoding", name) for name in ("identity", *_CODECS)
@@ -283,7 +284,10 @@ class CallContext:
             return
         pieces = [payload] if isinstance(payload, bytes) else payload
         size = sum(memoryview(piece).nbytes for piece in pieces)
-        limit = self.connection.settings.max_message_size
+        # What the server sends is limited by protobuf's ceiling only: --grpc-max-message-size
+        # guards what it takes in, and an answer already computed is not refused (Triton's
+        # clients take up to that ceiling too).
+        limit = MAX_PROTOBUF_MESSAGE
         if size > limit:
             raise Abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,

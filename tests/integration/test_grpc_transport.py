@@ -658,7 +658,7 @@ def test_max_connection_age(server):
 
 
 def test_message_size_limits(server):
-    limit = 1 << 16
+    limit = 1 << 14  # (a response just over it fits the client's default flow-control window)
     with grpc_service(server, max_message_size=limit) as p, H2Client(p) as client:
         client.handshake()
         # a prefix announcing too much is refused before the body comes
@@ -670,7 +670,8 @@ def test_message_size_limits(server):
         assert answer.message == f"Received message larger than max ({limit + 1} vs. {limit})"
         client.send(DATA, END_STREAM, stream, b"\0" * 100)  # the rest, ignored
         check_add_sub(client.call(add_sub_request()))
-        # a request just under the limit whose response is just over it
+        # a request just under the limit whose response is just over it: the limit is
+        # for what comes in; an answer already computed goes out (as from Triton)
         values = (limit - 64) // 4
         while len(identity_request(values + 1)) <= limit:
             values += 1
@@ -679,10 +680,8 @@ def test_message_size_limits(server):
         response.outputs.add(name="OUTPUT0", datatype="FP32", shape=[values])
         response.raw_output_contents.append(b"\0" * 4 * values)
         assert len(response.SerializeToString()) > limit
-        answer = client.call(request)
-        assert answer.status == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
-        assert answer.message.startswith("Sent message larger than max (")
-        assert answer.message.endswith(f" vs. {limit})")
+        reply = client.call(request).response()
+        assert len(reply.raw_output_contents[0]) == 4 * values
 
 
 def test_compressed_requests(h2):
