@@ -327,7 +327,7 @@ class Engine:
         files: dict[str, bytes] = {}
         for key, value in parameters.items():
             if not key.startswith("file:"):
-                raise InvalidArgumentError(f"load of model '{name}': unknown parameter '{key}'")
+                raise InvalidArgumentError(f"unrecognized load parameter '{key}'.")  # (Triton's words)
             if not isinstance(value, (bytes, bytearray)):
                 raise InvalidArgumentError(f"load of model '{name}': '{key}' must be bytes")
             files[key[len("file:") :]] = bytes(value)

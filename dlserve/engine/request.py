@@ -114,7 +114,8 @@ def parse_version(version: str | int | None) -> int:
     return value
 
 
-def _shape_text(shape: Any) -> str:
+def shape_text(shape: Any) -> str:
+    """A shape as Triton writes it in messages: [2,3]."""
     return "[" + ",".join(str(int(d)) for d in shape) + "]"
 
 
@@ -193,7 +194,7 @@ def validate_request(request: Request, signature: Signature) -> int:
             if len(shape) == 0 or not _matches(spec.dims, shape[1:]):
                 raise InvalidArgumentError(
                     f"{request.label}unexpected shape for input '{input_name}' for model '{name}'. "
-                    f"Expected {_shape_text((-1,) + spec.dims)}, got {_shape_text(shape)}. NOTE: "
+                    f"Expected {shape_text((-1,) + spec.dims)}, got {shape_text(shape)}. NOTE: "
                     "Setting a non-zero max_batch_size in the model config requires a batch "
                     "dimension to be prepended to each input shape. If you want to specify the full "
                     "shape including the batch dim in your input dims config, try setting "
@@ -218,7 +219,7 @@ def validate_request(request: Request, signature: Signature) -> int:
         elif not _matches(spec.dims, shape):
             raise InvalidArgumentError(
                 f"{request.label}unexpected shape for input '{input_name}' for model '{name}'. "
-                f"Expected {_shape_text(spec.dims)}, got {_shape_text(shape)}. "
+                f"Expected {shape_text(spec.dims)}, got {shape_text(shape)}. "
             )
         _check_byte_size(request.label, input_name, tensor)
         if spec.reshape is not None:

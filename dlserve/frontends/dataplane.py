@@ -19,7 +19,14 @@ from typing import Any
 import numpy as np
 
 from dlserve.engine.core import Engine
-from dlserve.engine.request import SEQUENCE_END, SEQUENCE_START, Request, Response, parse_version
+from dlserve.engine.request import (
+    SEQUENCE_END,
+    SEQUENCE_START,
+    Request,
+    Response,
+    parse_version,
+    shape_text,
+)
 from dlserve.engine.tracing import Trace
 from dlserve.errors import InvalidArgumentError, NotFoundError, UnsupportedError
 from dlserve.frontends import classification
@@ -161,8 +168,13 @@ class DataPlane:
         except ValueError:
             raise InvalidArgumentError(f"invalid datatype for input {spec.name}") from None
         shape = tuple(spec.shape)
-        if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape):
+        if any(isinstance(d, bool) or not isinstance(d, int) for d in shape):
             raise InvalidArgumentError(f"{label}input '{spec.name}' has an invalid shape {list(spec.shape)}")
+        if any(d < 0 for d in shape):  # (Triton's words)
+            raise InvalidArgumentError(
+                f"{label}All input dimensions should be specified for input '{spec.name}' for model "
+                f"'{model_name}', got {shape_text(shape)}"
+            )
         count = math.prod(shape)
         if spec.shm is not None:
             self._check_shm_allowed()
@@ -174,6 +186,11 @@ class DataPlane:
         array = spec.array
         if array is None:
             raise InvalidArgumentError(f"{label}input '{spec.name}' has no data")
+        if array.size != count and data_type is DataType.BYTES:  # (Triton's words)
+            raise InvalidArgumentError(
+                f"{label}expected {count} string elements for inference input '{spec.name}' for model "
+                f"'{model_name}', got {array.size}"
+            )
         if array.size != count:
             raise InvalidArgumentError(
                 f"{label}input '{spec.name}' has {array.size} elements, but its shape "

@@ -524,15 +524,10 @@ class InferenceServicer:
         parameters = {}
         for key, parameter in request.parameters.items():
             value = _value(parameter)
-            if key == "config" and not isinstance(value, str):
-                raise InvalidArgumentError(
-                    f"load of model '{request.model_name}': "
-                    "'config' must be a string_param holding JSON"
-                )
+            if key == "config" and not isinstance(value, str):  # (Triton's words, these three)
+                raise InvalidArgumentError("invalid value type for load parameter 'config', expected string_param.")
             if key.startswith("file:") and not isinstance(value, bytes):
-                raise InvalidArgumentError(
-                    f"load of model '{request.model_name}': '{key}' must be a bytes_param"
-                )
+                raise InvalidArgumentError(f"invalid value type for load parameter '{key}', expected bytes_param.")
             parameters[key] = value
         await self.engine.load(request.model_name, parameters)
         return pb.RepositoryModelLoadResponse()
@@ -550,7 +545,9 @@ class InferenceServicer:
                     f"unload of model '{request.model_name}': unknown parameter '{key}'"
                 )
             if not isinstance(value, bool):
-                raise InvalidArgumentError("'unload_dependents' must be a bool_param")
+                raise InvalidArgumentError(
+                    "invalid value type for 'unload_dependents' parameter, expected bool_param."
+                )
             dependents = value
         await self.engine.unload(request.model_name, dependents)
         return pb.RepositoryModelUnloadResponse()

@@ -667,6 +667,21 @@ def test_bad_requests(client, stub):
     bad_bytes.inputs.add(name="INPUT0", datatype="BYTES", shape=[1])
     error = rpc_error(lambda: stub.ModelInfer(bad_bytes, timeout=30))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # (Triton's words for these two)
+    few_strings = pb.ModelInferRequest(model_name="bytes_model")
+    few_strings.inputs.add(name="INPUT0", datatype="BYTES", shape=[3]).contents.bytes_contents.extend([b"a", b"b"])
+    error = rpc_error(lambda: stub.ModelInfer(few_strings, timeout=30))
+    assert error.details() == (
+        "[request id: <id_unknown>] expected 3 string elements for inference input 'INPUT0' for model "
+        "'bytes_model', got 2"
+    )
+    unspecified = raw_request()
+    unspecified.inputs[0].shape[:] = [-1]
+    error = rpc_error(lambda: stub.ModelInfer(unspecified, timeout=30))
+    assert error.details() == (
+        "[request id: <id_unknown>] All input dimensions should be specified for input 'INPUT0' for model "
+        "'add_sub', got [-1]"
+    )
     unknown_type = raw_request()
     unknown_type.inputs[0].datatype = "FLOAT"
     error = rpc_error(lambda: stub.ModelInfer(unknown_type, timeout=30))
@@ -913,6 +928,11 @@ def test_repository_index_load_unload(servers, make_repo):
             bad.parameters["config"].bytes_param = b"{}"
             error = rpc_error(lambda: stub.RepositoryModelLoad(bad, timeout=10))
             assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert error.details() == "invalid value type for load parameter 'config', expected string_param."
+            bad = pb.RepositoryModelUnloadRequest(model_name="identity")
+            bad.parameters["unload_dependents"].string_param = "true"
+            error = rpc_error(lambda: stub.RepositoryModelUnload(bad, timeout=10))
+            assert error.details() == "invalid value type for 'unload_dependents' parameter, expected bool_param."
 
             # a model that fails to load: the server is live but not ready
             with pytest.raises(InferenceServerException, match="weights file is missing"):

@@ -145,7 +145,7 @@ def test_files_without_config_are_rejected(servers, make_repo):
     server = servers.start(make_repo("identity"), model_control_mode=ModelControlMode.EXPLICIT)
     with pytest.raises(dlserve.InvalidArgumentError, match="need a 'config' parameter"):
         server.load("x", {"file:1/model.py": b""})
-    with pytest.raises(dlserve.InvalidArgumentError, match="unknown parameter 'bogus'"):
+    with pytest.raises(dlserve.InvalidArgumentError, match="unrecognized load parameter 'bogus'"):
         server.load("identity", {"bogus": "1"})
 
 
