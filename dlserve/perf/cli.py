@@ -72,6 +72,7 @@ class Settings:
     shared_memory: str = "none"
     output_shm_size: int = 102400
     request_parameters: dict[str, bool | int | str] = dataclasses.field(default_factory=dict)
+    bls_composing_models: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (name, version)
     http_headers: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     streaming: bool = False
     # --async or --streaming (or a sequence model without --sync): stable means the
@@ -235,6 +236,17 @@ def parse_header(text: str) -> tuple[str, str]:
     return name, value.strip()
 
 
+def parse_composing_models(text: str) -> list[tuple[str, str]]:
+    """``--bls-composing-models a:3,b``: (name, version), version '' for the server's choice."""
+    models = []
+    for item in text.split(","):
+        name, _, version = item.strip().partition(":")
+        if not name or (version and not version.isdigit()):
+            raise argparse.ArgumentTypeError(f"expected NAME[:VERSION],..., got '{text}'")
+        models.append((name, version))
+    return models
+
+
 def _non_negative_float(text: str) -> float:
     try:
         value = float(text)
@@ -286,6 +298,10 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
                         help="http, grpc, or inprocess (dlserve's in-process API, no network) (default: http)")
     target.add_argument("--model-repository", action="append", default=[], metavar="PATH",
                         help="model repository for -i inprocess (repeatable)")
+    target.add_argument("--bls-composing-models", type=parse_composing_models, default=[],
+                        metavar="NAME[:VERSION],...",
+                        help="models the benchmarked one calls (BLS): their server statistics are "
+                        "reported below its own, and written to a CSV each beside -f's")
 
     load = perf.add_argument_group("load")
     load.add_argument("--concurrency-range", type=_concurrency_range, default=None, metavar="START:END:STEP",
@@ -506,6 +522,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         shared_memory=args.shared_memory,
         output_shm_size=args.output_shared_memory_size,
         request_parameters=parameters,
+        bls_composing_models=list(args.bls_composing_models),
         http_headers=list(args.headers),
         streaming=args.streaming,
         throughput_only=args.async_mode or args.streaming,

@@ -56,12 +56,15 @@ class ClientWindow:
 
 @dataclasses.dataclass
 class ServerStats:
-    """Counters of the statistics extension for one model (all its versions summed)."""
+    """Counters of the statistics extension for one model (all its versions summed), and
+    for each model it calls (``--bls-composing-models``) its own, by (name, version)."""
 
     inference_count: int = 0
     execution_count: int = 0
     counts: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(_DURATIONS, 0))
     ns: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(_DURATIONS, 0))
+    versions: tuple[str, ...] = ()  # the versions summed
+    composing: dict[tuple[str, str], ServerStats] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_json(cls, document: dict[str, Any], model: str, version: str = "") -> ServerStats | None:
@@ -74,6 +77,7 @@ class ServerStats:
             if version and str(entry.get("version", "")) != version:
                 continue
             found = found or cls()
+            found.versions += (str(entry.get("version", "")),)
             found.inference_count += int(entry.get("inference_count", 0) or 0)
             found.execution_count += int(entry.get("execution_count", 0) or 0)
             stats = entry.get("inference_stats") or {}
@@ -84,19 +88,19 @@ class ServerStats:
         return found
 
     def __sub__(self, other: ServerStats) -> ServerStats:
-        return ServerStats(
-            self.inference_count - other.inference_count,
-            self.execution_count - other.execution_count,
-            {k: self.counts[k] - other.counts[k] for k in _DURATIONS},
-            {k: self.ns[k] - other.ns[k] for k in _DURATIONS},
-        )
+        return self._combine(other, -1)
 
     def __add__(self, other: ServerStats) -> ServerStats:
+        return self._combine(other, 1)
+
+    def _combine(self, other: ServerStats, sign: int) -> ServerStats:
         return ServerStats(
-            self.inference_count + other.inference_count,
-            self.execution_count + other.execution_count,
-            {k: self.counts[k] + other.counts[k] for k in _DURATIONS},
-            {k: self.ns[k] + other.ns[k] for k in _DURATIONS},
+            self.inference_count + sign * other.inference_count,
+            self.execution_count + sign * other.execution_count,
+            {k: self.counts[k] + sign * other.counts[k] for k in _DURATIONS},
+            {k: self.ns[k] + sign * other.ns[k] for k in _DURATIONS},
+            self.versions,
+            {key: stats._combine(other.composing[key], sign) for key, stats in self.composing.items()},
         )
 
     def avg_us(self, key: str) -> float:
@@ -120,6 +124,27 @@ class ServerStats:
             "compute_input_us": compute_input,
             "compute_infer_us": compute_infer,
             "compute_output_us": compute_output,
+            **self._composing_summary(request),
+        }
+
+    def _composing_summary(self, request_us: float) -> dict[str, Any]:
+        """perf_analyzer's view of a model with composing models: its queue and compute
+        are theirs, summed (averages per request of each), the rest its overhead."""
+        if not self.composing:
+            return {}
+        models = [
+            {"model": name, "version": version or ",".join(stats.versions), **stats.summary()}
+            for (name, version), stats in self.composing.items()
+        ]
+        queue = sum(m["queue_us"] for m in models if m["success_count"])
+        compute = sum(
+            m["compute_input_us"] + m["compute_infer_us"] + m["compute_output_us"] for m in models if m["success_count"]
+        )
+        return {
+            "composing_models": models,
+            "composing_queue_us": queue,
+            "composing_compute_us": compute,
+            "composing_overhead_us": max(0.0, request_us - queue - compute),
         }
 
 

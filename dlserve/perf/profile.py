@@ -57,13 +57,12 @@ class Profiler:
         if not self.server_stats:
             return None
         try:
-            document = await asyncio.to_thread(self.control.statistics, self.settings.model, self.settings.version)
+            return await asyncio.to_thread(read_statistics, self.control, self.settings)
         except ServerError as exc:
             self.server_stats = False
             print(f"dlserve perf: server statistics stopped working ({exc}); going on without them",
                   file=sys.stderr)
             return None
-        return ServerStats.from_json(document, self.settings.model, self.settings.version)
 
     def _check(self, group: LoadGroup) -> None:
         if group.error:
@@ -178,12 +177,28 @@ def _for_sequences(settings: Settings) -> Settings:
     return dataclasses.replace(settings, throughput_only=settings.throughput_only or not settings.sync)
 
 
+def read_statistics(control: ControlClient, settings: Settings) -> ServerStats | None:
+    """The model's statistics now, with its composing models' (each asked for in turn);
+    None when the server does not list the model."""
+    stats = ServerStats.from_json(control.statistics(settings.model, settings.version), settings.model,
+                                  settings.version)
+    if stats is None:
+        return None
+    for name, version in settings.bls_composing_models:
+        composing = ServerStats.from_json(control.statistics(name, version), name, version)
+        if composing is None:
+            raise ServerError(f"the server has no statistics for composing model '{name}'")
+        stats.composing[(name, version)] = composing
+    return stats
+
+
 def _probe_statistics(control: ControlClient, settings: Settings) -> bool:
     try:
-        document = control.statistics(settings.model, settings.version)
-    except ServerError:
+        return read_statistics(control, settings) is not None
+    except ServerError as exc:
+        if settings.bls_composing_models:  # (asked for by name: a mistake to say, not to hide)
+            raise UsageError(f"--bls-composing-models: {exc}") from None
         return False
-    return ServerStats.from_json(document, settings.model, settings.version) is not None
 
 
 def benchmark(settings: Settings, server: Any = None) -> tuple[list[LevelResult], bool, bool]:
@@ -231,7 +246,10 @@ def main(settings: Settings) -> int:
         if settings.protocol == "inprocess":
             from dlserve.perf.clients.inprocess import start_server
 
-            server = start_server(settings.model_repository, settings.model)
+            # (the models it calls too, when it says which)
+            server = start_server(
+                settings.model_repository, [settings.model, *(name for name, _ in settings.bls_composing_models)]
+            )
         results, server_stats, unstable = benchmark(settings, server)
     except UsageError as exc:
         print(f"dlserve perf: error: {exc}", file=sys.stderr)

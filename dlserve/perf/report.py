@@ -15,8 +15,10 @@ adds its own ``pNN latency`` column in order.)
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
+import os
 import shutil
 import sys
 import time
@@ -127,21 +129,39 @@ def level_text(result: LevelResult, protocol: str, header: bool = True) -> str:
     if result.mode == "request_rate" and result.delayed:
         pct = 100.0 * result.delayed / max(result.sent, 1)
         lines.append(f"    Delayed request count: {result.delayed} ({pct:.1f}%)")
-    server = result.server
-    if server is not None:
-        lines += [
-            "  Server: ",
-            f"    Inference count: {server['inference_count']}",
-            f"    Execution count: {server['execution_count']}",
-            f"    Successful request count: {server['success_count']}",
-            f"    Avg request latency: {int(server['avg_request_latency_us'])} usec "
-            f"(overhead {int(server['overhead_us'])} usec + queue {int(server['queue_us'])} usec + "
-            f"compute input {int(server['compute_input_us'])} usec + compute infer "
-            f"{int(server['compute_infer_us'])} usec + compute output {int(server['compute_output_us'])} usec)",
-        ]
+    if result.server is not None:
+        lines += ["  Server: ", *server_lines(result.server, "    ")]
     if not result.stable:
         lines.append("  (not stable: these are the last 3 windows)")
     return "\n".join(lines) + "\n"
+
+
+def server_lines(server: dict[str, Any], indent: str) -> list[str]:
+    """perf_analyzer's server block for a model (with its composing models' below)."""
+    if not server["success_count"]:
+        return [f"{indent}Request count: 0"]
+    lines = [
+        f"{indent}Inference count: {server['inference_count']}",
+        f"{indent}Execution count: {server['execution_count']}",
+        f"{indent}Successful request count: {server['success_count']}",
+    ]
+    latency = f"{indent}Avg request latency: {int(server['avg_request_latency_us'])} usec "
+    if "composing_models" not in server:
+        return lines + [
+            latency + f"(overhead {int(server['overhead_us'])} usec + queue {int(server['queue_us'])} usec + "
+            f"compute input {int(server['compute_input_us'])} usec + compute infer "
+            f"{int(server['compute_infer_us'])} usec + compute output {int(server['compute_output_us'])} usec)",
+        ]
+    lines += [
+        latency + f"(overhead {int(server['composing_overhead_us'])} usec + queue "
+        f"{int(server['composing_queue_us'])} usec + compute {int(server['composing_compute_us'])} usec)",
+        "",
+        f"{indent[2:]}Composing models: ",
+    ]
+    for model in server["composing_models"]:
+        lines.append(f"{indent[2:]}{model['model']}, version: {model['version']}")
+        lines += server_lines(model, indent + "  ")
+    return lines
 
 
 def delayed_warning(result: LevelResult) -> str | None:
@@ -210,10 +230,27 @@ def csv_rows(results: list[LevelResult], server_stats: bool, verbose: bool = Fal
 
 
 def write_csv(path: str, results: list[LevelResult], mode: str, server_stats: bool, verbose: bool = False) -> None:
+    """The CSV; with composing models, one more beside it per model, as perf_analyzer
+    writes them (``NAME_vVERSION.FILE``): the same rows with that model's server columns."""
+    _write_rows(path, csv_columns(results, mode, server_stats, verbose), csv_rows(results, server_stats, verbose))
+    composing = (results[0].server or {}).get("composing_models", []) if results else []
+    folder, name = os.path.split(path)
+    for index, model in enumerate(composing):
+        own = [
+            dataclasses.replace(r, server=(r.server or {}).get("composing_models", [{}] * len(composing))[index])
+            for r in results
+        ]
+        _write_rows(
+            os.path.join(folder, f"{model['model']}_v{model['version']}.{name}"),
+            csv_columns(own, mode, server_stats, verbose), csv_rows(own, server_stats, verbose),
+        )
+
+
+def _write_rows(path: str, columns: list[str], rows: list[list[str]]) -> None:
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
-    writer.writerow(csv_columns(results, mode, server_stats, verbose))
-    writer.writerows(csv_rows(results, server_stats, verbose))
+    writer.writerow(columns)
+    writer.writerows(rows)
     with open(path, "w", encoding="utf-8") as f:
         f.write(buffer.getvalue())
 

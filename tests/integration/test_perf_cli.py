@@ -109,7 +109,7 @@ def run_server(work: Path, repo: Path, *extra: str) -> Iterator[dict[str, Any]]:
 def server(tmp_path_factory: pytest.TempPathFactory):
     work = tmp_path_factory.mktemp("perf")
     repo = work / "repo"
-    for name in ("add_sub", "identity", "bytes_model", "reshape", "decoupled"):
+    for name in ("add_sub", "identity", "bytes_model", "reshape", "decoupled", "bls"):
         shutil.copytree(MODELS / name, repo / name)
     (repo / "sleepy" / "1").mkdir(parents=True)  # 5 ms per request, always over a 1 ms limit
     (repo / "sleepy" / "config.pbtxt").write_text(SLEEPY_CONFIG)
@@ -336,6 +336,33 @@ def test_plot(server, tmp_path):
     assert plot.read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_bls_composing_models_are_reported_below_the_model(server, tmp_path, protocol):
+    """perf_analyzer's --bls-composing-models: the callee's server numbers under "Composing
+    models:", the caller's queue and compute being the callee's (its overhead the rest),
+    and a CSV per callee beside -f's."""
+    out, report = tmp_path / "out.csv", tmp_path / "out.json"
+    result = perf("-m", "bls", *url(server, protocol), *QUICK, "--shape", "INPUT0:4",
+                  "--request-parameter", "route:identity:string", "--bls-composing-models", "identity",
+                  "-f", str(out), "--json", str(report))
+    assert "  Composing models: \n  identity, version: 1\n      Inference count: " in result.stdout
+    (level,) = json.loads(report.read_text())["results"]
+    server_side = level["server"]
+    (identity,) = server_side["composing_models"]
+    assert identity["model"] == "identity" and identity["version"] == "1"
+    # every bls request called identity once (give or take a request at a window's edge)
+    assert abs(identity["success_count"] - server_side["success_count"]) <= 2, server_side
+    assert server_side["composing_queue_us"] == identity["queue_us"]
+    (row,) = read_csv(tmp_path / "identity_v1.out.csv")
+    check_server_columns(row)
+    assert int(row["Server Compute Infer"]) == int(identity["compute_infer_us"])
+
+
+def test_an_unknown_composing_model_is_a_usage_error(server):
+    result = perf("-m", "add_sub", *url(server, "http"), *QUICK, "--bls-composing-models", "nope", expect=99)
+    assert "--bls-composing-models:" in result.stderr and "'nope'" in result.stderr
+
+
 # -- failures -----------------------------------------------------------------------------------
 def test_unknown_model(server):
     result = perf("-m", "nope", *url(server, "http"), *QUICK, expect=99)
@@ -393,3 +420,12 @@ def test_inprocess(tmp_path):
     assert [r["Concurrency"] for r in sorted(rows, key=lambda r: r["Concurrency"])] == ["1", "2"]
     for row in rows:
         check_server_columns(row)
+
+
+def test_inprocess_loads_the_composing_models_too(tmp_path):
+    repo = tmp_path / "repo"
+    for name in ("bls", "identity"):
+        shutil.copytree(MODELS / name, repo / name)
+    result = perf("-m", "bls", "-i", "inprocess", "--model-repository", str(repo), *QUICK, "--shape", "INPUT0:4",
+                  "--request-parameter", "route:identity:string", "--bls-composing-models", "identity")
+    assert "  identity, version: 1\n      Inference count: " in result.stdout

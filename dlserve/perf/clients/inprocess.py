@@ -17,14 +17,14 @@ from dlserve.perf.clients.base import ControlClient, DataPlane, RequestError, Se
 from dlserve.perf.inputs import ModelInfo
 
 
-def start_server(repositories: list[str], model: str) -> Any:
-    """A server with only ``model`` loaded (explicit model control)."""
+def start_server(repositories: list[str], models: list[str]) -> Any:
+    """A server with only ``models`` loaded (explicit model control)."""
     import dlserve
 
     options = dlserve.Options(
         model_repository=repositories,
         model_control_mode=dlserve.ModelControlMode.EXPLICIT,
-        startup_models=[model],
+        startup_models=models,
         exit_on_error=True,
     )
     try:
