@@ -150,6 +150,52 @@ def test_a_sequence_whose_waiting_request_was_cancelled_does_not_keep_a_slot(ser
         server.unload("one_slot")
 
 
+SEQUENCE_CALLER = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            values = pb_utils.get_input_tensor_by_name(request, "VALUES").as_numpy().reshape(-1).tolist()
+            key = request.correlation_id() or 4040
+            totals = []
+            for i, x in enumerate(values):
+                flags = (pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START if i == 0 else 0) | (
+                    pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END if i == len(values) - 1 else 0)
+                call = pb_utils.InferenceRequest(
+                    model_name="accumulate", inputs=[pb_utils.Tensor("INPUT", np.array([[x]], np.int32))],
+                    requested_output_names=["OUTPUT"], correlation_id=key, flags=flags)
+                answer = call.exec()
+                if answer.has_error():
+                    raise pb_utils.TritonModelException(answer.error().message())
+                totals.append(int(pb_utils.get_output_tensor_by_name(answer, "OUTPUT").as_numpy()[0, 0]))
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("TOTALS", np.array(totals, np.int32))]))
+        return responses
+"""
+
+
+def test_a_bls_call_runs_a_sequence_on_a_sequence_model(server):
+    """"Using BLS with stateful models" (Triton's README): the caller names the sequence
+    and its START/END flags on each pb_utils.InferenceRequest."""
+    config = {
+        "backend": "python",
+        "input": [{"name": "VALUES", "data_type": "TYPE_INT32", "dims": [-1]}],
+        "output": [{"name": "TOTALS", "data_type": "TYPE_INT32", "dims": [-1]}],
+    }
+    server.load("sequence_caller", {"config": json.dumps(config), "file:1/model.py": SEQUENCE_CALLER.encode()})
+    try:
+        (response,) = server.model("sequence_caller").infer(inputs={"VALUES": np.array([1, 2, 3, 4], np.int32)})
+        assert response.outputs["TOTALS"].as_numpy().tolist() == [1, 3, 6, 10]
+        # the sequence ended with its END: the same ID starts afresh
+        (again,) = server.model("sequence_caller").infer(inputs={"VALUES": np.array([5, 5], np.int32)})
+        assert again.outputs["TOTALS"].as_numpy().tolist() == [5, 10]
+    finally:
+        server.unload("sequence_caller")
+
+
 def test_idle_sequences_are_released(server):
     assert total(asyncio.run(send(server, 77, 5, START))) == 5
     time.sleep(0.8)  # max_sequence_idle_microseconds is 0.5 s
