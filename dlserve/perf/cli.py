@@ -63,6 +63,7 @@ class Settings:
     sweep_unbounded: bool = False  # --concurrency-range start:0 -> grow until the latency limit
     sweep_step: float = 1
     distribution: str = "constant"
+    request_intervals_us: list[float] | None = None  # --request-intervals: the gaps, in turn
     shapes: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     input_data: str = "random"
     string_length: int = 128
@@ -236,6 +237,29 @@ def parse_header(text: str) -> tuple[str, str]:
     return name, value.strip()
 
 
+def read_intervals(path: str) -> list[float]:
+    """``--request-intervals``: one gap between requests per line, in microseconds."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [line.strip() for line in f]
+    except OSError as exc:
+        raise UsageError(f"--request-intervals: cannot read '{path}': {exc.strerror or exc}") from None
+    intervals = []
+    for number, line in enumerate(lines, 1):
+        if not line:
+            continue
+        try:
+            value = float(line)
+        except ValueError:
+            value = -1.0
+        if not math.isfinite(value) or value < 0:
+            raise UsageError(f"--request-intervals: line {number} of '{path}' is not a number of microseconds: '{line}'")
+        intervals.append(value)
+    if not intervals or sum(intervals) <= 0:
+        raise UsageError(f"--request-intervals: '{path}' holds no interval above 0")
+    return intervals
+
+
 def parse_composing_models(text: str) -> list[tuple[str, str]]:
     """``--bls-composing-models a:3,b``: (name, version), version '' for the server's choice."""
     models = []
@@ -309,6 +333,9 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
                       "END 0 grows until --latency-threshold")
     load.add_argument("--request-rate-range", type=_rate_range, default=None, metavar="START:END:STEP",
                       help="requests per second, swept from START to END (open loop)")
+    load.add_argument("--request-intervals", default=None, metavar="FILE",
+                      help="open loop: the time between requests, from FILE (microseconds, one per line, "
+                      "used in turn and again from the top)")
     load.add_argument("--request-distribution", choices=["constant", "poisson"], default="constant",
                       help="time between requests in request-rate mode (default: constant)")
     load.add_argument("-b", "--batch-size", type=_int_at_least(1), default=1, metavar="N",
@@ -443,7 +470,14 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         raise UsageError("--concurrency-range and --request-rate-range cannot be used together")
     if args.async_mode and args.sync:
         raise UsageError("-a/--async and --sync cannot be used together")
-    if args.request_rate_range is not None:
+    intervals = None
+    if args.request_intervals is not None:
+        if args.concurrency_range is not None or args.request_rate_range is not None:
+            raise UsageError("--request-intervals cannot be used with --concurrency-range or --request-rate-range")
+        intervals = read_intervals(args.request_intervals)
+        rate = 1e6 * len(intervals) / sum(intervals)
+        mode, (start, end, step) = "request_rate", (rate, rate, 1)
+    elif args.request_rate_range is not None:
         mode, (start, end, step) = "request_rate", args.request_rate_range
     else:
         mode, (start, end, step) = "concurrency", args.concurrency_range or (1, 1, 1)
@@ -513,6 +547,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         sweep_unbounded=unbounded,
         sweep_step=step,
         distribution=args.request_distribution,
+        request_intervals_us=intervals,
         shapes=shapes,
         input_data=input_data,
         string_length=args.string_length,

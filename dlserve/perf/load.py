@@ -22,6 +22,7 @@ not hold the sequence's slot until it idles out.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import time
 from typing import Any
@@ -112,9 +113,11 @@ class LoadGenerator:
     """Drives one data plane; used directly (one process) or inside a worker process."""
 
     def __init__(self, plane: DataPlane, max_threads: int = 16, sequences: SequenceMaker | None = None,
-                 num_sequences: int = 4, serial_sequences: bool = False) -> None:
+                 num_sequences: int = 4, serial_sequences: bool = False,
+                 intervals_us: list[float] | None = None) -> None:
         self.plane = plane
         self.max_threads = max_threads
+        self.intervals_us = intervals_us  # --request-intervals: the gaps at the whole run's rate
         self.sequences = sequences
         self.num_sequences = num_sequences
         self.serial_sequences = serial_sequences
@@ -225,6 +228,10 @@ class LoadGenerator:
         interval = 1e9 / rate
         rng = random.Random(seed)
         gap = (lambda: rng.expovariate(1.0) * interval) if distribution == "poisson" else (lambda: interval)
+        if self.intervals_us:  # (stretched to this process's share of the rate)
+            given = itertools.cycle(self.intervals_us)
+            scale = interval / (1e3 * sum(self.intervals_us) / len(self.intervals_us))
+            gap = lambda: next(given) * 1e3 * scale  # noqa: E731
         due = float(_now())
         idle = self._idle
         while True:

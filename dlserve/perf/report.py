@@ -69,6 +69,8 @@ def settings_text(settings: Any, server_stats: bool) -> str:
         lines.append(f"  Latency limit: {settings.latency_threshold_ms} msec")
         top = "no limit" if settings.sweep_unbounded else f"{int(max(settings.levels))} concurrent requests"
         lines.append(f"  Concurrency limit: {top}")
+    elif settings.request_intervals_us:
+        lines.append(f"  Using {len(settings.request_intervals_us)} request intervals from --request-intervals")
     else:
         kind = "uniform" if settings.distribution == "constant" else "poisson"
         lines.append(f"  Using {kind} distribution on request generation")

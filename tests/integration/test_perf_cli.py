@@ -277,6 +277,18 @@ def test_request_rate_poisson(server, tmp_path):
         assert 30 < float(row["Inferences/Second"]) < 400, row
 
 
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_request_intervals_set_the_pace(server, tmp_path, processes):
+    intervals = tmp_path / "intervals.txt"
+    intervals.write_text("1000\n3000\n")  # 2 ms on average: 500 requests per second
+    out = tmp_path / "out.csv"
+    result = perf("-m", "add_sub", *url(server, "http"), *QUICK, "--request-intervals", str(intervals),
+                  "--processes", processes, "-f", str(out))
+    assert "Using 2 request intervals from --request-intervals" in result.stdout
+    (row,) = read_csv(out)
+    assert row["Request Rate"] == "500" and 250 < float(row["Inferences/Second"]) < 750, row
+
+
 def test_two_processes(server, tmp_path):
     out = tmp_path / "out.json"
     perf("-m", "add_sub", *url(server, "http"), *QUICK, "--concurrency-range", "4", "--processes", "2",

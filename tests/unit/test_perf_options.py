@@ -130,6 +130,15 @@ def test_sweeps_and_urls():
         (["-x", "latest"], "-x: a model version is a non-negative integer, got 'latest'"),
         (["-u", "localhost:99999"], "-u: expected HOST:PORT"),
         (["-f", "/no/such/dir/out.csv"], "-f: folder '/no/such/dir' does not exist"),
+        (["-a", "--sync"], "-a/--async and --sync cannot be used together"),
+        (["--sequence-id-range", "5:5"], "end must be above start"),
+        (["--request-parameter", "k:v"], "expected name:value:type"),
+        (["-H", "NoColon"], "expected Header:Value"),
+        (["--request-parameter", "sequence_id:1:int"], "sequence_id is set by dlserve perf itself"),
+        (["--bls-composing-models", "a:x"], "expected NAME[:VERSION]"),
+        (["--request-intervals", "/no/such/intervals"], "--request-intervals: cannot read '/no/such/intervals'"),
+        (["--request-intervals", "/dev/null", "--concurrency-range", "2"], "cannot be used with --concurrency-range"),
+        (["--request-intervals", "/dev/null"], "holds no interval above 0"),
     ],
 )
 def test_bad_values_exit_2(capsys, argv, message):
@@ -157,6 +166,16 @@ def test_plot_without_matplotlib_is_a_clear_error(capsys, monkeypatch, tmp_path)
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     err = usage_error(capsys, "-m", "m", "--plot", str(tmp_path / "p.png"))
     assert "--plot needs matplotlib" in err and "pip install 'dlserve[plot]'" in err
+
+
+def test_request_intervals_file(tmp_path, capsys):
+    path = tmp_path / "intervals.txt"
+    path.write_text("100\n\n300.5\n")
+    paced = settings("-m", "m", "--request-intervals", str(path))
+    assert paced.request_intervals_us == [100.0, 300.5] and paced.mode == "request_rate"
+    assert paced.levels == [pytest.approx(1e6 / 200.25)]
+    path.write_text("100\nsoon\n")
+    assert "line 2 of" in usage_error(capsys, "-m", "m", "--request-intervals", str(path))
 
 
 def test_usage_error_is_raised_for_combinations():
