@@ -198,6 +198,13 @@ def build_parser() -> argparse.ArgumentParser:
     _bool_flag(metrics, "--allow-gpu-metrics", True, "include GPU metrics (nvidia-ml-py, where a GPU exists)")
     metrics.add_argument("--metrics-address", default=None, help="(default: --http-address)")
     metrics.add_argument("--metrics-port", type=_port, default=8002)
+    metrics.add_argument("--metrics-interval-ms", type=float, default=2000.0, metavar="MS",
+                         help="how often nv_cpu_* are refreshed (default: 2000)")
+    metrics.add_argument("--metrics-config", action="append", default=[], metavar="KEY=VALUE",
+                         help="as tritonserver's (repeatable): counter_latencies=true|false, "
+                         "summary_latencies=true|false, summary_quantiles=QUANTILE:ERROR[,...], "
+                         "histogram_latencies=true|false (accepted, no effect: Triton 2.51 shows no "
+                         "latency histograms for Python models); an unknown key is an error")
 
     shared = serve.add_argument_group("shared memory and logging")
     _bool_flag(shared, "--allow-client-shm", False, "let clients register and use shared memory")
@@ -239,8 +246,8 @@ _GRPC_TUNING = (
 _IGNORED_FLAGS = (
     "--backend-directory", "--cache-directory", "--repoagent-directory", "--pinned-memory-pool-byte-size",
     "--cuda-memory-pool-byte-size", "--cuda-virtual-address-size", "--min-supported-compute-capability",
-    "--buffer-manager-thread-count", "--host-policy", "--model-load-gpu-limit", "--metrics-interval-ms",
-    "--metrics-config", "--model-load-thread-count", "--enable-peer-access", "--sagemaker-safe-port-range",
+    "--buffer-manager-thread-count", "--host-policy", "--model-load-gpu-limit",
+    "--model-load-thread-count", "--enable-peer-access", "--sagemaker-safe-port-range",
     "--sagemaker-thread-count", "--vertex-ai-thread-count",
 )
 
@@ -265,6 +272,19 @@ def _grouped_settings(flag: str, entries: list[str], example: str) -> dict[str, 
         if not name or not key or not value:
             raise SystemExit(f"dlserve: {flag} '{entry}' must look like {example}")
         config.setdefault(name, {})[key] = value
+    return config
+
+
+def _metrics_configuration(entries: list[str]) -> dict[str, dict[str, str]]:
+    """``--metrics-config KEY=VALUE`` entries as ``Options.metrics_configuration``
+    ({"": {KEY: VALUE}}); a ``GROUP,`` prefix is kept, for the server to refuse."""
+    config: dict[str, dict[str, str]] = {}
+    for entry in entries:
+        setting, sep, value = entry.partition("=")
+        group, _, key = setting.rpartition(",")
+        if not sep or not key:
+            raise SystemExit(f"dlserve: --metrics-config '{entry}' must look like KEY=VALUE")
+        config.setdefault(group, {})[key] = value
     return config
 
 
@@ -379,6 +399,8 @@ def serve(args: argparse.Namespace) -> int:
         metrics=args.allow_metrics,
         cpu_metrics=args.allow_cpu_metrics,
         gpu_metrics=args.allow_gpu_metrics,
+        metrics_interval=int(args.metrics_interval_ms),
+        metrics_configuration=_metrics_configuration(args.metrics_config),
         model_load_retry_count=args.model_load_retry_count,
         model_namespacing=args.model_namespacing,
         busy_poll_us=args.busy_poll_us,

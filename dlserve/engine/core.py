@@ -23,6 +23,7 @@ import dlserve
 from dlserve.engine.custom_metrics import APPLICATION, CustomMetrics
 from dlserve.engine.logs import LogSettings
 from dlserve.engine.manager import ModelControlMode, ModelManager
+from dlserve.engine.metrics_settings import MetricsSettings
 from dlserve.engine.model import EngineResources, ModelVersion
 from dlserve.engine.rate_limiter import RateLimiter, RateLimiterResource
 from dlserve.engine.repository import Repository
@@ -89,6 +90,7 @@ class EngineSettings:
     without_effect: list[str] = dataclasses.field(default_factory=list)  # settings given, not acted on
     log: LogSettings = dataclasses.field(default_factory=LogSettings)
     trace: TraceSettings = dataclasses.field(default_factory=TraceSettings)
+    metrics: MetricsSettings = dataclasses.field(default_factory=MetricsSettings)
 
 
 def gpu_count() -> int:
@@ -166,6 +168,7 @@ class Engine:
             gpu_count=gpu_count(),
             response_cache=self.response_cache,
             rate_limiter=self.rate_limiter,
+            latency_summaries=s.metrics.summary_latencies,
         )
         self.manager = ModelManager(
             Repository(s.model_repositories, s.model_config_name, s.model_namespacing),

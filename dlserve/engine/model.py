@@ -54,6 +54,7 @@ class EngineResources:
     serial: int = 0
     response_cache: ResponseCache | None = None  # the server's, if it has one
     rate_limiter: RateLimiter | None = None  # with --rate-limit=execution_count
+    latency_summaries: bool = False  # statistics keep the samples of --metrics-config summary_latencies
 
     def next_serial(self) -> int:
         self.serial += 1
@@ -80,7 +81,7 @@ class ModelVersion:
         self.model_dir = model_dir
         self.model_file = model_dir / str(version) / config.default_model_filename
         self.resources = resources
-        self.stats = ModelStatistics(name, version)
+        self.stats = ModelStatistics(name, version, resources.latency_summaries)
         self.signature = Signature(config)
         self.decoupled = bool(config.model_transaction_policy.decoupled)
         self.output_names = self.signature.output_names

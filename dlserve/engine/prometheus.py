@@ -2,19 +2,25 @@
 dlserve's and the models' own.
 
 Values are read from the engine's statistics when rendered, so serving requests
-costs nothing extra for metrics. Counters keep Triton's names exactly (no
-``_total`` suffix), which is why the text is rendered here rather than through
-prometheus-client's collectors. CPU metrics come from /proc; GPU metrics from
-nvidia-ml-py when a GPU and its driver are present. The metrics port
-(:mod:`dlserve.frontends.metrics`) and ``Server.metrics()`` both serve this text.
+costs nothing extra for metrics (but an append per latency with
+``summary_latencies``). Counters keep Triton's names exactly (no ``_total`` suffix),
+which is why the text is rendered here rather than through prometheus-client's
+collectors. What is shown follows ``--metrics-config``
+(:mod:`dlserve.engine.metrics_settings`). CPU metrics come from /proc, refreshed
+once per metrics interval; GPU metrics from nvidia-ml-py when a GPU and its driver
+are present. The metrics port (:mod:`dlserve.frontends.metrics`) and
+``Server.metrics()`` both serve this text.
 """
 
 from __future__ import annotations
 
+import math
+import time
+
 from dlserve.engine.core import Engine
-from dlserve.engine.custom_metrics import APPLICATION, sample
+from dlserve.engine.custom_metrics import APPLICATION, Labels, sample
 from dlserve.engine.model import ModelVersion
-from dlserve.engine.statistics import FAILURE_REASONS
+from dlserve.engine.statistics import FAILURE_REASONS, Duration
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -43,6 +49,16 @@ _MODEL_METRICS = (
     ("dlserve_instance_restarts_total", "counter", "Number of times the instance's worker process was restarted after it died (attempts, failed ones included)"),
     ("dlserve_instance_ready", "gauge", "Whether the instance's worker process is up and serving (1) or not (0)"),
 )
+# (counter, statistics field): what --metrics-config counter_latencies=false leaves out,
+# with the per-model cache counters.
+_LATENCY_COUNTERS = (
+    ("nv_inference_request_duration_us", "success"),  # successes only, as Triton
+    ("nv_inference_queue_duration_us", "queue"),
+    ("nv_inference_compute_input_duration_us", "compute_input"),
+    ("nv_inference_compute_infer_duration_us", "compute_infer"),
+    ("nv_inference_compute_output_duration_us", "compute_output"),
+)
+_LATENCY_COUNTER_NAMES = frozenset(name for name, _ in _LATENCY_COUNTERS)
 
 
 # Per model whose config enables the response cache (Triton lists them for those only).
@@ -50,7 +66,21 @@ _CACHE_MODEL_METRICS = (
     ("nv_cache_num_hits_per_model", "counter", "Number of cache hits per model", "cache_hit", False),
     ("nv_cache_hit_duration_per_model", "counter", "Total cache hit duration per model, in microseconds", "cache_hit", True),
     ("nv_cache_num_misses_per_model", "counter", "Number of cache misses per model", "cache_miss", False),
-    ("nv_cache_miss_duration_per_model", "counter", "Total cache miss (lookup and insertion) duration per model, in microseconds", "cache_miss", True),
+    ("nv_cache_miss_duration_per_model", "counter", "Total cache miss (insert+lookup) duration per model, in microseconds", "cache_miss", True),
+)
+
+# --metrics-config summary_latencies=true: (family, statistics field, help, shown for
+# models using the response cache (True), for the others (False), or for all (None)).
+# As Triton 2.51 shows them, help texts included: a model using the cache has no
+# request summary, and the compute ones say "Cumulative".
+_SUMMARIES = (
+    ("nv_inference_request_summary_us", "success", "Summary of inference request duration in microseconds (includes cached requests)", False),
+    ("nv_inference_queue_summary_us", "queue", "Summary of inference queuing duration in microseconds (includes cached requests)", None),
+    ("nv_inference_compute_input_summary_us", "compute_input", "Cumulative compute input duration in microseconds (does not include cached requests)", None),
+    ("nv_inference_compute_infer_summary_us", "compute_infer", "Cumulative compute inference duration in microseconds (does not include cached requests)", None),
+    ("nv_inference_compute_output_summary_us", "compute_output", "Cumulative inference compute output duration in microseconds (does not include cached requests)", None),
+    ("nv_cache_hit_summary_per_model", "cache_hit", "Summary of cache hit counts/durations per model, in microseconds.", True),
+    ("nv_cache_miss_summary_per_model", "cache_miss", "Summary of cache miss counts/durations per model, in microseconds.", True),
 )
 
 
@@ -63,104 +93,155 @@ def _model_labels(engine: Engine, model: ModelVersion, *more: tuple[str, str]) -
     return tuple(sorted(labels))
 
 
+def _versions(engine: Engine) -> list[ModelVersion]:
+    """Every model version the engine holds."""
+    if engine.manager is None:
+        return []
+    return [model for entry in engine.manager.models.values() for model in entry.versions.values()]
+
+
 def _cache_lines(engine: Engine) -> list[str]:
-    """The response cache's metrics: per model that uses it, and the cache's own
-    gauges when the server has one."""
-    rows: dict[str, list[str]] = {name: [] for name, *_ in _CACHE_MODEL_METRICS}
-    for entry in engine.manager.models.values() if engine.manager is not None else ():
-        for model in entry.versions.values():
+    """The response cache's metrics: per model that uses it (with counter_latencies),
+    and the cache's own gauges when the server has one (Triton's order and words)."""
+    lines: list[str] = []
+    if engine.settings.metrics.counter_latencies:
+        rows: dict[str, list[str]] = {name: [] for name, *_ in _CACHE_MODEL_METRICS}
+        for model in _versions(engine):
             if not model.config.response_cache.enable:
                 continue
             labels = _model_labels(engine, model)
             for name, _, _, field, is_duration in _CACHE_MODEL_METRICS:
                 duration = model.stats.durations[field]
                 rows[name].append(sample(name, labels, duration.ns // 1000 if is_duration else duration.count))
-    lines: list[str] = []
-    for name, kind, help_text, _, _ in _CACHE_MODEL_METRICS:
-        if rows[name]:
-            lines += _family(name, kind, help_text, rows[name])
+        for name, kind, help_text, _, _ in _CACHE_MODEL_METRICS:
+            if rows[name]:
+                lines += _family(name, kind, help_text, rows[name])
     cache = engine.response_cache
     if cache is not None:
         lines += _gauges((
-            ("nv_cache_num_entries", "Number of responses stored in the response cache", len(cache)),
-            ("nv_cache_num_lookups", "Number of response cache lookups", cache.lookups),
-            ("nv_cache_num_hits", "Number of response cache hits", cache.hits),
-            ("nv_cache_num_misses", "Number of response cache misses", cache.misses),
-            ("nv_cache_num_evictions", "Number of response cache evictions", cache.evictions),
-            ("nv_cache_lookup_duration", "Total response cache lookup duration, in microseconds", cache.lookup_ns // 1000),
-            ("nv_cache_insertion_duration", "Total response cache insertion duration, in microseconds", cache.insertion_ns // 1000),
-            ("nv_cache_util", "Response cache utilization [0.0 - 1.0]", cache.utilization),
+            ("nv_cache_util", "Cache utilization [0.0 - 1.0]", cache.utilization),
+            ("nv_cache_num_entries", "Number of responses stored in response cache", len(cache)),
+            ("nv_cache_num_hits", "Number of cache hits in response cache", cache.hits),
+            ("nv_cache_num_misses", "Number of cache misses in response cache", cache.misses),
+            ("nv_cache_num_lookups", "Number of cache lookups in response cache", cache.lookups),
+            ("nv_cache_num_evictions", "Number of cache evictions in response cache", cache.evictions),
+            ("nv_cache_lookup_duration", "Total cache lookup duration (hit and miss), in microseconds",
+             cache.lookup_ns // 1000),
+            ("nv_cache_insertion_duration", "Total cache insertion duration, in microseconds",
+             cache.insertion_ns // 1000),
         ))
+    return lines
+
+
+def _quantile_label(quantile: float) -> str:
+    """As prometheus-cpp writes it: "0.5", "1"."""
+    return str(int(quantile)) if quantile.is_integer() else repr(quantile)
+
+
+def _summary_samples(name: str, labels: Labels, duration: Duration, quantiles: tuple[float, ...]) -> list[str]:
+    """One summary's series: count and sum over the model's life (the statistics'),
+    quantiles over the last minute (NaN with no observation in it)."""
+    assert duration.window is not None  # (kept by every model's statistics when summaries are on)
+    lines = [
+        sample(f"{name}_count", labels, duration.count),
+        sample(f"{name}_sum", labels, duration.ns // 1000),
+    ]
+    for quantile, value in zip(quantiles, duration.window.quantiles(quantiles)):
+        where = (*labels, ("quantile", _quantile_label(quantile)))
+        if math.isnan(value):  # (custom_metrics.sample writes numbers only)
+            lines.append(sample(name, where, 0).rpartition(" ")[0] + " NaN")
+        else:
+            lines.append(sample(name, where, value))
+    return lines
+
+
+def _summary_lines(engine: Engine) -> list[str]:
+    """The latency summaries of every model version (summary_latencies=true)."""
+    quantiles = tuple(quantile for quantile, _ in engine.settings.metrics.summary_quantiles)
+    rows: dict[str, list[str]] = {name: [] for name, *_ in _SUMMARIES}
+    for model in _versions(engine):
+        cached = bool(model.config.response_cache.enable)
+        labels = _model_labels(engine, model)
+        for name, field, _, for_cached in _SUMMARIES:
+            if for_cached is None or for_cached == cached:
+                rows[name] += _summary_samples(name, labels, model.stats.durations[field], quantiles)
+    lines: list[str] = []
+    for name, _, help_text, _ in _SUMMARIES:
+        if rows[name]:
+            lines += _family(name, "summary", help_text, rows[name])
     return lines
 
 
 def _model_samples(engine: Engine) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {name: [] for name, _, _ in _MODEL_METRICS}
-    if engine.manager is None:
-        return out
-    for entry in engine.manager.models.values():
-        for model in entry.versions.values():
-            stats = model.stats
-            labels = _model_labels(engine, model)
-            d = stats.durations
-            out["nv_inference_request_success"].append(
-                sample("nv_inference_request_success", labels, d["success"].count)
+    for model in _versions(engine):
+        stats = model.stats
+        labels = _model_labels(engine, model)
+        d = stats.durations
+        out["nv_inference_request_success"].append(
+            sample("nv_inference_request_success", labels, d["success"].count)
+        )
+        for reason in FAILURE_REASONS:
+            out["nv_inference_request_failure"].append(
+                sample(
+                    "nv_inference_request_failure",
+                    _model_labels(engine, model, ("reason", reason)),
+                    stats.failures[reason],
+                )
             )
-            for reason in FAILURE_REASONS:
-                out["nv_inference_request_failure"].append(
-                    sample(
-                        "nv_inference_request_failure",
-                        _model_labels(engine, model, ("reason", reason)),
-                        stats.failures[reason],
-                    )
-                )
-            out["nv_inference_count"].append(sample("nv_inference_count", labels, stats.inference_count))
-            out["nv_inference_exec_count"].append(sample("nv_inference_exec_count", labels, stats.execution_count))
-            for metric, ns in (
-                ("nv_inference_request_duration_us", d["success"].ns),  # successes only, as Triton
-                ("nv_inference_queue_duration_us", d["queue"].ns),
-                ("nv_inference_compute_input_duration_us", d["compute_input"].ns),
-                ("nv_inference_compute_infer_duration_us", d["compute_infer"].ns),
-                ("nv_inference_compute_output_duration_us", d["compute_output"].ns),
-            ):
-                out[metric].append(sample(metric, labels, ns // 1000))
-            out["nv_inference_pending_request_count"].append(
-                sample("nv_inference_pending_request_count", labels, model.pending)
+        out["nv_inference_count"].append(sample("nv_inference_count", labels, stats.inference_count))
+        out["nv_inference_exec_count"].append(sample("nv_inference_exec_count", labels, stats.execution_count))
+        for metric, field in _LATENCY_COUNTERS:
+            out[metric].append(sample(metric, labels, d[field].ns // 1000))
+        out["nv_inference_pending_request_count"].append(
+            sample("nv_inference_pending_request_count", labels, model.pending)
+        )
+        for instance in model.instances:
+            # Not "instance": Prometheus gives that label to the scraped target.
+            where = (*labels, ("model_instance", instance.name))
+            out["dlserve_instance_restarts_total"].append(
+                sample("dlserve_instance_restarts_total", where, instance.restarts)
             )
-            for instance in model.instances:
-                # Not "instance": Prometheus gives that label to the scraped target.
-                where = (*labels, ("model_instance", instance.name))
-                out["dlserve_instance_restarts_total"].append(
-                    sample("dlserve_instance_restarts_total", where, instance.restarts)
-                )
-                out["dlserve_instance_ready"].append(
-                    sample("dlserve_instance_ready", where, int(instance.ready))
-                )
+            out["dlserve_instance_ready"].append(
+                sample("dlserve_instance_ready", where, int(instance.ready))
+            )
     return out
 
 
 class CpuSampler:
-    """CPU utilisation between scrapes, from /proc/stat; memory from /proc/meminfo."""
+    """nv_cpu_* as Triton's poller shows them: CPU utilization (/proc/stat) over the
+    last metrics interval and memory (/proc/meminfo) at its end, refreshed at most
+    once per interval, so that scrapes in between (by any number of scrapers) see the
+    same values. Refreshed when read rather than by a timer: the first read after a
+    quiet spell covers the whole time since the previous refresh."""
 
     def __init__(self) -> None:
-        self._last = self._times()
+        self._times = self._cpu_times()
+        self._refreshed = time.monotonic()
+        self._values: tuple[float, int, int] | None = None
+
+    def values(self, interval_s: float) -> tuple[float, int, int]:
+        """(utilization, total memory, used memory) as of the last refresh."""
+        now = time.monotonic()
+        if self._values is None or now - self._refreshed >= interval_s:
+            (total, idle), (last_total, last_idle) = self._cpu_times(), self._times
+            elapsed = total - last_total
+            utilization = 0.0 if elapsed <= 0 else 1.0 - (idle - last_idle) / elapsed
+            self._times, self._refreshed = (total, idle), now
+            self._values = (utilization, *self._memory())
+        return self._values
 
     @staticmethod
-    def _times() -> tuple[int, int]:
+    def _cpu_times() -> tuple[int, int]:
+        """(all, idle) jiffies since boot."""
         with open("/proc/stat") as f:
             values = [int(v) for v in f.readline().split()[1:]]
         idle = values[3] + (values[4] if len(values) > 4 else 0)
         return sum(values), idle
 
-    def utilization(self) -> float:
-        total, idle = self._times()
-        last_total, last_idle = self._last
-        self._last = (total, idle)
-        elapsed = total - last_total
-        return 0.0 if elapsed <= 0 else 1.0 - (idle - last_idle) / elapsed
-
     @staticmethod
-    def memory() -> tuple[int, int]:
+    def _memory() -> tuple[int, int]:
+        """(total, used) bytes of RAM."""
         info: dict[str, int] = {}
         with open("/proc/meminfo") as f:
             for line in f:
@@ -222,10 +303,13 @@ def _gpu_lines() -> list[str]:
 
 
 def render(engine: Engine, cpu: CpuSampler | None = None, gpu: bool = True) -> str:
+    """The metrics text; CPU metrics from ``cpu`` (none without), GPU ones if ``gpu``."""
+    settings = engine.settings.metrics
     lines: list[str] = []
     samples = _model_samples(engine)
     for name, kind, help_text in _MODEL_METRICS:
-        lines += _family(name, kind, help_text, samples[name])
+        if settings.counter_latencies or name not in _LATENCY_COUNTER_NAMES:
+            lines += _family(name, kind, help_text, samples[name])
     arena = engine.arena
     lines += _gauges((
         # dlserve uses no pinned memory; the gauges exist because dashboards expect them
@@ -237,15 +321,17 @@ def render(engine: Engine, cpu: CpuSampler | None = None, gpu: bool = True) -> s
          arena.bytes_in_use if arena else 0),
     ))
     if cpu is not None:
-        total, used = cpu.memory()
+        utilization, total, used = cpu.values(settings.interval_ms / 1000)
         lines += _gauges((
-            ("nv_cpu_utilization", "CPU utilization rate [0.0 - 1.0]", cpu.utilization()),
+            ("nv_cpu_utilization", "CPU utilization rate [0.0 - 1.0]", utilization),
             ("nv_cpu_memory_total_bytes", "CPU total memory (RAM), in bytes", total),
             ("nv_cpu_memory_used_bytes", "CPU used memory (RAM), in bytes", used),
         ))
     if gpu:
         lines += _gpu_lines()
     lines += _cache_lines(engine)
+    if settings.summary_latencies:
+        lines += _summary_lines(engine)
     lines += engine.custom_metrics.render()
     lines += APPLICATION.render()  # dlserve.MetricFamily: the embedding application's
     return "\n".join(lines) + "\n"

@@ -24,6 +24,7 @@ from dlserve.engine import prometheus
 from dlserve.engine.core import Engine, EngineSettings
 from dlserve.engine.logs import LogSettings
 from dlserve.engine.manager import ModelControlMode
+from dlserve.engine.metrics_settings import MetricsSettings
 from dlserve.engine.rate_limiter import RateLimiterResource, parse_resource
 from dlserve.engine.request import Request, Response
 from dlserve.engine.response_cache import cache_size
@@ -47,7 +48,7 @@ _REFUSED = ("host_policies", "model_load_device_limits", "repo_agent_directory")
 _IGNORED = (
     "pinned_memory_pool_size", "cuda_memory_pool_sizes", "min_supported_compute_capability",
     "buffer_manager_thread_count", "model_load_thread_count", "enable_peer_access",
-    "backend_directory", "cache_directory", "metrics_interval", "metrics_configuration",
+    "backend_directory", "cache_directory",
 )
 
 
@@ -93,7 +94,9 @@ class Options:
     rate_limiter_resources (``RateLimiterResource(name, count, device=None)`` or
     ``"NAME:COUNT[:DEVICE]"``), cache_config
     (``{"local": {"size": <bytes>}}``: the response cache), log_file,
-    log_info/warn/error, log_verbose, metrics, cpu_metrics, gpu_metrics, and
+    log_info/warn/error, log_verbose, metrics, cpu_metrics, gpu_metrics,
+    metrics_interval (ms between refreshes of nv_cpu_*), metrics_configuration
+    (``{"": {KEY: VALUE}}``, ``--metrics-config`` keys: :mod:`dlserve.engine.metrics_settings`), and
     ``backend_configuration["python"]`` keys ``shm-default-byte-size`` and
     ``shm-growth-byte-size`` (each worker's shared-memory arena). Of the rest,
     those that would change what the server does (``host_policies``,
@@ -200,6 +203,7 @@ class Options:
             without_effect=without_effect,
             log=self.log_settings(),
             trace=self.trace,
+            metrics=MetricsSettings.from_options(self.metrics_interval, self.metrics_configuration),
         )
 
     def _rate_limit_resources(self) -> list[RateLimiterResource] | None:

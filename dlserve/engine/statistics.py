@@ -7,6 +7,9 @@
   round trip / outputs turned into responses).
 * ``inference_count`` counts batch elements; ``execution_count`` counts ``execute``
   calls; ``batch_stats`` has one row per batch size seen (counts per execution).
+
+With latency summaries on (``keep_samples``), the durations that have a summary also
+keep their recent observations (:mod:`dlserve.engine.summaries`).
 """
 
 from __future__ import annotations
@@ -15,15 +18,22 @@ import dataclasses
 import time
 from typing import Any
 
+from dlserve.engine.summaries import LatencyWindow
+
 
 @dataclasses.dataclass
 class Duration:
     count: int = 0
     ns: int = 0
+    # the recent observations, in microseconds, where a summary shows them
+    window: LatencyWindow | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def add(self, ns: int, count: int = 1) -> None:
+        """``count`` requests that took ``ns`` together (each ``ns / count``)."""
         self.count += count
         self.ns += ns
+        if self.window is not None and count:
+            self.window.observe(ns // count // 1000, count)
 
     def as_dict(self) -> dict[str, int]:
         return {"count": self.count, "ns": self.ns}
@@ -37,6 +47,8 @@ class BatchStats:
 
 
 FAILURE_REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")
+# the durations that Triton's summaries show (successes only, as its request summary)
+SUMMARY_FIELDS = ("success", "queue", "compute_input", "compute_infer", "compute_output", "cache_hit", "cache_miss")
 _INFERENCE_FIELDS = (
     "success",
     "fail",
@@ -52,13 +64,16 @@ _INFERENCE_FIELDS = (
 class ModelStatistics:
     """Counters for one model version; mutated on the engine's event loop only."""
 
-    def __init__(self, name: str, version: int) -> None:
+    def __init__(self, name: str, version: int, keep_samples: bool = False) -> None:
         self.name = name
         self.version = version
         self.last_inference_ms = 0
         self.inference_count = 0
         self.execution_count = 0
         self.durations: dict[str, Duration] = {field: Duration() for field in _INFERENCE_FIELDS}
+        if keep_samples:
+            for field in SUMMARY_FIELDS:
+                self.durations[field].window = LatencyWindow()
         self.batches: dict[int, BatchStats] = {}
         self.failures = dict.fromkeys(FAILURE_REASONS, 0)
 
