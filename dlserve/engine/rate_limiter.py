@@ -4,7 +4,8 @@ model, so models that would overload the machine together take turns.
 
 Resources are counted per device (an instance draws on its own device's copies) unless a
 model marks one ``global``. How many copies exist: ``--rate-limit-resource
-NAME:COUNT[:DEVICE]`` (without a device: every device's, or the global pool's); with no
+NAME:COUNT[:DEVICE]`` (without a device: every device's; a device's pool is the larger of
+its own entry and that one, a global pool the largest entry of any device); with no
 such flag at all, the most any loaded instance asks for, so every instance can run alone;
 once any is given, none of a resource it does not name (as in Triton, whose instances
 needing it then fail to load). An execute takes its
@@ -137,10 +138,14 @@ class RateLimiter:
                 pools[key] = 0 if self._explicit else max(pools.get(key, 0), count)
         for key in pools:
             name, device = key
-            # A device's own entry wins over one for every device, whatever their order.
-            for given in sorted(self._explicit, key=lambda g: g.device is not None):
-                if given.name == name and given.device in (None, device):
-                    pools[key] = given.count
+            # As Triton sizes them: a device's pool, the larger of its own entry and the
+            # one for every device; a global pool, the largest entry of any device.
+            counts = [
+                g.count for g in self._explicit
+                if g.name == name and (device == GLOBAL or g.device in (None, device))
+            ]
+            if counts:
+                pools[key] = max(counts)
         for instance, client in self._clients.items():
             for key, count in client.needs.items():
                 if count > pools[key]:
@@ -226,3 +231,7 @@ class RateLimiter:
 
     def in_use(self) -> dict[tuple[str, int], int]:
         return {key: count for key, count in self._in_use.items() if count}
+
+    def pool_sizes(self) -> dict[tuple[str, int], int]:
+        """How many copies of each resource exist: (name, device or GLOBAL) -> count."""
+        return dict(self._pools)

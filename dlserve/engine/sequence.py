@@ -209,7 +209,7 @@ class SequenceBatcher(Scheduler):
     def _enqueue(self, request: Request) -> None:
         key = request.correlation_id
         name = self.model.name
-        if self.batching and any(t.shape[0] != 1 for t in request.inputs.values()):
+        if self.batching and any(t.shape[0] > 1 for t in request.inputs.values()):
             # A sequence's requests share one slot: one batch row each.
             raise InvalidArgumentError(
                 f"inference request to model '{name}' must specify batch-size 1 due to "

@@ -3,6 +3,8 @@
 Modules (each small, each testable alone):
 
 * :mod:`.cli`       -- the ``perf`` subcommand: flags (perf_analyzer's names), validation.
+* :mod:`.flags`     -- the flags' value parsers, and UsageError for values that cannot work.
+* :mod:`.sequences` -- sequence models: IDs, lengths and START/END of each request.
 * :mod:`.inputs`    -- model metadata -> tensors: zero / random / perf_analyzer JSON data.
 * :mod:`.payloads`  -- requests encoded once, up front: HTTP bytes, gRPC bytes, in-process.
 * :mod:`.shm`       -- client shared memory (system; CUDA through cupy when present).

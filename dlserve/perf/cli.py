@@ -10,12 +10,27 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import os
 import sys
 from typing import Any, NoReturn
 
-PROTOCOLS = ("http", "grpc", "inprocess")
+from dlserve.perf.flags import (
+    UsageError,
+    int_at_least,
+    non_negative_float,
+    parse_composing_models,
+    parse_concurrency_range,
+    parse_header,
+    parse_id_range,
+    parse_percentile,
+    parse_protocol,
+    parse_rate_range,
+    parse_request_parameter,
+    parse_shape,
+    positive_float,
+    read_intervals,
+)
+
 DEFAULT_URLS = {"http": "localhost:8000", "grpc": "localhost:8001"}
 
 EPILOG = """\
@@ -33,10 +48,6 @@ exit status (perf_analyzer's): 0 done, 2 the first level never became stable,
 RESERVED_PARAMETERS = {"sequence_id", "sequence_start", "sequence_end", "triton_enable_empty_final_response"}
 UNSTABLE = 2  # perf_analyzer's exit status when no measurement became stable
 FAILED = 99  # and for any error, bad flags included
-
-
-class UsageError(Exception):
-    """A flag value that cannot work; reported like argparse's errors (exit 99)."""
 
 
 class _PerfArgumentParser(argparse.ArgumentParser):
@@ -108,196 +119,6 @@ class Settings:
         return dataclasses.asdict(self)
 
 
-# -- value parsers (argparse ``type=``: errors become "argument X: message", exit 2) ------
-def _int_at_least(minimum: int) -> Any:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got '{text}'") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
-        return value
-
-    return parse
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got '{text}'") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got '{text}'")
-    return value
-
-
-def parse_range(text: str, kind: type) -> tuple[Any, Any, Any]:
-    """perf_analyzer's ``start[:end[:step]]``; a missing end is start, a missing step 1.
-
-    ``kind`` is int (concurrency: end 0 means "no limit") or float (request rate).
-    """
-    parts = text.split(":")
-    if not 1 <= len(parts) <= 3 or any(p.strip() == "" for p in parts):
-        raise argparse.ArgumentTypeError(f"expected start[:end[:step]], got '{text}'")
-    values = []
-    for part in parts:
-        try:
-            value = kind(part)
-        except ValueError:
-            what = "an integer" if kind is int else "a number"
-            raise argparse.ArgumentTypeError(f"'{part}' in '{text}' is not {what}") from None
-        if kind is float and not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"'{part}' in '{text}' is not a finite number")
-        values.append(value)
-    start = values[0]
-    end = values[1] if len(values) > 1 else start
-    step = values[2] if len(values) > 2 else 1
-    if start <= 0:
-        raise argparse.ArgumentTypeError(f"start must be positive, got '{text}'")
-    if step <= 0:
-        raise argparse.ArgumentTypeError(f"step must be positive, got '{text}'")
-    if end != 0 and end < start:
-        raise argparse.ArgumentTypeError(f"end must not be below start, got '{text}'")
-    if kind is float and end == 0:
-        raise argparse.ArgumentTypeError(f"end must not be below start, got '{text}'")
-    return start, end, step
-
-
-def _concurrency_range(text: str) -> tuple[int, int, int]:
-    return parse_range(text, int)
-
-
-def _rate_range(text: str) -> tuple[float, float, float]:
-    return parse_range(text, float)
-
-
-def parse_shape(text: str) -> tuple[str, list[int]]:
-    """``NAME:d1,d2,...`` (dims without the batch dimension); the name may hold colons."""
-    name, sep, dims = text.rpartition(":")
-    if not sep or not name:
-        raise argparse.ArgumentTypeError(f"expected NAME:d1,d2,..., got '{text}'")
-    shape = []
-    for dim in dims.split(","):
-        try:
-            value = int(dim)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"dimension '{dim}' in '{text}' is not an integer") from None
-        if value < 0:
-            raise argparse.ArgumentTypeError(f"dimension {value} in '{text}' is negative")
-        shape.append(value)
-    return name, shape
-
-
-def parse_id_range(text: str) -> tuple[int, int]:
-    """``--sequence-id-range start[:end]`` (end excluded; none: no end)."""
-    parts = text.split(":")
-    try:
-        values = [int(part) for part in parts]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected start[:end] integers, got '{text}'") from None
-    if len(values) > 2:
-        raise argparse.ArgumentTypeError(f"expected start[:end], got '{text}'")
-    start, end = values[0], values[1] if len(values) == 2 else 0
-    if start < 1:
-        raise argparse.ArgumentTypeError(f"sequence IDs start at 1 or more, got '{text}'")
-    if len(values) == 2 and end <= start:
-        raise argparse.ArgumentTypeError(f"end must be above start, got '{text}'")
-    if max(start, end) >= 2**64:
-        raise argparse.ArgumentTypeError(f"sequence IDs are 64-bit, got '{text}'")
-    return start, end
-
-
-def parse_request_parameter(text: str) -> tuple[str, bool | int | str]:
-    """perf_analyzer's ``name:value:type`` (type bool, int or string)."""
-    name, sep, rest = text.partition(":")
-    value, sep2, kind = rest.rpartition(":")
-    if not (sep and sep2 and name):
-        raise argparse.ArgumentTypeError(f"expected name:value:type, got '{text}'")
-    if kind == "string":
-        return name, value
-    if kind == "int":
-        try:
-            return name, int(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"'{value}' in '{text}' is not an integer") from None
-    if kind == "bool":
-        if value.lower() not in ("true", "false"):
-            raise argparse.ArgumentTypeError(f"'{value}' in '{text}' is not true or false")
-        return name, value.lower() == "true"
-    raise argparse.ArgumentTypeError(f"type '{kind}' in '{text}' is not bool, int or string")
-
-
-def parse_header(text: str) -> tuple[str, str]:
-    """``-H Name:Value``."""
-    name, sep, value = text.partition(":")
-    name = name.strip()
-    if not sep or not name or any(c in name for c in " \t\r\n") or any(c in value for c in "\r\n"):
-        raise argparse.ArgumentTypeError(f"expected Header:Value, got '{text}'")
-    return name, value.strip()
-
-
-def read_intervals(path: str) -> list[float]:
-    """``--request-intervals``: one gap between requests per line, in microseconds."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = [line.strip() for line in f]
-    except OSError as exc:
-        raise UsageError(f"--request-intervals: cannot read '{path}': {exc.strerror or exc}") from None
-    intervals = []
-    for number, line in enumerate(lines, 1):
-        if not line:
-            continue
-        try:
-            value = float(line)
-        except ValueError:
-            value = -1.0
-        if not math.isfinite(value) or value < 0:
-            raise UsageError(f"--request-intervals: line {number} of '{path}' is not a number of microseconds: '{line}'")
-        intervals.append(value)
-    if not intervals or sum(intervals) <= 0:
-        raise UsageError(f"--request-intervals: '{path}' holds no interval above 0")
-    return intervals
-
-
-def parse_composing_models(text: str) -> list[tuple[str, str]]:
-    """``--bls-composing-models a:3,b``: (name, version), version '' for the server's choice."""
-    models = []
-    for item in text.split(","):
-        name, _, version = item.strip().partition(":")
-        if not name or (version and not version.isdigit()):
-            raise argparse.ArgumentTypeError(f"expected NAME[:VERSION],..., got '{text}'")
-        models.append((name, version))
-    return models
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got '{text}'") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative number, got '{text}'")
-    return value
-
-
-def _percentile(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got '{text}'") from None
-    if value != -1 and not 1 <= value <= 99:
-        raise argparse.ArgumentTypeError(f"must be in [1, 99] (or -1 for the average), got {value}")
-    return value
-
-
-def _protocol(text: str) -> str:
-    value = text.strip().lower()
-    if value not in PROTOCOLS:
-        raise argparse.ArgumentTypeError(f"invalid choice '{text}' (choose from {', '.join(PROTOCOLS)})")
-    return value
-
-
 # -- the parser ------------------------------------------------------------------------------
 def add_parser(commands: Any) -> argparse.ArgumentParser:
     """Register ``perf`` on the ``dlserve`` subparsers."""
@@ -318,7 +139,7 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
                         help="model version (default: the server's choice, normally the latest)")
     target.add_argument("-u", "--url", default=None, metavar="HOST:PORT",
                         help="server address (default: localhost:8000 for HTTP, localhost:8001 for gRPC)")
-    target.add_argument("-i", "--protocol", type=_protocol, default="http", metavar="http|grpc|inprocess",
+    target.add_argument("-i", "--protocol", type=parse_protocol, default="http", metavar="http|grpc|inprocess",
                         help="http, grpc, or inprocess (dlserve's in-process API, no network) (default: http)")
     target.add_argument("--model-repository", action="append", default=[], metavar="PATH",
                         help="model repository for -i inprocess (repeatable)")
@@ -328,21 +149,21 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
                         "reported below its own, and written to a CSV each beside -f's")
 
     load = perf.add_argument_group("load")
-    load.add_argument("--concurrency-range", type=_concurrency_range, default=None, metavar="START:END:STEP",
+    load.add_argument("--concurrency-range", type=parse_concurrency_range, default=None, metavar="START:END:STEP",
                       help="requests kept in flight, swept from START to END (default: 1); "
                       "END 0 grows until --latency-threshold")
-    load.add_argument("--request-rate-range", type=_rate_range, default=None, metavar="START:END:STEP",
+    load.add_argument("--request-rate-range", type=parse_rate_range, default=None, metavar="START:END:STEP",
                       help="requests per second, swept from START to END (open loop)")
     load.add_argument("--request-intervals", default=None, metavar="FILE",
                       help="open loop: the time between requests, from FILE (microseconds, one per line, "
                       "used in turn and again from the top)")
     load.add_argument("--request-distribution", choices=["constant", "poisson"], default="constant",
                       help="time between requests in request-rate mode (default: constant)")
-    load.add_argument("-b", "--batch-size", type=_int_at_least(1), default=1, metavar="N",
+    load.add_argument("-b", "--batch-size", type=int_at_least(1), default=1, metavar="N",
                       help="batch size of each request (default: 1)")
-    load.add_argument("--max-threads", type=_int_at_least(1), default=16, metavar="N",
+    load.add_argument("--max-threads", type=int_at_least(1), default=16, metavar="N",
                       help="most requests in flight in request-rate mode (default: 16)")
-    load.add_argument("--processes", type=_int_at_least(1), default=1, metavar="N",
+    load.add_argument("--processes", type=int_at_least(1), default=1, metavar="N",
                       help="spread the load over N worker processes, results merged (default: 1)")
     load.add_argument("--streaming", action="store_true",
                       help="gRPC only: send requests on ModelStreamInfer streams (one per slot)")
@@ -359,14 +180,14 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     sequences = perf.add_argument_group(
         "sequence models", "used when the model has sequence_batching: each request is a step of a sequence"
     )
-    sequences.add_argument("--sequence-length", type=_int_at_least(1), default=None, metavar="N",
+    sequences.add_argument("--sequence-length", type=int_at_least(1), default=None, metavar="N",
                            help="requests per sequence (default: 20; with a JSON data file, each "
                            "stream of the file whole)")
-    sequences.add_argument("--sequence-length-variation", type=_non_negative_float, default=20.0, metavar="PCT",
+    sequences.add_argument("--sequence-length-variation", type=non_negative_float, default=20.0, metavar="PCT",
                            help="sequence lengths vary at random by up to this percentage (default: 20)")
     sequences.add_argument("--sequence-id-range", type=parse_id_range, default=(1, 0), metavar="START[:END]",
                            help="sequence IDs from START, wrapping before END (default: 1, no end)")
-    sequences.add_argument("--num-of-sequences", type=_int_at_least(1), default=4, metavar="N",
+    sequences.add_argument("--num-of-sequences", type=int_at_least(1), default=4, metavar="N",
                            help="request-rate mode: live sequences the requests are spread over (default: 4)")
     sequences.add_argument("--serial-sequences", action="store_true",
                            help="request-rate mode: at most one request of a sequence in flight "
@@ -377,7 +198,7 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
                       help="shape of an input with variable dimensions, without the batch dimension (repeatable)")
     data.add_argument("--input-data", default="random", metavar="zero|random|FILE.json",
                       help="zeros, random values, or a perf_analyzer JSON data file (default: random)")
-    data.add_argument("--string-length", type=_int_at_least(0), default=128, metavar="N",
+    data.add_argument("--string-length", type=int_at_least(0), default=128, metavar="N",
                       help="length of generated BYTES elements (default: 128)")
     data.add_argument("--string-data", default=None, metavar="TEXT",
                       help="use TEXT for every generated BYTES element")
@@ -388,7 +209,7 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
                       help="HTTP: ask for outputs as binary data or as JSON (default: binary)")
     data.add_argument("--shared-memory", choices=["none", "system", "cuda"], default="none",
                       help="pass inputs and outputs through registered shared memory (default: none)")
-    data.add_argument("--output-shared-memory-size", type=_int_at_least(1), default=102400, metavar="BYTES",
+    data.add_argument("--output-shared-memory-size", type=int_at_least(1), default=102400, metavar="BYTES",
                       help="shared memory for each output (default: 102400)")
     data.add_argument("--request-parameter", type=parse_request_parameter, action="append", default=[],
                       metavar="NAME:VALUE:TYPE",
@@ -398,22 +219,22 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
                       help="an HTTP header added to every inference request (repeatable; ignored for gRPC)")
 
     measure = perf.add_argument_group("measurement")
-    measure.add_argument("-p", "--measurement-interval", type=_int_at_least(1), default=5000, metavar="MS",
+    measure.add_argument("-p", "--measurement-interval", type=int_at_least(1), default=5000, metavar="MS",
                          help="measurement window in milliseconds (default: 5000)")
     measure.add_argument("--measurement-mode", choices=["time_windows", "count_windows"], default="time_windows",
                          help="windows of --measurement-interval, or of --measurement-request-count "
                          "requests (default: time_windows)")
-    measure.add_argument("--measurement-request-count", type=_int_at_least(1), default=50, metavar="N",
+    measure.add_argument("--measurement-request-count", type=int_at_least(1), default=50, metavar="N",
                          help="requests per window in count_windows mode (default: 50)")
-    measure.add_argument("-s", "--stability-percentage", type=_positive_float, default=10.0, metavar="PCT",
+    measure.add_argument("-s", "--stability-percentage", type=positive_float, default=10.0, metavar="PCT",
                          help="the last 3 windows must agree within this percentage (default: 10)")
-    measure.add_argument("-r", "--max-trials", type=_int_at_least(3), default=10, metavar="N",
+    measure.add_argument("-r", "--max-trials", type=int_at_least(3), default=10, metavar="N",
                          help="most windows per level before giving up on stability (>= 3; default: 10)")
-    measure.add_argument("--percentile", type=_percentile, default=-1, metavar="P",
+    measure.add_argument("--percentile", type=parse_percentile, default=-1, metavar="P",
                          help="stabilise on and report this latency percentile (default: -1, the average)")
-    measure.add_argument("--warmup-request-count", type=_int_at_least(0), default=0, metavar="N",
+    measure.add_argument("--warmup-request-count", type=int_at_least(0), default=0, metavar="N",
                          help="requests sent and discarded before measuring (default: 0)")
-    measure.add_argument("-l", "--latency-threshold", type=_int_at_least(0), default=0, metavar="MS",
+    measure.add_argument("-l", "--latency-threshold", type=int_at_least(0), default=0, metavar="MS",
                          help="stop the sweep once latency passes this (default: 0, no limit)")
 
     output = perf.add_argument_group("output")

@@ -33,7 +33,7 @@ import numpy as np
 
 from dlserve.memory.bytes_codec import serialize_bytes
 from dlserve.memory.dtypes import DataType, numpy_dtype
-from dlserve.perf.cli import UsageError
+from dlserve.perf.flags import UsageError
 
 _LETTERS = np.frombuffer((string.ascii_letters + string.digits).encode(), dtype=np.uint8)
 

@@ -25,6 +25,7 @@ import asyncio
 import itertools
 import random
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -75,18 +76,18 @@ class _Cycle:
 class _SequenceSteps:
     """One sequence after another, each step encoded as it is sent."""
 
-    __slots__ = ("plane", "maker", "steps", "position", "last")
+    __slots__ = ("plane", "maker", "steps", "position", "in_flight")
 
     def __init__(self, plane: DataPlane, maker: SequenceMaker) -> None:
         self.plane = plane
         self.maker = maker
         self.steps: list[Step] = []
         self.position = 0
-        self.last: asyncio.Task[None] | None = None  # request-rate mode: its latest request
+        self.in_flight: set[asyncio.Task[None]] = set()  # request-rate mode: its requests on the way
 
     def next(self) -> tuple[Any, bool]:
         if self.position == len(self.steps):
-            self.steps = self.maker.new()
+            self.steps = self.maker.new(self.steps[0].sequence_id if self.steps else None)
             self.position = 0
         step = self.steps[self.position]
         self.position += 1
@@ -237,10 +238,7 @@ class LoadGenerator:
         while True:
             now = _now()
             while due <= now:
-                late = not idle
-                while not idle:
-                    self._slot_freed.clear()
-                    await self._slot_freed.wait()
+                late = await self._freed(lambda: bool(idle))
                 sequence = -1
                 if self._live:
                     sequence, waited = await self._pick_sequence()
@@ -252,7 +250,8 @@ class LoadGenerator:
                 payload, ends = (self._live[sequence] if sequence >= 0 else cycle).next()
                 task = loop.create_task(self._one(slot, payload, ends, sequence))
                 if sequence >= 0:
-                    self._live[sequence].last = task
+                    self._live[sequence].in_flight.add(task)
+                    task.add_done_callback(self._live[sequence].in_flight.discard)
                 self._in_flight.add(task)
                 task.add_done_callback(self._in_flight.discard)
                 self.recorder.sent += 1
@@ -265,11 +264,7 @@ class LoadGenerator:
         --serial-sequences, one without a request in flight, waited for if need be)."""
         if not self.serial_sequences:
             return self._rng.randrange(len(self._live)), False
-        waited = False
-        while len(self._busy) == len(self._live):
-            waited = True
-            self._slot_freed.clear()
-            await self._slot_freed.wait()
+        waited = await self._freed(lambda: len(self._busy) < len(self._live))
         free = [i for i in range(len(self._live)) if i not in self._busy]
         chosen = free[self._rng.randrange(len(free))]
         self._busy.add(chosen)
@@ -293,16 +288,25 @@ class LoadGenerator:
         self._idle.append(slot)
         self._slot_freed.set()
 
+    async def _freed(self, ready: Callable[[], bool]) -> bool:
+        """Wait until ``ready()`` (a request ended: a slot or a sequence may be free);
+        whether it had to wait."""
+        waited = False
+        while not ready():
+            waited = True
+            self._slot_freed.clear()
+            await self._slot_freed.wait()
+        return waited
+
     async def _end_live(self) -> None:
-        """End request-rate mode's sequences left midway, each once its last request is
-        answered (before that, it may hold the server's slot that another's waits for)."""
+        """End request-rate mode's sequences left midway, each once its requests on the
+        way are answered (before that, it may hold the server's slot that another's
+        waits for, and its END would overtake them)."""
 
         async def end(steps: _SequenceSteps) -> None:
-            if steps.last is not None:
-                await asyncio.wait([steps.last])
-            while not self._idle:
-                self._slot_freed.clear()
-                await self._slot_freed.wait()
+            if steps.in_flight:
+                await asyncio.wait(set(steps.in_flight))
+            await self._freed(lambda: bool(self._idle))
             slot = self._idle.pop()
             try:
                 await self._finish(slot, steps)
@@ -329,10 +333,11 @@ class LoadGenerator:
         async def run(slot: Slot) -> None:
             source = self._source()
             try:
-                while left[0] > 0:
+                while left[0] > 0 and self.error is None:
                     left[0] -= 1
                     await slot.infer(source.next()[0])
-                await self._finish(slot, source)
+                if self.error is None:
+                    await self._finish(slot, source)
             except Exception as exc:  # noqa: BLE001
                 self._fail(exc)
             finally:

@@ -21,12 +21,13 @@ from collections.abc import Iterator
 from typing import Any
 
 from dlserve.perf import report
-from dlserve.perf.cli import FAILED, UNSTABLE, Settings, UsageError
+from dlserve.perf.cli import FAILED, UNSTABLE, Settings
 from dlserve.perf.clients import ControlClient, RequestError, ServerError, control_client
+from dlserve.perf.flags import UsageError
 from dlserve.perf.inputs import ModelInfo, make_requests
 from dlserve.perf.measure import LevelResult, ServerStats, Window, is_stable, summarize
 from dlserve.perf.sequences import check_id_range, stream_lengths
-from dlserve.perf.workers import LoadGroup, new_event_loop
+from dlserve.perf.workers import LoadGroup, new_event_loop, split
 
 
 class Failed(Exception):
@@ -172,8 +173,14 @@ def _for_sequences(settings: Settings) -> Settings:
     when its throughput is unless --sync says otherwise."""
     if settings.sweep_unbounded:
         raise UsageError("--concurrency-range with end 0 cannot be used for a sequence model")
-    most = int(max(settings.levels)) if settings.mode == "concurrency" else settings.num_sequences
-    check_id_range(settings, most)
+    if settings.mode == "concurrency":
+        most = int(max(settings.levels))
+    else:
+        most = settings.num_sequences
+        if most < settings.processes:
+            raise UsageError(f"--num-of-sequences {most} is fewer than --processes {settings.processes}: "
+                             "each process keeps sequences of its own going")
+    check_id_range(settings, [int(n) for n in split(most, settings.processes, integer=True)])
     return dataclasses.replace(settings, throughput_only=settings.throughput_only or not settings.sync)
 
 

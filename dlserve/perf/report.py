@@ -15,7 +15,6 @@ adds its own ``pNN latency`` column in order.)
 from __future__ import annotations
 
 import csv
-import dataclasses
 import io
 import json
 import os
@@ -231,21 +230,34 @@ def csv_rows(results: list[LevelResult], server_stats: bool, verbose: bool = Fal
     return rows
 
 
+def composing_csv_rows(results: list[LevelResult], index: int) -> list[list[str]]:
+    """perf_analyzer's rows for composing model ``index``: its share of the throughput
+    (its requests per request of the model benchmarked), no client columns, and its own
+    overhead, queue and compute."""
+    rows = []
+    for r in sorted(results, key=lambda r: r.throughput):
+        parent = r.server or {}
+        model = parent["composing_models"][index]
+        share = model["success_count"] / parent["success_count"] if parent["success_count"] else 0.0
+        rows.append([
+            level_label(r.mode, r.value), pa_number(share * r.throughput), "0",
+            *(str(int(model[k])) for k in ("overhead_us", "queue_us", "compute_input_us", "compute_infer_us",
+                                           "compute_output_us")),
+            "0",
+        ])
+    return rows
+
+
 def write_csv(path: str, results: list[LevelResult], mode: str, server_stats: bool, verbose: bool = False) -> None:
     """The CSV; with composing models, one more beside it per model, as perf_analyzer
-    writes them (``NAME_vVERSION.FILE``): the same rows with that model's server columns."""
+    writes them (``NAME_vVERSION.FILE``, :func:`composing_csv_rows`)."""
     _write_rows(path, csv_columns(results, mode, server_stats, verbose), csv_rows(results, server_stats, verbose))
     composing = (results[0].server or {}).get("composing_models", []) if results else []
     folder, name = os.path.split(path)
+    columns = [csv_columns(results, mode, False)[0], "Inferences/Second", "Client Send", *SERVER_COLUMNS, "Client Recv"]
     for index, model in enumerate(composing):
-        own = [
-            dataclasses.replace(r, server=(r.server or {}).get("composing_models", [{}] * len(composing))[index])
-            for r in results
-        ]
-        _write_rows(
-            os.path.join(folder, f"{model['model']}_v{model['version']}.{name}"),
-            csv_columns(own, mode, server_stats, verbose), csv_rows(own, server_stats, verbose),
-        )
+        path = os.path.join(folder, f"{model['model']}_v{model['version']}.{name}")
+        _write_rows(path, columns, composing_csv_rows(results, index))
 
 
 def _write_rows(path: str, columns: list[str], rows: list[list[str]]) -> None:

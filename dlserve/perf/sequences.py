@@ -5,8 +5,8 @@ request names its sequence (``sequence_id``), the first says ``sequence_start``,
 ``sequence_end``. perf_analyzer's rules, which dlserve perf follows:
 
 * IDs count up from ``--sequence-id-range`` START; with an END (excluded) they wrap back
-  to START. With ``--processes N`` process k takes every Nth ID from START + k, so the
-  processes never share one.
+  to START, skipping IDs of sequences still going. With ``--processes N`` process k takes
+  every Nth ID from START + k, so the processes never share one.
 * A sequence is ``--sequence-length`` requests (20), give or take
   ``--sequence-length-variation`` percent (20) at random. With a JSON data file and no
   ``--sequence-length``, a sequence is one stream of the file, whole; streams are taken
@@ -24,7 +24,7 @@ import json
 import random
 from typing import Any
 
-from dlserve.perf.cli import UsageError
+from dlserve.perf.flags import UsageError
 
 DEFAULT_LENGTH = 20
 
@@ -70,6 +70,7 @@ class SequenceMaker:
         self.stride = parts
         self.first = self.start_id + part
         self._next_id = self.first
+        self.live: set[int] = set()  # IDs of the sequences going on (a wrapped range skips them)
         self.base_length = settings.sequence_length
         self.variation = settings.sequence_length_variation / 100.0
         # The first request index of each stream, and its length.
@@ -81,11 +82,15 @@ class SequenceMaker:
         self.rng = random.Random(seed)
 
     def _take_id(self) -> int:
-        sequence_id = self._next_id
-        self._next_id += self.stride
-        if self.end_id and self._next_id >= self.end_id:
-            self._next_id = self.first
-        return sequence_id
+        for _ in range(len(self.live) + 1):  # (check_id_range leaves one free)
+            sequence_id = self._next_id
+            self._next_id += self.stride
+            if self.end_id and self._next_id >= self.end_id:
+                self._next_id = self.first
+            if sequence_id not in self.live:
+                self.live.add(sequence_id)
+                return sequence_id
+        raise RuntimeError(f"every sequence ID of --sequence-id-range is in use ({len(self.live)})")
 
     def _length(self, stream_length: int) -> int:
         if self.whole_streams:
@@ -94,8 +99,10 @@ class SequenceMaker:
         offset = base * self.rng.uniform(-self.variation, self.variation)
         return max(1, int(base + offset))
 
-    def new(self) -> list[Step]:
-        """The steps of the next sequence."""
+    def new(self, ended: int | None = None) -> list[Step]:
+        """The steps of the next sequence, for a source whose sequence ``ended`` (its
+        ID free again)."""
+        self.live.discard(ended)  # type: ignore[arg-type]
         offset, stream_length = self.streams[self._stream]
         self._stream = (self._stream + 1) % len(self.streams)
         length = self._length(stream_length)
@@ -106,13 +113,17 @@ class SequenceMaker:
         ]
 
 
-def check_id_range(settings: Any, most_sequences: int) -> None:
+def check_id_range(settings: Any, sequences: list[int]) -> None:
     """perf_analyzer's refusal of an ID range smaller than the sequences kept going at
-    once (two live sequences would share an ID)."""
-    end = settings.sequence_id_end
-    if end and end - settings.sequence_id_start < most_sequences:
-        raise UsageError(
-            f"--sequence-id-range {settings.sequence_id_start}:{end} holds "
-            f"{end - settings.sequence_id_start} sequence IDs, fewer than the {most_sequences} "
-            "sequences this run keeps going at once"
-        )
+    once (two would share an ID); ``sequences``: how many each process keeps going,
+    from its own share of the IDs."""
+    start, end = settings.sequence_id_start, settings.sequence_id_end
+    parts = len(sequences)
+    for part, most in enumerate(sequences):
+        ids = len(range(start + part, end, parts)) if end else most
+        if ids < most:
+            raise UsageError(
+                f"--sequence-id-range {start}:{end} holds {end - start} sequence IDs, fewer than the "
+                f"{sum(sequences)} sequences this run keeps going at once"
+                + (f" ({most} in each of {parts} processes)" if parts > 1 else "")
+            )

@@ -35,7 +35,7 @@ def make_generator(settings: Any, info: Any, requests: list, control: ControlCli
     maker = SequenceMaker(settings, streams, part, parts, seed=part) if info.sequence else None
     return LoadGenerator(
         data_plane(settings, info, requests, control), settings.max_threads, maker,
-        max(1, int(split(settings.num_sequences, parts, integer=True)[part])), settings.serial_sequences,
+        int(split(settings.num_sequences, parts, integer=True)[part]), settings.serial_sequences,
         settings.request_intervals_us,
     )
 

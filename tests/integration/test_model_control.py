@@ -506,6 +506,15 @@ class TritonPythonModel:
     thread.join()
     assert "LOADING" in states and False in server_ready
     assert server.models()[("slow", 1)].state == "READY" and server.ready()
+    # A reload: the loaded version serves until the new one replaces it, so still ready.
+    thread = threading.Thread(target=server.load, args=("slow",))
+    thread.start()
+    server_ready = set()
+    while thread.is_alive():
+        server_ready.add(server.ready())
+        time.sleep(0.05)
+    thread.join()
+    assert server_ready == {True}
 
 
 HANGS_IN_INITIALIZE = """

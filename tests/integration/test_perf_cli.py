@@ -365,9 +365,14 @@ def test_bls_composing_models_are_reported_below_the_model(server, tmp_path, pro
     # every bls request called identity once (give or take a request at a window's edge)
     assert abs(identity["success_count"] - server_side["success_count"]) <= 2, server_side
     assert server_side["composing_queue_us"] == identity["queue_us"]
+    # its CSV, as perf_analyzer's: its share of the throughput, its own overhead, no client columns
     (row,) = read_csv(tmp_path / "identity_v1.out.csv")
     check_server_columns(row)
+    assert row["Client Send"] == row["Client Recv"] == "0" and "p50 latency" not in row
+    assert int(row["Network+Server Send/Recv"]) == int(identity["overhead_us"])
     assert int(row["Server Compute Infer"]) == int(identity["compute_infer_us"])
+    share = identity["success_count"] / server_side["success_count"]
+    assert float(row["Inferences/Second"]) == pytest.approx(share * level["throughput"], rel=1e-3)
 
 
 def test_an_unknown_composing_model_is_a_usage_error(server):

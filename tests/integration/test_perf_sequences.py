@@ -135,6 +135,23 @@ def test_id_range_wraps_and_processes_take_their_own_ids(server):
     assert set(sequences) == {100, 101, 102, 103}
 
 
+def test_a_range_as_small_as_the_concurrency_never_shares_an_id(server):
+    """Sequences of different lengths end at different times: the one that ends first
+    must not wrap onto an ID the other still uses."""
+    _, sequences = run(server, *url(server, "http"), *QUICK, "--concurrency-range", "2",
+                       "--sequence-id-range", "1:3", "--sequence-length", "6", "--sequence-length-variation", "60",
+                       "--input-data", "zero")
+    check_whole(sequences)
+    assert set(sequences) == {1, 2}
+
+
+def test_request_rate_spreads_requests_over_sequences(server):
+    result, sequences = run(server, *url(server, "grpc"), *QUICK, "--request-rate-range", "300",
+                            "--num-of-sequences", "3", "--sequence-length", "5", "--input-data", "zero")
+    check_whole(sequences)
+    assert "Sequence count:" in result.stdout
+
+
 def test_request_rate_spreads_requests_over_serial_sequences(server):
     result, sequences = run(server, *url(server, "grpc"), *QUICK, "--request-rate-range", "200",
                             "--num-of-sequences", "3", "--serial-sequences", "--sequence-length", "5",
@@ -181,6 +198,11 @@ def test_inprocess(tmp_path):
     ("args", "message"),
     [
         (["--concurrency-range", "4", "--sequence-id-range", "1:3"], "fewer than the 4 sequences"),
+        # each of 2 processes keeps 2 of the 4 going, from its own 2 of the 3 IDs (1 and 3) and 1 (2)
+        (["--concurrency-range", "4", "--processes", "2", "--sequence-id-range", "1:4"],
+         "(2 in each of 2 processes)"),
+        (["--request-rate-range", "10", "--num-of-sequences", "1", "--processes", "2"],
+         "--num-of-sequences 1 is fewer than --processes 2"),
         (["-b", "2"], "sequence batcher, which takes requests of batch size 1"),
         (["--concurrency-range", "1:0", "-l", "5"], "cannot be used for a sequence model"),
     ],

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from dlserve.frontends.proto import grpc_service_pb2 as pb
-from dlserve.perf.cli import UsageError
+from dlserve.perf.flags import UsageError
 from dlserve.perf.inputs import ModelInfo, make_requests, raw_bytes, resolve_shapes
 from dlserve.perf.payloads import grpc_request, http_request, model_path, plan_shm
 from dlserve.perf.shm import ShmRef

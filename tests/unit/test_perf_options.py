@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from dlserve.cli import build_parser, main
-from dlserve.perf.cli import UsageError, parse_range, parse_shape, settings_from_args
+from dlserve.perf.cli import settings_from_args
+from dlserve.perf.flags import UsageError, parse_range, parse_shape
 
 
 def parse(*argv: str):

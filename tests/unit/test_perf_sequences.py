@@ -7,7 +7,8 @@ import dataclasses
 
 import pytest
 
-from dlserve.perf.cli import Settings, parse_header, parse_id_range, parse_request_parameter
+from dlserve.perf.cli import Settings
+from dlserve.perf.flags import parse_header, parse_id_range, parse_request_parameter
 from dlserve.perf.sequences import SequenceMaker
 
 
@@ -29,10 +30,26 @@ def test_a_sequence_starts_and_ends_once():
 
 
 def test_ids_count_up_wrap_before_the_end_and_are_split_between_processes():
-    one = maker(sequence_id_start=5, sequence_id_end=8)
-    assert [one.new()[0].sequence_id for _ in range(5)] == [5, 6, 7, 5, 6]
-    second = maker(part=1, parts=2, sequence_id_start=5, sequence_id_end=9)
-    assert [second.new()[0].sequence_id for _ in range(3)] == [6, 8, 6]
+    def ids(made: SequenceMaker, count: int) -> list[int]:
+        taken: list[int] = []
+        for _ in range(count):  # one source: each sequence ends before the next
+            taken.append(made.new(ended=taken[-1] if taken else None)[0].sequence_id)
+        return taken
+
+    assert ids(maker(sequence_id_start=5, sequence_id_end=8), 5) == [5, 6, 7, 5, 6]
+    assert ids(maker(part=1, parts=2, sequence_id_start=5, sequence_id_end=9), 3) == [6, 8, 6]
+
+
+def test_a_wrapped_range_skips_the_ids_of_sequences_still_going():
+    ids = maker(sequence_id_start=1, sequence_id_end=4)
+    first, second = ids.new()[0].sequence_id, ids.new()[0].sequence_id
+    assert (first, second) == (1, 2)
+    third = ids.new(ended=first)[0].sequence_id  # 1 ended; 2 goes on
+    assert third == 3
+    assert ids.new(ended=third)[0].sequence_id == 1  # wraps to 1 (free)
+    assert ids.new()[0].sequence_id == 3  # skips 2 (still going)
+    with pytest.raises(RuntimeError, match="every sequence ID"):
+        ids.new()  # 1, 2 and 3 all going on
 
 
 def test_lengths_vary_by_the_percentage():
