@@ -73,6 +73,7 @@ class Settings:
     levels: list[float] = dataclasses.field(default_factory=lambda: [1])
     sweep_unbounded: bool = False  # --concurrency-range start:0 -> grow until the latency limit
     sweep_step: float = 1
+    binary_search: bool = False  # --binary-search: the levels between START and END, halving
     distribution: str = "constant"
     request_intervals_us: list[float] | None = None  # --request-intervals: the gaps, in turn
     shapes: dict[str, list[int]] = dataclasses.field(default_factory=dict)
@@ -99,6 +100,7 @@ class Settings:
     num_sequences: int = 4
     serial_sequences: bool = False
     grpc_transport: str = "h2"
+    grpc_compression: str = "none"
     measurement_interval_ms: int = 5000
     count_windows: int = 0  # count_windows mode: a window ends once this many requests ended
     stability_percentage: float = 10.0
@@ -170,6 +172,8 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     load.add_argument("--grpc-transport", choices=["h2", "grpcio"], default="h2",
                       help="gRPC unary calls on dlserve perf's own lean HTTP/2 connection (h2) or "
                       "through grpcio (grpcio; --streaming always uses grpcio) (default: h2)")
+    load.add_argument("--grpc-compression-algorithm", dest="grpc_compression", choices=["none", "gzip", "deflate"],
+                      default="none", help="compress gRPC requests (default: none)")
     load.add_argument("-a", "--async", dest="async_mode", action="store_true",
                       help="requests are always asynchronous (asyncio); as in perf_analyzer, a level "
                       "is then stable when its throughput is (as with --streaming)")
@@ -228,6 +232,11 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
                          help="requests per window in count_windows mode (default: 50)")
     measure.add_argument("-s", "--stability-percentage", type=positive_float, default=10.0, metavar="PCT",
                          help="the last 3 windows must agree within this percentage (default: 10)")
+    measure.add_argument("--request-count", type=int_at_least(0), default=0, metavar="N",
+                         help="count_windows mode with windows of N requests (perf_analyzer's; 0: off)")
+    measure.add_argument("--binary-search", action="store_true",
+                         help="search START:END for the highest level within --latency-threshold by "
+                         "halving the range (STEP: the precision) instead of trying every level")
     measure.add_argument("-r", "--max-trials", type=int_at_least(3), default=10, metavar="N",
                          help="most windows per level before giving up on stability (>= 3; default: 10)")
     measure.add_argument("--percentile", type=parse_percentile, default=-1, metavar="P",
@@ -305,7 +314,11 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     unbounded = mode == "concurrency" and end == 0
     if unbounded and not args.latency_threshold:
         raise UsageError("--concurrency-range with end 0 needs --latency-threshold (where to stop)")
+    if args.binary_search and (intervals is not None or unbounded or end <= start):
+        raise UsageError("--binary-search needs a range with an end above its start to search")
     protocol = args.protocol
+    if args.grpc_compression != "none" and protocol != "grpc":
+        raise UsageError("--grpc-compression-algorithm is for -i grpc")
     if protocol == "inprocess":
         if not args.model_repository:
             raise UsageError("-i inprocess needs --model-repository PATH")
@@ -364,9 +377,10 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         model_repository=list(args.model_repository),
         batch_size=args.batch_size,
         mode=mode,
-        levels=_sweep(start, end, step),
+        levels=[start, end] if args.binary_search else _sweep(start, end, step),
         sweep_unbounded=unbounded,
         sweep_step=step,
+        binary_search=args.binary_search,
         distribution=args.request_distribution,
         request_intervals_us=intervals,
         shapes=shapes,
@@ -390,8 +404,11 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         num_sequences=args.num_of_sequences,
         serial_sequences=args.serial_sequences,
         grpc_transport=args.grpc_transport,
+        grpc_compression=args.grpc_compression,
         measurement_interval_ms=args.measurement_interval,
-        count_windows=args.measurement_request_count if args.measurement_mode == "count_windows" else 0,
+        count_windows=args.request_count or (
+            args.measurement_request_count if args.measurement_mode == "count_windows" else 0
+        ),
         stability_percentage=args.stability_percentage,
         max_trials=args.max_trials,
         percentile=args.percentile,

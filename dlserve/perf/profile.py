@@ -17,7 +17,7 @@ import itertools
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from typing import Any
 
 from dlserve.perf import report
@@ -39,6 +39,23 @@ def _levels(settings: Settings) -> Iterator[float]:
         start = settings.levels[0]
         return (start + i * settings.sweep_step for i in itertools.count())
     return iter(settings.levels)
+
+
+def binary_levels(settings: Settings) -> Generator[float, bool, None]:
+    """perf_analyzer's --binary-search: START (the search ends if it misses), END (it
+    ends if END makes it), then the middle of what is left, moving up from a level that
+    made it and down from one that missed, until the range is no wider than STEP. Sent
+    whether each level made it (stable, within --latency-threshold)."""
+    low, high = settings.levels[0], settings.levels[-1]
+    if not (yield low) or (yield high):
+        return
+    integer = settings.mode == "concurrency"
+    while high - low > settings.sweep_step:
+        middle = (low + high) // 2 if integer else (low + high) / 2
+        if (yield middle):
+            low = middle
+        else:
+            high = middle
 
 
 class Profiler:
@@ -83,24 +100,41 @@ class Profiler:
                 concurrency = int(settings.levels[0]) if settings.mode == "concurrency" else 1
                 await group.warmup(settings.warmup_request_count, concurrency)
                 self._check(group)
-            for value in _levels(settings):
-                result = await self._level(group, value)
-                report.print_out(report.level_text(result, settings.protocol, header=False) + "\n", self.progress)
-                warning = report.delayed_warning(result)
-                if warning:
-                    print(warning, file=sys.stderr)
-                if not result.stable:
-                    self.unstable = True
-                    break
-                threshold = settings.latency_threshold_ms
-                if threshold and result.latency_us > threshold * 1000:
-                    report.print_out(f"Measured latency went over the set limit of {threshold} msec.\n", self.progress)
-                    break
-                self.results.append(result)
+            if settings.binary_search:
+                search = binary_levels(settings)
+                value = next(search)
+                try:
+                    while True:
+                        value = search.send(await self._measured(group, value))
+                except StopIteration:
+                    pass
+            else:  # every level, up to the first that misses
+                for value in _levels(settings):
+                    if not await self._measured(group, value):
+                        break
         finally:
             self.progress.clear()
             await group.stop()
         return self.results
+
+    async def _measured(self, group: LoadGroup, value: float) -> bool:
+        """Measure and report one level; whether it made it (stable, within the latency
+        limit), kept for the summary if it did."""
+        settings = self.settings
+        result = await self._level(group, value)
+        report.print_out(report.level_text(result, settings.protocol, header=False) + "\n", self.progress)
+        warning = report.delayed_warning(result)
+        if warning:
+            print(warning, file=sys.stderr)
+        if not result.stable:
+            self.unstable = True
+            return False
+        threshold = settings.latency_threshold_ms
+        if threshold and result.latency_us > threshold * 1000:
+            report.print_out(f"Measured latency went over the set limit of {threshold} msec.\n", self.progress)
+            return False
+        self.results.append(result)
+        return True
 
     async def _level(self, group: LoadGroup, value: float) -> LevelResult:
         settings = self.settings

@@ -73,6 +73,8 @@ def settings_text(settings: Any, server_stats: bool) -> str:
     else:
         kind = "uniform" if settings.distribution == "constant" else "poisson"
         lines.append(f"  Using {kind} distribution on request generation")
+    if settings.binary_search:  # (perf_analyzer's line)
+        lines.append("  Using Binary Search algorithm")
     if settings.streaming:
         lines.append("  Using gRPC streaming (ModelStreamInfer) for inference")
     lines.append(

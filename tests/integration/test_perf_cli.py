@@ -289,6 +289,41 @@ def test_request_intervals_set_the_pace(server, tmp_path, processes):
     assert row["Request Rate"] == "500" and 250 < float(row["Inferences/Second"]) < 750, row
 
 
+def test_binary_search_halves_the_range_towards_the_latency_limit(server, tmp_path):
+    """perf_analyzer's --binary-search: START, END, then the middle of what is left, up
+    from a level within the limit, down from one over it; only those within it reported.
+    (sleepy takes 5 ms a request on one instance, so latency grows with concurrency.)"""
+    out = tmp_path / "out.csv"
+    result = perf("-m", "sleepy", *url(server, "http"), "-p", "300", "-s", "1000", "-r", "3",
+                  "--concurrency-range", "1:8:1", "--binary-search", "-l", "13", "-f", str(out))
+    assert "Using Binary Search algorithm" in result.stdout
+    measured = [int(line.split(": ")[1]) for line in result.stdout.splitlines()
+                if line.startswith("Request concurrency: ")]
+    within = {int(row["Concurrency"]) for row in read_csv(out)}
+    low, high, expected = 1, 8, [1, 8]
+    if 1 in within and 8 not in within:
+        while high - low > 1:
+            middle = (low + high) // 2
+            expected.append(middle)
+            low, high = (middle, high) if middle in within else (low, middle)
+    assert measured == expected and within <= set(measured), (measured, within)
+
+
+def test_request_count_makes_count_windows(server, tmp_path):
+    result = perf("-m", "add_sub", *url(server, "http"), "-s", "1000", "-r", "3", "--request-count", "60")
+    assert "Minimum number of samples in each window: 60" in result.stdout
+
+
+@pytest.mark.parametrize("transport", ["h2", "grpcio"])
+@pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
+def test_compressed_grpc_requests(server, tmp_path, transport, algorithm):
+    out = tmp_path / "out.json"
+    perf("-m", "add_sub", *url(server, "grpc"), *QUICK, "--grpc-transport", transport,
+         "--grpc-compression-algorithm", algorithm, "--json", str(out))
+    (level,) = json.loads(out.read_text())["results"]
+    assert level["request_count"] > 0 and level["server"]["success_count"] > 0
+
+
 def test_two_processes(server, tmp_path):
     out = tmp_path / "out.json"
     perf("-m", "add_sub", *url(server, "http"), *QUICK, "--concurrency-range", "4", "--processes", "2",

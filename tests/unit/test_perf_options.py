@@ -140,6 +140,9 @@ def test_sweeps_and_urls():
         (["--request-intervals", "/no/such/intervals"], "--request-intervals: cannot read '/no/such/intervals'"),
         (["--request-intervals", "/dev/null", "--concurrency-range", "2"], "cannot be used with --concurrency-range"),
         (["--request-intervals", "/dev/null"], "holds no interval above 0"),
+        (["--binary-search", "--concurrency-range", "4"], "--binary-search needs a range with an end above"),
+        (["--binary-search", "--concurrency-range", "1:0", "-l", "5"], "--binary-search needs a range"),
+        (["--grpc-compression-algorithm", "gzip"], "--grpc-compression-algorithm is for -i grpc"),
     ],
 )
 def test_bad_values_exit_2(capsys, argv, message):

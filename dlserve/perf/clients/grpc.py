@@ -27,7 +27,7 @@ from dlserve.perf.clients.base import (
     ServerError,
     Slot,
 )
-from dlserve.perf.clients.h2 import H2Channel, H2Slot, grpc_message
+from dlserve.perf.clients.h2 import H2Channel, H2Slot, grpc_message, unframe
 from dlserve.perf.inputs import ModelInfo
 from dlserve.perf.payloads import grpc_request
 from dlserve.perf.shm import CudaRegion, SystemRegion
@@ -188,8 +188,9 @@ class GrpcDataPlane(DataPlane):
         # (a decoupled model's stream says where its request's responses end)
         self._flags = {"triton_enable_empty_final_response": True} if streaming and self.info.decoupled else {}
         self.h2: H2Channel | None = None
+        self.encoding = None if self.settings.grpc_compression == "none" else self.settings.grpc_compression
         if self.settings.grpc_transport == "h2" and not streaming:
-            self.h2 = H2Channel(self.settings.url, INFER)
+            self.h2 = H2Channel(self.settings.url, INFER, self.encoding)
             await self.h2.connect()
         else:
             await self._grpcio()
@@ -201,10 +202,15 @@ class GrpcDataPlane(DataPlane):
             None if self.shm_inputs is None else self.shm_inputs[index], self.shm_outputs,
             {**self._flags, **self.parameters(extra)},
         )
-        return request if self.h2 is None else grpc_message(request)
+        return request if self.h2 is None else grpc_message(request, self.encoding)
 
     async def _grpcio(self) -> None:
-        self.channel = grpc.aio.insecure_channel(self.settings.url, options=CHANNEL_OPTIONS)
+        compression = {"gzip": grpc.Compression.Gzip, "deflate": grpc.Compression.Deflate}.get(
+            self.settings.grpc_compression, grpc.Compression.NoCompression
+        )
+        self.channel = grpc.aio.insecure_channel(
+            self.settings.url, options=CHANNEL_OPTIONS, compression=compression
+        )
         # No serializers: the bytes given are sent as they are, the reply bytes returned.
         self._unary = self.channel.unary_unary(INFER)
         self._stream = self.channel.stream_stream(STREAM)
@@ -218,7 +224,7 @@ class GrpcDataPlane(DataPlane):
         if getattr(self, "channel", None) is None:
             await self._grpcio()
         try:
-            await self._unary(framed[5:], timeout=30)
+            await self._unary(unframe(framed), timeout=30)
         except grpc.aio.AioRpcError as exc:
             return f"gRPC {exc.code().name}: {exc.details()}"
         return "the server answered without a response message"

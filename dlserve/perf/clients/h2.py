@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import struct
+import zlib
 from typing import Any
 
 from dlserve.frontends.http2 import (
@@ -51,8 +52,9 @@ from dlserve.frontends.http2 import (
 from dlserve.perf.clients.base import RequestError, Slot, no_delay
 
 
-def request_headers(path: str, authority: str) -> bytes:
-    """The HPACK block of a gRPC call: static-table entries and literals without indexing."""
+def request_headers(path: str, authority: str, encoding: str | None = None) -> bytes:
+    """The HPACK block of a gRPC call: static-table entries and literals without indexing
+    (``encoding``: the messages' compression, gzip or deflate)."""
     return b"".join([
         b"\x83",  # :method POST (static 3)
         b"\x86",  # :scheme http (static 6)
@@ -61,10 +63,24 @@ def request_headers(path: str, authority: str) -> bytes:
         hpack_int(31, 4, 0x00) + hpack_string("application/grpc"),  # content-type (static 31)
         b"\x00" + hpack_string("te") + hpack_string("trailers"),
         hpack_int(58, 4, 0x00) + hpack_string("dlserve-perf"),  # user-agent (static 58)
+        b"\x00" + hpack_string("grpc-encoding") + hpack_string(encoding) if encoding else b"",
     ])
 
 
-def grpc_message(serialized: bytes) -> bytes:
+_WBITS = {"gzip": 31, "deflate": 15}  # gRPC's "deflate" is the zlib format
+
+
+def unframe(framed: bytes) -> bytes:
+    """The serialized message inside :func:`grpc_message`'s framing."""
+    return zlib.decompress(framed[5:], wbits=47) if framed[:1] == b"\x01" else framed[5:]  # (47: either)
+
+
+def grpc_message(serialized: bytes, encoding: str | None = None) -> bytes:
+    """A length-prefixed gRPC message, compressed with ``encoding`` if given."""
+    if encoding:
+        packer = zlib.compressobj(wbits=_WBITS[encoding])
+        packed = packer.compress(serialized) + packer.flush()
+        return b"\x01" + len(packed).to_bytes(4, "big") + packed
     return b"\x00" + len(serialized).to_bytes(4, "big") + serialized
 
 
@@ -271,11 +287,11 @@ class H2Connection(asyncio.Protocol):
 class H2Channel:
     """The process's connection (reopened after GOAWAY or loss) and error descriptions."""
 
-    def __init__(self, url: str, path: str) -> None:
+    def __init__(self, url: str, path: str, encoding: str | None = None) -> None:
         self.url = url
         host, _, port = url.rpartition(":")
         self.host, self.port = host.strip("[]"), int(port)
-        self.headers = request_headers(path, url)
+        self.headers = request_headers(path, url, encoding)
         self.connection: H2Connection | None = None
         self._connecting: asyncio.Future[H2Connection] | None = None
 
