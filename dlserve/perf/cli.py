@@ -101,6 +101,10 @@ class Settings:
     serial_sequences: bool = False
     grpc_transport: str = "h2"
     grpc_compression: str = "none"
+    ssl_grpc: bool = False  # --ssl-grpc-use-ssl, with the files below (PEM)
+    ssl_grpc_root_certs: str = ""
+    ssl_grpc_private_key: str = ""
+    ssl_grpc_cert_chain: str = ""
     measurement_interval_ms: int = 5000
     count_windows: int = 0  # count_windows mode: a window ends once this many requests ended
     stability_percentage: float = 10.0
@@ -172,6 +176,14 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     load.add_argument("--grpc-transport", choices=["h2", "grpcio"], default="h2",
                       help="gRPC unary calls on dlserve perf's own lean HTTP/2 connection (h2) or "
                       "through grpcio (grpcio; --streaming always uses grpcio) (default: h2)")
+    load.add_argument("--ssl-grpc-use-ssl", dest="ssl_grpc", action="store_true",
+                      help="gRPC over TLS (with the files below, PEM)")
+    load.add_argument("--ssl-grpc-root-certifications-file", dest="ssl_grpc_root_certs", default="", metavar="FILE",
+                      help="the server's root certificates (default: the system's)")
+    load.add_argument("--ssl-grpc-private-key-file", dest="ssl_grpc_private_key", default="", metavar="FILE",
+                      help="the client's private key (mutual TLS)")
+    load.add_argument("--ssl-grpc-certificate-chain-file", dest="ssl_grpc_cert_chain", default="", metavar="FILE",
+                      help="the client's certificate chain (mutual TLS)")
     load.add_argument("--grpc-compression-algorithm", dest="grpc_compression", choices=["none", "gzip", "deflate"],
                       default="none", help="compress gRPC requests (default: none)")
     load.add_argument("-a", "--async", dest="async_mode", action="store_true",
@@ -319,6 +331,16 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     protocol = args.protocol
     if args.grpc_compression != "none" and protocol != "grpc":
         raise UsageError("--grpc-compression-algorithm is for -i grpc")
+    files = (args.ssl_grpc_root_certs, args.ssl_grpc_private_key, args.ssl_grpc_cert_chain)
+    if (args.ssl_grpc or any(files)) and protocol != "grpc":
+        raise UsageError("--ssl-grpc-* are for -i grpc")
+    if any(files) and not args.ssl_grpc:
+        raise UsageError("--ssl-grpc-* files need --ssl-grpc-use-ssl")
+    if bool(args.ssl_grpc_private_key) != bool(args.ssl_grpc_cert_chain):
+        raise UsageError("mutual TLS needs both --ssl-grpc-private-key-file and --ssl-grpc-certificate-chain-file")
+    for path in files:
+        if path and not os.path.isfile(path):
+            raise UsageError(f"--ssl-grpc-*: '{path}' does not exist")
     if protocol == "inprocess":
         if not args.model_repository:
             raise UsageError("-i inprocess needs --model-repository PATH")
@@ -405,6 +427,10 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         serial_sequences=args.serial_sequences,
         grpc_transport=args.grpc_transport,
         grpc_compression=args.grpc_compression,
+        ssl_grpc=args.ssl_grpc,
+        ssl_grpc_root_certs=args.ssl_grpc_root_certs,
+        ssl_grpc_private_key=args.ssl_grpc_private_key,
+        ssl_grpc_cert_chain=args.ssl_grpc_cert_chain,
         measurement_interval_ms=args.measurement_interval,
         count_windows=args.request_count or (
             args.measurement_request_count if args.measurement_mode == "count_windows" else 0

@@ -415,6 +415,36 @@ def test_an_unknown_composing_model_is_a_usage_error(server):
     assert "--bls-composing-models:" in result.stderr and "'nope'" in result.stderr
 
 
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+@pytest.mark.parametrize("transport", ["h2", "grpcio"])
+def test_grpc_over_mutual_tls(tmp_path, transport):
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+         "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )
+    repo = tmp_path / "repo"
+    shutil.copytree(MODELS / "add_sub", repo / "add_sub")
+    tls = ["--grpc-use-ssl", "true", "--grpc-use-ssl-mutual", "true", "--grpc-server-cert", str(cert),
+           "--grpc-server-key", str(key), "--grpc-root-cert", str(cert)]
+    served = run_server(tmp_path, repo, *tls)
+    server = next(served)
+    try:
+        address = ["-i", "grpc", "-u", f"localhost:{server['ports']['grpc']}", "--grpc-transport", transport]
+        files = ["--ssl-grpc-root-certifications-file", str(cert)]
+        client = ["--ssl-grpc-private-key-file", str(key), "--ssl-grpc-certificate-chain-file", str(cert)]
+        out = tmp_path / "out.json"
+        perf("-m", "add_sub", *address, *QUICK, "--ssl-grpc-use-ssl", *files, *client, "--json", str(out))
+        (level,) = json.loads(out.read_text())["results"]
+        assert level["request_count"] > 0 and level["server"]["success_count"] > 0
+        # without the client's certificate the server refuses the connection
+        result = perf("-m", "add_sub", *address, *QUICK, "--ssl-grpc-use-ssl", *files, expect=99)
+        assert "Traceback" not in result.stderr
+    finally:
+        served.close()
+
+
 # -- failures -----------------------------------------------------------------------------------
 def test_unknown_model(server):
     result = perf("-m", "nope", *url(server, "http"), *QUICK, expect=99)

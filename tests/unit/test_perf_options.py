@@ -143,6 +143,12 @@ def test_sweeps_and_urls():
         (["--binary-search", "--concurrency-range", "4"], "--binary-search needs a range with an end above"),
         (["--binary-search", "--concurrency-range", "1:0", "-l", "5"], "--binary-search needs a range"),
         (["--grpc-compression-algorithm", "gzip"], "--grpc-compression-algorithm is for -i grpc"),
+        (["--ssl-grpc-use-ssl"], "--ssl-grpc-* are for -i grpc"),
+        (["-i", "grpc", "--ssl-grpc-root-certifications-file", "/etc/hostname"], "need --ssl-grpc-use-ssl"),
+        (["-i", "grpc", "--ssl-grpc-use-ssl", "--ssl-grpc-private-key-file", "/etc/hostname"],
+         "mutual TLS needs both"),
+        (["-i", "grpc", "--ssl-grpc-use-ssl", "--ssl-grpc-root-certifications-file", "/no/ca.pem"],
+         "'/no/ca.pem' does not exist"),
     ],
 )
 def test_bad_values_exit_2(capsys, argv, message):

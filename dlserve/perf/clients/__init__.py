@@ -23,7 +23,7 @@ def control_client(settings: Any, server: Any = None) -> ControlClient:
     if settings.protocol == "grpc":
         from dlserve.perf.clients.grpc import GrpcControl
 
-        return GrpcControl(settings.url)
+        return GrpcControl(settings)
     from dlserve.perf.clients.inprocess import InprocessControl
 
     return InprocessControl(server)

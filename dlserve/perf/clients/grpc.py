@@ -14,6 +14,7 @@ first field is ``error_message`` (tag 0x0a) is the request's failure.
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 from typing import Any
 
@@ -41,15 +42,50 @@ CHANNEL_OPTIONS = [
 _now = time.perf_counter_ns
 
 
+def _read(path: str) -> bytes | None:
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise ServerError(f"cannot read '{path}': {exc.strerror or exc}") from None
+
+
+def channel_credentials(settings: Any) -> grpc.ChannelCredentials | None:
+    """With --ssl-grpc-use-ssl: TLS with the given root certificates (else the system's)
+    and, for mutual TLS, the client's key and certificate chain."""
+    if not settings.ssl_grpc:
+        return None
+    return grpc.ssl_channel_credentials(
+        _read(settings.ssl_grpc_root_certs), _read(settings.ssl_grpc_private_key), _read(settings.ssl_grpc_cert_chain)
+    )
+
+
+def ssl_context(settings: Any) -> ssl.SSLContext | None:
+    """The same TLS for dlserve perf's own HTTP/2 client (ALPN h2, as gRPC requires)."""
+    if not settings.ssl_grpc:
+        return None
+    context = ssl.create_default_context(cafile=settings.ssl_grpc_root_certs or None)
+    if settings.ssl_grpc_cert_chain:
+        context.load_cert_chain(settings.ssl_grpc_cert_chain, settings.ssl_grpc_private_key or None)
+    context.set_alpn_protocols(["h2"])
+    return context
+
+
 class GrpcControl(ControlClient):
-    def __init__(self, url: str, timeout: float = 30.0) -> None:
+    def __init__(self, settings: Any, timeout: float = 30.0) -> None:
         from dlserve.frontends.proto import grpc_service_pb2 as pb
         from dlserve.frontends.proto import grpc_service_pb2_grpc as pb_grpc
 
         self.pb = pb
-        self.url = url
+        self.url = url = settings.url
         self.timeout = timeout
-        self.channel = grpc.insecure_channel(url, options=CHANNEL_OPTIONS)
+        credentials = channel_credentials(settings)
+        self.channel = (
+            grpc.secure_channel(url, credentials, options=CHANNEL_OPTIONS) if credentials is not None
+            else grpc.insecure_channel(url, options=CHANNEL_OPTIONS)
+        )
         self.stub = pb_grpc.GRPCInferenceServiceStub(self.channel)
 
     def _call(self, method: str, request: Any) -> Any:
@@ -190,7 +226,7 @@ class GrpcDataPlane(DataPlane):
         self.h2: H2Channel | None = None
         self.encoding = None if self.settings.grpc_compression == "none" else self.settings.grpc_compression
         if self.settings.grpc_transport == "h2" and not streaming:
-            self.h2 = H2Channel(self.settings.url, INFER, self.encoding)
+            self.h2 = H2Channel(self.settings.url, INFER, self.encoding, ssl_context(self.settings))
             await self.h2.connect()
         else:
             await self._grpcio()
@@ -208,8 +244,11 @@ class GrpcDataPlane(DataPlane):
         compression = {"gzip": grpc.Compression.Gzip, "deflate": grpc.Compression.Deflate}.get(
             self.settings.grpc_compression, grpc.Compression.NoCompression
         )
-        self.channel = grpc.aio.insecure_channel(
-            self.settings.url, options=CHANNEL_OPTIONS, compression=compression
+        credentials = channel_credentials(self.settings)
+        self.channel = (
+            grpc.aio.secure_channel(self.settings.url, credentials, options=CHANNEL_OPTIONS, compression=compression)
+            if credentials is not None
+            else grpc.aio.insecure_channel(self.settings.url, options=CHANNEL_OPTIONS, compression=compression)
         )
         # No serializers: the bytes given are sent as they are, the reply bytes returned.
         self._unary = self.channel.unary_unary(INFER)

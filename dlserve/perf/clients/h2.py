@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ssl
 import struct
 import zlib
 from typing import Any
@@ -52,12 +53,12 @@ from dlserve.frontends.http2 import (
 from dlserve.perf.clients.base import RequestError, Slot, no_delay
 
 
-def request_headers(path: str, authority: str, encoding: str | None = None) -> bytes:
+def request_headers(path: str, authority: str, encoding: str | None = None, tls: bool = False) -> bytes:
     """The HPACK block of a gRPC call: static-table entries and literals without indexing
     (``encoding``: the messages' compression, gzip or deflate)."""
     return b"".join([
         b"\x83",  # :method POST (static 3)
-        b"\x86",  # :scheme http (static 6)
+        b"\x87" if tls else b"\x86",  # :scheme https (static 7) or http (6)
         hpack_int(4, 4, 0x00) + hpack_string(path),  # :path (name: static 4)
         hpack_int(1, 4, 0x00) + hpack_string(authority),  # :authority (static 1)
         hpack_int(31, 4, 0x00) + hpack_string("application/grpc"),  # content-type (static 31)
@@ -287,11 +288,12 @@ class H2Connection(asyncio.Protocol):
 class H2Channel:
     """The process's connection (reopened after GOAWAY or loss) and error descriptions."""
 
-    def __init__(self, url: str, path: str, encoding: str | None = None) -> None:
+    def __init__(self, url: str, path: str, encoding: str | None = None, tls: ssl.SSLContext | None = None) -> None:
         self.url = url
         host, _, port = url.rpartition(":")
         self.host, self.port = host.strip("[]"), int(port)
-        self.headers = request_headers(path, url, encoding)
+        self.tls = tls
+        self.headers = request_headers(path, url, encoding, tls is not None)
         self.connection: H2Connection | None = None
         self._connecting: asyncio.Future[H2Connection] | None = None
 
@@ -311,7 +313,9 @@ class H2Channel:
         old = self.connection
         loop = asyncio.get_running_loop()
         try:
-            _, connection = await loop.create_connection(H2Connection, self.host, self.port)
+            _, connection = await loop.create_connection(
+                H2Connection, self.host, self.port, ssl=self.tls, server_hostname=self.host if self.tls else None
+            )
         except OSError as exc:
             raise RequestError(f"cannot connect to {self.url}: {exc}") from None
         self.connection = connection
