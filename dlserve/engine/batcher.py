@@ -145,10 +145,14 @@ class DynamicBatcher(Scheduler):
         total = 0
         preferred_at = 0  # length of the longest prefix that hits a preferred batch size
         key = None
+        # The next request cannot join (another shape, or too many rows): the batch can
+        # grow no more, so it goes now rather than at the end of the delay, as in Triton.
+        closed = False
         for queue in self._queues():
             for request in queue:
                 size = self.model.batch_size_of(request)
                 if chosen and (total + size > self.max_batch or self._shape_key(request) != key):
+                    closed = True
                     break
                 if not chosen:
                     key = self._shape_key(request)
@@ -163,13 +167,13 @@ class DynamicBatcher(Scheduler):
             break
         if not chosen:
             return None
-        if total < self.max_batch and not preferred_at:
+        if total < self.max_batch and not preferred_at and not closed:
             oldest = min(r.arrival_ns for r in chosen)
             ready_at = oldest + self.delay_ns
             if now < ready_at:
                 self._arm(ready_at)  # wait for more requests, at most until then
                 return None
-        elif total < self.max_batch:
+        elif total < self.max_batch and not closed:
             chosen = chosen[:preferred_at]  # the largest preferred batch size available
         for request in chosen:
             for queue in self._queues():

@@ -110,6 +110,27 @@ def test_preferred_batch_size_goes_before_the_delay(server):
     assert elapsed < 2.5  # sent on reaching the preferred size, not after the 3 s delay
 
 
+@pytest.mark.parametrize(
+    ("first", "second"), [(rows(1, 3), rows(1, 5)), (rows(5), rows(5))], ids=["another shape", "too many rows"]
+)
+def test_a_batch_the_next_request_cannot_join_goes_before_the_delay(server, first, second):
+    """As Triton: once the request behind it cannot join, waiting cannot grow the batch."""
+    load(server, dynamic_batching={"max_queue_delay_microseconds": 3_000_000})
+
+    async def timed(x: np.ndarray) -> tuple[float, Any]:
+        started = time.monotonic()
+        response = await infer(server, x)
+        return time.monotonic() - started, response
+
+    async def run() -> list[tuple[float, Any]]:
+        return await asyncio.gather(timed(first), timed(second))
+
+    (took_first, response_first), (took_second, response_second) = asyncio.run(run())
+    assert batch_of(response_first)[0] == batch_of(response_second)[0] == 1
+    assert took_first < 2.0  # it went when the second came, not after the 3 s delay
+    assert took_second >= 2.5  # the second did wait: nothing came to close its batch
+
+
 def test_max_queue_delay_waits_for_more_requests(server):
     load(server, dynamic_batching={"preferred_batch_size": [8], "max_queue_delay_microseconds": 500_000})
 
