@@ -100,6 +100,12 @@ class Scheduler:
             return
         try:
             self._enqueue(request)
+        except InvalidArgumentError as exc:
+            # A client's mistake the scheduler finds (a sequence without its START, say):
+            # counted nowhere, as Triton counts its other validation errors.
+            request.counted = True
+            self._fail(request, exc)
+            return
         except TritonError as exc:
             self._fail(request, exc, "REJECTED")
             return

@@ -61,6 +61,7 @@ class Sequence:
     instance: ModelInstance | None = None
     queue: collections.deque[Request] = dataclasses.field(default_factory=collections.deque)
     running: bool = False
+    started: bool = False  # a request of it ran (or runs)
     ending: bool = False
     idle: asyncio.TimerHandle | None = None
     state: dict[str, Tensor] = dataclasses.field(default_factory=dict)  # input name -> state
@@ -228,12 +229,10 @@ class SequenceBatcher(Scheduler):
         sequence = self.sequences.get(key)
         if sequence is None:
             if not request.flags & SEQUENCE_START:
-                raise InvalidArgumentError(
-                    f"inference request for sequence {key} to model '{name}' must specify the "
-                    "START flag on the first request of the sequence"
-                )
+                raise self._not_started(key)
             sequence = self.sequences[key] = Sequence(key)
-            self._assign(sequence)
+            if not self._place(sequence):
+                self.backlog.append(sequence)
         if sequence.ending:
             raise InvalidArgumentError(
                 f"inference request for sequence {key} to model '{name}' arrived after its END"
@@ -245,24 +244,32 @@ class SequenceBatcher(Scheduler):
             sequence.ending = True
         sequence.queue.append(request)
 
-    def _assign(self, sequence: Sequence) -> None:
-        """Bind a new sequence to the ready instance with the fewest sequences, if one
-        has a free slot; otherwise it waits in the backlog."""
+    def _not_started(self, key: int | str) -> InvalidArgumentError:
+        return InvalidArgumentError(  # (Triton's words)
+            f"inference request for sequence {key} to model '{self.model.name}' must specify the "
+            "START flag on the first request of the sequence"
+        )
+
+    def _place(self, sequence: Sequence) -> bool:
+        """Bind a sequence to the ready instance with the fewest sequences, if one has a
+        free slot (else it waits in the backlog, in the order the sequences came)."""
         load = collections.Counter(s.instance for s in self.sequences.values() if s.instance is not None)
         free = [i for i in self.instances if i.ready and load[i] < self.slots]
-        if free:
-            sequence.instance = min(free, key=lambda i: load[i])
-        else:
-            self.backlog.append(sequence)
+        if not free:
+            return False
+        sequence.instance = min(free, key=lambda i: load[i])
+        return True
 
     @property
     def pending(self) -> int:
         return sum(len(s.queue) for s in self.sequences.values())
 
     def _remove(self, request: Request) -> bool:
-        """Take a queued request back (cancelled, or its timeout passed). A sequence left
-        with nothing to do idles out like any other: waiting for a slot with no request,
-        it would otherwise take one for good."""
+        """Take a queued request back (cancelled, or its timeout passed). A sequence whose
+        START goes back before anything of it ran is forgotten, as in Triton (what came
+        after the START fails as a request without one would); any other left with nothing
+        to do idles out like any other: waiting for a slot with no request, it would
+        otherwise take one for good."""
         sequence = self.sequences.get(request.correlation_id)
         if sequence is None:
             return False
@@ -270,6 +277,14 @@ class SequenceBatcher(Scheduler):
             sequence.queue.remove(request)
         except ValueError:
             return False
+        if request.flags & SEQUENCE_START and not sequence.started:
+            orphans = list(sequence.queue)
+            sequence.queue.clear()
+            self._release(sequence)
+            for orphan in orphans:
+                self._fail(orphan, self._not_started(sequence.key))
+            asyncio.get_running_loop().call_soon(self.dispatch)  # (its slot may serve a waiting one)
+            return True
         if request.flags & SEQUENCE_END:
             sequence.ending = False  # (the client may send its END again)
         if not sequence.queue and not sequence.running:
@@ -312,7 +327,7 @@ class SequenceBatcher(Scheduler):
                 return None
         batch = []
         for sequence in ready[: self.max_batch]:
-            sequence.running = True
+            sequence.running = sequence.started = True
             request = sequence.queue.popleft()
             for control in self.controls:
                 request.inputs[control.name] = control.tensor(request, self.batching)
@@ -387,11 +402,8 @@ class SequenceBatcher(Scheduler):
             del self.sequences[sequence.key]
         if sequence in self.backlog:
             self.backlog.remove(sequence)
-        while self.backlog:  # a slot may be free for a waiting sequence now
-            waiting = self.backlog.popleft()
-            self._assign(waiting)
-            if waiting.instance is None:
-                break
+        while self.backlog and self._place(self.backlog[0]):  # a slot may be free for the oldest waiting
+            self.backlog.popleft()
 
     # -- instance health ----------------------------------------------------------------
     def instance_state_changed(self) -> None:

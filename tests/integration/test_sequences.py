@@ -5,10 +5,12 @@ sequence parameters over HTTP and gRPC."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -112,14 +114,14 @@ def test_a_sequence_request_carries_one_batch_row(server):
     assert total(asyncio.run(send(server, 31, 4, START | END))) == 4  # the sequence was never started
 
 
-def test_a_sequence_whose_waiting_request_was_cancelled_does_not_keep_a_slot(server):
-    """One slot: B's first request waits behind A and is cancelled; once A ends, B holds
-    the slot with nothing to do and must idle out, or C would wait for good."""
+@contextlib.contextmanager
+def one_slot(server: dlserve.Server, idle_us: int) -> Iterator[dlserve.Model]:
+    """accumulate with one instance of one slot (max_batch_size 1), loaded for a test."""
     config = {
         "backend": "python", "max_batch_size": 1,
         "input": [{"name": "INPUT", "data_type": "TYPE_INT32", "dims": [1]}],
         "output": [{"name": "OUTPUT", "data_type": "TYPE_INT32", "dims": [1]}],
-        "sequence_batching": {"max_sequence_idle_microseconds": 300000, "control_input": [
+        "sequence_batching": {"max_sequence_idle_microseconds": idle_us, "control_input": [
             {"name": name, "control": [{"kind": f"CONTROL_SEQUENCE_{kind}", **spec}]}
             for name, kind, spec in [
                 ("START", "START", {"int32_false_true": [0, 1]}), ("END", "END", {"int32_false_true": [0, 1]}),
@@ -130,24 +132,79 @@ def test_a_sequence_whose_waiting_request_was_cancelled_does_not_keep_a_slot(ser
     }
     source = (MODELS / "accumulate" / "1" / "model.py").read_bytes()
     server.load("one_slot", {"config": json.dumps(config), "file:1/model.py": source})
-    model = server.model("one_slot")
-
-    async def one(key: int, flags: int) -> Any:
-        async for response in model.async_infer(inputs={"INPUT": value(1)}, correlation_id=key, flags=flags):
-            return response
-
-    async def run() -> Any:
-        await one(1, START)  # A takes the slot
-        waiting = model.async_infer(inputs={"INPUT": value(1)}, correlation_id=2, flags=START)
-        await asyncio.sleep(0.1)
-        waiting.cancel()
-        await one(1, END)  # A ends: B gets the slot, with nothing queued
-        return await asyncio.wait_for(one(3, START | END), timeout=10)
-
     try:
-        assert int(asyncio.run(run()).outputs["OUTPUT"].as_numpy()[0, 0]) == 1
+        yield server.model("one_slot")
     finally:
         server.unload("one_slot")
+
+
+async def step(model: dlserve.Model, key: int, flags: int, x: int = 1, **kwargs: Any) -> Any:
+    async for response in model.async_infer(
+        inputs={"INPUT": value(x)}, correlation_id=key, flags=flags, raise_on_error=False, **kwargs
+    ):
+        return response
+    raise AssertionError("no response")
+
+
+def test_a_sequence_whose_start_is_cancelled_before_it_runs_is_forgotten(server):
+    """One slot: B's START waits behind A and is cancelled. As in Triton, B is forgotten
+    at once: it holds no slot once A ends (C runs at once, not after B's 5 s idle time)
+    and its next request needs a START again (the model never saw one)."""
+    with one_slot(server, idle_us=5_000_000) as model:
+        async def run() -> tuple[Any, float, Any]:
+            await step(model, 1, START)  # A takes the slot
+            waiting = model.async_infer(inputs={"INPUT": value(1)}, correlation_id=2, flags=START)
+            behind = asyncio.ensure_future(step(model, 2, 0))  # queued after B's START
+            await asyncio.sleep(0.1)
+            waiting.cancel()
+            orphan = await behind
+            await step(model, 1, END)  # A ends
+            started = time.monotonic()
+            third = await asyncio.wait_for(step(model, 3, START | END), timeout=10)
+            return orphan, time.monotonic() - started, third
+
+        orphan, took, third = asyncio.run(run())
+        assert total(third) == 1 and took < 2.0
+        assert isinstance(orphan.error, dlserve.InvalidArgumentError) and "START flag" in str(orphan.error)
+        late = asyncio.run(step(model, 2, 0))
+        assert isinstance(late.error, dlserve.InvalidArgumentError) and "START flag" in str(late.error)
+
+
+def test_waiting_sequences_get_the_slot_in_the_order_they_came(server):
+    """One slot held by A; B, C and D start behind it. Each gets the slot in turn, first
+    come first served, as in Triton (a release used to send the second in line to the back)."""
+    with one_slot(server, idle_us=5_000_000) as model:
+        async def run() -> list[int]:
+            await step(model, 1, START)
+            finished: list[int] = []
+
+            async def single(key: int) -> None:
+                assert total(await step(model, key, START | END, x=key)) == key
+                finished.append(key)
+
+            waiting = []
+            for key in (2, 3, 4, 5):
+                waiting.append(asyncio.ensure_future(single(key)))
+                await asyncio.sleep(0.05)
+            await step(model, 1, END)
+            await asyncio.gather(*waiting)
+            return finished
+
+        assert asyncio.run(run()) == [2, 3, 4, 5]
+
+
+def test_a_request_refused_for_want_of_a_start_is_counted_nowhere(server):
+    """As in Triton, whose statistics leave such client mistakes out."""
+    def counts() -> tuple[int, int, str]:
+        stats = server.model("accumulate").statistics()["model_stats"][0]["inference_stats"]
+        rejected = [line for line in server.metrics().splitlines()
+                    if line.startswith('nv_inference_request_failure{model="accumulate",reason="REJECTED"')]
+        return stats["fail"]["count"], stats["success"]["count"], rejected[0]
+
+    before = counts()
+    response = asyncio.run(send(server, 7777, 1))  # no sequence 7777 was started
+    assert isinstance(response.error, dlserve.InvalidArgumentError)
+    assert counts() == before
 
 
 SEQUENCE_CALLER = """
