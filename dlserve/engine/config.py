@@ -304,6 +304,7 @@ def validate(config: mc.ModelConfig, model_name: str, gpu_count: int = 0) -> Non
         )
     if config.HasField("dynamic_batching"):
         _check_dynamic_batching(config.dynamic_batching, config.max_batch_size)
+    _check_batch_inputs_and_outputs(config)
     if config.HasField("sequence_batching"):
         names = {t.name for t in config.input}
         kinds: set[int] = set()
@@ -320,6 +321,36 @@ def validate(config: mc.ModelConfig, model_name: str, gpu_count: int = 0) -> Non
         oldest = config.sequence_batching.oldest
         if any(size > config.max_batch_size for size in oldest.preferred_batch_size):
             raise InvalidArgumentError("sequence batching preferred batch size must be <= max batch size")
+
+
+def _check_batch_inputs_and_outputs(config: mc.ModelConfig) -> None:
+    """What Triton refuses of ``batch_input`` / ``batch_output`` at load, in its words.
+    (Its Python backend then passes neither to the model, and neither does dlserve.)"""
+    name = config.name
+    inputs = {tensor.name for tensor in config.input}
+    outputs = {tensor.name for tensor in config.output}
+    for spec in config.batch_input:
+        kind = mc.BatchInput.Kind.Name(spec.kind)
+        if spec.data_type == mc.TYPE_INVALID:
+            raise InvalidArgumentError("unexpected batch input data type 'TYPE_INVALID'")
+        if spec.data_type not in (mc.TYPE_INT32, mc.TYPE_FP32):
+            raise InvalidArgumentError(f"batch input data type must be TYPE_INT32 or TYPE_FP32 for {name}")
+        _check_batch_sources(f"batch input kind '{kind}'", spec.source_input, inputs, name)
+    for spec in config.batch_output:
+        kind = mc.BatchOutput.Kind.Name(spec.kind)
+        if not spec.target_name:  # (Triton 2.51's server crashed on this one)
+            raise InvalidArgumentError(f"batch output kind '{kind}' names no target output for {name}")
+        for target in spec.target_name:
+            if target not in outputs:
+                raise InvalidArgumentError(f"unknown target output name '{target}' for {name}")
+        _check_batch_sources(f"batch output kind '{kind}'", spec.source_input, inputs, name)
+
+
+def _check_batch_sources(what: str, sources: Any, inputs: set[str], name: str) -> None:
+    if len(sources) != 1:
+        raise InvalidArgumentError(f"{what} expects 1 source input, got {len(sources)} for {name}")
+    if sources[0] not in inputs:
+        raise InvalidArgumentError(f"unknown source input name '{sources[0]}' for {name}")
 
 
 def _check_dynamic_batching(batching: mc.ModelDynamicBatching, max_batch_size: int) -> None:

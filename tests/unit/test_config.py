@@ -659,3 +659,47 @@ def test_a_corrid_control_of_another_type_is_refused_as_in_triton():
         "data types are TYPE_UINT64, TYPE_INT64, TYPE_UINT32, TYPE_INT32 and TYPE_STRING"
     )
 
+
+
+RAGGED = (
+    'max_batch_size: 8 input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ -1 ] allow_ragged_batch: true } ] '
+    'output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ] '
+)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [  # Triton 2.51's words (measured side by side)
+        ('batch_input [ { kind: BATCH_ELEMENT_COUNT target_name: "N" data_type: TYPE_FP32 source_input: "NOPE" } ]',
+         "unknown source input name 'NOPE' for m"),
+        ('batch_input [ { kind: BATCH_ELEMENT_COUNT target_name: "N" data_type: TYPE_FP32 source_input: "OUTPUT0" } ]',
+         "unknown source input name 'OUTPUT0' for m"),
+        ('batch_input [ { kind: BATCH_ELEMENT_COUNT target_name: "N" data_type: TYPE_INT64 source_input: "INPUT0" } ]',
+         "batch input data type must be TYPE_INT32 or TYPE_FP32 for m"),
+        ('batch_input [ { kind: BATCH_ELEMENT_COUNT target_name: "N" source_input: "INPUT0" } ]',
+         "unexpected batch input data type 'TYPE_INVALID'"),
+        ('batch_input [ { kind: BATCH_ELEMENT_COUNT target_name: "N" data_type: TYPE_FP32 } ]',
+         "batch input kind 'BATCH_ELEMENT_COUNT' expects 1 source input, got 0 for m"),
+        ('batch_input [ { kind: BATCH_ITEM_SHAPE target_name: "N" data_type: TYPE_INT32 '
+         'source_input: [ "INPUT0", "INPUT0" ] } ]',
+         "batch input kind 'BATCH_ITEM_SHAPE' expects 1 source input, got 2 for m"),
+        ('batch_output [ { kind: BATCH_SCATTER_WITH_INPUT_SHAPE target_name: "NOPE" source_input: "INPUT0" } ]',
+         "unknown target output name 'NOPE' for m"),
+        ('batch_output [ { kind: BATCH_SCATTER_WITH_INPUT_SHAPE target_name: "OUTPUT0" source_input: "NOPE" } ]',
+         "unknown source input name 'NOPE' for m"),
+        ('batch_output [ { kind: BATCH_SCATTER_WITH_INPUT_SHAPE target_name: "OUTPUT0" } ]',
+         "batch output kind 'BATCH_SCATTER_WITH_INPUT_SHAPE' expects 1 source input, got 0 for m"),
+        ('batch_output [ { kind: BATCH_SCATTER_WITH_INPUT_SHAPE source_input: "INPUT0" } ]',
+         "batch output kind 'BATCH_SCATTER_WITH_INPUT_SHAPE' names no target output for m"),
+    ],
+)
+def test_batch_inputs_and_outputs_are_checked_as_triton_checks_them(fields, message):
+    assert invalid(RAGGED + fields) == f"InvalidArgumentError: {message}"
+
+
+def test_good_batch_inputs_and_outputs_load():
+    cfg.validate(completed(
+        RAGGED + 'batch_input [ { kind: BATCH_ACCUMULATED_ELEMENT_COUNT target_name: "ACC" data_type: TYPE_INT32 '
+        'source_input: "INPUT0" } ] batch_output [ { kind: BATCH_SCATTER_WITH_INPUT_SHAPE target_name: "OUTPUT0" '
+        'source_input: "INPUT0" } ]'
+    ), "m")
