@@ -281,7 +281,9 @@ class ModelManager:
         _as_step: bool = False,
     ) -> None:
         """Load (or reload) ``name``; ``config`` overrides config.pbtxt (JSON). Internal
-        loads (startup, an ensemble's steps) are allowed in every control mode."""
+        loads (startup, an ensemble's steps) are allowed in every control mode. As in
+        Triton, loading a model that serves, unchanged, leaves it as it is (its workers,
+        its sequences); a changed file, a config override or files given reload it."""
         if not _internal:
             self._check_api_allowed()
         check_model_name(name)
@@ -295,6 +297,8 @@ class ModelManager:
             sources = [dataclasses.replace(upload, namespace=loaded.namespace if loaded else "")]
         else:
             sources = await self._fetch(name)
+            if config is None:
+                sources = [s for s in sources if not self._unchanged(s)]
         results = await asyncio.gather(
             *(self._load_source(source, config, _as_step) for source in sources), return_exceptions=True
         )
@@ -302,6 +306,10 @@ class ModelManager:
             if isinstance(result, BaseException):
                 raise result
         await self._reload_waiting([source.key for source in sources])
+
+    def _unchanged(self, source: ModelSource) -> bool:
+        entry = self.models.get(source.key)
+        return entry is not None and entry.unchanged(source.fingerprint())
 
     async def _reload_waiting(self, loaded: list[ModelKey]) -> None:
         """Ensembles unloaded with these step models load again, as Triton's do, once
@@ -338,6 +346,7 @@ class ModelManager:
             entry.waits_for.clear()
             entry.as_step = as_step
             entry.fingerprint = source.fingerprint()
+            entry.overridden = config is not None
             await asyncio.gather(*(v.unload(self._deadline()) for v in old.values()))
 
     async def _load_versions(

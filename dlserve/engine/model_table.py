@@ -29,12 +29,21 @@ class ModelEntry:
     loading: bool = False
     unloaded: list[int] = dataclasses.field(default_factory=list)  # versions an unload removed
     fingerprint: Any = None
+    overridden: bool = False  # loaded with a config override (or uploaded files)
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
     # Loaded only because an ensemble needs it (not asked for by name): unloading that
     # ensemble with unload_dependents takes it too, as in Triton.
     as_step: bool = False
     # An ensemble unloaded because these step models were: it loads again once they have.
     waits_for: set[ModelKey] = dataclasses.field(default_factory=set)
+
+    def unchanged(self, fingerprint: Any) -> bool:
+        """Loaded from these very files, as they are, and every version serving: a load
+        of it again changes nothing (as in Triton)."""
+        return (
+            bool(self.versions) and not self.overridden and self.fingerprint == fingerprint
+            and all(v.state == "READY" for v in self.versions.values())
+        )
 
     @property
     def key(self) -> ModelKey:

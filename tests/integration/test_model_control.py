@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -28,6 +29,34 @@ def rows(server: dlserve.Server) -> dict[str, dict]:
 def version_of(server: dlserve.Server, version: int = -1) -> int:
     response = list(server.model("versioned", version).infer(inputs={"INPUT0": X1}))[0]
     return int(response.outputs["VERSION"].as_numpy()[0])
+
+
+def worker_pids(server: dlserve.Server, name: str) -> list[int]:
+    (stats,) = server.model(name).statistics()["model_stats"]
+    return [instance["pid"] for instance in stats["instances"]]
+
+
+def test_loading_a_model_that_serves_unchanged_leaves_it_as_it_is(servers, make_repo):
+    """As in Triton: a load of a model that serves, from files that did not change, keeps
+    its workers (and so their state, open sequences included); a changed file or a config
+    override reloads it."""
+    repo = make_repo("add_sub")
+    server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT)
+    server.load("add_sub")
+    first = worker_pids(server, "add_sub")
+    server.load("add_sub")
+    assert worker_pids(server, "add_sub") == first
+    model_py = repo / "add_sub" / "1" / "model.py"
+    os.utime(model_py, ns=(model_py.stat().st_atime_ns, model_py.stat().st_mtime_ns + 10**9))
+    server.load("add_sub")
+    second = worker_pids(server, "add_sub")
+    assert second != first
+    config = json.loads(json.dumps(server.model("add_sub").config()))
+    server.load("add_sub", {"config": json.dumps(config)})
+    third = worker_pids(server, "add_sub")
+    assert third != second
+    server.load("add_sub")  # back to config.pbtxt: a change too
+    assert worker_pids(server, "add_sub") != third
 
 
 def test_explicit_mode_load_and_unload(servers, make_repo):
@@ -506,7 +535,10 @@ class TritonPythonModel:
     thread.join()
     assert "LOADING" in states and False in server_ready
     assert server.models()[("slow", 1)].state == "READY" and server.ready()
-    # A reload: the loaded version serves until the new one replaces it, so still ready.
+    # A reload (a file changed): the loaded version serves until the new one replaces it,
+    # so still ready.
+    model_py = repo / "slow" / "1" / "model.py"
+    os.utime(model_py, ns=(model_py.stat().st_atime_ns, model_py.stat().st_mtime_ns + 10**9))
     thread = threading.Thread(target=server.load, args=("slow",))
     thread.start()
     server_ready = set()
