@@ -29,14 +29,23 @@ def int_at_least(minimum: int) -> Any:
     return parse
 
 
-def positive_float(text: str) -> float:
+def _finite(text: str, positive: bool) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got '{text}'") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got '{text}'")
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        what = "a positive" if positive else "a non-negative"
+        raise argparse.ArgumentTypeError(f"must be {what} number, got '{text}'")
     return value
+
+
+def positive_float(text: str) -> float:
+    return _finite(text, positive=True)
+
+
+def non_negative_float(text: str) -> float:
+    return _finite(text, positive=False)
 
 
 def parse_range(text: str, kind: type) -> tuple[Any, Any, Any]:
@@ -176,16 +185,6 @@ def parse_composing_models(text: str) -> list[tuple[str, str]]:
             raise argparse.ArgumentTypeError(f"expected NAME[:VERSION],..., got '{text}'")
         models.append((name, version))
     return models
-
-
-def non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got '{text}'") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative number, got '{text}'")
-    return value
 
 
 def parse_percentile(text: str) -> int:
