@@ -689,8 +689,10 @@ class InferenceServicer:
         parameters = _request_parameters(request.parameters) if request.parameters else {}
         if self.forward is not None:
             for key, value in context.invocation_metadata() or ():
-                if isinstance(value, str) and self.forward.search(key):
-                    parameters[key] = value
+                if self.forward.search(key):
+                    # A binary (-bin) header goes as its text up to a NUL, as Triton's does.
+                    text = value if isinstance(value, str) else value.split(b"\0", 1)[0].decode("utf-8", "replace")
+                    parameters[key] = text
         raw_count = len(raws)
         index = 0
         inputs = []
