@@ -6,7 +6,8 @@ statistics read at its end, so the window's server numbers are the delta -- unti
 last 3 are stable or ``--max-trials`` windows have passed. Like perf_analyzer, the sweep
 ends at a level that never became stable or whose latency passed
 ``--latency-threshold``; that level is shown but left out of the summary and the CSV
-(exit status 2 when it was the first level: nothing was measured).
+(exit status 2 when it was the first level: nothing was measured). With
+``--binary-search`` such a level instead sends the search lower (:func:`binary_levels`).
 """
 
 from __future__ import annotations
