@@ -263,28 +263,19 @@ def _warn_ignored(args: argparse.Namespace) -> None:
             log.warning("%s has no effect in dlserve (a setting of Triton's C++ core)", flag)
 
 
-def _grouped_settings(flag: str, entries: list[str], example: str) -> dict[str, dict[str, str]]:
-    """``NAME,KEY=VALUE`` entries (--backend-config, --cache-config) as {NAME: {KEY: VALUE}}."""
+def _grouped_settings(flag: str, entries: list[str], example: str, named: bool = True) -> dict[str, dict[str, str]]:
+    """``NAME,KEY=VALUE`` entries (--backend-config, --cache-config) as {NAME: {KEY: VALUE}};
+    with ``named`` False (--metrics-config) NAME may be left out, for "" (a NAME given is
+    kept, for the server to refuse) and VALUE may be empty (the server says what is wrong)."""
     config: dict[str, dict[str, str]] = {}
     for entry in entries:
-        name, _, setting = entry.partition(",")
-        key, _, value = setting.partition("=")
-        if not name or not key or not value:
+        setting, equals, value = entry.partition("=")
+        name, comma, key = setting.partition(",")
+        if not comma:
+            name, key = "", name
+        if not equals or not key or (named and (not name or not value)):
             raise SystemExit(f"dlserve: {flag} '{entry}' must look like {example}")
         config.setdefault(name, {})[key] = value
-    return config
-
-
-def _metrics_configuration(entries: list[str]) -> dict[str, dict[str, str]]:
-    """``--metrics-config KEY=VALUE`` entries as ``Options.metrics_configuration``
-    ({"": {KEY: VALUE}}); a ``GROUP,`` prefix is kept, for the server to refuse."""
-    config: dict[str, dict[str, str]] = {}
-    for entry in entries:
-        setting, sep, value = entry.partition("=")
-        group, _, key = setting.rpartition(",")
-        if not sep or not key:
-            raise SystemExit(f"dlserve: --metrics-config '{entry}' must look like KEY=VALUE")
-        config.setdefault(group, {})[key] = value
     return config
 
 
@@ -400,7 +391,7 @@ def serve(args: argparse.Namespace) -> int:
         cpu_metrics=args.allow_cpu_metrics,
         gpu_metrics=args.allow_gpu_metrics,
         metrics_interval=int(args.metrics_interval_ms),
-        metrics_configuration=_metrics_configuration(args.metrics_config),
+        metrics_configuration=_grouped_settings("--metrics-config", args.metrics_config, "KEY=VALUE", named=False),
         model_load_retry_count=args.model_load_retry_count,
         model_namespacing=args.model_namespacing,
         busy_poll_us=args.busy_poll_us,
