@@ -34,12 +34,17 @@ def value(x: int) -> np.ndarray:
     return np.array([[x]], dtype=np.int32)
 
 
-async def send(server: dlserve.Server, key: int | str, x: int, flags: int = 0, **kwargs: Any) -> Any:
-    async for response in server.model("accumulate").async_infer(
+async def step(model: dlserve.Model, key: int | str, flags: int, x: int = 1, **kwargs: Any) -> Any:
+    """One request of sequence ``key`` (INPUT ``x``); its response, errors included."""
+    async for response in model.async_infer(
         inputs={"INPUT": value(x)}, correlation_id=key, flags=flags, raise_on_error=False, **kwargs
     ):
         return response
     raise AssertionError("no response")
+
+
+async def send(server: dlserve.Server, key: int | str, x: int, flags: int = 0, **kwargs: Any) -> Any:
+    return await step(server.model("accumulate"), key, flags, x, **kwargs)
 
 
 def total(response: Any) -> int:
@@ -136,14 +141,6 @@ def one_slot(server: dlserve.Server, idle_us: int) -> Iterator[dlserve.Model]:
         yield server.model("one_slot")
     finally:
         server.unload("one_slot")
-
-
-async def step(model: dlserve.Model, key: int, flags: int, x: int = 1, **kwargs: Any) -> Any:
-    async for response in model.async_infer(
-        inputs={"INPUT": value(x)}, correlation_id=key, flags=flags, raise_on_error=False, **kwargs
-    ):
-        return response
-    raise AssertionError("no response")
 
 
 def test_a_sequence_whose_start_is_cancelled_before_it_runs_is_forgotten(server):
@@ -367,11 +364,7 @@ def test_a_batching_delay_gathers_sequences_into_one_batch(servers, make_repo, s
 
 # -- implicit state (sequence_batching.state) ---------------------------------------------------
 async def send_state(server: dlserve.Server, key: int, x: int, flags: int = 0, **kwargs: Any) -> Any:
-    async for response in server.model("state_accumulate").async_infer(
-        inputs={"INPUT": value(x)}, correlation_id=key, flags=flags, raise_on_error=False, **kwargs
-    ):
-        return response
-    raise AssertionError("no response")
+    return await step(server.model("state_accumulate"), key, flags, x, **kwargs)
 
 
 def test_implicit_state_carries_from_request_to_request(servers, make_repo):
