@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import grpc
 import numpy as np
 
-from dlserve.frontends.http2 import END_HEADERS, HEAD, HEADERS, literal
+from dlserve.frontends.http2 import END_HEADERS, GRPC_ENCODING_WBITS, HEAD, HEADERS, literal
 
 if TYPE_CHECKING:
     from dlserve.frontends.grpc_transport import Connection
@@ -33,7 +33,6 @@ Buffer = bytes | memoryview  # a received message
 _TIMEOUT = re.compile(r"([0-9]{1,8})([HMSmun])")
 _TIMEOUT_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
 _CODECS = ("gzip", "deflate")
-_WBITS = {"gzip": 31, "deflate": 15}  # gRPC's "deflate" is the zlib format
 MAX_PROTOBUF_MESSAGE = 2**31 - 1  # the largest message protobuf serializes or parses
 _OK_HEADERS = b"\x88" + literal(31, "application/grpc")  # :status 200 (static 8), content-type
 _HEADER_BLOCKS = {
@@ -240,13 +239,13 @@ class CallContext:
         return self._inflated(body) if compressed else body
 
     def _inflated(self, body: Buffer) -> Buffer:
-        if self.encoding not in _WBITS:
+        if self.encoding not in GRPC_ENCODING_WBITS:
             raise Abort(
                 grpc.StatusCode.UNIMPLEMENTED,
                 f"Compressed message with grpc-encoding '{self.encoding}' is not supported",
             )
         limit = self.connection.settings.max_message_size
-        inflater = zlib.decompressobj(wbits=_WBITS[self.encoding])
+        inflater = zlib.decompressobj(wbits=GRPC_ENCODING_WBITS[self.encoding])
         try:
             body = inflater.decompress(body, limit + 1)
         except zlib.error as exc:
@@ -295,7 +294,7 @@ class CallContext:
             )
         flag = b"\x00"
         if self.compression is not None:
-            compressor = zlib.compressobj(wbits=_WBITS[self.compression])
+            compressor = zlib.compressobj(wbits=GRPC_ENCODING_WBITS[self.compression])
             pieces = [b"".join(compressor.compress(piece) for piece in pieces) + compressor.flush()]
             size = len(pieces[0])
             flag = b"\x01"

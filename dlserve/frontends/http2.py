@@ -15,6 +15,9 @@ PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY = 0, 1, 2, 3, 4, 5, 6, 7
 WINDOW_UPDATE, CONTINUATION = 8, 9
 END_STREAM, ACK, END_HEADERS, PADDED, PRIORITY_FLAG = 0x1, 0x1, 0x4, 0x8, 0x20
+# gRPC message compression (grpc-encoding): zlib's wbits for each; gRPC's "deflate" is
+# the zlib format.
+GRPC_ENCODING_WBITS = {"gzip": 31, "deflate": 15}
 # SETTINGS identifiers
 HEADER_TABLE_SIZE, ENABLE_PUSH, MAX_CONCURRENT_STREAMS = 0x1, 0x2, 0x3
 INITIAL_WINDOW_SIZE, MAX_FRAME_SIZE, MAX_HEADER_LIST_SIZE = 0x4, 0x5, 0x6

@@ -37,6 +37,7 @@ from dlserve.frontends.http2 import (
     END_HEADERS,
     END_STREAM,
     GOAWAY,
+    GRPC_ENCODING_WBITS,
     HEAD,
     HEADERS,
     MAX_FRAME,
@@ -68,9 +69,6 @@ def request_headers(path: str, authority: str, encoding: str | None = None, tls:
     ])
 
 
-_WBITS = {"gzip": 31, "deflate": 15}  # gRPC's "deflate" is the zlib format
-
-
 def unframe(framed: bytes) -> bytes:
     """The serialized message inside :func:`grpc_message`'s framing."""
     return zlib.decompress(framed[5:], wbits=47) if framed[:1] == b"\x01" else framed[5:]  # (47: either)
@@ -79,7 +77,7 @@ def unframe(framed: bytes) -> bytes:
 def grpc_message(serialized: bytes, encoding: str | None = None) -> bytes:
     """A length-prefixed gRPC message, compressed with ``encoding`` if given."""
     if encoding:
-        packer = zlib.compressobj(wbits=_WBITS[encoding])
+        packer = zlib.compressobj(wbits=GRPC_ENCODING_WBITS[encoding])
         packed = packer.compress(serialized) + packer.flush()
         return b"\x01" + len(packed).to_bytes(4, "big") + packed
     return b"\x00" + len(serialized).to_bytes(4, "big") + serialized
