@@ -62,6 +62,14 @@ def channel_credentials(settings: Any) -> grpc.ChannelCredentials | None:
     )
 
 
+def open_channel(api: Any, settings: Any, **options: Any) -> Any:
+    """A channel of ``api`` (grpc, or grpc.aio) to the server, over TLS with --ssl-grpc-use-ssl."""
+    credentials = channel_credentials(settings)
+    if credentials is None:
+        return api.insecure_channel(settings.url, options=CHANNEL_OPTIONS, **options)
+    return api.secure_channel(settings.url, credentials, options=CHANNEL_OPTIONS, **options)
+
+
 def ssl_context(settings: Any) -> ssl.SSLContext | None:
     """The same TLS for dlserve perf's own HTTP/2 client (ALPN h2, as gRPC requires)."""
     if not settings.ssl_grpc:
@@ -79,13 +87,9 @@ class GrpcControl(ControlClient):
         from dlserve.frontends.proto import grpc_service_pb2_grpc as pb_grpc
 
         self.pb = pb
-        self.url = url = settings.url
+        self.url = settings.url
         self.timeout = timeout
-        credentials = channel_credentials(settings)
-        self.channel = (
-            grpc.secure_channel(url, credentials, options=CHANNEL_OPTIONS) if credentials is not None
-            else grpc.insecure_channel(url, options=CHANNEL_OPTIONS)
-        )
+        self.channel = open_channel(grpc, settings)
         self.stub = pb_grpc.GRPCInferenceServiceStub(self.channel)
 
     def _call(self, method: str, request: Any) -> Any:
@@ -244,12 +248,7 @@ class GrpcDataPlane(DataPlane):
         compression = {"gzip": grpc.Compression.Gzip, "deflate": grpc.Compression.Deflate}.get(
             self.settings.grpc_compression, grpc.Compression.NoCompression
         )
-        credentials = channel_credentials(self.settings)
-        self.channel = (
-            grpc.aio.secure_channel(self.settings.url, credentials, options=CHANNEL_OPTIONS, compression=compression)
-            if credentials is not None
-            else grpc.aio.insecure_channel(self.settings.url, options=CHANNEL_OPTIONS, compression=compression)
-        )
+        self.channel = open_channel(grpc.aio, self.settings, compression=compression)
         # No serializers: the bytes given are sent as they are, the reply bytes returned.
         self._unary = self.channel.unary_unary(INFER)
         self._stream = self.channel.stream_stream(STREAM)
