@@ -187,6 +187,8 @@ _model_registries: weakref.WeakSet[CustomMetrics] = weakref.WeakSet()
 
 
 def _number(value: float) -> str:
+    if math.isnan(value):  # (a summary's quantile with no observation to rank)
+        return "NaN"
     if math.isinf(value):
         return "+Inf" if value > 0 else "-Inf"
     if value == int(value) and abs(value) < 1e15:

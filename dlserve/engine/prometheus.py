@@ -14,7 +14,6 @@ are present. The metrics port (:mod:`dlserve.frontends.metrics`) and
 
 from __future__ import annotations
 
-import math
 import time
 
 from dlserve.engine.core import Engine
@@ -147,11 +146,7 @@ def _summary_samples(name: str, labels: Labels, duration: Duration, quantiles: t
         sample(f"{name}_sum", labels, duration.ns // 1000),
     ]
     for quantile, value in zip(quantiles, duration.window.quantiles(quantiles)):
-        where = (*labels, ("quantile", _quantile_label(quantile)))
-        if math.isnan(value):  # (custom_metrics.sample writes numbers only)
-            lines.append(sample(name, where, 0).rpartition(" ")[0] + " NaN")
-        else:
-            lines.append(sample(name, where, value))
+        lines.append(sample(name, (*labels, ("quantile", _quantile_label(quantile))), value))
     return lines
 
 
