@@ -95,7 +95,7 @@ TOP_UP = 1 << 30  # received bytes after which the connection's window is opened
 # the window: at once for a unary call's bytes and for a message still being cut (so
 # one bigger than the window arrives, and a 64 MiB request never waits), but for the
 # whole messages a streaming call holds only once its coroutine has read them. So a
-# streaming call that stops reading (its client reads no answers, grpc_server._Stream)
+# streaming call that stops reading (its client reads no answers, grpc_stream.InferStream)
 # holds the client back by flow control instead of filling the server's memory.
 STREAM_WINDOW = 8 << 20
 

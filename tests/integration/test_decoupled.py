@@ -16,7 +16,7 @@ from tritonclient.utils import InferenceServerException
 
 import dlserve
 from dlserve.frontends import KServeGrpc
-from dlserve.frontends.grpc_server import STREAM_BACKLOG
+from dlserve.frontends.grpc_stream import STREAM_BACKLOG
 
 from ..conftest import frontend, serve
 

@@ -1144,7 +1144,7 @@ def test_large_tensors_both_ways(client, stub):
 
 
 def test_parse_infer_request_cuts_raw_inputs_out():
-    from dlserve.frontends.grpc_server import parse_infer_request
+    from dlserve.frontends.grpc_codec import parse_infer_request
 
     big = bytes(range(256)) * 512  # 128 KiB: above the scanning threshold
     request = pb.ModelInferRequest(model_name="m", model_version="2", id="x")

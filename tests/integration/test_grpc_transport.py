@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from dlserve.frontends import KServeGrpc
-from dlserve.frontends.grpc_server import STREAM_BACKLOG
+from dlserve.frontends.grpc_stream import STREAM_BACKLOG
 from dlserve.frontends.proto import grpc_service_pb2 as pb
 from dlserve.frontends.proto import grpc_service_pb2_grpc as pb_grpc
 

@@ -1,0 +1,166 @@
+"""ModelStreamInfer: one call's requests in, its answers out in completion order.
+
+Each request on the stream is answered with a ``ModelStreamInferResponse``
+(``triton_final_response`` set on the final one); a failed request puts its message in
+``error_message`` and the stream stays open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from dlserve.engine.request import Request, Response
+from dlserve.engine.tracing import Trace
+from dlserve.errors import TritonError
+from dlserve.frontends.dataplane import OutputSpec
+from dlserve.frontends.grpc_calls import Abort
+from dlserve.frontends.grpc_codec import (
+    EMPTY_FINAL,
+    FINAL_RESPONSE,
+    Answer,
+    InferCall,
+    encode_response,
+    encode_stream_response,
+)
+from dlserve.frontends.proto import grpc_service_pb2 as pb
+
+if TYPE_CHECKING:
+    from dlserve.frontends.grpc_servicer import InferenceServicer
+
+log = logging.getLogger("dlserve.frontends.grpc")
+# Answers one ModelStreamInfer call may hold unsent (the client's window is shut)
+# before it reads no more of the client's requests (see InferStream).
+STREAM_BACKLOG = 128
+
+
+class InferStream:
+    """One ModelStreamInfer call: requests in, responses out in completion order.
+
+    A client that reads no answers is held back: while :data:`STREAM_BACKLOG` answers
+    wait unsent (its window is shut), the call reads no more of its requests, which stay
+    with the transport, which reopens the client's window only as they are read. Only
+    answers count: requests in flight do not, since a model may hold some open until a
+    later one arrives (a decoupled model answering a whole utterance at its end), and
+    not reading that one would hang the stream. Two bounds are the models' to set: how
+    many requests wait to execute (``max_queue_size`` of a dynamic batcher, as in
+    Triton), and how many answers a decoupled model sends for one request."""
+
+    def __init__(self, servicer: InferenceServicer, context: Any) -> None:
+        self.servicer = servicer
+        self.context = context
+        # answers in completion order, each with the trace it holds open until it is sent
+        self.queue: asyncio.Queue[tuple[Answer, Trace | None] | None] = asyncio.Queue()
+        self.waiting_since: int = context.started_ns  # for the next request's GRPC_WAITREAD_START
+        self.pending: set[Request] = set()
+        self.room = asyncio.Event()  # set when an answer leaves the queue
+        self.reading = True
+        self.failure: Abort | None = None
+
+    async def read(self, requests: AsyncIterator[InferCall]) -> None:
+        try:
+            async for message in requests:
+                self.submit(message)
+                while self.queue.qsize() >= STREAM_BACKLOG:
+                    self.room.clear()
+                    await self.room.wait()
+        except Abort as abort:
+            self.failure = abort
+            self.queue.put_nowait(None)
+        finally:
+            self.reading = False
+            if not self.pending:
+                self.queue.put_nowait(None)
+
+    def submit(self, inbound: InferCall) -> None:
+        received = time.monotonic_ns()
+        message = inbound.message
+        try:
+            request, specs = self.servicer.decode(inbound, self.context, unary=False)
+            empty_final = message.parameters.get(EMPTY_FINAL)
+            request.on_response = functools.partial(
+                self.deliver, request, specs, empty_final is not None and empty_final.bool_param
+            )
+            self.pending.add(request)
+            try:
+                self.servicer.engine.submit(request)
+            except BaseException:
+                self.pending.discard(request)
+                raise
+            if request.trace is not None:
+                request.trace.record("GRPC_WAITREAD_START", self.waiting_since)
+                request.trace.record("GRPC_WAITREAD_END", received)
+        except TritonError as exc:
+            self.refuse(message, exc.message)
+        except Exception as exc:  # noqa: BLE001 - a bug answers this request, not the stream
+            log.exception("gRPC stream request failed")
+            self.refuse(message, f"{type(exc).__name__}: {exc}")
+        self.waiting_since = time.monotonic_ns()
+
+    def refuse(self, message: pb.ModelInferRequest, error: str) -> None:
+        # Refused before reaching a model: Triton answers with just the request id.
+        self.queue.put_nowait(
+            (
+                pb.ModelStreamInferResponse(
+                    error_message=error, infer_response=pb.ModelInferResponse(id=message.id)
+                ),
+                None,
+            )
+        )
+
+    def deliver(
+        self,
+        request: Request,
+        specs: dict[str, OutputSpec] | None,
+        empty_final: bool,
+        response: Response,
+    ) -> None:
+        if request not in self.pending:
+            return  # cancelled meanwhile
+        if response.final:
+            self.pending.discard(request)
+        if response.flags_only and not empty_final:
+            # Only clients that asked for it get a final with nothing in it.
+            if not self.reading and not self.pending:
+                self.queue.put_nowait(None)
+            return
+        error = response.error.message if response.error is not None else ""
+        item: Answer | None = None
+        if not error and not response.flags_only:
+            try:
+                if specs:
+                    response = self.servicer.dataplane.classified(response, specs.values())
+                item = encode_stream_response(encode_response(response, specs, response.final))
+            except Exception as exc:  # noqa: BLE001 - one bad response must not end the stream
+                log.exception("encoding a stream response failed")
+                error = f"{type(exc).__name__}: {exc}"
+        if item is None:  # Triton: the model name and id, no version, no outputs
+            infer = pb.ModelInferResponse(model_name=response.model_name, id=response.request_id)
+            infer.parameters[FINAL_RESPONSE].bool_param = response.final
+            item = pb.ModelStreamInferResponse(error_message=error, infer_response=infer)
+        trace = request.trace
+        if trace is not None:  # still open: this runs inside the engine's delivery
+            trace.record("GRPC_SEND_START")
+            trace.hold()  # until the answer is sent
+        self.queue.put_nowait((item, trace))
+        if not self.reading and not self.pending:
+            self.queue.put_nowait(None)
+
+    def release_traces(self) -> None:
+        """The call is over: the traces of answers never sent are let go."""
+        while not self.queue.empty():
+            entry = self.queue.get_nowait()
+            if entry is not None and entry[1] is not None:
+                entry[1].release()
+
+    def cancel_pending(self) -> None:
+        pending, self.pending = self.pending, set()
+        for request in pending:
+            self.servicer.engine.cancel(request)
+
+
+__all__ = ["STREAM_BACKLOG", "InferStream"]
