@@ -129,14 +129,6 @@ class DynamicBatcher(Scheduler):
             self._arm(self._deadlines[0][0])
 
     # -- batch formation ----------------------------------------------------------------
-    def _shape_key(self, request: Request) -> tuple[Any, ...]:
-        return tuple(
-            sorted(
-                (name, None if name in self._ragged else tensor.shape[1:], tensor.data_type)
-                for name, tensor in request.inputs.items()
-            )
-        )
-
     def _next_batch(self, instance: ModelInstance) -> list[Request] | None:
         now = time.monotonic_ns()
         if self._deadlines:
@@ -151,11 +143,11 @@ class DynamicBatcher(Scheduler):
         for queue in self._queues():
             for request in queue:
                 size = self.model.batch_size_of(request)
-                if chosen and (total + size > self.max_batch or self._shape_key(request) != key):
+                if chosen and (total + size > self.max_batch or batch_shapes(request, self._ragged) != key):
                     closed = True
                     break
                 if not chosen:
-                    key = self._shape_key(request)
+                    key = batch_shapes(request, self._ragged)
                 chosen.append(request)
                 total += size
                 if total in self.preferred:
@@ -205,3 +197,14 @@ class DynamicBatcher(Scheduler):
             if held is not None:
                 super()._deliver(*held)
             self._next_to_deliver += 1
+
+
+def batch_shapes(request: Request, ragged: set[str]) -> tuple[Any, ...]:
+    """What requests in one batch must share: each input's shape after the batch
+    dimension (but a ragged one's) and data type."""
+    return tuple(
+        sorted(
+            (name, None if name in ragged else tensor.shape[1:], tensor.data_type)
+            for name, tensor in request.inputs.items()
+        )
+    )

@@ -62,6 +62,9 @@ class Request:
     shared memory (a client's registered region), so the server never copies them.
     ``chain`` names the models waiting on this request (BLS callers, outermost
     first), so a call that would wait on itself is refused instead of hanging.
+    ``filler`` marks a request the sequence batcher made up for an empty batch slot
+    (see :mod:`dlserve.engine.sequence`): the model sees it, nobody gets its answers,
+    and statistics count it only in the batch's size.
 
     The engine fills in the rest: ``finished`` once the final response went out
     (nothing is delivered after it), ``cancelled``, while the request executes
@@ -83,6 +86,7 @@ class Request:
     # Shared memory (uint8 views) the worker writes named outputs into, e.g. a client's region.
     output_buffers: dict[str, np.ndarray] | None = None
     chain: tuple[str, ...] = ()
+    filler: bool = False
     arrival_ns: int = dataclasses.field(default_factory=time.monotonic_ns)
     finished: bool = False
     counted: bool = False  # its success is in its model's statistics already (a streamed one's)

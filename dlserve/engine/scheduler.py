@@ -230,22 +230,25 @@ class Scheduler:
             queue_ns = [q + waited for q in queue_ns]
             if timings is not None:
                 timings.infer_ns = max(0, timings.infer_ns - waited)
+        batch_size = sum(self.model.batch_size_of(r) for r in batch)
         if isinstance(result, TritonError) or timings is None:
             error = result if isinstance(result, TritonError) else InternalError("execute failed")
             started = batch[0].arrival_ns + queue_ns[0]
-            self.model.stats.record_failed_execution(
-                sum(self.model.batch_size_of(r) for r in batch), time.monotonic_ns() - started
-            )
+            self.model.stats.record_failed_execution(batch_size, time.monotonic_ns() - started)
             for request in batch:
                 self._fail(request, error, "BACKEND")
         else:
+            fillers = sum(r.filler for r in batch)
+            if fillers:  # (a sequence batcher's; queued nowhere, answered to nobody)
+                queue_ns = [q for r, q in zip(batch, queue_ns) if not r.filler]
             self.model.stats.record_execution(
-                batch_size=sum(self.model.batch_size_of(r) for r in batch),
-                request_count=len(batch),
+                batch_size=batch_size,
+                request_count=len(batch) - fillers,
                 queue_ns=queue_ns,
                 input_ns=timings.input_ns,
                 infer_ns=timings.infer_ns,
                 output_ns=timings.output_ns,
+                filler_rows=fillers,
             )
             # An error the model returns in a response still counts as a success, as
             # in Triton's statistics: the request was executed and answered. A request
@@ -254,6 +257,8 @@ class Scheduler:
             # however long its stream goes on after.
             now = time.monotonic_ns()
             for request, response in zip(batch, result):
+                if request.filler:
+                    continue
                 request.compute_input_ns += timings.input_ns
                 request.compute_infer_ns += timings.infer_ns
                 request.compute_output_ns += timings.output_ns

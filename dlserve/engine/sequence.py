@@ -5,9 +5,21 @@ flagged START to the one flagged END. Every request of a sequence runs on the
 instance the sequence was given at its start, one at a time and in order, so a
 model can keep per-sequence state. An instance takes at most ``max_batch_size``
 sequences at once with the ``direct`` strategy (one batch slot each; further
-sequences wait for a slot) and ``max_candidate_sequences`` with ``oldest``; each
-``execute`` gets the next request of up to ``max_batch_size`` of its sequences,
-oldest first. With a ``max_queue_delay_microseconds``, a batch waits up to that long
+sequences wait for a slot) and ``max_candidate_sequences`` with ``oldest``; a new
+sequence takes the lowest free slot (on the first instance with one that low).
+
+With ``oldest``, each ``execute`` gets the next request of up to ``max_batch_size``
+of its sequences, oldest first. With ``direct``, as in Triton, a request's place in
+the batch is its sequence's slot, so a model may keep per-slot state by position:
+the batch runs from slot 0 up to the highest slot with a request, and every slot
+below with none (its sequence waits for its next step, or it is free) or with one
+whose input shapes differ from the lowest slot's (it runs in a later batch) gets a
+*filler*: a request with READY, START and END false, correlation ID 0, no request
+ID and zeros shaped like the lowest slot's inputs. Nobody gets a filler's answers,
+and statistics count fillers in the batch's size only (``batch_stats``), not in
+``inference_count``.
+
+With a ``max_queue_delay_microseconds``, a batch waits up to that long
 after its oldest request came for more: until ``minimum_slot_utilization`` of the
 instance's slots have a request (direct) or a ``preferred_batch_size`` is reached
 (oldest), as Triton's does.
@@ -39,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dlserve.engine.batcher import batch_shapes
 from dlserve.engine.proto import model_config_pb2 as mc
 from dlserve.engine.request import SEQUENCE_END, SEQUENCE_START, Request, Response
 from dlserve.engine.scheduler import Scheduler
@@ -59,6 +72,7 @@ _CORRID_TYPES = (mc.TYPE_UINT64, mc.TYPE_INT64, mc.TYPE_UINT32, mc.TYPE_INT32, m
 class Sequence:
     key: int | str
     instance: ModelInstance | None = None
+    slot: int = 0  # its place on its instance (with ``direct``, its place in every batch)
     queue: collections.deque[Request] = dataclasses.field(default_factory=collections.deque)
     running: bool = False
     started: bool = False  # a request of it ran (or runs)
@@ -158,7 +172,8 @@ class ControlInput:
         shape = (1, 1) if batching else (1,)
         if self.kind == _Kind.CONTROL_SEQUENCE_CORRID:
             if self.data_type is DataType.BYTES:
-                objects = np.array([str(request.correlation_id).encode()], dtype=np.object_)
+                text = b"" if request.filler else str(request.correlation_id).encode()
+                objects = np.array([text], dtype=np.object_)
                 return Tensor(DataType.BYTES, shape, objects=objects.reshape(shape))
             # A correlation ID is a uint64; a narrower CORRID gets its low bits, as in Triton
             # (a value that did not fit failed in dispatch and kept its sequence's slot).
@@ -167,9 +182,13 @@ class ControlInput:
             value = self.values[bool(request.flags & SEQUENCE_START)]
         elif self.kind == _Kind.CONTROL_SEQUENCE_END:
             value = self.values[bool(request.flags & SEQUENCE_END)]
-        else:  # READY: this request is in the batch
-            value = self.values[1]
+        else:  # READY: a request of a sequence is in this batch slot (not a filler)
+            value = self.values[not request.filler]
         return Tensor(self.data_type, shape, data=np.full(shape, value, self.data_type.storage_dtype))
+
+
+def _no_answer(response: Response) -> None:
+    """Where a filler's answers go: nowhere."""
 
 
 class SequenceBatcher(Scheduler):
@@ -183,9 +202,10 @@ class SequenceBatcher(Scheduler):
         self.batching = model.config.max_batch_size > 0
         strategy = config.WhichOneof("strategy_choice") or "direct"
         candidates = config.oldest.max_candidate_sequences if strategy == "oldest" else 0
-        self.slots = self.max_batch if strategy == "direct" else (candidates or 1 << 30)
+        self.direct = strategy == "direct"
+        self.slots = self.max_batch if self.direct else (candidates or 1 << 30)
         # A batch of ``_enough`` requests (or of a preferred size) need not wait for more.
-        if strategy == "direct":
+        if self.direct:
             self.delay_ns = config.direct.max_queue_delay_microseconds * 1000
             self._enough = math.ceil(config.direct.minimum_slot_utilization * self.slots)
             self._preferred: set[int] = set()
@@ -203,6 +223,7 @@ class SequenceBatcher(Scheduler):
             for c in self.controls
         )
         self.iterative = config.iterative_sequence
+        self._ragged = {t.name for t in model.config.input if t.allow_ragged_batch}
         self.sequences: dict[int | str, Sequence] = {}
         self.backlog: collections.deque[Sequence] = collections.deque()  # started, no slot yet
 
@@ -251,13 +272,24 @@ class SequenceBatcher(Scheduler):
         )
 
     def _place(self, sequence: Sequence) -> bool:
-        """Bind a sequence to the ready instance with the fewest sequences, if one has a
-        free slot (else it waits in the backlog, in the order the sequences came)."""
-        load = collections.Counter(s.instance for s in self.sequences.values() if s.instance is not None)
-        free = [i for i in self.instances if i.ready and load[i] < self.slots]
-        if not free:
+        """Bind a sequence to the lowest free slot of the ready instances (the first
+        instance's on a tie, so sequences spread over instances), as Triton picks one;
+        False when no slot is free (it waits in the backlog, in the order sequences came)."""
+        taken: dict[ModelInstance, set[int]] = collections.defaultdict(set)
+        for other in self.sequences.values():
+            if other.instance is not None:
+                taken[other.instance].add(other.slot)
+        best: tuple[int, ModelInstance] | None = None
+        for instance in self.instances:
+            used = taken[instance]
+            if not instance.ready or len(used) >= self.slots:
+                continue
+            slot = next(i for i in range(len(used) + 1) if i not in used)
+            if best is None or slot < best[0]:
+                best = (slot, instance)
+        if best is None:
             return False
-        sequence.instance = min(free, key=lambda i: load[i])
+        sequence.slot, sequence.instance = best
         return True
 
     @property
@@ -325,16 +357,55 @@ class SequenceBatcher(Scheduler):
             if time.monotonic_ns() < due:
                 self._arm(due)  # more may come for the batch meanwhile
                 return None
+        if self.direct:
+            return self._slot_batch(ready)
+        return [self._start(sequence) for sequence in ready[: self.max_batch]]
+
+    def _start(self, sequence: Sequence) -> Request:
+        """Take the sequence's next request for a batch, with its control inputs and state."""
+        sequence.running = sequence.started = True
+        request = sequence.queue.popleft()
+        self._add_controls(request)
+        if self.states:
+            self._with_state(sequence, request)
+        return request
+
+    def _add_controls(self, request: Request) -> None:
+        for control in self.controls:
+            request.inputs[control.name] = control.tensor(request, self.batching)
+
+    def _slot_batch(self, ready: list[Sequence]) -> list[Request]:
+        """The direct strategy's batch: place i holds slot i's request, from slot 0 up to
+        the highest slot with one, fillers in the gaps (see the module docstring)."""
+        by_slot = {s.slot: s for s in ready}
+        lowest = by_slot[min(by_slot)].queue[0]
+        shapes = batch_shapes(lowest, self._ragged)
+        blank = {
+            name: Tensor.zeros(tensor.data_type, tensor.shape)
+            for name, tensor in lowest.inputs.items()
+            if name in self.model.signature.inputs
+        }
+        outputs = lowest.requested_outputs
         batch = []
-        for sequence in ready[: self.max_batch]:
-            sequence.running = sequence.started = True
-            request = sequence.queue.popleft()
-            for control in self.controls:
-                request.inputs[control.name] = control.tensor(request, self.batching)
-            if self.states:
-                self._with_state(sequence, request)
-            batch.append(request)
+        for slot in range(max(by_slot) + 1):
+            sequence = by_slot.get(slot)
+            if sequence is not None and batch_shapes(sequence.queue[0], self._ragged) == shapes:
+                batch.append(self._start(sequence))
+            else:
+                batch.append(self._filler(blank, outputs))
         return batch
+
+    def _filler(self, blank: dict[str, Tensor], outputs: list[str] | None) -> Request:
+        """A request for an empty slot: the ``blank`` inputs (zeros), READY false."""
+        model = self.model
+        filler = Request(
+            model.name, dict(blank), _no_answer, model_version=model.version,
+            requested_outputs=outputs, filler=True, finished=True, counted=True, owner=self,
+        )
+        self._add_controls(filler)
+        for state in self.states:
+            filler.inputs[state.input_name] = state.first(self.batching)
+        return filler
 
     def _with_state(self, sequence: Sequence, request: Request) -> None:
         """Give the request its sequence's state and ask the worker for the next one."""

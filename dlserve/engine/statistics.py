@@ -85,11 +85,14 @@ class ModelStatistics:
         input_ns: int,
         infer_ns: int,
         output_ns: int,
+        filler_rows: int = 0,
     ) -> None:
-        """One ``execute`` call over ``request_count`` requests holding ``batch_size`` elements."""
+        """One ``execute`` call over ``request_count`` requests holding ``batch_size``
+        elements, ``filler_rows`` of them the sequence batcher's fillers for empty slots:
+        in the batch's size, as in Triton's batch statistics, but not inferred."""
         d = self.durations
         self.execution_count += 1
-        self.inference_count += batch_size
+        self.inference_count += batch_size - filler_rows
         for ns in queue_ns:
             d["queue"].add(ns)
         d["compute_input"].add(input_ns * request_count, request_count)

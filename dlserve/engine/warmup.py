@@ -103,18 +103,14 @@ def _input(
         raise InvalidArgumentError(f"{where}: set one of zero_data, random_data or input_data_file")
     if kind == "input_data_file":
         return _from_file(model_dir, where, spec.input_data_file, data_type, shape, count)
+    if kind == "zero_data":
+        return Tensor.zeros(data_type, shape)
     rng = np.random.default_rng(_RANDOM_SEED)
     if data_type is DataType.BYTES:
-        if kind == "zero_data":
-            strings = [b""] * count
-        else:
-            strings = [bytes(rng.integers(ord("a"), ord("z") + 1, 8, dtype=np.uint8)) for _ in range(count)]
+        strings = [bytes(rng.integers(ord("a"), ord("z") + 1, 8, dtype=np.uint8)) for _ in range(count)]
         return Tensor(data_type, shape, objects=np.array(strings, dtype=object).reshape(shape))
     storage = data_type.storage_dtype
-    if kind == "zero_data":
-        data = np.zeros(shape, dtype=storage)
-    else:
-        data = rng.integers(0, 256, count * storage.itemsize, dtype=np.uint8).view(storage).reshape(shape)
+    data = rng.integers(0, 256, count * storage.itemsize, dtype=np.uint8).view(storage).reshape(shape)
     return Tensor(data_type, shape, data=data)
 
 

@@ -122,6 +122,7 @@ class Worker:
         self.instance_name = instance_name
         self.model: Any = None
         self.decoupled = False
+        self.sequence_batched = False
         self._loop = asyncio.new_event_loop()  # ``async def`` hooks of models with a sync execute
         self._model_loop: asyncio.AbstractEventLoop | None = None
         self._model_thread: threading.Thread | None = None
@@ -226,6 +227,7 @@ class Worker:
         args = body["args"]
         config = json.loads(args["model_config"])
         self.decoupled = using_decoupled_model_transaction_policy(config)
+        self.sequence_batched = "sequence_batching" in config
         if args["model_instance_kind"] == "GPU":
             select_device(int(args["model_instance_device_id"]))
         module = load_module(body["model_file"])
@@ -335,7 +337,11 @@ class Worker:
             exchange = request._exchange
             assert exchange is not None
             if response is None:
-                replies.append(self._streamed(request))
+                if request._sender is None and self._is_filler(request):
+                    exchange.closed = True  # (its answer goes nowhere: nothing is owed)
+                    replies.append(None)
+                else:
+                    replies.append(self._streamed(request))
                 continue
             if exchange.responses or exchange.closed:
                 raise self._failed(
@@ -354,6 +360,11 @@ class Worker:
             return None
         return STREAMED
 
+    def _is_filler(self, request: InferenceRequest) -> bool:
+        """A sequence batcher's filler for an empty batch slot: in a sequence model the
+        only request with no correlation ID. Nobody gets its answer, so None will do."""
+        return self.sequence_batched and not request.correlation_id()
+
     def _check_responses(self, responses: Any, requests: list[InferenceRequest]) -> None:
         expected = len(requests)
         if not isinstance(responses, list):
@@ -368,7 +379,9 @@ class Worker:
                 f"and InferenceResponse(s) size is:{len(responses)}\n",
             )
         for response, request in zip(responses, requests):
-            if response is None and (request.rescheduled() or request._sender is not None):
+            if response is None and (
+                request.rescheduled() or request._sender is not None or self._is_filler(request)
+            ):
                 continue
             if not isinstance(response, InferenceResponse):
                 raise self._failed(

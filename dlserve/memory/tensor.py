@@ -155,6 +155,15 @@ class Tensor:
     from_string_array = from_bytes_array
 
     @classmethod
+    def zeros(cls, data_type: DataType, shape: Sequence[int]) -> Tensor:
+        """A tensor of zeros (empty strings for BYTES)."""
+        if data_type is DataType.BYTES:
+            objects = np.empty(math.prod(shape), dtype=np.object_)
+            objects[:] = [b""] * objects.size
+            return cls(data_type, shape, objects=objects.reshape(shape))
+        return cls(data_type, shape, data=np.zeros(shape, dtype=data_type.storage_dtype))
+
+    @classmethod
     def from_object(cls, obj: Any) -> Tensor:
         """Accept a Tensor, numpy array or scalar, list, or DLPack-capable object."""
         if isinstance(obj, Tensor):

@@ -2,7 +2,8 @@
 names its sequence, the first is flagged START and the last END, IDs count up from
 ``--sequence-id-range``'s start, lengths follow ``--sequence-length`` (or a JSON file's
 streams), and a run that stops mid-sequence ends the sequence. The model writes down
-every request it gets (``requests.log`` in its folder), which is what these tests read.
+every request it gets (``requests.log`` in its folder; not the fillers of empty batch
+slots), which is what these tests read.
 Also ``--request-parameter`` and ``-H`` (which reach the model as request parameters).
 """
 
@@ -50,6 +51,9 @@ class TritonPythonModel:
             def value(name):
                 return int(pb_utils.get_input_tensor_by_name(request, name).as_numpy().reshape(-1)[0])
 
+            if request.correlation_id() == 0:  # the sequence batcher's filler for an empty slot
+                responses.append(None)
+                continue
             record = {
                 "id": request.correlation_id(), "start": value("START"), "end": value("END"),
                 "input": value("INPUT"), "parameters": json.loads(request.parameters()),

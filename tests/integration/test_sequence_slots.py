@@ -1,0 +1,128 @@
+"""The sequence batcher's direct strategy, as Triton 2.51's shows it to a Python model
+(observed side by side): a sequence keeps one batch slot, its requests always take
+that place in the batch, and the places below the highest slot with a request that
+have none get fillers (READY false, correlation ID 0, zeros shaped like the batch's),
+whose answers reach nobody and which statistics count in batch sizes only."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+
+import dlserve
+
+START, END = 1, 2
+FILLER = {"corrid": 0, "id": "", "controls": [0, 0, 0, 0]}
+
+
+@pytest.fixture
+def slots(servers, make_repo) -> dlserve.Model:
+    return servers.start(make_repo("slots")).model("slots")
+
+
+async def step(model: dlserve.Model, key: int, flags: int, size: int = 2, **parameters: Any) -> Any:
+    """One request of sequence ``key``: INPUT [1, size] of ``key``s; its response."""
+    inputs = {"INPUT": np.full((1, size), key, dtype=np.float32)}
+    async for response in model.async_infer(
+        inputs=inputs, correlation_id=key, flags=flags, request_id=f"r{key}",
+        parameters=parameters, raise_on_error=False,
+    ):
+        assert response.error is None, response.error
+        assert response.outputs["OUTPUT"].as_numpy().tolist() == inputs["INPUT"].tolist()
+        return response
+    raise AssertionError("no response")
+
+
+def batch(response: Any) -> list[dict[str, Any]]:
+    """What the model saw of the batch, place by place."""
+    return json.loads(response.outputs["BATCH_VIEW"].to_bytes_array()[0, 0])
+
+
+def real(key: int, flags: int, size: int = 2) -> dict[str, Any]:
+    return {
+        "corrid": key, "id": f"r{key}", "controls": [flags & START, (flags & END) >> 1, 1, key],
+        "shape": [1, size], "sum": float(key * size),
+    }
+
+
+def filler(size: int = 2) -> dict[str, Any]:
+    return {**FILLER, "shape": [1, size], "sum": 0.0}
+
+
+def test_each_sequence_keeps_its_slot_and_gaps_get_fillers(slots):
+    async def run() -> list[list[dict[str, Any]]]:
+        seen = [batch(await step(slots, key, START)) for key in (11, 12, 13)]  # slots 0, 1, 2
+        seen.append(batch(await step(slots, 13, 0, size=3)))  # only slot 2 has a request
+        seen.append(batch(await step(slots, 11, END)))  # slot 0 is free again after this
+        seen.append(batch(await step(slots, 14, START)))  # the lowest free slot: 0
+        seen.append(batch(await step(slots, 12, END)))
+        return seen
+
+    assert asyncio.run(run()) == [
+        [real(11, START)],
+        [filler(), real(12, START)],
+        [filler(), filler(), real(13, START)],
+        [filler(3), filler(3), real(13, 0, size=3)],
+        [real(11, END)],
+        [real(14, START)],
+        [filler(), real(12, END)],
+    ]
+    # Fillers count in the batch's size, not as inferences; their error answers reach
+    # nobody and fail nothing.
+    stats = slots.statistics()["model_stats"][0]
+    assert stats["inference_count"] == 7 and stats["execution_count"] == 7
+    assert stats["inference_stats"]["success"]["count"] == 7
+    assert stats["inference_stats"]["fail"]["count"] == 0
+    assert {row["batch_size"]: row["compute_infer"]["count"] for row in stats["batch_stats"]} == {1: 3, 2: 2, 3: 2}
+
+
+def test_requests_of_another_shape_wait_for_a_batch_of_their_own(slots):
+    """The lowest slot with a request sets the batch's shapes; a slot whose request
+    differs gets a filler of those shapes and runs in the next batch, as in Triton."""
+    async def run() -> tuple[Any, Any]:
+        await step(slots, 21, START)
+        await step(slots, 22, START)
+        busy = asyncio.ensure_future(step(slots, 23, START | END, sleep=0.5))  # slot 2 holds the instance
+        await asyncio.sleep(0.2)
+        first = asyncio.ensure_future(step(slots, 21, END, size=3))
+        second = asyncio.ensure_future(step(slots, 22, END, size=5))
+        await busy
+        return await first, await second
+
+    first, second = asyncio.run(run())
+    assert batch(first) == [real(21, END, size=3), filler(3)]
+    assert batch(second) == [filler(5), real(22, END, size=5)]
+
+
+def test_a_waiting_sequence_takes_the_slot_that_frees(servers, make_repo):
+    """Two slots (max_batch_size 2), both held: a third sequence waits, then takes the
+    freed slot 0, and with it place 0 in every batch, whatever the arrival order."""
+    repo = make_repo("slots")
+    config = repo / "slots" / "config.pbtxt"
+    config.write_text(config.read_text().replace("max_batch_size: 4", "max_batch_size: 2"))
+    model = servers.start(repo).model("slots")
+
+    async def run() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        await step(model, 31, START)
+        await step(model, 32, START)
+        waiting = asyncio.ensure_future(step(model, 33, START))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        await step(model, 31, END)
+        started = batch(await waiting)
+        busy = asyncio.ensure_future(step(model, 32, 0, sleep=0.5))
+        await asyncio.sleep(0.2)
+        later = asyncio.ensure_future(step(model, 32, 0))  # queued first...
+        await asyncio.sleep(0.05)
+        last = await step(model, 33, END)  # ...but placed second
+        await busy
+        await later
+        return started, batch(last)
+
+    started, together = asyncio.run(run())
+    assert started == [real(33, START)]
+    assert together == [real(33, END), real(32, 0)]
