@@ -4,62 +4,45 @@
 (uvloop when installed), the way ``tritonserver`` runs Triton's C++ core. Calls
 from user threads validate and copy inputs on the caller's thread and hand the
 request to the loop; responses come back through a queue. Frontends run on the
-same loop and call the engine directly, with no thread hop.
+same loop and call the engine directly, with no thread hop. The server's options
+are in :mod:`dlserve.engine.server_options`, the requests, responses and response
+iterators in :mod:`dlserve.engine.server_requests`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
-import dataclasses
 import enum
 import queue
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Coroutine, Iterator
+from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from dlserve.engine import prometheus
-from dlserve.engine.core import Engine, EngineSettings
-from dlserve.engine.logs import LogSettings
+from dlserve.engine.core import Engine
 from dlserve.engine.manager import ModelControlMode
-from dlserve.engine.metrics_settings import MetricsSettings
-from dlserve.engine.rate_limiter import RateLimiterResource, parse_resource
 from dlserve.engine.request import Request, Response
-from dlserve.engine.response_cache import cache_size
-from dlserve.engine.tracing import TraceSettings
+from dlserve.engine.server_options import Options
+from dlserve.engine.server_requests import (
+    AsyncResponseIterator,
+    InferenceRequest,
+    InferenceResponse,
+    ResponseIterator,
+    to_engine_request,
+)
 from dlserve.errors import (
     InternalError,
     InvalidArgumentError,
-    TritonError,
     UnavailableError,
     UnsupportedError,
 )
 from dlserve.memory.dtypes import DataType
-from dlserve.memory.tensor import Tensor, is_host_memory
+from dlserve.memory.tensor import Tensor
 
 T = TypeVar("T")
-_MIB = 1 << 20
-
-# tritonserver.Options fields dlserve does not act on: refused when set where they would
-# change what the server does, a warning where they only tune Triton's C++ core.
-_REFUSED = ("host_policies", "model_load_device_limits", "repo_agent_directory")
-_IGNORED = (
-    "pinned_memory_pool_size", "cuda_memory_pool_sizes", "min_supported_compute_capability",
-    "buffer_manager_thread_count", "model_load_thread_count", "enable_peer_access",
-    "backend_directory", "cache_directory",
-)
-
-
-class RateLimitMode(enum.IntEnum):
-    OFF = 0
-    EXEC_COUNT = 1
-
-
-class LogFormat(enum.IntEnum):
-    DEFAULT = 0
-    ISO8601 = 1
 
 
 class MetricFormat(enum.IntEnum):
@@ -83,224 +66,6 @@ class ModelTxnPropertyFlag(enum.IntEnum):
     DECOUPLED = 2
 
 
-@dataclasses.dataclass
-class Options:
-    """Server options; names and defaults follow ``tritonserver.Options``.
-
-    dlserve reads these Triton fields: model_repository, server_id,
-    model_control_mode, startup_models, strict_model_config, exit_on_error,
-    strict_readiness, exit_timeout, model_load_retry_count, model_namespacing
-    (:mod:`dlserve.engine.manager`), rate_limiter_mode and
-    rate_limiter_resources (``RateLimiterResource(name, count, device=None)`` or
-    ``"NAME:COUNT[:DEVICE]"``), cache_config
-    (``{"local": {"size": <bytes>}}``: the response cache), log_file,
-    log_info/warn/error, log_verbose, metrics, cpu_metrics, gpu_metrics,
-    metrics_interval (ms between refreshes of nv_cpu_*), metrics_configuration
-    (``{"": {KEY: VALUE}}``, ``--metrics-config`` keys: :mod:`dlserve.engine.metrics_settings`), and
-    ``backend_configuration["python"]`` keys ``shm-default-byte-size`` and
-    ``shm-growth-byte-size`` (each worker's shared-memory arena). Of the rest,
-    those that would change what the server does (``host_policies``,
-    ``model_load_device_limits``, ``repo_agent_directory``) are
-    refused when set, and the tuning knobs of Triton's C++ core are accepted with a
-    warning that they do nothing here. ``model_config_name`` is tritonserver's
-    ``--model-config-name`` (``<model>/configs/<name>.pbtxt`` where a model has
-    one, else its config.pbtxt). dlserve's own: ``shm_arena_size`` sizes the
-    server's arena for request inputs; ``repository_poll_secs`` sets the POLL period;
-    ``busy_poll_us`` is the most the server and the models' workers poll for an
-    expected message before they sleep (:mod:`dlserve.ipc.polling`; 0 = never);
-    ``trace`` holds tritonserver's ``--trace-config`` settings (:mod:`dlserve.engine.tracing`).
-    """
-
-    model_repository: str | list[str] = dataclasses.field(default_factory=list)
-    server_id: str = "dlserve"
-    model_control_mode: ModelControlMode = ModelControlMode.NONE
-    startup_models: list[str] = dataclasses.field(default_factory=list)
-    strict_model_config: bool = False
-    rate_limiter_mode: RateLimitMode = RateLimitMode.OFF
-    rate_limiter_resources: list[Any] = dataclasses.field(default_factory=list)
-    pinned_memory_pool_size: int = 1 << 28
-    cuda_memory_pool_sizes: dict[int, int] = dataclasses.field(default_factory=dict)
-    cache_config: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
-    cache_directory: str = ""
-    min_supported_compute_capability: float = 6.0
-    exit_on_error: bool = True
-    strict_readiness: bool = True
-    exit_timeout: int = 30
-    buffer_manager_thread_count: int = 0
-    model_load_thread_count: int = 4
-    model_load_retry_count: int = 0
-    model_namespacing: bool = False
-    model_config_name: str = ""
-    enable_peer_access: bool = True
-    log_file: str | None = None
-    log_info: bool = False
-    log_warn: bool = False
-    log_error: bool = False
-    log_format: LogFormat = LogFormat.DEFAULT
-    log_verbose: int = 0
-    metrics: bool = True
-    gpu_metrics: bool = True
-    cpu_metrics: bool = True
-    metrics_interval: int = 2000
-    backend_directory: str = ""
-    repo_agent_directory: str = ""
-    model_load_device_limits: list[Any] = dataclasses.field(default_factory=list)
-    backend_configuration: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
-    host_policies: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
-    metrics_configuration: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
-    shm_arena_size: int = 64 * _MIB
-    repository_poll_secs: float = 15.0
-    busy_poll_us: int = 1000
-    trace: TraceSettings = dataclasses.field(default_factory=TraceSettings)
-
-    def _without_effect(self) -> list[str]:
-        """The fields set that dlserve ignores; raises for those it refuses."""
-        defaults = {f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-                    for f in dataclasses.fields(self)}
-        for name in _REFUSED:
-            if getattr(self, name) != defaults[name]:
-                raise UnsupportedError(f"Options.{name} is not supported by dlserve")
-        return [f"Options.{name}" for name in _IGNORED if getattr(self, name) != defaults[name]]
-
-    def engine_settings(self) -> EngineSettings:
-        without_effect = self._without_effect()
-        repos = self.model_repository
-        if repos is None:
-            raise InvalidArgumentError("Model repository must be specified.")
-        repositories = [repos] if isinstance(repos, str) else [str(r) for r in repos]
-        python = self.backend_configuration.get("python", {})
-        try:
-            worker_bytes = int(python.get("shm-default-byte-size", 16 * _MIB))
-        except ValueError:
-            raise InvalidArgumentError("shm-default-byte-size must be an integer") from None
-        if worker_bytes < _MIB:
-            raise InvalidArgumentError("shm-default-byte-size must be at least 1 MiB")
-        if self.exit_timeout < 0:
-            raise InvalidArgumentError("exit_timeout must be >= 0")
-        if self.model_load_retry_count < 0:
-            raise InvalidArgumentError("model_load_retry_count must be >= 0")
-        if not 0 <= self.busy_poll_us <= 10_000:
-            raise InvalidArgumentError("busy_poll_us must be between 0 and 10000")
-        self.trace.values()  # raises on a bad setting
-        return EngineSettings(
-            model_repositories=repositories,
-            server_id=self.server_id,
-            control_mode=ModelControlMode(self.model_control_mode),
-            startup_models=list(self.startup_models),
-            auto_complete=not self.strict_model_config,
-            strict_readiness=self.strict_readiness,
-            exit_on_error=self.exit_on_error,
-            exit_timeout=float(self.exit_timeout),
-            poll_interval=float(self.repository_poll_secs),
-            arena_bytes=int(self.shm_arena_size),
-            worker_arena_bytes=worker_bytes,
-            busy_poll_us=int(self.busy_poll_us),
-            model_config_name=self.model_config_name,
-            model_load_retry_count=int(self.model_load_retry_count),
-            model_namespacing=bool(self.model_namespacing),
-            response_cache_bytes=cache_size(self.cache_config),
-            rate_limit_resources=self._rate_limit_resources(),
-            without_effect=without_effect,
-            log=self.log_settings(),
-            trace=self.trace,
-            metrics=MetricsSettings.from_options(self.metrics_interval, self.metrics_configuration),
-        )
-
-    def _rate_limit_resources(self) -> list[RateLimiterResource] | None:
-        """The rate limiter's explicit pool sizes; None when rate limiting is off."""
-        if RateLimitMode(self.rate_limiter_mode) is RateLimitMode.OFF:
-            return None
-        pools = []
-        for entry in self.rate_limiter_resources:
-            if isinstance(entry, str):
-                entry = parse_resource(entry)
-            elif not isinstance(entry, RateLimiterResource):  # tritonserver's, or alike
-                entry = RateLimiterResource(entry.name, int(entry.count), getattr(entry, "device", None))
-            pools.append(entry)
-        return pools
-
-    def log_settings(self) -> LogSettings:
-        """Triton's cascade: verbose implies info, info implies warnings; errors always log."""
-        info = self.log_info or self.log_verbose > 0
-        return LogSettings(
-            log_file=self.log_file or "",
-            log_info=info,
-            log_warning=info or self.log_warn,
-            log_error=True,
-            log_verbose_level=int(self.log_verbose),
-            log_format="ISO8601" if self.log_format == LogFormat.ISO8601 else "default",
-        )
-
-
-@dataclasses.dataclass
-class InferenceRequest:
-    """A request for :meth:`Model.infer`; fields follow ``tritonserver.InferenceRequest``.
-
-    ``requested_output_names`` (dlserve's) limits the outputs returned.
-    """
-
-    model: Model
-    request_id: str | None = None
-    flags: int = 0
-    correlation_id: int | str | None = None
-    priority: int = 0
-    timeout: int = 0
-    inputs: dict[str, Any] = dataclasses.field(default_factory=dict)
-    parameters: dict[str, str | int | bool | float] = dataclasses.field(default_factory=dict)
-    output_memory_type: Any = None
-    response_queue: Any = None
-    requested_output_names: list[str] | None = None
-
-
-@dataclasses.dataclass
-class InferenceResponse:
-    """One response; ``outputs`` are :class:`dlserve.Tensor` views of shared memory."""
-
-    model: Model
-    request_id: str = ""
-    parameters: dict[str, Any] = dataclasses.field(default_factory=dict)
-    outputs: dict[str, Tensor] = dataclasses.field(default_factory=dict)
-    error: TritonError | None = None
-    classification_label: str | None = None
-    final: bool = False
-
-
-_PARAMETER_TYPES = (str, int, bool, float)
-
-
-def _engine_request(request: InferenceRequest, deliver: Any) -> Request:
-    inputs: dict[str, Tensor] = {}
-    for name, value in request.inputs.items():
-        try:
-            inputs[name] = Tensor.from_object(value)
-        except (TypeError, ValueError, BufferError) as exc:  # (tritonserver: InvalidArgumentError)
-            raise InvalidArgumentError(f"input '{name}': {exc}") from None
-    for key, value in request.parameters.items():
-        if type(value) not in _PARAMETER_TYPES:
-            raise InvalidArgumentError(
-                f"Unsupported Value. Can't convert {type(value)} to Request Parameter ('{key}')"
-            )
-    if not is_host_memory(request.output_memory_type):
-        raise InvalidArgumentError(
-            f"output memory type {request.output_memory_type!r} is not supported without CUDA"
-        )
-    return Request(
-        model_name=request.model.name,
-        model_version=request.model.version,
-        inputs=inputs,
-        on_response=deliver,
-        request_id=request.request_id or "",
-        correlation_id=0 if request.correlation_id is None else request.correlation_id,
-        flags=int(request.flags),
-        priority=int(request.priority),
-        timeout_us=int(request.timeout),
-        parameters=dict(request.parameters),
-        requested_outputs=(
-            None if request.requested_output_names is None else list(request.requested_output_names)
-        ),
-    )
-
-
 def _public(server: Server, response: Response) -> InferenceResponse:
     """The engine's response as the API gives it (to the iterator and a response_queue)."""
     return InferenceResponse(
@@ -311,58 +76,6 @@ def _public(server: Server, response: Response) -> InferenceResponse:
         error=response.error,
         final=response.final,
     )
-
-
-class _Iterator:
-    """Shared state of the sync and async response iterators."""
-
-    def __init__(self, server: Server, model: Model, request: Request, raise_on_error: bool) -> None:
-        self._server = server
-        self._model = model
-        self._request = request
-        self._raise_on_error = raise_on_error
-        self._done = False
-
-    def _hand_out(self, response: InferenceResponse) -> InferenceResponse:
-        self._done = response.final
-        if response.error is not None and self._raise_on_error:
-            raise response.error
-        return response
-
-    def cancel(self) -> None:
-        """Cancel the request: the iterator ends with a CANCELLED response at once; a
-        queued request never runs, an executing one's ``is_cancelled()`` turns True."""
-        self._server._on_loop(Engine.cancel, self._request)
-
-
-class ResponseIterator(_Iterator):
-    def __init__(self, server: Server, model: Model, request: Request, raise_on_error: bool,
-                 responses: queue.SimpleQueue[InferenceResponse]) -> None:
-        super().__init__(server, model, request, raise_on_error)
-        self._responses = responses
-
-    def __iter__(self) -> Iterator[InferenceResponse]:
-        return self
-
-    def __next__(self) -> InferenceResponse:
-        if self._done:
-            raise StopIteration
-        return self._hand_out(self._responses.get())
-
-
-class AsyncResponseIterator(_Iterator):
-    def __init__(self, server: Server, model: Model, request: Request, raise_on_error: bool,
-                 responses: asyncio.Queue[InferenceResponse]) -> None:
-        super().__init__(server, model, request, raise_on_error)
-        self._responses = responses
-
-    def __aiter__(self) -> AsyncIterator[InferenceResponse]:
-        return self
-
-    async def __anext__(self) -> InferenceResponse:
-        if self._done:
-            raise StopAsyncIteration
-        return self._hand_out(await self._responses.get())
 
 
 class Model:
@@ -391,7 +104,7 @@ class Model:
         if request is None:
             request = self.create_request(**kwargs)
         engine = self._server._engine_or_raise()
-        engine_request = _engine_request(request, deliver)
+        engine_request = to_engine_request(request, deliver)
         for name, tensor in engine_request.inputs.items():
             engine_request.inputs[name] = engine.share(tensor)
         model = engine.prepare(engine_request)
