@@ -342,6 +342,9 @@ class ModelManager:
             finally:
                 entry.loading = False
             old = entry.versions
+            for version, model in loaded.items():
+                if version in old:  # a reload: Prometheus counts on, as Triton's
+                    model.stats.continues(old[version].stats)
             entry.versions, entry.error, entry.unloaded, entry.tried = loaded, "", [], []
             entry.waits_for.clear()
             entry.as_step = as_step

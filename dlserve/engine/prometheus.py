@@ -109,8 +109,9 @@ def _cache_lines(engine: Engine) -> list[str]:
             if not model.config.response_cache.enable:
                 continue
             labels = _model_labels(engine, model)
+            totals = model.stats.lifetime().durations
             for name, _, _, field, is_duration in _CACHE_MODEL_METRICS:
-                duration = model.stats.durations[field]
+                duration = totals[field]
                 rows[name].append(sample(name, labels, duration.ns // 1000 if is_duration else duration.count))
         for name, kind, help_text, _, _ in _CACHE_MODEL_METRICS:
             if rows[name]:
@@ -137,15 +138,18 @@ def _quantile_label(quantile: float) -> str:
     return str(int(quantile)) if quantile.is_integer() else repr(quantile)
 
 
-def _summary_samples(name: str, labels: Labels, duration: Duration, quantiles: tuple[float, ...]) -> list[str]:
-    """One summary's series: count and sum over the model's life (the statistics'),
-    quantiles over the last minute (NaN with no observation in it)."""
-    assert duration.window is not None  # (kept by every model's statistics when summaries are on)
+def _summary_samples(
+    name: str, labels: Labels, total: Duration, recent: Duration, quantiles: tuple[float, ...]
+) -> list[str]:
+    """One summary's series: count and sum over the model's life (``total``, as its
+    counters), quantiles over the last minute of ``recent``'s samples (NaN with no
+    observation in it)."""
+    assert recent.window is not None  # (kept by every model's statistics when summaries are on)
     lines = [
-        sample(f"{name}_count", labels, duration.count),
-        sample(f"{name}_sum", labels, duration.ns // 1000),
+        sample(f"{name}_count", labels, total.count),
+        sample(f"{name}_sum", labels, total.ns // 1000),
     ]
-    for quantile, value in zip(quantiles, duration.window.quantiles(quantiles)):
+    for quantile, value in zip(quantiles, recent.window.quantiles(quantiles)):
         lines.append(sample(name, (*labels, ("quantile", _quantile_label(quantile))), value))
     return lines
 
@@ -157,9 +161,12 @@ def _summary_lines(engine: Engine) -> list[str]:
     for model in _versions(engine):
         cached = bool(model.config.response_cache.enable)
         labels = _model_labels(engine, model)
+        totals = model.stats.lifetime().durations
         for name, field, _, for_cached in _SUMMARIES:
             if for_cached is None or for_cached == cached:
-                rows[name] += _summary_samples(name, labels, model.stats.durations[field], quantiles)
+                rows[name] += _summary_samples(
+                    name, labels, totals[field], model.stats.durations[field], quantiles
+                )
     lines: list[str] = []
     for name, _, help_text, _ in _SUMMARIES:
         if rows[name]:
@@ -170,7 +177,7 @@ def _summary_lines(engine: Engine) -> list[str]:
 def _model_samples(engine: Engine) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {name: [] for name, _, _ in _MODEL_METRICS}
     for model in _versions(engine):
-        stats = model.stats
+        stats = model.stats.lifetime()
         labels = _model_labels(engine, model)
         d = stats.durations
         out["nv_inference_request_success"].append(

@@ -10,6 +10,10 @@
 
 With latency summaries on (``keep_samples``), the durations that have a summary also
 keep their recent observations (:mod:`dlserve.engine.summaries`).
+
+A reload of a model version starts its statistics again at 0, as Triton's; Prometheus
+counters go on from the replaced version's (:meth:`ModelStatistics.continues`), as
+Triton's do (it keeps a version's metric reporter across reloads, not across unloads).
 """
 
 from __future__ import annotations
@@ -76,6 +80,34 @@ class ModelStatistics:
                 self.durations[field].window = LatencyWindow()
         self.batches: dict[int, BatchStats] = {}
         self.failures = dict.fromkeys(FAILURE_REASONS, 0)
+        self.previous: ModelStatistics | None = None  # the statistics a reload replaced
+
+    def continues(self, previous: ModelStatistics) -> None:
+        """A reload replaced the version ``previous`` counts for with this one: its counts
+        go on in :meth:`lifetime` (the previous version may still be finishing requests).
+        Older ones are folded into one, so reloads do not lengthen the chain."""
+        if previous.previous is not None:
+            previous.previous = previous.previous.lifetime()
+        for duration in previous.durations.values():
+            duration.window = None  # (summaries' quantiles go on with this version's samples)
+        self.previous = previous
+
+    def lifetime(self) -> ModelStatistics:
+        """What Prometheus counts: these counts plus those of the versions reloads
+        replaced (a copy, without batch rows or samples, when there are any)."""
+        if self.previous is None:
+            return self
+        total = ModelStatistics(self.name, self.version)
+        stats: ModelStatistics | None = self
+        while stats is not None:
+            total.inference_count += stats.inference_count
+            total.execution_count += stats.execution_count
+            for reason, count in stats.failures.items():
+                total.failures[reason] += count
+            for field, duration in stats.durations.items():
+                total.durations[field].add(duration.ns, duration.count)
+            stats = stats.previous
+        return total
 
     def record_execution(
         self,

@@ -7,11 +7,12 @@ instead), there from the start with count 0, sum 0 and NaN quantiles; count and 
 the statistics and the ``*_duration_us`` counters; ``summary_quantiles`` picks the
 quantiles; ``counter_latencies=false`` drops the duration counters and the per-model cache
 counters; unknown keys and bad values are errors (Triton ignores them); nv_cpu_* stay the
-same between refreshes, however often they are scraped.
+same between refreshes, however often they are scraped; a reload keeps the counters going.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 from collections.abc import Callable, Iterator
@@ -261,3 +262,42 @@ def test_histogram_latencies_is_accepted(tmp_path):
 def test_cli_exits_on_a_bad_metrics_config(tmp_path, flag, message):
     result = run_cli("serve", "--model-repository", str(tmp_path), "--metrics-config", flag)
     assert result.returncode == 1 and message in result.stderr, result.stderr
+
+
+# -- reloads ---------------------------------------------------------------------------------
+def test_a_reload_keeps_the_counters_going_and_an_unload_ends_them(start):
+    """As Triton 2.51, side by side: a reload (a load that changes a serving model) starts
+    the statistics API again at 0 but the Prometheus counters and summaries go on from
+    the replaced version's; after an unload and load they start again at 0."""
+    server, port = start(
+        metrics_configuration={"": {"summary_latencies": "true"}},
+        model_control_mode=dlserve.ModelControlMode.EXPLICIT, startup_models=["add_sub"],
+    )
+
+    def run(count: int) -> None:
+        for _ in range(count):
+            (response,) = server.model("add_sub").infer(inputs={"INPUT0": A16, "INPUT1": A16})
+            assert response.error is None
+
+    def counted() -> tuple[int, float, float, float, float]:
+        _, fams = scrape(port)
+        labels = {"model": "add_sub", "version": "1"}
+        return (
+            stats(server, "add_sub")["inference_count"],
+            value(fams, "nv_inference_request_success", **labels),
+            value(fams, "nv_inference_count", **labels),
+            value(fams, "nv_inference_exec_count", **labels),
+            summary_samples(fams, "nv_inference_request_summary_us", "add_sub")["count"],
+        )
+
+    run(3)
+    assert counted() == (3, 3, 3, 3, 3)
+    config = server.model("add_sub").config()
+    config["instance_group"][0]["count"] = 2
+    server.load("add_sub", {"config": json.dumps(config)})
+    assert counted() == (0, 3, 3, 3, 3)
+    run(2)
+    assert counted() == (2, 5, 5, 5, 5)
+    server.unload("add_sub")
+    server.load("add_sub")
+    assert counted() == (0, 0, 0, 0, 0)
