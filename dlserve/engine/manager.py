@@ -91,8 +91,9 @@ class ModelManager:
         for key in sorted(keys, key=lambda k: (k[1], k[0])):
             name, entry = key[1], self.models.get(key)
             if entry is not None and entry.loading and not entry.versions:
-                if not ready_only:
-                    rows.append({"name": name, "state": "LOADING"})
+                if not ready_only:  # (each version once they are known, as in Triton)
+                    loading = [{"name": name, "version": str(v), "state": "LOADING"} for v in entry.tried]
+                    rows.extend(loading or [{"name": name, "state": "LOADING"}])
                 continue
             if entry is not None and entry.unloaded and not entry.versions and not entry.error:
                 if not ready_only:

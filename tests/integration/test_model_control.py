@@ -529,11 +529,11 @@ class TritonPythonModel:
     states = set()
     server_ready = set()
     while thread.is_alive() and time.monotonic() < deadline:
-        states.update(m.state for (name, _), m in server.models().items() if name == "slow")
+        states.update((key, m.state) for key, m in server.models().items() if key[0] == "slow")
         server_ready.add(server.ready())
         time.sleep(0.05)
     thread.join()
-    assert "LOADING" in states and False in server_ready
+    assert (("slow", 1), "LOADING") in states and False in server_ready  # (its version, as Triton)
     assert server.models()[("slow", 1)].state == "READY" and server.ready()
     # A reload (a file changed): the loaded version serves until the new one replaces it,
     # so still ready.
