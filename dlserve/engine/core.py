@@ -341,9 +341,10 @@ class Engine:
         except InternalError as exc:  # the model itself failed (initialize, worker): a bad load
             raise InvalidArgumentError(f"load failed for model '{name}': {exc.message}") from None
 
-    async def unload(self, name: str, unload_dependents: bool = False) -> None:
+    async def unload(self, name: str, unload_dependents: bool = False, wait: bool = True) -> None:
+        """See :meth:`ModelManager.unload`: without ``wait``, return once it began."""
         assert self.manager is not None
-        await self.manager.unload(name, unload_dependents)
+        await self.manager.unload(name, unload_dependents, wait)
 
     # -- inference -----------------------------------------------------------------------
     def prepare(self, request: Request, model: ModelVersion | None = None) -> ModelVersion:

@@ -81,6 +81,7 @@ class ModelManager:
         self._starting: set[ModelVersion | WorkerProcess] = set()
         self._stopping = False
         self._poll_task: asyncio.Task[None] | None = None
+        self._unloading: set[asyncio.Task[None]] = set()  # unloads returned from before they ended
 
     # -- the repository index ------------------------------------------------------
     def index(self, ready_only: bool = False) -> list[dict[str, Any]]:
@@ -233,6 +234,8 @@ class ModelManager:
                     log.warning("stopping: '%s' is still starting; ending its workers", what)
                     starting.kill()
                 await asyncio.wait({unloads}, timeout=1.0)
+        if self._unloading:  # (what they have left to do is done or under way: it ends soon)
+            await asyncio.gather(*self._unloading, return_exceptions=True)
         self.repository.close()
         return all(drained is True for drained in unloads.result())
 
@@ -569,18 +572,39 @@ class ModelManager:
             await worker.stop(time.monotonic() + 5.0, finalize=False)
         return cfg.parse_json(result, name)
 
-    async def unload(self, name: str, unload_dependents: bool = False) -> None:
+    async def unload(self, name: str, unload_dependents: bool = False, wait: bool = True) -> None:
         """Unload every version of ``name``, and the loaded ensembles that use it (they
         could not run without it); with ``unload_dependents``, an ensemble's step
         models that were loaded only for it, and that no other loaded ensemble uses,
         go too. A name that is not loaded (or not known at all) is nothing to do, as in
-        Triton."""
+        Triton.
+
+        Without ``wait`` (the HTTP and gRPC endpoints, as Triton's) this returns once the
+        unload began: the versions are UNLOADING, taking no new requests, while those in
+        flight finish; a load of the model meanwhile waits for the unload to end."""
         self._check_api_allowed()
-        for entry in self.models.named(name):
+        entries = self.models.named(name)
+        if wait:
+            await self._unload_entries(entries, unload_dependents)
+            return
+        for entry in entries:
+            for version in entry.versions.values():
+                version.begin_unload()
+        task = asyncio.ensure_future(self._unload_entries(entries, unload_dependents))
+        self._unloading.add(task)
+        task.add_done_callback(self._unload_ended)
+
+    async def _unload_entries(self, entries: list[ModelEntry], unload_dependents: bool) -> None:
+        for entry in entries:
             steps = self._steps_of(entry) if unload_dependents else set()
             await self._unload_with_users(entry)
             entry.waits_for.clear()  # unloaded by name: it stays unloaded
             await self._unload_unused(steps)
+
+    def _unload_ended(self, task: asyncio.Task[None]) -> None:
+        self._unloading.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("unloading failed", exc_info=task.exception())
 
     async def _unload_unused(self, keys: Iterable[ModelKey]) -> None:
         """Of these step models, unload those loaded only for ensembles that no loaded

@@ -200,10 +200,14 @@ class ModelVersion:
     def _instance_changed(self, _instance: ModelInstance) -> None:
         self.scheduler.instance_state_changed()
 
+    def begin_unload(self) -> None:
+        """Take no more requests (the rest is :meth:`unload`'s)."""
+        self.state = "UNLOADING"
+
     async def unload(self, deadline: float) -> bool:
         """Stop taking requests, let in-flight ones finish and stop the workers, all by
         ``deadline`` (``time.monotonic()``); whether every request finished."""
-        self.state = "UNLOADING"
+        self.begin_unload()
         drained = await self.scheduler.drain(max(0.0, deadline - time.monotonic()))
         if not drained:
             log.warning(

@@ -234,7 +234,7 @@ class InferenceServicer:
                     "invalid value type for 'unload_dependents' parameter, expected bool_param."
                 )
             dependents = value
-        await self.engine.unload(request.model_name, dependents)
+        await self.engine.unload(request.model_name, dependents, wait=False)  # (as Triton: at once)
         return pb.RepositoryModelUnloadResponse()
 
     # -- shared memory ------------------------------------------------------------------

@@ -209,7 +209,7 @@ class KServeHttpApi:
         dependents = parameters.get("unload_dependents", False) if isinstance(parameters, dict) else False
         if not isinstance(dependents, bool):
             raise InvalidArgumentError("'unload_dependents' must be a boolean")
-        await self.engine.unload(args["model"], dependents)
+        await self.engine.unload(args["model"], dependents, wait=False)  # (as Triton: at once)
         return empty(200)  # as Triton: no body
 
     # -- shared memory --------------------------------------------------------------------

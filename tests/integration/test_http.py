@@ -47,7 +47,7 @@ import dlserve
 from dlserve import ModelControlMode
 from dlserve.frontends import KServeGrpc, KServeHttp
 
-from ..conftest import MODELS, ServerHarness
+from ..conftest import MODELS, ServerHarness, wait_until
 from .http_helpers import (
     Reply,
     binary_infer_body,
@@ -783,9 +783,13 @@ def test_explicit_mode_index_load_and_unload(explicit):
 def test_unloaded_model_is_listed_as_unavailable(explicit):
     c = explicit.client
     c.load_model("add_sub")
-    c.unload_model("add_sub")
-    rows = [row for row in c.get_model_repository_index() if row["name"] == "add_sub"]
-    assert rows == [
+    c.unload_model("add_sub")  # (answered once the unload began, as Triton's)
+
+    def rows() -> list[dict[str, str]]:
+        return [row for row in c.get_model_repository_index() if row["name"] == "add_sub"]
+
+    wait_until(lambda: rows() != [{"name": "add_sub", "version": "1", "state": "UNLOADING"}])
+    assert rows() == [
         {"name": "add_sub", "version": "1", "state": "UNAVAILABLE", "reason": "unloaded"}
     ]
 

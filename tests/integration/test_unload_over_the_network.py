@@ -1,0 +1,63 @@
+"""An unload over HTTP or gRPC answers at once, as Triton 2.51's does (measured side by
+side): the model is UNLOADING, refusing new requests, while its request in flight
+finishes; then it is listed as unloaded. A load meanwhile waits for the unload to end."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from dlserve import ModelControlMode
+from dlserve.frontends import KServeGrpc, KServeHttp
+
+from ..conftest import wait_until
+
+X = np.ones([1], dtype=np.float32)
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_unload_answers_at_once_and_the_request_in_flight_finishes(servers, make_repo, protocol):
+    server = servers.start(make_repo("faulty"), model_control_mode=ModelControlMode.EXPLICIT, startup_models=["faulty"])
+    kind, module = (KServeHttp, httpclient) if protocol == "http" else (KServeGrpc, grpcclient)
+    service = kind(server, kind.Options(address="127.0.0.1", port=0))
+    service.start()
+    client: Any = module.InferenceServerClient(f"127.0.0.1:{service.port}")
+    try:
+        def request(mode: str) -> Any:
+            tensor = module.InferInput("INPUT0", [1], "FP32")
+            tensor.set_data_from_numpy(X)
+            return client.infer("faulty", [tensor], parameters={"mode": mode})
+
+        answers: list[Any] = []
+
+        def slow() -> None:  # (in-process: tritonclient's clients are not thread-safe)
+            (response,) = server.model("faulty").infer(inputs={"INPUT0": X}, parameters={"mode": "sleep:1.5"})
+            answers.append(np.from_dlpack(response.outputs["OUTPUT0"]))
+
+        in_flight = threading.Thread(target=slow)
+        in_flight.start()
+        wait_until(lambda: server.engine.model("faulty").instances[0].in_flight == 1)  # it executes
+        client.unload_model("faulty")
+        assert in_flight.is_alive()  # answered before the request in flight finished
+        index = client.get_model_repository_index()
+        rows = index if protocol == "http" else [
+            {"name": m.name, "version": m.version, "state": m.state} for m in index.models
+        ]
+        assert rows == [{"name": "faulty", "version": "1", "state": "UNLOADING"}]
+        assert not client.is_model_ready("faulty")
+        with pytest.raises(InferenceServerException, match="has no available versions"):
+            request("")
+        client.load_model("faulty")  # waits for the unload, then loads it again
+        in_flight.join()
+        assert answers and answers[0].tolist() == X.tolist()
+        assert client.is_model_ready("faulty")
+        assert request("").as_numpy("OUTPUT0").tolist() == X.tolist()
+    finally:
+        client.close()
+        service.stop()
