@@ -332,9 +332,9 @@ def test_two_processes(server, tmp_path):
     assert level["value"] == 4 and level["request_count"] > 0
     # The window's two ends are read a moment apart on each side (the client processes
     # first, the server's statistics next): requests that finish in between count on one
-    # side only, a few per millisecond at this rate.
+    # side only, a few per millisecond at this rate (more when the machine is busy).
     skew = abs(level["server"]["success_count"] - level["request_count"])
-    assert skew <= max(8, level["request_count"] // 100), level
+    assert skew <= max(20, level["request_count"] // 50), level
 
 
 def test_json_input_data_and_percentile(server, tmp_path):
