@@ -16,6 +16,8 @@ Modules (each small, each testable alone):
 * :mod:`.measure`   -- windows, stability, percentiles, server-statistics deltas.
 * :mod:`.profile`   -- the sweep: levels, windows until stable, the result per level.
 * :mod:`.report`    -- console report, CSV (perf_analyzer's columns), JSON, plot, progress.
+* :mod:`.export`    -- ``--profile-export-file``: every measured request, perf_analyzer's format;
+  :mod:`.answers` decodes the responses the clients kept for it.
 """
 
 from __future__ import annotations

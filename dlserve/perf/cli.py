@@ -14,6 +14,7 @@ import os
 import sys
 from typing import Any, NoReturn
 
+from dlserve import __version__
 from dlserve.perf.flags import (
     UsageError,
     int_at_least,
@@ -57,6 +58,18 @@ class _PerfArgumentParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.print_usage(sys.stderr)
         self.exit(FAILED, f"{self.prog}: error: {message}\n")
+
+
+class _PrintVersion(argparse.Action):
+    """perf_analyzer's ``--version``: its version line (with dlserve's version) on stderr,
+    exit status 0, whatever else the command line holds."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, nargs=0, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: Any, values: Any,
+                 option_string: str | None = None) -> NoReturn:
+        parser.exit(0, f"Perf Analyzer Version {__version__} (commit unknown)\n")
 
 
 @dataclasses.dataclass
@@ -118,6 +131,7 @@ class Settings:
     verbose_csv: bool = False
     json_file: str | None = None
     plot_file: str | None = None
+    profile_export_file: str | None = None
     progress: bool = True
     verbose: bool = False
 
@@ -138,6 +152,8 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     )
     perf.__class__ = _PerfArgumentParser  # (add_parser makes every subcommand's parser of one class)
     perf.set_defaults(perf_parser=perf)
+    perf.add_argument("--version", action=_PrintVersion,
+                      help="print perf_analyzer's version line (with dlserve's version) and exit")
     target = perf.add_argument_group("target")
     target.add_argument("-m", "--model-name", dest="model", required=True, metavar="MODEL",
                         help="the model to benchmark")
@@ -268,6 +284,9 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     output.add_argument("--plot", dest="plot_file", default=None, metavar="FILE.png",
                         help="plot latency against throughput over the sweep (needs matplotlib: "
                         "pip install 'dlserve[plot]')")
+    output.add_argument("--profile-export-file", default=None, metavar="FILE.json",
+                        help="write every measured request (times, inputs, outputs) in perf_analyzer's "
+                        "profile export format; FILE must not exist yet")
     output.add_argument("--no-progress", dest="progress", action="store_false",
                         help="no live progress line on stderr (it is off anyway when stderr is not a terminal)")
     output.add_argument("-v", "--verbose", action="store_true", help="print every measurement window")
@@ -386,7 +405,14 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             raise UsageError(
                 "--plot needs matplotlib, which is not installed: pip install 'dlserve[plot]'"
             ) from None
-    for flag, path in (("-f", args.csv_file), ("--json", args.json_file), ("--plot", args.plot_file)):
+    export = args.profile_export_file
+    if export == "":
+        raise UsageError("--profile-export-file: expected a file path")
+    if export is not None and os.path.lexists(export):
+        raise UsageError(f"--profile-export-file: '{export}' already exists (perf_analyzer's rule: a new path)")
+    outputs = (("-f", args.csv_file), ("--json", args.json_file), ("--plot", args.plot_file),
+               ("--profile-export-file", export))
+    for flag, path in outputs:
         if path:
             folder = os.path.dirname(os.path.abspath(path))
             if not os.path.isdir(folder):
@@ -446,6 +472,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         verbose_csv=args.verbose_csv,
         json_file=args.json_file,
         plot_file=args.plot_file,
+        profile_export_file=export,
         progress=args.progress and sys.stderr.isatty(),
         verbose=args.verbose,
     )

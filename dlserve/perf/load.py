@@ -10,7 +10,9 @@
 Every answered request appends its latency (ns, from send to response) to the current
 :class:`Recorder`; :meth:`LoadGenerator.collect` swaps the recorder, so a window holds
 exactly the requests that ended in it. Per request the hot path costs two clock reads,
-the slot's send/receive, and a list append.
+the slot's send/receive, and a list append. With ``--profile-export-file`` each request
+is also logged (sent and answer times, sequence, data, the answers undecoded) for
+:mod:`dlserve.perf.export`.
 
 What each request carries comes from a source: the distinct requests in turn
 (:class:`_Cycle`), or for a sequence model the steps of one sequence after another
@@ -31,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from dlserve.perf.clients import DataPlane, Slot
+from dlserve.perf.export import Logged, RequestLog, clock_offset
 from dlserve.perf.measure import ClientWindow
 from dlserve.perf.sequences import SequenceMaker, Step
 
@@ -38,10 +41,11 @@ _now = time.perf_counter_ns
 
 
 class Recorder:
-    __slots__ = ("latencies", "send", "recv", "responses", "delayed", "sent", "sequences", "start_ns")
+    __slots__ = ("latencies", "send", "recv", "responses", "delayed", "sent", "sequences", "start_ns", "log")
 
-    def __init__(self) -> None:
+    def __init__(self, log: bool = False) -> None:
         self.latencies: list[int] = []
+        self.log: list[Logged] | None = [] if log else None  # --profile-export-file's
         self.send = 0
         self.recv = 0
         self.responses = 0
@@ -49,6 +53,15 @@ class Recorder:
         self.sent = 0
         self.sequences = 0  # sequences whose last request ended in the window
         self.start_ns = _now()
+
+
+def _logged(start: int, end: int, slot: Slot, where: tuple[int, int]) -> Logged:
+    """A request for the export, from what its slot kept: the last answer's time is the
+    request's end, which put it in its window (and makes its latency end - start)."""
+    answers = slot.captured or [(end, None)]
+    times = [t for t, _ in answers]
+    times[-1] = end
+    return start, times, where[1], where[0], [answer for _, answer in answers]
 
 
 class _Cycle:
@@ -72,6 +85,10 @@ class _Cycle:
         """A request that ends what was left midway (nothing here)."""
         return None
 
+    def where(self) -> tuple[int, int]:
+        """The last request's data index, and its sequence ID (0: none)."""
+        return (self.index or len(self.payloads)) - 1, 0
+
 
 class _SequenceSteps:
     """One sequence after another, each step encoded as it is sent."""
@@ -92,6 +109,10 @@ class _SequenceSteps:
         step = self.steps[self.position]
         self.position += 1
         return self.plane.encode(step.data, step.parameters()), step.end
+
+    def where(self) -> tuple[int, int]:
+        step = self.steps[self.position - 1]
+        return step.data, step.sequence_id
 
     def unfinished(self) -> Any:
         if not 0 < self.position < len(self.steps):
@@ -115,8 +136,10 @@ class LoadGenerator:
 
     def __init__(self, plane: DataPlane, max_threads: int = 16, sequences: SequenceMaker | None = None,
                  num_sequences: int = 4, serial_sequences: bool = False,
-                 intervals_us: list[float] | None = None) -> None:
+                 intervals_us: list[float] | None = None, log: bool = False) -> None:
         self.plane = plane
+        self.log = log  # --profile-export-file: log every request
+        self.clock_ns = clock_offset()
         self.max_threads = max_threads
         self.intervals_us = intervals_us  # --request-intervals: the gaps at the whole run's rate
         self.sequences = sequences
@@ -124,7 +147,7 @@ class LoadGenerator:
         self.serial_sequences = serial_sequences
         self._live: list[_SequenceSteps] = []  # request-rate mode's sequences
         self._busy: set[int] = set()  # those of them with a request in flight
-        self.recorder = Recorder()
+        self.recorder = Recorder(log)
         self.error: str | None = None
         self._workers: list[_Worker] = []
         self._idle: list[Slot] = []
@@ -148,7 +171,12 @@ class LoadGenerator:
     async def _slot(self) -> Slot:
         if self._idle:
             return self._idle.pop()
+        return await self._open_slot()
+
+    async def _open_slot(self) -> Slot:
         slot = await self.plane.open_slot()
+        if self.log:
+            slot.captured = []  # (it keeps each request's answers from now on)
         self._slots.append(slot)
         return slot
 
@@ -188,6 +216,8 @@ class LoadGenerator:
                 recorder.recv += recv
                 recorder.responses += slot.responses
                 recorder.sequences += ends
+                if recorder.log is not None:
+                    recorder.log.append(_logged(start, end, slot, source.where()))
             if self.error is None:
                 await self._finish(slot, source)
         except asyncio.CancelledError:
@@ -207,9 +237,7 @@ class LoadGenerator:
         if rate <= 0:
             return
         while len(self._slots) < self.max_threads:
-            slot = await self.plane.open_slot()
-            self._slots.append(slot)
-            self._idle.append(slot)
+            self._idle.append(await self._open_slot())
         self._rate_task = asyncio.get_running_loop().create_task(self._open_loop(rate, distribution, seed))
 
     async def _stop_rate(self) -> None:
@@ -247,8 +275,10 @@ class LoadGenerator:
                 # outlast a window: a delayed count above the sent one).
                 self.recorder.delayed += late
                 slot = idle.pop()
-                payload, ends = (self._live[sequence] if sequence >= 0 else cycle).next()
-                task = loop.create_task(self._one(slot, payload, ends, sequence))
+                source = self._live[sequence] if sequence >= 0 else cycle
+                payload, ends = source.next()
+                where = source.where() if self.log else None
+                task = loop.create_task(self._one(slot, payload, ends, sequence, where))
                 if sequence >= 0:
                     self._live[sequence].in_flight.add(task)
                     task.add_done_callback(self._live[sequence].in_flight.discard)
@@ -270,7 +300,8 @@ class LoadGenerator:
         self._busy.add(chosen)
         return chosen, waited
 
-    async def _one(self, slot: Slot, payload: Any, ends: bool, sequence: int) -> None:
+    async def _one(self, slot: Slot, payload: Any, ends: bool, sequence: int,
+                   where: tuple[int, int] | None) -> None:
         start = _now()
         try:
             send, recv = await slot.infer(payload)
@@ -284,6 +315,8 @@ class LoadGenerator:
         recorder.recv += recv
         recorder.responses += slot.responses
         recorder.sequences += ends
+        if where is not None and recorder.log is not None:
+            recorder.log.append(_logged(start, end, slot, where))
         self._busy.discard(sequence)
         self._idle.append(slot)
         self._slot_freed.set()
@@ -353,8 +386,9 @@ class LoadGenerator:
 
     def collect(self) -> ClientWindow:
         """The requests that ended since the last call; starts the next window."""
-        recorder, self.recorder = self.recorder, Recorder()
+        recorder, self.recorder = self.recorder, Recorder(self.log)
         end = self.recorder.start_ns
+        logs = [] if recorder.log is None else [RequestLog(self.clock_ns, recorder.start_ns, end, recorder.log)]
         return ClientWindow(
             duration_ns=end - recorder.start_ns,
             latencies_ns=np.array(recorder.latencies, dtype=np.int64),
@@ -364,6 +398,7 @@ class LoadGenerator:
             delayed=recorder.delayed,
             sent=recorder.sent,
             sequences=recorder.sequences,
+            logs=logs,
         )
 
     async def stop(self) -> None:

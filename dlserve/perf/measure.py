@@ -13,9 +13,12 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from dlserve.perf.export import RequestLog
 
 STABILITY_WINDOW = 3
 REPORTED_PERCENTILES = (50, 90, 95, 99)
@@ -34,6 +37,7 @@ class ClientWindow:
     delayed: int = 0  # request-rate mode: requests sent late because every slot was busy
     sent: int = 0  # requests started in the window
     sequences: int = 0  # sequences whose last request ended in the window
+    logs: list[RequestLog] = dataclasses.field(default_factory=list)  # --profile-export-file's, one per process
 
     @property
     def count(self) -> int:
@@ -51,6 +55,7 @@ class ClientWindow:
             delayed=sum(p.delayed for p in parts),
             sent=sum(p.sent for p in parts),
             sequences=sum(p.sequences for p in parts),
+            logs=[log for p in parts for log in p.logs],
         )
 
 

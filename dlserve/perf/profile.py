@@ -24,6 +24,7 @@ from typing import Any
 from dlserve.perf import report
 from dlserve.perf.cli import FAILED, UNSTABLE, Settings
 from dlserve.perf.clients import ControlClient, RequestError, ServerError, control_client
+from dlserve.perf.export import ProfileExport
 from dlserve.perf.flags import UsageError
 from dlserve.perf.inputs import ModelInfo, make_requests
 from dlserve.perf.measure import LevelResult, ServerStats, Window, is_stable, summarize
@@ -61,8 +62,9 @@ def binary_levels(settings: Settings) -> Generator[float, bool, None]:
 
 class Profiler:
     def __init__(self, settings: Settings, info: ModelInfo, requests: list, control: ControlClient,
-                 server_stats: bool, streams: list[int] | None = None) -> None:
+                 server_stats: bool, streams: list[int] | None = None, export: ProfileExport | None = None) -> None:
         self.settings = settings
+        self.export = export  # --profile-export-file's: every level's windows go there
         self.info = info
         self.requests = requests
         self.streams = streams
@@ -148,6 +150,7 @@ class Profiler:
         await group.collect()  # what ended before this level's load was set
         before = await self._stats()
         windows: list[Window] = []
+        stable = False
         interval = settings.measurement_interval_ms / 1000
         for trial in range(1, settings.max_trials + 1):
             end = time.monotonic() + interval
@@ -180,17 +183,19 @@ class Profiler:
                 latencies = client.latencies_ns
                 avg, std = (latencies.mean() / 1000, latencies.std() / 1000) if client.count else (0, 0)
                 report.print_out(report.pass_text(trial, window.throughput, avg, std) + "\n", self.progress)
-            if is_stable(windows, settings.stability_percentage, settings.percentile, settings.throughput_only):
-                return summarize(mode, value, windows, True, settings.percentile, self.info.decoupled,
-                                 self.info.sequence)
-        self.progress.clear()
-        what = "concurrency" if mode == "concurrency" else "request rate"
-        print(
-            f"dlserve perf: failed to obtain stable measurement within {settings.max_trials} measurement "
-            f"windows for {what} {shown}. Please try to increase the --measurement-interval.",
-            file=sys.stderr,
-        )
-        return summarize(mode, value, windows, False, settings.percentile, self.info.decoupled, self.info.sequence)
+            stable = is_stable(windows, settings.stability_percentage, settings.percentile, settings.throughput_only)
+            if stable:
+                break
+        if self.export is not None:
+            self.export.add(mode, value, [window.client.logs for window in windows])
+        if not stable:
+            self.progress.clear()
+            print(
+                f"dlserve perf: failed to obtain stable measurement within {settings.max_trials} measurement "
+                f"windows for {label} {shown}. Please try to increase the --measurement-interval.",
+                file=sys.stderr,
+            )
+        return summarize(mode, value, windows, stable, settings.percentile, self.info.decoupled, self.info.sequence)
 
 
     async def _count_window(self, group: LoadGroup, requests: int, level: str, trial: int, last: str) -> None:
@@ -243,10 +248,11 @@ def _probe_statistics(control: ControlClient, settings: Settings) -> bool:
         return False
 
 
-def benchmark(settings: Settings, server: Any = None) -> tuple[list[LevelResult], bool, bool]:
+def benchmark(settings: Settings, server: Any = None,
+              export: ProfileExport | None = None) -> tuple[list[LevelResult], bool, bool]:
     """Run the whole benchmark (prints the console report); the levels to report, whether
     the server's statistics were available, and whether the sweep ended on a level that
-    never became stable."""
+    never became stable. ``export`` gathers every request measured."""
     control = control_client(settings, server)
     try:
         info = control.model_info(settings.model, settings.version)
@@ -263,7 +269,9 @@ def benchmark(settings: Settings, server: Any = None) -> tuple[list[LevelResult]
             settings, streams = _for_sequences(settings), stream_lengths(settings.input_data)
         server_stats = _probe_statistics(control, settings)
         report.print_out(report.settings_text(settings, server_stats) + "\n")
-        profiler = Profiler(settings, info, requests, control, server_stats, streams)
+        if export is not None:
+            export.model(info, requests)
+        profiler = Profiler(settings, info, requests, control, server_stats, streams, export)
         loop = new_event_loop()
         task = loop.create_task(profiler.run())
         try:
@@ -284,6 +292,7 @@ def benchmark(settings: Settings, server: Any = None) -> tuple[list[LevelResult]
 
 def main(settings: Settings) -> int:
     server = None
+    export = ProfileExport(settings) if settings.profile_export_file else None
     try:
         if settings.protocol == "inprocess":
             from dlserve.perf.clients.inprocess import start_server
@@ -292,7 +301,7 @@ def main(settings: Settings) -> int:
             server = start_server(
                 settings.model_repository, [settings.model, *(name for name, _ in settings.bls_composing_models)]
             )
-        results, server_stats, unstable = benchmark(settings, server)
+        results, server_stats, unstable = benchmark(settings, server, export)
     except UsageError as exc:
         print(f"dlserve perf: error: {exc}", file=sys.stderr)
         return FAILED
@@ -316,4 +325,6 @@ def main(settings: Settings) -> int:
         report.write_json(settings.json_file, settings, results, server_stats)
     if settings.plot_file:
         report.write_plot(settings.plot_file, settings, results)
+    if export is not None:
+        export.write()
     return 0

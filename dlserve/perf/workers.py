@@ -36,7 +36,7 @@ def make_generator(settings: Any, info: Any, requests: list, control: ControlCli
     return LoadGenerator(
         data_plane(settings, info, requests, control), settings.max_threads, maker,
         int(split(settings.num_sequences, parts, integer=True)[part]), settings.serial_sequences,
-        settings.request_intervals_us,
+        settings.request_intervals_us, log=settings.profile_export_file is not None,
     )
 
 

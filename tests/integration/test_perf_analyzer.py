@@ -1,6 +1,6 @@
 """NVIDIA's perf_analyzer (from the tritonclient 2.50.0 wheel, unmodified) against a
 ``dlserve serve`` process: HTTP and gRPC, with and without system shared memory, and an
-ensemble.
+ensemble; and dlserve perf's ``--profile-export-file`` and ``--version`` beside its own.
 
 perf_analyzer reads the model's metadata and config, then the statistics extension
 before and after each measurement window; the "Server ..." columns of its CSV come
@@ -17,6 +17,7 @@ import csv
 import glob
 import http.client
 import json
+import re
 import shutil
 import signal
 import socket
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -232,3 +234,49 @@ def test_perf_analyzers_trace_options_set_the_servers_tracing(perf_analyzer, ser
         names = {e["timestamps"][0]["name"] for e in entries if "timestamps" in e}
         assert {"HTTP_RECV_START", "COMPUTE_START", "HTTP_SEND_END"} <= names
     assert not (server["work"] / "trace.json.2").exists()
+
+
+def _layout(value: Any) -> Any:
+    """A JSON document's shape: its keys and the types of its values (a list's first item)."""
+    if isinstance(value, dict):
+        return {key: _layout(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_layout(value[0])] if value else []
+    return type(value).__name__
+
+
+def test_dlserve_perfs_profile_export_has_perf_analyzers_layout(perf_analyzer, server, tmp_path):
+    """The same run by both, each with --profile-export-file: the same keys (in the same
+    order, but for the tensors', which perf_analyzer writes in no fixed order), the same
+    types, and times on the same clock (nanoseconds since the epoch)."""
+    before = time.time_ns()
+    run_perf_analyzer(perf_analyzer, server, "add_sub", "http", "--profile-export-file", str(tmp_path / "pa.json"))
+    ours = tmp_path / "dlserve.json"
+    port = server["ports"]["http"]
+    result = subprocess.run(
+        [DLSERVE, "perf", "-m", "add_sub", "-u", f"127.0.0.1:{port}", *QUICK, "--profile-export-file", str(ours)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    after = time.time_ns()
+    documents = [json.loads((tmp_path / "pa.json").read_text()), json.loads(ours.read_text())]
+    assert _layout(documents[0]) == _layout(documents[1])
+    for document in documents:
+        assert list(document) == ["experiments", "version", "service_kind", "endpoint"]
+        (experiment,) = document["experiments"]
+        assert list(experiment) == ["experiment", "requests", "window_boundaries"]
+        assert experiment["experiment"] == {"mode": "concurrency", "value": 1}
+        assert list(experiment["requests"][0]) == ["timestamp", "request_inputs", "response_timestamps",
+                                                   "response_outputs"]
+        bounds = experiment["window_boundaries"]
+        assert before < bounds[0] < experiment["requests"][0]["response_timestamps"][0] < bounds[-1] < after
+
+
+def test_dlserve_perf_prints_perf_analyzers_version_line(perf_analyzer):
+    lines = [
+        subprocess.run(command, capture_output=True, text=True, timeout=30, check=False)
+        for command in ([perf_analyzer, "--version"], [DLSERVE, "perf", "--version"])
+    ]
+    for result in lines:
+        assert result.returncode == 0 and result.stdout == "", result
+        assert re.fullmatch(r"Perf Analyzer Version \S* \(commit \S+\)\n", result.stderr), result.stderr

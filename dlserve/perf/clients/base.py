@@ -60,6 +60,10 @@ class Slot:
     # How many responses with outputs the last request got (a decoupled model's stream:
     # as many as it sent), for perf_analyzer's "Response Throughput".
     responses = 1
+    # --profile-export-file: None (nothing kept, the default), or set to a list by the
+    # load, after which each request leaves its answers here: (perf_counter ns, the raw
+    # answer as this client received it), decoded after the run by dlserve.perf.answers.
+    captured: list[tuple[int, Any]] | None = None
 
     async def infer(self, payload: Any) -> tuple[int, int]:
         raise NotImplementedError

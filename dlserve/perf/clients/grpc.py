@@ -1,5 +1,6 @@
 """gRPC: a blocking stub for the control plane; for inference, the request bytes encoded
-up front go out as they are and responses are not decoded:
+up front go out as they are and responses are not decoded (with ``--profile-export-file``
+they are kept, for :mod:`dlserve.perf.answers` to decode after the run):
 
 * ``--grpc-transport h2`` (the default): unary calls on one hand-driven HTTP/2
   connection per process (:mod:`.h2`), about a tenth of grpcio's CPU per call;
@@ -151,9 +152,11 @@ class UnarySlot(Slot):
 
     async def infer(self, payload: bytes) -> tuple[int, int]:
         try:
-            await self.call(payload)
+            response = await self.call(payload)
         except grpc.aio.AioRpcError as exc:
             raise RequestError(f"gRPC {exc.code().name}: {exc.details()}") from None
+        if self.captured is not None:
+            self.captured = [(_now(), response)]
         return 0, 0
 
 
@@ -170,6 +173,8 @@ class StreamSlot(Slot):
             self.call = self.method()
         call = self.call
         self.responses = 0
+        answers = None if self.captured is None else []
+        self.captured = answers
         try:
             await call.write(payload)
             while True:
@@ -179,6 +184,8 @@ class StreamSlot(Slot):
                     raise RequestError("the server ended the stream")
                 if response[:1] == b"\x0a":
                     raise RequestError(_stream_error(response))
+                if answers is not None:  # (a flag-only final too: perf_analyzer keeps its time)
+                    answers.append((_now(), response))
                 if not self.decoupled:
                     self.responses = 1
                     return 0, 0

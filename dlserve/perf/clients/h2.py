@@ -13,7 +13,8 @@ can be done once, up front:
   HEADERS and DATA frames go out in one ``transport.write``;
 * answers are not decoded: a stream that ends after a DATA frame carrying the response
   message succeeded; one that ends without (a trailers-only answer, RST_STREAM) failed,
-  and the slot asks grpcio for that request's error message once, to report it.
+  and the slot asks grpcio for that request's error message once, to report it. (With
+  ``--profile-export-file`` the response message is kept, to be decoded after the run.)
 
 The connection honours what a peer may require: SETTINGS (acknowledged; the server's
 initial window and stream limit applied), PING (answered), flow control both ways (our
@@ -27,6 +28,7 @@ import asyncio
 import collections
 import ssl
 import struct
+import time
 import zlib
 from typing import Any
 
@@ -84,11 +86,12 @@ def grpc_message(serialized: bytes, encoding: str | None = None) -> bytes:
 
 
 class _Stream:
-    __slots__ = ("waiter", "got_data", "pending", "window")
+    __slots__ = ("waiter", "got_data", "pending", "window", "body")
 
-    def __init__(self, waiter: asyncio.Future[bool], window: int) -> None:
+    def __init__(self, waiter: asyncio.Future[bool], window: int, body: list[bytes] | None) -> None:
         self.waiter = waiter
         self.got_data = False
+        self.body = body  # where the DATA received goes, if anywhere
         self.pending: collections.deque[memoryview] = collections.deque()  # DATA not yet sent
         self.window = window
 
@@ -135,15 +138,16 @@ class H2Connection(asyncio.Protocol):
         return self.transport is not None and self.closed is None and self.next_stream < 2**31 - 2
 
     # -- sending ------------------------------------------------------------------------------
-    def call(self, headers: bytes, message: bytes) -> asyncio.Future[bool]:
-        """Start one call; the future says whether a response message came back."""
+    def call(self, headers: bytes, message: bytes, body: list[bytes] | None = None) -> asyncio.Future[bool]:
+        """Start one call; the future says whether a response message came back (whose
+        DATA goes to ``body`` when one is given)."""
         waiter: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         if not self.usable or self.transport is None:
             waiter.set_exception(RequestError(f"gRPC connection: {self.closed or 'not connected'}"))
             return waiter
         stream_id = self.next_stream
         self.next_stream += 2
-        stream = _Stream(waiter, self.stream_window)
+        stream = _Stream(waiter, self.stream_window, body)
         self.streams[stream_id] = stream
         size = len(message)
         if size <= MAX_FRAME and size <= self.send_window and size <= stream.window:
@@ -211,6 +215,8 @@ class H2Connection(asyncio.Protocol):
                 if stream is not None:
                     if length:
                         stream.got_data = True
+                        if stream.body is not None:
+                            stream.body.append(buffer[pos + 9 : end])
                     if flags & END_STREAM:
                         self._end(stream_id)
             elif kind == HEADERS:
@@ -343,7 +349,10 @@ class H2Slot(Slot):
             connection.slot_freed = connection.slot_freed or asyncio.Event()
             connection.slot_freed.clear()
             await connection.slot_freed.wait()
-        ok = await connection.call(self.channel.headers, payload)
+        body = None if self.captured is None else []
+        ok = await connection.call(self.channel.headers, payload, body)
         if not ok:
             raise RequestError(await self.describe(payload))
+        if body is not None:
+            self.captured = [(time.perf_counter_ns(), unframe(b"".join(body)))]
         return 0, 0

@@ -3,7 +3,8 @@ connection per slot driven by a minimal :class:`asyncio.Protocol`.
 
 The hot path per request: one ``transport.write`` of the pre-encoded bytes, one future,
 and a response parser that reads the status line and ``Content-Length`` and then only
-counts body bytes (the body is kept only when the status is an error).
+counts body bytes (the body is kept only when the status is an error, or for
+``--profile-export-file``).
 """
 
 from __future__ import annotations
@@ -113,7 +114,9 @@ class _Connection(asyncio.Protocol):
         self.head = b""  # response header bytes received so far
         self.remaining = -1  # body bytes still to come; -1 while reading the header
         self.status = 0
-        self.body = b""  # kept for error responses only
+        self.body: bytes | bytearray = b""  # kept for error responses only, unless ``keep``
+        self.keep = False  # --profile-export-file: keep every body
+        self.header_length = -1  # its Inference-Header-Content-Length (-1: none)
         self.close_after = False
         self.first_ns = 0
         self.done_ns = 0
@@ -147,7 +150,7 @@ class _Connection(asyncio.Protocol):
                 return
             data = buffer[end + 4 :]
         self.remaining -= len(data)
-        if self.status != 200:
+        if self.status != 200 or self.keep:
             self.body += data
         if self.remaining <= 0:
             self.remaining = -1
@@ -159,15 +162,15 @@ class _Connection(asyncio.Protocol):
     def _parse_head(self, head: bytes) -> None:
         self.status = int(head[9:12])
         lower = head.lower()
-        at = lower.find(b"\r\ncontent-length:")
-        if at < 0:
+        self.remaining = _header_int(lower, b"\r\ncontent-length:")
+        if self.remaining < 0:
             if b"\r\ntransfer-encoding:" in lower:
                 raise ValueError("chunked responses are not supported")
             raise ValueError("no Content-Length")
-        stop = lower.find(b"\r\n", at + 2)
-        self.remaining = int(lower[at + 17 : stop if stop > 0 else None])
-        self.body = b""
+        self.body = bytearray() if self.keep else b""  # (kept whole: grown in place)
         self.close_after = b"\r\nconnection: close" in lower
+        if self.keep:
+            self.header_length = _header_int(lower, b"\r\ninference-header-content-length:")
 
     def _fail(self, exc: Exception) -> None:
         waiter, self.waiter = self.waiter, None
@@ -175,6 +178,16 @@ class _Connection(asyncio.Protocol):
             waiter.set_exception(exc)
         if self.transport is not None:
             self.transport.close()
+
+
+def _header_int(lower: bytes, name: bytes) -> int:
+    """The value of header ``name`` (``\\r\\n``, its name in lower case and its colon) in a
+    lower-cased response head; -1 when it is not there."""
+    at = lower.find(name)
+    if at < 0:
+        return -1
+    stop = lower.find(b"\r\n", at + 2)
+    return int(lower[at + len(name) : stop if stop > 0 else None])
 
 
 class HttpSlot(Slot):
@@ -198,12 +211,15 @@ class HttpSlot(Slot):
             assert conn is not None
         waiter = asyncio.get_running_loop().create_future()
         conn.waiter = waiter
+        conn.keep = self.captured is not None
         start = _now()
         conn.transport.write(payload)  # type: ignore[union-attr]
         sent = _now()
         status = await waiter
         if status != 200:
             raise RequestError(_error_message(status, conn.body))
+        if conn.keep:
+            self.captured = [(conn.done_ns, (conn.header_length, conn.body))]
         return sent - start, conn.done_ns - conn.first_ns
 
     async def close(self) -> None:
