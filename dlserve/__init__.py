@@ -48,6 +48,7 @@ _EXPORTS = {
     "UnsupportedError": "dlserve.errors",
     "DLDeviceType": "dlserve.memory.dlpack",
     "DataType": "dlserve.memory.dtypes",
+    "MemoryAllocator": "dlserve.memory.tensor",
     "MemoryBuffer": "dlserve.memory.tensor",
     "MemoryType": "dlserve.memory.tensor",
     "Tensor": "dlserve.memory.tensor",

@@ -40,7 +40,7 @@ from dlserve.errors import (
     UnsupportedError,
 )
 from dlserve.memory.dtypes import DataType
-from dlserve.memory.tensor import Tensor
+from dlserve.memory.tensor import MemoryAllocator, Tensor
 
 T = TypeVar("T")
 
@@ -66,14 +66,21 @@ class ModelTxnPropertyFlag(enum.IntEnum):
     DECOUPLED = 2
 
 
-def _public(server: Server, response: Response) -> InferenceResponse:
-    """The engine's response as the API gives it (to the iterator and a response_queue)."""
+def _public(server: Server, response: Response, allocator: MemoryAllocator | None) -> InferenceResponse:
+    """The engine's response as the API gives it (to the iterator and a response_queue),
+    its outputs copied into memory from ``allocator`` if the request gave one."""
+    outputs, error = response.outputs, response.error
+    if allocator is not None and outputs:
+        try:
+            outputs = {name: tensor.allocated_by(allocator, name) for name, tensor in outputs.items()}
+        except Exception as exc:  # noqa: BLE001 - the caller's allocator failed: this response did
+            outputs, error = {}, InternalError(f"output memory allocator failed: {exc}")
     return InferenceResponse(
         model=Model(server, response.model_name, response.model_version),
         request_id=response.request_id,  # ('' without one, as tritonserver's)
         parameters=response.parameters,
-        outputs=response.outputs,
-        error=response.error,
+        outputs=outputs,
+        error=error,
         final=response.final,
     )
 
@@ -100,9 +107,7 @@ class Model:
         kwargs.pop("model", None)
         return InferenceRequest(model=self, **kwargs)
 
-    def _start(self, request: InferenceRequest | None, kwargs: dict[str, Any], deliver: Any) -> Request:
-        if request is None:
-            request = self.create_request(**kwargs)
+    def _start(self, request: InferenceRequest, deliver: Any) -> Request:
         engine = self._server._engine_or_raise()
         engine_request = to_engine_request(request, deliver)
         for name, tensor in engine_request.inputs.items():
@@ -122,19 +127,20 @@ class Model:
         Bad requests (unknown model, wrong dtype or shape, ...) raise here; with
         ``raise_on_error`` an error response raises while iterating.
         """
+        request = inference_request or self.create_request(**kwargs)
         # A response_queue (tritonserver's) is where the responses go: the iterator reads it too.
-        responses = self._response_queue(inference_request, kwargs, queue.SimpleQueue, "queue.SimpleQueue")
-        server = self._server
+        responses = self._response_queue(request, queue.SimpleQueue, "queue.SimpleQueue")
+        server, allocator = self._server, request.output_memory_allocator
 
         def deliver(response: Response) -> None:
-            responses.put(_public(server, response))
+            responses.put(_public(server, response, allocator))
 
-        request = self._start(inference_request, kwargs, deliver)
-        return ResponseIterator(self._server, self, request, raise_on_error, responses)
+        engine_request = self._start(request, deliver)
+        return ResponseIterator(self._server, self, engine_request, raise_on_error, responses)
 
     @staticmethod
-    def _response_queue(request: InferenceRequest | None, kwargs: dict[str, Any], kind: type, what: str) -> Any:
-        given = request.response_queue if request is not None else kwargs.get("response_queue")
+    def _response_queue(request: InferenceRequest, kind: type, what: str) -> Any:
+        given = request.response_queue
         if given is None:
             return kind()
         if not isinstance(given, kind):  # (tritonserver's words)
@@ -150,14 +156,15 @@ class Model:
     ) -> AsyncResponseIterator:
         """Like :meth:`infer`, for ``async for`` on the caller's running event loop."""
         loop = asyncio.get_running_loop()
-        responses = self._response_queue(inference_request, kwargs, asyncio.Queue, "asyncio.Queue")
-        server = self._server
+        request = inference_request or self.create_request(**kwargs)
+        responses = self._response_queue(request, asyncio.Queue, "asyncio.Queue")
+        server, allocator = self._server, request.output_memory_allocator
 
         def deliver(response: Response) -> None:
-            loop.call_soon_threadsafe(responses.put_nowait, _public(server, response))
+            loop.call_soon_threadsafe(responses.put_nowait, _public(server, response, allocator))
 
-        request = self._start(inference_request, kwargs, deliver)
-        return AsyncResponseIterator(self._server, self, request, raise_on_error, responses)
+        engine_request = self._start(request, deliver)
+        return AsyncResponseIterator(self._server, self, engine_request, raise_on_error, responses)
 
     def metadata(self) -> dict[str, Any]:
         return self._server._call_sync(lambda e: e.model_metadata(self.name, self.version))

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from dlserve.engine.core import Engine
 from dlserve.engine.request import Request
 from dlserve.errors import InvalidArgumentError, TritonError
-from dlserve.memory.tensor import Tensor, is_host_memory
+from dlserve.memory.tensor import MemoryAllocator, Tensor, is_host_memory
 
 if TYPE_CHECKING:
     from dlserve.engine.server import Model, Server
@@ -24,7 +24,9 @@ class InferenceRequest:
     """A request for :meth:`~dlserve.engine.server.Model.infer`; fields follow
     ``tritonserver.InferenceRequest``.
 
-    ``requested_output_names`` (dlserve's) limits the outputs returned.
+    ``output_memory_allocator`` (a :class:`dlserve.MemoryAllocator`) gives the memory
+    each output is copied into, as tritonserver's. ``requested_output_names``
+    (dlserve's) limits the outputs returned.
     """
 
     model: Model
@@ -36,6 +38,7 @@ class InferenceRequest:
     inputs: dict[str, Any] = dataclasses.field(default_factory=dict)
     parameters: dict[str, str | int | bool | float] = dataclasses.field(default_factory=dict)
     output_memory_type: Any = None
+    output_memory_allocator: MemoryAllocator | None = None
     response_queue: Any = None
     requested_output_names: list[str] | None = None
 

@@ -12,6 +12,7 @@ GPU tensors are not implemented yet: every GPU request fails with a clear error.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import enum
 import math
@@ -79,13 +80,48 @@ def is_host_memory(where: Any) -> bool:
 
 @dataclasses.dataclass
 class MemoryBuffer:
-    """Where a tensor's bytes are: address, kind of memory, device and size."""
+    """Where a tensor's bytes are: address, kind of memory, device and size; ``owner``
+    keeps the memory alive (``tritonserver.MemoryBuffer``)."""
 
     data_ptr: int
     memory_type: MemoryType
     memory_type_id: int
     size: int
     owner: Any
+
+    @staticmethod
+    def from_dlpack(owner: Any) -> MemoryBuffer:
+        """The memory of a C-contiguous host array that speaks DLPack (numpy, torch...)."""
+        tensor = Tensor.from_dlpack(owner)
+        return MemoryBuffer(tensor.data_ptr, MemoryType.CPU, 0, tensor.size, owner)
+
+    def host_view(self) -> np.ndarray:
+        """The buffer as a writable flat uint8 array that keeps ``owner`` alive."""
+        if self.memory_type is MemoryType.GPU:
+            raise UnsupportedError("GPU memory buffers are not supported without CUDA")
+        return np.asarray(_Exposed(self))
+
+
+class _Exposed:
+    """Shows a :class:`MemoryBuffer`'s host memory to numpy; as the array's base it
+    holds the buffer (and so its owner) for as long as the array lives."""
+
+    def __init__(self, buffer: MemoryBuffer) -> None:
+        self.buffer = buffer
+        self.__array_interface__ = {
+            "data": (buffer.data_ptr, False), "shape": (buffer.size,), "typestr": "|u1", "version": 3,
+        }
+
+
+class MemoryAllocator(abc.ABC):
+    """Where a request's outputs go (``tritonserver.MemoryAllocator``): ``allocate``
+    returns a buffer of at least ``size`` bytes for the output ``tensor_name``, which
+    the output is then copied into."""
+
+    @abc.abstractmethod
+    def allocate(
+        self, size: int, memory_type: MemoryType, memory_type_id: int, tensor_name: str
+    ) -> MemoryBuffer: ...
 
 
 class Tensor:
@@ -226,6 +262,13 @@ class Tensor:
             return Tensor(self.data_type, self.shape, data=target)
         view = target.view(self.data_type.storage_dtype).reshape(self.shape)
         return Tensor(self.data_type, self.shape, data=view)
+
+    def allocated_by(self, allocator: MemoryAllocator, name: str) -> Tensor:
+        """This tensor copied into memory ``allocator`` gives for the output ``name``."""
+        buffer = allocator.allocate(self.size, MemoryType.CPU, 0, name)
+        if not isinstance(buffer, MemoryBuffer):
+            raise TypeError(f"allocate() returned a {type(buffer).__name__}, not a MemoryBuffer")
+        return self.write_into(buffer.host_view())
 
     def reshape(self, shape: Sequence[int]) -> Tensor:
         """The same bytes under another shape with as many elements."""

@@ -191,6 +191,69 @@ def test_output_allocated_in_shared_memory_by_the_model(server):
     assert "_w" in anchor.segment.name  # a worker-owned segment, not the server's
 
 
+class RecordingAllocator(dlserve.MemoryAllocator):
+    """tritonserver's example allocator: a numpy array per output; keeps what it gave."""
+
+    def __init__(self, spare: int = 0) -> None:
+        self.spare = spare
+        self.given: dict[str, tuple[np.ndarray, int, dlserve.MemoryType, int]] = {}
+
+    def allocate(self, size, memory_type, memory_type_id, tensor_name):
+        array = np.zeros(max(size + self.spare, 0), dtype=np.uint8)
+        self.given[tensor_name] = (array, size, memory_type, memory_type_id)
+        return dlserve.MemoryBuffer.from_dlpack(array)
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_outputs_go_into_memory_from_the_requests_allocator(server, asynchronous):
+    """tritonserver's output_memory_allocator: each output is copied into the buffer the
+    allocator gives for it (asked for its size, CPU memory), and stays valid after."""
+    allocator = RecordingAllocator()
+    a, b = np.arange(16, dtype=np.float32), np.ones(16, dtype=np.float32)
+    request = server.model("add_sub").create_request(inputs={"INPUT0": a, "INPUT1": b}, output_memory_allocator=allocator)
+
+    async def collect() -> list[Any]:
+        return [r async for r in server.model("add_sub").async_infer(request)]
+
+    (response,) = asyncio.run(collect()) if asynchronous else list(server.model("add_sub").infer(request))
+    assert set(allocator.given) == {"OUTPUT0", "OUTPUT1"}
+    for name, expected in (("OUTPUT0", a + b), ("OUTPUT1", a - b)):
+        array, size, memory_type, device = allocator.given[name]
+        assert (size, memory_type, device) == (64, dlserve.MemoryType.CPU, 0)
+        out = response.outputs[name]
+        assert out.data_ptr == array.ctypes.data  # in the allocator's memory
+        np.testing.assert_array_equal(np.from_dlpack(out), expected)
+    allocator.given.clear()  # the outputs alone keep their memory alive
+    np.testing.assert_array_equal(np.from_dlpack(response.outputs["OUTPUT0"]), a + b)
+
+
+def test_bytes_outputs_go_into_allocated_memory_too(server):
+    allocator = RecordingAllocator()
+    values = np.array([[b"hello", b"", b"\x00\xff"]], dtype=np.object_)
+    response = infer_one(server, "dtypes_echo", inputs={"IN_STRING": values}, output_memory_allocator=allocator)
+    array, size, _, _ = allocator.given["OUT_STRING"]
+    assert size == 4 * 3 + 5 + 2  # Triton's encoding: a 4-byte length before each element
+    assert response.outputs["OUT_STRING"].data_ptr == array.ctypes.data
+    assert response.outputs["OUT_STRING"].to_bytes_array().tolist() == values.tolist()
+
+
+@pytest.mark.parametrize(
+    "allocator,message",
+    [
+        (RecordingAllocator(spare=-1), "needs 64 bytes, but its destination holds 63"),
+        (type("Broken", (dlserve.MemoryAllocator,), {"allocate": lambda *_: 1 / 0})(), "division by zero"),
+        (type("Wrong", (dlserve.MemoryAllocator,), {"allocate": lambda *_: b"x" * 64})(), "not a MemoryBuffer"),
+    ],
+)
+def test_an_allocator_that_fails_fails_the_response(server, allocator, message):
+    a = np.arange(16, dtype=np.float32)
+    response = infer_one(server, "add_sub", inputs={"INPUT0": a, "INPUT1": a}, output_memory_allocator=allocator,
+                         raise_on_error=False)
+    assert isinstance(response.error, dlserve.InternalError) and message in str(response.error)
+    assert not response.outputs
+    assert infer_one(server, "add_sub", inputs={"INPUT0": a, "INPUT1": a}).error is None  # the server goes on
+
+
 def test_reshape_applies_to_inputs_and_outputs(server):
     x = np.arange(8, dtype=np.int32).reshape(2, 2, 2)
     response = infer_one(server, "reshape", inputs={"INPUT0": x})
