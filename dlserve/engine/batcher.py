@@ -1,7 +1,7 @@
 """Triton's dynamic batcher: ``dynamic_batching`` in config.pbtxt.
 
-Requests wait in one queue per priority level (1 is the highest; priority 0 means
-``default_priority_level``). When an instance is free the batcher takes requests
+Requests wait in one queue per priority level (1 is the highest; priority 0, or one
+above ``priority_levels``, means ``default_priority_level``, as in Triton). When an instance is free the batcher takes requests
 in priority and arrival order while they fit ``max_batch_size`` and have the same
 shapes (inputs with ``allow_ragged_batch`` excepted), and runs them as one
 ``execute`` call — the model receives the list of requests, as in Triton. It
@@ -11,7 +11,9 @@ has waited ``max_queue_delay_microseconds``.
 
 Queue policies: ``max_queue_size`` rejects new requests (UNAVAILABLE, counted as
 REJECTED); a request that waits longer than its timeout is rejected, or with
-``timeout_action: DELAY`` moved behind every other request. ``preserve_ordering``
+``timeout_action: DELAY`` moved behind the other requests of its level (still ahead of
+lower levels'). A request's own ``timeout`` may only shorten a level's nonzero
+``default_timeout_microseconds`` (with ``allow_timeout_override``), as in Triton. ``preserve_ordering``
 delivers responses in arrival order even when several instances finish out of order.
 """
 
@@ -56,7 +58,8 @@ class DynamicBatcher(Scheduler):
             else batching.default_queue_policy
             for level in range(1, levels + 1)
         ]
-        self.delayed: collections.deque[Request] = collections.deque()
+        # Per level, its requests that timed out with timeout_action DELAY.
+        self.delayed: list[collections.deque[Request]] = [collections.deque() for _ in range(levels)]
         self._ragged = {t.name for t in config.input if t.allow_ragged_batch}
         self._order = itertools.count()
         self._deadlines: list[tuple[int, int, Request]] = []  # heap of (deadline_ns, order, request)
@@ -66,9 +69,8 @@ class DynamicBatcher(Scheduler):
 
     # -- queueing -----------------------------------------------------------------------
     def _level(self, priority: int) -> int:
-        """Queue index for a request priority (0 = default level; out of range = lowest)."""
-        levels = len(self.queues)
-        level = self.default_level if priority <= 0 else min(priority, levels)
+        """Queue index for a request priority (0 or out of range: the default level)."""
+        level = priority if 0 < priority <= len(self.queues) else self.default_level
         return level - 1
 
     def _enqueue(self, request: Request) -> None:
@@ -77,9 +79,9 @@ class DynamicBatcher(Scheduler):
         if policy.max_queue_size and len(self.queues[level]) >= policy.max_queue_size:
             raise UnavailableError(f"{request.label}Exceeds maximum queue size")  # (Triton's words)
         timeout_us = policy.default_timeout_microseconds
-        if policy.allow_timeout_override and request.timeout_us > 0:
-            # A request may shorten the model's timeout, never lengthen it (0: none to lengthen).
-            timeout_us = min(timeout_us, request.timeout_us) if timeout_us else request.timeout_us
+        if timeout_us and policy.allow_timeout_override and request.timeout_us > 0:
+            # A request may shorten the level's timeout, never lengthen it (nor set one).
+            timeout_us = min(timeout_us, request.timeout_us)
         order = next(self._order)
         if self.preserve_ordering:
             self._order_of[id(request)] = order
@@ -91,10 +93,11 @@ class DynamicBatcher(Scheduler):
 
     @property
     def pending(self) -> int:
-        return sum(len(q) for q in self.queues) + len(self.delayed)
+        return sum(len(q) for q in self._queues())
 
     def _queues(self) -> list[collections.deque[Request]]:
-        return [*self.queues, self.delayed]
+        """Every queue in the order they are served: each level, then its delayed ones."""
+        return [queue for pair in zip(self.queues, self.delayed) for queue in pair]
 
     def _remove(self, request: Request) -> bool:
         for queue in self._queues():
@@ -122,7 +125,7 @@ class DynamicBatcher(Scheduler):
             except ValueError:
                 continue  # already running, cancelled or delayed
             if self.policies[level].timeout_action == _DELAY:
-                self.delayed.append(request)
+                self.delayed[level].append(request)
             else:
                 self._fail(request, UnavailableError("Request timeout expired"), "REJECTED")
         if self._deadlines:

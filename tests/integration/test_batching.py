@@ -244,6 +244,57 @@ def test_priorities(server):
     assert order_of(high) < min(order_of(r) for r in low)
 
 
+def test_a_priority_above_the_levels_means_the_default_level(server):
+    """As Triton 2.51 (side by side): priority 5 of 3 levels waits at the default level 2,
+    ahead of priority 3 (it used to go to the lowest level, behind it)."""
+    load(server, max_batch_size=1, dynamic_batching={"priority_levels": 3, "default_priority_level": 2})
+
+    async def run() -> list[Any]:
+        holder = asyncio.ensure_future(infer(server, rows(), parameters={"sleep": 0.4}))
+        await asyncio.sleep(0.1)
+        queued = []
+        for priority in (3, 5, 2):
+            queued.append(asyncio.ensure_future(infer(server, rows(), priority=priority)))
+            await asyncio.sleep(0.03)
+        await holder
+        return [await f for f in queued]
+
+    third, fifth, second = asyncio.run(run())
+    assert order_of(fifth) < order_of(second) < order_of(third)
+
+
+def test_delayed_requests_keep_their_priority_level(server):
+    """As Triton 2.51 (side by side): a level-1 request delayed by its timeout runs after
+    level 1's others but still before level 2's (it used to go behind every level)."""
+    level_1 = {"timeout_action": "DELAY", "default_timeout_microseconds": 600_000}
+    load(server, max_batch_size=1, dynamic_batching={
+        "priority_levels": 2, "default_priority_level": 2, "priority_queue_policy": {"1": level_1},
+    })
+
+    async def run() -> list[Any]:
+        holder = asyncio.ensure_future(infer(server, rows(), parameters={"sleep": 1.0}))
+        await asyncio.sleep(0.1)
+        delayed = asyncio.ensure_future(infer(server, rows(), priority=1))  # times out queued
+        await asyncio.sleep(0.05)
+        low = asyncio.ensure_future(infer(server, rows(), priority=2))
+        await asyncio.sleep(0.5)
+        fresh = asyncio.ensure_future(infer(server, rows(), priority=1))  # within its timeout
+        await holder
+        return [await delayed, await low, await fresh]
+
+    delayed, low, fresh = asyncio.run(run())
+    assert all(r.error is None for r in (delayed, low, fresh))
+    assert order_of(fresh) < order_of(delayed) < order_of(low)
+
+
+def test_a_request_timeout_sets_none_where_the_level_has_none(server):
+    """Triton's rule (allow_timeout_override): a request may shorten the level's timeout;
+    where the level has none (0), the request's is ignored (it used to apply)."""
+    load(server, max_batch_size=1, dynamic_batching={"default_queue_policy": {"allow_timeout_override": True}})
+    _, (patient,) = asyncio.run(hold_then(server, 0.5, [infer(server, rows(), timeout=100_000)]))
+    assert patient.error is None
+
+
 def test_preserve_ordering_across_instances(server):
     group = [{"count": 2, "kind": "KIND_CPU"}]
 
