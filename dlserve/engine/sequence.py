@@ -6,10 +6,13 @@ instance the sequence was given at its start, one at a time and in order, so a
 model can keep per-sequence state. An instance takes at most ``max_batch_size``
 sequences at once with the ``direct`` strategy (one batch slot each; further
 sequences wait for a slot) and ``max_candidate_sequences`` with ``oldest``; a new
-sequence takes the lowest free slot (on the first instance with one that low).
+sequence takes the lowest free slot (on the first instance with one that low), and
+frees it when its END request goes into a batch (as Triton does: a sequence waiting
+for a slot may run in the very next batch).
 
 With ``oldest``, each ``execute`` gets the next request of up to ``max_batch_size``
-of its sequences, oldest first. With ``direct``, as in Triton, a request's place in
+of its sequences, oldest first, those whose inputs have the oldest one's shapes (the
+others wait for a batch of their own, as in Triton). With ``direct``, as in Triton, a request's place in
 the batch is its sequence's slot, so a model may keep per-slot state by position:
 the batch runs from slot 0 up to the highest slot with a request, and every slot
 below with none (its sequence waits for its next step, or it is free) or with one
@@ -225,6 +228,7 @@ class SequenceBatcher(Scheduler):
         self.iterative = config.iterative_sequence
         self._ragged = {t.name for t in model.config.input if t.allow_ragged_batch}
         self.sequences: dict[int | str, Sequence] = {}
+        self._running: dict[int, Sequence] = {}  # id(request) -> its sequence, while it executes
         self.backlog: collections.deque[Sequence] = collections.deque()  # started, no slot yet
 
     # -- queueing -----------------------------------------------------------------------
@@ -351,6 +355,9 @@ class SequenceBatcher(Scheduler):
         if not ready:
             return None
         ready.sort(key=lambda s: s.queue[0].arrival_ns)
+        if not self.direct:  # the oldest request's shapes: the others wait for their own batch
+            shapes = batch_shapes(ready[0].queue[0], self._ragged)
+            ready = [s for s in ready if batch_shapes(s.queue[0], self._ragged) == shapes]
         count = min(len(ready), self.max_batch)
         if self.delay_ns and count < self._enough and count not in self._preferred:
             due = ready[0].queue[0].arrival_ns + self.delay_ns
@@ -362,12 +369,16 @@ class SequenceBatcher(Scheduler):
         return [self._start(sequence) for sequence in ready[: self.max_batch]]
 
     def _start(self, sequence: Sequence) -> Request:
-        """Take the sequence's next request for a batch, with its control inputs and state."""
+        """Take the sequence's next request for a batch, with its control inputs and
+        state. Its END frees the slot now (an iterative sequence's, once it is done)."""
         sequence.running = sequence.started = True
         request = sequence.queue.popleft()
+        self._running[id(request)] = sequence
         self._add_controls(request)
         if self.states:
             self._with_state(sequence, request)
+        if request.flags & SEQUENCE_END and not self.iterative:
+            self._release(sequence)
         return request
 
     def _add_controls(self, request: Request) -> None:
@@ -424,7 +435,9 @@ class SequenceBatcher(Scheduler):
     def _deliver(self, request: Request, response: Response, failure: str | None) -> None:
         if self.states:
             hidden = self._hidden.pop(id(request), ()) if response.final else self._hidden.get(id(request), ())
-            sequence = self.sequences.get(request.correlation_id)
+            sequence = self._running.get(id(request)) or self.sequences.get(request.correlation_id)
+            if request.flags & SEQUENCE_END:
+                sequence = None  # (the sequence is over: its END's state goes nowhere)
             for state in self.states:
                 tensor = response.outputs.get(state.output_name)
                 if tensor is not None and sequence is not None:
@@ -435,10 +448,12 @@ class SequenceBatcher(Scheduler):
 
     def _completed(self, batch: list[Request]) -> None:
         for request in batch:
-            sequence = self.sequences.get(request.correlation_id)
-            if sequence is None:
+            sequence = self._running.pop(id(request), None)
+            if sequence is None:  # (a filler)
                 continue
             sequence.running = False
+            if self.sequences.get(sequence.key) is not sequence:
+                continue  # freed when its END went into the batch, or lost
             if request.flags & SEQUENCE_END and not sequence.queue:
                 self._release(sequence)
             elif not sequence.queue:
@@ -448,8 +463,8 @@ class SequenceBatcher(Scheduler):
         if not self.iterative:
             super()._reschedule(request)
             return
-        sequence = self.sequences.get(request.correlation_id)
-        if sequence is None:
+        sequence = self._running.get(id(request))
+        if sequence is None or self.sequences.get(sequence.key) is not sequence:
             super()._reschedule(request)
             return
         for control in self.controls:

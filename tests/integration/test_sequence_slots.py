@@ -1,8 +1,9 @@
 """The sequence batcher's direct strategy, as Triton 2.51's shows it to a Python model
-(observed side by side): a sequence keeps one batch slot, its requests always take
-that place in the batch, and the places below the highest slot with a request that
-have none get fillers (READY false, correlation ID 0, zeros shaped like the batch's),
-whose answers reach nobody and which statistics count in batch sizes only."""
+(observed side by side): a sequence keeps one batch slot (free again once its END is
+in a batch), its requests always take that place in the batch, and the places below
+the highest slot with a request that have none get fillers (READY false, correlation
+ID 0, zeros shaped like the batch's), whose answers reach nobody and which statistics
+count in batch sizes only. Also the oldest strategy's one shape per batch."""
 
 from __future__ import annotations
 
@@ -126,3 +127,43 @@ def test_a_waiting_sequence_takes_the_slot_that_frees(servers, make_repo):
     started, together = asyncio.run(run())
     assert started == [real(33, START)]
     assert together == [real(33, END), real(32, 0)]
+
+
+def test_a_sequence_frees_its_slot_when_its_end_goes_into_a_batch(slots):
+    """As in Triton: the slot is free once the END request is in a batch, not when that
+    batch is done, so sequences starting meanwhile take the lowest slots (0 and 1 here,
+    with no filler before them)."""
+    async def run() -> list[dict[str, Any]]:
+        ending = asyncio.ensure_future(step(slots, 51, START | END, sleep=0.5))  # slot 0, executing
+        await asyncio.sleep(0.2)
+        second = asyncio.ensure_future(step(slots, 52, START))
+        await asyncio.sleep(0.05)
+        third = asyncio.ensure_future(step(slots, 53, START))
+        await ending
+        await second
+        return batch(await third)
+
+    assert asyncio.run(run()) == [real(52, START), real(53, START)]
+
+
+def test_oldest_batches_only_requests_of_the_oldest_ones_shapes(servers, make_repo):
+    """The oldest strategy, as Triton's: a batch holds the oldest request and those with
+    its input shapes; others wait for a batch of their own (they used to join it)."""
+    repo = make_repo("slots")
+    config = repo / "slots" / "config.pbtxt"
+    config.write_text(config.read_text().replace("direct { }", "oldest { max_candidate_sequences: 4 }"))
+    model = servers.start(repo).model("slots")
+
+    async def run() -> tuple[Any, Any, Any]:
+        busy = asyncio.ensure_future(step(model, 60, START | END, sleep=0.5))
+        await asyncio.sleep(0.2)
+        queued = []
+        for key, size in ((61, 2), (62, 3), (63, 2)):
+            queued.append(asyncio.ensure_future(step(model, key, START | END, size=size)))
+            await asyncio.sleep(0.03)
+        await busy
+        return tuple([await f for f in queued])
+
+    first, other, third = asyncio.run(run())
+    assert batch(first) == batch(third) == [real(61, START | END), real(63, START | END)]
+    assert batch(other) == [real(62, START | END, size=3)]
