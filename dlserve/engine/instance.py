@@ -368,7 +368,9 @@ class ModelInstance:
                 asyncio.ensure_future(self._report_death(worker, done))
                 return
             if error is not None:
-                done(error if isinstance(error, TritonError) else InternalError(str(error)), None)
+                failure = error if isinstance(error, TritonError) else InternalError(str(error))
+                log.error("%s", failure.message)  # (as Triton logs a failed execute)
+                done(failure, None)
                 return
             try:
                 results = [

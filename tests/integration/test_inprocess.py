@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import queue
 from pathlib import Path
 from typing import Any
@@ -347,12 +348,14 @@ def test_per_request_error_codes(server, code, error_type):
     assert isinstance(response.error, error_type) and response.final
 
 
-def test_exception_in_execute_is_internal_with_the_python_message(server):
-    with pytest.raises(dlserve.InternalError) as info:
+def test_exception_in_execute_is_internal_with_the_python_message(server, caplog):
+    with caplog.at_level(logging.ERROR, logger="dlserve"), pytest.raises(dlserve.InternalError) as info:
         infer_one(server, "faulty", inputs={"INPUT0": np.ones(1, dtype=np.float32)}, parameters={"mode": "raise"})
     message = str(info.value)
     assert message.startswith("Failed to process the request(s) for model 'faulty_0', message: ValueError: boom")
     assert "model.py" in message  # the traceback points at the model's code
+    # ...and the server's log says so too, as Triton's does, for its operators
+    assert message in [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
 
 
 @pytest.mark.parametrize(
