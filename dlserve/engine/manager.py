@@ -385,6 +385,11 @@ class ModelManager:
             if is_ensemble or (source.path / str(v) / filename).is_file()
         ]
         versions = select_versions(config.version_policy, available)
+        if not versions and available:  # (Triton's words)
+            raise InvalidArgumentError(
+                f"failed to load model '{name}': at least one version must be available under "
+                f"the version policy of model '{name}' (version folders: {available})"
+            )
         if not versions:
             holding = "exists" if is_ensemble else f"holds '{filename}'"
             raise InvalidArgumentError(
