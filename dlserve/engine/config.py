@@ -314,6 +314,8 @@ def validate(config: mc.ModelConfig, model_name: str, gpu_count: int = 0) -> Non
                     f"model '{model_name}': control input '{spec.name}' is also a model input"
                 )
             control = ControlInput.parse(model_name, spec)
+            if control is None:
+                continue
             if control.kind in kinds:
                 kind = mc.ModelSequenceBatching.Control.Kind.Name(control.kind)
                 raise InvalidArgumentError(f"sequence batching specifies multiple {kind} tensors")

@@ -139,10 +139,14 @@ class ControlInput:
     values: tuple[Any, Any]  # (for false, for true); unused for CORRID
 
     @staticmethod
-    def parse(model: str, spec: Any) -> ControlInput:
-        if len(spec.control) != 1:
+    def parse(model: str, spec: Any) -> ControlInput | None:
+        """The control input ``spec`` declares; None for one with no control (it gives the
+        model nothing, as in Triton, which loads such a config)."""
+        if not spec.control:
+            return None
+        if len(spec.control) > 1:
             raise InvalidArgumentError(
-                f"model '{model}', control input '{spec.name}': exactly one control is supported"
+                f"model '{model}', control input '{spec.name}': only one control is supported"
             )
         control = spec.control[0]
         if control.kind == _Kind.CONTROL_SEQUENCE_CORRID:
@@ -217,7 +221,8 @@ class SequenceBatcher(Scheduler):
             self._preferred = set(config.oldest.preferred_batch_size)
             self._enough = max(self._preferred, default=self.max_batch)
         self._enough = min(self._enough, self.max_batch)
-        self.controls = [ControlInput.parse(model.name, spec) for spec in config.control_input]
+        parsed = (ControlInput.parse(model.name, spec) for spec in config.control_input)
+        self.controls = [control for control in parsed if control is not None]
         self.states = [ImplicitState.parse(model, spec) for spec in config.state]
         # Per request (by id) the state outputs asked of the worker that its client did not ask for.
         self._hidden: dict[int, set[str]] = {}

@@ -445,7 +445,9 @@ def test_sequence_batching_defaults_and_control_inputs():
         'sequence_batching { control_input [ { name: "S" control [ { kind: CONTROL_SEQUENCE_START '
         "int32_false_true: [ 0, 1 ] }, { kind: CONTROL_SEQUENCE_END int32_false_true: [ 0, 1 ] } ] } ] }"
     )
-    assert "exactly one control" in invalid(two_controls)
+    assert "only one control" in invalid(two_controls)
+    no_control = completed('sequence_batching { control_input [ { name: "S" } ] }')  # loads, as in Triton
+    cfg.validate(no_control, "m")
     no_values = 'sequence_batching { control_input [ { name: "S" control [ { kind: CONTROL_SEQUENCE_START } ] } ] }'
     assert "int32_false_true" in invalid(no_values)
     corrid = 'sequence_batching { control_input [ { name: "C" control [ { kind: CONTROL_SEQUENCE_CORRID } ] } ] }'
