@@ -55,12 +55,16 @@ _INT64_TYPES = {
     descriptor.FieldDescriptor.TYPE_FIXED64,
     descriptor.FieldDescriptor.TYPE_SFIXED64,
 }
+_FLOAT_TYPES = {descriptor.FieldDescriptor.TYPE_FLOAT, descriptor.FieldDescriptor.TYPE_DOUBLE}
+# Messages whose 64-bit ints Triton 2.51 leaves as protobuf's strings ("dims": ["1"]).
+_INT64_KEPT_AS_STRINGS = {mc.ModelSequenceBatching.InitialState.DESCRIPTOR.full_name}
 
 
 def _as_triton_json(desc: descriptor.Descriptor, obj: dict[str, Any]) -> dict[str, Any]:
-    """protobuf's JSON writes 64-bit ints as strings and set fields before unset ones;
-    Triton writes numbers, in the order the fields are declared."""
-    _int64_as_numbers(desc, obj)
+    """protobuf's JSON writes 64-bit ints as strings, whole floats with ".0" and set
+    fields before unset ones; Triton writes numbers (in most messages), whole floats
+    as integers, in the order the fields are declared."""
+    _numbers_as_triton_writes(desc, obj)
     return _declaration_order(desc, obj)
 
 
@@ -84,7 +88,8 @@ def _declaration_order(desc: descriptor.Descriptor, obj: dict[str, Any]) -> dict
     return ordered
 
 
-def _int64_as_numbers(desc: descriptor.Descriptor, obj: dict[str, Any]) -> None:
+def _numbers_as_triton_writes(desc: descriptor.Descriptor, obj: dict[str, Any]) -> None:
+    int64_as_numbers = desc.full_name not in _INT64_KEPT_AS_STRINGS
     for field in desc.fields:
         if field.name not in obj:
             continue
@@ -93,15 +98,22 @@ def _int64_as_numbers(desc: descriptor.Descriptor, obj: dict[str, Any]) -> None:
             value_field = field.message_type.fields_by_name["value"]
             for key, item in value.items():
                 if value_field.message_type is not None:
-                    _int64_as_numbers(value_field.message_type, item)
+                    _numbers_as_triton_writes(value_field.message_type, item)
                 elif value_field.type in _INT64_TYPES:
                     value[key] = int(item)
         elif field.message_type is not None:
             items = value if field.is_repeated else [value]
             for item in items:
-                _int64_as_numbers(field.message_type, item)
-        elif field.type in _INT64_TYPES:
+                _numbers_as_triton_writes(field.message_type, item)
+        elif field.type in _INT64_TYPES and int64_as_numbers:
             obj[field.name] = [int(v) for v in value] if isinstance(value, list) else int(value)
+        elif field.type in _FLOAT_TYPES:
+            obj[field.name] = [_whole(v) for v in value] if isinstance(value, list) else _whole(value)
+
+
+def _whole(value: Any) -> Any:
+    """A float that is a whole number as an int (1.0 -> 1), as protobuf's C++ prints it."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
 def message_to_json(message: Message) -> dict[str, Any]:

@@ -228,6 +228,21 @@ def test_to_json_writes_int64_as_numbers():
     assert latest == 1 and type(latest) is int
 
 
+def test_to_json_writes_numbers_as_triton_does_where_it_is_odd():
+    """Side by side with Triton 2.51: whole floats as integers (fp32_false_true [0,1],
+    minimum_slot_utilization 1), and an implicit state's initial_state dims as strings."""
+    config = completed(
+        "max_batch_size: 4 sequence_batching { direct { minimum_slot_utilization: 1.0 } "
+        'control_input [ { name: "R" control [ { kind: CONTROL_SEQUENCE_READY fp32_false_true: [ 0, 1.5 ] } ] } ] '
+        'state [ { input_name: "I" output_name: "O" data_type: TYPE_INT32 dims: [ 1 ] '
+        'initial_state [ { data_type: TYPE_INT32 dims: [ 1 ] zero_data: true name: "init" } ] } ] }'
+    )
+    batching = json.dumps(cfg.to_json(config)["sequence_batching"], separators=(",", ":"))
+    assert '"minimum_slot_utilization":1}' in batching
+    assert '"fp32_false_true":[0,1.5]' in batching
+    assert '"dims":[1],"initial_state":[{"data_type":"TYPE_INT32","dims":["1"]' in batching
+
+
 def test_to_json_reshape_only_when_set():
     rendered = cfg.to_json(completed(probe_config("args_probe"), "args_probe"))
     assert "reshape" not in rendered["output"][0]
