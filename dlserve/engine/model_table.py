@@ -138,9 +138,12 @@ class ModelTable(dict[ModelKey, ModelEntry]):
 
     def all_ready(self) -> bool:
         """Every model asked for serves (a first load still going is not serving yet;
-        a reload is: its old versions serve until the new ones replace them)."""
+        a reload is: its old versions serve until the new ones replace them, but one
+        that adds versions is not until they serve, as Triton sees it)."""
         return all(
-            entry.versions and all(v.ready for v in entry.versions.values())
+            entry.versions
+            and all(v.ready for v in entry.versions.values())
+            and not (entry.loading and set(entry.tried) - entry.versions.keys())
             for entry in self.values()
             if entry.versions or entry.error or entry.loading
         )

@@ -513,7 +513,8 @@ class TritonPythonModel:
 
 def test_index_shows_loading_while_a_model_loads_and_the_server_is_not_ready(servers, make_repo):
     """As Triton (strict readiness): a model loading is a model not yet available, so the
-    server says it is not ready until the load ends (readiness probes wait for it)."""
+    server says it is not ready until the load ends (readiness probes wait for it); so
+    is a version a reload adds, while a reload of the versions that serve keeps it ready."""
     slow = """
 import time
 
@@ -551,6 +552,19 @@ class TritonPythonModel:
         time.sleep(0.05)
     thread.join()
     assert server_ready == {True}
+    # A reload that adds a version: not ready until the new version serves, as Triton.
+    (repo / "slow" / "2").mkdir()
+    (repo / "slow" / "2" / "model.py").write_text(slow)
+    (repo / "slow" / "config.pbtxt").write_text('backend: "python"\nversion_policy { all { } }\n')
+    thread = threading.Thread(target=server.load, args=("slow",))
+    thread.start()
+    server_ready = set()
+    while thread.is_alive():
+        server_ready.add(server.ready())
+        time.sleep(0.05)
+    thread.join()
+    assert False in server_ready and server.ready()
+    assert {key for key in server.models() if key[0] == "slow"} == {("slow", 1), ("slow", 2)}
 
 
 HANGS_IN_INITIALIZE = """
