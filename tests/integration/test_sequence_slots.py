@@ -167,3 +167,62 @@ def test_oldest_batches_only_requests_of_the_oldest_ones_shapes(servers, make_re
     first, other, third = asyncio.run(run())
     assert batch(first) == batch(third) == [real(61, START | END), real(63, START | END)]
     assert batch(other) == [real(62, START | END, size=3)]
+
+
+STREAMING_SLOTS = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+class TritonPythonModel:
+    """Decoupled: each request gets its INPUT back and a final through its sender; a
+    filler's sender gets an answer too, and every other one is never closed."""
+
+    def initialize(self, args):
+        self.open = []  # fillers' senders left open
+
+    def execute(self, requests):
+        for place, request in enumerate(requests):
+            sender = request.get_response_sender()
+            data = pb_utils.get_input_tensor_by_name(request, "INPUT").as_numpy()
+            ready = pb_utils.get_input_tensor_by_name(request, "READY").as_numpy().item()
+            sender.send(pb_utils.InferenceResponse([
+                pb_utils.Tensor("OUTPUT", data),
+                pb_utils.Tensor("BATCH_VIEW", np.array([[str(len(requests)).encode()]], dtype=np.object_)),
+            ]))
+            if ready or place % 2 == 0:
+                sender.send(flags=FINAL)
+            else:
+                self.open.append(sender)
+        return None
+'''
+
+
+def test_a_decoupled_models_answers_to_fillers_reach_nobody(servers, make_repo):
+    """A decoupled sequence model answering its fillers (closing some senders, not
+    others): each real request gets its own answer and final only, nothing hangs, and
+    nothing leaks (the harness checks workers, shared memory and descriptors)."""
+    repo = make_repo("slots")
+    config = repo / "slots" / "config.pbtxt"
+    config.write_text(config.read_text() + "model_transaction_policy { decoupled: true }\n")
+    (repo / "slots" / "1" / "model.py").write_text(STREAMING_SLOTS)
+    model = servers.start(repo).model("slots")
+
+    async def answers(key: int, flags: int) -> list[Any]:
+        inputs = {"INPUT": np.full((1, 2), key, dtype=np.float32)}
+        return [r async for r in model.async_infer(inputs=inputs, correlation_id=key, flags=flags)]
+
+    async def run() -> list[list[Any]]:
+        opened = [await answers(key, START) for key in (71, 72, 73)]  # slots 0, 1, 2
+        later = await asyncio.gather(answers(73, 0), answers(72, END))  # fillers at 0 (and 1)
+        return [*opened, *later]
+
+    streams = asyncio.run(run())
+    for stream, key in zip(streams, (71, 72, 73, 73, 72)):
+        data = [r for r in stream if r.outputs]
+        assert len(data) == 1 and data[0].outputs["OUTPUT"].as_numpy().tolist() == [[key, key]]
+        assert stream[-1].final
+    third_start = [r for r in streams[2] if r.outputs][0]
+    assert third_start.outputs["BATCH_VIEW"].to_bytes_array()[0, 0] == b"3"  # with two fillers
