@@ -327,6 +327,8 @@ class ModelManager:
 
     async def _load_source(self, source: ModelSource, config: str | None = None, as_step: bool = False) -> None:
         entry = self.models.entry(source.key)
+        if entry.unloading is not None:  # (it may still drain the ensembles that use it first)
+            await asyncio.wait({entry.unloading})
         async with entry.lock:
             entry.loading = True
             try:
@@ -592,10 +594,11 @@ class ModelManager:
         if wait:
             await self._unload_entries(entries, unload_dependents)
             return
+        task = asyncio.ensure_future(self._unload_entries(entries, unload_dependents))
         for entry in entries:
             for version in entry.versions.values():
                 version.begin_unload()
-        task = asyncio.ensure_future(self._unload_entries(entries, unload_dependents))
+            entry.unloading = task
         self._unloading.add(task)
         task.add_done_callback(self._unload_ended)
 

@@ -36,6 +36,8 @@ class ModelEntry:
     as_step: bool = False
     # An ensemble unloaded because these step models were: it loads again once they have.
     waits_for: set[ModelKey] = dataclasses.field(default_factory=set)
+    # An unload the API returned from before it ended: a load of the model waits for it.
+    unloading: asyncio.Task[None] | None = None
 
     def unchanged(self, fingerprint: Any) -> bool:
         """Loaded from these very files, as they are, and every version serving: a load

@@ -61,3 +61,56 @@ def test_unload_answers_at_once_and_the_request_in_flight_finishes(servers, make
     finally:
         client.close()
         service.stop()
+
+
+def _passing(sleep: float) -> str:
+    return (
+        "import time\nimport triton_python_backend_utils as pb_utils\n\n\n"
+        "class TritonPythonModel:\n    def execute(self, requests):\n"
+        f"        time.sleep({sleep})\n"
+        '        return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", '
+        'pb_utils.get_input_tensor_by_name(r, "X").as_numpy())]) for r in requests]\n'
+    )
+
+
+STEP = 'backend: "python"\ninput [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]\noutput [ { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
+ENSEMBLE = """platform: "ensemble"
+input [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] } ]
+ensemble_scheduling { step [
+  { model_name: "slow" model_version: -1 input_map { key: "X" value: "X" } output_map { key: "Y" value: "mid" } },
+  { model_name: "fast" model_version: -1 input_map { key: "X" value: "mid" } output_map { key: "Y" value: "Y" } }
+] }
+"""
+
+
+def test_a_load_after_an_unload_that_still_drains_is_not_undone(servers, make_repo):
+    """Unloading 'fast' first drains the ensemble that uses it; a load of 'fast' sent
+    meanwhile waits for that unload to end, so the model it loads stays loaded (the
+    unload used to go on afterwards and unload it)."""
+    repo = make_repo(extra={
+        "slow": {"config.pbtxt": STEP, "1/model.py": _passing(1.5)},
+        "fast": {"config.pbtxt": STEP, "1/model.py": _passing(0)},
+        "ens": {"config.pbtxt": ENSEMBLE, "1/.keep": ""},
+    })
+    server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT, startup_models=["ens"])
+    service = KServeHttp(server, KServeHttp.Options(address="127.0.0.1", port=0))
+    service.start()
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{service.port}")
+    try:
+        answers: list[Any] = []
+        in_flight = threading.Thread(
+            target=lambda: answers.extend(server.model("ens").infer(inputs={"X": X}, raise_on_error=False))
+        )
+        in_flight.start()
+        wait_until(lambda: server.engine.model("slow").instances[0].in_flight == 1)
+        client.unload_model("fast")  # at once: the ensemble's request still runs
+        client.load_model("fast")  # waits for the unload to end
+        in_flight.join()
+        assert answers  # (the ensemble's request was answered, one way or the other)
+        wait_until(lambda: not server.engine.manager._unloading)  # every unload has ended
+        assert client.is_model_ready("fast")
+        assert {m["name"]: m.get("state") for m in client.get_model_repository_index()}["fast"] == "READY"
+    finally:
+        client.close()
+        service.stop()
