@@ -91,14 +91,19 @@ class MemoryBuffer:
 
     @staticmethod
     def from_dlpack(owner: Any) -> MemoryBuffer:
-        """The memory of a C-contiguous host array that speaks DLPack (numpy, torch...)."""
-        tensor = Tensor.from_dlpack(owner)
-        return MemoryBuffer(tensor.data_ptr, MemoryType.CPU, 0, tensor.size, owner)
+        """The memory of a C-contiguous host array that speaks DLPack (numpy, torch...,
+        or a raw capsule). Its ``owner`` is the array imported from it, which keeps the
+        memory alive and knows whether it may be written."""
+        storage = Tensor.from_dlpack(owner).storage()
+        address = int(storage.__array_interface__["data"][0])
+        return MemoryBuffer(address, MemoryType.CPU, 0, storage.nbytes, storage)
 
     def host_view(self) -> np.ndarray:
         """The buffer as a writable flat uint8 array that keeps ``owner`` alive."""
         if self.memory_type is MemoryType.GPU:
             raise UnsupportedError("GPU memory buffers are not supported without CUDA")
+        if isinstance(self.owner, np.ndarray) and not self.owner.flags.writeable:
+            raise InvalidArgumentError("the memory buffer is read-only")
         return np.asarray(_Exposed(self))
 
 

@@ -425,3 +425,30 @@ def test_to_device_refuses_what_names_no_memory(device):
 
 def test_repr():
     assert repr(Tensor.from_numpy(np.zeros((2, 3), np.uint8))) == "Tensor(data_type=UINT8, shape=[2, 3])"
+
+
+# -- MemoryBuffer (an output memory allocator's) -------------------------------------------
+def test_memory_buffer_from_dlpack_keeps_the_memory_alive_and_views_it():
+    array = np.arange(64, dtype=np.uint8)
+    buffer = MemoryBuffer.from_dlpack(array)
+    assert (buffer.data_ptr, buffer.size, buffer.memory_type) == (array.ctypes.data, 64, MemoryType.CPU)
+    view = buffer.host_view()
+    view[:4] = 9
+    assert array[:4].tolist() == [9, 9, 9, 9]  # the same memory
+    # A raw capsule: the memory must outlive the capsule's source (it used to be freed).
+    capsule = np.full(1 << 20, 7, dtype=np.uint8).__dlpack__(max_version=(1, 0))
+    assert MemoryBuffer.from_dlpack(capsule).host_view()[-1] == 7
+    # (a legacy capsule cannot say whether its memory may be written: numpy, and so
+    # dlserve, take it as read-only)
+    legacy = MemoryBuffer.from_dlpack(np.full(16, 7, dtype=np.uint8).__dlpack__())
+    assert legacy.owner[-1] == 7 and not legacy.owner.flags.writeable
+
+
+def test_memory_buffer_of_read_only_memory_is_never_written():
+    read_only = np.zeros(16, dtype=np.uint8)
+    read_only.flags.writeable = False
+    immutable = np.frombuffer(b"\0" * 16, dtype=np.uint8)
+    for array in (read_only, immutable):
+        with pytest.raises(InvalidArgumentError, match="read-only"):
+            MemoryBuffer.from_dlpack(array).host_view()
+    assert not read_only.any() and not immutable.any()
