@@ -375,14 +375,15 @@ class SequenceBatcher(Scheduler):
 
     def _start(self, sequence: Sequence) -> Request:
         """Take the sequence's next request for a batch, with its control inputs and
-        state. Its END frees the slot now (an iterative sequence's, once it is done)."""
+        state. Its END frees the slot now (once it is done for an iterative sequence, or
+        where the instance runs several executes at once: an async model's)."""
         sequence.running = sequence.started = True
         request = sequence.queue.popleft()
         self._running[id(request)] = sequence
         self._add_controls(request)
         if self.states:
             self._with_state(sequence, request)
-        if request.flags & SEQUENCE_END and not self.iterative:
+        if request.flags & SEQUENCE_END and not self.iterative and not sequence.instance.concurrency:
             self._release(sequence)
         return request
 
@@ -509,6 +510,8 @@ class SequenceBatcher(Scheduler):
             self._release(sequence)
             for request in queued:
                 self._fail(request, error)
+        while self.backlog and self._place(self.backlog[0]):  # (an instance may be back)
+            self.backlog.popleft()
         super().instance_state_changed()
 
     def close(self) -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 from typing import Any
 
 import numpy as np
@@ -226,3 +228,82 @@ def test_a_decoupled_models_answers_to_fillers_reach_nobody(servers, make_repo):
         assert stream[-1].final
     third_start = [r for r in streams[2] if r.outputs][0]
     assert third_start.outputs["BATCH_VIEW"].to_bytes_array()[0, 0] == b"3"  # with two fillers
+
+
+ASYNC_SLOTS = '''
+import asyncio
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    """Async execute (several at once per instance): records which sequence holds each
+    place while it runs; an answer lists the places it found taken by another one."""
+
+    def initialize(self, args):
+        self.busy = {}
+
+    async def execute(self, requests):
+        clashes = []
+        for place, request in enumerate(requests):
+            if pb_utils.get_input_tensor_by_name(request, "READY").as_numpy().item():
+                if place in self.busy:
+                    clashes.append([place, self.busy[place], request.correlation_id()])
+                self.busy[place] = request.correlation_id()
+        await asyncio.sleep(max(float(json.loads(r.parameters()).get("sleep", 0)) for r in requests))
+        for place, request in enumerate(requests):
+            if self.busy.get(place) == request.correlation_id():
+                del self.busy[place]
+        view = np.array([[json.dumps(clashes).encode()]], dtype=np.object_)
+        return [
+            pb_utils.InferenceResponse([
+                pb_utils.Tensor("OUTPUT", pb_utils.get_input_tensor_by_name(r, "INPUT").as_numpy()),
+                pb_utils.Tensor("BATCH_VIEW", view),
+            ])
+            for r in requests
+        ]
+'''
+
+
+def test_an_async_models_slot_is_free_only_once_its_end_is_done(servers, make_repo):
+    """An async model runs several executes at once: its slot cannot be given away while
+    the END that held it still runs there, or two sequences would share a place."""
+    repo = make_repo("slots")
+    (repo / "slots" / "1" / "model.py").write_text(ASYNC_SLOTS)
+    model = servers.start(repo).model("slots")
+
+    async def run() -> list[Any]:
+        await step(model, 81, START)
+        ending = asyncio.ensure_future(step(model, 81, END, sleep=0.6))
+        await asyncio.sleep(0.2)
+        starting = await step(model, 82, START)
+        await ending
+        return batch(starting)
+
+    assert asyncio.run(run()) == []  # no place was found taken
+
+
+def test_a_waiting_sequence_takes_the_slot_of_an_instance_that_came_back(servers, make_repo):
+    """Two instances of one slot each, both held, a third sequence waiting: when one
+    instance's worker dies (its sequence is lost) and comes back, the waiting sequence
+    takes its slot (it used to wait until another sequence ended)."""
+    repo = make_repo("slots")
+    config = repo / "slots" / "config.pbtxt"
+    text = config.read_text().replace("max_batch_size: 4", "max_batch_size: 1").replace("count: 1", "count: 2")
+    config.write_text(text.replace("5000000", "120000000"))  # (no slot frees by idling meanwhile)
+    server = servers.start(repo)
+    model = server.model("slots")
+
+    async def run() -> Any:
+        await step(model, 91, START)
+        await step(model, 92, START)
+        waiting = asyncio.ensure_future(step(model, 93, START | END))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        scheduler = server.engine.model("slots").scheduler
+        os.kill(scheduler.sequences[91].instance.pid, signal.SIGKILL)
+        return await asyncio.wait_for(waiting, timeout=30)
+
+    assert batch(asyncio.run(run())) == [real(93, START | END)]
