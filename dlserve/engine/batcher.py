@@ -76,7 +76,8 @@ class DynamicBatcher(Scheduler):
     def _enqueue(self, request: Request) -> None:
         level = self._level(request.priority)
         policy = self.policies[level]
-        if policy.max_queue_size and len(self.queues[level]) >= policy.max_queue_size:
+        waiting = len(self.queues[level]) + len(self.delayed[level])  # (delayed ones count, as in Triton)
+        if policy.max_queue_size and waiting >= policy.max_queue_size:
             raise UnavailableError(f"{request.label}Exceeds maximum queue size")  # (Triton's words)
         timeout_us = policy.default_timeout_microseconds
         if timeout_us and policy.allow_timeout_override and request.timeout_us > 0:

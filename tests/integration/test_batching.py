@@ -184,6 +184,28 @@ def test_full_queue_rejects(server):
     assert failures["REJECTED"] >= 3
 
 
+def test_delayed_requests_count_toward_the_queue_size(server):
+    """As Triton's queue: requests a DELAY timeout moved aside still take room in their
+    level (the level held more than max_queue_size before)."""
+    policy = {"timeout_action": "DELAY", "default_timeout_microseconds": 10_000_000,
+              "allow_timeout_override": True, "max_queue_size": 2}
+    load(server, max_batch_size=1, dynamic_batching={"default_queue_policy": policy})
+
+    async def run() -> list[Any]:
+        holder = asyncio.ensure_future(infer(server, rows(), parameters={"sleep": 0.5}))
+        await asyncio.sleep(0.1)
+        delayed = asyncio.ensure_future(infer(server, rows(), timeout=100_000))  # times out queued
+        slow = asyncio.ensure_future(infer(server, rows(), parameters={"sleep": 0.5}))
+        await holder  # then ``slow`` runs; ``delayed`` waits aside
+        await asyncio.sleep(0.1)
+        late = [asyncio.ensure_future(infer(server, rows())) for _ in range(2)]
+        return [await f for f in (delayed, slow, *late)]
+
+    delayed, slow, accepted, refused = asyncio.run(run())
+    assert delayed.error is None and slow.error is None and accepted.error is None
+    assert isinstance(refused.error, dlserve.UnavailableError) and "Exceeds maximum queue size" in str(refused.error)
+
+
 def test_queued_requests_time_out(server):
     load(server, max_batch_size=1, dynamic_batching={"default_queue_policy": {"default_timeout_microseconds": 100_000}})
     _, responses = asyncio.run(hold_then(server, 0.5, [infer(server, rows()) for _ in range(2)]))
