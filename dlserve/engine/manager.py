@@ -587,8 +587,9 @@ class ModelManager:
         Triton.
 
         Without ``wait`` (the HTTP and gRPC endpoints, as Triton's) this returns once the
-        unload began: the versions are UNLOADING, taking no new requests, while those in
-        flight finish; a load of the model meanwhile waits for the unload to end."""
+        unload began: the versions (and those of the ensembles that use them) are
+        UNLOADING, taking no new requests, while those in flight finish; a load of the
+        model meanwhile waits for the unload to end."""
         self._check_api_allowed()
         entries = self.models.named(name)
         if wait:
@@ -596,9 +597,16 @@ class ModelManager:
             return
         task = asyncio.ensure_future(self._unload_entries(entries, unload_dependents))
         for entry in entries:
-            for version in entry.versions.values():
-                version.begin_unload()
             entry.unloading = task
+        marked: set[ModelKey] = set()
+        going = [entry.key for entry in entries]
+        while going:  # the models named and, in turn, the ensembles that use them
+            key = going.pop()
+            if key not in marked and key in self.models:
+                marked.add(key)
+                for version in self.models[key].versions.values():
+                    version.begin_unload()
+                going.extend(self._users_of(key))
         self._unloading.add(task)
         task.add_done_callback(self._unload_ended)
 

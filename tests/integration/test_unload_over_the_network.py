@@ -85,9 +85,10 @@ ensemble_scheduling { step [
 
 
 def test_a_load_after_an_unload_that_still_drains_is_not_undone(servers, make_repo):
-    """Unloading 'fast' first drains the ensemble that uses it; a load of 'fast' sent
-    meanwhile waits for that unload to end, so the model it loads stays loaded (the
-    unload used to go on afterwards and unload it)."""
+    """Unloading 'fast' takes the ensemble that uses it too (no new requests from the
+    start) and first drains it; a load of 'fast' sent meanwhile waits for that unload
+    to end, so the model it loads stays loaded (the unload used to go on afterwards and
+    unload it)."""
     repo = make_repo(extra={
         "slow": {"config.pbtxt": STEP, "1/model.py": _passing(1.5)},
         "fast": {"config.pbtxt": STEP, "1/model.py": _passing(0)},
@@ -105,6 +106,7 @@ def test_a_load_after_an_unload_that_still_drains_is_not_undone(servers, make_re
         in_flight.start()
         wait_until(lambda: server.engine.model("slow").instances[0].in_flight == 1)
         client.unload_model("fast")  # at once: the ensemble's request still runs
+        assert not client.is_model_ready("ens")  # it goes too: no new requests meanwhile
         client.load_model("fast")  # waits for the unload to end
         in_flight.join()
         assert answers  # (the ensemble's request was answered, one way or the other)
