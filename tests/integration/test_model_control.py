@@ -528,42 +528,33 @@ class TritonPythonModel:
 """
     repo = make_repo(extra={"slow": {"config.pbtxt": 'backend: "python"\n', "1/model.py": slow}})
     server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT)
-    thread = threading.Thread(target=server.load, args=("slow",))
-    thread.start()
-    deadline = time.monotonic() + 5
-    states = set()
-    server_ready = set()
-    while thread.is_alive() and time.monotonic() < deadline:
-        states.update((key, m.state) for key, m in server.models().items() if key[0] == "slow")
-        server_ready.add(server.ready())
-        time.sleep(0.05)
-    thread.join()
+
+    def load_watching() -> tuple[set[tuple[tuple[str, int], str]], set[bool]]:
+        """Load 'slow'; the (model, state) pairs and server readiness seen meanwhile."""
+        thread = threading.Thread(target=server.load, args=("slow",))
+        thread.start()
+        states: set[tuple[tuple[str, int], str]] = set()
+        server_ready: set[bool] = set()
+        while thread.is_alive():
+            states.update((key, m.state) for key, m in server.models().items() if key[0] == "slow")
+            server_ready.add(server.ready())
+            time.sleep(0.05)
+        thread.join()
+        return states, server_ready
+
+    states, server_ready = load_watching()
     assert (("slow", 1), "LOADING") in states and False in server_ready  # (its version, as Triton)
     assert server.models()[("slow", 1)].state == "READY" and server.ready()
     # A reload (a file changed): the loaded version serves until the new one replaces it,
     # so still ready.
     model_py = repo / "slow" / "1" / "model.py"
     os.utime(model_py, ns=(model_py.stat().st_atime_ns, model_py.stat().st_mtime_ns + 10**9))
-    thread = threading.Thread(target=server.load, args=("slow",))
-    thread.start()
-    server_ready = set()
-    while thread.is_alive():
-        server_ready.add(server.ready())
-        time.sleep(0.05)
-    thread.join()
-    assert server_ready == {True}
+    assert load_watching()[1] == {True}
     # A reload that adds a version: not ready until the new version serves, as Triton.
     (repo / "slow" / "2").mkdir()
     (repo / "slow" / "2" / "model.py").write_text(slow)
     (repo / "slow" / "config.pbtxt").write_text('backend: "python"\nversion_policy { all { } }\n')
-    thread = threading.Thread(target=server.load, args=("slow",))
-    thread.start()
-    server_ready = set()
-    while thread.is_alive():
-        server_ready.add(server.ready())
-        time.sleep(0.05)
-    thread.join()
-    assert False in server_ready and server.ready()
+    assert False in load_watching()[1] and server.ready()
     assert {key for key in server.models() if key[0] == "slow"} == {("slow", 1), ("slow", 2)}
 
 
