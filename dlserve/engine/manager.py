@@ -596,15 +596,15 @@ class ModelManager:
             await self._unload_entries(entries, unload_dependents)
             return
         task = asyncio.ensure_future(self._unload_entries(entries, unload_dependents))
-        for entry in entries:
-            entry.unloading = task
         marked: set[ModelKey] = set()
         going = [entry.key for entry in entries]
         while going:  # the models named and, in turn, the ensembles that use them
             key = going.pop()
             if key not in marked and key in self.models:
                 marked.add(key)
-                for version in self.models[key].versions.values():
+                entry = self.models[key]
+                entry.unloading = task
+                for version in entry.versions.values():
                     version.begin_unload()
                 going.extend(self._users_of(key))
         self._unloading.add(task)

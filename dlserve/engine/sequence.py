@@ -8,12 +8,14 @@ sequences at once with the ``direct`` strategy (one batch slot each; further
 sequences wait for a slot) and ``max_candidate_sequences`` with ``oldest``; a new
 sequence takes the lowest free slot (on the first instance with one that low), and
 frees it when its END request goes into a batch (as Triton does: a sequence waiting
-for a slot may run in the very next batch).
+for a slot may run in the very next batch), or once that END is done where it must
+be (an iterative sequence; an async model, which runs several batches at once).
 
 With ``oldest``, each ``execute`` gets the next request of up to ``max_batch_size``
 of its sequences, oldest first, those whose inputs have the oldest one's shapes (the
-others wait for a batch of their own, as in Triton). With ``direct``, as in Triton, a request's place in
-the batch is its sequence's slot, so a model may keep per-slot state by position:
+others wait for a batch of their own, as in Triton). With ``direct``, as in Triton,
+a request's place in the batch is its sequence's slot, so a model may keep per-slot
+state by position:
 the batch runs from slot 0 up to the highest slot with a request, and every slot
 below with none (its sequence waits for its next step, or it is free) or with one
 whose input shapes differ from the lowest slot's (it runs in a later batch) gets a
@@ -383,7 +385,8 @@ class SequenceBatcher(Scheduler):
         self._add_controls(request)
         if self.states:
             self._with_state(sequence, request)
-        if request.flags & SEQUENCE_END and not self.iterative and not sequence.instance.concurrency:
+        concurrent = sequence.instance is not None and sequence.instance.concurrency
+        if request.flags & SEQUENCE_END and not self.iterative and not concurrent:
             self._release(sequence)
         return request
 
