@@ -1,10 +1,11 @@
 """Triton's dynamic batcher: ``dynamic_batching`` in config.pbtxt.
 
 Requests wait in one queue per priority level (1 is the highest; priority 0, or one
-above ``priority_levels``, means ``default_priority_level``, as in Triton). When an instance is free the batcher takes requests
-in priority and arrival order while they fit ``max_batch_size`` and have the same
-shapes (inputs with ``allow_ragged_batch`` excepted), and runs them as one
-``execute`` call — the model receives the list of requests, as in Triton. It
+above ``priority_levels``, means ``default_priority_level``, as in Triton). When an
+instance is free the batcher takes requests in priority and arrival order while they
+fit ``max_batch_size`` and have the same shapes (inputs with ``allow_ragged_batch``
+excepted), and runs them as one ``execute`` call — the model receives the list of
+requests, as in Triton. It
 sends a batch at once when it reaches ``max_batch_size`` or a
 ``preferred_batch_size``; otherwise it waits for more requests until the oldest
 has waited ``max_queue_delay_microseconds``.
@@ -12,9 +13,10 @@ has waited ``max_queue_delay_microseconds``.
 Queue policies: ``max_queue_size`` rejects new requests (UNAVAILABLE, counted as
 REJECTED); a request that waits longer than its timeout is rejected, or with
 ``timeout_action: DELAY`` moved behind the other requests of its level (still ahead of
-lower levels'). A request's own ``timeout`` may only shorten a level's nonzero
-``default_timeout_microseconds`` (with ``allow_timeout_override``), as in Triton. ``preserve_ordering``
-delivers responses in arrival order even when several instances finish out of order.
+lower levels'; it still takes room in its level's queue). A request's own ``timeout``
+may only shorten a level's nonzero ``default_timeout_microseconds`` (with
+``allow_timeout_override``), as in Triton. ``preserve_ordering`` delivers responses in
+arrival order even when several instances finish out of order.
 """
 
 from __future__ import annotations
