@@ -234,7 +234,7 @@ class ModelManager:
                     log.warning("stopping: '%s' is still starting; ending its workers", what)
                     starting.kill()
                 await asyncio.wait({unloads}, timeout=1.0)
-        if self._unloading:  # (what they have left to do is done or under way: it ends soon)
+        if self._unloading:  # (each ends by its own deadline, set when it began: before ours)
             await asyncio.gather(*self._unloading, return_exceptions=True)
         self.repository.close()
         return all(drained is True for drained in unloads.result())
@@ -611,18 +611,19 @@ class ModelManager:
         task.add_done_callback(self._unload_ended)
 
     async def _unload_entries(self, entries: list[ModelEntry], unload_dependents: bool) -> None:
+        deadline = self._deadline()  # (one for the whole unload, its ensembles and steps too)
         for entry in entries:
             steps = self._steps_of(entry) if unload_dependents else set()
-            await self._unload_with_users(entry)
+            await self._unload_with_users(entry, deadline)
             entry.waits_for.clear()  # unloaded by name: it stays unloaded
-            await self._unload_unused(steps)
+            await self._unload_unused(steps, deadline)
 
     def _unload_ended(self, task: asyncio.Task[None]) -> None:
         self._unloading.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("unloading failed", exc_info=task.exception())
 
-    async def _unload_unused(self, keys: Iterable[ModelKey]) -> None:
+    async def _unload_unused(self, keys: Iterable[ModelKey], deadline: float | None = None) -> None:
         """Of these step models, unload those loaded only for ensembles that no loaded
         ensemble uses any more, and in turn theirs (a step may be an ensemble)."""
         for key in sorted(keys):
@@ -630,8 +631,8 @@ class ModelManager:
             if entry is None or not entry.versions or not entry.as_step or self._users_of(key):
                 continue
             steps = self._steps_of(entry)
-            await self._unload_with_users(entry)
-            await self._unload_unused(steps)
+            await self._unload_with_users(entry, deadline)
+            await self._unload_unused(steps, deadline)
 
     @staticmethod
     def _steps_of(entry: ModelEntry) -> set[ModelKey]:
@@ -646,12 +647,12 @@ class ModelManager:
         """The loaded ensembles with a step that runs the model ``key``."""
         return sorted(user for user, entry in self.models.items() if key in self._steps_of(entry))
 
-    async def _unload_with_users(self, entry: ModelEntry) -> None:
+    async def _unload_with_users(self, entry: ModelEntry, deadline: float | None = None) -> None:
         for user in self._users_of(entry.key):
             log.info("unloading ensemble '%s': it uses '%s', which is being unloaded", user[1], entry.name)
             self.models[user].waits_for.add(entry.key)
-            await self._unload_with_users(self.models[user])
-        await self._unload_entry(entry)
+            await self._unload_with_users(self.models[user], deadline)
+        await self._unload_entry(entry, deadline)
 
     def _deadline(self) -> float:
         return time.monotonic() + self.exit_timeout
