@@ -242,18 +242,8 @@ class InferenceServicer:
     async def SystemSharedMemoryStatus(
         self, request: Any, context: Any
     ) -> pb.SystemSharedMemoryStatusResponse:
-        region = pb.SystemSharedMemoryStatusResponse.RegionStatus
-        response = pb.SystemSharedMemoryStatusResponse()
-        for status in self.dataplane.system_shm_status(request.name):
-            response.regions[status["name"]].CopyFrom(
-                region(
-                    name=status["name"],
-                    key=status["key"],
-                    offset=status["offset"],
-                    byte_size=status["byte_size"],
-                )
-            )
-        return response
+        statuses = self.dataplane.system_shm_status(request.name)
+        return _region_statuses(pb.SystemSharedMemoryStatusResponse(), statuses, ("key", "offset", "byte_size"))
 
     @_rpc("shared-memory")
     async def SystemSharedMemoryRegister(
@@ -275,17 +265,8 @@ class InferenceServicer:
     async def CudaSharedMemoryStatus(
         self, request: Any, context: Any
     ) -> pb.CudaSharedMemoryStatusResponse:
-        region = pb.CudaSharedMemoryStatusResponse.RegionStatus
-        response = pb.CudaSharedMemoryStatusResponse()
-        for status in self.dataplane.cuda_shm_status(request.name):
-            response.regions[status["name"]].CopyFrom(
-                region(
-                    name=status["name"],
-                    device_id=status.get("device_id", 0),
-                    byte_size=status.get("byte_size", 0),
-                )
-            )
-        return response
+        statuses = self.dataplane.cuda_shm_status(request.name)
+        return _region_statuses(pb.CudaSharedMemoryStatusResponse(), statuses, ("device_id", "byte_size"))
 
     @_rpc("shared-memory")
     async def CudaSharedMemoryRegister(
@@ -542,3 +523,14 @@ class InferenceServicer:
 
 
 __all__ = ["GRPC_CODES", "InferenceServicer"]
+
+
+def _region_statuses(response: Any, statuses: list[dict[str, Any]], fields: tuple[str, ...]) -> Any:
+    """A shared-memory status response: a RegionStatus per region, named, with these
+    fields of its status (0 where it has none)."""
+    region = type(response).RegionStatus
+    for status in statuses:
+        response.regions[status["name"]].CopyFrom(
+            region(name=status["name"], **{field: status.get(field, 0) for field in fields})
+        )
+    return response
