@@ -156,6 +156,8 @@ _CONTENTS = (
     ("bytes_contents", "BYTES", {DataType.BYTES: np.object_}),
 )
 _WIDE = {np.int8: np.int32, np.int16: np.int32, np.uint8: np.uint32, np.uint16: np.uint32}
+# Wire data type -> the contents field that carries its values.
+CONTENTS_FIELD = {data_type.wire_name: field for field, _, allowed in _CONTENTS for data_type in allowed}
 
 
 def decode_contents(tensor: Any, data_type: DataType | None, model_name: str) -> InputSpec:

@@ -21,13 +21,6 @@ from dlserve.perf.inputs import numpy_type, raw_bytes
 
 Outputs = dict[str, tuple[str, bytes]]
 
-# ModelInferResponse.InferOutputTensor.contents: the field holding each datatype's values
-_CONTENTS = {
-    "BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
-    "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents", "UINT32": "uint_contents",
-    "UINT64": "uint64_contents", "FP32": "fp32_contents", "FP64": "fp64_contents", "BYTES": "bytes_contents",
-}
-
 
 def decoder(protocol: str, streaming: bool) -> Callable[[Any], Outputs]:
     """The decoder of the answers kept by ``protocol``'s slots."""
@@ -70,6 +63,8 @@ def stream_outputs(answer: bytes) -> Outputs:
 
 
 def _infer_response(response: Any) -> Outputs:
+    from dlserve.frontends.grpc_codec import CONTENTS_FIELD
+
     outputs = {}
     raw = response.raw_output_contents
     for index, tensor in enumerate(response.outputs):
@@ -78,8 +73,8 @@ def _infer_response(response: Any) -> Outputs:
         if index < len(raw):
             if raw[index] or not math.prod(tensor.shape):  # (else in shared memory: an empty stand-in)
                 outputs[tensor.name] = (tensor.datatype, raw[index])
-        elif tensor.datatype in _CONTENTS:
-            values = list(getattr(tensor.contents, _CONTENTS[tensor.datatype]))
+        elif tensor.datatype in CONTENTS_FIELD:
+            values = list(getattr(tensor.contents, CONTENTS_FIELD[tensor.datatype]))
             outputs[tensor.name] = (tensor.datatype, _values_bytes(tensor.datatype, values))
     return outputs
 
