@@ -24,6 +24,7 @@ from dlserve.perf.flags import (
     parse_header,
     parse_id_range,
     parse_percentile,
+    parse_periodic_range,
     parse_protocol,
     parse_rate_range,
     parse_request_parameter,
@@ -84,6 +85,9 @@ class Settings:
     batch_size: int = 1
     mode: str = "concurrency"  # or "request_rate"
     levels: list[float] = dataclasses.field(default_factory=lambda: [1])
+    # --periodic-concurrency-range (start, end, step): one run instead of levels (dlserve.perf.periodic)
+    periodic_range: tuple[int, int, int] | None = None
+    request_period: int = 10  # --request-period: the answers each request has before the next step
     sweep_unbounded: bool = False  # --concurrency-range start:0 -> grow until the latency limit
     sweep_step: float = 1
     binary_search: bool = False  # --binary-search: the levels between START and END, halving
@@ -174,6 +178,15 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     load.add_argument("--concurrency-range", type=parse_concurrency_range, default=None, metavar="START:END:STEP",
                       help="requests kept in flight, swept from START to END (default: 1); "
                       "END 0 grows until --latency-threshold")
+    load.add_argument("--periodic-concurrency-range", type=parse_periodic_range, default=None,
+                      metavar="START:END:STEP",
+                      help="decoupled models, with --streaming and --profile-export-file: START requests, "
+                      "then STEP more each time every one of the latest has had --request-period "
+                      "responses, until END requests in all; each request is sent once, and the run "
+                      "writes only the profile export (no windows, no report)")
+    load.add_argument("--request-period", type=int_at_least(1), default=10, metavar="N",
+                      help="--periodic-concurrency-range: responses each request must have before "
+                      "the next STEP requests go out (default: 10)")
     load.add_argument("--request-rate-range", type=parse_rate_range, default=None, metavar="START:END:STEP",
                       help="requests per second, swept from START to END (open loop)")
     load.add_argument("--request-intervals", default=None, metavar="FILE",
@@ -325,16 +338,35 @@ def _url(protocol: str, url: str | None) -> str:
     return text
 
 
+def _check_periodic(args: argparse.Namespace) -> None:
+    """--periodic-concurrency-range's needs (perf_analyzer's, in its words), and the flags
+    of a sweep it has no use for (perf_analyzer takes those and writes nothing)."""
+    if not args.streaming:
+        raise UsageError("the --periodic-concurrency-range option requires bi-directional gRPC streaming")
+    if args.profile_export_file is None:
+        raise UsageError("must provide --profile-export-file when using the --periodic-concurrency-range option")
+    unused = {"-f": args.csv_file, "--json": args.json_file, "--plot": args.plot_file,
+              "--binary-search": args.binary_search, "--processes above 1": args.processes != 1}
+    for flag, given in unused.items():
+        if given:
+            raise UsageError(f"{flag} cannot be used with --periodic-concurrency-range "
+                             "(one run, written to --profile-export-file only)")
+
+
 def settings_from_args(args: argparse.Namespace) -> Settings:
     """Check the flags together; raise :class:`UsageError` for combinations that cannot work."""
-    if args.concurrency_range is not None and args.request_rate_range is not None:
-        raise UsageError("--concurrency-range and --request-rate-range cannot be used together")
+    load_modes = (args.concurrency_range, args.periodic_concurrency_range, args.request_rate_range,
+                  args.request_intervals)
+    if sum(mode is not None for mode in load_modes) > 1:  # (perf_analyzer's words)
+        raise UsageError("cannot specify more than one inference load mode. Please choose only one of the "
+                         "following modes: --concurrency-range, --periodic-concurrency-range, "
+                         "--request-rate-range, or --request-intervals")
     if args.async_mode and args.sync:
         raise UsageError("-a/--async and --sync cannot be used together")
     intervals = None
+    if args.periodic_concurrency_range is not None:
+        _check_periodic(args)
     if args.request_intervals is not None:
-        if args.concurrency_range is not None or args.request_rate_range is not None:
-            raise UsageError("--request-intervals cannot be used with --concurrency-range or --request-rate-range")
         intervals = read_intervals(args.request_intervals)
         rate = 1e6 * len(intervals) / sum(intervals)
         mode, (start, end, step) = "request_rate", (rate, rate, 1)
@@ -426,6 +458,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         batch_size=args.batch_size,
         mode=mode,
         levels=[start, end] if args.binary_search else _sweep(start, end, step),
+        periodic_range=args.periodic_concurrency_range,
+        request_period=args.request_period,
         sweep_unbounded=unbounded,
         sweep_step=step,
         binary_search=args.binary_search,

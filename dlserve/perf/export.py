@@ -11,7 +11,8 @@ its profile export (compact JSON)::
 
 One experiment per level measured (one over the latency limit, or the last that never
 became stable, included), with the requests that ended in its measurement windows, window
-by window; ``window_boundaries`` holds the first window's start, then each window's end.
+by window; ``window_boundaries`` holds the first window's start, then each window's end
+(``--periodic-concurrency-range``'s run: one experiment, one window).
 Times are nanoseconds since the epoch (perf_analyzer's system_clock): the load measures on
 ``time.perf_counter_ns`` and each process's offset to the epoch turns them into that.
 ``sequence_id`` is there for sequence models only; ``response_timestamps`` hold one time

@@ -48,14 +48,11 @@ def non_negative_float(text: str) -> float:
     return _finite(text, positive=False)
 
 
-def parse_range(text: str, kind: type) -> tuple[Any, Any, Any]:
-    """perf_analyzer's ``start[:end[:step]]``; a missing end is start, a missing step 1.
-
-    ``kind`` is int (concurrency: end 0 means "no limit") or float (request rate).
-    """
+def _range_numbers(text: str, kind: type, form: str) -> list[Any]:
+    """The one to three numbers of ``text``, a range written as ``form``."""
     parts = text.split(":")
     if not 1 <= len(parts) <= 3 or any(p.strip() == "" for p in parts):
-        raise argparse.ArgumentTypeError(f"expected start[:end[:step]], got '{text}'")
+        raise argparse.ArgumentTypeError(f"expected {form}, got '{text}'")
     values = []
     for part in parts:
         try:
@@ -66,6 +63,15 @@ def parse_range(text: str, kind: type) -> tuple[Any, Any, Any]:
         if kind is float and not math.isfinite(value):
             raise argparse.ArgumentTypeError(f"'{part}' in '{text}' is not a finite number")
         values.append(value)
+    return values
+
+
+def parse_range(text: str, kind: type) -> tuple[Any, Any, Any]:
+    """perf_analyzer's ``start[:end[:step]]``; a missing end is start, a missing step 1.
+
+    ``kind`` is int (concurrency: end 0 means "no limit") or float (request rate).
+    """
+    values = _range_numbers(text, kind, "start[:end[:step]]")
     start = values[0]
     end = values[1] if len(values) > 1 else start
     step = values[2] if len(values) > 2 else 1
@@ -86,6 +92,27 @@ def parse_concurrency_range(text: str) -> tuple[int, int, int]:
 
 def parse_rate_range(text: str) -> tuple[float, float, float]:
     return parse_range(text, float)
+
+
+def parse_periodic_range(text: str) -> tuple[int, int, int]:
+    """``--periodic-concurrency-range start:end[:step]``, checked as perf_analyzer checks
+    it (in its words); a start of 0, which perf_analyzer takes and then waits on forever,
+    is refused."""
+    values = _range_numbers(text, int, "start:end[:step]")
+    if len(values) < 2:
+        raise argparse.ArgumentTypeError(f"both <start> and <end> values must be provided, got '{text}'")
+    start, end, step = values[0], values[1], values[2] if len(values) == 3 else 1
+    if step <= 0:
+        raise argparse.ArgumentTypeError(f"the <step> value must be > 0, got '{text}'")
+    if start <= 0:
+        raise argparse.ArgumentTypeError(f"the <start> value must be > 0, got '{text}'")
+    if start > end:
+        raise argparse.ArgumentTypeError(f"the <start> must be <= <end>, got '{text}'")
+    if (end - start) % step:
+        raise argparse.ArgumentTypeError(
+            f"the <step> value must be a factor of the range size (<end> - <start>), got '{text}'"
+        )
+    return start, end, step
 
 
 def parse_shape(text: str) -> tuple[str, list[int]]:

@@ -6,6 +6,8 @@
 * Request rate R: a scheduler sends requests at times spaced 1/R apart (constant) or
   exponentially (poisson), each on a free slot from a pool of ``--max-threads``; a
   request whose time comes while every slot is busy waits for one and counts as delayed.
+* Periodic concurrency (:mod:`dlserve.perf.periodic`): single requests, each sent with
+  :meth:`LoadGenerator.send_once`, which hears each answer arrive.
 
 Every answered request appends its latency (ns, from send to response) to the current
 :class:`Recorder`; :meth:`LoadGenerator.collect` swaps the recorder, so a window holds
@@ -208,16 +210,8 @@ class LoadGenerator:
             while not worker.stop:
                 payload, ends = source.next()
                 start = now()
-                send, recv = await infer(payload)
-                end = now()
-                recorder = self.recorder
-                recorder.latencies.append(end - start)
-                recorder.send += send
-                recorder.recv += recv
-                recorder.responses += slot.responses
-                recorder.sequences += ends
-                if recorder.log is not None:
-                    recorder.log.append(_logged(start, end, slot, source.where()))
+                timings = await infer(payload)
+                self.record(start, now(), timings, slot, ends, source.where() if self.log else None)
             if self.error is None:
                 await self._finish(slot, source)
         except asyncio.CancelledError:
@@ -304,22 +298,40 @@ class LoadGenerator:
                    where: tuple[int, int] | None) -> None:
         start = _now()
         try:
-            send, recv = await slot.infer(payload)
+            timings = await slot.infer(payload)
         except Exception as exc:  # noqa: BLE001 - any client failure ends the run with its reason
             self._fail(exc)
             return
-        end = _now()
+        self.record(start, _now(), timings, slot, ends, where)
+        self._busy.discard(sequence)
+        self._idle.append(slot)
+        self._slot_freed.set()
+
+    def record(self, start: int, end: int, timings: tuple[int, int], slot: Slot, ends: bool,
+               where: tuple[int, int] | None) -> None:
+        """A request answered, into the current window: its latency, its send and receive
+        times, its responses, whether it ended a sequence, and (with a log) itself."""
         recorder = self.recorder
         recorder.latencies.append(end - start)
-        recorder.send += send
-        recorder.recv += recv
+        recorder.send += timings[0]
+        recorder.recv += timings[1]
         recorder.responses += slot.responses
         recorder.sequences += ends
         if where is not None and recorder.log is not None:
             recorder.log.append(_logged(start, end, slot, where))
-        self._busy.discard(sequence)
+
+    async def send_once(self, on_answer: Callable[[], None]) -> None:
+        """One request, recorded (--periodic-concurrency-range's); ``on_answer`` is called
+        as each of its answers arrives."""
+        slot = await self._slot()
+        source = self._source()
+        payload, ends = source.next()
+        slot.on_answer = on_answer
+        start = _now()
+        timings = await slot.infer(payload)
+        self.record(start, _now(), timings, slot, ends, source.where() if self.log else None)
+        slot.on_answer = None
         self._idle.append(slot)
-        self._slot_freed.set()
 
     async def _freed(self, ready: Callable[[], bool]) -> bool:
         """Wait until ``ready()`` (a request ended: a slot or a sequence may be free);

@@ -8,6 +8,8 @@ ends at a level that never became stable or whose latency passed
 ``--latency-threshold``; that level is shown but left out of the summary and the CSV
 (exit status 2 when it was the first level: nothing was measured). With
 ``--binary-search`` such a level instead sends the search lower (:func:`binary_levels`).
+``--periodic-concurrency-range`` makes one run of its own instead (:mod:`dlserve.perf.periodic`),
+reported by the profile export alone.
 """
 
 from __future__ import annotations
@@ -103,7 +105,9 @@ class Profiler:
                 concurrency = int(settings.levels[0]) if settings.mode == "concurrency" else 1
                 await group.warmup(settings.warmup_request_count, concurrency)
                 self._check(group)
-            if settings.binary_search:
+            if settings.periodic_range:
+                await self._periodic(group)
+            elif settings.binary_search:
                 search = binary_levels(settings)
                 value = next(search)
                 try:
@@ -119,6 +123,19 @@ class Profiler:
             self.progress.clear()
             await group.stop()
         return self.results
+
+    async def _periodic(self, group: LoadGroup) -> None:
+        """The periodic run: its requests go to the export as one experiment, as
+        perf_analyzer's do (mode concurrency, value 1: its --concurrency-range default)."""
+        start, end, step = self.settings.periodic_range
+        self.progress.update(f"dlserve perf: periodic concurrency {start}:{end}:{step}", force=True)
+        try:
+            window = await group.periodic()
+        except RequestError as exc:
+            raise Failed(f"a request failed: {exc}") from None
+        if self.export is not None:
+            self.export.add(self.settings.mode, self.settings.levels[0], [window.logs])
+        report.print_out(report.periodic_text(window, self.settings.profile_export_file) + "\n", self.progress)
 
     async def _measured(self, group: LoadGroup, value: float) -> bool:
         """Measure and report one level; whether it made it (stable, within the latency
@@ -213,6 +230,8 @@ def _for_sequences(settings: Settings) -> Settings:
     when its throughput is unless --sync says otherwise."""
     if settings.sweep_unbounded:
         raise UsageError("--concurrency-range with end 0 cannot be used for a sequence model")
+    if settings.periodic_range:
+        raise UsageError("--periodic-concurrency-range cannot be used for a sequence model")
     if settings.mode == "concurrency":
         most = int(max(settings.levels))
     else:
@@ -318,7 +337,8 @@ def main(settings: Settings) -> int:
         print("Failed to obtain stable measurement.", file=sys.stderr)  # (perf_analyzer's words)
     if not results and unstable:
         return UNSTABLE  # nothing measured (no summary, no files): try again
-    report.print_out(report.summary_text(results, settings.percentile))
+    if not settings.periodic_range:  # (its one run has no levels to sum up)
+        report.print_out(report.summary_text(results, settings.percentile))
     if settings.csv_file:
         report.write_csv(settings.csv_file, results, settings.mode, server_stats, settings.verbose_csv)
     if settings.json_file:

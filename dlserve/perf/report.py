@@ -23,7 +23,7 @@ import sys
 import time
 from typing import Any, TextIO
 
-from dlserve.perf.measure import LevelResult
+from dlserve.perf.measure import ClientWindow, LevelResult
 
 SERVER_COLUMNS = [
     "Network+Server Send/Recv",
@@ -64,7 +64,11 @@ def settings_text(settings: Any, server_stats: bool) -> str:
         lines.append(f"  Stabilizing using {metric} and throughput")
     if not settings.count_windows:
         lines.append(f"  Measurement window: {settings.measurement_interval_ms} msec")
-    if settings.mode == "concurrency":
+    if settings.periodic_range:
+        start, end, step = settings.periodic_range
+        lines.append(f"  Periodic concurrency: {start} to {end} requests, {step} more each time the latest "
+                     f"have had {settings.request_period} responses")
+    elif settings.mode == "concurrency":
         lines.append(f"  Latency limit: {settings.latency_threshold_ms} msec")
         top = "no limit" if settings.sweep_unbounded else f"{int(max(settings.levels))} concurrent requests"
         lines.append(f"  Concurrency limit: {top}")
@@ -86,6 +90,12 @@ def settings_text(settings: Any, server_stats: bool) -> str:
     if not server_stats:
         lines.append("  Server-side statistics: not available from this server")
     return "\n".join(lines) + "\n"
+
+
+def periodic_text(window: ClientWindow, export_file: str) -> str:
+    """The periodic run, in a line (perf_analyzer prints nothing after its settings)."""
+    return (f"Periodic concurrency: {window.count} requests, {window.responses} responses in "
+            f"{pa_number(window.duration_ns / 1e9)} sec; every one of them is in {export_file}")
 
 
 def level_header(mode: str, value: float) -> str:

@@ -17,6 +17,7 @@ from typing import Any
 from dlserve.perf.clients import ControlClient, control_client, data_plane
 from dlserve.perf.load import LoadGenerator
 from dlserve.perf.measure import ClientWindow
+from dlserve.perf.periodic import PeriodicLoad
 from dlserve.perf.sequences import SequenceMaker
 
 
@@ -241,6 +242,11 @@ class LoadGroup:
         await asyncio.gather(*(
             load.warmup(int(count), int(share)) for load, count, share in zip(self.loads, counts, shares)
         ))
+
+    async def periodic(self) -> ClientWindow:
+        """--periodic-concurrency-range's run (in this process: --processes is 1 there)."""
+        (load,) = self.loads
+        return await PeriodicLoad(load.generator, self.settings.periodic_range, self.settings.request_period).run()
 
     async def ended(self) -> int:
         """Requests that ended in the window so far (count_windows mode)."""

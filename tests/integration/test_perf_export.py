@@ -4,7 +4,8 @@ top-level ``experiments``, ``version``, ``service_kind``, ``endpoint``; one expe
 level with ``experiment`` {mode, value}, ``requests`` and ``window_boundaries``), every
 request of every measured window with epoch-nanosecond times in order, its inputs and
 each response's outputs, a decoupled model's responses one by one (its flag-only final
-too), and the requests of every process with ``--processes``.
+too), and the requests of every process with ``--processes``; and
+``--periodic-concurrency-range``'s run, its concurrency stepping up as perf_analyzer's does.
 """
 
 from __future__ import annotations
@@ -109,6 +110,48 @@ def test_a_decoupled_models_responses_each_have_their_time(server, tmp_path, mod
         assert request["request_inputs"] == {"IN": [0, 0, 0]}
         assert request["response_outputs"][:3] == [{"OUT": 0}] * 3
         assert request["response_outputs"][3:] == ([{}] if mode == "stream" else [])
+
+
+@pytest.mark.parametrize("periodic_range, groups", [("1:5:2", [1, 2, 2]), ("3:5:2", [3, 2])])
+def test_periodic_concurrency_steps_up_every_request_period(server, tmp_path, periodic_range, groups):
+    """--periodic-concurrency-range START:END:STEP --request-period 2: START requests, then
+    STEP more once every request of the latest group has had its 2nd answer (long before
+    its last), END in all (perf_analyzer sends 7 for 3:5:2), each once; one experiment
+    (perf_analyzer's: concurrency 1) whose one window holds the run."""
+    path = tmp_path / "profile.json"
+    before = time.time_ns()
+    result = perf("-m", "decoupled", *url(server, "grpc"), "--streaming", "--shape", "IN:4", "--input-data", "zero",
+                  "--request-parameter", "mode:thread:string", "--request-parameter", "delay_ms:50:int",
+                  "--periodic-concurrency-range", periodic_range, "--request-period", "2",
+                  "--profile-export-file", str(path))
+    after = time.time_ns()
+    assert "Periodic concurrency: 5 requests, 20 responses in " in result.stdout, result.stdout
+    (experiment,) = json.loads(path.read_text())["experiments"]
+    assert experiment["experiment"] == {"mode": "concurrency", "value": 1}
+    requests = sorted(experiment["requests"], key=lambda request: request["timestamp"])
+    assert len(requests) == sum(groups) == 5
+    start, end = experiment["window_boundaries"]
+    assert before < start <= requests[0]["timestamp"] and requests[-1]["response_timestamps"][-1] <= end < after
+    for request in requests:  # 4 values and a flag-only final
+        assert request["response_outputs"] == [{"OUT": 0}] * 4 + [{}]
+    sent = 0
+    for size, step in zip(groups, groups[1:]):
+        latest, following = requests[sent:sent + size], requests[sent + size:sent + size + step]
+        second_answers = [request["response_timestamps"][1] for request in latest]
+        finals = [request["response_timestamps"][-1] for request in latest]
+        assert max(second_answers) <= min(r["timestamp"] for r in following) < min(finals)
+        sent += size
+
+
+def test_periodic_concurrency_fails_when_a_request_ends_before_its_period(server, tmp_path):
+    """perf_analyzer's reason, exit 99 and no file: 4 answers (3 values and a flag-only
+    final) cannot reach --request-period 5."""
+    path = tmp_path / "profile.json"
+    result = perf("-m", "decoupled", *url(server, "grpc"), "--streaming", "--shape", "IN:3", "--input-data", "zero",
+                  "--periodic-concurrency-range", "1:2", "--request-period", "5", "--profile-export-file", str(path),
+                  expect=99)
+    assert "Request received final response before request period was reached." in result.stderr
+    assert not path.exists()
 
 
 def test_sequence_models_requests_name_their_sequence(server, tmp_path):

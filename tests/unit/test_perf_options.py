@@ -100,6 +100,12 @@ def test_sweeps_and_urls():
     assert settings("-m", "m", "-u", "http://127.0.0.1:9000/").url == "127.0.0.1:9000"
     shaped = settings("-m", "m", "--shape", "A:1,2", "--shape", "B:3")
     assert shaped.shapes == {"A": [1, 2], "B": [3]}
+    periodic = settings("-m", "m", "-i", "grpc", "--streaming", "--periodic-concurrency-range", "1:7:3",
+                        "--request-period", "5", "--profile-export-file", "/tmp/no-such-profile.json")
+    assert (periodic.periodic_range, periodic.request_period) == ((1, 7, 3), 5)
+    assert (periodic.mode, periodic.levels) == ("concurrency", [1])  # (the export's experiment, as perf_analyzer's)
+    assert settings("-m", "m", "--periodic-concurrency-range", "2:4", "-i", "grpc", "--streaming",
+                    "--profile-export-file", "/tmp/no-such-profile.json").periodic_range == (2, 4, 1)
 
 
 @pytest.mark.parametrize(
@@ -108,7 +114,7 @@ def test_sweeps_and_urls():
         (["--concurrency-range", "0:4"], "argument --concurrency-range: start must be positive"),
         (["--concurrency-range", "a"], "argument --concurrency-range: 'a' in 'a' is not an integer"),
         (["--request-rate-range", "5:1"], "argument --request-rate-range: end must not be below start"),
-        (["--concurrency-range", "1", "--request-rate-range", "10"], "cannot be used together"),
+        (["--concurrency-range", "1", "--request-rate-range", "10"], "cannot specify more than one inference load"),
         (["--concurrency-range", "1:0"], "needs --latency-threshold"),
         (["-b", "0"], "argument -b/--batch-size: must be at least 1"),
         (["--shape", "INPUT0"], "argument --shape: expected NAME:d1,d2,..."),
@@ -138,7 +144,22 @@ def test_sweeps_and_urls():
         (["--request-parameter", "sequence_id:1:int"], "sequence_id is set by dlserve perf itself"),
         (["--bls-composing-models", "a:x"], "expected NAME[:VERSION]"),
         (["--request-intervals", "/no/such/intervals"], "--request-intervals: cannot read '/no/such/intervals'"),
-        (["--request-intervals", "/dev/null", "--concurrency-range", "2"], "cannot be used with --concurrency-range"),
+        (["--request-intervals", "/dev/null", "--concurrency-range", "2"], "more than one inference load mode"),
+        (["--periodic-concurrency-range", "1:3", "--request-rate-range", "10"], "more than one inference load mode"),
+        (["--periodic-concurrency-range", "2"], "both <start> and <end> values must be provided, got '2'"),
+        (["--periodic-concurrency-range", "1:2:3:4"], "expected start:end[:step], got '1:2:3:4'"),
+        (["--periodic-concurrency-range", "2:8:0"], "the <step> value must be > 0"),
+        (["--periodic-concurrency-range", "0:6:3"], "the <start> value must be > 0"),
+        (["--periodic-concurrency-range", "8:2"], "the <start> must be <= <end>"),
+        (["--periodic-concurrency-range", "2:8:4"], "the <step> value must be a factor of the range size"),
+        (["--periodic-concurrency-range", "1:3", "-i", "grpc"], "requires bi-directional gRPC streaming"),
+        (["--periodic-concurrency-range", "1:3", "-i", "grpc", "--streaming"],
+         "must provide --profile-export-file when using the --periodic-concurrency-range option"),
+        (["--periodic-concurrency-range", "1:3", "-i", "grpc", "--streaming", "--profile-export-file", "/tmp/no-p.json",
+          "-f", "/tmp/p.csv"], "-f cannot be used with --periodic-concurrency-range"),
+        (["--periodic-concurrency-range", "1:3", "-i", "grpc", "--streaming", "--profile-export-file", "/tmp/no-p.json",
+          "--processes", "2"], "--processes above 1 cannot be used with --periodic-concurrency-range"),
+        (["--request-period", "0"], "argument --request-period: must be at least 1"),
         (["--request-intervals", "/dev/null"], "holds no interval above 0"),
         (["--binary-search", "--concurrency-range", "4"], "--binary-search needs a range with an end above"),
         (["--binary-search", "--concurrency-range", "1:0", "-l", "5"], "--binary-search needs a range"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -64,6 +65,9 @@ class Slot:
     # load, after which each request leaves its answers here: (perf_counter ns, the raw
     # answer as this client received it), decoded after the run by dlserve.perf.answers.
     captured: list[tuple[int, Any]] | None = None
+    # --periodic-concurrency-range's: None, or called as each answer to the request on the
+    # way arrives (a stream's flag-only final too).
+    on_answer: Callable[[], None] | None = None
 
     async def infer(self, payload: Any) -> tuple[int, int]:
         raise NotImplementedError

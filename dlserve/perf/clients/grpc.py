@@ -186,6 +186,8 @@ class StreamSlot(Slot):
                     raise RequestError(_stream_error(response))
                 if answers is not None:  # (a flag-only final too: perf_analyzer keeps its time)
                     answers.append((_now(), response))
+                if self.on_answer is not None:
+                    self.on_answer()
                 if not self.decoupled:
                     self.responses = 1
                     return 0, 0
