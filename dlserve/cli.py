@@ -17,7 +17,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dlserve.perf import cli as perf_cli
+from dlserve import perf
 
 if TYPE_CHECKING:
     from dlserve.engine.tracing import TraceSettings
@@ -227,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     for flag in _IGNORED_FLAGS:
         ignored.add_argument(flag, action="append", default=[], metavar="VALUE",
                              dest=_ignored_dest(flag))
-    perf_cli.add_parser(commands)
+    perf.add_parser(commands)
     return parser
 
 
@@ -497,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         return serve(args)
     if args.command == "perf":
-        return perf_cli.run(args)
+        return perf.run(args)
     parser.print_help()
     return 2
 

@@ -2,7 +2,8 @@
 
 Modules (each small, each testable alone):
 
-* :mod:`.cli`       -- the ``perf`` subcommand: flags (perf_analyzer's names), validation.
+* :mod:`.parser`    -- the ``perf`` subcommand's flags (perf_analyzer's names) on argparse.
+* :mod:`.cli`       -- the flags checked together into Settings; the command's entry point.
 * :mod:`.flags`     -- the flags' value parsers, and UsageError for values that cannot work.
 * :mod:`.sequences` -- sequence models: IDs, lengths and START/END of each request.
 * :mod:`.inputs`    -- model metadata -> tensors: zero / random / perf_analyzer JSON data.
@@ -12,6 +13,7 @@ Modules (each small, each testable alone):
   hot-path "slots" (one keep-alive HTTP connection, one gRPC call site or stream, ...);
   :mod:`.clients.h2` is the lean HTTP/2 transport for unary gRPC calls.
 * :mod:`.load`      -- closed-loop concurrency and open-loop request rate on asyncio.
+* :mod:`.periodic`  -- ``--periodic-concurrency-range``: one run stepping concurrency up.
 * :mod:`.workers`   -- ``--processes N``: the same load in N processes, results merged.
 * :mod:`.measure`   -- windows, stability, percentiles, server-statistics deltas.
 * :mod:`.profile`   -- the sweep: levels, windows until stable, the result per level.
@@ -22,6 +24,7 @@ Modules (each small, each testable alone):
 
 from __future__ import annotations
 
-from dlserve.perf.cli import add_parser, run
+from dlserve.perf.cli import run
+from dlserve.perf.parser import add_parser
 
 __all__ = ["add_parser", "run"]

@@ -10,6 +10,8 @@ import math
 from typing import Any
 
 PROTOCOLS = ("http", "grpc", "inprocess")
+UNSTABLE = 2  # perf_analyzer's exit status when no measurement became stable
+FAILED = 99  # and for any error, bad flags included
 
 
 class UsageError(Exception):

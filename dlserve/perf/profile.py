@@ -24,10 +24,10 @@ from collections.abc import Generator, Iterator
 from typing import Any
 
 from dlserve.perf import report
-from dlserve.perf.cli import FAILED, UNSTABLE, Settings
+from dlserve.perf.cli import Settings
 from dlserve.perf.clients import ControlClient, RequestError, ServerError, control_client
 from dlserve.perf.export import ProfileExport
-from dlserve.perf.flags import UsageError
+from dlserve.perf.flags import FAILED, UNSTABLE, UsageError
 from dlserve.perf.inputs import ModelInfo, make_requests
 from dlserve.perf.measure import LevelResult, ServerStats, Window, is_stable, summarize
 from dlserve.perf.sequences import check_id_range, stream_lengths
