@@ -12,14 +12,14 @@ from typing import Any
 
 from dlserve.engine import config as cfg
 from dlserve.engine import ensemble, warmup
+from dlserve.engine.batcher import DynamicBatcher
 from dlserve.engine.calls import Host
 from dlserve.engine.custom_metrics import CustomMetrics
 from dlserve.engine.instance import ModelInstance
 from dlserve.engine.proto import model_config_pb2 as mc
-from dlserve.engine.request import Request, Signature
 from dlserve.engine.rate_limiter import RateLimiter
+from dlserve.engine.request import Request, Signature
 from dlserve.engine.response_cache import ResponseCache
-from dlserve.engine.batcher import DynamicBatcher
 from dlserve.engine.scheduler import DefaultScheduler, Scheduler
 from dlserve.engine.sequence import SequenceBatcher
 from dlserve.engine.statistics import ModelStatistics
@@ -220,6 +220,7 @@ class ModelVersion:
         if self.cache is not None:
             self.cache.forget(self.generation)
         self.scheduler.close()
+        self.stats.ended = True
         self.state, self.reason = "UNAVAILABLE", "unloaded"
         return drained
 

@@ -13,7 +13,8 @@ keep their recent observations (:mod:`dlserve.engine.summaries`).
 
 A reload of a model version starts its statistics again at 0, as Triton's; Prometheus
 counters go on from the replaced version's (:meth:`ModelStatistics.continues`), as
-Triton's do (it keeps a version's metric reporter across reloads, not across unloads).
+Triton's do (it keeps a version's metric reporter across reloads, not across unloads),
+counting what each replaced version still answers until it has ended.
 """
 
 from __future__ import annotations
@@ -80,33 +81,40 @@ class ModelStatistics:
                 self.durations[field].window = LatencyWindow()
         self.batches: dict[int, BatchStats] = {}
         self.failures = dict.fromkeys(FAILURE_REASONS, 0)
-        self.previous: ModelStatistics | None = None  # the statistics a reload replaced
+        self.replaced: list[ModelStatistics] = []  # those of the versions reloads replaced
+        self.ended = False  # its version has unloaded: nothing counts here any more
 
     def continues(self, previous: ModelStatistics) -> None:
-        """A reload replaced the version ``previous`` counts for with this one: its counts
-        go on in :meth:`lifetime` (the previous version may still be finishing requests).
-        Older ones are folded into one, so reloads do not lengthen the chain."""
-        if previous.previous is not None:
-            previous.previous = previous.previous.lifetime()
+        """A reload replaced the version ``previous`` counts for with this one: its counts,
+        and those it went on from, go on in :meth:`lifetime`. A replaced version may still
+        be finishing requests, so it stays live until it has ended (a reload may come
+        before that); the ended ones are folded into one, so reloads do not lengthen the list."""
         for duration in previous.durations.values():
             duration.window = None  # (summaries' quantiles go on with this version's samples)
-        self.previous = previous
+        carried = [previous, *previous.replaced]
+        self.replaced = [stats for stats in carried if not stats.ended]
+        ended = [stats for stats in carried if stats.ended]
+        if ended:
+            folded = self._summed(ended)
+            folded.ended = True
+            self.replaced.append(folded)
 
     def lifetime(self) -> ModelStatistics:
         """What Prometheus counts: these counts plus those of the versions reloads
         replaced (a copy, without batch rows or samples, when there are any)."""
-        if self.previous is None:
+        if not self.replaced:
             return self
+        return self._summed([self, *self.replaced])
+
+    def _summed(self, parts: list[ModelStatistics]) -> ModelStatistics:
         total = ModelStatistics(self.name, self.version)
-        stats: ModelStatistics | None = self
-        while stats is not None:
+        for stats in parts:
             total.inference_count += stats.inference_count
             total.execution_count += stats.execution_count
             for reason, count in stats.failures.items():
                 total.failures[reason] += count
             for field, duration in stats.durations.items():
                 total.durations[field].add(duration.ns, duration.count)
-            stats = stats.previous
         return total
 
     def record_execution(
