@@ -3,7 +3,8 @@
 Every model has a lock, so loads and unloads of one model never interleave while
 different models load in parallel. A reload loads the new versions first and
 swaps them in only when they are ready, so a broken edit never takes down a
-serving model.
+serving model; as in Triton, it returns then, while the versions it replaced finish
+their requests in the background (a client's load never waits on a long request).
 
 With model namespacing, as in Triton: a model is known by its repository and name
 (:data:`ModelKey`); a name alone means the one model of that name that is loaded, and
@@ -81,7 +82,8 @@ class ModelManager:
         self._starting: set[ModelVersion | WorkerProcess] = set()
         self._stopping = False
         self._poll_task: asyncio.Task[None] | None = None
-        self._unloading: set[asyncio.Task[None]] = set()  # unloads returned from before they ended
+        self._unloading: set[asyncio.Task[Any]] = set()  # unloads returned from before they ended
+        self._retiring: set[ModelVersion] = set()  # versions a reload replaced, still draining
 
     # -- the repository index ------------------------------------------------------
     def index(self, ready_only: bool = False) -> list[dict[str, Any]]:
@@ -243,6 +245,8 @@ class ModelManager:
         for entry in self.models.values():
             for model in entry.versions.values():
                 model.kill()
+        for model in self._retiring:
+            model.kill()
 
     # -- repositories -----------------------------------------------------------------
     async def register_repository(self, path: str, name_mapping: dict[str, str] | None) -> None:
@@ -356,7 +360,17 @@ class ModelManager:
             entry.as_step = as_step
             entry.fingerprint = source.fingerprint()
             entry.overridden = config is not None
-            await asyncio.gather(*(v.unload(self._deadline()) for v in old.values()))
+            for replaced in old.values():
+                self._retire(replaced)
+
+    def _retire(self, version: ModelVersion) -> None:
+        """Unload a version a reload replaced, in the background: its requests finish
+        (by the exit timeout) while the new version serves."""
+        self._retiring.add(version)
+        task = asyncio.ensure_future(version.unload(self._deadline()))
+        task.add_done_callback(lambda _: self._retiring.discard(version))
+        self._unloading.add(task)
+        task.add_done_callback(self._unload_ended)
 
     async def _load_versions(
         self, source: ModelSource, override: str | None, entry: ModelEntry
@@ -618,7 +632,7 @@ class ModelManager:
             entry.waits_for.clear()  # unloaded by name: it stays unloaded
             await self._unload_unused(steps, deadline)
 
-    def _unload_ended(self, task: asyncio.Task[None]) -> None:
+    def _unload_ended(self, task: asyncio.Task[Any]) -> None:
         self._unloading.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("unloading failed", exc_info=task.exception())

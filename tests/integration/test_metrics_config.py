@@ -7,7 +7,8 @@ instead), there from the start with count 0, sum 0 and NaN quantiles; count and 
 the statistics and the ``*_duration_us`` counters; ``summary_quantiles`` picks the
 quantiles; ``counter_latencies=false`` drops the duration counters and the per-model cache
 counters; unknown keys and bad values are errors (Triton ignores them); nv_cpu_* stay the
-same between refreshes, however often they are scraped; a reload keeps the counters going.
+same between refreshes, however often they are scraped; a reload keeps the counters going
+(requests the replaced versions still answer included).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from dlserve.frontends import Metrics
 
 from ..conftest import MODELS, ServerHarness
 from .test_cli import run_cli
-from .test_metrics import A16, scrape, stats, value
+from .test_metrics import A16, families, scrape, stats, value
+from .test_model_control import HeldRequest, reload_with
 
 SUMMARIES = {  # Triton 2.51's help texts, the compute ones' "Cumulative" included
     "nv_inference_request_summary_us": "Summary of inference request duration in microseconds (includes cached requests)",
@@ -301,3 +303,22 @@ def test_a_reload_keeps_the_counters_going_and_an_unload_ends_them(start):
     server.unload("add_sub")
     server.load("add_sub")
     assert counted() == (0, 0, 0, 0, 0)
+
+
+def test_reloads_while_replaced_versions_still_answer_count_every_request(servers, make_repo, tmp_path):
+    """Three reloads while each replaced version still holds a request: the counters count
+    every request answered, whichever version answered it and however many reloads came
+    after it (as Triton 2.51's, side by side)."""
+    server = servers.start(
+        make_repo("faulty"), model_control_mode=dlserve.ModelControlMode.EXPLICIT, startup_models=["faulty"]
+    )
+    held = []
+    for generation in range(3):
+        held.append(HeldRequest(server, tmp_path / f"release{generation}"))
+        reload_with(server, "faulty", generation)
+    assert [request.answer().error for request in held] == [None, None, None]
+    list(server.model("faulty").infer(inputs={"INPUT0": X[0]}))
+    fams = families(server.metrics())
+    labels = {"model": "faulty", "version": "1"}
+    assert value(fams, "nv_inference_request_success", **labels) == 4
+    assert value(fams, "nv_inference_count", **labels) == 4

@@ -16,7 +16,8 @@ import pytest
 import dlserve
 from dlserve import ModelControlMode
 
-from ..conftest import MODELS
+from ..conftest import MODELS, pid_alive, wait_until
+from .test_metrics import families, value
 
 X1 = np.ones(1, dtype=np.float32)
 ADD_SUB_PY = (MODELS / "add_sub" / "1" / "model.py").read_text()
@@ -428,6 +429,51 @@ def test_unload_waits_for_in_flight_requests(servers, make_repo):
     server.unload("faulty")
     thread.join()
     assert results and results[0].error is None  # finished, not cut off
+
+
+class HeldRequest:
+    """A request to the ``faulty`` test model that its execute holds until released."""
+
+    def __init__(self, server: dlserve.Server, release: Path) -> None:
+        self.release = release
+        self.responses: list[dlserve.InferenceResponse] = []
+        self.thread = threading.Thread(target=self._send, args=(server,))
+        self.thread.start()
+        wait_until(lambda: os.path.exists(f"{release}.held"))
+
+    def _send(self, server: dlserve.Server) -> None:
+        parameters = {"mode": f"hold:{self.release}"}
+        self.responses.extend(server.model("faulty").infer(inputs={"INPUT0": X1}, parameters=parameters))
+
+    def answer(self) -> dlserve.InferenceResponse:
+        self.release.touch()
+        self.thread.join(30)
+        (response,) = self.responses
+        return response
+
+
+def reload_with(server: dlserve.Server, name: str, generation: int) -> None:
+    """Reload ``name`` with a config override that differs from the one it serves."""
+    config = server.model(name).config()
+    config["parameters"] = {"generation": {"string_value": str(generation)}}
+    server.load(name, {"config": json.dumps(config)})
+
+
+def test_a_reload_returns_while_the_replaced_version_finishes_its_requests(servers, make_repo, tmp_path):
+    """As in Triton: a reload returns once the new version serves, while a request the
+    replaced version holds finishes there (and counts, over the reload); the replaced
+    version's worker ends after it."""
+    server = servers.start(make_repo("faulty"), model_control_mode=ModelControlMode.EXPLICIT, startup_models=["faulty"])
+    (old_pid,) = worker_pids(server, "faulty")
+    held = HeldRequest(server, tmp_path / "release")
+    reload_with(server, "faulty", 1)
+    assert held.thread.is_alive()  # the load did not wait for the held request
+    (answer,) = server.model("faulty").infer(inputs={"INPUT0": X1})
+    assert int(answer.outputs["PID"].as_numpy()[0]) != old_pid  # the new version serves
+    assert held.answer().error is None
+    wait_until(lambda: not pid_alive(old_pid))
+    fams = families(server.metrics())
+    assert value(fams, "nv_inference_request_success", model="faulty", version="1") == 2
 
 
 def test_an_idle_model_stopped_with_no_time_left_is_not_said_to_have_requests(servers, make_repo, caplog):

@@ -2,7 +2,8 @@
 
 ok | raise | not_list | wrong_length | none | not_response | error:<CODE> |
 exit | kill | segv | sleep:<seconds> | no_shm (the output needs more shared memory
-than the worker may create: as with a full /dev/shm)
+than the worker may create: as with a full /dev/shm) | hold:<path> (writes <path>.held,
+then answers once <path> exists, or after 60 s)
 
 While a file named CRASH_ON_INITIALIZE sits in the model's folder, initialize()
 ends the process (exit code 5), as a model that cannot come back up would. With
@@ -59,6 +60,12 @@ class TritonPythonModel:
             return [pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", big)]) for _ in requests]
         if mode.startswith("sleep:"):
             time.sleep(float(mode.split(":", 1)[1]))
+        if mode.startswith("hold:"):
+            path = mode.split(":", 1)[1]
+            open(path + ".held", "w").close()
+            deadline = time.monotonic() + 60
+            while not os.path.exists(path) and time.monotonic() < deadline:
+                time.sleep(0.01)
         responses = []
         for request in requests:
             if mode.startswith("error:"):
