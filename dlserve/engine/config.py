@@ -1,20 +1,14 @@
-"""``config.pbtxt``: parsing, Triton's defaults, validation and Triton's JSON rendering.
+"""A model's config checked as Triton checks it: Triton's defaults and validation.
 
-The configuration is our own ``inference.ModelConfig`` protobuf message (names and
-field numbers of Triton's ``model_config.proto``), so text format, JSON and gRPC
-all come from one schema. :func:`complete` fills in what Triton fills in before a
-model loads, :func:`validate` rejects what Triton would (and what dlserve cannot
-serve yet) with a message naming the model and the field, and :func:`to_json`
-renders the config exactly as Triton's HTTP endpoint and ``args["model_config"]`` do.
+:func:`complete` fills in what Triton fills in before a model loads and
+:func:`validate` rejects what Triton would (and what dlserve cannot serve yet) with a
+message naming the model and the field. Reading and rendering the config's text and
+JSON forms is :mod:`dlserve.engine.config_forms`.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any
-
-from google.protobuf import descriptor, json_format, text_format
-from google.protobuf.message import Message
 
 from dlserve.engine.proto import model_config_pb2 as mc
 from dlserve.engine.sequence import ControlInput
@@ -25,110 +19,6 @@ InstanceGroup = mc.ModelInstanceGroup
 DEFAULT_MODEL_FILENAME = "model.py"
 SUPPORTED_BACKEND = "python"
 ENSEMBLE_PLATFORM = "ensemble"
-
-
-def parse_text(text: str, model_name: str) -> mc.ModelConfig:
-    """Parse ``config.pbtxt`` text; a syntax error names the model and the position."""
-    try:
-        return text_format.Parse(text, mc.ModelConfig())
-    except text_format.ParseError as exc:
-        raise InvalidArgumentError(
-            f"failed to load model '{model_name}': config.pbtxt: {exc}"
-        ) from None
-
-
-def parse_json(data: str | dict[str, Any], model_name: str) -> mc.ModelConfig:
-    """Parse a config in Triton's JSON form (load overrides, auto-complete results)."""
-    try:
-        obj = json.loads(data) if isinstance(data, str) else data
-        if not isinstance(obj, dict):
-            raise ValueError("the config must be a JSON object")
-        return json_format.ParseDict(obj, mc.ModelConfig())
-    except (ValueError, TypeError, json_format.ParseError) as exc:
-        raise InvalidArgumentError(f"failed to load model '{model_name}': invalid config: {exc}") from None
-
-
-_INT64_TYPES = {
-    descriptor.FieldDescriptor.TYPE_INT64,
-    descriptor.FieldDescriptor.TYPE_UINT64,
-    descriptor.FieldDescriptor.TYPE_SINT64,
-    descriptor.FieldDescriptor.TYPE_FIXED64,
-    descriptor.FieldDescriptor.TYPE_SFIXED64,
-}
-_FLOAT_TYPES = {descriptor.FieldDescriptor.TYPE_FLOAT, descriptor.FieldDescriptor.TYPE_DOUBLE}
-# Messages whose 64-bit ints Triton 2.51 leaves as protobuf's strings ("dims": ["1"]).
-_INT64_KEPT_AS_STRINGS = {mc.ModelSequenceBatching.InitialState.DESCRIPTOR.full_name}
-
-
-def _as_triton_json(desc: descriptor.Descriptor, obj: dict[str, Any]) -> dict[str, Any]:
-    """protobuf's JSON writes 64-bit ints as strings, whole floats with ".0" and set
-    fields before unset ones; Triton writes numbers (in most messages), whole floats
-    as integers, in the order the fields are declared."""
-    _numbers_as_triton_writes(desc, obj)
-    return _declaration_order(desc, obj)
-
-
-def _declaration_order(desc: descriptor.Descriptor, obj: dict[str, Any]) -> dict[str, Any]:
-    ordered: dict[str, Any] = {}
-    for field in desc.fields:
-        if field.name not in obj:
-            continue
-        value = obj[field.name]
-        message = field.message_type
-        if message is not None and message.GetOptions().map_entry:
-            value_type = message.fields_by_name["value"].message_type
-            if value_type is not None:
-                value = {k: _declaration_order(value_type, v) for k, v in value.items()}
-        elif message is not None:
-            if field.is_repeated:
-                value = [_declaration_order(message, item) for item in value]
-            else:
-                value = _declaration_order(message, value)
-        ordered[field.name] = value
-    return ordered
-
-
-def _numbers_as_triton_writes(desc: descriptor.Descriptor, obj: dict[str, Any]) -> None:
-    int64_as_numbers = desc.full_name not in _INT64_KEPT_AS_STRINGS
-    for field in desc.fields:
-        if field.name not in obj:
-            continue
-        value = obj[field.name]
-        if field.message_type is not None and field.message_type.GetOptions().map_entry:
-            value_field = field.message_type.fields_by_name["value"]
-            for key, item in value.items():
-                if value_field.message_type is not None:
-                    _numbers_as_triton_writes(value_field.message_type, item)
-                elif value_field.type in _INT64_TYPES:
-                    value[key] = int(item)
-        elif field.message_type is not None:
-            items = value if field.is_repeated else [value]
-            for item in items:
-                _numbers_as_triton_writes(field.message_type, item)
-        elif field.type in _INT64_TYPES and int64_as_numbers:
-            obj[field.name] = [int(v) for v in value] if isinstance(value, list) else int(value)
-        elif field.type in _FLOAT_TYPES:
-            obj[field.name] = [_whole(v) for v in value] if isinstance(value, list) else _whole(value)
-
-
-def _whole(value: Any) -> Any:
-    """A float that is a whole number as an int (1.0 -> 1), as protobuf's C++ prints it."""
-    return int(value) if isinstance(value, float) and value.is_integer() else value
-
-
-def message_to_json(message: Message) -> dict[str, Any]:
-    """Triton's JSON for any config message: proto field names, every scalar and
-    repeated field printed, sub-messages only when set, 64-bit ints as numbers."""
-    obj = json_format.MessageToDict(
-        message,
-        preserving_proto_field_name=True,
-        always_print_fields_with_no_presence=True,
-    )
-    return _as_triton_json(message.DESCRIPTOR, obj)
-
-
-def to_json(config: mc.ModelConfig) -> dict[str, Any]:
-    return message_to_json(config)
 
 
 def environment_parameters(config: mc.ModelConfig) -> tuple[str, str]:

@@ -27,7 +27,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from dlserve.engine import config as cfg
-from dlserve.engine import ensemble
+from dlserve.engine import config_forms, ensemble
 from dlserve.engine.model import EngineResources, ModelVersion
 from dlserve.engine.model_table import ModelEntry, ModelTable
 from dlserve.engine.object_store import ObjectStoreError, is_remote
@@ -378,7 +378,7 @@ class ModelManager:
         name = source.name
         entry.tried = []
         if override is not None:
-            config = cfg.parse_json(override, name)
+            config = config_forms.parse_json(override, name)
         else:
             found = self.repository.read_config(source)
             if found is None and not self.auto_complete:
@@ -584,14 +584,14 @@ class ModelManager:
         try:
             result = await worker.request(
                 Kind.AUTO_COMPLETE,
-                {"model_file": str(model_file), "config": json.dumps(cfg.to_json(config))},
+                {"model_file": str(model_file), "config": json.dumps(config_forms.to_json(config))},
             )
         except TritonError as exc:
             raise type(exc)(f"auto_complete_config of model '{name}' failed: {exc.message}") from None
         finally:
             self._starting.discard(worker)
             await worker.stop(time.monotonic() + 5.0, finalize=False)
-        return cfg.parse_json(result, name)
+        return config_forms.parse_json(result, name, source="config from auto_complete_config")
 
     async def unload(self, name: str, unload_dependents: bool = False, wait: bool = True) -> None:
         """Unload every version of ``name``, and the loaded ensembles that use it (they

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from dlserve.engine import config as cfg
-from dlserve.engine import ensemble, warmup
+from dlserve.engine import config_forms, ensemble, warmup
 from dlserve.engine.batcher import DynamicBatcher
 from dlserve.engine.calls import Host
 from dlserve.engine.custom_metrics import CustomMetrics
@@ -77,7 +77,7 @@ class ModelVersion:
         self.namespace = namespace  # its repository as given, with model namespacing
         self.version = version
         self.config = config
-        self.config_json = cfg.to_json(config)
+        self.config_json = config_forms.to_json(config)
         self.model_dir = model_dir
         self.model_file = model_dir / str(version) / config.default_model_filename
         self.resources = resources

@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from dlserve.engine import config as cfg
+from dlserve.engine import config_forms
 from dlserve.engine.object_store import ObjectStoreError, Stamps, StoreMirror, is_remote
 from dlserve.engine.proto import model_config_pb2 as mc
 from dlserve.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError
@@ -336,7 +336,7 @@ class Repository:
             text = source.config_path(self.config_name).read_text()
         except FileNotFoundError:
             return None
-        return cfg.parse_text(text, source.name)
+        return config_forms.parse_text(text, source.name)
 
     def write_upload(self, name: str, files: dict[str, bytes]) -> ModelSource:
         """Materialise ``file:<path>`` load parameters as a private model folder."""

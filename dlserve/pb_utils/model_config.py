@@ -77,10 +77,12 @@ class ModelConfig:
                     f"model '{self._name}': config.pbtxt gives {kind} '{label}' data type "
                     f"{configured_type}, the model says {tensor['data_type']}"
                 )
-            if current.get("dims") and list(current["dims"]) != list(tensor["dims"]):
+            # compared as given, as Triton does: ["4"] or 4 is not config.pbtxt's [4]
+            wanted_dims = list(tensor["dims"]) if isinstance(tensor["dims"], tuple) else tensor["dims"]
+            if current.get("dims") and list(current["dims"]) != wanted_dims:
                 raise ValueError(
                     f"model '{self._name}', tensor '{label}': the model expects dims "
-                    f"{list(tensor['dims'])} but config.pbtxt specifies {list(current['dims'])}"
+                    f"{wanted_dims} but config.pbtxt specifies {list(current['dims'])}"
                 )
             if "optional" in tensor and current.get("optional", tensor["optional"]) != tensor[
                 "optional"

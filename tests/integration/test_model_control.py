@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -273,6 +274,36 @@ class TritonPythonModel:
 """
 
 
+def test_index_lists_every_folder_and_then_why_a_folder_without_versions_failed(servers, make_repo):
+    """Triton 2.51 (measured, explicit mode): before any load the index lists every folder
+    by name, models or not (no version folder, only a non-numeric one, empty, only a
+    file). After a failed load Triton drops the folders that have a config or a model
+    file in a subfolder from the index and keeps the others by name; dlserve lists each
+    failed one with its reason, and by name again once unloaded."""
+    config = {"config.pbtxt": 'backend: "python"\n'}
+    repo = make_repo(
+        "identity",
+        extra={
+            "no_version": {**config, "model.py": ADD_SUB_PY},
+            "not_numeric": {**config, "v1/model.py": ADD_SUB_PY},
+            "only_a_file": {"README": "not a model\n"},
+        },
+    )
+    (repo / "empty").mkdir()
+    folders = ["empty", "no_version", "not_numeric", "only_a_file"]
+    server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT)
+    assert server.engine.manager.index() == [{"name": name} for name in sorted([*folders, "identity"])]
+    for name in folders:
+        with pytest.raises(dlserve.InvalidArgumentError, match=f"model '{name}': no version folder holds 'model.py'"):
+            server.load(name)
+    failed = {row["name"]: row for row in server.engine.manager.index() if row["name"] != "identity"}
+    assert sorted(failed) == folders
+    assert all(row["state"] == "UNAVAILABLE" and "no version folder" in row["reason"] for row in failed.values())
+    for name in folders:
+        server.unload(name)
+    assert server.engine.manager.index() == [{"name": name} for name in sorted([*folders, "identity"])]
+
+
 def test_auto_complete_sees_the_defaults_triton_has_filled_in(servers, make_repo):
     """Triton 2.51 (measured) hands auto_complete_config a config with its model file,
     instance groups and optimization filled in; a model branching on them must see them."""
@@ -306,6 +337,44 @@ def test_auto_complete_errors_are_reported(servers, make_repo):
     )
     with pytest.raises(dlserve.InternalError, match="auto_complete_config of model 'bad_auto' failed.*max_batch_size"):
         servers.start(repo)
+
+
+def auto_complete_adding(input_fields: str) -> str:
+    """A model whose auto_complete_config adds input IN with ``input_fields`` (Python
+    text) and output OUT with dims ["-1", "4"]."""
+    return (
+        "class TritonPythonModel:\n"
+        "    @staticmethod\n"
+        "    def auto_complete_config(config):\n"
+        f'        config.add_input({{"name": "IN", "data_type": "TYPE_FP32", {input_fields}}})\n'
+        '        config.add_output({"name": "OUT", "data_type": "TYPE_FP32", "dims": ["-1", "4"]})\n'
+        "        return config\n\n"
+        "    def execute(self, requests):\n"
+        "        return []\n"
+    )
+
+
+def test_auto_complete_numbers_and_bools_in_strings_are_read_as_triton_reads_them(servers, make_repo):
+    """Triton 2.51 (measured, same models): the config it serves has the numbers and bools."""
+    models = {
+        "strings": '"dims": ["4"], "optional": "true"',
+        "one_value": '"dims": "4", "optional": "no"',
+        "bad": '"dims": ["abc"]',
+    }
+    files = {name: {"config.pbtxt": 'backend: "python"\n', "1/model.py": auto_complete_adding(fields)} for name, fields in models.items()}
+    server = servers.start(make_repo(extra=files), model_control_mode=ModelControlMode.EXPLICIT)
+    for name, optional in (("strings", True), ("one_value", False)):
+        server.load(name)
+        config = server.model(name).config()
+        assert [(t["name"], t["dims"], t["optional"]) for t in config["input"]] == [("IN", [4], optional)]
+        assert [(t["name"], t["dims"]) for t in config["output"]] == [("OUT", [-1, 4])]
+    # Triton loads this one with its auto-complete result silently dropped (no inputs, no
+    # outputs at all); dlserve refuses it and says why.
+    with pytest.raises(
+        dlserve.InvalidArgumentError,
+        match=re.escape("invalid config from auto_complete_config: input[0].dims[0]: 'abc' is not an integer"),
+    ):
+        server.load("bad")
 
 
 def test_exit_on_error(servers, make_repo):

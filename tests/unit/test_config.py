@@ -7,11 +7,13 @@ import importlib.util
 import json
 import logging
 import os
+import re
 from pathlib import Path
 
 import pytest
 
 from dlserve.engine import config as cfg
+from dlserve.engine import config_forms as forms
 from dlserve.engine.proto import model_config_pb2 as mc
 from dlserve.engine.repository import (
     ModelSource,
@@ -29,7 +31,7 @@ PROBE_REPO = REFERENCE / "probe_repo"
 
 
 def parse(text: str, name: str = "m") -> mc.ModelConfig:
-    return cfg.parse_text(text, name)
+    return forms.parse_text(text, name)
 
 
 def completed(text: str, name: str = "m", gpu_count: int = 0) -> mc.ModelConfig:
@@ -82,28 +84,90 @@ def test_parse_text_of_an_empty_config():
 )
 def test_parse_text_syntax_errors_name_the_model(text, where):
     with pytest.raises(InvalidArgumentError) as info:
-        cfg.parse_text(text, "my_model")
+        forms.parse_text(text, "my_model")
     message = str(info.value)
     assert message.startswith("failed to load model 'my_model': config.pbtxt: ")
     assert where in message
 
 
 def test_parse_json():
-    config = cfg.parse_json('{"name": "m", "max_batch_size": 4, "input": [{"name": "A", "data_type": "TYPE_FP32", "dims": [-1]}]}', "m")
+    config = forms.parse_json('{"name": "m", "max_batch_size": 4, "input": [{"name": "A", "data_type": "TYPE_FP32", "dims": [-1]}]}', "m")
     assert config.max_batch_size == 4 and list(config.input[0].dims) == [-1]
-    assert cfg.parse_json({"backend": "python"}, "m").backend == "python"
+    assert forms.parse_json({"backend": "python"}, "m").backend == "python"
 
 
 @pytest.mark.parametrize("text", ["{", '{"nme": 1}', '{"max_batch_size": "many"}'])
 def test_parse_json_errors_name_the_model(text):
     with pytest.raises(InvalidArgumentError, match="failed to load model 'm': invalid config: "):
-        cfg.parse_json(text, "m")
+        forms.parse_json(text, "m")
+
+
+def tensor_from_json(**fields) -> mc.ModelInput:
+    return forms.parse_json({"input": [{"name": "A", "data_type": "TYPE_FP32", **fields}]}, "m").input[0]
+
+
+@pytest.mark.parametrize(
+    "dims,expected",
+    [
+        (["4"], [4]), (["-1", "4"], [-1, 4]), (["+4", "010"], [4, 10]), ("4", [4]), (4, [4]),
+        ([["4"], 5], [4, 5]), ([1e3], [1000]), (["9223372036854775807"], [9223372036854775807]),
+    ],
+)
+def test_parse_json_reads_dims_as_triton_does(dims, expected):
+    """Triton 2.51 (measured with auto_complete_config and load overrides): numbers in
+    strings, one value for a list and lists in lists are read as protobuf's C++ parser reads them."""
+    assert list(tensor_from_json(dims=dims).dims) == expected
+
+
+@pytest.mark.parametrize("word", ["true", "True", "TRUE", "t", "yes", "y", "1"])
+def test_parse_json_reads_true_in_a_string_as_triton_does(word):
+    assert tensor_from_json(dims=[1], optional=word).optional is True
+
+
+@pytest.mark.parametrize("word", ["false", "False", "f", "no", "N", "0"])
+def test_parse_json_reads_false_in_a_string_as_triton_does(word):
+    assert tensor_from_json(dims=[1], optional=word).optional is False
+
+
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        ({"dims": ["abc"]}, "input[0].dims[0]: 'abc' is not an integer"),
+        ({"dims": ["4.0"]}, "input[0].dims[0]: '4.0' is not an integer"),
+        ({"dims": ["1e3"]}, "input[0].dims[0]: '1e3' is not an integer"),
+        ({"dims": [" 4"]}, "input[0].dims[0]: ' 4' is not an integer"),
+        ({"dims": ["0x10"]}, "input[0].dims[0]: '0x10' is not an integer"),
+        ({"dims": [4.5]}, "Couldn't parse integer: 4.5"),
+        ({"dims": ["99999999999999999999"]}, "Value out of range"),
+        ({"dims": [1], "optional": "on"}, "input[0].optional: 'on' is not a bool"),
+        ({"dims": [1], "optional": "2"}, "input[0].optional: '2' is not a bool"),
+        ({"dims": [1], "optional": 1}, "Expected true or false"),
+    ],
+)
+def test_parse_json_refuses_what_triton_cannot_read(fields, message):
+    with pytest.raises(InvalidArgumentError, match=re.escape(message)):
+        tensor_from_json(**fields)
+
+
+def test_parse_json_reads_strings_as_triton_does_in_every_message():
+    config = forms.parse_json(
+        {
+            "max_batch_size": "2",
+            "output": {"name": "O", "data_type": "TYPE_FP32", "dims": "-1"},
+            "model_transaction_policy": {"decoupled": "no"},
+            "dynamic_batching": {"priority_queue_policy": {"1": {"max_queue_size": "3"}}},
+        },
+        "m",
+    )
+    assert config.max_batch_size == 2 and list(config.output[0].dims) == [-1]
+    assert config.HasField("model_transaction_policy") and not config.model_transaction_policy.decoupled
+    assert config.dynamic_batching.priority_queue_policy[1].max_queue_size == 3
 
 
 @pytest.mark.parametrize("text", ["5", "null", "[]"])
 def test_parse_json_rejects_json_that_is_not_an_object(text):
     with pytest.raises(InvalidArgumentError, match="failed to load model 'm'"):
-        cfg.parse_json(text, "m")
+        forms.parse_json(text, "m")
 
 
 # -- complete ------------------------------------------------------------------------------
@@ -176,7 +240,7 @@ def test_complete_preferred_batch_size():
 def test_to_json_equals_tritons_rendering(model):
     config = completed(probe_config(model), model)
     cfg.validate(config, model)
-    assert cfg.to_json(config) == reference_json(model)
+    assert forms.to_json(config) == reference_json(model)
 
 
 def _run_probe_auto_complete(model: str, config: mc.ModelConfig) -> mc.ModelConfig:
@@ -184,8 +248,8 @@ def _run_probe_auto_complete(model: str, config: mc.ModelConfig) -> mc.ModelConf
     spec = importlib.util.spec_from_file_location(f"probe_{model}", PROBE_REPO / model / "1" / "model.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    result = module.TritonPythonModel.auto_complete_config(PbModelConfig(json.dumps(cfg.to_json(config))))
-    return cfg.parse_json(json.dumps(result.as_dict()), model)
+    result = module.TritonPythonModel.auto_complete_config(PbModelConfig(json.dumps(forms.to_json(config))))
+    return forms.parse_json(json.dumps(result.as_dict()), model)
 
 
 @pytest.mark.parametrize("model", ["auto_complete", "auto_complete_noconfig"])
@@ -203,13 +267,13 @@ def test_to_json_after_auto_complete_equals_tritons_rendering(model):
     config = _run_probe_auto_complete(model, config)
     cfg.complete(config, model)
     cfg.validate(config, model)
-    assert cfg.to_json(config) == reference_json(model)
+    assert forms.to_json(config) == reference_json(model)
 
 
 @pytest.mark.parametrize("model", ["add_sub", "args_probe"])
 def test_to_json_key_order_is_tritons(model):
     config = completed(probe_config(model), model)
-    rendered = json.dumps(cfg.to_json(config), separators=(",", ":"))
+    rendered = json.dumps(forms.to_json(config), separators=(",", ":"))
     assert rendered == (REFERENCE / f"config_{model}.json").read_text().strip()
 
 
@@ -219,12 +283,12 @@ def test_to_json_writes_int64_as_numbers():
         'input [ { name: "A" data_type: TYPE_FP32 dims: [ -1, 2 ] } ] '
         "dynamic_batching { max_queue_delay_microseconds: 100 }"
     )
-    rendered = cfg.to_json(config)
+    rendered = forms.to_json(config)
     assert rendered["version_policy"] == {"specific": {"versions": [1, 3]}}
     assert rendered["input"][0]["dims"] == [-1, 2]
     assert rendered["dynamic_batching"]["max_queue_delay_microseconds"] == 100
     assert '"dims":[-1,2]' in json.dumps(rendered, separators=(",", ":"))
-    latest = cfg.to_json(completed(""))["version_policy"]["latest"]["num_versions"]
+    latest = forms.to_json(completed(""))["version_policy"]["latest"]["num_versions"]
     assert latest == 1 and type(latest) is int
 
 
@@ -237,14 +301,14 @@ def test_to_json_writes_numbers_as_triton_does_where_it_is_odd():
         'state [ { input_name: "I" output_name: "O" data_type: TYPE_INT32 dims: [ 1 ] '
         'initial_state [ { data_type: TYPE_INT32 dims: [ 1 ] zero_data: true name: "init" } ] } ] }'
     )
-    batching = json.dumps(cfg.to_json(config)["sequence_batching"], separators=(",", ":"))
+    batching = json.dumps(forms.to_json(config)["sequence_batching"], separators=(",", ":"))
     assert '"minimum_slot_utilization":1}' in batching
     assert '"fp32_false_true":[0,1.5]' in batching
     assert '"dims":[1],"initial_state":[{"data_type":"TYPE_INT32","dims":["1"]' in batching
 
 
 def test_to_json_reshape_only_when_set():
-    rendered = cfg.to_json(completed(probe_config("args_probe"), "args_probe"))
+    rendered = forms.to_json(completed(probe_config("args_probe"), "args_probe"))
     assert "reshape" not in rendered["output"][0]
     assert rendered["output"][1]["reshape"] == {"shape": [4]}
 

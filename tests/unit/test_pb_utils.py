@@ -9,6 +9,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import re
 from pathlib import Path
 
 import ml_dtypes
@@ -488,6 +489,16 @@ def test_add_input_conflicts_with_config_pbtxt():
     with pytest.raises(ValueError, match="the model expects optional True but config.pbtxt specifies False"):
         config.add_input({"name": "IN", "data_type": "TYPE_FP32", "dims": [4], "optional": True})
     assert config.as_dict()["input"] == [existing]  # untouched by the failures
+
+
+@pytest.mark.parametrize("dims,shown", [(["4"], "['4']"), ("4", "4"), (4, "4")])
+def test_add_input_compares_dims_as_given_as_triton_does(dims, shown):
+    """Triton 2.51 (measured): dims the model gives as strings or as one value conflict
+    with config.pbtxt's dims even when they would parse to them."""
+    config = model_config(input=[{"name": "IN", "data_type": "TYPE_FP32", "dims": [4], "optional": False}])
+    with pytest.raises(ValueError, match=re.escape(f"the model expects dims {shown} but config.pbtxt specifies [4]")):
+        config.add_input({"name": "IN", "data_type": "TYPE_FP32", "dims": dims})
+    config.add_input({"name": "IN", "data_type": "TYPE_FP32", "dims": (4,)})  # a tuple is a list here
 
 
 def test_add_output_conflicts_with_config_pbtxt():
