@@ -140,9 +140,9 @@ class KServeHttpApi:
             response = await route(request, args)
         except TritonError as exc:
             return error_response(exc)
-        # Like Triton, only inference responses are compressed: tritonclient's aio
-        # client decodes only those itself.
-        return encode_body(request, response) if route == self.infer else response
+        # Like Triton, only successful inference responses are compressed: tritonclient's
+        # aio client decompresses only those itself (it reads an error body as it is).
+        return encode_body(request, response) if route == self.infer and response.status == 200 else response
 
     def _restricted(self, category: str, request: HttpRequest) -> HttpResponse | None:
         for rule in self.rules[category]:

@@ -1521,10 +1521,30 @@ def test_aio_client_metadata_calls(main):
     asyncio.run(run())
 
 
-def test_only_infer_responses_are_compressed(port):
+def test_only_successful_infer_responses_are_compressed(main, port):
+    """As Triton: metadata and errors go uncompressed whatever the client accepts, so
+    tritonclient's aio client (which decompresses only successful infer answers, as
+    aiohttp asks for gzip by default) reads a model's error."""
     reply = request(port, "GET", "/v2/models/add_sub", headers={"Accept-Encoding": "gzip, deflate"})
     assert reply.status == 200 and "content-encoding" not in reply.headers
     assert reply.json()["name"] == "add_sub"
+    body = json.dumps({
+        "inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1], "data": [1.0]}],
+        "parameters": {"mode": "error:INVALID_ARG"},
+    }).encode()
+    reply = request(port, "POST", "/v2/models/faulty/infer", body, {"Accept-Encoding": "gzip, deflate"})
+    assert reply.status == 400 and "content-encoding" not in reply.headers
+    assert reply.json() == {"error": "custom error"}
+
+    async def run():
+        async with aioclient.InferenceServerClient(main.url) as c:
+            x = aioclient.InferInput("INPUT0", [1], "FP32")
+            x.set_data_from_numpy(np.ones(1, dtype=np.float32))
+            with pytest.raises(InferenceServerException) as info:
+                await c.infer("faulty", [x], parameters={"mode": "error:INVALID_ARG"})
+            assert (info.value.status(), info.value.message()) == ("400", "custom error")
+
+    asyncio.run(run())
 
 
 # ==========================================================================================
