@@ -32,7 +32,8 @@ instance's slots have a request (direct) or a ``preferred_batch_size`` is reache
 The model sees the control inputs the config declares (START, END, READY, CORRID)
 as extra input tensors. A sequence that receives no request for
 ``max_sequence_idle_microseconds`` is released; a later request without START is
-refused, as is one for a sequence whose instance died (its state is gone).
+refused, as is one for a sequence whose instance died (its state is gone: its
+requests are told it was lost and why, the queued ones and the next one to come).
 Iterative sequences (``iterative_sequence: true``) let a model reschedule a
 request: it runs again, ahead of the sequence's later requests.
 
@@ -69,6 +70,7 @@ if TYPE_CHECKING:
     from dlserve.engine.model import ModelVersion
 
 DEFAULT_IDLE_US = 1_000_000
+LOST_KEPT = 1024  # lost sequences whose keys are remembered (see SequenceBatcher._lost)
 _Kind = mc.ModelSequenceBatching.Control
 _CORRID_TYPES = (mc.TYPE_UINT64, mc.TYPE_INT64, mc.TYPE_UINT32, mc.TYPE_INT32, mc.TYPE_STRING)
 
@@ -237,6 +239,9 @@ class SequenceBatcher(Scheduler):
         self.sequences: dict[int | str, Sequence] = {}
         self._running: dict[int, Sequence] = {}  # id(request) -> its sequence, while it executes
         self.backlog: collections.deque[Sequence] = collections.deque()  # started, no slot yet
+        # Why sequences whose instance died were lost, by key, the latest LOST_KEPT: a
+        # request that continues one is told that rather than that it lacks a START.
+        self._lost: collections.OrderedDict[int | str, str] = collections.OrderedDict()
 
     # -- queueing -----------------------------------------------------------------------
     def _enqueue(self, request: Request) -> None:
@@ -261,7 +266,9 @@ class SequenceBatcher(Scheduler):
         sequence = self.sequences.get(key)
         if sequence is None:
             if not request.flags & SEQUENCE_START:
-                raise self._not_started(key)
+                lost = self._lost.get(key)
+                raise UnavailableError(lost) if lost is not None else self._not_started(key)
+            self._lost.pop(key, None)
             sequence = self.sequences[key] = Sequence(key)
             if not self._place(sequence):
                 self.backlog.append(sequence)
@@ -511,6 +518,9 @@ class SequenceBatcher(Scheduler):
             queued = list(sequence.queue)
             sequence.queue.clear()
             self._release(sequence)
+            self._lost[sequence.key] = error.message
+            if len(self._lost) > LOST_KEPT:
+                self._lost.popitem(last=False)
             for request in queued:
                 self._fail(request, error)
         while self.backlog and self._place(self.backlog[0]):  # (an instance may be back)

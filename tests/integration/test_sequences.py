@@ -295,8 +295,10 @@ def test_a_dead_instance_loses_its_sequences(server):
     while victim.restarts == restarts or not victim.ready:  # died, and came back
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    late = asyncio.run(send(server, 3132, 1))
-    assert isinstance(late.error, dlserve.InvalidArgumentError) and "START flag" in str(late.error)
+    late = asyncio.run(send(server, 3132, 1))  # its next step is told why it was refused
+    assert isinstance(late.error, dlserve.UnavailableError)
+    assert str(late.error).startswith("sequence 3132 of model 'accumulate' was lost: ")
+    assert "killed by SIGKILL" in str(late.error) and str(late.error).endswith("; start it again")
     assert total(asyncio.run(send(server, 3132, 2, START))) == 2  # it can start again
     del responses
 
