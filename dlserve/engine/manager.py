@@ -205,7 +205,9 @@ class ModelManager:
             source = what if isinstance(what, ModelSource) else None
             name = what if source is None else source.name
             where = f"{source.namespace}::" if source is not None and source.namespace else ""
-            log.error("failed to load model '%s%s': %s", where, name, exc.message)  # (Triton's ns::name)
+            said = f"failed to load model '{name}': "  # (most load errors start so already)
+            reason = exc.message.removeprefix(said)
+            log.error("failed to load model '%s%s': %s", where, name, reason)  # (Triton's ns::name)
             if not isinstance(exc, NotFoundError):  # listed as failed, with the reason
                 listed = [key for key in self.repository.scan() if key[1] == name] or [("", name)]
                 for key in [source.key] if source is not None else listed:

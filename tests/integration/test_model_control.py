@@ -413,13 +413,16 @@ def test_exit_on_error(servers, make_repo):
         ),
     ],
 )
-def test_bad_models_fail_to_load_with_a_clear_reason(servers, make_repo, files, message):
+def test_bad_models_fail_to_load_with_a_clear_reason(servers, make_repo, files, message, caplog):
     repo = make_repo("identity", extra={"bad": files})
-    server = servers.start(repo, exit_on_error=False)
+    with caplog.at_level(logging.ERROR, logger="dlserve.engine"):
+        server = servers.start(repo, exit_on_error=False)
     assert server.model("identity").ready()
     (entry,) = [e for (name, _), e in server.models().items() if name == "bad"]
     assert entry.state == "UNAVAILABLE"
     assert message in entry.reason
+    (logged,) = [r.getMessage() for r in caplog.records if "failed to load model 'bad'" in r.getMessage()]
+    assert message in logged and logged.count("failed to load model") == 1  # said once
 
 
 def test_kind_auto_falls_back_to_cpu(servers, make_repo):
