@@ -105,23 +105,41 @@ def gpu_count() -> int:
         return 0
 
 
+# The segment prefixes of the engines running in this process (tests run several).
+_PREFIXES_IN_USE: set[str] = set()
+
+
 def remove_stale_segments() -> None:
-    """Unlink segments left by dlserve servers that died without cleaning up."""
+    """Unlink segments left by dlserve servers that died without cleaning up (SIGKILL,
+    OOM): those of processes that are gone, and those of an earlier server that had this
+    process's pid that no engine here made (a restarted container's server often gets
+    its predecessor's pid, with /dev/shm kept, as a pod's memory-backed volume is)."""
     pattern = re.compile(re.escape(SEGMENT_NAMESPACE) + r"(\d+)_")
     for path in glob.glob(os.path.join(SHM_DIR, SEGMENT_NAMESPACE + "*")):
-        match = pattern.match(os.path.basename(path))
+        name = os.path.basename(path)
+        match = pattern.match(name)
         if match is None:
             continue
         pid = int(match.group(1))
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if pid == os.getpid():
+            stale = not name.startswith(tuple(_PREFIXES_IN_USE))
+        else:
+            stale = not _process_exists(pid)
+        if stale:
             try:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
-        except PermissionError:
-            pass  # another user's live server
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's live server
+    return True
 
 
 class Engine:
@@ -155,6 +173,7 @@ class Engine:
         for setting in s.without_effect:
             log.warning("%s has no effect in dlserve (a setting of Triton's C++ core)", setting)
         remove_stale_segments()
+        _PREFIXES_IN_USE.add(self.segment_prefix)
         self.arena = Arena(self.space, f"{self.segment_prefix}_s", s.arena_bytes, s.arena_bytes)
         resources = EngineResources(
             space=self.space,
@@ -230,6 +249,7 @@ class Engine:
         if self.arena is not None:
             self.arena.close()
         unlink_segments(self.segment_prefix)
+        _PREFIXES_IN_USE.discard(self.segment_prefix)
         self.environments.close()
 
     # -- health and metadata -------------------------------------------------------------

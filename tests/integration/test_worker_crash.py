@@ -7,6 +7,7 @@ import asyncio
 import glob
 import os
 import signal
+import subprocess
 import threading
 import time
 
@@ -322,3 +323,26 @@ def test_a_helper_holding_the_workers_stderr_leaves_no_thread_or_descriptor(serv
     finally:
         for helper in helpers:
             helper.kill()
+
+
+def test_a_server_killed_outright_leaves_segments_the_next_one_removes(servers, make_repo):
+    """A server SIGKILLed (or OOM-killed) cannot unlink its segments; the next server to
+    start does: those of a process that is gone, and those of an earlier server that had
+    its very pid (a restarted container's often has), but never a running engine's."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    leftovers = [f"/dev/shm/dlserve_{gone.pid}_0badc0de_s_0", f"/dev/shm/dlserve_{os.getpid()}_0badc0de_s_0"]
+    running = servers.start(make_repo("faulty"))
+    for path in leftovers:
+        with open(path, "wb") as segment:
+            segment.write(b"left behind")
+    try:
+        fresh = servers.start(make_repo("faulty"))
+        assert not [path for path in leftovers if os.path.exists(path)]
+        for server in (running, fresh):  # the running engines' own segments stay
+            assert glob.glob(f"/dev/shm/{server.engine.segment_prefix}_s*")
+            assert list(server.model("faulty").infer(inputs={"INPUT0": X}))[0].error is None
+    finally:
+        for path in leftovers:
+            if os.path.exists(path):
+                os.unlink(path)
