@@ -360,7 +360,7 @@ class Tracer:
                     f"'{name}' is a server-wide trace setting: set it without a model"
                 )
             parsed[name] = _parse(name, value)
-        if parsed.get("trace_level", ("OFF",)) != ("OFF",) and not self._global["trace_file"]:
+        if parsed.get("trace_level") not in (None, ("OFF",)) and not self._global["trace_file"]:
             # (Triton's words: nothing could be written, so nothing would be traced)
             raise InvalidArgumentError("Attempting to set invalid trace setting :trace file name is not given")
         if model is None:

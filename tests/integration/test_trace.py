@@ -367,6 +367,8 @@ def test_a_level_without_a_trace_file_is_refused_as_in_triton(make_repo, servers
     with pytest.raises(dlserve.InvalidArgumentError, match=message):
         server.engine.tracer.update("identity", {"trace_level": ["TENSORS"]})
     assert server.engine.tracer.update(None, {"trace_level": ["OFF"], "trace_rate": "5"})["trace_rate"] == "5"
+    for model in (None, "identity"):  # clearing a level sets none (tritonclient sends null; Triton: 200)
+        assert server.engine.tracer.update(model, {"trace_level": None})["trace_level"] == ["OFF"]
 
 
 def test_trace_is_listed_as_an_extension(traced):
