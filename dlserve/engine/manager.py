@@ -89,8 +89,10 @@ class ModelManager:
     def index(self, ready_only: bool = False) -> list[dict[str, Any]]:
         rows: list[dict[str, Any]] = []
         keys = set(self.models)
+        in_repository = set()
         if not ready_only:
-            keys |= {k for k, s in self.repository.scan().items() if isinstance(s, ModelSource)}
+            in_repository = {k for k, s in self.repository.scan().items() if isinstance(s, ModelSource)}
+            keys |= in_repository
         for key in sorted(keys, key=lambda k: (k[1], k[0])):
             name, entry = key[1], self.models.get(key)
             if entry is not None and entry.loading and not entry.versions:
@@ -99,7 +101,7 @@ class ModelManager:
                     rows.extend(loading or [{"name": name, "state": "LOADING"}])
                 continue
             if entry is not None and entry.unloaded and not entry.versions and not entry.error:
-                if not ready_only:
+                if key in in_repository:  # (a model loaded from uploaded files goes with its unload)
                     rows.extend(
                         {"name": name, "version": str(v), "state": "UNAVAILABLE", "reason": "unloaded"}
                         for v in entry.unloaded

@@ -151,6 +151,15 @@ def test_load_from_uploaded_files(servers, make_repo):
     response = list(server.model("uploaded").infer(inputs={"INPUT0": a, "INPUT1": a}))[0]
     np.testing.assert_array_equal(response.outputs["OUTPUT0"].as_numpy(), a * 2)
     assert not (repo / "uploaded").exists(), "uploads must not be written into the repository"
+    assert {"name": "uploaded", "version": "1", "state": "READY"} in server.engine.manager.index()
+    server.load("identity")
+    server.unload("uploaded")
+    server.unload("identity")
+    # As Triton's: a model from uploaded files leaves the index with its unload; one in
+    # the repository stays, as unloaded.
+    assert server.engine.manager.index() == [
+        {"name": "identity", "version": "1", "state": "UNAVAILABLE", "reason": "unloaded"}
+    ]
 
 
 @pytest.mark.parametrize("path", ["../escape.py", "1/../../escape.py", "/etc/evil.py", ""])
