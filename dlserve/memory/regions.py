@@ -163,7 +163,7 @@ class SystemRegions:
         with self._lock:
             region = self._regions.get(name)
         if region is None:
-            raise InvalidArgumentError(f"Unable to find shared memory region: '{name}'")
+            raise NotFoundError(f"Unable to find shared memory region: '{name}'")  # (Triton's 404)
         if offset < 0 or byte_size < 0 or offset + byte_size > region.byte_size:
             raise InvalidArgumentError(
                 f"shared memory reference [{offset}, {offset + byte_size}) is outside region "
