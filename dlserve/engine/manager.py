@@ -101,7 +101,7 @@ class ModelManager:
                     rows.extend(loading or [{"name": name, "state": "LOADING"}])
                 continue
             if entry is not None and entry.unloaded and not entry.versions and not entry.error:
-                if key in in_repository:  # (a model loaded from uploaded files goes with its unload)
+                if key in in_repository:  # (one no repository holds, uploaded files included, goes)
                     rows.extend(
                         {"name": name, "version": str(v), "state": "UNAVAILABLE", "reason": "unloaded"}
                         for v in entry.unloaded
