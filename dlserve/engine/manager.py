@@ -23,7 +23,7 @@ import enum
 import json
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Coroutine, Iterable
 from typing import Any
 
 from dlserve.engine import config as cfg
@@ -89,7 +89,7 @@ class ModelManager:
     def index(self, ready_only: bool = False) -> list[dict[str, Any]]:
         rows: list[dict[str, Any]] = []
         keys = set(self.models)
-        in_repository = set()
+        in_repository: set[ModelKey] = set()
         if not ready_only:
             in_repository = {k for k, s in self.repository.scan().items() if isinstance(s, ModelSource)}
             keys |= in_repository
@@ -371,10 +371,8 @@ class ModelManager:
         """Unload a version a reload replaced, in the background: its requests finish
         (by the exit timeout) while the new version serves."""
         self._retiring.add(version)
-        task = asyncio.ensure_future(version.unload(self._deadline()))
+        task = self._in_background(version.unload(self._deadline()))
         task.add_done_callback(lambda _: self._retiring.discard(version))
-        self._unloading.add(task)
-        task.add_done_callback(self._unload_ended)
 
     async def _load_versions(
         self, source: ModelSource, override: str | None, entry: ModelEntry
@@ -613,7 +611,7 @@ class ModelManager:
         if wait:
             await self._unload_entries(entries, unload_dependents)
             return
-        task = asyncio.ensure_future(self._unload_entries(entries, unload_dependents))
+        task = self._in_background(self._unload_entries(entries, unload_dependents))
         marked: set[ModelKey] = set()
         going = [entry.key for entry in entries]
         while going:  # the models named and, in turn, the ensembles that use them
@@ -625,8 +623,6 @@ class ModelManager:
                 for version in entry.versions.values():
                     version.begin_unload()
                 going.extend(self._users_of(key))
-        self._unloading.add(task)
-        task.add_done_callback(self._unload_ended)
 
     async def _unload_entries(self, entries: list[ModelEntry], unload_dependents: bool) -> None:
         deadline = self._deadline()  # (one for the whole unload, its ensembles and steps too)
@@ -635,6 +631,13 @@ class ModelManager:
             await self._unload_with_users(entry, deadline)
             entry.waits_for.clear()  # unloaded by name: it stays unloaded
             await self._unload_unused(steps, deadline)
+
+    def _in_background(self, unloading: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        """Run an unload the caller does not wait for; stop() waits for it."""
+        task = asyncio.ensure_future(unloading)
+        self._unloading.add(task)
+        task.add_done_callback(self._unload_ended)
+        return task
 
     def _unload_ended(self, task: asyncio.Task[Any]) -> None:
         self._unloading.discard(task)
