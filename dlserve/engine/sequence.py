@@ -504,7 +504,11 @@ class SequenceBatcher(Scheduler):
             del self.sequences[sequence.key]
         if sequence in self.backlog:
             self.backlog.remove(sequence)
-        while self.backlog and self._place(self.backlog[0]):  # a slot may be free for the oldest waiting
+        self._place_waiting()  # a slot may be free for the oldest waiting
+
+    def _place_waiting(self) -> None:
+        """Give free slots to the sequences waiting for one, in the order they came."""
+        while self.backlog and self._place(self.backlog[0]):
             self.backlog.popleft()
 
     # -- instance health ----------------------------------------------------------------
@@ -523,8 +527,7 @@ class SequenceBatcher(Scheduler):
                 self._lost.popitem(last=False)
             for request in queued:
                 self._fail(request, error)
-        while self.backlog and self._place(self.backlog[0]):  # (an instance may be back)
-            self.backlog.popleft()
+        self._place_waiting()  # (an instance may be back)
         super().instance_state_changed()
 
     def close(self) -> None:
