@@ -51,6 +51,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import itertools
 import math
 import time
 from typing import TYPE_CHECKING, Any
@@ -242,6 +243,8 @@ class SequenceBatcher(Scheduler):
         # Why sequences whose instance died were lost, by key, the latest LOST_KEPT: a
         # request that continues one is told that rather than that it lacks a START.
         self._lost: collections.OrderedDict[int | str, str] = collections.OrderedDict()
+        self._placements = itertools.count(1)
+        self._last_placed: dict[ModelInstance, int] = {}  # instance -> its latest placement
 
     # -- queueing -----------------------------------------------------------------------
     def _enqueue(self, request: Request) -> None:
@@ -290,24 +293,27 @@ class SequenceBatcher(Scheduler):
         )
 
     def _place(self, sequence: Sequence) -> bool:
-        """Bind a sequence to the lowest free slot of the ready instances (the first
-        instance's on a tie, so sequences spread over instances), as Triton picks one;
-        False when no slot is free (it waits in the backlog, in the order sequences came)."""
+        """Bind a sequence to the lowest free slot of the ready instances, as Triton picks
+        one: on a tie, the instance given a sequence least recently, so sequences spread
+        over instances even one at a time. False when no slot is free (it waits in the
+        backlog, in the order sequences came)."""
         taken: dict[ModelInstance, set[int]] = collections.defaultdict(set)
         for other in self.sequences.values():
             if other.instance is not None:
                 taken[other.instance].add(other.slot)
-        best: tuple[int, ModelInstance] | None = None
+        best: tuple[int, int, ModelInstance] | None = None
         for instance in self.instances:
             used = taken[instance]
             if not instance.ready or len(used) >= self.slots:
                 continue
             slot = next(i for i in range(len(used) + 1) if i not in used)
-            if best is None or slot < best[0]:
-                best = (slot, instance)
+            rank = (slot, self._last_placed.get(instance, 0), instance)
+            if best is None or rank[:2] < best[:2]:
+                best = rank
         if best is None:
             return False
-        sequence.slot, sequence.instance = best
+        sequence.slot, _, sequence.instance = best
+        self._last_placed[sequence.instance] = next(self._placements)
         return True
 
     @property

@@ -75,6 +75,12 @@ def test_sequences_keep_their_state_and_instance(server):
     assert used == {"accumulate_0_0", "accumulate_0_1"}  # sequences were spread over both
 
 
+def test_sequences_one_at_a_time_take_turns_on_the_instances(server):
+    """As in Triton: a free slot ties across instances, so the least recently used wins."""
+    used = [instance(asyncio.run(run_sequence(server, 300 + k, [1, 1]))[0]) for k in range(4)]
+    assert used[0] != used[1] and used[:2] == used[2:]
+
+
 def test_requests_sent_together_run_in_order(server):
     async def run() -> list[Any]:
         flags = [START, 0, 0, 0, END]
