@@ -18,6 +18,7 @@ from typing import Any
 from dlserve.perf.flags import UsageError, read_intervals
 
 DEFAULT_URLS = {"http": "localhost:8000", "grpc": "localhost:8001"}
+DEFAULT_METRICS_URL = "localhost:8002/metrics"  # (perf_analyzer's)
 
 # Request parameters dlserve perf sets itself (sequences, decoupled streams).
 RESERVED_PARAMETERS = {"sequence_id", "sequence_start", "sequence_end", "triton_enable_empty_final_response"}
@@ -87,6 +88,9 @@ class Settings:
     json_file: str | None = None
     plot_file: str | None = None
     profile_export_file: str | None = None
+    collect_metrics: bool = False  # --collect-metrics (dlserve.perf.gpu_metrics)
+    metrics_url: str = DEFAULT_METRICS_URL
+    metrics_interval_ms: int = 1000
     progress: bool = True
     verbose: bool = False
 
@@ -170,6 +174,11 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     protocol = args.protocol
     if args.grpc_compression != "none" and protocol != "grpc":
         raise UsageError("--grpc-compression-algorithm is for -i grpc")
+    for flag, value in (("--metrics-url", args.metrics_url), ("--metrics-interval", args.metrics_interval)):
+        if value is not None and not args.collect_metrics:  # (perf_analyzer's words)
+            raise UsageError(f"must specify --collect-metrics when using the {flag} option")
+    if args.metrics_url is not None and protocol == "inprocess":
+        raise UsageError("--metrics-url is for a server over the network (in-process: the server's own)")
     files = (args.ssl_grpc_root_certs, args.ssl_grpc_private_key, args.ssl_grpc_cert_chain)
     if (args.ssl_grpc or any(files)) and protocol != "grpc":
         raise UsageError("--ssl-grpc-* are for -i grpc")
@@ -295,6 +304,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         json_file=args.json_file,
         plot_file=args.plot_file,
         profile_export_file=export,
+        collect_metrics=args.collect_metrics,
+        metrics_url=args.metrics_url or DEFAULT_METRICS_URL,
+        metrics_interval_ms=args.metrics_interval or 1000,
         progress=args.progress and sys.stderr.isatty(),
         verbose=args.verbose,
     )

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dlserve.perf.gpu_metrics import Merged, Read, merge
+
 if TYPE_CHECKING:
     from dlserve.perf.export import RequestLog
 
@@ -158,6 +160,7 @@ class Window:
     client: ClientWindow
     server: ServerStats | None
     batch_size: int = 1
+    gpu: list[Read] | None = None  # --collect-metrics' reads in the window
 
     @property
     def throughput(self) -> float:
@@ -226,6 +229,7 @@ class LevelResult:
     responses: int = 0  # responses with outputs over the level's windows
     decoupled: bool = False  # a decoupled model's: its response throughput is reported too
     sequences: int | None = None  # a sequence model's: the sequences that ended
+    gpu_metrics: Merged | None = None  # --collect-metrics'
 
     @property
     def sequence_throughput(self) -> float:
@@ -260,6 +264,7 @@ def summarize(
     count = int(latencies.size)
     duration_ns = sum(w.client.duration_ns for w in last)
     wanted = sorted(set(REPORTED_PERCENTILES) | ({percentile} if percentile > 0 else set()))
+    gpu = [w.gpu for w in last if w.gpu is not None]  # (none when not collecting)
     server = None
     if last and all(w.server is not None for w in last):
         total = last[0].server
@@ -287,4 +292,5 @@ def summarize(
         responses=sum(w.client.responses for w in last),
         decoupled=decoupled,
         sequences=sum(w.client.sequences for w in last) if sequence else None,
+        gpu_metrics=merge([read for reads in gpu for read in reads]) if gpu else None,
     )

@@ -217,6 +217,14 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     output.add_argument("--profile-export-file", default=None, metavar="FILE.json",
                         help="write every measured request (times, inputs, outputs) in perf_analyzer's "
                         "profile export format; FILE must not exist yet")
+    output.add_argument("--collect-metrics", action="store_true",
+                        help="read the server's GPU gauges (utilization, power, memory) while measuring "
+                        "and report them per level (the CSV's with --verbose-csv)")
+    output.add_argument("--metrics-url", default=None, metavar="HOST:PORT/PATH",
+                        help="where --collect-metrics reads them (default: localhost:8002/metrics; "
+                        "in-process: the server's own)")
+    output.add_argument("--metrics-interval", type=int_at_least(1), default=None, metavar="MS",
+                        help="how often --collect-metrics reads them (default: 1000)")
     output.add_argument("--no-progress", dest="progress", action="store_false",
                         help="no live progress line on stderr (it is off anyway when stderr is not a terminal)")
     output.add_argument("-v", "--verbose", action="store_true", help="print every measurement window")

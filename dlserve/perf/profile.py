@@ -28,6 +28,7 @@ from dlserve.perf.cli import Settings
 from dlserve.perf.clients import ControlClient, RequestError, ServerError, control_client
 from dlserve.perf.export import ProfileExport
 from dlserve.perf.flags import FAILED, UNSTABLE, UsageError
+from dlserve.perf.gpu_metrics import MetricsCollector, http_fetcher
 from dlserve.perf.inputs import ModelInfo, make_requests
 from dlserve.perf.measure import LevelResult, ServerStats, Window, is_stable, summarize
 from dlserve.perf.sequences import check_id_range, stream_lengths
@@ -64,8 +65,10 @@ def binary_levels(settings: Settings) -> Generator[float, bool, None]:
 
 class Profiler:
     def __init__(self, settings: Settings, info: ModelInfo, requests: list, control: ControlClient,
-                 server_stats: bool, streams: list[int] | None = None, export: ProfileExport | None = None) -> None:
+                 server_stats: bool, streams: list[int] | None = None, export: ProfileExport | None = None,
+                 metrics: MetricsCollector | None = None) -> None:
         self.settings = settings
+        self.metrics = metrics  # --collect-metrics': its reads go to the window they fall in
         self.export = export  # --profile-export-file's: every level's windows go there
         self.info = info
         self.requests = requests
@@ -165,6 +168,8 @@ class Profiler:
         await group.set_level(mode, value)
         self._check(group)
         await group.collect()  # what ended before this level's load was set
+        if self.metrics is not None:
+            self.metrics.take()
         before = await self._stats()
         windows: list[Window] = []
         stable = False
@@ -194,7 +199,8 @@ class Profiler:
             after = await self._stats()
             server = after - before if after is not None and before is not None else None
             before = after
-            window = Window(client, server, settings.batch_size)
+            gpu = self.metrics.take() if self.metrics is not None else None
+            window = Window(client, server, settings.batch_size, gpu)
             windows.append(window)
             if settings.verbose:
                 latencies = client.latencies_ns
@@ -273,6 +279,7 @@ def benchmark(settings: Settings, server: Any = None,
     the server's statistics were available, and whether the sweep ended on a level that
     never became stable. ``export`` gathers every request measured."""
     control = control_client(settings, server)
+    metrics: MetricsCollector | None = None
     try:
         info = control.model_info(settings.model, settings.version)
         if info.decoupled and not settings.streaming:
@@ -290,7 +297,10 @@ def benchmark(settings: Settings, server: Any = None,
         report.print_out(report.settings_text(settings, server_stats) + "\n")
         if export is not None:
             export.model(info, requests)
-        profiler = Profiler(settings, info, requests, control, server_stats, streams, export)
+        metrics = _metrics_collector(settings, server)
+        profiler = Profiler(settings, info, requests, control, server_stats, streams, export, metrics)
+        if metrics is not None:
+            metrics.start()
         loop = new_event_loop()
         task = loop.create_task(profiler.run())
         try:
@@ -306,7 +316,19 @@ def benchmark(settings: Settings, server: Any = None,
             loop.close()
         return results, profiler.server_stats, profiler.unstable
     finally:
+        if metrics is not None:
+            metrics.stop()
         control.close()
+
+
+def _metrics_collector(settings: Settings, server: Any) -> MetricsCollector | None:
+    """--collect-metrics' reader: of the in-process server's metrics, or over HTTP."""
+    if not settings.collect_metrics:
+        return None
+    if server is not None:
+        return MetricsCollector(server.metrics, settings.metrics_interval_ms / 1000, "(in-process)")
+    url = settings.metrics_url
+    return MetricsCollector(http_fetcher(url), settings.metrics_interval_ms / 1000, url)
 
 
 def main(settings: Settings) -> int:

@@ -23,6 +23,7 @@ import sys
 import time
 from typing import Any, TextIO
 
+from dlserve.perf.gpu_metrics import UNITS
 from dlserve.perf.measure import ClientWindow, LevelResult
 
 SERVER_COLUMNS = [
@@ -144,9 +145,25 @@ def level_text(result: LevelResult, protocol: str, header: bool = True) -> str:
         lines.append(f"    Delayed request count: {result.delayed} ({pct:.1f}%)")
     if result.server is not None:
         lines += ["  Server: ", *server_lines(result.server, "    ")]
+    if result.gpu_metrics is not None:
+        lines += ["", "  Server Prometheus Metrics: "]
+        for title, per_gpu in result.gpu_metrics.items():
+            lines.append(f"    {title}:")
+            lines += [f"      {uuid} : {_gpu_figure(title, value)}" for uuid, value in per_gpu.items()]
     if not result.stable:
         lines.append("  (not stable: these are the last 3 windows)")
     return "\n".join(lines) + "\n"
+
+
+def _gpu_figure(title: str, value: float, for_csv: bool = False) -> str:
+    """One GPU's figure as perf_analyzer writes it: utilization a fraction in the CSV and
+    a percentage on the console, bytes whole, units on the console only."""
+    unit = UNITS[title]
+    if unit == "bytes":
+        return str(int(value)) if for_csv else f"{int(value)} bytes"
+    if for_csv:
+        return pa_number(value)
+    return f"{pa_number(value * 100)}%" if unit == "fraction" else f"{pa_number(value)} {unit}"
 
 
 def server_lines(server: dict[str, Any], indent: str) -> list[str]:
@@ -214,6 +231,8 @@ def csv_columns(results: list[LevelResult], mode: str, server_stats: bool, verbo
     columns += [f"p{p} latency" for p in percentiles]
     if verbose:  # (--verbose-csv, as perf_analyzer's)
         columns += ["Avg latency", "request/response", "response wait"]
+        if results and results[0].gpu_metrics is not None:
+            columns += list(results[0].gpu_metrics)
     return columns
 
 
@@ -238,6 +257,8 @@ def csv_rows(results: list[LevelResult], server_stats: bool, verbose: bool = Fal
         if verbose:  # the average; sending and receiving; the rest of it, waiting for the answer
             exchange = r.avg_send_us + r.avg_recv_us
             row += [str(int(r.avg_latency_us)), str(int(exchange)), str(int(r.avg_latency_us - exchange))]
+            for title, per_gpu in (r.gpu_metrics or {}).items():  # "uuid:value;" per GPU
+                row.append("".join(f"{uuid}:{_gpu_figure(title, value, for_csv=True)};" for uuid, value in per_gpu.items()))
         rows.append(row)
     return rows
 

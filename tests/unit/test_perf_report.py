@@ -12,6 +12,7 @@ import pytest
 from dlserve.cli import build_parser
 from dlserve.perf import report
 from dlserve.perf.cli import settings_from_args
+from dlserve.perf.gpu_metrics import merge, parse
 from dlserve.perf.measure import LevelResult
 
 PA_COLUMNS = (
@@ -163,3 +164,36 @@ def test_progress_line():
     on.update("window 2/10")  # too soon after the last: skipped
     on.clear()
     assert stream.getvalue() == "\rwindow 1/10\x1b[K\r\x1b[K"
+
+
+# -- --collect-metrics --------------------------------------------------------------------------
+def test_gpu_gauges_are_read_per_gpu_and_merged_as_perf_analyzer_merges_them():
+    def text(i: int) -> str:
+        return "\n".join([
+            "# TYPE nv_gpu_utilization gauge",
+            f'nv_gpu_utilization{{gpu_uuid="GPU-b",other="x"}} {i / 10}',
+            'nv_gpu_utilization{gpu_uuid="GPU-a"} 0.5',
+            f'nv_gpu_power_usage{{gpu_uuid="GPU-b"}} {100 + i}',
+            f'nv_gpu_memory_used_bytes{{gpu_uuid="GPU-b"}} {[5, 9, 7][i]}',
+            f'nv_gpu_memory_total_bytes{{gpu_uuid="GPU-b"}} {1000 + i}',
+            'nv_gpu_power_limit{gpu_uuid="GPU-b"} 300',
+            'nv_gpu_utilization_other{gpu_uuid="GPU-b"} 9',
+            "nv_gpu_utilization 1",  # (no GPU named: not a GPU's figure)
+        ])
+
+    reads = [parse(text(i)) for i in range(3)]
+    assert reads[0] == {
+        "nv_gpu_utilization": {"GPU-b": 0.0, "GPU-a": 0.5},
+        "nv_gpu_power_usage": {"GPU-b": 100.0},
+        "nv_gpu_memory_used_bytes": {"GPU-b": 5.0},
+        "nv_gpu_memory_total_bytes": {"GPU-b": 1000.0},
+    }
+    assert merge(reads) == {
+        "Avg GPU Utilization": {"GPU-a": 0.5, "GPU-b": pytest.approx(0.1)},
+        "Avg GPU Power Usage": {"GPU-b": 101.0},
+        "Max GPU Memory Usage": {"GPU-b": 9.0},
+        "Total GPU Memory": {"GPU-b": 1000.0},  # the first read's
+    }
+    assert merge([]) == dict.fromkeys(
+        ["Avg GPU Utilization", "Avg GPU Power Usage", "Max GPU Memory Usage", "Total GPU Memory"], {}
+    )
