@@ -75,6 +75,7 @@ def load_module(model_file: str) -> ModuleType:
     for path in (os.path.dirname(version_dir), version_dir):
         if path not in sys.path:
             sys.path.insert(0, path)
+    _runtime.model_file = os.path.abspath(model_file)
     spec = importlib.util.spec_from_file_location("model", model_file)
     if spec is None or spec.loader is None:
         raise ModelFailure(f"cannot import {model_file}")

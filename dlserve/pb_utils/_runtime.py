@@ -47,6 +47,7 @@ class Runtime(Protocol):
 
 
 _current: Runtime | None = None
+model_file: str | None = None  # the model.py a worker imported (get_model_dir's answer)
 
 
 def current() -> Runtime | None:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import inspect
+import os
 from typing import Any
 
 import numpy as np
 
 from dlserve.memory import bytes_codec
 from dlserve.memory.dtypes import DataType
+from dlserve.pb_utils import _runtime
 from dlserve.pb_utils.inference import InferenceRequest, InferenceResponse
 from dlserve.pb_utils.tensor import Tensor
 
@@ -60,6 +63,13 @@ def get_output_config_by_name(model_config: dict[str, Any], name: str) -> dict[s
 def using_decoupled_model_transaction_policy(model_config: dict[str, Any]) -> bool:
     policy = model_config.get("model_transaction_policy") or {}
     return bool(policy.get("decoupled", False))
+
+
+def get_model_dir() -> str:
+    """The folder of the model's ``model.py`` (its version folder, as Triton answers). A
+    model imported outside a worker, by a unit test, gets its calling file's folder."""
+    path = _runtime.model_file or inspect.stack()[1].filename
+    return os.path.dirname(os.path.abspath(path))
 
 
 def triton_string_to_numpy(triton_type_string: str) -> Any:

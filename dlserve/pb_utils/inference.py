@@ -98,17 +98,18 @@ class InferenceRequest:
         trace: Any = None,
         parameters: dict[str, Any] | str | None = None,
     ) -> None:
+        # Wrong argument types are TypeErrors, as Triton's constructor raises them.
         for tensor in inputs:
             if not isinstance(tensor, Tensor):
-                raise TritonModelException("InferenceRequest inputs must be pb_utils.Tensor objects")
+                raise TypeError("InferenceRequest inputs must be pb_utils.Tensor objects")
         if isinstance(requested_output_names, str):
-            raise TritonModelException("requested_output_names must be a list of names, not a string")
+            raise TypeError("requested_output_names must be a list of names, not a string")
         if preferred_memory is not None and not isinstance(preferred_memory, PreferredMemory):
-            raise TritonModelException("preferred_memory must be a pb_utils.PreferredMemory")
+            raise TypeError("preferred_memory must be a pb_utils.PreferredMemory")
         if trace is not None and not isinstance(trace, InferenceTrace):
-            raise TritonModelException("trace must be a pb_utils.InferenceTrace (request.trace())")
+            raise TypeError("trace must be a pb_utils.InferenceTrace (request.trace())")
         if not isinstance(correlation_id, (int, str)) or isinstance(correlation_id, bool):
-            raise TritonModelException("correlation_id must be an int or a str")
+            raise TypeError("correlation_id must be an int or a str")
         if isinstance(correlation_id, int) and not 0 <= correlation_id < 2**64:
             raise TritonModelException("correlation_id must be an unsigned 64-bit integer (or a str)")
         self._model_name = model_name
@@ -255,15 +256,13 @@ class InferenceResponse:
     ) -> None:
         tensors = list(output_tensors or ())
         for tensor in tensors:
-            if not isinstance(tensor, Tensor):
-                raise TritonModelException(
+            if not isinstance(tensor, Tensor):  # (TypeErrors, as Triton's constructor raises)
+                raise TypeError(
                     "InferenceResponse output_tensors must be pb_utils.Tensor objects, "
                     f"got {type(tensor).__name__}"
                 )
         if error is not None and not isinstance(error, TritonError):
-            raise TritonModelException(
-                f"InferenceResponse error must be a pb_utils.TritonError, got {type(error).__name__}"
-            )
+            raise TypeError(f"InferenceResponse error must be a pb_utils.TritonError, got {type(error).__name__}")
         self._outputs = tensors
         self._error = error
         self._parameters = _parameters_json(parameters, "response")

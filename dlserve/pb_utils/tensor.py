@@ -26,8 +26,10 @@ class Tensor:
     __slots__ = ("_name", "_tensor")
 
     def __init__(self, name: str, tensor: Any) -> None:
+        # Wrong argument types are TypeErrors, as Triton's constructor raises them: a list
+        # accepted here would also pick its own dtype (int64 for an INT32 output).
         if not isinstance(name, str):
-            raise TritonModelException("Tensor name must be a string")
+            raise TypeError(f"pb_utils.Tensor name must be a str, got {type(name).__name__}")
         if not name:
             raise TritonModelException("Tensor name cannot be an empty string.")
         self._name = name
@@ -35,7 +37,10 @@ class Tensor:
             self._tensor = tensor
             return
         if not isinstance(tensor, np.ndarray):
-            tensor = np.asarray(tensor)
+            raise TypeError(
+                f"pb_utils.Tensor('{name}', ...) takes a numpy.ndarray, got {type(tensor).__name__} "
+                "(framework tensors: pb_utils.Tensor.from_dlpack)"
+            )
         try:
             self._tensor = _CoreTensor.from_numpy(tensor)
         except TypeError as exc:

@@ -302,7 +302,9 @@ def test_request_fields_and_parameters_reach_the_model(server):
 
 def test_initialize_receives_tritons_args(server):
     response = infer_one(server, "params_echo", inputs={"INPUT0": np.ones(1, dtype=np.float32)})
-    args = json.loads(response.outputs["INFO"].to_bytes_array()[0])["args"]
+    info = json.loads(response.outputs["INFO"].to_bytes_array()[0])
+    assert info["model_dir"] == str(Path(info["args"]["model_repository"]) / "1")  # (Triton's: the version folder)
+    args = info["args"]
     assert set(args) == {
         "model_config",
         "model_instance_kind",

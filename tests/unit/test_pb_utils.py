@@ -9,6 +9,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import os
 import re
 from pathlib import Path
 
@@ -141,15 +142,23 @@ def test_tensor_basics_and_zero_copy():
     assert "OUT" in repr(t) and "FP32" in repr(t)
 
 
-def test_tensor_from_a_list_and_bytes():
-    assert pb_utils.Tensor("A", [1, 2, 3]).triton_dtype() == int(DataType.INT64)
+def test_tensor_from_bytes():
     b = pb_utils.Tensor("B", np.array([b"x", b"yz"], dtype=object))
     assert b.triton_dtype() == 13 and b.as_numpy().tolist() == [b"x", b"yz"]
 
 
+@pytest.mark.parametrize("name, value, match", [
+    (5, np.zeros(1), "name must be a str, got int"),
+    # (as Triton: a list would choose its own dtype, int64 for an INT32 output)
+    ("A", [1, 2, 3], r"takes a numpy.ndarray, got list \(framework tensors: pb_utils.Tensor.from_dlpack\)"),
+    ("A", np.int32(3), "takes a numpy.ndarray, got int32"),
+])
+def test_tensor_arguments_of_the_wrong_type_are_type_errors_as_in_triton(name, value, match):
+    with pytest.raises(TypeError, match=match):
+        pb_utils.Tensor(name, value)
+
+
 def test_tensor_rejects_bad_names_and_types():
-    with pytest.raises(pb_utils.TritonModelException, match="name must be a string"):
-        pb_utils.Tensor(5, np.zeros(1))
     with pytest.raises(pb_utils.TritonModelException, match="Tensor 'C'"):
         pb_utils.Tensor("C", np.zeros(2, dtype=np.complex64))
     # Triton's words; an unnamed output used to vanish from the response without a word.
@@ -355,7 +364,7 @@ def test_inference_response_parameters():
     ids=["ndarray", "str", "str-error", "exception-error"],
 )
 def test_inference_response_rejects_bad_arguments(outputs, error, match):
-    with pytest.raises(pb_utils.TritonModelException, match=match):
+    with pytest.raises(TypeError, match=match):  # (as Triton's constructor)
         pb_utils.InferenceResponse(output_tensors=outputs, error=error)
 
 
@@ -407,7 +416,7 @@ def test_inference_request_accessors():
         with pytest.raises(pb_utils.TritonModelException, match="unsigned 64-bit"):
             pb_utils.InferenceRequest(correlation_id=bad)
     assert pb_utils.InferenceRequest().parameters() == "{}"
-    with pytest.raises(pb_utils.TritonModelException, match="inputs must be pb_utils.Tensor"):
+    with pytest.raises(TypeError, match="inputs must be pb_utils.Tensor"):  # (as Triton's constructor)
         pb_utils.InferenceRequest(inputs=[np.zeros(1)])
     with pytest.raises(pb_utils.TritonModelException, match="got float"):
         pb_utils.InferenceRequest(parameters={"f": 0.5})
@@ -564,3 +573,7 @@ def test_logger_outside_a_worker_uses_python_logging(caplog, call, level):
 
 def test_logger_level_values_are_tritons():
     assert (pb_utils.Logger.INFO, pb_utils.Logger.WARNING, pb_utils.Logger.ERROR, pb_utils.Logger.VERBOSE) == (0, 1, 2, 3)
+
+
+def test_get_model_dir_outside_a_worker_is_the_calling_files_folder():
+    assert pb_utils.get_model_dir() == os.path.dirname(os.path.abspath(__file__))

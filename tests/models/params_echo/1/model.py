@@ -24,6 +24,7 @@ class TritonPythonModel:
                 "requested_output_names": sorted(request.requested_output_names()),
                 "inputs": [t.name() for t in request.inputs()],
                 "args": self.args,
+                "model_dir": pb_utils.get_model_dir(),
                 "greeting": self.config["parameters"]["greeting"]["string_value"],
             }
             data = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
