@@ -25,6 +25,10 @@ from typing import Any
 from dlserve.errors import InvalidArgumentError, NotFoundError
 
 _NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
+# The server's own families begin so; other names are free, ``nv_`` ones too, as in Triton.
+RESERVED_PREFIXES = (
+    "nv_inference_", "nv_cache_", "nv_cpu_", "nv_gpu_", "nv_pinned_memory_", "dlserve_instance_", "dlserve_shm_",
+)
 _LABEL = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 Labels = tuple[tuple[str, str], ...]
 
@@ -51,6 +55,15 @@ class Family:
     values: dict[Labels, Any] = dataclasses.field(default_factory=dict)
 
 
+def check_buckets(buckets: Any) -> list[float]:
+    """A histogram's upper bounds, which must rise strictly (as Triton requires; none at
+    all leaves only ``+Inf``)."""
+    edges = [float(b) for b in buckets]
+    if any(low >= high for low, high in zip(edges, edges[1:])):
+        raise InvalidArgumentError(f"histogram buckets must be strictly increasing, got {edges}")
+    return edges
+
+
 def label_key(labels: Any) -> Labels:
     pairs = tuple(sorted((str(k), str(v)) for k, v in dict(labels or {}).items()))
     for key, _ in pairs:
@@ -71,9 +84,12 @@ class CustomMetrics:
             _model_registries.add(self)
 
     def declare(self, name: str, description: str, kind: int) -> None:
-        if not _NAME.match(name) or name.startswith("nv_"):
+        if not _NAME.match(name):
+            raise InvalidArgumentError(f"invalid metric family name '{name}' (Prometheus names)")
+        if name.startswith(RESERVED_PREFIXES):
             raise InvalidArgumentError(
-                f"invalid metric family name '{name}' (Prometheus names; 'nv_' is reserved)"
+                f"metric family name '{name}' is reserved: names beginning with "
+                f"{', '.join(repr(p) for p in RESERVED_PREFIXES)} are the server's own"
             )
         kind = MetricKind(kind)
         if self._shared is not None and name in self._shared.families:
@@ -102,9 +118,9 @@ class CustomMetrics:
         family = self._family(name)
         key = label_key(labels)
         if family.kind is MetricKind.HISTOGRAM:
-            if not buckets:
+            if buckets is None:
                 raise InvalidArgumentError(f"histogram '{name}' needs buckets")
-            edges = sorted(float(b) for b in buckets)
+            edges = check_buckets(buckets)
             initial: Any = Histogram(edges, [0] * len(edges))
         else:
             if buckets:

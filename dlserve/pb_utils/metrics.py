@@ -10,6 +10,8 @@ from __future__ import annotations
 import enum
 import re
 
+from dlserve.engine.custom_metrics import check_buckets
+from dlserve.errors import TritonError
 from dlserve.ipc.protocol import Kind
 from dlserve.pb_utils import _runtime
 from dlserve.pb_utils.errors import TritonModelException
@@ -28,7 +30,7 @@ class MetricFamily:
     GAUGE = MetricKind.GAUGE
     HISTOGRAM = MetricKind.HISTOGRAM
 
-    def __init__(self, name: str, description: str, kind: int = MetricKind.COUNTER) -> None:
+    def __init__(self, name: str, description: str, kind: int) -> None:  # (kind required, as in Triton)
         if not isinstance(name, str) or not _NAME.match(name):
             raise TritonModelException(f"invalid metric family name {name!r}")
         try:
@@ -51,9 +53,14 @@ class Metric:
             isinstance(k, str) and isinstance(v, str) for k, v in labels.items()
         ):
             raise TritonModelException("metric labels must be a dict of str to str")
-        if family.kind is MetricKind.HISTOGRAM and not buckets:
-            raise TritonModelException("a histogram metric needs buckets")
-        if family.kind is not MetricKind.HISTOGRAM and buckets is not None:
+        if family.kind is MetricKind.HISTOGRAM:
+            if buckets is None:
+                raise TritonModelException("a histogram metric needs buckets")
+            try:
+                check_buckets(buckets)
+            except TritonError as exc:
+                raise TritonModelException(exc.message) from None
+        elif buckets is not None:
             raise TritonModelException("only histogram metrics take buckets")
         self._family = family
         self._labels = dict(labels)

@@ -93,6 +93,14 @@ class TritonPythonModel:
             for value in x[2:]:
                 self.histogram.observe(float(value))
             return self._values(self.counter.value(), self.gauge.value())
+        if op == "free_names":  # as in Triton: nv_ names the server does not use; no buckets
+            pb_utils.MetricFamily(
+                name="nv_custom_thing", description="a model's", kind=pb_utils.MetricFamily.COUNTER
+            ).Metric(labels={"model": "metrics_model"}).increment(2.0)
+            pb_utils.MetricFamily(
+                name="dlserve_test_open", description="no buckets", kind=pb_utils.MetricFamily.HISTOGRAM
+            ).Metric(labels={}, buckets=[]).observe(3.0)
+            return self._values(0.0, 0.0)
         if op == "shared":  # the same family and labels declared again share the value
             family = pb_utils.MetricFamily(  # (worded otherwise: the first description stays)
                 name=COUNTER, description="Reworded", kind=pb_utils.MetricFamily.COUNTER
@@ -128,8 +136,11 @@ ERRORS = {
         name=COUNTER, description=COUNTER_HELP, kind=pb_utils.MetricFamily.GAUGE
     ),
     "reserved_name": lambda m: pb_utils.MetricFamily(
-        name="nv_custom_thing", description="reserved", kind=pb_utils.MetricFamily.COUNTER
+        name="nv_inference_custom_thing", description="reserved", kind=pb_utils.MetricFamily.COUNTER
     ),
+    "unsorted_buckets": lambda m: m.histograms.Metric(labels={"model": "x"}, buckets=[5.0, 1.0]),
+    "repeated_bucket": lambda m: m.histograms.Metric(labels={"model": "x"}, buckets=[1.0, 1.0, 2.0]),
+    "no_kind": lambda m: pb_utils.MetricFamily(name="dlserve_test_kindless", description="no kind"),
     "app_owned": lambda m: pb_utils.MetricFamily(
         name="dlserve_test_app_owned", description="the application's", kind=pb_utils.MetricFamily.COUNTER
     ),
@@ -427,22 +438,36 @@ def test_custom_metrics_through_the_model_and_metrics(server, port):
             "redeclare_other_kind",
             "metric family 'dlserve_test_requests' already exists as a COUNTER, not a GAUGE",
         ),
-        ("reserved_name", "invalid metric family name 'nv_custom_thing'"),
+        ("reserved_name", "metric family name 'nv_inference_custom_thing' is reserved"),
+        ("unsorted_buckets", "histogram buckets must be strictly increasing, got [5.0, 1.0]"),
+        ("repeated_bucket", "histogram buckets must be strictly increasing, got [1.0, 1.0, 2.0]"),
+        ("no_kind", "TypeError: MetricFamily.__init__() missing 1 required positional argument: 'kind'"),
     ],
 )
 def test_metric_misuse_raises_triton_model_exception_in_the_model(server, port, op, message):
     before = scrape(port)[0]
     response = infer(server, "metrics_model", {"INPUT0": np.array([1.0])}, parameters={"op": op})
     assert response.error is not None
-    assert str(response.error).startswith(f"TritonModelException: {message}"), str(response.error)
+    expected = message if message.startswith("TypeError") else f"TritonModelException: {message}"
+    assert str(response.error).startswith(expected), str(response.error)
     text, fams = scrape(port)
     # nothing was applied or declared
-    assert "nv_custom_thing" not in text
+    assert "nv_inference_custom_thing" not in text and "dlserve_test_kindless" not in text
     assert fams["dlserve_test_requests"].type == "counter"
     def custom(t: str) -> list[str]:
         return [line for line in t.splitlines() if line.startswith("dlserve_test_")]
 
     assert custom(text) == custom(before)
+
+
+def test_models_may_name_families_nv_and_leave_histograms_without_buckets(server, port):
+    response = infer(server, "metrics_model", {"INPUT0": np.array([1.0])}, parameters={"op": "free_names"})
+    assert response.error is None, response.error
+    text = scrape(port)[0]
+    assert 'nv_custom_thing{model="metrics_model"} 2' in text.splitlines()
+    assert [line for line in text.splitlines() if line.startswith("dlserve_test_open_")] == [
+        'dlserve_test_open_bucket{le="+Inf"} 1', "dlserve_test_open_sum 3", "dlserve_test_open_count 1",
+    ]
 
 
 # -- the application's metrics (dlserve.MetricFamily, as tritonserver.MetricFamily) ------------
@@ -512,12 +537,16 @@ def test_application_metric_misuse_raises(make, error, message):
 @pytest.mark.parametrize(
     "make,message",
     [
-        (lambda: dlserve.MetricFamily(dlserve.MetricKind.COUNTER, "nv_app", "x"), "'nv_' is reserved"),
+        (lambda: dlserve.MetricFamily(dlserve.MetricKind.COUNTER, "nv_inference_app", "x"), "is reserved"),
         (lambda: dlserve.MetricFamily(dlserve.MetricKind.COUNTER, "1bad", "x"), "invalid metric family name"),
         (lambda: dlserve.MetricFamily(7, "app_x", "x"), "unknown metric kind"),
         (
             lambda: dlserve.Metric(dlserve.MetricFamily(dlserve.MetricKind.HISTOGRAM, "app_h", "x")),
             "needs buckets",
+        ),
+        (
+            lambda: dlserve.Metric(dlserve.MetricFamily(dlserve.MetricKind.HISTOGRAM, "app_h", "x"), buckets=[2, 1]),
+            "strictly increasing",
         ),
         (
             lambda: dlserve.Metric(dlserve.MetricFamily(dlserve.MetricKind.GAUGE, "app_g", "x"), {"__x": "1"}),
