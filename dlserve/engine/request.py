@@ -169,8 +169,8 @@ def validate_request(request: Request, signature: Signature) -> int:
     inputs = request.inputs
     for input_name in inputs:
         if input_name not in declared:
-            raise InvalidArgumentError(
-                f"{request.label}unexpected inference input '{input_name}' for model '{name}'"
+            raise InvalidArgumentError(  # (without the request id, as Triton says it)
+                f"unexpected inference input '{input_name}' for model '{name}'"
             )
     missing = [n for n in signature.required if n not in inputs]
     if missing:

@@ -34,7 +34,10 @@ _TIMEOUT = re.compile(r"([0-9]{1,8})([HMSmun])")
 _TIMEOUT_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
 _CODECS = ("gzip", "deflate")
 MAX_PROTOBUF_MESSAGE = 2**31 - 1  # the largest message protobuf serializes or parses
-_OK_HEADERS = b"\x88" + literal(31, "application/grpc")  # :status 200 (static 8), content-type
+# :status 200 (static 8), content-type, and the encodings the server reads (as grpc's servers say)
+_OK_HEADERS = (
+    b"\x88" + literal(31, "application/grpc") + literal("grpc-accept-encoding", ", ".join(("identity", *_CODECS)))
+)
 _HEADER_BLOCKS = {
     name: _OK_HEADERS + literal("grpc-encoding", name) for name in ("identity", *_CODECS)
 }
@@ -239,6 +242,8 @@ class CallContext:
         return self._inflated(body) if compressed else body
 
     def _inflated(self, body: Buffer) -> Buffer:
+        if self.encoding == "identity":  # (a protocol error, INTERNAL by gRPC's spec)
+            raise Abort(grpc.StatusCode.INTERNAL, "a message flagged compressed on a call without grpc-encoding")
         if self.encoding not in GRPC_ENCODING_WBITS:
             raise Abort(
                 grpc.StatusCode.UNIMPLEMENTED,

@@ -698,7 +698,13 @@ def test_compressed_requests(h2):
     answer = h2.call(b"not gzip at all", extra=[("grpc-encoding", "gzip")], flag=1)
     assert answer.status == grpc.StatusCode.INTERNAL.value[0]
     # flag 0 under a grpc-encoding header: the message is not compressed
-    check_add_sub(h2.call(message, extra=[("grpc-encoding", "gzip")]))
+    answer = h2.call(message, extra=[("grpc-encoding", "gzip")])
+    check_add_sub(answer)
+    assert answer.headers["grpc-accept-encoding"] == "identity, gzip, deflate"  # what it reads, as grpc says
+    # flag 1 with no grpc-encoding: a protocol error, INTERNAL by gRPC's spec
+    answer = h2.call(gzip.compress(message), flag=1)
+    assert answer.status == grpc.StatusCode.INTERNAL.value[0]
+    assert answer.message == "a message flagged compressed on a call without grpc-encoding"
 
 
 @pytest.mark.parametrize(

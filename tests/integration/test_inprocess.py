@@ -386,8 +386,8 @@ def test_bad_requests_raise_before_running(server):
         model.infer(inputs={"INPUT0": a.reshape(2, 8), "INPUT1": a})
     with pytest.raises(dlserve.InvalidArgumentError, match=r"missing required input\(s\) \['INPUT1'\]"):
         model.infer(inputs={"INPUT0": a})
-    with pytest.raises(dlserve.InvalidArgumentError, match="unexpected inference input 'NOPE'"):
-        model.infer(inputs={"INPUT0": a, "INPUT1": a, "NOPE": a})
+    with pytest.raises(dlserve.InvalidArgumentError, match="^unexpected inference input 'NOPE' for model 'add_sub'$"):
+        model.infer(inputs={"INPUT0": a, "INPUT1": a, "NOPE": a}, request_id="r0")
     with pytest.raises(dlserve.InvalidArgumentError, match="unexpected inference output 'OUTPUT9'"):
         model.infer(inputs={"INPUT0": a, "INPUT1": a}, requested_output_names=["OUTPUT9"])
     with pytest.raises(dlserve.InvalidArgumentError, match=r"\[request id: r1\] "):
