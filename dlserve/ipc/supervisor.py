@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from dlserve.errors import TritonError
 from dlserve.ipc.channel import ServerChannel, WorkerGoneError
 from dlserve.ipc.environments import SERVER_PYTHON, ExecutionEnvironment
 from dlserve.ipc.polling import PollerBoard, loop_poller
@@ -311,7 +312,11 @@ class WorkerProcess:
             try:
                 await asyncio.wait_for(self.request(Kind.FINALIZE, None), _left(deadline))
                 finalized = True
-            except Exception:  # noqa: BLE001 - a model that cannot finalize is killed below
+            except WorkerGoneError:
+                pass  # (its end is told where it is noticed)
+            except TritonError as exc:  # the model's finalize() raised; it exits all the same
+                log.error("model instance '%s': finalize() failed: %s", self.instance_name, exc.message)
+            except Exception:  # noqa: BLE001 - still busy at the deadline (or going away): killed below
                 pass
         if self.channel is not None:
             self.channel.close()

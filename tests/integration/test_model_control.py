@@ -601,6 +601,27 @@ class TritonPythonModel:
     assert marker.read_text() == "done"
 
 
+def test_a_finalize_that_raises_is_logged_as_in_triton(servers, make_repo, caplog):
+    model = """
+class TritonPythonModel:
+    def execute(self, requests):
+        return []
+
+    def finalize(self):
+        raise RuntimeError("finalize went wrong")
+"""
+    repo = make_repo(extra={"final_fails": {"config.pbtxt": 'backend: "python"\n', "1/model.py": model}})
+    server = servers.start(repo)
+    with caplog.at_level(logging.ERROR, logger="dlserve"):
+        servers.stop(server)
+    (record,) = [r for r in caplog.records if "finalize() failed" in r.getMessage()]
+    assert record.levelno == logging.ERROR
+    assert record.getMessage().startswith(
+        "model instance 'final_fails_0': finalize() failed: RuntimeError: finalize went wrong"
+    ), record.getMessage()
+    assert record.getMessage().endswith("final_fails/1/model.py(7): finalize\n")  # where, as Triton's "At:"
+
+
 def test_server_start_twice_and_calls_before_start(make_repo):
     server = dlserve.Server(model_repository=str(make_repo("identity")))
     with pytest.raises(dlserve.InvalidArgumentError, match="Server not started"):
