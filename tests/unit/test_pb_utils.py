@@ -368,6 +368,12 @@ def test_inference_response_rejects_bad_arguments(outputs, error, match):
         pb_utils.InferenceResponse(output_tensors=outputs, error=error)
 
 
+def test_an_inference_response_holds_each_output_once():
+    a, b = pb_utils.Tensor("A", np.zeros(1)), pb_utils.Tensor("B", np.zeros(1))
+    with pytest.raises(pb_utils.TritonModelException, match=r"more than one output tensor named \['A'\]"):
+        pb_utils.InferenceResponse(output_tensors=[a, b, pb_utils.Tensor("A", np.ones(2))])
+
+
 @pytest.mark.parametrize(
     "parameters,match",
     [
