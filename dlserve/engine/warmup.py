@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import errno
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -123,6 +124,8 @@ def _from_file(
         raise InvalidArgumentError(f"{where}: input_data_file '{file}' is not in the model's warmup folder")
     needed = -1 if data_type is DataType.BYTES else count * data_type.itemsize  # BYTES: all of it
     try:
+        if not path.exists():
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT))
         if not path.is_file():  # (not a FIFO or a device, which would block the load)
             raise FileNotFoundError(errno.ENOENT, "not a regular file")
         raw = np.fromfile(path, dtype=np.uint8, count=needed)

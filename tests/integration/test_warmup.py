@@ -200,7 +200,7 @@ I_ZERO = 'inputs { key: "I" value { data_type: TYPE_INT32 dims: [ 2 ] zero_data:
         (_sample(f"{F_ZERO} {S_ZERO}"), "missing required input(s) ['I']"),
         (_sample(f"{F_ZERO} {S_ZERO} {I_ZERO} " + 'inputs { key: "X" value { data_type: TYPE_FP32 dims: [ 1 ] zero_data: true } }'),
          "unexpected inference input 'X'"),
-        (_sample(f"{F_ZERO} {S_ZERO} {I_FILE.format('nope.bin')}"), "cannot read input_data_file 'nope.bin'"),
+        (_sample(f"{F_ZERO} {S_ZERO} {I_FILE.format('nope.bin')}"), "cannot read input_data_file 'nope.bin': No such file or directory"),
         (_sample(f"{F_ZERO} {S_ZERO} {I_FILE.format('short.bin')}"), "input_data_file 'short.bin' holds 4 bytes, the input needs 8"),
         (_sample(f"{F_ZERO} {S_ZERO} {I_FILE.format('../config.pbtxt')}"), "input_data_file '../config.pbtxt' is not in the model's warmup folder"),
         (_sample(f"{F_ZERO} {I_ZERO} " + 'inputs { key: "S" value { data_type: TYPE_STRING dims: [ 2 ] input_data_file: "one.txt" } }'),
