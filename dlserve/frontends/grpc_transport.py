@@ -522,7 +522,7 @@ class Connection(asyncio.Protocol):
         transport = self.transport
         if transport is None:
             return
-        self.ping_strikes = 0
+        self.ping_strikes, self.last_ping_received = 0, 0.0  # (as grpc: data forgives pings)
         size += len(prefix)
         if (
             not call.outbox

@@ -639,6 +639,20 @@ def test_too_many_pings_get_goaway(server):
     assert frames[-1] == goaway
 
 
+def test_answers_sent_forgive_earlier_pings(server):
+    # as grpc: sending data or headers starts the count again, so the first ping on an
+    # idle connection after an answer is free, whatever came before it
+    with grpc_service(server, http2_max_ping_strikes=2) as p, H2Client(p) as client:
+        client.handshake()
+        client.sock.sendall(frame(PING, 0, 0, b"before00"))
+        check_add_sub(client.call(add_sub_request()))
+        client.sock.sendall(b"".join(frame(PING, 0, 0, b"%08d" % i) for i in range(5)))
+        frames = client.wait_closed(timeout=2)
+    acks = [f.payload for f in frames if f.kind == PING and f.payload != b"before00"]
+    assert acks == [b"00000000", b"00000001", b"00000002"]  # free, then two strikes
+    assert frames[-1].kind == GOAWAY
+
+
 def test_max_connection_age(server):
     options = dict(max_connection_age_ms=200, max_connection_age_grace_ms=300)
     with grpc_service(server, **options) as p, H2Client(p) as client:
