@@ -33,6 +33,9 @@ class TritonPythonModel:
                 continue
             thread = threading.Thread(target=self.respond, args=(request, values, delays))
             thread.start()
+            # Keep the threads still answering (finalize waits for them), not every one ever
+            # started: a long-lived instance would grow by each request it took.
+            self.threads = [t for t in self.threads if t.is_alive()]
             self.threads.append(thread)
         return None  # decoupled: every answer goes through the response senders
 

@@ -40,9 +40,7 @@ class TritonPythonModel:
                 for i, v in enumerate(values):
                     sender.send(value(v), flags=FINAL if i == len(values) - 1 else 0)
             elif mode == "thread":
-                thread = threading.Thread(target=self.stream, args=(request, values, delay))
-                thread.start()
-                self.threads.append(thread)
+                self.start_thread(self.stream, request, values, delay)
             elif mode == "error_mid":
                 sender.send(value(values[0]))
                 error = pb_utils.TritonError("failed halfway", pb_utils.TritonError.INVALID_ARG)
@@ -70,9 +68,7 @@ class TritonPythonModel:
                 except pb_utils.TritonModelException as exc:
                     self.notes.append(str(exc))
             elif mode in ("wait_cancel", "wait_cancel_sender"):
-                thread = threading.Thread(target=self.wait_cancel, args=(request, mode))
-                thread.start()
-                self.threads.append(thread)
+                self.start_thread(self.wait_cancel, request, mode)
             elif mode == "big":
                 # 8 KiB responses (they travel by reference), as many as fit before a cancel
                 for v in values:
@@ -106,6 +102,14 @@ class TritonPythonModel:
         self.notes.append(f"{mode}: cancelled={check()}")
         error = pb_utils.TritonError("stopped: cancelled", pb_utils.TritonError.CANCELLED)
         sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
+
+    def start_thread(self, target, *args):
+        """Answer from a thread; the live ones are kept for finalize (not every one ever
+        started, which would grow with each request)."""
+        thread = threading.Thread(target=target, args=args)
+        thread.start()
+        self.threads = [t for t in self.threads if t.is_alive()]
+        self.threads.append(thread)
 
     def finalize(self):
         for thread in self.threads:
