@@ -56,4 +56,4 @@ def test_missing_input_and_bad_arguments():
     with pytest.raises(pb_utils.TritonModelException, match="ragged must be"):
         pb_utils.join_inputs([request(np.zeros((1, 1)))], "X", ragged="stretch")
     with pytest.raises(pb_utils.TritonModelException, match="no batch dimension"):
-        pb_utils.join_inputs([request(np.float32(1.0).reshape(()))], "X")
+        pb_utils.join_inputs([request(np.array(1.0, dtype=np.float32))], "X")
