@@ -471,15 +471,17 @@ _COMPRESSION_LEVELS = {"none": 0, "low": 1, "med": 2, "high": 3}
 
 
 def _model_table(rows: list[dict[str, Any]]) -> list[str]:
-    """The repository index as tritonserver's start-up table (Model | Version | Status)."""
+    """The repository index as tritonserver's start-up table (Model | Version | Status):
+    the models it loaded or tried to (in explicit mode, not the others in the repository)."""
     table = [("Model", "Version", "Status")] + [
         (
             row["name"],
             row.get("version", "-"),
-            row.get("state", "UNAVAILABLE")
-            + (f": {row['reason']}".splitlines()[0] if row.get("reason") and row.get("state") != "READY" else ""),
+            row["state"]
+            + (f": {row['reason']}".splitlines()[0] if row.get("reason") and row["state"] != "READY" else ""),
         )
         for row in rows
+        if "state" in row
     ]
     widths = [max(len(cells[i]) for cells in table) for i in range(3)]
     rule = "+" + "+".join("-" * (w + 2) for w in widths) + "+"

@@ -307,7 +307,8 @@ class Engine:
             except (NotFoundError, UnavailableError):  # (unknown, or a version that failed)
                 models = []
             if not models:
-                if version >= 0 and self.manager.models.find(name):
+                entry = self.manager.models.find(name)
+                if version >= 0 and entry is not None and entry.versions:  # (it serves others)
                     raise InvalidArgumentError(f"requested model version is not available for model '{name}'")
                 raise InvalidArgumentError(f"requested model '{name}' is not available")
         else:

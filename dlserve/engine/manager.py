@@ -38,6 +38,7 @@ from dlserve.engine.repository import (
     Repository,
     check_model_name,
     defines_auto_complete,
+    log_missing_versions,
     select_versions,
 )
 from dlserve.errors import (
@@ -95,33 +96,18 @@ class ModelManager:
             keys |= in_repository
         for key in sorted(keys, key=lambda k: (k[1], k[0])):
             name, entry = key[1], self.models.get(key)
-            if entry is not None and entry.loading and not entry.versions:
-                if not ready_only:  # (each version once they are known, as in Triton)
-                    loading = [{"name": name, "version": str(v), "state": "LOADING"} for v in entry.tried]
-                    rows.extend(loading or [{"name": name, "state": "LOADING"}])
-                continue
-            if entry is not None and entry.unloaded and not entry.versions and not entry.error:
-                if key in in_repository:  # (one no repository holds, uploaded files included, goes)
-                    rows.extend(
-                        {"name": name, "version": str(v), "state": "UNAVAILABLE", "reason": "unloaded"}
-                        for v in entry.unloaded
-                    )
-                continue
-            if entry is None or (not entry.versions and not entry.error):
-                if not ready_only:
-                    rows.append({"name": name})
-                continue
-            if not entry.versions:
-                if not ready_only:
+            if entry is not None and not entry.versions and not entry.tried and (entry.loading or entry.error):
+                if not ready_only:  # (its versions not known yet, or it failed before they were)
                     failed = {"state": "UNAVAILABLE", "reason": entry.error}
-                    versions = [{"name": name, "version": str(v), **failed} for v in entry.tried]
-                    rows.extend(versions or [{"name": name, **failed}])
+                    rows.append({"name": name, **({"state": "LOADING"} if entry.loading else failed)})
                 continue
-            for version in sorted(entry.versions):
-                model = entry.versions[version]
-                state, reason = model.state, model.reason
-                if state == "READY" and not model.ready:
-                    state, reason = "UNAVAILABLE", model.unready_reason()
+            if entry is not None and not (entry.versions or entry.error or entry.loading):
+                if key not in in_repository:  # unloaded, and no repository holds it (uploads included)
+                    continue
+            states = entry.states() if entry is not None else {}
+            if not states and not ready_only:
+                rows.append({"name": name})
+            for version, (state, reason) in states.items():
                 if ready_only and state != "READY":
                     continue
                 row = {"name": name, "version": str(version), "state": state}
@@ -201,15 +187,12 @@ class ModelManager:
             if isinstance(what, ModelSource):
                 await self._load_source(await self._fetch_source(what))
             else:
-                await self.load(what, _internal=True)
+                await self._load_named(what)
             return None
         except TritonError as exc:
             source = what if isinstance(what, ModelSource) else None
             name = what if source is None else source.name
-            where = f"{source.namespace}::" if source is not None and source.namespace else ""
-            said = f"failed to load model '{name}': "  # (most load errors start so already)
-            reason = exc.message.removeprefix(said)
-            log.error("failed to load model '%s%s': %s", where, name, reason)  # (Triton's ns::name)
+            _log_load_failure(name, exc, source.namespace if source is not None else "")
             if not isinstance(exc, NotFoundError):  # listed as failed, with the reason
                 listed = [key for key in self.repository.scan() if key[1] == name] or [("", name)]
                 for key in [source.key] if source is not None else listed:
@@ -284,20 +267,22 @@ class ModelManager:
                 f"(model control mode is {self.control_mode.name}; use EXPLICIT)"
             )
 
-    async def load(
-        self,
-        name: str,
-        config: str | None = None,
-        files: dict[str, bytes] | None = None,
-        _internal: bool = False,
-        _as_step: bool = False,
+    async def load(self, name: str, config: str | None = None, files: dict[str, bytes] | None = None) -> None:
+        """Load (or reload) ``name`` (explicit mode only); ``config`` overrides
+        config.pbtxt (JSON). A failure is logged, as one at startup is, and raised."""
+        self._check_api_allowed()
+        try:
+            await self._load_named(name, config, files)
+        except TritonError as exc:
+            _log_load_failure(name, exc)
+            raise
+
+    async def _load_named(
+        self, name: str, config: str | None = None, files: dict[str, bytes] | None = None
     ) -> None:
-        """Load (or reload) ``name``; ``config`` overrides config.pbtxt (JSON). Internal
-        loads (startup, an ensemble's steps) are allowed in every control mode. As in
-        Triton, loading a model that serves, unchanged, leaves it as it is (its workers,
-        its sequences); a changed file, a config override or files given reload it."""
-        if not _internal:
-            self._check_api_allowed()
+        """Load ``name`` in any control mode. As in Triton, loading a model that serves,
+        unchanged, leaves it as it is (its workers, its sequences); a changed file, a
+        config override or files given reload it."""
         check_model_name(name)
         if files and config is None:
             raise InvalidArgumentError(
@@ -312,7 +297,7 @@ class ModelManager:
             if config is None:
                 sources = [s for s in sources if not self._unchanged(s)]
         results = await asyncio.gather(
-            *(self._load_source(source, config, _as_step) for source in sources), return_exceptions=True
+            *(self._load_source(source, config) for source in sources), return_exceptions=True
         )
         for result in results:
             if isinstance(result, BaseException):
@@ -346,11 +331,17 @@ class ModelManager:
                     if not entry.versions:
                         entry.error = _listed(exc)
                     raise
-                # Its versions failed: said as Triton says it, in the index and to the loader.
-                reason = f"{exc.code.words}: {exc.message}"
+                # Its versions failed: said as Triton says it, in the index and to the loader
+                # (a failure before they started is each one's; those that started are
+                # stopped again).
+                entry.failed = entry.failed or dict.fromkeys(entry.tried, _version_failure(exc))
+                stopped = set(entry.tried) - entry.failed.keys() - entry.versions.keys()
+                entry.unloaded = sorted(stopped.union(entry.unloaded))
                 if not entry.versions:
-                    entry.error = reason
-                states = "".join(f"version {v} is at UNAVAILABLE state: {reason};\n" for v in entry.tried)
+                    entry.error = next(iter(entry.failed.values()))
+                states = "".join(
+                    f"version {v} is at UNAVAILABLE state: {why};\n" for v, why in entry.failed.items()
+                )
                 bad_load = InvalidArgumentError if isinstance(exc, InternalError) else type(exc)
                 raise bad_load(f"load failed for model '{source.name}': {states}") from None
             finally:
@@ -359,7 +350,9 @@ class ModelManager:
             for version, model in loaded.items():
                 if version in old:  # a reload: Prometheus counts on, as Triton's
                     model.stats.continues(old[version].stats)
-            entry.versions, entry.error, entry.unloaded, entry.tried = loaded, "", [], []
+                log.info("loaded model '%s' version %d", source.name, version)
+            entry.unloaded = sorted((old.keys() | set(entry.unloaded)) - loaded.keys())
+            entry.versions, entry.error, entry.tried, entry.failed = loaded, "", [], {}
             entry.waits_for.clear()
             entry.as_step = as_step
             entry.fingerprint = source.fingerprint()
@@ -378,7 +371,7 @@ class ModelManager:
         self, source: ModelSource, override: str | None, entry: ModelEntry
     ) -> dict[int, ModelVersion]:
         name = source.name
-        entry.tried = []
+        entry.tried, entry.failed = [], {}
         if override is not None:
             config = config_forms.parse_json(override, name)
         else:
@@ -397,11 +390,9 @@ class ModelManager:
             config.version_policy.latest.num_versions = 1
         is_ensemble = config.platform == cfg.ENSEMBLE_PLATFORM
         filename = config.default_model_filename or cfg.DEFAULT_MODEL_FILENAME
-        available = [
-            v
-            for v in source.versions_on_disk()
-            if is_ensemble or (source.path / str(v) / filename).is_file()
-        ]
+        on_disk = source.versions_on_disk()
+        log_missing_versions(name, config.version_policy, on_disk)
+        available = [v for v in on_disk if is_ensemble or (source.path / str(v) / filename).is_file()]
         versions = select_versions(config.version_policy, available)
         if not versions and available:  # (Triton's words)
             raise InvalidArgumentError(
@@ -442,15 +433,17 @@ class ModelManager:
                 raise
         try:
             for attempt in range(self.load_retries + 1):
-                try:
-                    return await self._start_versions(name, versions, config, source)
-                except TritonError as exc:
-                    if attempt == self.load_retries or self._stopping:
-                        raise
-                    log.warning(
-                        "model '%s' failed to start (try %d of %d): %s",
-                        name, attempt + 1, self.load_retries + 1, exc.message,
-                    )
+                loaded, failures = await self._start_versions(name, versions, config, source)
+                if not failures:
+                    return loaded
+                first = next(iter(failures.values()))
+                if attempt == self.load_retries or self._stopping:
+                    entry.failed = {version: _version_failure(exc) for version, exc in failures.items()}
+                    raise first
+                log.warning(
+                    "model '%s' failed to start (try %d of %d): %s",
+                    name, attempt + 1, self.load_retries + 1, first.message,
+                )
             raise AssertionError("unreachable")
         except BaseException:
             await self._unload_unused(steps)  # what this load brought in for nothing
@@ -458,24 +451,35 @@ class ModelManager:
 
     async def _start_versions(
         self, name: str, versions: list[int], config: mc.ModelConfig, source: ModelSource
-    ) -> dict[int, ModelVersion]:
-        """Start every version's instances; all or none of them."""
+    ) -> tuple[dict[int, ModelVersion], dict[int, TritonError]]:
+        """Start every version's instances, side by side as Triton does; all or none of
+        them: if any fails, those that started stop again, and the failures (by version)
+        are returned."""
         if self._stopping:
             raise UnavailableError(f"model '{name}' not started: the server is stopping")
-        loaded: dict[int, ModelVersion] = {}
+        models = {
+            version: ModelVersion(name, version, config, source.path, self.resources, source.namespace)
+            for version in versions
+        }
+        results = await asyncio.gather(
+            *(self._start_version(model) for model in models.values()), return_exceptions=True
+        )
+        errors = {version: result for version, result in zip(models, results) if result is not None}
+        if not errors:
+            return models, {}
+        await asyncio.gather(*(m.unload(time.monotonic() + 1.0) for m in models.values()))
+        for error in errors.values():
+            if not isinstance(error, TritonError):  # (a bug, or a cancellation)
+                raise error
+        return {}, {version: error for version, error in errors.items() if isinstance(error, TritonError)}
+
+    async def _start_version(self, model: ModelVersion) -> None:
+        log.info("loading model '%s' version %d", model.name, model.version)
+        self._starting.add(model)
         try:
-            for version in versions:
-                model = ModelVersion(name, version, config, source.path, self.resources, source.namespace)
-                loaded[version] = model
-                self._starting.add(model)
-                try:
-                    await model.load()
-                finally:
-                    self._starting.discard(model)
-        except TritonError:
-            await asyncio.gather(*(m.unload(time.monotonic() + 1.0) for m in loaded.values()))
-            raise
-        return loaded
+            await model.load()
+        finally:
+            self._starting.discard(model)
 
     async def _load_steps(self, source: ModelSource, config: mc.ModelConfig) -> list[ModelKey]:
         """Resolve the ensemble's steps to models (see the module's docstring), then, in
@@ -684,8 +688,7 @@ class ModelManager:
             entry.error = ""
             # The versions stay listed (as UNLOADING) until their requests have drained.
             drained = await asyncio.gather(*(v.unload(deadline or self._deadline()) for v in entry.versions.values()))
-            if entry.versions:  # unloading it again leaves it listed as unloaded
-                entry.unloaded = sorted(entry.versions)
+            entry.unloaded = sorted(entry.versions.keys() | set(entry.unloaded))
             entry.versions = {}
         return all(drained)
 
@@ -729,12 +732,26 @@ class ModelManager:
                 log.exception("repository poll failed")
 
 
+def _log_load_failure(name: str, exc: TritonError, namespace: str = "") -> None:
+    """Log a failed load once, with Triton's ``ns::name`` and without the name twice."""
+    reason = exc.message.strip()
+    for said in (f"failed to load model '{name}': ", f"load failed for model '{name}': "):
+        reason = reason.removeprefix(said)  # (most load errors start so already)
+    where = f"{namespace}::" if namespace else ""
+    log.error("failed to load model '%s%s': %s", where, name, reason)
+
+
 def _load_failed(name: str, exc: TritonError) -> TritonError:
     """``exc`` as Triton words an ensemble's failure at load for the loader; the index
     lists it without the prefix (:func:`_listed`)."""
     failure = type(exc)(f"load failed for model '{name}': {exc.message}\n")
     failure.listed = exc.message  # type: ignore[attr-defined]
     return failure
+
+
+def _version_failure(exc: TritonError) -> str:
+    """Why a version failed to load, as Triton's index and load error say it."""
+    return f"{exc.code.words}: {exc.message}"
 
 
 def _listed(exc: TritonError) -> str:

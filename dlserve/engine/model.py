@@ -207,6 +207,7 @@ class ModelVersion:
     async def unload(self, deadline: float) -> bool:
         """Stop taking requests, let in-flight ones finish and stop the workers, all by
         ``deadline`` (``time.monotonic()``); whether every request finished."""
+        served = self.state != "UNAVAILABLE"  # (not one that failed to load, or went already)
         self.begin_unload()
         drained = await self.scheduler.drain(max(0.0, deadline - time.monotonic()))
         if not drained:
@@ -222,6 +223,8 @@ class ModelVersion:
         self.scheduler.close()
         self.stats.ended = True
         self.state, self.reason = "UNAVAILABLE", "unloaded"
+        if served:
+            log.info("unloaded model '%s' version %d", self.name, self.version)
         return drained
 
     def kill(self) -> None:

@@ -25,9 +25,12 @@ class ModelEntry:
     namespace: str = ""  # its repository as given, with model namespacing on
     versions: dict[int, ModelVersion] = dataclasses.field(default_factory=dict)
     error: str = ""  # why the model (as a whole) is not loaded
-    tried: list[int] = dataclasses.field(default_factory=list)  # the versions that error is of
+    tried: list[int] = dataclasses.field(default_factory=list)  # the versions its last load tried
+    failed: dict[int, str] = dataclasses.field(default_factory=dict)  # those that failed, and why
     loading: bool = False
-    unloaded: list[int] = dataclasses.field(default_factory=list)  # versions an unload removed
+    # Versions it served and serves no more (unloaded, replaced by a reload, or stopped
+    # again because another version failed to load): listed as unloaded, as in Triton.
+    unloaded: list[int] = dataclasses.field(default_factory=list)
     fingerprint: Any = None
     overridden: bool = False  # loaded with a config override (or uploaded files)
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
@@ -50,6 +53,20 @@ class ModelEntry:
     @property
     def key(self) -> ModelKey:
         return (self.namespace, self.name)
+
+    def states(self) -> dict[int, tuple[str, str]]:
+        """Each version's state and reason, by version, as the index lists them: Triton
+        keeps every version it knew (unloaded, failed, loading at first or serving)."""
+        states = {version: ("UNAVAILABLE", "unloaded") for version in self.unloaded}
+        states |= {version: ("UNAVAILABLE", reason) for version, reason in self.failed.items()}
+        if self.loading and not self.versions:
+            states |= {version: ("LOADING", "") for version in self.tried}
+        for version, model in self.versions.items():
+            state, reason = model.state, model.reason
+            if state == "READY" and not model.ready:
+                state, reason = "UNAVAILABLE", model.unready_reason()
+            states[version] = (state, reason)
+        return dict(sorted(states.items()))
 
     def latest_loaded(self) -> ModelVersion | None:
         """The highest loaded version, even if its instances are restarting right now."""
@@ -127,7 +144,7 @@ class ModelTable(dict[ModelKey, ModelEntry]):
             return found
         model = entry.versions.get(version)
         if model is None:
-            if not entry.versions and version in entry.tried:  # (Triton's words and code)
+            if version in entry.states():  # one it knew, not serving (Triton's words and code)
                 raise UnavailableError(
                     f"Request for unknown model: '{name}' version {version} is not at ready state"
                 )

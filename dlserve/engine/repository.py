@@ -70,19 +70,17 @@ class ModelSource:
         return self.path / CONFIG_FILE
 
     def versions_on_disk(self) -> list[int]:
-        """Numeric version folders, ascending; other folders are ignored with a warning."""
+        """Numeric version folders, ascending; other folders (and numbers with leading
+        zeros, as Triton's) are ignored with a warning."""
         versions = []
         for entry in sorted(os.scandir(self.path), key=lambda e: e.name):
-            if not entry.is_dir():
+            if not entry.is_dir() or entry.name in _MODEL_FOLDERS:
                 continue
-            if entry.name.isascii() and entry.name.isdigit():
+            why = _why_not_a_version(entry.name)
+            if why:
+                log.warning("model '%s': ignoring folder '%s', %s", self.name, entry.name, why)
+            else:
                 versions.append(int(entry.name))
-            elif entry.name not in _MODEL_FOLDERS:
-                log.warning(
-                    "model '%s': ignoring folder '%s', version folders must be numbers",
-                    self.name,
-                    entry.name,
-                )
         return sorted(versions)
 
     def fingerprint(self) -> tuple[tuple[str, Any, int], ...]:
@@ -97,6 +95,27 @@ class ModelSource:
                 st = os.stat(os.path.join(root, name))
                 stamps.append((os.path.join(root, name), st.st_mtime_ns, st.st_size))
         return tuple(sorted(stamps))
+
+
+def _why_not_a_version(folder: str) -> str:
+    """Why a model's folder is not a version folder ("" when it is one)."""
+    if not (folder.isascii() and folder.isdigit()):
+        return "version folders must be numbers"
+    if folder != str(int(folder)):
+        return "version folders have no leading zeros"
+    return ""
+
+
+def log_missing_versions(name: str, policy: mc.ModelVersionPolicy, on_disk: list[int]) -> None:
+    """Log (at error level, as Triton) each version a ``specific`` policy names that has
+    no folder; the others load."""
+    for version in policy.specific.versions:
+        if version not in on_disk:
+            log.error(
+                "model '%s': its version policy names version %d, which has no version folder",
+                name,
+                version,
+            )
 
 
 def select_versions(policy: mc.ModelVersionPolicy, available: list[int]) -> list[int]:

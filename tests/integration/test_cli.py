@@ -524,6 +524,8 @@ def test_explicit_mode_loads_only_the_named_models(serve, make_repo):
         "--model-repository", str(make_repo("add_sub", "identity")),
         "--model-control-mode", "explicit", "--load-model", "add_sub",
     ).wait_started()
+    # tritonserver's table lists only the models it loaded (or tried to), not the others
+    assert "| add_sub | 1       | READY  |" in process.stderr and "| identity" not in process.stderr
     port = process.ports["http"]
     assert request(port, "/v2/health/ready")[0] == 200
     assert request(port, "/v2/models/add_sub/ready")[0] == 200

@@ -217,12 +217,120 @@ def test_version_policies(servers, make_repo):
     assert version_of(server) == 3
     reload("{ specific { versions: [ 1, 3 ] } }")
     assert version_of(server, 1) == 1 and version_of(server, 3) == 3
-    with pytest.raises(dlserve.NotFoundError):
-        version_of(server, 2)
+    with pytest.raises(dlserve.UnavailableError, match="version 2 is not at ready state"):
+        version_of(server, 2)  # the reload retired it (Triton 2.51: 503, not 404)
     reload("{ latest { num_versions: 2 } }")
     assert server.model("versioned").metadata()["versions"] == ["2", "3"]
     # a version's own metadata names only that version, as Triton's does
     assert server.model("versioned", 2).metadata()["versions"] == ["2"]
+
+
+UNLOADED = {"state": "UNAVAILABLE", "reason": "unloaded"}
+
+
+def engine_log(caplog: pytest.LogCaptureFixture) -> list[tuple[int, str]]:
+    return [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "dlserve.engine"]
+
+
+def test_versions_it_served_stay_listed_and_unavailable(servers, make_repo, caplog):
+    """Triton 2.51 (measured): a version the server served and serves no more (retired by
+    a reload, or unloaded) stays in the index as unloaded and answers UNAVAILABLE ("not
+    at ready state", HTTP 503); one it never had is NOT_FOUND. Loads and unloads are
+    logged at info level."""
+    repo = make_repo("versioned")
+    config = repo / "versioned" / "config.pbtxt"
+    latest = config.read_text()
+    config.write_text(latest + "version_policy: { all { } }\n")
+    server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT)
+    with caplog.at_level(logging.INFO, logger="dlserve.engine"):
+        server.load("versioned")
+        config.write_text(latest)  # version 3 only: the reload retires 1 and 2
+        server.load("versioned")
+        retired = {(logging.INFO, f"unloaded model 'versioned' version {version}") for version in (1, 2)}
+        wait_until(lambda: retired <= set(engine_log(caplog)))  # (in the background)
+    ready = {"state": "READY", "reason": None}
+    assert rows(server) == {"versioned:1": UNLOADED, "versioned:2": UNLOADED, "versioned:3": ready}
+    with pytest.raises(dlserve.UnavailableError, match="^Request for unknown model: 'versioned' version 1 is not at ready state$"):
+        version_of(server, 1)
+    with pytest.raises(dlserve.InvalidArgumentError, match="^requested model version is not available for model 'versioned'$"):
+        server.model("versioned", 1).statistics()
+    logged = engine_log(caplog)
+    for version in (1, 2, 3):
+        assert (logging.INFO, f"loading model 'versioned' version {version}") in logged
+        assert (logging.INFO, f"loaded model 'versioned' version {version}") in logged
+
+    server.unload("versioned")
+    assert rows(server) == {f"versioned:{version}": UNLOADED for version in (1, 2, 3)}
+    for version in (1, 2, 3):
+        assert not server.model("versioned", version).ready()
+        with pytest.raises(dlserve.UnavailableError, match=f"'versioned' version {version} is not at ready state$"):
+            server.model("versioned", version).metadata()
+    with pytest.raises(dlserve.NotFoundError, match="^Request for unknown model: 'versioned' version 7 is not found$"):
+        server.model("versioned", 7).metadata()
+    with pytest.raises(dlserve.InvalidArgumentError, match="^requested model 'versioned' is not available$"):
+        server.model("versioned", 1).statistics()
+
+
+VERSIONED_CONFIG = (MODELS / "versioned" / "config.pbtxt").read_text()
+VERSION_1_PY = (MODELS / "versioned" / "1" / "model.py").read_text()
+FAILS_TO_START_PY = (
+    "class TritonPythonModel:\n"
+    "    def initialize(self, args):\n"
+    "        raise RuntimeError('version 2 cannot start')\n"
+)
+
+
+def test_a_version_that_fails_to_load_is_blamed_alone_and_logged_once(servers, make_repo, caplog):
+    """Triton 2.51 (measured; versions 1 and 2, 2 raising in initialize): the load error
+    and the index give version 2 its error; version 1, started and stopped again, is
+    listed as unloaded. A load through the API that fails is logged once, as one at
+    startup is."""
+    two = {
+        "config.pbtxt": VERSIONED_CONFIG + "version_policy: { all { } }\n",
+        "1/model.py": VERSION_1_PY,
+        "2/model.py": FAILS_TO_START_PY,
+    }
+    server = servers.start(make_repo(extra={"two": two}), model_control_mode=ModelControlMode.EXPLICIT)
+    with caplog.at_level(logging.INFO, logger="dlserve.engine"):
+        with pytest.raises(dlserve.InvalidArgumentError) as info:
+            server.load("two")
+        with pytest.raises(dlserve.NotFoundError):
+            server.load("nope")
+    said = str(info.value)
+    assert said.startswith("load failed for model 'two': version 2 is at UNAVAILABLE state: Internal: ")
+    assert "RuntimeError: version 2 cannot start" in said and "version 1" not in said
+    assert said.count("is at UNAVAILABLE state") == 1
+    assert rows(server)["two:1"] == UNLOADED
+    failed = rows(server)["two:2"]
+    assert failed["state"] == "UNAVAILABLE" and failed["reason"].startswith("Internal: ")
+    assert "RuntimeError: version 2 cannot start" in failed["reason"]
+    with pytest.raises(dlserve.UnavailableError, match="'two' version 1 is not at ready state$"):
+        server.model("two", 1).metadata()
+    logged = engine_log(caplog)
+    errors = [message for level, message in logged if level == logging.ERROR]
+    assert len(errors) == 2, errors  # each failed load once
+    assert errors[0].startswith("failed to load model 'two': version 2 is at UNAVAILABLE state: Internal: ")
+    assert errors[1].startswith("failed to load model 'nope': ")
+    assert (logging.INFO, "unloaded model 'two' version 1") in logged
+    assert not [message for _, message in logged if message.startswith("loaded model 'two'")]
+
+
+def test_version_folders_it_ignores_or_misses_are_logged(servers, make_repo, caplog):
+    """As Triton 2.51 (measured): a version folder with leading zeros is ignored with a
+    warning, and a version a specific policy names without a folder is logged as an
+    error; the other versions load."""
+    odd = {
+        "config.pbtxt": VERSIONED_CONFIG + "version_policy: { specific { versions: [ 1, 5 ] } }\n",
+        "1/model.py": VERSION_1_PY,
+        "007/model.py": VERSION_1_PY,
+    }
+    server = servers.start(make_repo(extra={"odd": odd}), model_control_mode=ModelControlMode.EXPLICIT)
+    with caplog.at_level(logging.WARNING, logger="dlserve.engine"):
+        server.load("odd")
+    assert rows(server) == {"odd:1": {"state": "READY", "reason": None}}
+    logged = engine_log(caplog)
+    assert (logging.WARNING, "model 'odd': ignoring folder '007', version folders have no leading zeros") in logged
+    assert (logging.ERROR, "model 'odd': its version policy names version 5, which has no version folder") in logged
 
 
 def test_auto_complete_fills_the_config(servers, make_repo):

@@ -572,6 +572,16 @@ def test_versions_on_disk_ignores_non_numeric_folders(tmp_path, caplog):
         assert f"'{ignored}'" in warned
 
 
+def test_versions_on_disk_ignores_leading_zeros_as_triton_does(tmp_path, caplog):
+    for name in ["0", "1", "007", "010"]:
+        (tmp_path / name).mkdir()
+    with caplog.at_level(logging.WARNING, logger="dlserve.engine"):
+        assert ModelSource("m", tmp_path).versions_on_disk() == [0, 1]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"model 'm': ignoring folder '{name}', version folders have no leading zeros" for name in ["007", "010"]
+    ]
+
+
 def test_versions_on_disk_ignores_unicode_digit_folders(tmp_path):
     for name in ["1", "²"]:
         (tmp_path / name).mkdir()
