@@ -172,7 +172,7 @@ class ModelInstance:
             else:
                 reason = exc.message
             await worker.stop(time.monotonic() + 5.0, finalize=False)
-            raise InternalError(f"failed to initialize model instance '{self.name}': {reason}") from None
+            raise InternalError(reason) from None  # (the model's error, as Triton words the load's)
         self.has_is_ready = bool(reply["has_is_ready"])
         self.concurrency = self._async_concurrency() if reply["async_execute"] else None
         self._started_at = time.monotonic()
