@@ -85,10 +85,12 @@ class ModelInstance:
         device_id: int,
         serial: int,
         on_state_change: Callable[[ModelInstance], None],
+        passive: bool = False,
     ) -> None:
         self.model = model
         self.name = name
         self.kind = kind
+        self.passive = passive  # initialized and warmed up, never given requests (Triton's)
         self.device_id = device_id
         self.serial = serial
         self.state = InstanceState.STARTING
@@ -115,6 +117,11 @@ class ModelInstance:
     @property
     def ready(self) -> bool:
         return self.state is InstanceState.READY
+
+    @property
+    def serves(self) -> bool:
+        """Ready, and one the schedulers give requests to (not a passive one)."""
+        return self.state is InstanceState.READY and not self.passive
 
     @property
     def worker(self) -> WorkerProcess | None:

@@ -168,8 +168,8 @@ class ModelVersion:
             raise
         plan = self._instance_plan()
         self.instances = [
-            ModelInstance(self, name, kind, device, resources.next_serial(), self._instance_changed)
-            for name, kind, device, _ in plan
+            ModelInstance(self, name, kind, device, resources.next_serial(), self._instance_changed, group.passive)
+            for name, kind, device, group in plan
         ]
         limiter = resources.rate_limiter
         if limiter is not None:

@@ -95,7 +95,7 @@ class Scheduler:
     def submit(self, request: Request) -> None:
         if not self._accept(request):
             return
-        if not any(instance.ready for instance in self.instances):
+        if not any(instance.serves for instance in self.instances):
             self._fail(request, self._unavailable())
             return
         try:
@@ -143,25 +143,28 @@ class Scheduler:
 
     def dispatch(self) -> None:
         while True:
-            instance = self._pick()
-            if instance is None:
+            picked = self._pick()
+            if picked is None:
                 return
+            instance, index = picked
             batch = self._next_batch(instance)
             if not batch:
                 return
+            self._next = (index + 1) % len(self.instances)  # (the turn passes only with work)
             self._execute(instance, batch)
 
     def has_room(self, instance: ModelInstance) -> bool:
         """Ready, with room for another execute (async models take many at once), and the
         rate limiter's resources for it, if there is a rate limiter (which, when they are
         taken, notes this scheduler to dispatch again when they come back)."""
-        if not instance.ready or instance.in_flight >= (instance.concurrency or self.pipeline_depth):
+        if not instance.serves or instance.in_flight >= (instance.concurrency or self.pipeline_depth):
             return False
         limiter = self.model.resources.rate_limiter
         return limiter is None or limiter.admits(instance, self)
 
-    def _pick(self) -> ModelInstance | None:
-        """The least-loaded ready instance with room in its pipeline (ties round-robin)."""
+    def _pick(self) -> tuple[ModelInstance, int] | None:
+        """The least-loaded ready instance with room in its pipeline (ties round-robin),
+        and its index."""
         instances = self.instances
         count = len(instances)
         best: ModelInstance | None = None
@@ -175,9 +178,7 @@ class Scheduler:
                 best, best_index = instance, index
                 if instance.in_flight == 0:
                     break
-        if best is not None:
-            self._next = (best_index + 1) % count
-        return best
+        return None if best is None else (best, best_index)
 
     # -- execution ----------------------------------------------------------------------
     def _execute(self, instance: ModelInstance, batch: list[Request]) -> None:
@@ -339,7 +340,7 @@ class Scheduler:
 
     def instance_state_changed(self) -> None:
         """No ready instance left: fail what is queued instead of letting it wait."""
-        if self.pending and not any(instance.ready for instance in self.instances):
+        if self.pending and not any(instance.serves for instance in self.instances):
             error = self._unavailable()
             for request in self._take_all():
                 self._fail(request, error)

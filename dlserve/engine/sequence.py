@@ -304,7 +304,7 @@ class SequenceBatcher(Scheduler):
         best: tuple[int, int, ModelInstance] | None = None
         for instance in self.instances:
             used = taken[instance]
-            if not instance.ready or len(used) >= self.slots:
+            if not instance.serves or len(used) >= self.slots:
                 continue
             slot = next(i for i in range(len(used) + 1) if i not in used)
             rank = (slot, self._last_placed.get(instance, 0), instance)

@@ -3,6 +3,8 @@ version policies, auto-complete, bad repositories, logging and finalize."""
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import json
 import logging
 import os
@@ -605,6 +607,38 @@ def test_multiple_instances_share_the_load(servers, make_repo):
         t.join()
     assert seen == {"multi_instance_0_0", "multi_instance_0_1"}
     assert len(pids) == 2
+
+
+def _instances_answering(server: dlserve.Server, model: str, requests: int, at_once: int) -> list[str]:
+    """The instance that answered each of ``requests`` requests, ``at_once`` in flight."""
+    def one(_: int) -> str:
+        (response,) = server.model(model).infer(inputs={"INPUT0": X1})
+        return response.outputs["INSTANCE"].to_bytes_array()[0].decode()
+
+    with concurrent.futures.ThreadPoolExecutor(at_once) as pool:
+        return list(pool.map(one, range(requests)))
+
+
+def _multi_instance(groups: str) -> dict[str, str]:
+    folder = MODELS / "multi_instance"
+    config = (folder / "config.pbtxt").read_text().split("instance_group")[0] + f"instance_group [ {groups} ]\n"
+    return {"config.pbtxt": config, "1/model.py": (folder / "1" / "model.py").read_text()}
+
+
+def test_passive_instances_start_but_are_given_no_requests(servers, make_repo):
+    """As Triton 2.51 (measured): a passive instance is initialized and never scheduled."""
+    groups = '{ count: 1 kind: KIND_CPU }, { count: 1 kind: KIND_CPU passive: true name: "standby" }'
+    server = servers.start(make_repo(extra={"standby_model": _multi_instance(groups)}))
+    assert set(_instances_answering(server, "standby_model", 8, 4)) == {"standby_model_0_0"}
+    (standby,) = [i for i in server.engine.instances() if i.name == "standby_0"]
+    assert standby.ready and standby.passive
+
+
+def test_requests_one_at_a_time_take_turns_over_the_instances(servers, make_repo):
+    """As Triton 2.51 (measured): round robin, whatever else woke the scheduler between."""
+    server = servers.start(make_repo(extra={"three": _multi_instance("{ count: 3 kind: KIND_CPU }")}))
+    answered = _instances_answering(server, "three", 6, 1)
+    assert collections.Counter(answered) == {"three_0_0": 2, "three_0_1": 2, "three_0_2": 2}, answered
 
 
 def test_unload_waits_for_in_flight_requests(servers, make_repo):
