@@ -170,6 +170,8 @@ def validate(config: mc.ModelConfig, model_name: str, gpu_count: int = 0) -> Non
                 )
         elif group.gpus and group.kind == InstanceGroup.KIND_CPU:
             raise InvalidArgumentError(f"{where}: kind KIND_CPU cannot list gpus {list(group.gpus)}")
+        if group.profile:  # (refused as Triton refuses it for Python models)
+            raise InvalidArgumentError(f"{where}: 'profile' is for TensorRT models only")
     parameters = config.parameters
     force_cpu = parameters.get("FORCE_CPU_ONLY_INPUT_TENSORS")
     if force_cpu is not None and force_cpu.string_value not in ("yes", "no"):

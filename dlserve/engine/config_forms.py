@@ -52,7 +52,10 @@ _INT64_TYPES = {
 }
 _FLOAT_TYPES = {descriptor.FieldDescriptor.TYPE_FLOAT, descriptor.FieldDescriptor.TYPE_DOUBLE}
 # Messages whose 64-bit ints Triton 2.51 leaves as protobuf's strings ("dims": ["1"]).
-_INT64_KEPT_AS_STRINGS = {mc.ModelSequenceBatching.InitialState.DESCRIPTOR.full_name}
+_INT64_KEPT_AS_STRINGS = {
+    mc.ModelSequenceBatching.InitialState.DESCRIPTOR.full_name,
+    mc.ModelInstanceGroup.SecondaryDevice.DESCRIPTOR.full_name,
+}
 
 _INTEGER_TYPES = {
     descriptor.FieldDescriptor.TYPE_INT32,

@@ -96,12 +96,12 @@ class RateLimiter:
     # -- instances come and go -------------------------------------------------------------
     def register(self, instance: ModelInstance, config: mc.ModelRateLimiter, device: int) -> None:
         """Add an instance with its group's ``rate_limiter`` (raises if it could never run)."""
-        needs: dict[tuple[str, int], int] = {}
-        for resource in config.resources:
-            if not resource.name:
-                raise InvalidArgumentError(f"instance '{instance.name}': a rate limiter resource needs a name")
-            key = (resource.name, GLOBAL if getattr(resource, "global") else device)
-            needs[key] = needs.get(key, 0) + int(resource.count)
+        # One count per resource: a name listed twice takes its last count, and a resource
+        # may go without a name, as in Triton 2.51 (measured).
+        needs = {
+            (resource.name, GLOBAL if getattr(resource, "global") else device): int(resource.count)
+            for resource in config.resources
+        }
         self._check_scope(instance, needs)
         # A newcomer starts level with the least served, not ahead of everyone.
         turns = min((c.turns for c in self._clients.values()), default=0.0)

@@ -132,6 +132,22 @@ def test_configs_that_could_never_run_fail_their_load(servers, make_repo, models
     assert len(ready) == len(models) - 1  # the other model loaded
 
 
+def test_a_resource_listed_twice_takes_its_last_count_and_a_name_may_be_empty(servers, make_repo):
+    """As Triton 2.51 (measured): with one copy of R1, "2 then 1" loads and "1 then 2"
+    does not; a nameless resource is a resource like the others."""
+    twice = '{ name: "R1" count: %d }, { name: "R1" count: %d }'
+    repo = repo_of(make_repo, fits=config(twice % (2, 1)), too_big=config(twice % (1, 2)))
+    server = servers.start(
+        repo, rate_limiter_mode=dlserve.RateLimitMode.EXEC_COUNT, rate_limiter_resources=["R1:1"], exit_on_error=False
+    )
+    states = {name: m.state for (name, _), m in server.models().items()}
+    assert states == {"fits": "READY", "too_big": "UNAVAILABLE"}, states
+    nameless = servers.start(repo_of(make_repo, a=config("{ count: 1 }"), b=config("{ count: 1 }")),
+                             rate_limiter_mode=dlserve.RateLimitMode.EXEC_COUNT)
+    records = run_together(nameless, ["a", "b"])
+    assert len(records) == 2 and not overlaps(records), records  # one copy of "", taken in turn
+
+
 @pytest.mark.parametrize("text", ["R1", "R1:x", "R1:2:y", ":2", "R1:-1", "R1:1:2:3"])
 def test_bad_pool_sizes_are_refused(make_repo, text):
     options = dlserve.Options(model_repository=str(make_repo()), rate_limiter_mode=dlserve.RateLimitMode.EXEC_COUNT,

@@ -294,7 +294,8 @@ def test_to_json_writes_int64_as_numbers():
 
 def test_to_json_writes_numbers_as_triton_does_where_it_is_odd():
     """Side by side with Triton 2.51: whole floats as integers (fp32_false_true [0,1],
-    minimum_slot_utilization 1), and an implicit state's initial_state dims as strings."""
+    minimum_slot_utilization 1), and an implicit state's initial_state dims and a secondary
+    device's id as strings."""
     config = completed(
         "max_batch_size: 4 sequence_batching { direct { minimum_slot_utilization: 1.0 } "
         'control_input [ { name: "R" control [ { kind: CONTROL_SEQUENCE_READY fp32_false_true: [ 0, 1.5 ] } ] } ] '
@@ -305,6 +306,8 @@ def test_to_json_writes_numbers_as_triton_does_where_it_is_odd():
     assert '"minimum_slot_utilization":1}' in batching
     assert '"fp32_false_true":[0,1.5]' in batching
     assert '"dims":[1],"initial_state":[{"data_type":"TYPE_INT32","dims":["1"]' in batching
+    grouped = completed("instance_group [ { kind: KIND_CPU secondary_devices [ { kind: KIND_NVDLA device_id: 0 } ] } ]")
+    assert forms.to_json(grouped)["instance_group"][0]["secondary_devices"] == [{"kind": "KIND_NVDLA", "device_id": "0"}]
 
 
 def test_to_json_reshape_only_when_set():
@@ -476,6 +479,11 @@ def test_validate_gpus_that_do_not_exist():
 def test_validate_kind_cpu_with_gpus():
     message = invalid("instance_group [ { kind: KIND_CPU gpus: [0] } ]", gpu_count=1)
     assert message == "InvalidArgumentError: model 'm', instance_group 'm_0': kind KIND_CPU cannot list gpus [0]"
+
+
+def test_validate_profile_is_for_tensorrt_only():
+    message = invalid('instance_group [ { kind: KIND_CPU profile: ["p1"] } ]')
+    assert message == "InvalidArgumentError: model 'm', instance_group 'm_0': 'profile' is for TensorRT models only"
 
 
 @pytest.mark.parametrize("value", ["maybe", "YES", ""])
