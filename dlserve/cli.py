@@ -104,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="model to load at start in explicit mode; '*' loads all (repeatable)",
     )
     models.add_argument("--repository-poll-secs", type=float, default=15.0, metavar="SECONDS",
-                        help="repository scan period in poll mode (default: 15)")
+                        help="repository scan period in poll mode (default: 15; 0: no scans after "
+                        "the first, as in tritonserver)")
     models.add_argument("--model-config-name", default="", metavar="NAME",
                         help="load <model>/configs/NAME.pbtxt instead of config.pbtxt where a "
                         "model has it")

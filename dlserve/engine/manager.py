@@ -156,7 +156,7 @@ class ModelManager:
         for group in self._ensembles_last(wanted):
             results += await asyncio.gather(*(self._load_guarded(what) for what in group))
         errors = [failure.message for failure in results if failure is not None]
-        if self.control_mode is ModelControlMode.POLL:
+        if self.control_mode is ModelControlMode.POLL and poll_interval > 0:  # (0: never, as Triton)
             self._poll_task = asyncio.get_running_loop().create_task(self._poll_forever(poll_interval))
         return errors
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import hashlib
 import logging
 import os
 import shutil
@@ -84,7 +85,9 @@ class ModelSource:
         return sorted(versions)
 
     def fingerprint(self) -> tuple[tuple[str, Any, int], ...]:
-        """Changes when any file of the model changes (used by poll mode)."""
+        """Changes when any file of the model changes (used by poll mode): a file's time
+        and size, but a config's content, so that a config rewritten unchanged (a sync
+        tool, ``touch``) reloads nothing, as in Triton."""
         if self.stamps is not None:
             return self.stamps
         stamps = []
@@ -92,8 +95,13 @@ class ModelSource:
             if "__pycache__" in root:
                 continue
             for name in files:
-                st = os.stat(os.path.join(root, name))
-                stamps.append((os.path.join(root, name), st.st_mtime_ns, st.st_size))
+                path = os.path.join(root, name)
+                st = os.stat(path)
+                if name.endswith(".pbtxt"):
+                    with open(path, "rb") as config:
+                        stamps.append((path, hashlib.sha256(config.read()).hexdigest(), st.st_size))
+                else:
+                    stamps.append((path, st.st_mtime_ns, st.st_size))
         return tuple(sorted(stamps))
 
 

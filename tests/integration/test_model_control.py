@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -586,6 +587,35 @@ def test_poll_mode_picks_up_new_changed_and_removed_models(servers, make_repo):
         server.load("identity")
     # gone from the index as well, as in Triton (it stayed listed as UNAVAILABLE "unloaded")
     assert [row["name"] for row in server.engine.manager.index()] == ["add_sub"]
+
+
+def test_poll_mode_reloads_nothing_for_a_config_rewritten_unchanged(servers, make_repo):
+    """As Triton 2.51 (measured): a config.pbtxt whose time changed but not its content
+    leaves the model as it is; a changed one reloads it."""
+    repo = make_repo("multi_instance")
+    server = servers.start(repo, model_control_mode=ModelControlMode.POLL, repository_poll_secs=3600)
+
+    def workers() -> set[int]:
+        return {i.worker.process.pid for i in server.engine.instances() if i.worker is not None}
+
+    before = workers()
+    config = repo / "multi_instance" / "config.pbtxt"
+    os.utime(config, ns=(time.time_ns() + 10**9,) * 2)
+    server.poll_model_repository()
+    assert workers() == before
+    config.write_text(config.read_text().replace("count: 2", "count: 1"))
+    server.poll_model_repository()
+    assert len(workers()) == 1 and not workers() & before
+
+
+def test_poll_mode_with_no_poll_period_polls_no_more(servers, make_repo):
+    """--repository-poll-secs 0 scans once, at startup, as in Triton (it spun a CPU)."""
+    repo = make_repo("identity")
+    server = servers.start(repo, model_control_mode=ModelControlMode.POLL, repository_poll_secs=0)
+    assert server.model("identity").ready()
+    shutil.copytree(MODELS / "add_sub", repo / "add_sub")
+    time.sleep(1.0)  # (it loaded a new model within a few ms when it scanned without pause)
+    assert [row for row in server.engine.manager.index() if row["name"] == "add_sub"] == [{"name": "add_sub"}]
 
 
 def test_multiple_instances_share_the_load(servers, make_repo):
