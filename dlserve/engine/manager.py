@@ -358,14 +358,22 @@ class ModelManager:
             entry.fingerprint = source.fingerprint()
             entry.overridden = config is not None
             for replaced in old.values():
-                self._retire(replaced)
+                self._retire(entry, replaced)
 
-    def _retire(self, version: ModelVersion) -> None:
+    def _retire(self, entry: ModelEntry, version: ModelVersion) -> None:
         """Unload a version a reload replaced, in the background: its requests finish
-        (by the exit timeout) while the new version serves."""
+        (by the exit timeout) while the new version serves, and the index shows it
+        UNLOADING meanwhile."""
         self._retiring.add(version)
+        entry.draining[version.version] = version
         task = self._in_background(version.unload(self._deadline()))
-        task.add_done_callback(lambda _: self._retiring.discard(version))
+
+        def ended(_: object) -> None:
+            self._retiring.discard(version)
+            if entry.draining.get(version.version) is version:
+                del entry.draining[version.version]
+
+        task.add_done_callback(ended)
 
     async def _load_versions(
         self, source: ModelSource, override: str | None, entry: ModelEntry

@@ -31,6 +31,8 @@ class ModelEntry:
     # Versions it served and serves no more (unloaded, replaced by a reload, or stopped
     # again because another version failed to load): listed as unloaded, as in Triton.
     unloaded: list[int] = dataclasses.field(default_factory=list)
+    # Versions a reload replaced that still finish their requests (listed UNLOADING).
+    draining: dict[int, ModelVersion] = dataclasses.field(default_factory=dict)
     fingerprint: Any = None
     overridden: bool = False  # loaded with a config override (or uploaded files)
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
@@ -58,9 +60,10 @@ class ModelEntry:
         """Each version's state and reason, by version, as the index lists them: Triton
         keeps every version it knew (unloaded, failed, loading at first or serving)."""
         states = {version: ("UNAVAILABLE", "unloaded") for version in self.unloaded}
+        states |= {version: (model.state, model.reason) for version, model in self.draining.items()}
         states |= {version: ("UNAVAILABLE", reason) for version, reason in self.failed.items()}
-        if self.loading and not self.versions:
-            states |= {version: ("LOADING", "") for version in self.tried}
+        if self.loading:  # (a version that serves while its successor loads stays as it is)
+            states |= {version: ("LOADING", "") for version in self.tried if version not in self.versions}
         for version, model in self.versions.items():
             state, reason = model.state, model.reason
             if state == "READY" and not model.ready:

@@ -578,7 +578,6 @@ def test_poll_mode_picks_up_new_changed_and_removed_models(servers, make_repo):
     a = np.full(16, 3.0, dtype=np.float32)
     out = list(server.model("add_sub").infer(inputs={"INPUT0": a, "INPUT1": a}))[0]
     assert out.outputs["OUTPUT0"].as_numpy()[0] == 9.0
-    import shutil
 
     shutil.rmtree(repo / "identity")
     server.poll_model_repository()
@@ -712,6 +711,28 @@ def reload_with(server: dlserve.Server, name: str, generation: int) -> None:
     config = server.model(name).config()
     config["parameters"] = {"generation": {"string_value": str(generation)}}
     server.load(name, {"config": json.dumps(config)})
+
+
+def test_a_version_replaced_by_a_reload_is_unloading_while_it_drains(servers, make_repo, tmp_path):
+    """As Triton 2.51 (measured): a new version 2 is LOADING while version 1 serves; then
+    version 1, holding a request, is UNLOADING until it is answered, then unloaded."""
+    repo = make_repo("faulty")
+    server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT, startup_models=["faulty"])
+    held = HeldRequest(server, tmp_path / "release")
+    go = tmp_path / "go"
+    code = (repo / "faulty" / "1" / "model.py").read_text()
+    waits = f"while not os.path.exists({str(go)!r}):\n            time.sleep(0.02)\n        "
+    (repo / "faulty" / "2").mkdir()
+    (repo / "faulty" / "2" / "model.py").write_text(code.replace("folder = args", waits + "folder = args", 1))
+    loading = threading.Thread(target=server.load, args=("faulty",))
+    loading.start()
+    wait_until(lambda: rows(server).get("faulty:2", {}).get("state") == "LOADING")
+    assert rows(server)["faulty:1"] == {"state": "READY", "reason": None}
+    go.touch()
+    loading.join(30)
+    assert rows(server) == {"faulty:1": {"state": "UNLOADING", "reason": None}, "faulty:2": {"state": "READY", "reason": None}}
+    assert held.answer().error is None
+    wait_until(lambda: rows(server)["faulty:1"] == UNLOADED)
 
 
 def test_a_reload_returns_while_the_replaced_version_finishes_its_requests(servers, make_repo, tmp_path):
