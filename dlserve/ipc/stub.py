@@ -58,11 +58,11 @@ _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def describe_exception(exc: BaseException) -> str:
     """``Type: message`` and where in the model it happened, innermost frame first
-    (Triton's layout), without dlserve's own frames."""
+    (Triton's layout), without dlserve's own frames or the import machinery's."""
     frames = [
         frame
         for frame in traceback.extract_tb(exc.__traceback__)
-        if not frame.filename.startswith(_PACKAGE_DIR)
+        if not frame.filename.startswith((_PACKAGE_DIR, "<frozen "))
     ]
     where = "".join(f"  {f.filename}({f.lineno}): {f.name}\n" for f in reversed(frames))
     head = f"{type(exc).__name__}: {str(exc) or '<EMPTY MESSAGE>'}"  # Triton's words for ''

@@ -320,6 +320,17 @@ def test_a_version_that_fails_to_load_is_blamed_alone_and_logged_once(servers, m
     assert not [message for _, message in logged if message.startswith("loaded model 'two'")]
 
 
+def test_a_model_file_that_does_not_parse_is_said_as_triton_says_it(servers, make_repo):
+    broken = {"config.pbtxt": 'backend: "python"\n', "1/model.py": "class TritonPythonModel:\n    def (self):\n"}
+    server = servers.start(make_repo(extra={"broken": broken}), model_control_mode=ModelControlMode.EXPLICIT)
+    with pytest.raises(dlserve.InvalidArgumentError) as info:
+        server.load("broken")
+    assert str(info.value) == (  # (no import machinery frames after it, as Triton 2.51)
+        "load failed for model 'broken': version 1 is at UNAVAILABLE state: Internal: "
+        "SyntaxError: invalid syntax (model.py, line 2);\n"
+    )
+
+
 def test_version_folders_it_ignores_or_misses_are_logged(servers, make_repo, caplog):
     """As Triton 2.51 (measured): a version folder with leading zeros is ignored with a
     warning, and a version a specific policy names without a folder is logged as an
