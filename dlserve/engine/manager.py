@@ -712,22 +712,26 @@ class ModelManager:
                 log.info("model '%s' was removed from the repository; unloading", key[1])
                 await self._unload_with_users(self.models[key])
             self.models.forget(key)  # gone from the index too, as in Triton
-        first, last = self._ensembles_last(list(found.values()))
-        for source in [*first, *last]:
-            assert isinstance(source, ModelSource)
-            key = source.key
-            entry = self.models.get(key)
-            if entry is not None and entry.fingerprint == source.fingerprint():
-                continue
-            log.info("model '%s' is new or changed; loading", source.name)
-            failure = await self._load_guarded(source)
-            if failure is None:
-                await self._reload_waiting([key])
-            if failure is not None and key in self.models:
-                # A model that failed to load is tried again once it changes; one the
-                # store failed to hand over, at the next poll.
-                failed_store = isinstance(failure, ObjectStoreError)
-                self.models[key].fingerprint = None if failed_store else source.fingerprint()
+        for group in self._ensembles_last(list(found.values())):  # (side by side, as Triton)
+            await asyncio.gather(*(self._poll_load(source) for source in group if self._changed(source)))
+
+    def _changed(self, source: str | ModelSource) -> bool:
+        assert isinstance(source, ModelSource)
+        entry = self.models.get(source.key)
+        return entry is None or entry.fingerprint != source.fingerprint()
+
+    async def _poll_load(self, source: str | ModelSource) -> None:
+        """Load a model a poll found new or changed."""
+        assert isinstance(source, ModelSource)
+        log.info("model '%s' is new or changed; loading", source.name)
+        failure = await self._load_guarded(source)
+        if failure is None:
+            await self._reload_waiting([source.key])
+        elif source.key in self.models:
+            # A model that failed to load is tried again once it changes; one the
+            # store failed to hand over, at the next poll.
+            failed_store = isinstance(failure, ObjectStoreError)
+            self.models[source.key].fingerprint = None if failed_store else source.fingerprint()
 
     async def _poll_forever(self, interval: float) -> None:
         while True:

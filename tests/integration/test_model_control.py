@@ -618,6 +618,30 @@ def test_poll_mode_reloads_nothing_for_a_config_rewritten_unchanged(servers, mak
     assert len(workers()) == 1 and not workers() & before
 
 
+def test_poll_mode_loads_the_models_it_finds_side_by_side(servers, make_repo, tmp_path):
+    """As Triton 2.51 (measured): two new models load at once, not one after the other."""
+    repo = make_repo("identity")
+    server = servers.start(repo, model_control_mode=ModelControlMode.POLL, repository_poll_secs=3600)
+    go = tmp_path / "go"
+    waits = f"import os, time\nwhile not os.path.exists({str(go)!r}):\n    time.sleep(0.02)\n"
+    for name in ("first", "second"):
+        shutil.copytree(MODELS / "identity", repo / name)
+        config = repo / name / "config.pbtxt"
+        config.write_text(config.read_text().replace('name: "identity"', f'name: "{name}"'))
+        model = repo / name / "1" / "model.py"
+        model.write_text(waits + model.read_text())
+    polling = threading.Thread(target=server.poll_model_repository)
+    polling.start()
+
+    def states() -> dict[str, str]:
+        return {row["name"]: row.get("state", "") for row in server.engine.manager.index()}
+
+    wait_until(lambda: states().get("first") == "LOADING" and states().get("second") == "LOADING")
+    go.touch()
+    polling.join(30)
+    assert states() == {"first": "READY", "identity": "READY", "second": "READY"}
+
+
 def test_poll_mode_with_no_poll_period_polls_no_more(servers, make_repo):
     """--repository-poll-secs 0 scans once, at startup, as in Triton (it spun a CPU)."""
     repo = make_repo("identity")
