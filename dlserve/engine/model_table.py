@@ -58,7 +58,7 @@ class ModelEntry:
 
     def states(self) -> dict[int, tuple[str, str]]:
         """Each version's state and reason, by version, as the index lists them: Triton
-        keeps every version it knew (unloaded, failed, loading at first or serving)."""
+        keeps every version it knew (unloaded, draining, failed, loading or serving)."""
         states = {version: ("UNAVAILABLE", "unloaded") for version in self.unloaded}
         states |= {version: (model.state, model.reason) for version, model in self.draining.items()}
         states |= {version: ("UNAVAILABLE", reason) for version, reason in self.failed.items()}
