@@ -9,6 +9,7 @@ lets in-flight ones finish (up to ``--exit-timeout-secs``), then ends every work
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import signal
@@ -408,6 +409,9 @@ def serve(args: argparse.Namespace) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
+    # `kill -USR1 <pid>` writes every thread's Python stack to stderr: what a server that
+    # seems stuck is doing, without stopping it.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         server.start()
     except _StopWhileStarting:

@@ -129,10 +129,16 @@ class Serve:
         return self
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> tuple[int, float]:
-        """Send ``sig``; return (exit status, seconds it took to exit)."""
+        """Send ``sig``; return (exit status, seconds it took to exit). A server still
+        running after ``timeout`` fails the test with every thread's stack (SIGUSR1)."""
         start = time.monotonic()
         self.proc.send_signal(sig)
-        code = self.proc.wait(timeout=timeout)
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)
+            pytest.fail(f"still running {timeout} s after signal {sig}:\n{self.output()}")
         return code, time.monotonic() - start
 
     def workers(self) -> list[psutil.Process]:
@@ -710,6 +716,24 @@ def test_a_workers_stderr_reaches_the_servers(serve, make_repo):
     code, _ = process.stop()
     assert code == 0, process.output()
     process.assert_clean()
+
+
+def test_sigusr1_writes_every_threads_stack_and_the_server_serves_on(make_repo, tmp_path):
+    process = Serve(tmp_path, ["--model-repository", str(make_repo("identity"))]).wait_started()
+    try:
+        process.proc.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + 10
+        while " in <module>" not in process.stderr.split("Current thread")[-1]:  # (written last)
+            assert time.monotonic() < deadline, process.output()
+            time.sleep(0.05)
+        dump = process.stderr.split("Started Metrics Service")[-1]
+        assert dump.count("Thread 0x") >= 2, dump  # the main thread and the engine loop's, at least
+        assert "dlserve/cli.py" in dump and " in serve\n" in dump, dump  # (the main thread, serving)
+        assert request(process.ports["http"], "/v2/health/ready")[0] == 200
+        code, _ = process.stop()
+        assert code == 0, process.output()
+    finally:
+        process.kill()
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
