@@ -121,7 +121,7 @@ class ModelInstance:
     @property
     def serves(self) -> bool:
         """Ready, and one the schedulers give requests to (not a passive one)."""
-        return self.state is InstanceState.READY and not self.passive
+        return self.ready and not self.passive
 
     @property
     def worker(self) -> WorkerProcess | None:

@@ -18,7 +18,8 @@ from typing import Any
 from dlserve.perf.flags import UsageError, read_intervals
 
 DEFAULT_URLS = {"http": "localhost:8000", "grpc": "localhost:8001"}
-DEFAULT_METRICS_URL = "localhost:8002/metrics"  # (perf_analyzer's)
+DEFAULT_METRICS_URL = "localhost:8002/metrics"  # (perf_analyzer's defaults)
+DEFAULT_METRICS_INTERVAL_MS = 1000
 
 # Request parameters dlserve perf sets itself (sequences, decoupled streams).
 RESERVED_PARAMETERS = {"sequence_id", "sequence_start", "sequence_end", "triton_enable_empty_final_response"}
@@ -90,7 +91,7 @@ class Settings:
     profile_export_file: str | None = None
     collect_metrics: bool = False  # --collect-metrics (dlserve.perf.gpu_metrics)
     metrics_url: str = DEFAULT_METRICS_URL
-    metrics_interval_ms: int = 1000
+    metrics_interval_ms: int = DEFAULT_METRICS_INTERVAL_MS
     progress: bool = True
     verbose: bool = False
 
@@ -306,7 +307,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         profile_export_file=export,
         collect_metrics=args.collect_metrics,
         metrics_url=args.metrics_url or DEFAULT_METRICS_URL,
-        metrics_interval_ms=args.metrics_interval or 1000,
+        metrics_interval_ms=args.metrics_interval or DEFAULT_METRICS_INTERVAL_MS,
         progress=args.progress and sys.stderr.isatty(),
         verbose=args.verbose,
     )

@@ -326,9 +326,10 @@ def _metrics_collector(settings: Settings, server: Any) -> MetricsCollector | No
     if not settings.collect_metrics:
         return None
     if server is not None:
-        return MetricsCollector(server.metrics, settings.metrics_interval_ms / 1000, "(in-process)")
-    url = settings.metrics_url
-    return MetricsCollector(http_fetcher(url), settings.metrics_interval_ms / 1000, url)
+        fetch, where = server.metrics, "(in-process)"
+    else:
+        fetch, where = http_fetcher(settings.metrics_url), settings.metrics_url
+    return MetricsCollector(fetch, settings.metrics_interval_ms / 1000, where)
 
 
 def main(settings: Settings) -> int:
