@@ -11,7 +11,8 @@ from dlserve.frontends.http_server import HttpRequest, HttpResponse, HttpServer
 
 
 class MetricsEndpoint:
-    """``GET /metrics`` on its own port."""
+    """``GET /metrics`` on its own port (``/metrics/`` too: Triton's exposer answers
+    both, and scrape configs written for it use either)."""
 
     def __init__(self, engine: Engine, cpu: bool = True, gpu: bool = True) -> None:
         self.engine = engine
@@ -21,7 +22,7 @@ class MetricsEndpoint:
         self.started = time.monotonic()
 
     async def _handle(self, request: HttpRequest) -> HttpResponse:
-        if request.path != "/metrics":
+        if request.path not in ("/metrics", "/metrics/"):
             return HttpResponse(404, [b'{"error":"Not Found"}'])
         if request.method != "GET":
             return HttpResponse(405, [b'{"error":"Method Not Allowed"}'])

@@ -575,6 +575,8 @@ def test_other_paths_and_verbs(port):
     assert get(port, "/metrics", "PUT")[0] == 405
     status, _, body = get(port, "/metrics?name[]=nv_inference_count")
     assert status == 200 and "nv_inference_count" in body
+    status, _, body = get(port, "/metrics/")
+    assert status == 200 and "nv_inference_count" in body
 
 
 @pytest.mark.parametrize(
