@@ -211,6 +211,13 @@ class ModelDictionary(dict):  # type: ignore[type-arg]
         return super().__getitem__(key)
 
 
+async def _all(coroutines: list[Coroutine[Any, Any, None]]) -> None:
+    """Run ``coroutines`` at once; when all have ended, raise the first one's error."""
+    for outcome in await asyncio.gather(*coroutines, return_exceptions=True):
+        if isinstance(outcome, BaseException):
+            raise outcome
+
+
 class Server:
     """An in-process dlserve server: ``Server(Options(model_repository=...)).start()``."""
 
@@ -311,8 +318,11 @@ class Server:
             return True
         # One budget for the whole shutdown: the services drain, then the engine.
         deadline = time.monotonic() + engine.settings.exit_timeout
-        for service in list(self._services):  # no new requests from the network first
-            service.stop(deadline)
+        # No new requests from the network first: every service stops accepting at
+        # once, then each drains what it has in flight.
+        stopping = [c for service in list(self._services) if (c := service._stopping(deadline)) is not None]
+        if stopping:
+            self._run(_all(stopping))
         try:
             return asyncio.run_coroutine_threadsafe(engine.stop(deadline), loop).result()
         finally:

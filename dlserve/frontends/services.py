@@ -15,6 +15,7 @@ import enum
 import os
 import re
 import time
+from collections.abc import Coroutine
 from typing import Any
 
 import numpy as np
@@ -99,14 +100,23 @@ class Service:
     def stop(self, deadline: float | None = None) -> None:
         """Stop accepting; let requests in flight finish until ``deadline``
         (``time.monotonic()``; default: the server's exit timeout from now)."""
+        stopping = self._stopping(deadline)
+        if stopping is not None:
+            self.server._run(stopping)
+
+    def _stopping(self, deadline: float | None) -> Coroutine[Any, Any, None] | None:
+        """Mark the service stopped and return what closes it, to run on the server's
+        loop (None: nothing to close). The server runs all its services' at once, so
+        that none takes new requests while another drains."""
         if not self._running:
-            return
+            return None
         self._running = False
         self.server._detach(self)
         if deadline is None:
             deadline = time.monotonic() + float(self.server.options.exit_timeout)
-        if self.server._loop is not None:
-            self.server._run(self._stop(max(0.0, deadline - time.monotonic())))
+        if self.server._loop is None:
+            return None
+        return self._stop(max(0.0, deadline - time.monotonic()))
 
     async def _start(self) -> int:
         raise NotImplementedError

@@ -363,12 +363,20 @@ def test_serve_infers_with_curl_reports_metrics_and_drains_on_sigterm(serve, mak
         except Exception as exc:  # noqa: BLE001 - reported below
             result["error"] = exc
 
+    def closed_while_draining() -> None:  # every service stops accepting at once
+        time.sleep(0.4)
+        result["refused"] = {port: refused(port) for port in (http_port, grpc_port)}
+
     thread = threading.Thread(target=slow)
     thread.start()
     time.sleep(0.5)  # the request is in the model by now
+    watcher = threading.Thread(target=closed_while_draining)
+    watcher.start()
     code, took = process.stop(signal.SIGTERM)
     thread.join(timeout=30)
+    watcher.join(timeout=30)
     assert code == 0, process.output()
+    assert result["refused"] == {http_port: True, grpc_port: True}, result["refused"]
     assert took < 10, f"exit took {took:.1f} s, over --exit-timeout-secs"
     assert "error" not in result, result
     status, body = result["reply"]
