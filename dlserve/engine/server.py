@@ -128,22 +128,26 @@ class Model:
         ``raise_on_error`` an error response raises while iterating.
         """
         request = inference_request or self.create_request(**kwargs)
-        # A response_queue (tritonserver's) is where the responses go: the iterator reads it too.
-        responses = self._response_queue(request, queue.SimpleQueue, "queue.SimpleQueue")
+        # A response_queue (tritonserver's) gets each response too, as the iterator
+        # does: a queue shared by several requests must not mix up their iterators.
+        users = self._users_queue(request, queue.SimpleQueue, "queue.SimpleQueue")
+        responses: queue.SimpleQueue[InferenceResponse] = queue.SimpleQueue()
         server, allocator = self._server, request.output_memory_allocator
 
         def deliver(response: Response) -> None:
-            responses.put(_public(server, response, allocator))
+            public = _public(server, response, allocator)
+            responses.put(public)
+            if users is not None:
+                users.put(public)
 
         engine_request = self._start(request, deliver)
         return ResponseIterator(self._server, self, engine_request, raise_on_error, responses)
 
     @staticmethod
-    def _response_queue(request: InferenceRequest, kind: type, what: str) -> Any:
+    def _users_queue(request: InferenceRequest, kind: type, what: str) -> Any:
+        """The request's ``response_queue`` (None without one), checked to be a ``kind``."""
         given = request.response_queue
-        if given is None:
-            return kind()
-        if not isinstance(given, kind):  # (tritonserver's words)
+        if given is not None and not isinstance(given, kind):  # (tritonserver's words)
             iterator = "async response iterator" if kind is asyncio.Queue else "response iterator"
             raise InvalidArgumentError(f"{what} must be used for {iterator}")
         return given
@@ -157,11 +161,17 @@ class Model:
         """Like :meth:`infer`, for ``async for`` on the caller's running event loop."""
         loop = asyncio.get_running_loop()
         request = inference_request or self.create_request(**kwargs)
-        responses = self._response_queue(request, asyncio.Queue, "asyncio.Queue")
+        users = self._users_queue(request, asyncio.Queue, "asyncio.Queue")
+        responses: asyncio.Queue[InferenceResponse] = asyncio.Queue()
         server, allocator = self._server, request.output_memory_allocator
 
+        def hand_out(public: InferenceResponse) -> None:
+            responses.put_nowait(public)
+            if users is not None:
+                users.put_nowait(public)
+
         def deliver(response: Response) -> None:
-            loop.call_soon_threadsafe(responses.put_nowait, _public(server, response, allocator))
+            loop.call_soon_threadsafe(hand_out, _public(server, response, allocator))
 
         engine_request = self._start(request, deliver)
         return AsyncResponseIterator(self._server, self, engine_request, raise_on_error, responses)

@@ -54,15 +54,22 @@ def test_server_reports_ready_and_metadata(server):
 
 
 def test_a_response_queue_gets_the_responses_as_tritonserver_gives_them(server):
-    """tritonserver's response_queue: the responses go into the caller's queue (the
-    iterator reads that queue too), as the API's InferenceResponse objects."""
+    """tritonserver's response_queue: each response goes into the caller's queue, as
+    the API's InferenceResponse object, and to its own request's iterator too."""
     a = np.arange(16, dtype=np.float32)
     responses: queue.SimpleQueue = queue.SimpleQueue()
-    server.model("add_sub").infer(inputs={"INPUT0": a, "INPUT1": a}, response_queue=responses)
-    response = responses.get(timeout=10)
+    slow = server.model("faulty").infer(
+        inputs={"INPUT0": np.ones(1, dtype=np.float32)}, parameters={"mode": "sleep:0.5"},
+        request_id="slow", response_queue=responses,
+    )
+    fast = server.model("add_sub").infer(inputs={"INPUT0": a, "INPUT1": a}, response_queue=responses)
+    assert next(slow).request_id == "slow"  # (the first answer in the shared queue is fast's)
+    response = next(fast)
     assert isinstance(response, dlserve.InferenceResponse) and response.final
     assert response.model.name == "add_sub" and response.request_id == ""
     np.testing.assert_array_equal(response.outputs["OUTPUT0"].as_numpy(), a + a)
+    shared = [responses.get(timeout=10), responses.get(timeout=10)]
+    assert [r.request_id for r in shared] == ["", "slow"] and shared[0] is response
     with pytest.raises(dlserve.InvalidArgumentError, match="^queue.SimpleQueue must be used for response iterator$"):
         server.model("add_sub").infer(inputs={"INPUT0": a, "INPUT1": a}, response_queue=queue.Queue())
 
@@ -72,10 +79,12 @@ def test_async_infer_takes_an_asyncio_response_queue(server):
 
     async def run() -> Any:
         given: asyncio.Queue = asyncio.Queue()
-        server.model("add_sub").async_infer(inputs={"INPUT0": a, "INPUT1": a}, response_queue=given)
         with pytest.raises(dlserve.InvalidArgumentError, match="^asyncio.Queue must be used for async response iterator$"):
             server.model("add_sub").async_infer(inputs={"INPUT0": a, "INPUT1": a}, response_queue=queue.SimpleQueue())
-        return await asyncio.wait_for(given.get(), 10)
+        mine = server.model("add_sub").async_infer(inputs={"INPUT0": a, "INPUT1": a}, response_queue=given)
+        own = await asyncio.wait_for(mine.__anext__(), 10)
+        assert await asyncio.wait_for(given.get(), 10) is own and given.empty()
+        return own
 
     response = asyncio.run(run())
     assert isinstance(response, dlserve.InferenceResponse) and response.final
