@@ -465,8 +465,10 @@ def serve(args: argparse.Namespace) -> int:
     print("dlserve: ready" if server.ready() else "dlserve: started (some models are not ready)", flush=True)
     stop.wait()
     log.info("shutting down: finishing in-flight requests (up to %d s)", args.exit_timeout_secs)
-    if not server.stop():  # stops the services first, draining them
-        log.error("failed to stop server: Internal - Exit timeout expired. Exiting immediately.")
+    try:
+        server.stop()  # stops the services first, draining them
+    except dlserve.InternalError as exc:
+        log.error("failed to stop server: Internal - %s", exc.message)
         return 1  # (as tritonserver: requests in flight were dropped)
     return 0
 

@@ -138,12 +138,14 @@ class ServerHarness:
             for instance in version.instances
             if instance.pid
         ]
-        server.stop()
-        self.servers.remove(server)
-        leaked = glob.glob(f"/dev/shm/{prefix}*")
-        assert not leaked, f"shared memory segments left behind: {leaked}"
-        alive = [pid for pid in pids if pid_alive(pid)] + worker_processes(prefix)
-        assert not alive, f"worker processes left behind: {sorted(set(alive))}"
+        try:
+            server.stop()
+        finally:  # (a stop that raised must have cleaned up too)
+            self.servers.remove(server)
+            leaked = glob.glob(f"/dev/shm/{prefix}*")
+            assert not leaked, f"shared memory segments left behind: {leaked}"
+            alive = [pid for pid in pids if pid_alive(pid)] + worker_processes(prefix)
+            assert not alive, f"worker processes left behind: {sorted(set(alive))}"
 
     def close(self) -> None:
         for server in list(self.servers):

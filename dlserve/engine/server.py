@@ -315,12 +315,13 @@ class Server:
         and raise it; at any other time, stop() is the way."""
         return self._loading
 
-    def stop(self) -> bool:
+    def stop(self) -> None:
         """Drain in-flight requests (up to ``exit_timeout``), finalize models, end workers.
-        Returns whether every request in flight finished (False: the exit timeout
-        expired and the rest were dropped; Triton's stop raises then)."""
+        Raises InternalError, as tritonserver does, when the exit timeout expired and the
+        requests still in flight were dropped; the server is stopped all the same."""
         self._engine_or_raise()
-        return self._shutdown()
+        if not self._shutdown():
+            raise InternalError("Exit timeout expired. Exiting immediately.")
 
     def _shutdown(self) -> bool:
         engine, loop, thread = self._engine, self._loop, self._thread

@@ -23,6 +23,7 @@ import time
 from collections.abc import Generator, Iterator
 from typing import Any
 
+from dlserve.errors import TritonError
 from dlserve.perf import report
 from dlserve.perf.cli import Settings
 from dlserve.perf.clients import ControlClient, RequestError, ServerError, control_client
@@ -355,7 +356,10 @@ def main(settings: Settings) -> int:
         return 130
     finally:
         if server is not None:
-            server.stop()
+            try:
+                server.stop()
+            except TritonError as exc:  # (requests still in flight at its exit timeout were dropped)
+                print(f"dlserve perf: {exc}", file=sys.stderr)
     if unstable:
         print("Failed to obtain stable measurement.", file=sys.stderr)  # (perf_analyzer's words)
     if not results and unstable:

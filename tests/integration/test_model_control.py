@@ -794,6 +794,15 @@ def test_an_idle_model_stopped_with_no_time_left_is_not_said_to_have_requests(se
     assert not [r for r in caplog.records if "still had requests in flight" in r.getMessage()]
 
 
+def test_stop_raises_as_tritonserver_when_the_exit_timeout_drops_a_request(servers, make_repo):
+    server = servers.start(make_repo("faulty"), exit_timeout=1)
+    stuck = server.model("faulty").infer(inputs={"INPUT0": X1}, parameters={"mode": "sleep:30"}, raise_on_error=False)
+    time.sleep(0.3)  # (queued or executing, it is in flight either way)
+    with pytest.raises(dlserve.InternalError, match="^Exit timeout expired. Exiting immediately.$"):
+        servers.stop(server)  # (which checks nothing was left behind all the same)
+    assert next(stuck).error is not None
+
+
 def test_model_logs_reach_the_server_log(servers, make_repo, caplog):
     server = servers.start(make_repo("logger"), log_verbose=1)
     with caplog.at_level(logging.DEBUG, logger="dlserve.model.logger"):
