@@ -23,6 +23,7 @@ from dlserve.engine.request import Request, Response, parse_version, validate_re
 from dlserve.errors import (
     InternalError,
     InvalidArgumentError,
+    NotFoundError,
     TritonError,
     UnavailableError,
     UnsupportedError,
@@ -134,7 +135,10 @@ class ModelCalls:
             )
             if not self.host.live:
                 raise UnavailableError("the server is stopping and takes no new requests")
-            target = self.host.model(model_name, version)
+            try:
+                target = self.host.model(model_name, version)
+            except (NotFoundError, UnavailableError) as exc:  # (Triton's words for both)
+                raise type(exc)(f"Failed for execute the inference request. Model '{model_name}' is not ready.") from None
             if target.decoupled and not decoupled:
                 raise UnsupportedError(
                     f"Model {model_name} is using the decoupled transaction policy: call it "

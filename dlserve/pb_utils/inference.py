@@ -81,6 +81,16 @@ class InferenceTrace:
         return None
 
 
+def _text(value: str | bytes, what: str) -> str:
+    """A text argument as Triton's bindings take it: a str, or bytes (UTF-8) such as
+    the ``np.bytes_`` a model reads from a BYTES input."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a str, not {type(value).__name__}")
+    return value
+
+
 class InferenceRequest:
     """A request handed to ``execute``, or one a model builds to call another model (BLS)."""
 
@@ -112,11 +122,11 @@ class InferenceRequest:
             raise TypeError("correlation_id must be an int or a str")
         if isinstance(correlation_id, int) and not 0 <= correlation_id < 2**64:
             raise TritonModelException("correlation_id must be an unsigned 64-bit integer (or a str)")
-        self._model_name = model_name
+        self._model_name = _text(model_name, "model_name")
         self._model_version = int(model_version)
         self._inputs = list(inputs)
-        self._requested = list(requested_output_names)
-        self._request_id = request_id
+        self._requested = [_text(name, "requested_output_names") for name in requested_output_names]
+        self._request_id = _text(request_id, "request_id")
         self._correlation_id = correlation_id
         self._flags = int(flags)
         self._timeout = int(timeout)
@@ -188,8 +198,6 @@ class InferenceRequest:
         return await self._runtime("async_exec").async_infer(self, bool(decoupled))
 
     def _runtime(self, what: str) -> Any:
-        if not self._model_name:
-            raise TritonModelException(f"{what}() needs a request built with a model_name")
         runtime = _runtime.current()
         if runtime is None:
             raise TritonModelException(f"{what}() is only available inside a dlserve worker")

@@ -58,6 +58,12 @@ def test_bls_result_and_zero_copy(server):
     assert info == {"same_memory": True, "via": "identity"}
 
 
+def test_a_model_name_given_as_bytes_is_its_utf8_text(server):
+    """Triton's BLS example passes the name it read from a BYTES input (``b'add_sub'``)."""
+    response, info = call(server, "bls", route="identity", mode="bytes_name")
+    assert response.error is None and info["via"] == "identity"
+
+
 def test_bls_chain_of_models(server):
     response, info = call(server, "bls", route="bls_peer,identity")
     assert response.error is None and info["via"] == "bls_peer"
@@ -67,7 +73,14 @@ def test_bls_chain_of_models(server):
 def test_bls_errors_come_back_in_the_response(server):
     response, _ = call(server, "bls", route="no_such_model")
     assert isinstance(response.error, dlserve.TritonError)
-    assert "no_such_model" in response.error.message
+    assert response.error.message.endswith(  # (Triton 2.51's words; tests/data/triton_reference)
+        "Model no_such_model - Error when running inference: Failed for execute the inference "
+        "request. Model 'no_such_model' is not ready."
+    ), response.error.message
+    response, _ = call(server, "bls", route="identity", mode="empty_name")  # (as in Triton, too)
+    assert response.error.message.endswith(
+        "Model  - Error when running inference: Failed for execute the inference request. Model '' is not ready."
+    ), response.error.message
     response, _ = call(server, "bls", route="identity", mode="missing_input")
     assert "missing required input(s) ['INPUT0']" in response.error.message
 

@@ -5,7 +5,9 @@
 - "mode" (for this hop's call): "exec"; "decoupled" (call the decoupled test
   model with IN = INPUT0 as int32 and collect everything); "cancel" (the same,
   cancelling after the first response); "first_only" (the same with 8 KiB responses,
-  leaving the loop after the first); "missing_input".
+  leaving the loop after the first); "missing_input"; "bytes_name" (the model
+  name given as bytes, as a model reading it from a BYTES input passes it);
+  "empty_name" (no model name at all).
 
 INFO is a JSON object saying what happened (e.g. whether the output came back
 in the very memory of the input, i.e. without a copy).
@@ -78,7 +80,7 @@ class TritonPythonModel:
             return reply(None, {"first": first})
         inputs = [] if mode == "missing_input" else [x]
         call = pb_utils.InferenceRequest(
-            model_name=target,
+            model_name={"bytes_name": target.encode(), "empty_name": ""}.get(mode, target),
             inputs=inputs,
             requested_output_names=["OUTPUT0"],
             parameters={"route": rest, "mode": params.get("inner_mode", "exec")},
