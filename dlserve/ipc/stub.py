@@ -419,9 +419,12 @@ def main(argv: list[str] | None = None) -> int:
     # A crash in native code (an extension's segfault) prints the Python stack first: the
     # server passes the worker's last output on with the news of its death.
     faulthandler.enable()
-    # Ctrl-C in a terminal reaches the whole process group: the server shuts down in
-    # order (the model's finalize included); a worker stopped by it would crash instead.
+    # Ctrl-C in a terminal, or a supervisor's SIGTERM to the whole process group, reaches
+    # the workers too: the server shuts down in order (the model's finalize included); a
+    # worker stopped by the signal would crash instead. (The server ends its workers
+    # itself, and a worker whose server is gone exits on its own.)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     sock = socket.socket(fileno=args.fd)
     channel = WorkerChannel(sock)

@@ -469,19 +469,22 @@ FINALIZER = {
 }
 
 
-def test_ctrl_c_to_the_process_group_still_finalizes_the_models(serve, make_repo, tmp_path):
-    """A terminal's Ctrl-C reaches the server and its workers: the workers leave the
-    shutdown to the server, so the model's finalize runs and nothing crashes."""
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_signal_to_the_process_group_still_finalizes_the_models(serve, make_repo, tmp_path, sig):
+    """A terminal's Ctrl-C, or a supervisor stopping the whole group (supervisord's
+    stopasgroup, ``kill -TERM -PGID``), reaches the server and its workers: the workers
+    leave the shutdown to the server, so the model's finalize runs and nothing crashes."""
     marker = tmp_path / "finalized"
     process = serve(
         "--model-repository", str(make_repo(extra={"finalizer": FINALIZER})),
         env={**os.environ, "FINALIZE_MARKER": str(marker)},
     ).wait_started()
-    os.killpg(process.pid, signal.SIGINT)
+    os.killpg(process.pid, sig)
     assert process.proc.wait(timeout=30) == 0, process.output()
     process.assert_clean()
     assert marker.read_text() == "finalized", process.output()
     assert "KeyboardInterrupt" not in process.stderr, process.output()
+    assert "killed by" not in process.stderr, process.output()
 
 
 def test_trace_config_writes_tritons_trace_file(serve, make_repo, tmp_path):
