@@ -174,8 +174,31 @@ def host_array_from_dlpack(obj: Any) -> tuple[np.ndarray, DataType]:
         raise BufferError(f"DLPack dtype (code {code}, {bits} bits) has no Triton data type")
     if data_type is DataType.BF16:
         _set_dtype_code(capsule, KDL_UINT)
+    handed_legacy = capsule is obj and bool(_api.PyCapsule_IsValid(capsule, LEGACY_NAME))
     array = np.from_dlpack(CapsuleHolder(capsule))
+    if handed_legacy and not array.flags.writeable and array.size:
+        # A legacy capsule has no read-only flag; numpy 2 imports one read-only. One the
+        # caller made (torch's to_dlpack, pb_utils' to_dlpack) is taken as writable, as
+        # Triton takes it. (A producer asked for a versioned capsule that answers with a
+        # legacy one stays read-only: jax's immutable arrays do that.)
+        array = exposed(array.__array_interface__["data"][0], array.shape, array.dtype.str, array)
     return array, data_type
+
+
+class _Exposure:
+    """What :func:`exposed` hands numpy: its ``__array_interface__``, and as the
+    array's base, the owner of the memory."""
+
+    def __init__(self, interface: dict[str, Any], owner: Any) -> None:
+        self.__array_interface__ = interface
+        self.owner = owner
+
+
+def exposed(address: int, shape: tuple[int, ...], typestr: str, owner: Any, readonly: bool = False) -> np.ndarray:
+    """A C-contiguous array over the memory at ``address``, which ``owner`` keeps alive
+    for as long as the array (or a view of it) lives."""
+    interface = {"data": (address, readonly), "shape": shape, "typestr": typestr, "version": 3}
+    return np.asarray(_Exposure(interface, owner))
 
 
 def export_host_array(

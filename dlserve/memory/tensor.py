@@ -29,6 +29,7 @@ from dlserve.memory.dlpack import (
     DLDeviceType,
     device_of,
     export_host_array,
+    exposed,
     host_array_from_dlpack,
 )
 from dlserve.memory.dtypes import DataType, bfloat16_dtype
@@ -104,18 +105,7 @@ class MemoryBuffer:
             raise UnsupportedError("GPU memory buffers are not supported without CUDA")
         if isinstance(self.owner, np.ndarray) and not self.owner.flags.writeable:
             raise InvalidArgumentError("the memory buffer is read-only")
-        return np.asarray(_Exposed(self))
-
-
-class _Exposed:
-    """Shows a :class:`MemoryBuffer`'s host memory to numpy; as the array's base it
-    holds the buffer (and so its owner) for as long as the array lives."""
-
-    def __init__(self, buffer: MemoryBuffer) -> None:
-        self.buffer = buffer
-        self.__array_interface__ = {
-            "data": (buffer.data_ptr, False), "shape": (buffer.size,), "typestr": "|u1", "version": 3,
-        }
+        return exposed(self.data_ptr, (self.size,), "|u1", self)
 
 
 class MemoryAllocator(abc.ABC):

@@ -278,6 +278,10 @@ def test_torch_tensors_are_imported_as_views(torch):
     from torch.utils.dlpack import to_dlpack
 
     assert dlserve.Tensor.from_dlpack(to_dlpack(source)).data_ptr == source.data_ptr()
+    # A legacy capsule has no read-only flag: its memory is writable, as in Triton.
+    from_capsule = pb_utils.Tensor.from_dlpack("Z", to_dlpack(source)).as_numpy()
+    from_capsule[1, 1] = 7.0
+    assert source[1, 1].item() == 7.0
 
 
 def test_torch_bf16_round_trip(torch):
