@@ -99,13 +99,27 @@ class MemoryBuffer:
         address = int(storage.__array_interface__["data"][0])
         return MemoryBuffer(address, MemoryType.CPU, 0, storage.nbytes, storage)
 
-    def host_view(self) -> np.ndarray:
-        """The buffer as a writable flat uint8 array that keeps ``owner`` alive."""
+    def host_view(self, writable: bool = True) -> np.ndarray:
+        """The buffer as a flat uint8 array that keeps ``owner`` alive: writable, or
+        with ``writable=False`` read-only where the owner's memory is."""
         if self.memory_type is MemoryType.GPU:
             raise UnsupportedError("GPU memory buffers are not supported without CUDA")
-        if isinstance(self.owner, np.ndarray) and not self.owner.flags.writeable:
+        read_only = isinstance(self.owner, np.ndarray) and not self.owner.flags.writeable
+        if read_only and writable:
             raise InvalidArgumentError("the memory buffer is read-only")
-        return exposed(self.data_ptr, (self.size,), "|u1", self)
+        return exposed(self.data_ptr, (self.size,), "|u1", self, readonly=read_only)
+
+    def storage_for(self, data_type: DataType, shape: tuple[int, ...]) -> np.ndarray:
+        """The buffer as a tensor's storage (see :class:`Tensor`), without a copy."""
+        flat = self.host_view(writable=False)
+        if data_type is DataType.BYTES:
+            return flat
+        needed = math.prod(shape) * data_type.itemsize
+        if flat.nbytes != needed:
+            raise InvalidArgumentError(
+                f"the memory buffer holds {flat.nbytes} bytes, but {data_type.name} {list(shape)} needs {needed}"
+            )
+        return flat.view(data_type.storage_dtype).reshape(shape)
 
 
 class MemoryAllocator(abc.ABC):
@@ -128,11 +142,17 @@ class Tensor:
         self,
         data_type: DataType,
         shape: Sequence[int],
-        data: np.ndarray | None = None,
+        data: np.ndarray | MemoryBuffer | None = None,
         objects: np.ndarray | None = None,
     ) -> None:
+        """``data``: the storage array, or (as tritonserver's ``Tensor(data_type, shape,
+        memory_buffer)``) a :class:`MemoryBuffer` holding the bytes."""
         self.data_type = data_type if type(data_type) is DataType else DataType(data_type)
         self.shape: tuple[int, ...] = shape if type(shape) is tuple else tuple(int(d) for d in shape)
+        if isinstance(data, MemoryBuffer):
+            data = data.storage_for(self.data_type, self.shape)
+        elif data is not None and not isinstance(data, np.ndarray):
+            raise InvalidArgumentError(f"a Tensor's memory must be a MemoryBuffer, not {type(data).__name__}")
         self._data = data
         self._objects = objects
         if data is None and objects is None:
@@ -154,7 +174,10 @@ class Tensor:
     @classmethod
     def from_dlpack(cls, obj: Any) -> Tensor:
         """Zero-copy import of anything that speaks DLPack (or a raw capsule)."""
-        device_type, _ = device_of(obj)
+        try:
+            device_type, _ = device_of(obj)
+        except TypeError as exc:  # (tritonserver: InvalidArgumentError)
+            raise InvalidArgumentError(str(exc)) from None
         if device_type not in HOST_DEVICES:
             raise UnsupportedError(
                 f"tensors on DLPack device {DLDeviceType(device_type).name} are not "

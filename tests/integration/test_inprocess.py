@@ -74,6 +74,13 @@ def test_a_response_queue_gets_the_responses_as_tritonserver_gives_them(server):
         server.model("add_sub").infer(inputs={"INPUT0": a, "INPUT1": a}, response_queue=queue.Queue())
 
 
+def test_inputs_made_as_tritonserver_makes_tensors(server):
+    a = np.arange(16, dtype=np.float32)
+    given = dlserve.Tensor(DataType.FP32, [16], dlserve.MemoryBuffer.from_dlpack(a))
+    response = infer_one(server, "add_sub", inputs={"INPUT0": given, "INPUT1": a})
+    np.testing.assert_array_equal(np.from_dlpack(response.outputs["OUTPUT0"]), a + a)
+
+
 def test_async_infer_takes_an_asyncio_response_queue(server):
     a = np.arange(16, dtype=np.float32)
 

@@ -454,3 +454,23 @@ def test_memory_buffer_of_read_only_memory_is_never_written():
         with pytest.raises(InvalidArgumentError, match="read-only"):
             MemoryBuffer.from_dlpack(array).host_view()
     assert not read_only.any() and not immutable.any()
+
+
+def test_a_tensor_made_as_tritonserver_makes_one_views_its_memory_buffer():
+    """tritonserver's ``Tensor(data_type, shape, memory_buffer)``."""
+    source = np.arange(6, dtype=np.float32)
+    tensor = Tensor(DataType.FP32, [2, 3], MemoryBuffer.from_dlpack(source))
+    assert tensor.data_ptr == source.ctypes.data and tensor.shape == (2, 3)
+    assert np.from_dlpack(tensor).tolist() == [[0, 1, 2], [3, 4, 5]]
+    read_only = np.frombuffer(Tensor.from_bytes_array([b"ab", b"c"]).storage().tobytes(), dtype=np.uint8)
+    strings = Tensor(DataType.BYTES, [2], MemoryBuffer.from_dlpack(read_only))
+    assert strings.to_bytes_array().tolist() == [b"ab", b"c"]
+    with pytest.raises(InvalidArgumentError, match="holds 24 bytes, but FP32 \\[4\\] needs 16"):
+        Tensor(DataType.FP32, [4], MemoryBuffer.from_dlpack(source))
+    with pytest.raises(InvalidArgumentError, match="must be a MemoryBuffer, not list"):
+        Tensor(DataType.FP32, [4], [1.0, 2.0, 3.0, 4.0])
+
+
+def test_memory_buffer_of_what_has_no_dlpack_is_an_invalid_argument():
+    with pytest.raises(InvalidArgumentError, match="list does not implement the DLPack protocol"):
+        MemoryBuffer.from_dlpack([1, 2])
