@@ -42,6 +42,32 @@ from dlserve.frontends.restrictions import Restriction
 _MIB = 1 << 20
 
 
+def _check_field_types(options: Any) -> None:
+    """Each field of an ``Options`` holds what it declares, as tritonfrontend's validated
+    Options do (``server_key=10`` is refused); an integer given as a numeric string (a
+    port from an environment variable) is taken as that integer, as there."""
+    for field in dataclasses.fields(options):
+        value = getattr(options, field.name)
+        declared = str(field.type)  # (a string: annotations are postponed here)
+        if isinstance(value, str) and "int" in declared.split(" | ") and value.strip().lstrip("-").isdigit():
+            value = int(value)
+            setattr(options, field.name, value)
+        if not any(_holds(kind, value) for kind in declared.split(" | ")):
+            raise InvalidArgumentError(f"{field.name} must be {declared}, got {value!r}")
+
+
+def _holds(kind: str, value: Any) -> bool:
+    if kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "list[str]":
+        return isinstance(value, list) and all(isinstance(item, str) for item in value)
+    if kind == "str":
+        return isinstance(value, str)
+    if kind == "bool":
+        return isinstance(value, bool)
+    return kind == "None" and value is None
+
+
 def _check_port(port: Any) -> None:
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise InvalidArgumentError(f"port must be an integer in [0, 65535], got {port!r}")
@@ -177,6 +203,7 @@ class KServeHttp(_HttpService):
         restricted_apis: list[str] = dataclasses.field(default_factory=list)
 
         def __post_init__(self) -> None:
+            _check_field_types(self)
             _check_port(self.port)
             _check_positive("thread_count", self.thread_count)
             _check_positive("max_input_size", self.max_input_size)
@@ -207,6 +234,7 @@ class SageMaker(_HttpService):
         allow_client_shm: bool = False
 
         def __post_init__(self) -> None:
+            _check_field_types(self)
             _check_port(self.port)
             _check_positive("max_input_size", self.max_input_size)
             if self.ping_mode is None:
@@ -238,6 +266,7 @@ class VertexAi(_HttpService):
         allow_client_shm: bool = False
 
         def __post_init__(self) -> None:
+            _check_field_types(self)
             _check_port(self.port)
             _check_positive("max_input_size", self.max_input_size)
             if not self.predict_route:
@@ -300,6 +329,7 @@ class KServeGrpc(Service):
         restricted_protocols: list[str] = dataclasses.field(default_factory=list)
 
         def __post_init__(self) -> None:
+            _check_field_types(self)
             _check_port(self.port)
             for name in (
                 "keepalive_time_ms",
@@ -354,6 +384,7 @@ class Metrics(Service):
         thread_count: int = 1  # accepted for compatibility
 
         def __post_init__(self) -> None:
+            _check_field_types(self)
             _check_port(self.port)
             _check_positive("thread_count", self.thread_count)
 

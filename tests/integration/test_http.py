@@ -2373,15 +2373,28 @@ def test_bad_restrictions_are_refused(restriction):
     [
         {"port": 70000},
         {"port": -1},
-        {"port": "8000"},
+        {"port": "eighty"},
+        {"port": "-1"},
         {"thread_count": 0},
         {"max_input_size": 0},
         {"header_forward_pattern": "("},
+        {"address": 5},  # (tritonfrontend's Options check each field's type)
+        {"reuse_port": "true"},
+        {"restricted_apis": "inference"},
     ],
 )
 def test_options_validation(options):
     with pytest.raises(dlserve.InvalidArgumentError):
         KServeHttp.Options(**options)
+
+
+def test_options_take_an_integer_given_as_text_and_check_every_services_types():
+    assert KServeHttp.Options(port="8005").port == 8005  # (as from os.environ; so does tritonfrontend)
+    assert KServeGrpc.Options(port=" 8006 ").port == 8006
+    with pytest.raises(dlserve.InvalidArgumentError, match="^server_key must be str, got 10$"):
+        KServeGrpc.Options(server_key=10)
+    with pytest.raises(dlserve.InvalidArgumentError, match="^default_model must be str | None, got 3$"):
+        dlserve.frontends.SageMaker.Options(default_model=3)
 
 
 def test_options_of_the_wrong_type_are_refused(main):

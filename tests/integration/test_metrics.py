@@ -582,7 +582,7 @@ def test_other_paths_and_verbs(port):
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"port": 70000}, {"port": -1}, {"port": "8002"}, {"port": True},
+        {"port": 70000}, {"port": -1}, {"port": "x8002"}, {"port": True}, {"thread_count": "two"},
         {"thread_count": 0}, {"thread_count": -2},
     ],
 )
