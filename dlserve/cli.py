@@ -258,11 +258,15 @@ def _ignored_dest(flag: str) -> str:
     return "ignored_" + flag.strip("-").replace("-", "_")
 
 
-def _warn_ignored(args: argparse.Namespace) -> None:
+def _warn_ignored(args: argparse.Namespace, backend_wide_config: list[str]) -> None:
     log = logging.getLogger("dlserve")
     for flag in _IGNORED_FLAGS:
         if getattr(args, _ignored_dest(flag)):
             log.warning("%s has no effect in dlserve (a setting of Triton's C++ core)", flag)
+    for entry in backend_wide_config:
+        log.warning("--backend-config %s (for every backend) has no effect in dlserve", entry)
+    if args.response_cache_byte_size is not None:
+        log.warning("--response-cache-byte-size is deprecated: use --cache-config local,size=BYTES")
 
 
 def _grouped_settings(flag: str, entries: list[str], example: str, named: bool = True) -> dict[str, dict[str, str]]:
@@ -332,6 +336,7 @@ def _trace_settings(entries: list[str]) -> TraceSettings:
 
 def serve(args: argparse.Namespace) -> int:
     import dlserve
+    from dlserve.engine import logs
     from dlserve.engine.rate_limiter import parse_resource
     from dlserve.frontends import KServeGrpc, KServeHttp, Metrics, SageMaker, VertexAi
 
@@ -345,7 +350,6 @@ def serve(args: argparse.Namespace) -> int:
         repositories = [str(EXAMPLES)]
         if args.exit_on_error is None:
             exit_on_error = False  # examples whose framework is missing must not stop the rest
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.load_model and args.model_control_mode != "explicit":  # (Triton's words and status)
         print("Error: Use of '--load-model' requires setting '--model-control-mode=explicit' as well.",
               file=sys.stderr)
@@ -356,15 +360,9 @@ def serve(args: argparse.Namespace) -> int:
         except dlserve.TritonError as exc:
             print(f"dlserve: --rate-limit-resource: {exc}", file=sys.stderr)
             return 1
-    _warn_ignored(args)
     backend_config = [e for e in args.backend_config if "," in e or "=" not in e]
-    for entry in sorted(set(args.backend_config) - set(backend_config)):
-        logging.getLogger("dlserve").warning("--backend-config %s (for every backend) has no effect in dlserve", entry)
     cache_config = _grouped_settings("--cache-config", args.cache_config, "local,size=BYTES")
     if args.response_cache_byte_size is not None:
-        logging.getLogger("dlserve").warning(
-            "--response-cache-byte-size is deprecated: use --cache-config local,size=BYTES"
-        )
         cache_config.setdefault("local", {}).setdefault("size", str(args.response_cache_byte_size))
     options = dlserve.Options(
         model_repository=repositories,
@@ -399,6 +397,8 @@ def serve(args: argparse.Namespace) -> int:
         busy_poll_us=args.busy_poll_us,
         trace=_trace_settings(_trace_entries(args)),
     )
+    logs.log_to_stderr(options.log_settings())  # (a --log-file takes over once the server starts)
+    _warn_ignored(args, sorted(set(args.backend_config) - set(backend_config)))
     stop = threading.Event()
     server = dlserve.Server(options)
 
@@ -450,8 +450,8 @@ def serve(args: argparse.Namespace) -> int:
                                             default_model=args.vertex_ai_default_model))
         if args.allow_sagemaker:
             services.append(_hosted_service(SageMaker, server, args, "sagemaker"))
-        for line in _model_table(server.engine.manager.index() if server.engine.manager else []):
-            log.info("%s", line)
+        table = _model_table(server.engine.manager.index() if server.engine.manager else [])
+        log.info("\n%s\n", "\n".join(table), extra=logs.VERBATIM)  # (as Triton prints its tables)
         for service in services:
             service.start()
             print(f"dlserve: {type(service).__name__} listening on port {service.port}", flush=True)

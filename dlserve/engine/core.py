@@ -169,7 +169,7 @@ class Engine:
         s = self.settings
         if not s.model_repositories:
             raise InvalidArgumentError("Model repository must be specified.")
-        s.log.apply()
+        s.log.start()
         for setting in s.without_effect:
             log.warning("%s has no effect in dlserve (a setting of Triton's C++ core)", setting)
         remove_stale_segments()

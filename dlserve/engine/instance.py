@@ -210,8 +210,7 @@ class ModelInstance:
         elif kind in (Kind.BLS, Kind.BLS_CANCEL, Kind.MODEL_CONTROL):
             self.calls.handle(kind, corr, body)
         elif kind == Kind.LOG:
-            level, text = body
-            self._log.log(PYTHON_LEVELS.get(LogLevel(level), logging.INFO), "%s", text)
+            self._model_log_line(body)
         elif kind == Kind.METRIC:
             op, name, labels, value = body
             try:
@@ -231,6 +230,17 @@ class ModelInstance:
                 channel.reply_error(corr, exc)
             else:
                 channel.reply(corr, result)
+
+    def _model_log_line(self, body: Any) -> None:
+        """A line of the model's log, under the model file and line that logged it; a
+        malformed one is said and dropped (the worker's channel goes on)."""
+        try:
+            level, text, filename, line = body
+            python_level = PYTHON_LEVELS[LogLevel(level)]
+        except (TypeError, ValueError):
+            log.error("model instance '%s' sent a malformed log line: %.200r", self.name, body)
+            return
+        self._log.log(python_level, "%s", text, extra={"source": f"{filename}:{line}"})
 
     def _on_worker_exit(self, worker: WorkerProcess, description: str) -> None:
         if worker is self._worker and self.state is InstanceState.WARMING:

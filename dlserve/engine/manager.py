@@ -343,14 +343,16 @@ class ModelManager:
                     f"version {v} is at UNAVAILABLE state: {why};\n" for v, why in entry.failed.items()
                 )
                 bad_load = InvalidArgumentError if isinstance(exc, InternalError) else type(exc)
-                raise bad_load(f"load failed for model '{source.name}': {states}") from None
+                failure = bad_load(f"load failed for model '{source.name}': {states}")
+                failure.failed_versions = entry.failed  # type: ignore[attr-defined]
+                raise failure from None
             finally:
                 entry.loading = False
             old = entry.versions
             for version, model in loaded.items():
                 if version in old:  # a reload: Prometheus counts on, as Triton's
                     model.stats.continues(old[version].stats)
-                log.info("loaded model '%s' version %d", source.name, version)
+            log.info("successfully loaded '%s'", source.name)
             entry.unloaded = sorted((old.keys() | set(entry.unloaded)) - loaded.keys())
             entry.versions, entry.error, entry.tried, entry.failed = loaded, "", [], {}
             entry.waits_for.clear()
@@ -482,7 +484,7 @@ class ModelManager:
         return {}, {version: error for version, error in errors.items() if isinstance(error, TritonError)}
 
     async def _start_version(self, model: ModelVersion) -> None:
-        log.info("loading model '%s' version %d", model.name, model.version)
+        log.info("loading: %s:%d", model.name, model.version)
         self._starting.add(model)
         try:
             await model.load()
@@ -745,12 +747,19 @@ class ModelManager:
 
 
 def _log_load_failure(name: str, exc: TritonError, namespace: str = "") -> None:
-    """Log a failed load once, with Triton's ``ns::name`` and without the name twice."""
+    """Log a failed load once, in Triton's words (each version that failed, then the
+    model), with Triton's ``ns::name`` and without the name twice."""
+    where = f"{namespace}::{name}" if namespace else name
+    failed_versions: dict[int, str] = getattr(exc, "failed_versions", {})
+    for version, reason in failed_versions.items():
+        log.error("failed to load '%s' version %d: %s", where, version, reason)
+    if failed_versions:
+        log.info("failed to load '%s'", where)
+        return
     reason = exc.message.strip()
     for said in (f"failed to load model '{name}': ", f"load failed for model '{name}': "):
         reason = reason.removeprefix(said)  # (most load errors start so already)
-    where = f"{namespace}::" if namespace else ""
-    log.error("failed to load model '%s%s': %s", where, name, reason)
+    log.error("failed to load '%s': %s", where, reason)
 
 
 def _load_failed(name: str, exc: TritonError) -> TritonError:

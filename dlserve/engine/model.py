@@ -224,7 +224,7 @@ class ModelVersion:
         self.stats.ended = True
         self.state, self.reason = "UNAVAILABLE", "unloaded"
         if served:
-            log.info("unloaded model '%s' version %d", self.name, self.version)
+            log.info("successfully unloaded '%s' version %d", self.name, self.version)
         return drained
 
     def kill(self) -> None:

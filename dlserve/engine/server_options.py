@@ -90,7 +90,7 @@ class Options:
     log_file: str | None = None
     log_info: bool = False
     log_warn: bool = False
-    log_error: bool = False
+    log_error: bool = True  # (tritonserver's is False: in-process errors are logged unless asked not to)
     log_format: LogFormat = LogFormat.DEFAULT
     log_verbose: int = 0
     metrics: bool = True
@@ -175,13 +175,13 @@ class Options:
         return pools
 
     def log_settings(self) -> LogSettings:
-        """Triton's cascade: verbose implies info, info implies warnings; errors always log."""
-        info = self.log_info or self.log_verbose > 0
+        """Each severity switched on or off by its own flag, as in Triton (``log_info``
+        off and ``log_verbose`` 1: verbose lines, no info lines)."""
         return LogSettings(
             log_file=self.log_file or "",
-            log_info=info,
-            log_warning=info or self.log_warn,
-            log_error=True,
+            log_info=self.log_info,
+            log_warning=self.log_warn,
+            log_error=self.log_error,
             log_verbose_level=int(self.log_verbose),
             log_format="ISO8601" if self.log_format == LogFormat.ISO8601 else "default",
         )

@@ -44,7 +44,7 @@ class Kind(enum.IntEnum):
     RELEASE = 20  # body: list of lease ids the sender no longer uses
     RETIRE = 21  # body: list of segment names the sender has unlinked
     # stub -> server
-    LOG = 30  # no reply; body: (level, message)
+    LOG = 30  # no reply; body: (level, message, filename, line)
     METRIC_FAMILY = 31  # reply None or ERROR; body: (name, description, kind)
     METRIC = 32  # no reply; body: (op, family, labels, value or buckets)
     METRIC_VALUE = 33  # reply float; body: (family, labels)

@@ -96,8 +96,8 @@ class WorkerRuntime:
         channel.on_cancel = self._cancelled
 
     # -- logs, metrics, model control --------------------------------------------------
-    def log(self, level: int, message: str) -> None:
-        self.channel.send(Kind.LOG, 0, (level, message))
+    def log(self, level: int, message: str, filename: str, line: int) -> None:
+        self.channel.send(Kind.LOG, 0, (level, message, filename, line))
 
     def request(self, kind: int, body: Any) -> Any:
         try:

@@ -19,7 +19,9 @@ if TYPE_CHECKING:
 class Runtime(Protocol):
     arena: Arena
 
-    def log(self, level: int, message: str) -> None: ...
+    def log(self, level: int, message: str, filename: str, line: int) -> None:
+        """Queue a log line to the server; ``filename`` and ``line``: the model's code that logged it."""
+        ...
 
     def request(self, kind: int, body: Any) -> Any:
         """Send to the server and wait for its reply (raises its error)."""

@@ -1,15 +1,19 @@
 """``pb_utils.Logger``: model log lines go into the server's log at their level.
 
-Inside a worker the line is queued to the server (no reply is awaited) and logged
-there under ``dlserve.model.<name>``; outside one it goes to Python logging. A model's
-plain Python ``logging`` records take the same way (:class:`ServerLogHandler`, on the
-worker's root logger): Triton drops them.
+Inside a worker the line is queued to the server (no reply is awaited) with the model
+file and line that logged it, and logged there under ``dlserve.model.<name>``; outside
+one it goes to Python logging. A model's plain Python ``logging`` records take the same
+way (:class:`ServerLogHandler`, on the worker's root logger; Triton leaves them on the
+model process's stderr as plain Python output).
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+import os
+import sys
+from typing import Any
 
 from dlserve.pb_utils import _runtime
 
@@ -30,34 +34,65 @@ PYTHON_LEVELS = {
 
 
 class Logger:
+    LogLevel = LogLevel
     INFO = LogLevel.INFO
     WARNING = LogLevel.WARNING
     ERROR = LogLevel.ERROR
     VERBOSE = LogLevel.VERBOSE
 
     @staticmethod
-    def log(message: str, level: int = LogLevel.INFO) -> None:
-        runtime = _runtime.current()
-        if runtime is not None:
-            runtime.log(int(level), str(message))
-        else:
-            logging.getLogger("dlserve.model").log(PYTHON_LEVELS[LogLevel(level)], message)
+    def log(message: str, level: LogLevel = LogLevel.INFO) -> None:
+        if not isinstance(level, LogLevel):
+            raise _incompatible("log", "message: str, level: LogLevel = <LogLevel.INFO: 0>", message, level)
+        _log_from_caller(_text("log", message, level), level)
 
     @staticmethod
     def log_info(message: str) -> None:
-        Logger.log(message, LogLevel.INFO)
+        _log_from_caller(_text("log_info", message), LogLevel.INFO)
 
     @staticmethod
     def log_warn(message: str) -> None:
-        Logger.log(message, LogLevel.WARNING)
+        _log_from_caller(_text("log_warn", message), LogLevel.WARNING)
 
     @staticmethod
     def log_error(message: str) -> None:
-        Logger.log(message, LogLevel.ERROR)
+        _log_from_caller(_text("log_error", message), LogLevel.ERROR)
 
     @staticmethod
     def log_verbose(message: str) -> None:
-        Logger.log(message, LogLevel.VERBOSE)
+        _log_from_caller(_text("log_verbose", message), LogLevel.VERBOSE)
+
+
+def _text(function: str, message: Any, *rest: Any) -> str:
+    """The message as text: a str, or bytes (their text); anything else is refused, as
+    Triton's Logger refuses it."""
+    if isinstance(message, str):
+        return message
+    if isinstance(message, bytes):
+        return message.decode("utf-8", errors="replace")
+    signature = "message: str" + (", level: LogLevel = <LogLevel.INFO: 0>" if rest else "")
+    raise _incompatible(function, signature, message, *rest)
+
+
+def _incompatible(function: str, signature: str, *args: Any) -> TypeError:
+    """Triton's TypeError for arguments its Logger does not take (its words)."""
+    return TypeError(
+        f"{function}(): incompatible function arguments. The following argument types are supported:\n"
+        f"    1. ({signature}) -> None\n\nInvoked with: {', '.join(map(repr, args))}"
+    )
+
+
+def _log_from_caller(message: str, level: LogLevel) -> None:
+    caller = sys._getframe(2)  # (the model's frame: past this function and Logger's method)
+    _send(message, level, os.path.basename(caller.f_code.co_filename), caller.f_lineno)
+
+
+def _send(message: str, level: LogLevel, filename: str, line: int) -> None:
+    runtime = _runtime.current()
+    if runtime is not None:
+        runtime.log(int(level), message, filename, line)
+    else:
+        logging.getLogger("dlserve.model").log(PYTHON_LEVELS[level], message)
 
 
 class ServerLogHandler(logging.Handler):
@@ -76,7 +111,7 @@ class ServerLogHandler(logging.Handler):
             default=LogLevel.VERBOSE,
         )
         try:
-            Logger.log(self.format(record), level)
+            _send(self.format(record), level, record.filename, record.lineno)
         except OSError:
             pass  # the server is gone (the worker is ending)
         except Exception:  # noqa: BLE001 - logging must never raise into the model

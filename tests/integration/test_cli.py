@@ -14,6 +14,7 @@ import glob
 import http.client
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -417,6 +418,7 @@ def test_exit_timeout_bounds_shutdown_with_a_stuck_request(serve, make_repo):
 
 def test_sigint_http_only_restricted_api_and_log_file(serve, make_repo, tmp_path):
     log_file = tmp_path / "server.log"
+    log_file.write_text("a line before\n")  # (appended to, as Triton does)
     process = serve(
         "--model-repository", str(make_repo("add_sub", "logger")),
         "--allow-grpc", "false", "--allow-metrics=false",
@@ -452,9 +454,12 @@ def test_sigint_http_only_restricted_api_and_log_file(serve, make_repo, tmp_path
     assert code == 0, process.output()
     process.assert_clean()
     log = log_file.read_text()
+    assert log.startswith("a line before\n")
     assert "logger model initialized" in log  # the model's pb_utils.Logger lines
     assert "info message" in log and "error message" in log
     assert "shutting down: finishing in-flight requests" in log
+    assert "successfully unloaded 'logger' version 1" in log  # its lines, till the last
+    assert "info message" not in process.stderr and not LINE.search(process.stderr)  # the file's only
 
 
 FINALIZER = {
@@ -709,6 +714,107 @@ def test_a_breakpoint_in_a_model_stops_in_the_servers_terminal(tmp_path):
         os.close(terminal)
     assert os.waitstatus_to_exitcode(status) == 0
     assert not glob.glob(f"/dev/shm/dlserve_{pid}_*")
+
+
+# -- the server log ---------------------------------------------------------------------------
+# Triton's lines: severity, MMDD time (UTC, microseconds), the server's pid, the source line that
+# logged it (for a model's line, the model's), then the message JSON-quoted: one record, one line.
+LINE = re.compile(r'^([IWE])\d{4} \d\d:\d\d:\d\d\.\d{6} (\d+) ([\w.]+):(\d+)\] (".*")$', re.MULTILINE)
+ISO_LINE = re.compile(r'^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ ([IWE]) (\d+) ([\w.]+):(\d+)\] (".*")$', re.MULTILINE)
+LOGGER_BODY = {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1], "data": [1.0]}]}
+
+
+def logged(text: str, line: re.Pattern = LINE) -> list[tuple[str, str, str]]:
+    """(severity, source, message) of each of Triton's lines in ``text``."""
+    return [(severity, f"{file}:{number}", json.loads(message))
+            for severity, _, file, number, message in line.findall(text)]
+
+
+def infer_logger(process: Serve, last_line: str = "logger_model: python error message") -> str:
+    """Run the logger model once; the server's stderr from then until its last log line."""
+    before = len(process.stderr)
+    assert request(process.ports["http"], "/v2/models/logger/infer", "POST", LOGGER_BODY)[0] == 200
+    deadline = time.monotonic() + 10
+    while last_line not in process.stderr[before:]:
+        assert time.monotonic() < deadline, process.output()
+        time.sleep(0.05)
+    return process.stderr[before:]
+
+
+def test_the_log_is_written_in_tritons_lines(serve, make_repo):
+    """As Triton 2.51 (measured): its own lines and a model's pb_utils.Logger lines (under
+    the model's file and line) in one format; the model table after a line of its own;
+    loads and unloads in Triton's words, which scripts grep."""
+    repo = make_repo("logger", "init_fail")
+    process = serve("--model-repository", str(repo), "--exit-on-error=false").wait_started()
+    lines = logged(infer_logger(process))
+    assert ("I", "model.py:12", "info message") in lines
+    assert ("W", "model.py:13", "warning message") in lines
+    assert ("E", "model.py:16", "explicit level message") in lines
+    assert "verbose message" not in process.stderr  # (--log-verbose 0)
+    (python_error,) = [m for s, _, m in lines if s == "E" and m.startswith("logger_model: python error")]
+    assert "\nTraceback" in python_error  # a model's Python logging record, traceback and all
+    assert {pid for _, pid, *_ in LINE.findall(process.stderr)} == {str(process.pid)}
+    assert re.search(r"cli\.py:\d+\] \n\+-+\+-+\+-+\+\n\| Model ", process.stderr), process.stderr
+    code, _ = process.stop()
+    assert code == 0, process.output()
+    said = [(severity, message.split("\n")[0]) for severity, _, message in logged(process.stderr)]
+    assert ("I", "loading: logger:1") in said and ("I", "successfully loaded 'logger'") in said
+    assert ("E", "failed to load 'init_fail' version 1: Internal: RuntimeError: cannot initialize: "
+                 "weights file is missing") in said
+    assert ("I", "failed to load 'init_fail'") in said
+    assert ("I", "successfully unloaded 'logger' version 1") in said
+    process.assert_clean()
+
+
+def test_each_severity_has_its_own_switch_at_start_and_at_run_time(serve, make_repo):
+    """As Triton 2.51 (measured): ``--log-info false --log-verbose 1`` shows verbose lines
+    (as I lines) and no info lines; an update through /v2/logging or gRPC switches the
+    severities and the format (ISO8601) of the very next lines, and the endpoints say what
+    is applied."""
+    import tritonclient.grpc as grpcclient
+
+    process = serve(
+        "--model-repository", str(make_repo("logger")), "--log-info", "false", "--log-verbose", "1",
+    ).wait_started()
+    port = process.ports["http"]
+    lines = logged(infer_logger(process))
+    assert ("I", "model.py:15", "verbose message") in lines and ("W", "model.py:13", "warning message") in lines
+    assert not [m for *_, m in lines if m == "info message"] and "info message" not in process.stderr
+    settings = {"log_file": "", "log_info": False, "log_warning": True, "log_error": True,
+                "log_verbose_level": 1, "log_format": "default"}
+    assert json.loads(request(port, "/v2/logging")[1]) == settings
+
+    update = {"log_info": True, "log_warning": False, "log_verbose_level": 0, "log_format": "ISO8601"}
+    status, body = request(port, "/v2/logging", "POST", update)
+    assert status == 200 and json.loads(body) == {**settings, **update}
+    text = infer_logger(process)
+    lines = logged(text, ISO_LINE)
+    assert ("I", "model.py:12", "info message") in lines and ("E", "model.py:14", "error message") in lines
+    assert "warning message" not in text and "verbose message" not in text and not LINE.search(text)
+
+    with grpcclient.InferenceServerClient(f"127.0.0.1:{process.ports['grpc']}") as client:
+        client.update_log_settings({"log_format": "default", "log_error": False})
+    text = infer_logger(process, last_line="info message")
+    assert ("I", "model.py:12", "info message") in logged(text) and not ISO_LINE.search(text)
+    assert "error message" not in text
+    code, _ = process.stop()
+    assert code == 0, process.output()
+    process.assert_clean()
+
+
+def test_a_log_file_that_cannot_be_opened_leaves_the_log_on_stderr(serve, make_repo, tmp_path):
+    """As Triton 2.51 (measured): it starts and logs to stderr (and its logging endpoint
+    then names no log file); dlserve also says why, in one line."""
+    missing = tmp_path / "no" / "such" / "dir" / "server.log"
+    process = serve("--model-repository", str(make_repo("logger")), "--log-file", str(missing)).wait_started()
+    assert f"dlserve: cannot write the log to '{missing}': No such file or directory\n" in process.stderr
+    assert "Traceback" not in process.stderr, process.stderr
+    assert ("I", "successfully loaded 'logger'") in [(s, m) for s, _, m in logged(process.stderr)]
+    assert json.loads(request(process.ports["http"], "/v2/logging")[1])["log_file"] == ""
+    code, _ = process.stop()
+    assert code == 0, process.output()
+    process.assert_clean()
 
 
 def test_a_workers_stderr_reaches_the_servers(serve, make_repo):

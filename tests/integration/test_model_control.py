@@ -249,7 +249,7 @@ def test_versions_it_served_stay_listed_and_unavailable(servers, make_repo, capl
         server.load("versioned")
         config.write_text(latest)  # version 3 only: the reload retires 1 and 2
         server.load("versioned")
-        retired = {(logging.INFO, f"unloaded model 'versioned' version {version}") for version in (1, 2)}
+        retired = {(logging.INFO, f"successfully unloaded 'versioned' version {version}") for version in (1, 2)}
         wait_until(lambda: retired <= set(engine_log(caplog)))  # (in the background)
     ready = {"state": "READY", "reason": None}
     assert rows(server) == {"versioned:1": UNLOADED, "versioned:2": UNLOADED, "versioned:3": ready}
@@ -259,8 +259,8 @@ def test_versions_it_served_stay_listed_and_unavailable(servers, make_repo, capl
         server.model("versioned", 1).statistics()
     logged = engine_log(caplog)
     for version in (1, 2, 3):
-        assert (logging.INFO, f"loading model 'versioned' version {version}") in logged
-        assert (logging.INFO, f"loaded model 'versioned' version {version}") in logged
+        assert (logging.INFO, f"loading: versioned:{version}") in logged
+    assert logged.count((logging.INFO, "successfully loaded 'versioned'")) == 2  # once a load
 
     server.unload("versioned")
     assert rows(server) == {f"versioned:{version}": UNLOADED for version in (1, 2, 3)}
@@ -313,11 +313,12 @@ def test_a_version_that_fails_to_load_is_blamed_alone_and_logged_once(servers, m
         server.model("two", 1).metadata()
     logged = engine_log(caplog)
     errors = [message for level, message in logged if level == logging.ERROR]
-    assert len(errors) == 2, errors  # each failed load once
-    assert errors[0].startswith("failed to load model 'two': version 2 is at UNAVAILABLE state: Internal: ")
-    assert errors[1].startswith("failed to load model 'nope': ")
-    assert (logging.INFO, "unloaded model 'two' version 1") in logged
-    assert not [message for _, message in logged if message.startswith("loaded model 'two'")]
+    assert len(errors) == 2, errors  # each failed load once, in Triton's words
+    assert errors[0].startswith("failed to load 'two' version 2: Internal: RuntimeError: version 2 cannot start")
+    assert errors[1].startswith("failed to load 'nope': ")
+    assert (logging.INFO, "failed to load 'two'") in logged
+    assert (logging.INFO, "successfully unloaded 'two' version 1") in logged
+    assert not [message for _, message in logged if message.startswith("successfully loaded 'two'")]
 
 
 def test_a_model_file_that_does_not_parse_is_said_as_triton_says_it(servers, make_repo):
@@ -554,8 +555,8 @@ def test_bad_models_fail_to_load_with_a_clear_reason(servers, make_repo, files, 
     (entry,) = [e for (name, _), e in server.models().items() if name == "bad"]
     assert entry.state == "UNAVAILABLE"
     assert message in entry.reason
-    (logged,) = [r.getMessage() for r in caplog.records if "failed to load model 'bad'" in r.getMessage()]
-    assert message in logged and logged.count("failed to load model") == 1  # said once
+    (logged,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("failed to load 'bad'")]
+    assert message in logged and logged.count("failed to load") == 1  # said once
 
 
 def test_kind_auto_falls_back_to_cpu(servers, make_repo):
@@ -822,6 +823,54 @@ def test_model_logs_reach_the_server_log(servers, make_repo, caplog):
     (error,) = [m for m in by_message if m.startswith("logger_model: python error message")]
     assert by_message[error] == logging.ERROR
     assert "Traceback" in error and "ZeroDivisionError: division by zero" in error
+
+
+LOGGER_MISUSE_PY = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+from dlserve.ipc.protocol import Kind
+from dlserve.pb_utils import _runtime
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        refused = []
+        for call in (
+            lambda: pb_utils.Logger.log("level 7", 7),
+            lambda: pb_utils.Logger.log("a plain int", 1),
+            lambda: pb_utils.Logger.log_info(12345),
+            lambda: pb_utils.Logger.log_info(None),
+        ):
+            try:
+                call()
+            except TypeError as exc:
+                refused.append(str(exc).splitlines()[0])
+        pb_utils.Logger.log(b"bytes, as their text", pb_utils.Logger.LogLevel.WARNING)
+        _runtime.current().notify(Kind.LOG, (7, "a malformed line"))  # as a bad worker would
+        answer = np.array([len(refused)], dtype=np.float32)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", answer)]) for _ in requests]
+"""
+
+
+def test_a_logger_call_triton_refuses_raises_in_the_model_and_the_server_goes_on(servers, make_repo, caplog):
+    """As Triton 2.51 (measured): ``Logger.log`` with a level that is not a
+    ``Logger.LogLevel`` and ``log_info`` of a non-str raise TypeError in the model; bytes
+    are logged as their text. A malformed log message from a worker is said and dropped:
+    its instance serves on (it used to lose its channel and restart)."""
+    config = (MODELS / "logger" / "config.pbtxt").read_text()
+    repo = make_repo(extra={"misuse": {"config.pbtxt": config, "1/model.py": LOGGER_MISUSE_PY}})
+    server = servers.start(repo)
+    worker = server.engine.model("misuse").instances[0].pid
+    with caplog.at_level(logging.INFO, logger="dlserve"):
+        for _ in range(2):
+            (response,) = server.model("misuse").infer(inputs={"INPUT0": X1})
+            assert response.outputs["OUTPUT0"].as_numpy().tolist() == [4]  # each refused: TypeError
+        wait_until(lambda: len([r for r in caplog.records if "malformed log line" in r.getMessage()]) == 2)
+    assert server.engine.model("misuse").instances[0].pid == worker  # not restarted
+    (bytes_line, _) = [r for r in caplog.records if r.name == "dlserve.model.misuse"]
+    assert bytes_line.getMessage() == "bytes, as their text" and bytes_line.levelno == logging.WARNING
+    assert bytes_line.source == "model.py:21"  # the model's line that logged it
+    assert "level 7" not in caplog.text and "12345" not in caplog.text
 
 
 def test_stop_runs_finalize(servers, make_repo, tmp_path):

@@ -255,5 +255,5 @@ def test_a_model_that_fails_to_load_is_logged_with_its_namespace(servers, reposi
     r1, r2 = repositories
     (r2 / "m" / "config.pbtxt").write_text('name: "m"\nbackend: "python"\nmax_batch_size: -3\n')
     server = servers.start([str(r1), str(r2)], model_namespacing=True, exit_on_error=False)
-    assert f"failed to load model '{r2}::m'" in caplog.text  # as Triton writes it: ns::name
+    assert f"failed to load '{r2}::m'" in caplog.text  # as Triton writes it: ns::name
     assert run(server, "m") == [11, 21]  # R1's is the one m loaded

@@ -38,7 +38,7 @@ MESSAGES = [
     (Kind.ERROR, 3, (3, "bad input é")),
     (Kind.RELEASE, 0, [1, 2, 3]),
     (Kind.RETIRE, 0, ["seg_1"]),
-    (Kind.LOG, 0, (1, "warning line")),
+    (Kind.LOG, 0, (1, "warning line", "model.py", 12)),
     (Kind.INIT, 1, {"args": {"model_name": "m"}, "float": 1.5, "none": None, "neg": -(2**40)}),
     (Kind.FINALIZE, 9, None),
 ]
