@@ -70,17 +70,23 @@ def describe_exception(exc: BaseException) -> str:
 
 
 def load_module(model_file: str) -> ModuleType:
-    """Import ``model.py`` with its version folder and model folder on ``sys.path``."""
+    """Import ``model.py`` with its version folder and model folder on ``sys.path``, as
+    Triton does: as module ``model`` of a package that is its version folder (``1.model``),
+    so that its relative imports (``from . import helper``) find the files beside it."""
     version_dir = os.path.dirname(os.path.abspath(model_file))
     for path in (os.path.dirname(version_dir), version_dir):
         if path not in sys.path:
             sys.path.insert(0, path)
     _runtime.model_file = os.path.abspath(model_file)
-    spec = importlib.util.spec_from_file_location("model", model_file)
+    package = ModuleType(os.path.basename(version_dir))
+    package.__path__ = [version_dir]
+    sys.modules[package.__name__] = package
+    stem = os.path.splitext(os.path.basename(model_file))[0]
+    spec = importlib.util.spec_from_file_location(f"{package.__name__}.{stem}", model_file)
     if spec is None or spec.loader is None:
         raise ModelFailure(f"cannot import {model_file}")
     module = importlib.util.module_from_spec(spec)
-    sys.modules["model"] = module
+    sys.modules[spec.name] = sys.modules["model"] = module
     spec.loader.exec_module(module)
     if not hasattr(module, "TritonPythonModel"):
         raise ModelFailure(f"{model_file} does not define class TritonPythonModel")
@@ -425,6 +431,9 @@ def main(argv: list[str] | None = None) -> int:
     # itself, and a worker whose server is gone exits on its own.)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # The worker's own flags are no business of the model's: a model that parses sys.argv
+    # (argparse, unittest.main) sees what Triton's stub shows it.
+    sys.argv = [""]
 
     sock = socket.socket(fileno=args.fd)
     channel = WorkerChannel(sock)

@@ -5,6 +5,8 @@ custom model configs (``model_config_name``), retried model starts
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -221,3 +223,48 @@ def test_the_metrics_port_follows_the_same_options(servers, make_repo):
     disabled = servers.start(make_repo("identity"), metrics=False)
     with pytest.raises(dlserve.UnsupportedError, match="metrics are disabled"):
         Metrics(disabled, Metrics.Options(address="127.0.0.1", port=0)).start()
+
+
+MULTI_FILE_MODEL = """
+import json
+import sys
+import unittest
+
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+import helper_beside
+from . import helper_relative
+
+
+class Checks(unittest.TestCase):
+    def test_it_runs(self):
+        self.assertEqual(helper_relative.VALUE, 2)
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        # Triton's own QA models run unittest.main inside the model: it parses sys.argv.
+        outcome = unittest.main("model", exit=False).result
+        said = {"argv": sys.argv, "module": __name__, "values": [helper_beside.VALUE, helper_relative.VALUE],
+                "passed": outcome.wasSuccessful()}
+        out = np.array([json.dumps(said).encode()], dtype=np.object_)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", out)]) for _ in requests]
+"""
+
+
+def test_a_model_imports_the_files_beside_it_and_sees_tritons_argv(servers, make_repo):
+    """As Triton's stub: model.py is module ``model`` of its version folder's package
+    (``1.model``: relative imports work) and ``sys.argv`` is ``['']`` (unittest.main in a
+    model, as Triton's own QA models run it, used to exit the worker on its flags)."""
+    config = 'backend: "python"\noutput [ { name: "OUTPUT0" data_type: TYPE_STRING dims: [ 1 ] } ]\n'
+    repo = make_repo(extra={"multi_file": {
+        "config.pbtxt": config, "1/model.py": MULTI_FILE_MODEL,
+        "1/helper_beside.py": "VALUE = 1\n", "1/helper_relative.py": "VALUE = 2\n",
+    }})
+    server = servers.start(repo)
+    (response,) = server.model("multi_file").infer(inputs={})
+    said = json.loads(response.outputs["OUTPUT0"].to_bytes_array()[0])
+    assert said == {"argv": [""], "module": "1.model", "values": [1, 2], "passed": True}
