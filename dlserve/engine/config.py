@@ -143,8 +143,9 @@ def validate(config: mc.ModelConfig, model_name: str, gpu_count: int = 0) -> Non
             "match the model's folder name"
         )
     ensemble = config.platform == ENSEMBLE_PLATFORM
-    if not ensemble and (config.platform or config.backend != SUPPORTED_BACKEND):
-        wanted = config.platform or config.backend
+    # (with backend "python", Triton serves the model whatever a leftover platform says)
+    if not ensemble and config.backend != SUPPORTED_BACKEND:
+        wanted = config.backend or config.platform
         raise UnsupportedError(
             f"model '{model_name}': dlserve serves Python-backend models only "
             f"(backend: \"python\") and ensembles of them, this config asks for '{wanted}'"

@@ -339,11 +339,19 @@ def test_validate_name_mismatch():
         cfg.validate(config, "m")
 
 
-@pytest.mark.parametrize("text,wanted", [('backend: "onnxruntime"', "onnxruntime"), ('platform: "tensorflow_savedmodel"', "tensorflow_savedmodel"), ('platform: "x" backend: "python"', "x")])
+@pytest.mark.parametrize("text,wanted", [('backend: "onnxruntime"', "onnxruntime"), ('platform: "tensorflow_savedmodel"', "tensorflow_savedmodel"), ('platform: "x" backend: "onnxruntime"', "onnxruntime")])
 def test_validate_python_backend_only(text, wanted):
     message = invalid(text)
     assert message.startswith("UnsupportedError: model 'm': ")
     assert "Python-backend models only" in message and f"'{wanted}'" in message
+
+
+@pytest.mark.parametrize("platform", ["custom", "onnxruntime_onnx"])
+def test_backend_python_is_served_whatever_platform_it_also_names(platform):
+    """As Triton 2.51 loads it (measured; its own QA wrong_model has platform "custom")."""
+    config = completed(f'backend: "python" platform: "{platform}"', "m")
+    cfg.validate(config, "m")
+    assert config.platform == platform
 
 
 def test_validate_negative_max_batch_size():
