@@ -35,7 +35,9 @@ as extra input tensors. A sequence that receives no request for
 refused, as is one for a sequence whose instance died (its state is gone: its
 requests are told it was lost and why, the queued ones and the next one to come).
 Iterative sequences (``iterative_sequence: true``) let a model reschedule a
-request: it runs again, ahead of the sequence's later requests.
+request: it runs again, ahead of the sequence's later requests. As in Triton, such a
+sequence ends once its request is done (rescheduled no more), and a request without a
+correlation ID is a sequence of its own, under an ID the server picks.
 
 Implicit state (``state [...]``, Triton's implicit state management, which its
 Python backend lacks): each request of a sequence gets the state input its previous
@@ -244,6 +246,7 @@ class SequenceBatcher(Scheduler):
         # request that continues one is told that rather than that it lacks a START.
         self._lost: collections.OrderedDict[int | str, str] = collections.OrderedDict()
         self._placements = itertools.count(1)
+        self._standalone_ids = itertools.count(1)  # (iterative requests without a correlation ID)
         self._last_placed: dict[ModelInstance, int] = {}  # instance -> its latest placement
 
     # -- queueing -----------------------------------------------------------------------
@@ -257,10 +260,15 @@ class SequenceBatcher(Scheduler):
                 "requirements of sequence batcher"
             )
         if key in (0, "", None):
-            raise InvalidArgumentError(
-                f"inference request to model '{name}' must specify a non-zero or non-empty "
-                "correlation ID"
-            )
+            if not self.iterative:
+                raise InvalidArgumentError(
+                    f"inference request to model '{name}' must specify a non-zero or non-empty "
+                    "correlation ID"
+                )
+            # As Triton: a sequence of its own, under a correlation ID the server picks
+            # (the model sees it, and START).
+            key = request.correlation_id = self._unused_id()
+            request.flags |= SEQUENCE_START
         if isinstance(key, str) and self._numeric_corrid:
             raise InvalidArgumentError(
                 f"inference request to model '{name}': the CORRID control input is numeric, "
@@ -285,6 +293,12 @@ class SequenceBatcher(Scheduler):
         if request.flags & SEQUENCE_END:
             sequence.ending = True
         sequence.queue.append(request)
+
+    def _unused_id(self) -> int:
+        key = next(self._standalone_ids)
+        while key in self.sequences:
+            key = next(self._standalone_ids)
+        return key
 
     def _not_started(self, key: int | str) -> InvalidArgumentError:
         return InvalidArgumentError(  # (Triton's words)
@@ -476,7 +490,9 @@ class SequenceBatcher(Scheduler):
             sequence.running = False
             if self.sequences.get(sequence.key) is not sequence:
                 continue  # freed when its END went into the batch, or lost
-            if request.flags & SEQUENCE_END and not sequence.queue:
+            # (an iterative sequence ends once its request is done, rescheduled no more, as
+            # in Triton: a later request of it needs a START again)
+            if (request.flags & SEQUENCE_END or self.iterative) and not sequence.queue:
                 self._release(sequence)
             elif not sequence.queue:
                 self._idle_out(sequence)

@@ -290,6 +290,27 @@ def test_iterative_sequence_reschedules(server):
     assert stats["execution_count"] >= 4
 
 
+def test_iterative_sequences_are_tritons_sequences_of_one_request(server):
+    """As Triton 2.51 (measured): a request without a correlation ID is a sequence of its
+    own (the model sees an ID the server picked, and START), and an iterative sequence
+    ends once its request is done, so what follows needs a START again."""
+    model = server.model("iterative")
+
+    async def run() -> Any:
+        standalone = [await anext(aiter(model.async_infer(inputs={"STEPS": value(n)}))) for n in (3, 2)]
+        started = await anext(aiter(model.async_infer(inputs={"STEPS": value(1)}, correlation_id=41, flags=START)))
+        then = await anext(aiter(model.async_infer(
+            inputs={"STEPS": value(1)}, correlation_id=41, raise_on_error=False,
+        )))
+        return standalone, started, then
+
+    standalone, started, then = asyncio.run(run())
+    assert [int(r.outputs["RUNS"].as_numpy()[0, 0]) for r in standalone] == [3, 2]
+    assert started.error is None
+    assert isinstance(then.error, dlserve.InvalidArgumentError)
+    assert "must specify the START flag on the first request of the sequence" in then.error.message
+
+
 def test_a_dead_instance_loses_its_sequences(server):
     responses = asyncio.run(run_sequence(server, 3131, [1]))  # no END: the sequence stays open
     first = asyncio.run(send(server, 3132, 1, START))
