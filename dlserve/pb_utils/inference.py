@@ -91,16 +91,19 @@ def _text(value: str | bytes, what: str) -> str:
     return value
 
 
+_REQUIRED: Any = object()  # (an argument Triton's InferenceRequest requires)
+
+
 class InferenceRequest:
     """A request handed to ``execute``, or one a model builds to call another model (BLS)."""
 
     def __init__(
         self,
-        model_name: str = "",
-        inputs: Sequence[Tensor] = (),
-        requested_output_names: Sequence[str] = (),
         request_id: str = "",
         correlation_id: int | str = 0,
+        inputs: Sequence[Tensor] = _REQUIRED,
+        requested_output_names: Sequence[str] = _REQUIRED,
+        model_name: str = _REQUIRED,
         model_version: int = -1,
         flags: int = 0,
         timeout: int = 0,
@@ -108,7 +111,13 @@ class InferenceRequest:
         trace: Any = None,
         parameters: dict[str, Any] | str | None = None,
     ) -> None:
-        # Wrong argument types are TypeErrors, as Triton's constructor raises them.
+        """Triton's arguments, in its order; ``inputs``, ``requested_output_names`` and
+        ``model_name`` must be given, as there."""
+        # Wrong or missing arguments are TypeErrors, as Triton's constructor raises them.
+        given = {"inputs": inputs, "requested_output_names": requested_output_names, "model_name": model_name}
+        missing = [name for name, value in given.items() if value is _REQUIRED]
+        if missing:
+            raise TypeError(f"InferenceRequest() needs {', '.join(missing)} (Triton's constructor requires them)")
         for tensor in inputs:
             if not isinstance(tensor, Tensor):
                 raise TypeError("InferenceRequest inputs must be pb_utils.Tensor objects")
@@ -230,6 +239,10 @@ class InferenceRequest:
 
     def flags(self) -> int:
         return self._flags
+
+    def set_flags(self, flags: int) -> None:
+        """The sequence flags a BLS request is sent with (``TRITONSERVER_REQUEST_FLAG_*``)."""
+        self._flags = int(flags)
 
     def timeout(self) -> int:
         """The request's timeout in microseconds (0 = none)."""

@@ -10,7 +10,7 @@ from dlserve.ipc.tensors import InlineSlab
 
 
 def request(array: np.ndarray, name: str = "X") -> pb_utils.InferenceRequest:
-    return pb_utils.InferenceRequest(inputs=[pb_utils.Tensor(name, array)])
+    return pb_utils.InferenceRequest(inputs=[pb_utils.Tensor(name, array)], requested_output_names=[], model_name="m")
 
 
 def test_adjacent_rows_join_as_a_view():

@@ -212,7 +212,7 @@ def test_tensor_empty_outside_a_worker_is_a_plain_array():
 
 def test_get_tensor_by_name():
     a, b = pb_utils.Tensor("A", np.zeros(1)), pb_utils.Tensor("B", np.ones(1))
-    request = pb_utils.InferenceRequest(inputs=[a, b], requested_output_names=["C"])
+    request = pb_utils.InferenceRequest(inputs=[a, b], requested_output_names=["C"], model_name="m")
     assert pb_utils.get_input_tensor_by_name(request, "B") is b
     assert pb_utils.get_input_tensor_by_name(request, "A") is a
     assert pb_utils.get_input_tensor_by_name(request, "Z") is None
@@ -417,15 +417,26 @@ def test_inference_request_accessors():
     assert request.timeout() == 100
     assert json.loads(request.parameters()) == {"k": "v"}
     assert request.requested_output_names() == {"OUT"}  # a set, as Triton's
-    assert pb_utils.InferenceRequest(correlation_id=2**64 - 1).correlation_id() == 2**64 - 1
+    request.set_flags(pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END)
+    assert request.flags() == 2
+    # Triton's order of arguments, inputs, requested_output_names and model_name required
+    positional = pb_utils.InferenceRequest("r2", 8, [a], ["OUT"], "m", 3)
+    assert (positional.request_id(), positional.correlation_id(), positional.model_version()) == ("r2", 8, 3)
+    for missing in ("inputs", "requested_output_names", "model_name"):
+        arguments = {"inputs": [a], "requested_output_names": [], "model_name": "m"}
+        del arguments[missing]
+        with pytest.raises(TypeError, match=f"needs {missing} "):
+            pb_utils.InferenceRequest(**arguments)
+    required = {"inputs": [], "requested_output_names": [], "model_name": "m"}
+    assert pb_utils.InferenceRequest(correlation_id=2**64 - 1, **required).correlation_id() == 2**64 - 1
     for bad in (-5, 2**64):  # Triton's is a uint64 (it raises on -5 too)
         with pytest.raises(pb_utils.TritonModelException, match="unsigned 64-bit"):
-            pb_utils.InferenceRequest(correlation_id=bad)
-    assert pb_utils.InferenceRequest().parameters() == "{}"
+            pb_utils.InferenceRequest(correlation_id=bad, **required)
+    assert pb_utils.InferenceRequest(**required).parameters() == "{}"
     with pytest.raises(TypeError, match="inputs must be pb_utils.Tensor"):  # (as Triton's constructor)
-        pb_utils.InferenceRequest(inputs=[np.zeros(1)])
+        pb_utils.InferenceRequest(inputs=[np.zeros(1)], requested_output_names=[], model_name="m")
     with pytest.raises(pb_utils.TritonModelException, match="got float"):
-        pb_utils.InferenceRequest(parameters={"f": 0.5})
+        pb_utils.InferenceRequest(parameters={"f": 0.5}, **required)
 
 
 # -- ModelConfig (auto_complete_config) ----------------------------------------------------
