@@ -224,7 +224,8 @@ class ResponseIterator:
     """The responses of a BLS call with ``decoupled=True``, in order, the last one
     final; ``for`` blocks between them, ``async for`` (inside the model's event loop)
     lets other coroutines run. Like Triton's, it yields the flag-only final response
-    as an empty one."""
+    as an empty one, and once it has ended, iterating it again yields every response
+    again (it keeps them)."""
 
     def __init__(
         self, runtime: WorkerRuntime, stream: Stream, loop: asyncio.AbstractEventLoop | None = None
@@ -233,6 +234,8 @@ class ResponseIterator:
         self.corr = 0  # the call's correlation id, once sent (0: it never was)
         self.stream = stream
         self._done = False
+        self._seen: list[InferenceResponse] = []
+        self._next = 0  # index in _seen of the response to hand out next
         self._arrived: asyncio.Event | None = None
         if loop is not None:
             arrived = self._arrived = asyncio.Event()
@@ -242,14 +245,29 @@ class ResponseIterator:
         if self.stream.items:
             response, final = self.runtime.decode(self.stream.items.popleft())
             self._done = final
-            return response
-        self._done = True
-        return _error_response("the server closed the connection", int(ErrorCode.UNAVAILABLE))
+        else:
+            self._done = True
+            response = _error_response("the server closed the connection", int(ErrorCode.UNAVAILABLE))
+        self._seen.append(response)
+        self._next = len(self._seen)
+        return response
+
+    def _replayed(self) -> InferenceResponse | None:
+        """The next response of an iteration again over responses already handed out."""
+        if self._next >= len(self._seen):
+            return None
+        self._next += 1
+        return self._seen[self._next - 1]
 
     def __iter__(self) -> ResponseIterator:
+        if self._done:
+            self._next = 0  # (iterated again: from the first response)
         return self
 
     def __next__(self) -> InferenceResponse:
+        again = self._replayed()
+        if again is not None:
+            return again
         if self._done:
             raise StopIteration
         if not self.stream.items:
@@ -260,9 +278,12 @@ class ResponseIterator:
         return self._take()
 
     def __aiter__(self) -> ResponseIterator:
-        return self
+        return self.__iter__()
 
     async def __anext__(self) -> InferenceResponse:
+        again = self._replayed()
+        if again is not None:
+            return again
         if self._done:
             raise StopAsyncIteration
         arrived = self._arrived

@@ -118,6 +118,7 @@ def test_bls_decoupled_iterates_every_response(server):
     assert info["values"] == [3, 4, 5]
     # like Triton, the flag-only final comes out as an empty last response
     assert [r["outputs"] for r in info["responses"]] == [["OUT"], ["OUT"], ["OUT"], []]
+    assert info["again"] == info["responses"]  # iterated again once ended: every response again
 
 
 def test_bls_non_decoupled_call_into_a_decoupled_model_is_an_error(server):

@@ -65,7 +65,8 @@ class TritonPythonModel:
                     values.append(int(out.as_numpy()[0]))
                 if mode == "cancel" and len(seen) == 1:
                     responses.cancel()
-            return reply(None, {"responses": seen, "values": values})
+            again = [describe(response) for response in responses]  # (Triton's iterator replays)
+            return reply(None, {"responses": seen, "values": values, "again": again})
         if mode == "first_only":
             # reads the first of a stream of 8 KiB responses and lets the call go
             call = pb_utils.InferenceRequest(
