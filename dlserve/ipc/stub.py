@@ -448,6 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     peer = Peer(space, arena, channel.queue_releases)
     runtime = WorkerRuntime(channel, peer, arena)
     _runtime.install(runtime)
+    os.register_at_fork(after_in_child=_runtime.forked)
     logging.getLogger().addHandler(ServerLogHandler())  # the model's logging, into the server's
     threading.Thread(
         target=_watch_parent, args=(os.getppid(), arena), name="parent-watch", daemon=True

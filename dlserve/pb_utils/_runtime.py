@@ -8,7 +8,10 @@ runtime and those objects fall back to local behaviour or say they need a worker
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Any, Protocol
+
+from dlserve.pb_utils.errors import TritonModelException
 
 if TYPE_CHECKING:
     from dlserve.memory.arena import Arena
@@ -59,3 +62,25 @@ def current() -> Runtime | None:
 def install(runtime: Runtime | None) -> None:
     global _current
     _current = runtime
+
+
+class ForkedChild:
+    """The runtime of a process the model forked (``multiprocessing``): the worker's
+    channel to the server is not its to use (its writes would mix with the worker's, and
+    the replies go to the worker), so whatever needs the server fails at once instead
+    of waiting forever, and its log lines go to its stderr (which reaches the server's)."""
+
+    def log(self, level: int, message: str, filename: str, line: int) -> None:
+        print(f"{filename}:{line}] {message}", file=sys.stderr, flush=True)
+
+    def __getattr__(self, name: str) -> Any:
+        raise TritonModelException(
+            "a process the model forked (multiprocessing) cannot reach the server: make BLS "
+            "calls, responses and the other calls that need it from the model's own process "
+            "(threads can)"
+        )
+
+
+def forked() -> None:
+    """In a child the worker forked (``os.register_at_fork``)."""
+    install(ForkedChild())

@@ -277,3 +277,46 @@ def test_model_loading_api_needs_explicit_mode(make_repo, servers):
     srv.model("model_control")
     outcome = control(srv, op="load", target="identity")
     assert "EXPLICIT" in outcome["error"]
+
+
+FORKING_MODEL = """
+import json
+import multiprocessing
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+def call_from_child(x):
+    pb_utils.Logger.log_info(f"child {x} logging")
+    request = pb_utils.InferenceRequest(
+        model_name="identity", inputs=[pb_utils.Tensor("INPUT0", np.array([x], np.float32))],
+        requested_output_names=["OUTPUT0"],
+    )
+    try:
+        request.exec()
+        return "answered"
+    except pb_utils.TritonModelException as exc:
+        return str(exc)
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        with multiprocessing.get_context("fork").Pool(2) as pool:
+            said = pool.map_async(call_from_child, [1.0, 2.0]).get(timeout=30)
+        out = np.array([json.dumps(said).encode()], dtype=np.object_)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", out)]) for _ in requests]
+"""
+
+
+def test_a_bls_call_from_a_forked_child_fails_at_once_instead_of_hanging(servers, make_repo):
+    """Triton's BLS QA (test_multiprocess) calls models from a multiprocessing.Pool; a
+    forked child shares the worker's channel, which is not its to use: its calls are
+    refused with a message that says so (the call waited forever), and it logs to stderr."""
+    config = 'backend: "python"\noutput [ { name: "OUTPUT0" data_type: TYPE_STRING dims: [ 1 ] } ]\n'
+    server = servers.start(make_repo("identity", extra={"forker": {"config.pbtxt": config, "1/model.py": FORKING_MODEL}}))
+    (response,) = server.model("forker").infer(inputs={})
+    said = json.loads(response.outputs["OUTPUT0"].to_bytes_array()[0])
+    assert len(said) == 2 and all("a process the model forked (multiprocessing) cannot reach the server" in s for s in said)
+    (again,) = server.model("identity").infer(inputs={"INPUT0": np.ones(4, np.float32)})  # the channel is whole
+    np.testing.assert_array_equal(np.from_dlpack(again.outputs["OUTPUT0"]), np.ones(4))
