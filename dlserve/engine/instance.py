@@ -372,8 +372,8 @@ class ModelInstance:
                 for trace in traces:
                     trace.release()
                 # A response a default-mode model sent without its final belongs to a request
-                # still open here; one whose execute failed or answered otherwise is dropped
-                # (and its memory goes back to the worker).
+                # still open here; one whose execute answered otherwise is dropped (and its
+                # memory goes back to the worker).
                 held = self._held
                 if held:
                     for handle in handles:
@@ -387,6 +387,14 @@ class ModelInstance:
             if error is not None:
                 failure = error if isinstance(error, TritonError) else InternalError(str(error))
                 log.error("%s", failure.message)  # (as Triton logs a failed execute)
+                for handle, request in zip(handles, requests):
+                    # As Triton: the one response a default-mode model already sent is its
+                    # request's answer; the execute's error reaches only the log for it.
+                    sent = self._held.pop(handle, None)
+                    if sent is not None:
+                        self._streaming.pop(handle, None)
+                        sent.final = True
+                        request.owner.stream_response(request, sent)
                 done(failure, None)
                 return
             try:

@@ -52,6 +52,9 @@ class TritonPythonModel:
                 sender.send(pb_utils.InferenceResponse([note]), flags=FINAL)
             elif mode == "send_then_raise":
                 sender.send(response)  # not final: the server holds it for its final
-                raise RuntimeError("failed after sending a response")
+                try:
+                    sender.send(response)  # (Triton's QA response_sender model does this)
+                except pb_utils.TritonModelException as exc:
+                    raise RuntimeError(f"failed after sending a response: {exc}") from None
             # mode "silent": returns None without answering
         return None
