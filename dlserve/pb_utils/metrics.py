@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import re
+import weakref
 
 from dlserve.engine.custom_metrics import check_buckets
 from dlserve.errors import TritonError
@@ -62,7 +63,10 @@ class Metric:
                 raise TritonModelException(exc.message) from None
         elif buckets is not None:
             raise TritonModelException("only histogram metrics take buckets")
-        self._family = family
+        # Weakly, as Triton's metric holds its family: once the model lets the family go,
+        # its metrics refuse every operation.
+        self._family_ref = weakref.ref(family)
+        self._name = family.name
         self._labels = dict(labels)
         self._local_value = 0.0
         runtime = _runtime.current()
@@ -70,9 +74,16 @@ class Metric:
         if runtime is not None:
             runtime.notify(Kind.METRIC, ("create", family.name, self._labels, list(buckets or [])))
 
+    @property
+    def _family(self) -> MetricFamily:
+        family = self._family_ref()
+        if family is None:  # (Triton's words)
+            raise TritonModelException("Invalid metric operation as the corresponding 'MetricFamily' has been deleted.")
+        return family
+
     def _send(self, op: str, value: float) -> None:
         if self._runtime is not None:
-            self._runtime.notify(Kind.METRIC, (op, self._family.name, self._labels, float(value)))
+            self._runtime.notify(Kind.METRIC, (op, self._name, self._labels, float(value)))
 
     def increment(self, value: float) -> None:
         kind = self._family.kind
@@ -99,5 +110,5 @@ class Metric:
             raise TritonModelException("a histogram metric has no single value")
         if self._runtime is None:
             return self._local_value
-        return float(self._runtime.request(Kind.METRIC_VALUE, (self._family.name, self._labels)))
+        return float(self._runtime.request(Kind.METRIC_VALUE, (self._name, self._labels)))
 

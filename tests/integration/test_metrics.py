@@ -94,12 +94,15 @@ class TritonPythonModel:
                 self.histogram.observe(float(value))
             return self._values(self.counter.value(), self.gauge.value())
         if op == "free_names":  # as in Triton: nv_ names the server does not use; no buckets
-            pb_utils.MetricFamily(
+            # (the families kept: as Triton's, a metric whose family is gone refuses to work)
+            self.thing = pb_utils.MetricFamily(
                 name="nv_custom_thing", description="a model's", kind=pb_utils.MetricFamily.COUNTER
-            ).Metric(labels={"model": "metrics_model"}).increment(2.0)
-            pb_utils.MetricFamily(
+            )
+            self.thing.Metric(labels={"model": "metrics_model"}).increment(2.0)
+            self.open = pb_utils.MetricFamily(
                 name="dlserve_test_open", description="no buckets", kind=pb_utils.MetricFamily.HISTOGRAM
-            ).Metric(labels={}, buckets=[]).observe(3.0)
+            )
+            self.open.Metric(labels={}, buckets=[]).observe(3.0)
             return self._values(0.0, 0.0)
         if op == "shared":  # the same family and labels declared again share the value
             family = pb_utils.MetricFamily(  # (worded otherwise: the first description stays)

@@ -594,3 +594,16 @@ def test_logger_level_values_are_tritons():
 
 def test_get_model_dir_outside_a_worker_is_the_calling_files_folder():
     assert pb_utils.get_model_dir() == os.path.dirname(os.path.abspath(__file__))
+
+
+def test_a_metric_whose_family_is_gone_refuses_every_operation():
+    """As Triton's (its QA custom_metrics test_metric_lifetime_error); outside a worker
+    the metrics live in this process."""
+    family = pb_utils.MetricFamily("lifetime_gauge", "a gauge", pb_utils.MetricFamily.GAUGE)
+    metric = family.Metric(labels={"k": "v"})
+    metric.set(3.0)
+    assert metric.value() == 3.0
+    del family
+    for operation in (lambda: metric.increment(1.0), lambda: metric.set(1.0), metric.value):
+        with pytest.raises(pb_utils.TritonModelException, match="^Invalid metric operation as the corresponding 'MetricFamily' has been deleted.$"):
+            operation()
