@@ -21,14 +21,16 @@ def _parameters_json(parameters: dict[str, Any] | str | None, what: str) -> str:
             parameters = json.loads(parameters)
         except ValueError:
             raise TritonModelException(f"{what} parameters are not valid JSON") from None
+    # (the words of Triton's later versions, which its QA tests look for)
     if not isinstance(parameters, dict):
-        raise TritonModelException(f"{what} parameters must be a dict, got {type(parameters).__name__}")
+        raise TritonModelException(f"Expect {what} parameters to be a dict, got {type(parameters)}")
     for key, value in parameters.items():
         if not isinstance(key, str):
-            raise TritonModelException(f"{what} parameter keys must be strings, got {key!r}")
+            raise TritonModelException(f"Expect parameters keys to have type str, found type {type(key)} ({key!r})")
         if not isinstance(value, (bool, int, str)):
             raise TritonModelException(
-                f"{what} parameter '{key}' must be a bool, int or str, got {type(value).__name__}"
+                f"Expect parameters values to have type bool/int/str, found type {type(value)} "
+                f"({what} parameter '{key}')"
             )
     return json.dumps(parameters)
 
