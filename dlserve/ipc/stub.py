@@ -390,6 +390,12 @@ class Worker:
                 request.rescheduled() or request._sender is not None or self._is_filler(request)
             ):
                 continue
+            if request.rescheduled():  # (Triton's words, its typo included)
+                raise self._failed(
+                    requests,
+                    "Expected a None object in the execute function return list for reschduled "
+                    f"request, found type '{type(response)}'.",
+                )
             if not isinstance(response, InferenceResponse):
                 raise self._failed(
                     requests,

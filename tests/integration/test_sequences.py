@@ -311,6 +311,12 @@ def test_iterative_sequences_are_tritons_sequences_of_one_request(server):
     assert "must specify the START flag on the first request of the sequence" in then.error.message
 
 
+def test_a_rescheduled_request_answered_all_the_same_fails_as_in_triton(server):
+    (response,) = server.model("iterative").infer(inputs={"STEPS": value(-1)}, raise_on_error=False)
+    assert isinstance(response.error, dlserve.InternalError)
+    assert "Expected a None object in the execute function return list for reschduled request" in response.error.message
+
+
 def test_a_dead_instance_loses_its_sequences(server):
     responses = asyncio.run(run_sequence(server, 3131, [1]))  # no END: the sequence stays open
     first = asyncio.run(send(server, 3132, 1, START))
