@@ -272,17 +272,21 @@ class _Run:
             return
         downstream = branch.downstream.get(index)
         if downstream is not None:  # a decoupled step: each response starts a branch
+            child = None
             if response.outputs:
                 tensors = dict(branch.tensors)
                 if not self._take(step, response, tensors):
                     return
-                self._branch(tensors, list(downstream)).advance()
-            if not response.final:
-                return
-        elif not response.final:
+                child = self._branch(tensors, list(downstream))
+            if response.final:  # (ended first: a last response answers as the final one)
+                self._step_done(branch, index)
+            if child is not None:
+                child.advance()
             return
-        elif not self._take(step, response, branch.tensors):
-            return
+        if response.final and self._take(step, response, branch.tensors):
+            self._step_done(branch, index)
+
+    def _step_done(self, branch: _Branch, index: int) -> None:
         call = branch.running.pop(index)
         compute = self.compute_ns
         compute[0] += call.compute_input_ns

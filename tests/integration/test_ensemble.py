@@ -269,6 +269,17 @@ def test_a_streaming_step_makes_the_ensemble_decoupled(server):
     assert [r.final for r in responses] == [False] * (len(responses) - 1) + [True]
 
 
+def test_a_last_step_sending_its_last_value_with_the_final_flag_answers_it_as_final(server):
+    """As Triton 2.51 (measured with its QA mock_llm ensemble): a decoupled last step whose
+    last response carries the final flag makes that response the ensemble's final one; it
+    came out as a non-final answer and a flag-only final after it."""
+    server.load("not_decoupled", {"config": config_json(STREAMING_NOT_DECOUPLED), "file:1/.keep": b""})
+    responses = list(server.model("not_decoupled").infer(
+        inputs={"IN": np.array([4, 5, 6], np.int32)}, parameters={"mode": "final_with_last"},
+    ))
+    assert [(outputs(r)["OUT"], r.final) for r in responses] == [([4], False), ([5], False), ([6], True)]
+
+
 STREAMING_NOT_DECOUPLED = """
 name: "not_decoupled"
 platform: "ensemble"
