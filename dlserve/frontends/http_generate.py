@@ -159,9 +159,11 @@ def _event(response: Response) -> bytes:
 
 
 def _flat(response: Response) -> bytes:
-    """One response as Triton's generate renders it: a flat object, keys sorted (an
-    output named like a member of the response's own gives way to it)."""
+    """One response as Triton's generate renders it: a flat object of its outputs and
+    parameters (an ensemble's sequence fields), keys sorted (an output named like a
+    member of the response's own gives way to it)."""
     result: dict[str, Any] = {name: _json_value(tensor) for name, tensor in response.outputs.items()}
+    result.update(response.parameters)
     result["model_name"] = response.model_name
     result["model_version"] = str(response.model_version)
     if response.request_id:

@@ -34,7 +34,7 @@ from dlserve.frontends import KServeHttp
 from ..conftest import frontend, serve
 from .http_helpers import request
 
-LOADED = ["generate_echo", "generate_batched", "decoupled"]
+LOADED = ["generate_echo", "generate_batched", "decoupled", "pipeline", "add_sub", "identity"]
 EVENT_STREAM = "text/event-stream; charset=utf-8"
 FAILED = "Failed to process the request(s) for model 'decoupled_0', message: "
 EXACTLY_ONE = (
@@ -215,6 +215,18 @@ def test_generate_answers_one_flat_object_with_sorted_keys(port):
         b'"params":"{}","text_output":"echo:hello"}'
     )
     assert reply.body == expected
+
+
+def test_an_ensembles_answer_has_its_sequence_fields_as_in_triton(port):
+    """Triton 2.51 renders a response's parameters as members too (measured on its QA
+    mock_llm_ensemble: an ensemble answers with the request's sequence fields)."""
+    reply = raw_post(port, gen_path("pipeline"), {"A": [1.0] * 16, "B": [1.0] * 16})
+    assert reply.status_line == "HTTP/1.1 200 OK", reply.body
+    answer = json.loads(reply.body)
+    assert answer["SUM"] == [2.0] * 16 and answer["DIFF"] == [0.0] * 16
+    assert {k: answer[k] for k in ("sequence_end", "sequence_id", "sequence_start")} == {
+        "sequence_end": False, "sequence_id": 0, "sequence_start": False,
+    }
 
 
 def test_generate_spells_nan_and_infinities_as_triton_does(port):
