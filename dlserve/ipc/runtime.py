@@ -93,6 +93,8 @@ class WorkerRuntime:
         self._exchanges: weakref.WeakValueDictionary[int, Exchange] = weakref.WeakValueDictionary()
         self._early_cancels: set[int] = set()  # cancelled before their execute was read
         self._cancel_lock = threading.Lock()
+        # False while the model's initialize or finalize runs: BLS is execute's, as in Triton.
+        self.bls_allowed = True
         channel.on_cancel = self._cancelled
 
     # -- logs, metrics, model control --------------------------------------------------
@@ -204,12 +206,21 @@ class WorkerRuntime:
         outputs = [Tensor(*self.peer.import_(w)) for w in outputs_wire]
         return InferenceResponse._received(outputs, None, parameters), final
 
+    def _check_bls_allowed(self) -> None:
+        if not self.bls_allowed:  # (Triton's words)
+            raise TritonModelException("BLS is only supported during the 'execute' function.")
+
     def infer(self, request: InferenceRequest, decoupled: bool) -> Any:
+        self._check_bls_allowed()
         iterator = ResponseIterator(self, Stream())
         iterator.corr = self._start(request, decoupled, iterator.stream)
         return iterator if decoupled else iterator.single()
 
     async def async_infer(self, request: InferenceRequest, decoupled: bool) -> Any:
+        """As Triton's: awaited, a decoupled call returns once its first response is in
+        (so a model that then reads them with a plain ``for`` does not hold up its loop
+        waiting for a stream that has not begun)."""
+        self._check_bls_allowed()
         loop = asyncio.get_running_loop()
         if loop is not self.loop:
             # A loop of the model's own making: nobody is sure to read the channel
@@ -217,7 +228,10 @@ class WorkerRuntime:
             return await loop.run_in_executor(None, self.infer, request, decoupled)
         iterator = ResponseIterator(self, Stream(), loop)
         iterator.corr = self._start(request, decoupled, iterator.stream)
-        return iterator if decoupled else await iterator.__anext__()
+        if not decoupled:
+            return await iterator.__anext__()
+        await iterator.arrival()
+        return iterator
 
 
 class ResponseIterator:
@@ -286,16 +300,21 @@ class ResponseIterator:
             return again
         if self._done:
             raise StopAsyncIteration
-        arrived = self._arrived
-        if arrived is None:  # made by a blocking exec(): wait on a pool thread
+        if self._arrived is None:  # made by a blocking exec(): wait on a pool thread
             return await asyncio.get_running_loop().run_in_executor(None, self.__next__)
-        stream = self.stream
+        await self.arrival()
+        return self._take()
+
+    async def arrival(self) -> None:
+        """Until a response is here to take, or the stream has ended (a call made on
+        the model's event loop)."""
+        stream, arrived = self.stream, self._arrived
+        assert arrived is not None
         while not stream.items and not stream.closed:
             arrived.clear()
             if stream.items or stream.closed:
                 break
             await arrived.wait()
-        return self._take()
 
     def __del__(self) -> None:
         # The model stopped reading before the final response (a ``break``, a cancelled

@@ -243,13 +243,18 @@ class Worker:
             self._start_model_loop()
         initialize = getattr(self.model, "initialize", None)
         if initialize is not None:
-            self._run(initialize(args))
+            self.runtime.bls_allowed = False
+            try:
+                self._run(initialize(args))
+            finally:
+                self.runtime.bls_allowed = True
 
     def _is_ready(self) -> bool:
         hook = getattr(self.model, "is_ready", None)
         return True if hook is None else bool(self._run(hook()))
 
     def _finalize(self) -> None:
+        self.runtime.bls_allowed = False  # (the worker ends after it)
         finalize = getattr(self.model, "finalize", None)
         if finalize is not None:
             self._run(finalize())

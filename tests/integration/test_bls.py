@@ -7,8 +7,10 @@ calls, and calls that would wait on themselves (cycles, self-calls).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -320,3 +322,67 @@ def test_a_bls_call_from_a_forked_child_fails_at_once_instead_of_hanging(servers
     assert len(said) == 2 and all("a process the model forked (multiprocessing) cannot reach the server" in s for s in said)
     (again,) = server.model("identity").infer(inputs={"INPUT0": np.ones(4, np.float32)})  # the channel is whole
     np.testing.assert_array_equal(np.from_dlpack(again.outputs["OUTPUT0"]), np.ones(4))
+
+
+AWAITING_MODEL = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        try:  # BLS is execute's, as in Triton
+            pb_utils.InferenceRequest(
+                model_name="identity", inputs=[pb_utils.Tensor("INPUT0", np.ones(1, np.float32))],
+                requested_output_names=["OUTPUT0"],
+            ).exec()
+            self.in_initialize = "allowed"
+        except pb_utils.TritonModelException as exc:
+            self.in_initialize = str(exc)
+
+    async def execute(self, requests):
+        answers = []
+        for request in requests:
+            call = pb_utils.InferenceRequest(
+                model_name="decoupled", inputs=[pb_utils.Tensor("IN", np.array([7], np.int32))],
+                requested_output_names=["OUT"], parameters={"mode": "thread", "delay_ms": 1000},
+            )
+            got = []
+            for response in await call.async_exec(decoupled=True):  # a plain for, as Triton's QA model reads them
+                out = pb_utils.get_output_tensor_by_name(response, "OUT")
+                if out is not None:
+                    got.append(int(out.as_numpy()[0]))
+            note = np.array([self.in_initialize.encode()], dtype=np.object_)
+            answers.append(pb_utils.InferenceResponse(
+                [pb_utils.Tensor("OUT", np.array(got, np.int32)), pb_utils.Tensor("NOTE", note)]
+            ))
+        return answers
+"""
+
+
+def test_awaited_decoupled_calls_return_with_their_first_response_and_bls_is_executes(servers, make_repo):
+    """As Triton 2.51 (its QA async_execute concurrency test): ``await async_exec(decoupled=True)``
+    returns once the first response is in, so four executes reading their streams with a
+    plain ``for`` still overlap (they ran one after another: the await returned at once
+    and the ``for`` waited with the model's loop held). And a BLS call from initialize is
+    refused in Triton's words."""
+    config = (
+        'backend: "python"\n'
+        'output [ { name: "OUT" data_type: TYPE_INT32 dims: [ -1 ] }, { name: "NOTE" data_type: TYPE_STRING dims: [ 1 ] } ]\n'
+    )
+    repo = make_repo("decoupled", "identity", extra={"awaiting": {"config.pbtxt": config, "1/model.py": AWAITING_MODEL}})
+    server = servers.start(repo)
+
+    async def run() -> Any:
+        async def one() -> Any:
+            return [r async for r in server.model("awaiting").async_infer(inputs={})][0]
+
+        started = time.monotonic()
+        answers = await asyncio.gather(*(one() for _ in range(4)))
+        return answers, time.monotonic() - started
+
+    answers, took = asyncio.run(run())
+    assert [np.from_dlpack(a.outputs["OUT"]).tolist() for a in answers] == [[7]] * 4
+    assert took < 3.0, f"four 1 s streams took {took:.1f} s: the executes did not overlap"
+    note = answers[0].outputs["NOTE"].to_bytes_array()[0].decode()
+    assert note == "BLS is only supported during the 'execute' function."
