@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import grpc
 import numpy as np
 
+from dlserve.errors import ErrorCode, TritonError
 from dlserve.frontends.http2 import END_HEADERS, GRPC_ENCODING_WBITS, HEAD, HEADERS, literal
 
 if TYPE_CHECKING:
@@ -54,6 +55,23 @@ class HttpRefusal(Exception):
     def __init__(self, status: int) -> None:
         super().__init__(status)
         self.block = literal(8, str(status))  # :status (static 8)
+
+
+# dlserve's error codes as gRPC status codes (Triton's table)
+GRPC_CODES = {
+    ErrorCode.INTERNAL: grpc.StatusCode.INTERNAL,
+    ErrorCode.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    ErrorCode.INVALID_ARG: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    ErrorCode.UNSUPPORTED: grpc.StatusCode.UNIMPLEMENTED,
+    ErrorCode.ALREADY_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
+    ErrorCode.CANCELLED: grpc.StatusCode.CANCELLED,
+    ErrorCode.UNKNOWN: grpc.StatusCode.UNKNOWN,
+}
+
+
+def status_of(error: TritonError) -> grpc.StatusCode:
+    return GRPC_CODES.get(error.code, grpc.StatusCode.UNKNOWN)
 
 
 class Abort(Exception):

@@ -35,9 +35,9 @@ from google.protobuf import json_format
 
 from dlserve.engine.request import Request
 from dlserve.engine.tracing import Trace
-from dlserve.errors import ErrorCode, InvalidArgumentError, TritonError, UnsupportedError
+from dlserve.errors import InvalidArgumentError, TritonError, UnsupportedError
 from dlserve.frontends.dataplane import DataPlane, InputSpec, OutputSpec, shm_ref
-from dlserve.frontends.grpc_calls import Abort
+from dlserve.frontends.grpc_calls import GRPC_CODES, Abort, status_of
 from dlserve.frontends.grpc_codec import (
     Answer,
     InferCall,
@@ -55,25 +55,11 @@ from dlserve.memory.dtypes import DataType
 
 log = logging.getLogger("dlserve.frontends.grpc")
 
-GRPC_CODES = {
-    ErrorCode.INTERNAL: grpc.StatusCode.INTERNAL,
-    ErrorCode.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
-    ErrorCode.INVALID_ARG: grpc.StatusCode.INVALID_ARGUMENT,
-    ErrorCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
-    ErrorCode.UNSUPPORTED: grpc.StatusCode.UNIMPLEMENTED,
-    ErrorCode.ALREADY_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
-    ErrorCode.CANCELLED: grpc.StatusCode.CANCELLED,
-    ErrorCode.UNKNOWN: grpc.StatusCode.UNKNOWN,
-}
 HEADER_PREFIX = "triton-grpc-protocol-"
 # infer_compression_level -> the algorithm gRPC core picks for that level when the client
 # accepts gzip and deflate (its ranking: low = gzip, medium and high = deflate).
 _COMPRESSION = {1: "gzip", 2: "deflate", 3: "deflate"}
 _EXPECTED_LOG_VALUE = {bool: "boolean", int: "int32", str: "string"}  # a log setting sent without one
-
-
-def _status(error: TritonError) -> grpc.StatusCode:
-    return GRPC_CODES.get(error.code, grpc.StatusCode.UNKNOWN)
 
 
 Handler = Callable[..., Awaitable[Any]]
@@ -91,7 +77,7 @@ def _rpc(protocol: str) -> Callable[[Handler], Handler]:
             try:
                 return await method(self, request, context)
             except TritonError as exc:
-                await context.abort(_status(exc), exc.message)
+                await context.abort(status_of(exc), exc.message)
             except (asyncio.CancelledError, Abort):
                 raise
             except Exception as exc:  # noqa: BLE001 - a bug must still answer the call

@@ -2,7 +2,9 @@
 
 Each request on the stream is answered with a ``ModelStreamInferResponse``
 (``triton_final_response`` set on the final one); a failed request puts its message in
-``error_message`` and the stream stays open.
+``error_message`` and the stream stays open, unless the call's metadata holds
+``triton_grpc_error: true``: then, as in Triton, the first error ends the call with its
+gRPC status and message.
 """
 
 from __future__ import annotations
@@ -16,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 from dlserve.engine.request import Request, Response
 from dlserve.engine.tracing import Trace
-from dlserve.errors import TritonError
+from dlserve.errors import InternalError, TritonError
 from dlserve.frontends.dataplane import OutputSpec
-from dlserve.frontends.grpc_calls import Abort
+from dlserve.frontends.grpc_calls import Abort, status_of
 from dlserve.frontends.grpc_codec import (
     EMPTY_FINAL,
     FINAL_RESPONSE,
@@ -36,6 +38,7 @@ log = logging.getLogger("dlserve.frontends.grpc")
 # Answers one ModelStreamInfer call may hold unsent (the client's window is shut)
 # before it reads no more of the client's requests (see InferStream).
 STREAM_BACKLOG = 128
+ERRORS_END_CALL = "triton_grpc_error"  # the metadata key that makes the first error end the call
 
 
 class InferStream:
@@ -60,10 +63,16 @@ class InferStream:
         self.room = asyncio.Event()  # set when an answer leaves the queue
         self.reading = True
         self.failure: Abort | None = None
+        self.errors_end_call = any(
+            key.lower() == ERRORS_END_CALL and str(value).lower() == "true"
+            for key, value in context.invocation_metadata()
+        )
 
     async def read(self, requests: AsyncIterator[InferCall]) -> None:
         try:
             async for message in requests:
+                if self.failure is not None:
+                    break  # (triton_grpc_error: an error ended the call)
                 self.submit(message)
                 while self.queue.qsize() >= STREAM_BACKLOG:
                     self.room.clear()
@@ -95,18 +104,28 @@ class InferStream:
                 request.trace.record("GRPC_WAITREAD_START", self.waiting_since)
                 request.trace.record("GRPC_WAITREAD_END", received)
         except TritonError as exc:
-            self.refuse(message, exc.message)
+            self.refuse(message, exc)
         except Exception as exc:  # noqa: BLE001 - a bug answers this request, not the stream
             log.exception("gRPC stream request failed")
-            self.refuse(message, f"{type(exc).__name__}: {exc}")
+            self.refuse(message, InternalError(f"{type(exc).__name__}: {exc}"))
         self.waiting_since = time.monotonic_ns()
 
-    def refuse(self, message: pb.ModelInferRequest, error: str) -> None:
+    def end_with(self, error: TritonError) -> None:
+        """``triton_grpc_error``: the call ends with this error's status, after what is
+        already queued; nothing else is answered."""
+        self.failure = Abort(status_of(error), error.message)
+        self.reading = False
+        self.queue.put_nowait(None)
+
+    def refuse(self, message: pb.ModelInferRequest, error: TritonError) -> None:
+        if self.errors_end_call:
+            self.end_with(error)
+            return
         # Refused before reaching a model: Triton answers with just the request id.
         self.queue.put_nowait(
             (
                 pb.ModelStreamInferResponse(
-                    error_message=error, infer_response=pb.ModelInferResponse(id=message.id)
+                    error_message=error.message, infer_response=pb.ModelInferResponse(id=message.id)
                 ),
                 None,
             )
@@ -119,10 +138,13 @@ class InferStream:
         empty_final: bool,
         response: Response,
     ) -> None:
-        if request not in self.pending:
-            return  # cancelled meanwhile
+        if request not in self.pending or self.failure is not None:
+            return  # cancelled meanwhile, or the call has ended
         if response.final:
             self.pending.discard(request)
+        if response.error is not None and self.errors_end_call:
+            self.end_with(response.error)
+            return
         if response.flags_only and not empty_final:
             # Only clients that asked for it get a final with nothing in it.
             if not self.reading and not self.pending:

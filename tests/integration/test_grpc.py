@@ -726,6 +726,30 @@ def test_stream_with_errors_in_the_middle(client):
     assert any(e.startswith("Failed to process the request(s) for model 'faulty") for e in errors)
 
 
+def test_a_stream_asking_for_triton_grpc_error_ends_with_the_first_errors_status(client):
+    """As Triton 2.51 (its QA lifecycle test_triton_grpc_error_*): with the
+    ``triton_grpc_error: true`` header the first error ends the stream with its gRPC
+    status, and the client can send no more on it."""
+    results: queue.SimpleQueue = queue.SimpleQueue()
+    client.start_stream(
+        callback=lambda result, error: results.put((result, error)), headers={"triton_grpc_error": "true"}
+    )
+    try:
+        client.async_stream_infer("add_sub", add_sub_inputs(), request_id="s1")
+        answered = results.get(timeout=30)
+        client.async_stream_infer(
+            "faulty", [fp32_input("INPUT0", ONES[:2])], request_id="s2", parameters={"mode": "error:NOT_FOUND"},
+        )
+        ended = results.get(timeout=30)
+        with pytest.raises(InferenceServerException, match="no longer in valid state"):
+            client.async_stream_infer("add_sub", add_sub_inputs(), request_id="s3")
+    finally:
+        client.stop_stream()
+    assert answered[1] is None and answered[0].get_response().id == "s1"
+    assert ended[0] is None and ended[1].status() == "StatusCode.NOT_FOUND"
+    assert "custom error" in ended[1].message()
+
+
 def test_stream_error_responses_carry_ids(stub):
     requests = [raw_request("nope", id="a"), raw_request(id="b")]
     responses = {r.infer_response.id: r for r in stub.ModelStreamInfer(iter(requests), timeout=30)}
