@@ -120,7 +120,13 @@ class InferenceRequest:
         missing = [name for name, value in given.items() if value is _REQUIRED]
         if missing:
             raise TypeError(f"InferenceRequest() needs {', '.join(missing)} (Triton's constructor requires them)")
+        model_name, request_id = _text(model_name, "model_name"), _text(request_id, "request_id")
         for tensor in inputs:
+            if tensor is None:  # (Triton's words)
+                raise TritonModelException(
+                    f"Input tensor for request with id '{request_id}' and model name '{model_name}' "
+                    "should not be empty."
+                )
             if not isinstance(tensor, Tensor):
                 raise TypeError("InferenceRequest inputs must be pb_utils.Tensor objects")
         if isinstance(requested_output_names, str):
@@ -133,11 +139,11 @@ class InferenceRequest:
             raise TypeError("correlation_id must be an int or a str")
         if isinstance(correlation_id, int) and not 0 <= correlation_id < 2**64:
             raise TritonModelException("correlation_id must be an unsigned 64-bit integer (or a str)")
-        self._model_name = _text(model_name, "model_name")
+        self._model_name = model_name
         self._model_version = int(model_version)
         self._inputs = list(inputs)
         self._requested = [_text(name, "requested_output_names") for name in requested_output_names]
-        self._request_id = _text(request_id, "request_id")
+        self._request_id = request_id
         self._correlation_id = correlation_id
         self._flags = int(flags)
         self._timeout = int(timeout)
@@ -279,6 +285,8 @@ class InferenceResponse:
     ) -> None:
         tensors = list(output_tensors or ())
         for tensor in tensors:
+            if tensor is None:  # (Triton's words)
+                raise TritonModelException("Output tensor for inference response should not be empty.")
             if not isinstance(tensor, Tensor):  # (TypeErrors, as Triton's constructor raises)
                 raise TypeError(
                     "InferenceResponse output_tensors must be pb_utils.Tensor objects, "

@@ -28,19 +28,20 @@ class Tensor:
     def __init__(self, name: str, tensor: Any) -> None:
         # Wrong argument types are TypeErrors, as Triton's constructor raises them: a list
         # accepted here would also pick its own dtype (int64 for an INT32 output).
+        # (the arguments' types first, then the name's value, as Triton checks them)
         if not isinstance(name, str):
             raise TypeError(f"pb_utils.Tensor name must be a str, got {type(name).__name__}")
+        if not isinstance(tensor, (np.ndarray, _CoreTensor)):
+            raise TypeError(
+                f"pb_utils.Tensor('{name}', ...) takes a numpy.ndarray, got {type(tensor).__name__} "
+                "(framework tensors: pb_utils.Tensor.from_dlpack)"
+            )
         if not name:
             raise TritonModelException("Tensor name cannot be an empty string.")
         self._name = name
         if isinstance(tensor, _CoreTensor):
             self._tensor = tensor
             return
-        if not isinstance(tensor, np.ndarray):
-            raise TypeError(
-                f"pb_utils.Tensor('{name}', ...) takes a numpy.ndarray, got {type(tensor).__name__} "
-                "(framework tensors: pb_utils.Tensor.from_dlpack)"
-            )
         try:
             self._tensor = _CoreTensor.from_numpy(tensor)
         except TypeError as exc:

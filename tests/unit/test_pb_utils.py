@@ -607,3 +607,15 @@ def test_a_metric_whose_family_is_gone_refuses_every_operation():
     for operation in (lambda: metric.increment(1.0), lambda: metric.set(1.0), metric.value):
         with pytest.raises(pb_utils.TritonModelException, match="^Invalid metric operation as the corresponding 'MetricFamily' has been deleted.$"):
             operation()
+
+
+def test_arguments_triton_checks_first_are_checked_first_in_its_words():
+    """As Triton's QA argument_validation model checks them."""
+    with pytest.raises(pb_utils.TritonModelException, match="^Input tensor for request with id '' and model name 'm' should not be empty.$"):
+        pb_utils.InferenceRequest(inputs=[None], model_name="m", requested_output_names=["o"])
+    with pytest.raises(pb_utils.TritonModelException, match="^Output tensor for inference response should not be empty.$"):
+        pb_utils.InferenceResponse(output_tensors=[None])
+    with pytest.raises(TypeError):  # (the array's type before the name's value)
+        pb_utils.Tensor("", None)
+    with pytest.raises(pb_utils.TritonModelException, match="^Tensor name cannot be an empty string.$"):
+        pb_utils.Tensor("", np.zeros(1))
