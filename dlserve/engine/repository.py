@@ -30,7 +30,7 @@ from typing import Any
 from dlserve.engine import config_forms
 from dlserve.engine.object_store import ObjectStoreError, Stamps, StoreMirror, is_remote
 from dlserve.engine.proto import model_config_pb2 as mc
-from dlserve.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError
+from dlserve.errors import AlreadyExistsError, InternalError, InvalidArgumentError, NotFoundError
 
 log = logging.getLogger("dlserve.engine")
 
@@ -229,6 +229,8 @@ class Repository:
                     "and as:// URLs are supported"
                 )
             root = Path(path).expanduser().resolve()
+            if not root.exists():  # (Triton's words and code)
+                raise InternalError(f"failed to stat file {path}")
             if not root.is_dir():
                 raise InvalidArgumentError(f"model repository '{path}' is not a directory")
         self.paths.append(root)
@@ -258,7 +260,7 @@ class Repository:
             raise InvalidArgumentError(f"failed to register '{path}': open it with open_remote first")
         try:
             root = self._add(path, mirror)
-        except InvalidArgumentError:
+        except (InvalidArgumentError, InternalError):
             raise InvalidArgumentError(f"failed to register '{path}', repository not found") from None
         if mapping:
             self._renames[root] = mapping

@@ -23,7 +23,7 @@ from dlserve.engine.repository import (
 )
 from dlserve.engine.request import Request
 from dlserve.engine.sequence import ControlInput
-from dlserve.errors import InvalidArgumentError, NotFoundError, UnsupportedError
+from dlserve.errors import InternalError, InvalidArgumentError, NotFoundError, UnsupportedError
 from dlserve.pb_utils.model_config import ModelConfig as PbModelConfig
 
 REFERENCE = Path(__file__).parent.parent / "data" / "triton_reference"
@@ -647,8 +647,11 @@ def repository(tmp_path):
 
 
 def test_repository_requires_folders(tmp_path):
-    with pytest.raises(InvalidArgumentError, match="is not a directory"):
+    with pytest.raises(InternalError, match=f"^failed to stat file {tmp_path / 'missing'}$"):  # (Triton's)
         Repository([tmp_path / "missing"])
+    (tmp_path / "file").write_text("")
+    with pytest.raises(InvalidArgumentError, match="is not a directory"):
+        Repository([tmp_path / "file"])
 
 
 def test_scan_and_find(tmp_path):
