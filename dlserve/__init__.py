@@ -52,6 +52,7 @@ _EXPORTS = {
     "MemoryBuffer": "dlserve.memory.tensor",
     "MemoryType": "dlserve.memory.tensor",
     "Tensor": "dlserve.memory.tensor",
+    "default_memory_allocators": "dlserve.memory.tensor",
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])

@@ -133,6 +133,21 @@ class MemoryAllocator(abc.ABC):
     ) -> MemoryBuffer: ...
 
 
+class HostMemoryAllocator(MemoryAllocator):
+    """Host memory of numpy's (``tritonserver.default_memory_allocators[MemoryType.CPU]``)."""
+
+    def allocate(
+        self, size: int, memory_type: MemoryType = MemoryType.CPU, memory_type_id: int = 0, tensor_name: str = ""
+    ) -> MemoryBuffer:
+        if not is_host_memory(memory_type):
+            raise UnsupportedError(f"memory type {memory_type!r} is not supported without CUDA")
+        return MemoryBuffer.from_dlpack(np.empty(int(size), dtype=np.uint8))
+
+
+# As tritonserver's: an allocator per kind of memory this build has.
+default_memory_allocators: dict[MemoryType, MemoryAllocator] = {MemoryType.CPU: HostMemoryAllocator()}
+
+
 class Tensor:
     """A typed n-d array; see the module docstring for how its bytes are held."""
 
@@ -144,11 +159,15 @@ class Tensor:
         shape: Sequence[int],
         data: np.ndarray | MemoryBuffer | None = None,
         objects: np.ndarray | None = None,
+        memory_buffer: MemoryBuffer | None = None,
     ) -> None:
         """``data``: the storage array, or (as tritonserver's ``Tensor(data_type, shape,
-        memory_buffer)``) a :class:`MemoryBuffer` holding the bytes."""
+        memory_buffer)``, positionally or by that name) a :class:`MemoryBuffer` holding
+        the bytes."""
         self.data_type = data_type if type(data_type) is DataType else DataType(data_type)
         self.shape: tuple[int, ...] = shape if type(shape) is tuple else tuple(int(d) for d in shape)
+        if memory_buffer is not None:
+            data = memory_buffer
         if isinstance(data, MemoryBuffer):
             data = data.storage_for(self.data_type, self.shape)
         elif data is not None and not isinstance(data, np.ndarray):
@@ -323,10 +342,23 @@ class Tensor:
         """A numpy view (BYTES: object array of bytes; BF16: ``ml_dtypes.bfloat16``)."""
         if self.data_type is DataType.BYTES:
             return self.to_bytes_array()
-        data = self.storage()
+        data = self._shaped()
         if self.data_type is DataType.BF16:
             return data.view(bfloat16_dtype())
         return data
+
+    def _shaped(self) -> np.ndarray:
+        """The storage under the tensor's shape, which its user may have set anew
+        (``tensor.shape = [...]``, as tritonserver's dataclass lets one)."""
+        data = self.storage()
+        if data.shape == self.shape:
+            return data
+        try:
+            return data.reshape(self.shape)
+        except ValueError:
+            raise InvalidArgumentError(
+                f"tensor shape {list(self.shape)} does not fit its {data.size} elements"
+            ) from None
 
     def to_bytes_array(self) -> np.ndarray:
         if self.data_type is not DataType.BYTES:
@@ -358,7 +390,7 @@ class Tensor:
         copy: bool | None = None,
     ) -> Any:
         return export_host_array(
-            self.storage(),
+            self.storage() if self.data_type is DataType.BYTES else self._shaped(),
             self.data_type,
             stream=stream,
             max_version=max_version,

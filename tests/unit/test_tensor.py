@@ -474,3 +474,21 @@ def test_a_tensor_made_as_tritonserver_makes_one_views_its_memory_buffer():
 def test_memory_buffer_of_what_has_no_dlpack_is_an_invalid_argument():
     with pytest.raises(InvalidArgumentError, match="list does not implement the DLPack protocol"):
         MemoryBuffer.from_dlpack([1, 2])
+
+
+def test_tritonservers_default_allocator_keyword_buffer_and_a_new_shape():
+    """As Triton's own in-process API tests use them (L0_python_api / core test_api.py)."""
+    buffer = dlserve.default_memory_allocators[MemoryType.CPU].allocate(
+        memory_type=MemoryType.CPU, memory_type_id=0, size=32
+    )
+    assert isinstance(buffer.owner, np.ndarray) and buffer.size == 32
+    tensor = dlserve.Tensor(DataType.FP32, shape=[8], memory_buffer=buffer)
+    np.from_dlpack(tensor)[:] = np.arange(8, dtype=np.float32)  # (writes land in the buffer)
+    tensor.shape = [2, 4]  # (tritonserver's Tensor is a dataclass: its shape may be set)
+    assert np.from_dlpack(tensor).tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert tensor.as_numpy().shape == (2, 4)
+    tensor.shape = [3, 3]
+    with pytest.raises(InvalidArgumentError, match=r"tensor shape \[3, 3\] does not fit its 8 elements"):
+        np.from_dlpack(tensor)
+    with pytest.raises(UnsupportedError):
+        dlserve.default_memory_allocators[MemoryType.CPU].allocate(32, MemoryType.GPU, 0, "x")
