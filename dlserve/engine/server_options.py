@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 from typing import Any
 
 from dlserve.engine.core import EngineSettings
@@ -120,6 +121,11 @@ class Options:
     def engine_settings(self) -> EngineSettings:
         without_effect = self._without_effect()
         repos = self.model_repository
+        # Wrong types are TypeErrors, as tritonserver's Options raise them, before any value check.
+        if not isinstance(self.server_id, str):
+            raise TypeError(f"server_id must be a str, got {type(self.server_id).__name__}")
+        if repos is not None and not isinstance(repos, (str, os.PathLike, list, tuple)):
+            raise TypeError(f"model_repository must be a path or a list of paths, got {type(repos).__name__}")
         if repos is None:
             raise InvalidArgumentError("Model repository must be specified.")
         repositories = [repos] if isinstance(repos, str) else [str(r) for r in repos]

@@ -202,6 +202,13 @@ def test_options_that_would_change_behaviour_are_refused(make_repo, field, value
         dlserve.Server(options).start()
 
 
+@pytest.mark.parametrize("options", [{"server_id": 1}, {"model_repository": 1}, {"server_id": 1, "model_repository": None}])
+def test_options_of_the_wrong_type_are_type_errors_as_in_tritonserver(options):
+    """Triton's own L0_python_api test_invalid_option_type."""
+    with pytest.raises(TypeError):
+        dlserve.Server(**options).start()
+
+
 def test_tuning_options_of_tritons_core_are_accepted_with_a_warning(servers, make_repo, caplog):
     server = servers.start(
         make_repo("identity"), model_load_thread_count=8, pinned_memory_pool_size=1 << 20, log_warn=True
