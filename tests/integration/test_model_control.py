@@ -920,7 +920,7 @@ def test_server_start_twice_and_calls_before_start(make_repo):
             server.start()
     finally:
         server.stop()
-    with pytest.raises(dlserve.InvalidArgumentError):
+    with pytest.raises(dlserve.InternalError, match="^failed to stat file /definitely/not/here$"):  # (Triton's)
         dlserve.Server(model_repository="/definitely/not/here").start()
 
 
