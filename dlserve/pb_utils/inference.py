@@ -83,14 +83,19 @@ class InferenceTrace:
         return None
 
 
-def _text(value: str | bytes, what: str) -> str:
+def binding_text(value: Any) -> str | None:
     """A text argument as Triton's bindings take it: a str, or bytes (UTF-8) such as
-    the ``np.bytes_`` a model reads from a BYTES input."""
+    the ``np.bytes_`` a model reads from a BYTES input; None for anything else."""
     if isinstance(value, bytes):
         return value.decode("utf-8", errors="replace")
-    if not isinstance(value, str):
+    return value if isinstance(value, str) else None
+
+
+def _text(value: Any, what: str) -> str:
+    text = binding_text(value)
+    if text is None:
         raise TypeError(f"{what} must be a str, not {type(value).__name__}")
-    return value
+    return text
 
 
 _REQUIRED: Any = object()  # (an argument Triton's InferenceRequest requires)

@@ -16,6 +16,7 @@ import sys
 from typing import Any
 
 from dlserve.pb_utils import _runtime
+from dlserve.pb_utils.inference import binding_text
 
 
 class LogLevel(enum.IntEnum):
@@ -64,14 +65,13 @@ class Logger:
 
 
 def _text(function: str, message: Any, *rest: Any) -> str:
-    """The message as text: a str, or bytes (their text); anything else is refused, as
+    """The message as text, as Triton's bindings take it; anything else is refused, as
     Triton's Logger refuses it."""
-    if isinstance(message, str):
-        return message
-    if isinstance(message, bytes):
-        return message.decode("utf-8", errors="replace")
-    signature = "message: str" + (", level: LogLevel = <LogLevel.INFO: 0>" if rest else "")
-    raise _incompatible(function, signature, message, *rest)
+    text = binding_text(message)
+    if text is None:
+        signature = "message: str" + (", level: LogLevel = <LogLevel.INFO: 0>" if rest else "")
+        raise _incompatible(function, signature, message, *rest)
+    return text
 
 
 def _incompatible(function: str, signature: str, *args: Any) -> TypeError:
