@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import enum
 import queue
 import threading
@@ -260,6 +261,15 @@ class Server:
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
+    def _run_waking(self, coro: Coroutine[Any, Any, T]) -> T:
+        """``_run`` for a long wait: the caller's thread wakes every 0.1 s, so that the
+        main thread's signal handlers run even when the kernel handed the signal to
+        another thread (a thread blocked in one wait would see it only when it ends)."""
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        while not concurrent.futures.wait([future], timeout=0.1).done:
+            pass
+        return future.result()
+
     def _call_sync(self, fn: Any) -> Any:
         """Run ``fn(engine)`` on the loop and return its result (or raise its error)."""
         engine = self._engine_or_raise()
@@ -291,7 +301,7 @@ class Server:
         try:
             self._loading = True
             try:
-                errors = self._run(engine.start())
+                errors = self._run_waking(engine.start())  # (a signal may stop it: cli.serve)
             finally:
                 self._loading = False
         except BaseException:
