@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dlserve import perf
+from dlserve.engine.backends import DEFAULT_BACKEND_DIRECTORY
 
 if TYPE_CHECKING:
     from dlserve.engine.tracing import TraceSettings
@@ -125,6 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     models.add_argument("--exit-timeout-secs", type=int, default=30, metavar="SECONDS",
                         help="how long shutdown waits for in-flight requests (default: 30)")
+    models.add_argument(
+        "--backend-directory", default=DEFAULT_BACKEND_DIRECTORY, metavar="DIR",
+        help="where Python-based backends are: a model with backend: \"NAME\" (not "
+        f"\"python\") runs DIR/NAME/model.py (default: {DEFAULT_BACKEND_DIRECTORY})",
+    )
     models.add_argument(
         "--backend-config", action="append", default=[], metavar="python,KEY=VALUE",
         help="python backend settings: shm-default-byte-size, shm-growth-byte-size (settings "
@@ -246,7 +252,7 @@ _GRPC_TUNING = (
     ("--grpc-max-response-pool-size", "max_response_pool_size", 2_147_483_647),
 )
 _IGNORED_FLAGS = (
-    "--backend-directory", "--cache-directory", "--repoagent-directory", "--pinned-memory-pool-byte-size",
+    "--cache-directory", "--repoagent-directory", "--pinned-memory-pool-byte-size",
     "--cuda-memory-pool-byte-size", "--cuda-virtual-address-size", "--min-supported-compute-capability",
     "--buffer-manager-thread-count", "--host-policy", "--model-load-gpu-limit",
     "--model-load-thread-count", "--enable-peer-access", "--sagemaker-safe-port-range",
@@ -387,6 +393,7 @@ def serve(args: argparse.Namespace) -> int:
         rate_limiter_resources=args.rate_limit_resource,
         repository_poll_secs=args.repository_poll_secs,
         model_config_name=args.model_config_name,
+        backend_directory=args.backend_directory,
         metrics=args.allow_metrics,
         cpu_metrics=args.allow_cpu_metrics,
         gpu_metrics=args.allow_gpu_metrics,

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from dlserve.engine.backends import BACKEND_RUNTIME, PYTHON_BACKEND
 from dlserve.engine.proto import model_config_pb2 as mc
 from dlserve.engine.sequence import ControlInput
-from dlserve.errors import InvalidArgumentError, UnsupportedError
+from dlserve.errors import InvalidArgumentError
 
 ModelConfig = mc.ModelConfig
 InstanceGroup = mc.ModelInstanceGroup
 DEFAULT_MODEL_FILENAME = "model.py"
-SUPPORTED_BACKEND = "python"
 ENSEMBLE_PLATFORM = "ensemble"
 
 
@@ -56,14 +56,16 @@ def complete_instances(config: mc.ModelConfig, model_name: str, gpu_count: int =
     if not config.name:
         config.name = model_name
     if not config.backend and not config.platform:
-        config.backend = SUPPORTED_BACKEND
+        config.backend = PYTHON_BACKEND
     if not config.HasField("version_policy"):
         config.version_policy.latest.num_versions = 1
     if config.platform == ENSEMBLE_PLATFORM:
         # no model file, instances or optimization: the steps' models have those
         config.model_transaction_policy.SetInParent()
         return
-    if not config.default_model_filename:
+    if config.backend != PYTHON_BACKEND:  # a Python-based backend's model, as Triton shows it
+        config.runtime = config.runtime or BACKEND_RUNTIME
+    elif not config.default_model_filename:
         config.default_model_filename = DEFAULT_MODEL_FILENAME
     optimization = config.optimization
     for pinned in ("input_pinned_memory", "output_pinned_memory"):
@@ -142,14 +144,6 @@ def validate(config: mc.ModelConfig, model_name: str, gpu_count: int = 0) -> Non
             f"model '{model_name}': config.pbtxt 'name' is '{config.name}', but it must "
             "match the model's folder name"
         )
-    ensemble = config.platform == ENSEMBLE_PLATFORM
-    # (with backend "python", Triton serves the model whatever a leftover platform says)
-    if not ensemble and config.backend != SUPPORTED_BACKEND:
-        wanted = config.backend or config.platform
-        raise UnsupportedError(
-            f"model '{model_name}': dlserve serves Python-backend models only "
-            f"(backend: \"python\") and ensembles of them, this config asks for '{wanted}'"
-        )
     if config.max_batch_size < 0:
         raise InvalidArgumentError(
             f"model '{model_name}': max_batch_size must be >= 0, got {config.max_batch_size}"
@@ -200,6 +194,7 @@ def validate(config: mc.ModelConfig, model_name: str, gpu_count: int = 0) -> Non
                 f"Response Cache does not currently support model {model_name} {unsupported}. "
                 "Please disable the response cache."
             )
+    ensemble = config.platform == ENSEMBLE_PLATFORM
     if ensemble and config.model_warmup:
         raise InvalidArgumentError(f"model_warmup can not be specified for ensemble '{model_name}'")
     if ensemble != config.HasField("ensemble_scheduling"):

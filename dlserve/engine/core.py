@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 import dlserve
+from dlserve.engine.backends import DEFAULT_BACKEND_DIRECTORY
 from dlserve.engine.custom_metrics import APPLICATION, CustomMetrics
 from dlserve.engine.logs import LogSettings
 from dlserve.engine.manager import ModelControlMode, ModelManager
@@ -82,6 +83,7 @@ class EngineSettings:
     worker_arena_bytes: int = 16 * _MIB
     busy_poll_us: int = 1000
     model_config_name: str = ""
+    backend_directory: str = DEFAULT_BACKEND_DIRECTORY  # where Python-based backends are
     model_load_retry_count: int = 0
     model_namespacing: bool = False  # each repository a namespace: a name may be in several
     response_cache_bytes: int | None = None  # --cache-config local,size=<bytes>; None: no cache
@@ -185,6 +187,7 @@ class Engine:
             host=self,
             environments=self.environments,
             gpu_count=gpu_count(),
+            backend_directory=s.backend_directory,
             response_cache=self.response_cache,
             rate_limiter=self.rate_limiter,
             latency_summaries=s.metrics.summary_latencies,

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from dlserve.engine import warmup
+from dlserve.engine.backends import code_paths
 from dlserve.engine.calls import ModelCalls
 from dlserve.engine.request import STREAMING, Request, Response, reshaped
 from dlserve.errors import ErrorCode, InternalError, TritonError, UnavailableError
@@ -168,7 +169,11 @@ class ModelInstance:
         await worker.start()
         try:
             reply = await worker.request(
-                Kind.INIT, {"model_file": str(self.model.model_file), "args": self.initialize_args()}
+                Kind.INIT,
+                {
+                    **code_paths(self.model.code_file, self.model.model_file),
+                    "args": self.initialize_args(),
+                },
             )
             if not worker.alive:  # it died right after answering, before it was READY
                 raise WorkerGoneError("worker process is not running")

@@ -24,10 +24,12 @@ import json
 import logging
 import time
 from collections.abc import Coroutine, Iterable
+from pathlib import Path
 from typing import Any
 
 from dlserve.engine import config as cfg
 from dlserve.engine import config_forms, ensemble
+from dlserve.engine.backends import PYTHON_BACKEND, backend_model_file, code_paths
 from dlserve.engine.model import EngineResources, ModelVersion
 from dlserve.engine.model_table import ModelEntry, ModelTable
 from dlserve.engine.object_store import ObjectStoreError, is_remote
@@ -395,14 +397,15 @@ class ModelManager:
         if not config.name or source.renamed:  # a renamed folder: the name it is served under
             config.name = name
         if not config.backend and not config.platform:
-            config.backend = cfg.SUPPORTED_BACKEND
+            config.backend = PYTHON_BACKEND
         if not config.HasField("version_policy"):
             config.version_policy.latest.num_versions = 1
         is_ensemble = config.platform == cfg.ENSEMBLE_PLATFORM
         filename = config.default_model_filename or cfg.DEFAULT_MODEL_FILENAME
         on_disk = source.versions_on_disk()
         log_missing_versions(name, config.version_policy, on_disk)
-        available = [v for v in on_disk if is_ensemble or (source.path / str(v) / filename).is_file()]
+        own_file = not is_ensemble and config.backend == PYTHON_BACKEND  # (a version needs its model.py)
+        available = [v for v in on_disk if not own_file or (source.path / str(v) / filename).is_file()]
         versions = select_versions(config.version_policy, available)
         if not versions and available:  # (Triton's words)
             raise InvalidArgumentError(
@@ -410,17 +413,19 @@ class ModelManager:
                 f"the version policy of model '{name}' (version folders: {available})"
             )
         if not versions:
-            holding = "exists" if is_ensemble else f"holds '{filename}'"
+            holding = f"holds '{filename}'" if own_file else "exists"
             raise InvalidArgumentError(
                 f"failed to load model '{name}': no version folder {holding} "
                 f"(version folders with it: {available or 'none'})"
             )
         if not is_ensemble:  # from here on a failure is these versions' (as Triton lists it;
             entry.tried = versions  # an ensemble that fails over its steps, by name only)
-        model_file = source.path / str(max(versions)) / filename
-        if not is_ensemble and self.auto_complete and defines_auto_complete(model_file):
+        backend_file = None if is_ensemble else backend_model_file(config, name, self.resources.backend_directory)
+        model_path = source.path / str(max(versions)) / filename
+        code_file = backend_file or model_path
+        if not is_ensemble and self.auto_complete and defines_auto_complete(code_file):
             cfg.complete_instances(config, name, self.resources.gpu_count)  # what Triton shows it
-            config = await self._auto_complete(name, config, model_file)
+            config = await self._auto_complete(name, config, model_path, code_file)
         cfg.complete(config, name, self.resources.gpu_count)
         cfg.validate(config, name, self.resources.gpu_count)
         for output in config.output:
@@ -443,7 +448,9 @@ class ModelManager:
                 raise
         try:
             for attempt in range(self.load_retries + 1):
-                loaded, failures = await self._start_versions(name, versions, config, source)
+                loaded, failures = await self._start_versions(
+                    name, versions, config, source, backend_file
+                )
                 if not failures:
                     return loaded
                 first = next(iter(failures.values()))
@@ -460,7 +467,12 @@ class ModelManager:
             raise
 
     async def _start_versions(
-        self, name: str, versions: list[int], config: mc.ModelConfig, source: ModelSource
+        self,
+        name: str,
+        versions: list[int],
+        config: mc.ModelConfig,
+        source: ModelSource,
+        backend_file: Path | None,
     ) -> tuple[dict[int, ModelVersion], dict[int, TritonError]]:
         """Start every version's instances, side by side as Triton does; all or none of
         them: if any fails, those that started stop again, and the failures (by version)
@@ -468,7 +480,9 @@ class ModelManager:
         if self._stopping:
             raise UnavailableError(f"model '{name}' not started: the server is stopping")
         models = {
-            version: ModelVersion(name, version, config, source.path, self.resources, source.namespace)
+            version: ModelVersion(
+                name, version, config, source.path, self.resources, source.namespace, backend_file
+            )
             for version in versions
         }
         results = await asyncio.gather(
@@ -579,11 +593,14 @@ class ModelManager:
             )
         return candidates.pop() if candidates else own
 
-    async def _auto_complete(self, name: str, config: mc.ModelConfig, model_file: Any) -> mc.ModelConfig:
-        """Run ``auto_complete_config`` in a throwaway worker, as Triton does."""
+    async def _auto_complete(
+        self, name: str, config: mc.ModelConfig, model_path: Path, code_file: Path
+    ) -> mc.ModelConfig:
+        """Run ``auto_complete_config`` of ``code_file`` (the model's own ``model_path``,
+        or its Python-based backend's file) in a throwaway worker, as Triton does."""
         resources = self.resources
         environment = await resources.environments.for_model(
-            *cfg.environment_parameters(config), model_file.parent.parent, name
+            *cfg.environment_parameters(config), model_path.parent.parent, name
         )
         worker = WorkerProcess(
             instance_name=f"{name}_auto_complete",
@@ -600,7 +617,10 @@ class ModelManager:
         try:
             result = await worker.request(
                 Kind.AUTO_COMPLETE,
-                {"model_file": str(model_file), "config": json.dumps(config_forms.to_json(config))},
+                {
+                    **code_paths(code_file, model_path),
+                    "config": json.dumps(config_forms.to_json(config)),
+                },
             )
         except TritonError as exc:
             raise type(exc)(f"auto_complete_config of model '{name}' failed: {exc.message}") from None

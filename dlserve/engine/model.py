@@ -12,6 +12,7 @@ from typing import Any
 
 from dlserve.engine import config as cfg
 from dlserve.engine import config_forms, ensemble, warmup
+from dlserve.engine.backends import DEFAULT_BACKEND_DIRECTORY
 from dlserve.engine.batcher import DynamicBatcher
 from dlserve.engine.calls import Host
 from dlserve.engine.custom_metrics import CustomMetrics
@@ -51,6 +52,7 @@ class EngineResources:
     host: Host  # the engine, for the calls models make (BLS, model control)
     environments: Environments  # EXECUTION_ENV_PATH environments, unpacked once
     gpu_count: int = 0
+    backend_directory: str = DEFAULT_BACKEND_DIRECTORY  # where Python-based backends are
     serial: int = 0
     response_cache: ResponseCache | None = None  # the server's, if it has one
     rate_limiter: RateLimiter | None = None  # with --rate-limit=execution_count
@@ -72,6 +74,7 @@ class ModelVersion:
         model_dir: Path,
         resources: EngineResources,
         namespace: str = "",
+        backend_file: Path | None = None,
     ) -> None:
         self.name = name
         self.namespace = namespace  # its repository as given, with model namespacing
@@ -79,7 +82,9 @@ class ModelVersion:
         self.config = config
         self.config_json = config_forms.to_json(config)
         self.model_dir = model_dir
-        self.model_file = model_dir / str(version) / config.default_model_filename
+        self.model_file = model_dir / str(version) / (config.default_model_filename or cfg.DEFAULT_MODEL_FILENAME)
+        # what its workers import: that file, or its Python-based backend's (dlserve.engine.backends)
+        self.code_file = backend_file or self.model_file
         self.resources = resources
         self.stats = ModelStatistics(name, version, resources.latency_summaries)
         self.signature = Signature(config)

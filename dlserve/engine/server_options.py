@@ -8,6 +8,7 @@ import enum
 import os
 from typing import Any
 
+from dlserve.engine.backends import DEFAULT_BACKEND_DIRECTORY
 from dlserve.engine.core import EngineSettings
 from dlserve.engine.logs import LogSettings
 from dlserve.engine.manager import ModelControlMode
@@ -25,7 +26,7 @@ _REFUSED = ("host_policies", "model_load_device_limits", "repo_agent_directory")
 _IGNORED = (
     "pinned_memory_pool_size", "cuda_memory_pool_sizes", "min_supported_compute_capability",
     "buffer_manager_thread_count", "model_load_thread_count", "enable_peer_access",
-    "backend_directory", "cache_directory",
+    "cache_directory",
 )
 
 
@@ -54,7 +55,8 @@ class Options:
     metrics_interval (ms between refreshes of nv_cpu_*), metrics_configuration
     (``{"": {KEY: VALUE}}``, ``--metrics-config`` keys: :mod:`dlserve.engine.metrics_settings`), and
     ``backend_configuration["python"]`` keys ``shm-default-byte-size`` and
-    ``shm-growth-byte-size`` (each worker's shared-memory arena). Of the rest,
+    ``shm-growth-byte-size`` (each worker's shared-memory arena), backend_directory
+    (where Python-based backends are: :mod:`dlserve.engine.backends`). Of the rest,
     those that would change what the server does (``host_policies``,
     ``model_load_device_limits``, ``repo_agent_directory``) are
     refused when set, and the tuning knobs of Triton's C++ core are accepted with a
@@ -98,7 +100,7 @@ class Options:
     gpu_metrics: bool = True
     cpu_metrics: bool = True
     metrics_interval: int = 2000
-    backend_directory: str = ""
+    backend_directory: str = DEFAULT_BACKEND_DIRECTORY
     repo_agent_directory: str = ""
     model_load_device_limits: list[Any] = dataclasses.field(default_factory=list)
     backend_configuration: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
@@ -157,6 +159,7 @@ class Options:
             worker_arena_bytes=worker_bytes,
             busy_poll_us=int(self.busy_poll_us),
             model_config_name=self.model_config_name,
+            backend_directory=str(self.backend_directory),
             model_load_retry_count=int(self.model_load_retry_count),
             model_namespacing=bool(self.model_namespacing),
             response_cache_bytes=cache_size(self.cache_config),

@@ -69,20 +69,30 @@ def describe_exception(exc: BaseException) -> str:
     return f"{head}\n\nAt:\n{where}" if where else head
 
 
-def load_module(model_file: str) -> ModuleType:
-    """Import ``model.py`` with its version folder and model folder on ``sys.path``, as
-    Triton does: as module ``model`` of a package that is its version folder (``1.model``),
-    so that its relative imports (``from . import helper``) find the files beside it."""
-    version_dir = os.path.dirname(os.path.abspath(model_file))
-    for path in (os.path.dirname(version_dir), version_dir):
+def load_module(model_file: str, model_path: str) -> ModuleType:
+    """Import the model's code as Triton does. Its own ``model.py`` (``model_file`` is
+    ``model_path``) is imported with its version folder and model folder on
+    ``sys.path``, as module ``model`` of a package that is its version folder
+    (``1.model``), so that its relative imports (``from . import helper``) find the files
+    beside it. A Python-based backend's file is imported as top-level module ``model``
+    with the backend's folder on ``sys.path``. ``pb_utils.get_model_dir()`` answers
+    ``model_path``'s folder either way."""
+    model_file = os.path.abspath(model_file)
+    _runtime.model_dir = os.path.dirname(os.path.abspath(model_path))
+    stem = os.path.splitext(os.path.basename(model_file))[0]
+    code_dir = os.path.dirname(model_file)
+    if model_file == os.path.abspath(model_path):
+        search = (os.path.dirname(code_dir), code_dir)
+        package = ModuleType(os.path.basename(code_dir))
+        package.__path__ = [code_dir]
+        sys.modules[package.__name__] = package
+        module_name = f"{package.__name__}.{stem}"
+    else:
+        search, module_name = (code_dir,), stem
+    for path in search:
         if path not in sys.path:
             sys.path.insert(0, path)
-    _runtime.model_file = os.path.abspath(model_file)
-    package = ModuleType(os.path.basename(version_dir))
-    package.__path__ = [version_dir]
-    sys.modules[package.__name__] = package
-    stem = os.path.splitext(os.path.basename(model_file))[0]
-    spec = importlib.util.spec_from_file_location(f"{package.__name__}.{stem}", model_file)
+    spec = importlib.util.spec_from_file_location(module_name, model_file)
     if spec is None or spec.loader is None:
         raise ModelFailure(f"cannot import {model_file}")
     module = importlib.util.module_from_spec(spec)
@@ -217,7 +227,7 @@ class Worker:
 
     # -- lifecycle ----------------------------------------------------------------------
     def _auto_complete(self, body: dict[str, Any]) -> str:
-        module = load_module(body["model_file"])
+        module = load_module(body["model_file"], body["model_path"])
         hook = getattr(module.TritonPythonModel, "auto_complete_config", None)
         config = ModelConfig(body["config"])
         if hook is None:
@@ -237,7 +247,7 @@ class Worker:
         self.sequence_batched = "sequence_batching" in config
         if args["model_instance_kind"] == "GPU":
             select_device(int(args["model_instance_device_id"]))
-        module = load_module(body["model_file"])
+        module = load_module(body["model_file"], body["model_path"])
         self.model = module.TritonPythonModel()
         if inspect.iscoroutinefunction(getattr(self.model, "execute", None)):
             self._start_model_loop()

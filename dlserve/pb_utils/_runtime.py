@@ -52,7 +52,7 @@ class Runtime(Protocol):
 
 
 _current: Runtime | None = None
-model_file: str | None = None  # the model.py a worker imported (get_model_dir's answer)
+model_dir: str | None = None  # get_model_dir's answer in a worker: the model's version folder
 
 
 def current() -> Runtime | None:

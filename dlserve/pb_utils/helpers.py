@@ -66,10 +66,12 @@ def using_decoupled_model_transaction_policy(model_config: dict[str, Any]) -> bo
 
 
 def get_model_dir() -> str:
-    """The folder of the model's ``model.py`` (its version folder, as Triton answers). A
-    model imported outside a worker, by a unit test, gets its calling file's folder."""
-    path = _runtime.model_file or inspect.stack()[1].filename
-    return os.path.dirname(os.path.abspath(path))
+    """The model's version folder, as Triton answers (where its ``model.py`` is, or, for
+    a model of a Python-based backend, its data). A model imported outside a worker, by a
+    unit test, gets its calling file's folder."""
+    if _runtime.model_dir is not None:
+        return _runtime.model_dir
+    return os.path.dirname(os.path.abspath(inspect.stack()[1].filename))
 
 
 def triton_string_to_numpy(triton_type_string: str) -> Any:

@@ -245,14 +245,14 @@ def test_tritonservers_other_flags_are_accepted_and_cased_as_it_takes_them():
     (warned about), gRPC tuning goes to the gRPC service, enum values take any case."""
     args = build_parser().parse_args([
         "serve", "--pinned-memory-pool-byte-size=0", "--cuda-memory-pool-byte-size=0:0",
-        "--backend-directory", "/opt/tritonserver/backends", "--metrics-interval-ms=500",
+        "--backend-directory", "/srv/backends", "--metrics-interval-ms=500",
         "--model-control-mode=EXPLICIT", "--rate-limit=Execution_Count", "--log-format=ISO8601",
         "--grpc-keepalive-time=10000", "--grpc-keepalive-permit-without-calls=true",
         "--grpc-infer-response-compression-level=HIGH",
     ])
     assert (args.model_control_mode, args.rate_limit, args.log_format) == ("explicit", "execution_count", "iso8601")
     assert args.grpc_keepalive_time_ms == 10000 and args.grpc_keepalive_permit_without_calls is True
-    assert args.ignored_pinned_memory_pool_byte_size == ["0"] and args.ignored_backend_directory
+    assert args.ignored_pinned_memory_pool_byte_size == ["0"] and args.backend_directory == "/srv/backends"
 
 
 def test_load_model_needs_explicit_mode_as_in_triton():

@@ -529,7 +529,7 @@ def test_exit_on_error(servers, make_repo):
     [
         ({"config.pbtxt": "backend: \"python\"\ninput [ { name: ", "1/model.py": ""}, "config.pbtxt"),
         ({"config.pbtxt": 'name: "other"\nbackend: "python"\n', "1/model.py": ""}, "must match the model's folder name"),
-        ({"config.pbtxt": 'backend: "onnxruntime"\n', "1/model.py": ""}, "Python-backend models only"),
+        ({"config.pbtxt": 'backend: "onnxruntime"\n', "1/model.py": ""}, "unable to find backend library for backend 'onnxruntime'"),
         ({"config.pbtxt": 'backend: "python"\n', "abc/model.py": ""}, "no version folder holds 'model.py'"),
         (
             {"config.pbtxt": 'backend: "python"\nversion_policy { specific { versions: [ 5 ] } }\n', "1/model.py": ""},

@@ -14,6 +14,7 @@ import pytest
 
 from dlserve.engine import config as cfg
 from dlserve.engine import config_forms as forms
+from dlserve.engine.backends import backend_model_file
 from dlserve.engine.proto import model_config_pb2 as mc
 from dlserve.engine.repository import (
     ModelSource,
@@ -339,11 +340,30 @@ def test_validate_name_mismatch():
         cfg.validate(config, "m")
 
 
-@pytest.mark.parametrize("text,wanted", [('backend: "onnxruntime"', "onnxruntime"), ('platform: "tensorflow_savedmodel"', "tensorflow_savedmodel"), ('platform: "x" backend: "onnxruntime"', "onnxruntime")])
-def test_validate_python_backend_only(text, wanted):
-    message = invalid(text)
-    assert message.startswith("UnsupportedError: model 'm': ")
-    assert "Python-backend models only" in message and f"'{wanted}'" in message
+@pytest.mark.parametrize("text", ['platform: "tensorflow_savedmodel"', 'backend: "onnxruntime"', 'platform: "x" backend: "onnxruntime"'])
+def test_only_python_models_are_served(text, tmp_path):
+    """A framework's platform is refused; another backend is served only as a Python-based
+    backend (its model.py in the backend directory), and this one has none there."""
+    with pytest.raises((InvalidArgumentError, UnsupportedError)) as info:
+        backend_model_file(completed(text, "m"), "m", str(tmp_path))
+    if "backend" in text:
+        assert isinstance(info.value, InvalidArgumentError)
+        assert info.value.message.startswith("unable to find backend library for backend 'onnxruntime', ")
+        assert f"{tmp_path}/onnxruntime/model.py is not a file" in info.value.message
+    else:
+        assert str(info.value) == (
+            "model 'm': dlserve serves Python models only (backend \"python\", or a Python-based "
+            "backend) and ensembles of them, this config asks for 'tensorflow_savedmodel'"
+        )
+
+
+def test_a_python_based_backend_is_its_folders_model_py(tmp_path):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "model.py").write_text("")
+    config = completed('backend: "mine"', "m")
+    assert backend_model_file(config, "m", str(tmp_path)) == tmp_path / "mine" / "model.py"
+    assert (config.runtime, config.default_model_filename) == ("model.py", "")  # (as Triton shows them)
+    assert backend_model_file(completed('backend: "python"', "m"), "m", str(tmp_path)) is None
 
 
 @pytest.mark.parametrize("platform", ["custom", "onnxruntime_onnx"])
@@ -351,6 +371,7 @@ def test_backend_python_is_served_whatever_platform_it_also_names(platform):
     """As Triton 2.51 loads it (measured; its own QA wrong_model has platform "custom")."""
     config = completed(f'backend: "python" platform: "{platform}"', "m")
     cfg.validate(config, "m")
+    assert backend_model_file(config, "m", "/nowhere") is None
     assert config.platform == platform
 
 
