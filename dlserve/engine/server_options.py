@@ -30,6 +30,16 @@ _IGNORED = (
 )
 
 
+# The Options fields of these types, and what each takes (see Options._check_types).
+_SCALAR_TYPES: dict[str, tuple[type, ...]] = {
+    "bool": (bool, int),
+    "int": (int,),
+    "float": (int, float),
+    "str": (str,),
+    "str | None": (str, type(None)),
+}
+
+
 class RateLimitMode(enum.IntEnum):
     OFF = 0
     EXEC_COUNT = 1
@@ -120,12 +130,20 @@ class Options:
                 raise UnsupportedError(f"Options.{name} is not supported by dlserve")
         return [f"Options.{name}" for name in _IGNORED if getattr(self, name) != defaults[name]]
 
+    def _check_types(self) -> None:
+        """Wrong types are TypeErrors, as tritonserver's Options raise them (its C++
+        bindings take a bool, int, float or str field as pybind11 converts it: an int
+        for a bool, an int for a float, never a str or a float for an int)."""
+        for field in dataclasses.fields(self):
+            accepted = _SCALAR_TYPES.get(str(field.type))
+            value = getattr(self, field.name)
+            if accepted is not None and not isinstance(value, accepted):
+                raise TypeError(f"{field.name} must be a {field.type}, got {type(value).__name__}")
+
     def engine_settings(self) -> EngineSettings:
         without_effect = self._without_effect()
         repos = self.model_repository
-        # Wrong types are TypeErrors, as tritonserver's Options raise them, before any value check.
-        if not isinstance(self.server_id, str):
-            raise TypeError(f"server_id must be a str, got {type(self.server_id).__name__}")
+        self._check_types()  # (before any value check)
         if repos is not None and not isinstance(repos, (str, os.PathLike, list, tuple)):
             raise TypeError(f"model_repository must be a path or a list of paths, got {type(repos).__name__}")
         if repos is None:

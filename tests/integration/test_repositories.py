@@ -202,11 +202,31 @@ def test_options_that_would_change_behaviour_are_refused(make_repo, field, value
         dlserve.Server(options).start()
 
 
-@pytest.mark.parametrize("options", [{"server_id": 1}, {"model_repository": 1}, {"server_id": 1, "model_repository": None}])
-def test_options_of_the_wrong_type_are_type_errors_as_in_tritonserver(options):
-    """Triton's own L0_python_api test_invalid_option_type."""
-    with pytest.raises(TypeError):
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"server_id": 1},
+        {"model_repository": 1},
+        {"server_id": 1, "model_repository": None},
+        {"strict_model_config": "yes"},
+        {"exit_timeout": 2.5},
+        {"model_load_retry_count": "1"},
+        {"log_file": 7},
+        {"backend_directory": None},
+    ],
+)
+def test_options_of_the_wrong_type_are_type_errors_as_in_tritonserver(options, make_repo):
+    """Triton's own L0_python_api test_invalid_option_type; the rest as tritonserver's
+    bindings take them."""
+    options.setdefault("model_repository", str(make_repo("identity")))
+    with pytest.raises(TypeError, match=f"^{next(iter(options))} must be a "):
         dlserve.Server(**options).start()
+
+
+def test_options_take_what_tritonserver_converts(servers, make_repo):
+    """An int for a bool or a float field, a bool for an int one (pybind11 converts them)."""
+    server = servers.start(make_repo("identity"), strict_model_config=0, metrics=1, exit_timeout=True, repository_poll_secs=2)
+    assert server.ready()
 
 
 def test_tuning_options_of_tritons_core_are_accepted_with_a_warning(servers, make_repo, caplog):
