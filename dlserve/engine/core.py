@@ -173,7 +173,7 @@ class Engine:
             raise InvalidArgumentError("Model repository must be specified.")
         s.log.start()
         for setting in s.without_effect:
-            log.warning("%s has no effect in dlserve (a setting of Triton's C++ core)", setting)
+            log.warning("%s has no effect in dlserve", setting)
         remove_stale_segments()
         _PREFIXES_IN_USE.add(self.segment_prefix)
         self.arena = Arena(self.space, f"{self.segment_prefix}_s", s.arena_bytes, s.arena_bytes)

@@ -30,6 +30,11 @@ _IGNORED = (
 )
 
 
+# The backend_configuration["python"] keys dlserve acts on; Triton's others (stub-timeout-seconds,
+# shm-message-queue-size, shm-region-prefix-name: dlserve names its segments per server) are
+# accepted with a warning.
+_PYTHON_BACKEND_KEYS = {"shm-default-byte-size", "shm-growth-byte-size"}
+
 # The Options fields of these types, and what each takes (see Options._check_types).
 _SCALAR_TYPES: dict[str, tuple[type, ...]] = {
     "bool": (bool, int),
@@ -128,7 +133,10 @@ class Options:
         for name in _REFUSED:
             if getattr(self, name) != defaults[name]:
                 raise UnsupportedError(f"Options.{name} is not supported by dlserve")
-        return [f"Options.{name}" for name in _IGNORED if getattr(self, name) != defaults[name]]
+        python_keys = sorted(set(self.backend_configuration.get("python", {})) - _PYTHON_BACKEND_KEYS)
+        return [f"Options.{name}" for name in _IGNORED if getattr(self, name) != defaults[name]] + [
+            f"python backend setting '{key}'" for key in python_keys
+        ]
 
     def _check_types(self) -> None:
         """Wrong types are TypeErrors, as tritonserver's Options raise them (its C++

@@ -231,11 +231,13 @@ def test_options_take_what_tritonserver_converts(servers, make_repo):
 
 def test_tuning_options_of_tritons_core_are_accepted_with_a_warning(servers, make_repo, caplog):
     server = servers.start(
-        make_repo("identity"), model_load_thread_count=8, pinned_memory_pool_size=1 << 20, log_warn=True
+        make_repo("identity"), model_load_thread_count=8, pinned_memory_pool_size=1 << 20, log_warn=True,
+        backend_configuration={"python": {"stub-timeout-seconds": "30", "shm-default-byte-size": str(1 << 24)}},
     )
     assert server.model("identity").ready()
     warned = [r.getMessage() for r in caplog.records if "has no effect in dlserve" in r.getMessage()]
-    assert len(warned) == 2 and any("model_load_thread_count" in m for m in warned), warned
+    assert len(warned) == 3 and any("model_load_thread_count" in m for m in warned), warned
+    assert any("python backend setting 'stub-timeout-seconds'" in m for m in warned), warned
 
 
 def test_the_metrics_port_follows_the_same_options(servers, make_repo):
