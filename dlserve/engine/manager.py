@@ -308,7 +308,7 @@ class ModelManager:
 
     def _unchanged(self, source: ModelSource) -> bool:
         entry = self.models.get(source.key)
-        return entry is not None and entry.unchanged(source.fingerprint())
+        return entry is not None and entry.unchanged(source.fingerprint)
 
     async def _reload_waiting(self, loaded: list[ModelKey]) -> None:
         """Ensembles unloaded with these step models load again, as Triton's do, once
@@ -359,7 +359,7 @@ class ModelManager:
             entry.versions, entry.error, entry.tried, entry.failed = loaded, "", [], {}
             entry.waits_for.clear()
             entry.as_step = as_step
-            entry.fingerprint = source.fingerprint()
+            entry.fingerprint = source.fingerprint
             entry.overridden = config is not None
             for replaced in old.values():
                 self._retire(entry, replaced)
@@ -740,7 +740,7 @@ class ModelManager:
     def _changed(self, source: str | ModelSource) -> bool:
         assert isinstance(source, ModelSource)
         entry = self.models.get(source.key)
-        return entry is None or entry.fingerprint != source.fingerprint()
+        return entry is None or entry.fingerprint != source.fingerprint
 
     async def _poll_load(self, source: str | ModelSource) -> None:
         """Load a model a poll found new or changed."""
@@ -753,7 +753,7 @@ class ModelManager:
             # A model that failed to load is tried again once it changes; one the
             # store failed to hand over, at the next poll.
             failed_store = isinstance(failure, ObjectStoreError)
-            self.models[source.key].fingerprint = None if failed_store else source.fingerprint()
+            self.models[source.key].fingerprint = None if failed_store else source.fingerprint
 
     async def _poll_forever(self, interval: float) -> None:
         while True:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import hashlib
 import logging
 import os
@@ -84,10 +85,13 @@ class ModelSource:
                 versions.append(int(entry.name))
         return sorted(versions)
 
+    @functools.cached_property
     def fingerprint(self) -> tuple[tuple[str, Any, int], ...]:
         """Changes when any file of the model changes (used by poll mode): a file's time
         and size, but a config's content, so that a config rewritten unchanged (a sync
-        tool, ``touch``) reloads nothing, as in Triton."""
+        tool, ``touch``) reloads nothing, as in Triton. Read once per source (a scan's
+        finding): a load keeps what was read before it, so that a file changed while the
+        model loaded still counts as a change at the next poll."""
         if self.stamps is not None:
             return self.stamps
         stamps = []
