@@ -43,6 +43,8 @@ def backend_model_file(config: mc.ModelConfig, model_name: str, backend_director
             f"model '{model_name}': runtime '{config.runtime}' is not served: a Python-based "
             f"backend runs its {BACKEND_RUNTIME}; set runtime to '{BACKEND_RUNTIME}' or leave it out"
         )
+    if backend in (".", "..") or "/" in backend or "\0" in backend:  # (a name, never a path out)
+        raise InvalidArgumentError(f"model '{model_name}': backend '{backend}' is not a backend's name")
     path = Path(backend_directory) / backend / BACKEND_RUNTIME
     if path.is_file():
         return path

@@ -366,6 +366,15 @@ def test_a_python_based_backend_is_its_folders_model_py(tmp_path):
     assert backend_model_file(completed('backend: "python"', "m"), "m", str(tmp_path)) is None
 
 
+@pytest.mark.parametrize("name", ["../mine", "..", "mine/../mine", "/abs"])
+def test_a_backend_is_named_never_a_path(tmp_path, name):
+    """A load's config override cannot run a model.py from elsewhere on disk."""
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "model.py").write_text("")
+    with pytest.raises(InvalidArgumentError, match="is not a backend's name"):
+        backend_model_file(completed(f'backend: "{name}"', "m"), "m", str(tmp_path / "mine"))
+
+
 @pytest.mark.parametrize("platform", ["custom", "onnxruntime_onnx"])
 def test_backend_python_is_served_whatever_platform_it_also_names(platform):
     """As Triton 2.51 loads it (measured; its own QA wrong_model has platform "custom")."""
