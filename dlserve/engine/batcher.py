@@ -134,11 +134,16 @@ class DynamicBatcher(Scheduler):
         if self._deadlines:
             self._arm(self._deadlines[0][0])
 
+    def dispatch(self) -> None:
+        # Timeouts first, and whether or not an instance has room: a request whose time
+        # in the queue ran out is answered then, not once an instance is free, as in Triton.
+        if self._deadlines:
+            self._expire(time.monotonic_ns())
+        super().dispatch()
+
     # -- batch formation ----------------------------------------------------------------
     def _next_batch(self, instance: ModelInstance) -> list[Request] | None:
         now = time.monotonic_ns()
-        if self._deadlines:
-            self._expire(now)
         chosen: list[Request] = []
         total = 0
         preferred_at = 0  # length of the longest prefix that hits a preferred batch size

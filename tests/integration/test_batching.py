@@ -213,6 +213,22 @@ def test_queued_requests_time_out(server):
     assert all("Request timeout expired" in str(r.error) for r in responses)
 
 
+def test_queued_requests_time_out_while_every_instance_is_busy(server):
+    """As Triton 2.51 (measured with its QA identity_fp32_timeout): a queued request's
+    timeout answers it when it passes, not once the busy instance frees up."""
+    load(server, max_batch_size=1, dynamic_batching={"default_queue_policy": {"default_timeout_microseconds": 200_000}})
+
+    async def timed() -> tuple[float, Any]:
+        started = time.monotonic()
+        response = await infer(server, rows())
+        return time.monotonic() - started, response
+
+    _, answers = asyncio.run(hold_then(server, 3.0, [timed(), timed()]))
+    for took, response in answers:
+        assert "Request timeout expired" in str(response.error)
+        assert took < 2.0  # (0.2 s in the queue; the instance stayed busy for 3 s)
+
+
 def test_request_timeout_overrides_the_default_when_allowed(server):
     policy = {"default_timeout_microseconds": 60_000_000, "allow_timeout_override": True}
     load(server, max_batch_size=1, dynamic_batching={"default_queue_policy": policy})
