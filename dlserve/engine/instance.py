@@ -327,7 +327,7 @@ class ModelInstance:
         model = self.model
         peer = worker.peer
         t0 = time.monotonic_ns()
-        handles = [next(self._handles) for _ in requests]
+        handles = [self._handle(r) for r in requests]
         with peer.exports() as out:
             body = [
                 (
@@ -423,6 +423,14 @@ class ModelInstance:
 
         future.add_done_callback(finished)
 
+    def _handle(self, request: Request) -> int:
+        """The name of ``request`` between the server and this instance's worker: a new
+        one, or the one a rescheduled request keeps for its next execute here."""
+        kept = request.resumes
+        if kept is not None and kept[0] is self:
+            return kept[1]
+        return next(self._handles)
+
     def _result(self, handle: int, request: Request, reply: Any) -> Response | None:
         """What an execute reply says of one request (see Scheduler._finished)."""
         if reply == STREAMED:
@@ -430,7 +438,18 @@ class ModelInstance:
                 self._streaming[handle] = request
             return STREAMING
         request.cancel_hook = None
-        return self._response(request, reply)
+        response = self._response(request, reply)
+        if response is None:
+            # Rescheduled: a response sender the model kept answers it still, meanwhile
+            # too (as in Triton), and sees a cancellation; its next execute here goes by
+            # the same handle.
+            if not request.finished:
+                self._streaming[handle] = request
+                request.cancel_hook = functools.partial(self._cancel, handle)
+            request.resumes = (self, handle)
+        else:
+            self._streaming.pop(handle, None)
+        return response
 
     def _streamed(self, handle: int, wire: Any, final: bool) -> None:
         """A RESPONSE message: one response (or just the final flag) for a request."""

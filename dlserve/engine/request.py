@@ -98,6 +98,8 @@ class Request:
     compute_infer_ns: int = 0
     compute_output_ns: int = 0
     trace: Trace | None = None  # set when the request is sampled for tracing
+    # (instance, handle) a rescheduled request keeps for its next execute on that instance
+    resumes: tuple[Any, int] | None = None
 
     @property
     def label(self) -> str:

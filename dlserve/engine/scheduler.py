@@ -334,7 +334,8 @@ class Scheduler:
         if request.finished:
             return
         request.cancelled = True
-        if not self._remove(request) and request.cancel_hook is not None:
+        self._remove(request)
+        if request.cancel_hook is not None:  # (an executing one's, or a rescheduled one's)
             request.cancel_hook()
         self._fail(request, CancelledError("request was cancelled"), "CANCELED")
 

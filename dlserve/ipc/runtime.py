@@ -116,14 +116,19 @@ class WorkerRuntime:
     def exchange(
         self, handle: int, requested: list[str], destinations: dict[str, Any] | None, decoupled: bool
     ) -> Exchange:
-        """The link back to the server for a request about to be handed to execute."""
-        exchange = Exchange(handle, requested, destinations, decoupled)
+        """The link back to the server for a request about to be handed to execute: a
+        rescheduled request's own again (its handle is kept) while the model holds its
+        sender from an earlier execute, so that sender and this execute answer as one."""
         with self._cancel_lock:
-            self._exchanges[handle] = exchange
+            exchange = self._exchanges.get(handle)
+            if exchange is None:
+                exchange = self._exchanges[handle] = Exchange(handle, requested, destinations, decoupled)
+            exchange.rescheduled = False
             if self._early_cancels:
                 if handle in self._early_cancels:
                     exchange.cancelled = True
-                # Handles arrive in increasing order: smaller ones are long gone.
+                # New handles arrive in increasing order: smaller ones are long gone (a
+                # rescheduled request's cancel while queued is the server's to answer).
                 self._early_cancels = {h for h in self._early_cancels if h > handle}
         return exchange
 

@@ -378,7 +378,7 @@ class Worker:
     @staticmethod
     def _streamed(request: InferenceRequest) -> int | None:
         if request.rescheduled():
-            request._exchange.closed = True  # type: ignore[union-attr]
+            request._exchange.rescheduled = True  # type: ignore[union-attr]
             return None
         return STREAMED
 

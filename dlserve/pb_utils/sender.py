@@ -31,6 +31,7 @@ class Exchange:
         "closed",
         "responses",
         "cancelled",
+        "rescheduled",
         "__weakref__",
     )
 
@@ -49,9 +50,12 @@ class Exchange:
         self.closed = False  # the final response went out (or the server was told otherwise)
         self.responses = 0
         self.cancelled = False
+        # Rescheduled, its next execute to come: letting go of it now abandons nothing (the
+        # next execute gets this exchange again while its sender lives, as in Triton).
+        self.rescheduled = False
 
     def __del__(self) -> None:
-        if not self.closed:
+        if not self.closed and not self.rescheduled:
             runtime = _runtime.current()
             if runtime is not None:
                 runtime.abandon(self)

@@ -26,7 +26,7 @@ START, END = 1, 2
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    names = ["accumulate", "iterative"]
+    names = ["accumulate", "iterative", "iterative_sender"]
     yield from serve(tmp_path_factory, names, model_control_mode=ModelControlMode.EXPLICIT, startup_models=names)
 
 
@@ -309,6 +309,23 @@ def test_iterative_sequences_are_tritons_sequences_of_one_request(server):
     assert started.error is None
     assert isinstance(then.error, dlserve.InvalidArgumentError)
     assert "must specify the START flag on the first request of the sequence" in then.error.message
+
+
+@pytest.mark.parametrize("delay_ms", [0, 300])
+def test_a_response_sender_outlives_its_requests_reschedule(server, delay_ms):
+    """As in Triton (its QA request_rescheduling case 1): a decoupled model that handed
+    its request's sender to a thread and rescheduled the request still answers through
+    that sender, whether the thread sends before or after the next execute, which sends
+    nothing. The next execute dropping its own view of the request is no abandonment."""
+    model = server.model("iterative_sender")
+
+    async def run() -> list[Any]:
+        return [r async for r in model.async_infer(inputs={"DELAY_MS": value(delay_ms)}, raise_on_error=False)]
+
+    responses = asyncio.run(run())
+    assert [r.error for r in responses] == [None] * len(responses)
+    assert [int(r.outputs["OUT"].as_numpy()[0, 0]) for r in responses if r.outputs] == [1, 0]
+    assert responses[-1].final and len(responses) == 3
 
 
 def test_a_rescheduled_request_answered_all_the_same_fails_as_in_triton(server):
