@@ -239,7 +239,7 @@ class Engine:
             instance
             for entry in self.manager.models.values()
             for version in entry.versions.values()
-            for instance in version.instances
+            for instance in version.all_instances
         ]
 
     def _forget_everywhere(self, segment_name: str) -> None:

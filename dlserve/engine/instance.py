@@ -94,6 +94,7 @@ class ModelInstance:
         self.passive = passive  # initialized and warmed up, never given requests (Triton's)
         self.device_id = device_id
         self.serial = serial
+        self.signature = b""  # its group's settings and device (model.instance_signature)
         self.state = InstanceState.STARTING
         self.in_flight = 0  # executions sent to the worker and not answered yet
         self.concurrency: int | None = None  # executes at once (async models); None: scheduler's

@@ -93,7 +93,12 @@ class ModelVersion:
         self.output_reshape: dict[str, list[int]] = {
             o.name: list(o.dims) for o in self.signature.outputs.values() if o.reshape is not None
         }
-        self.instances: list[ModelInstance] = []
+        self.instances: list[ModelInstance] = []  # those the schedulers give work to
+        # Instances an instance_group update removed, until they are stopped (see
+        # update_instances): each with the task that retires it.
+        self.retiring: dict[ModelInstance, asyncio.Task[None]] = {}
+        self._finalizing: set[ModelInstance] = set()  # retiring ones being stopped now
+        self._adding: list[ModelInstance] = []  # an update's instances, while they start
         self.generation = next(_LOADS)  # tells this load from earlier ones of the same version
         # Where its responses are cached, if the server has a cache and its config asks.
         self.cache = resources.response_cache if config.response_cache.enable else None
@@ -130,9 +135,14 @@ class ModelVersion:
         return any(checks)
 
     @property
+    def all_instances(self) -> list[ModelInstance]:
+        """Its instances, and those an instance_group update removed that still run."""
+        return [*self.instances, *self.retiring]
+
+    @property
     def pending(self) -> int:
         """Requests not executing yet: queued, or sent to a worker behind another execute."""
-        waiting_in_workers = sum(max(0, i.in_flight - 1) for i in self.instances)
+        waiting_in_workers = sum(max(0, i.in_flight - 1) for i in self.all_instances)
         return self.scheduler.pending + waiting_in_workers
 
     def unready_reason(self) -> str:
@@ -145,10 +155,11 @@ class ModelVersion:
             return 1
         return next(iter(request.inputs.values())).shape[0]
 
-    def _instance_plan(self) -> list[tuple[str, str, int, mc.ModelInstanceGroup]]:
-        """(instance name, kind, device id, its group) for every instance the config asks for."""
+    def _instance_plan(self, config: mc.ModelConfig | None = None) -> list[tuple[str, str, int, mc.ModelInstanceGroup]]:
+        """(instance name, kind, device id, its group) for every instance the config (its
+        own, unless given) asks for."""
         plan = []
-        for group in self.config.instance_group:
+        for group in (config or self.config).instance_group:
             devices = list(group.gpus) if group.kind == mc.ModelInstanceGroup.KIND_GPU else [0]
             kind = _KIND_NAMES.get(group.kind, "CPU")
             for device in devices:
@@ -172,10 +183,7 @@ class ModelVersion:
             self.state, self.reason = "UNAVAILABLE", str(exc)
             raise
         plan = self._instance_plan()
-        self.instances = [
-            ModelInstance(self, name, kind, device, resources.next_serial(), self._instance_changed, group.passive)
-            for name, kind, device, group in plan
-        ]
+        self.instances = [self._new_instance(name, kind, device, group) for name, kind, device, group in plan]
         limiter = resources.rate_limiter
         if limiter is not None:
             try:
@@ -195,6 +203,110 @@ class ModelVersion:
             self.state, self.reason = "UNAVAILABLE", str(errors[0])
             raise errors[0]
         self.state, self.reason = "READY", ""
+
+    def _new_instance(self, name: str, kind: str, device: int, group: mc.ModelInstanceGroup) -> ModelInstance:
+        instance = ModelInstance(
+            self, name, kind, device, self.resources.next_serial(), self._instance_changed, group.passive
+        )
+        instance.signature = instance_signature(group, device)
+        return instance
+
+    async def update_instances(self, config: mc.ModelConfig, drain_timeout: float) -> None:
+        """Apply a config that differs from this version's only in ``instance_group``,
+        as Triton does, without reloading the version: it stays READY throughout, the
+        instances the new config still asks for go on as they are (their workers, their
+        state), only the added ones start (``initialize``, warmup) and the removed ones
+        stop (``finalize``).
+
+        An instance is kept for a new one with the same settings (kind, device, passive,
+        rate limiter, ...: the group but its name and count, Triton's rule), so a renamed
+        group keeps its instances and their names; of several alike the first ones stay
+        (Triton keeps the last made, and names a new one after its place in the group even
+        where a kept one has that name; here a new one takes the first free name). The
+        removed instances get no more work at once; each finishes what it runs (decoupled
+        responses included, by ``drain_timeout`` seconds) and is then finalized, and this
+        returns when they are, as Triton's load does. One that holds sequences (sequence
+        batcher) runs them to their end (END, or idle) first, as in Triton, and this does
+        not wait for that. If an added instance fails to start, nothing changes: the
+        others stop again and its error is raised."""
+        plan = self._instance_plan(config)
+        alike: dict[bytes, list[ModelInstance]] = {}
+        for instance in self.instances:
+            alike.setdefault(instance.signature, []).append(instance)
+        chosen: list[ModelInstance | None] = []
+        for _name, _kind, device, group in plan:
+            pool = alike.get(instance_signature(group, device))
+            chosen.append(pool.pop(0) if pool else None)
+        removed = [instance for pool in alike.values() for instance in pool]
+        names = {instance.name for instance in chosen if instance is not None}
+        added: list[ModelInstance] = []
+        for index, (name, kind, device, group) in enumerate(plan):
+            if chosen[index] is None:
+                name = name if name not in names else _free_name(group, device, names)
+                instance = self._new_instance(name, kind, device, group)
+                names.add(instance.name)
+                chosen[index] = instance
+                added.append(instance)
+        limiter = self.resources.rate_limiter
+        registered: list[ModelInstance] = []
+        try:
+            if limiter is not None:
+                for instance in added:
+                    limiter.register(instance, _group_of(plan, chosen, instance).rate_limiter, instance.device_id)
+                    registered.append(instance)
+            self._adding = added
+            try:
+                results = await asyncio.gather(*(instance.start() for instance in added), return_exceptions=True)
+            finally:
+                self._adding = []
+            errors = [r for r in results if isinstance(r, BaseException)]
+            if errors:
+                await asyncio.gather(*(i.stop(time.monotonic() + 5.0) for i in added))
+                raise errors[0]
+        except BaseException:
+            if limiter is not None:
+                for instance in registered:
+                    limiter.unregister(instance)
+            raise
+        self.config = config
+        self.config_json = config_forms.to_json(config)
+        self.instances = [instance for instance in chosen if instance is not None]
+        held = set()
+        for instance in removed:
+            if self.scheduler.holds(instance):
+                held.add(instance)
+            self.retiring[instance] = asyncio.get_running_loop().create_task(
+                self._retire_instance(instance, drain_timeout)
+            )
+        if added or removed:
+            log.info(
+                "model '%s' version %d: instance_group updated in place (started: %s; stopping: %s)",
+                self.name, self.version,
+                ", ".join(i.name for i in added) or "none", ", ".join(i.name for i in removed) or "none",
+            )
+        self.scheduler.instance_state_changed()  # the added ones take queued work (sequences too)
+        waited = [self.retiring[i] for i in removed if i not in held]
+        if waited:
+            await asyncio.wait(waited)
+
+    async def _retire_instance(self, instance: ModelInstance, drain_timeout: float) -> None:
+        """Stop an instance an instance_group update removed, once the sequences it holds
+        have ended and what it executes (or streams) is done, or ``drain_timeout`` after."""
+        try:
+            while self.scheduler.holds(instance) and self.state == "READY":
+                await asyncio.sleep(0.05)
+            deadline = time.monotonic() + drain_timeout
+            while (instance.in_flight or instance.open_requests(None)) and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            self._finalizing.add(instance)
+            await instance.stop(deadline)
+        finally:
+            self._finalizing.discard(instance)
+            self.retiring.pop(instance, None)
+            self.scheduler.forget(instance)
+            limiter = self.resources.rate_limiter
+            if limiter is not None:
+                limiter.unregister(instance)
 
     def _leave_limiter(self) -> None:
         limiter = self.resources.rate_limiter
@@ -221,7 +333,15 @@ class ModelVersion:
                 self.name,
                 self.version,
             )
-        await asyncio.gather(*(instance.stop(deadline) for instance in self.instances))
+        # Instances an instance_group update removed: those still waiting to stop stop
+        # here, with the rest, by the same deadline; those stopping already, on their own.
+        retiring = [(i, task, i in self._finalizing) for i, task in self.retiring.items()]
+        for _, task, finalizing in retiring:
+            if not finalizing:
+                task.cancel()
+        await asyncio.gather(*(task for _, task, _ in retiring), return_exceptions=True)
+        instances = [*self.instances, *(i for i, _, finalizing in retiring if not finalizing)]
+        await asyncio.gather(*(instance.stop(deadline) for instance in instances))
         self._leave_limiter()
         if self.cache is not None:
             self.cache.forget(self.generation)
@@ -233,7 +353,7 @@ class ModelVersion:
         return drained
 
     def kill(self) -> None:
-        for instance in self.instances:
+        for instance in [*self.all_instances, *self._adding]:
             instance.kill()
 
     def metadata(self) -> dict[str, Any]:
@@ -254,3 +374,29 @@ class ModelVersion:
             "inputs": [tensor(t) for t in self.config.input],
             "outputs": [tensor(t) for t in self.config.output],
         }
+
+
+def instance_signature(group: mc.ModelInstanceGroup, device: int) -> bytes:
+    """What makes instances alike for an instance_group update (Triton's rule): their
+    device and their group's settings but its name and count."""
+    settings = mc.ModelInstanceGroup()
+    settings.CopyFrom(group)
+    settings.ClearField("name")
+    settings.ClearField("count")
+    return device.to_bytes(4, "little", signed=True) + settings.SerializeToString(deterministic=True)
+
+
+def _free_name(group: mc.ModelInstanceGroup, device: int, taken: set[str]) -> str:
+    """The first of the group's instance names (``<group>_<index>``, with ``_<device>``
+    for a group on several GPUs) that no instance has."""
+    several = group.kind == mc.ModelInstanceGroup.KIND_GPU and len(group.gpus) > 1
+    index = 0
+    while True:
+        name = f"{group.name}_{index}_{device}" if several else f"{group.name}_{index}"
+        if name not in taken:
+            return name
+        index += 1
+
+
+def _group_of(plan: list[Any], chosen: list[Any], instance: ModelInstance) -> mc.ModelInstanceGroup:
+    return next(group for (_, _, _, group), one in zip(plan, chosen) if one is instance)

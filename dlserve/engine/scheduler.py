@@ -276,6 +276,14 @@ class Scheduler:
     def _completed(self, batch: list[Request]) -> None:
         """A batch finished (its responses are delivered); before the next dispatch."""
 
+    def holds(self, instance: ModelInstance) -> bool:
+        """Whether work bound to ``instance`` is still to come (an instance_group update
+        removed it: it stops once this is False and what it runs is done)."""
+        return False
+
+    def forget(self, instance: ModelInstance) -> None:
+        """An instance an instance_group update removed has stopped."""
+
     def _reschedule(self, request: Request) -> None:
         """The model asked to run ``request`` again (TRITONSERVER_REQUEST_RELEASE_RESCHEDULE)."""
         self._fail(

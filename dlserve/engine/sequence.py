@@ -374,8 +374,9 @@ class SequenceBatcher(Scheduler):
 
     # -- batches ------------------------------------------------------------------------
     def dispatch(self) -> None:
-        """Work here belongs to instances: offer each free instance its sequences."""
-        for instance in self.instances:
+        """Work here belongs to instances: offer each free instance its sequences (those an
+        instance_group update removed too, which run theirs to their end, as in Triton)."""
+        for instance in self.model.all_instances:
             if self.has_room(instance):
                 batch = self._next_batch(instance)
                 if batch:
@@ -532,6 +533,12 @@ class SequenceBatcher(Scheduler):
         """Give free slots to the sequences waiting for one, in the order they came."""
         while self.backlog and self._place(self.backlog[0]):
             self.backlog.popleft()
+
+    def holds(self, instance: ModelInstance) -> bool:
+        return any(s.instance is instance for s in self.sequences.values())
+
+    def forget(self, instance: ModelInstance) -> None:
+        self._last_placed.pop(instance, None)
 
     # -- instance health ----------------------------------------------------------------
     def instance_state_changed(self) -> None:
