@@ -368,6 +368,8 @@ class ModelManager:
         """Unload a version a reload replaced, in the background: its requests finish
         (by the exit timeout) while the new version serves, and the index shows it
         UNLOADING meanwhile."""
+        if entry.versions.get(version.version) is version:
+            return  # (updated in place: it serves on)
         self._retiring.add(version)
         entry.draining[version.version] = version
         task = self._in_background(version.unload(self._deadline()))
@@ -434,6 +436,8 @@ class ModelManager:
                 raise InvalidArgumentError(
                     f"failed to open text file for read {labels}: No such file or directory"
                 )
+        if not is_ensemble and await self._update_instances(entry, source, config, versions):
+            return dict(entry.versions)
         steps: list[ModelKey] = []
         if is_ensemble:
             ensemble.validate(config, name)
@@ -465,6 +469,45 @@ class ModelManager:
         except BaseException:
             await self._unload_unused(steps)  # what this load brought in for nothing
             raise
+
+    async def _update_instances(
+        self, entry: ModelEntry, source: ModelSource, config: mc.ModelConfig, versions: list[int]
+    ) -> bool:
+        """Load ``config`` by updating the serving versions' instances in place, as Triton
+        does when the model's files (but its config.pbtxt) are unchanged, the same versions
+        serve, and the config differs from theirs at most in ``instance_group``
+        (ModelVersion.update_instances); False where a full reload is needed. If an
+        instance fails to start, the versions serve on as they were and the load fails,
+        in Triton's words ("version N is at READY state: ...")."""
+        serving = entry.versions
+        if not serving or sorted(serving) != sorted(versions):
+            return False
+        if any(v.state != "READY" or v.is_ensemble for v in serving.values()):
+            return False
+        if entry.fingerprint is None or not _same_files(entry.fingerprint, source.fingerprint(), source):
+            return False
+        if not all(_alike_but_instances(v.config, config) for v in serving.values()):
+            return False
+        self._starting.update(serving.values())  # (a stop meanwhile ends their workers)
+        try:
+            results = await asyncio.gather(
+                *(v.update_instances(config, self.exit_timeout) for v in serving.values()), return_exceptions=True
+            )
+        finally:
+            self._starting.difference_update(serving.values())
+        failed = {version: r for version, r in zip(serving, results) if isinstance(r, BaseException)}
+        for error in failed.values():
+            if not isinstance(error, TritonError):  # (a bug, or a cancellation)
+                raise error
+        for version, model in serving.items():
+            model.reason = _version_failure(failed[version]) if version in failed else ""  # type: ignore[arg-type]
+        if failed:
+            entry.tried = []  # (the versions serve on: no version failed to load)
+            states = "".join(
+                f"version {v} is at READY state: {serving[v].reason};\n" for v in sorted(failed)
+            )
+            raise InvalidArgumentError(f"load failed for model '{source.name}': {states}")
+        return True
 
     async def _start_versions(
         self,
@@ -788,6 +831,27 @@ def _load_failed(name: str, exc: TritonError) -> TritonError:
     failure = type(exc)(f"load failed for model '{name}': {exc.message}\n")
     failure.listed = exc.message  # type: ignore[attr-defined]
     return failure
+
+
+def _alike_but_instances(running: mc.ModelConfig, new: mc.ModelConfig) -> bool:
+    """Whether two configs differ at most in ``instance_group`` (Triton's
+    ConfigChangeRequiresReload, less its version_policy: here a reload)."""
+    a, b = mc.ModelConfig(), mc.ModelConfig()
+    a.CopyFrom(running)
+    b.CopyFrom(new)
+    a.ClearField("instance_group")
+    b.ClearField("instance_group")
+    return a == b
+
+
+def _same_files(old: Any, new: Any, source: ModelSource) -> bool:
+    """Whether two fingerprints of a model's files agree but for its config.pbtxt."""
+    config = {"config.pbtxt", str(source.path / "config.pbtxt")}
+
+    def files(stamps: Any) -> list[Any]:
+        return [stamp for stamp in stamps if stamp[0] not in config]
+
+    return files(old) == files(new)
 
 
 def _version_failure(exc: TritonError) -> str:

@@ -88,7 +88,10 @@ class ModelStatistics:
         """A reload replaced the version ``previous`` counts for with this one: its counts,
         and those it went on from, go on in :meth:`lifetime`. A replaced version may still
         be finishing requests, so it stays live until it has ended (a reload may come
-        before that); the ended ones are folded into one, so reloads do not lengthen the list."""
+        before that); the ended ones are folded into one, so reloads do not lengthen the list.
+        (An instance_group update keeps the version, and these: nothing to carry.)"""
+        if previous is self:
+            return
         for duration in previous.durations.values():
             duration.window = None  # (summaries' quantiles go on with this version's samples)
         carried = [previous, *previous.replaced]

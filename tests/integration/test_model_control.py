@@ -44,7 +44,8 @@ def worker_pids(server: dlserve.Server, name: str) -> list[int]:
 def test_loading_a_model_that_serves_unchanged_leaves_it_as_it_is(servers, make_repo):
     """As in Triton: a load of a model that serves, from files that did not change, keeps
     its workers (and so their state, open sequences included); a changed file or a config
-    override reloads it."""
+    override that changes more than instance_group reloads it (an override equal to the
+    serving config changes nothing, as Triton's instance update rule has it)."""
     repo = make_repo("add_sub")
     server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT)
     server.load("add_sub")
@@ -57,6 +58,9 @@ def test_loading_a_model_that_serves_unchanged_leaves_it_as_it_is(servers, make_
     second = worker_pids(server, "add_sub")
     assert second != first
     config = json.loads(json.dumps(server.model("add_sub").config()))
+    server.load("add_sub", {"config": json.dumps(config)})
+    assert worker_pids(server, "add_sub") == second
+    config["parameters"] = {"X": {"string_value": "1"}}
     server.load("add_sub", {"config": json.dumps(config)})
     third = worker_pids(server, "add_sub")
     assert third != second
@@ -602,7 +606,8 @@ def test_poll_mode_picks_up_new_changed_and_removed_models(servers, make_repo):
 
 def test_poll_mode_reloads_nothing_for_a_config_rewritten_unchanged(servers, make_repo):
     """As Triton 2.51 (measured): a config.pbtxt whose time changed but not its content
-    leaves the model as it is; a changed one reloads it."""
+    leaves the model as it is; a changed one reloads it (but for an instance_group change
+    alone, which updates the instances in place: test_instance_update)."""
     repo = make_repo("multi_instance")
     server = servers.start(repo, model_control_mode=ModelControlMode.POLL, repository_poll_secs=3600)
 
@@ -616,7 +621,11 @@ def test_poll_mode_reloads_nothing_for_a_config_rewritten_unchanged(servers, mak
     assert workers() == before
     config.write_text(config.read_text().replace("count: 2", "count: 1"))
     server.poll_model_repository()
-    assert len(workers()) == 1 and not workers() & before
+    kept = workers()
+    assert len(kept) == 1 and kept < before
+    config.write_text(config.read_text() + 'parameters { key: "X" value { string_value: "1" } }\n')
+    server.poll_model_repository()
+    assert len(workers()) == 1 and not workers() & kept
 
 
 def test_poll_mode_loads_the_models_it_finds_side_by_side(servers, make_repo, tmp_path):
