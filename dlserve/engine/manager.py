@@ -484,7 +484,7 @@ class ModelManager:
             return False
         if any(v.state != "READY" or v.is_ensemble for v in serving.values()):
             return False
-        if entry.fingerprint is None or not _same_files(entry.fingerprint, source.fingerprint(), source):
+        if entry.fingerprint is None or not _same_files(entry.fingerprint, source.fingerprint, source):
             return False
         if not all(_alike_but_instances(v.config, config) for v in serving.values()):
             return False
