@@ -53,7 +53,7 @@ from dlserve.ipc import requirements_env
 
 log = logging.getLogger("dlserve.worker")
 
-# The folder holding the dlserve package (and triton_python_backend_utils beside it).
+# The folder holding the dlserve package (and Triton's module names for it beside it).
 PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 PARAMETER = "EXECUTION_ENV_PATH"
 REQUIREMENTS_PARAMETER = "EXECUTION_ENV_REQUIREMENTS"
@@ -154,14 +154,14 @@ class Environments:
         return ExecutionEnvironment(root, (self._package_alone(),))
 
     def _package_alone(self) -> str:
-        """A folder holding dlserve and triton_python_backend_utils (links) and nothing
+        """A folder holding dlserve and Triton's module names for it (links) and nothing
         else: installed normally, they sit among all the server's packages."""
         with self._lock:
             if self._dlserve_only is None:
                 folder = Path(tempfile.mkdtemp(prefix="dlserve_pkg_"))
                 (folder / "dlserve").symlink_to(Path(PACKAGE_ROOT, "dlserve"))
-                module = "triton_python_backend_utils.py"
-                (folder / module).symlink_to(Path(PACKAGE_ROOT, module))
+                for module in ("triton_python_backend_utils.py", "c_python_backend_utils.py"):
+                    (folder / module).symlink_to(Path(PACKAGE_ROOT, module))
                 self._dlserve_only = folder
             return str(self._dlserve_only)
 

@@ -30,6 +30,7 @@ LOADED = [
     "reshape",
     "async_model",
     "shm_output",
+    "c_utils_user",
 ]
 
 
@@ -314,6 +315,15 @@ def test_request_fields_and_parameters_reach_the_model(server):
     assert info["greeting"] == "hello"
     assert response.request_id == "req-7"
     assert response.parameters == {"echoed": True, "count": 1, "model": "params_echo"}
+
+
+def test_models_written_against_tritons_c_module_run(server):
+    """``import c_python_backend_utils as c_utils``, as user models do: its classes are
+    pb_utils' own, and ``shared_memory.free_memory()`` tells the worker's free bytes."""
+    response = infer_one(server, "c_utils_user", inputs={"INPUT0": np.arange(3, dtype=np.float32)})
+    np.testing.assert_array_equal(response.outputs["OUTPUT0"].as_numpy(), [0, 2, 4])
+    free = int(response.outputs["FREE"].as_numpy()[0])
+    assert 0 < free <= 16 << 20  # (the worker's arena: shm-default-byte-size, 16 MiB)
 
 
 def test_initialize_receives_tritons_args(server):
