@@ -261,7 +261,12 @@ class Worker:
 
     def _is_ready(self) -> bool:
         hook = getattr(self.model, "is_ready", None)
-        return True if hook is None else bool(self._run(hook()))
+        if hook is None:
+            return True
+        ready = self._run(hook())
+        if not isinstance(ready, bool):  # (not ready, as in Triton: its QA returns_non_boolean)
+            raise ModelFailure(f"is_ready() must return a bool, got {type(ready).__name__}")
+        return ready
 
     def _finalize(self) -> None:
         self.runtime.bls_allowed = False  # (the worker ends after it)

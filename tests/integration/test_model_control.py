@@ -945,12 +945,17 @@ class TritonPythonModel:
         return []
 
     def is_ready(self):
-        return pathlib.Path({str(flag)!r}).read_text() == "yes"
+        text = pathlib.Path({str(flag)!r}).read_text()
+        return {{"yes": True, "no": False}}.get(text, text)
 """
     repo = make_repo(extra={"probe": {"config.pbtxt": 'backend: "python"\n', "1/model.py": model}})
     server = servers.start(repo)
     assert server.model("probe").ready()
     flag.write_text("no")
+    assert not server.model("probe").ready()
+    flag.write_text("yes")
+    assert server.model("probe").ready()
+    flag.write_text("ready")  # not a bool: not ready, as in Triton (its QA returns_non_boolean)
     assert not server.model("probe").ready()
     flag.write_text("yes")
     assert server.model("probe").ready()
