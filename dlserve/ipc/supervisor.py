@@ -267,7 +267,11 @@ class WorkerProcess:
         os.close(pidfd)
         assert self.process is not None
         self.process.wait()
-        self.exit_description = f"worker process for '{self.instance_name}' {describe_exit(self.process.returncode)}"
+        # (Triton's words first, which log scrapers and its QA tests look for, then how)
+        self.exit_description = (
+            f"Stub process '{self.instance_name}' is not healthy: its worker process "
+            f"{describe_exit(self.process.returncode)}"
+        )
         if self._output is not None:
             # The pipe is drained at once (the process is gone): a short wait at most.
             self._output.close(wait=0.0 if self._stopping else 0.2)

@@ -547,7 +547,7 @@ def test_exit_on_error(servers, make_repo):
                 "config.pbtxt": 'backend: "python"\n',
                 "1/model.py": "import os\nclass TritonPythonModel:\n    def initialize(self, args):\n        os._exit(7)\n",
             },
-            "worker process for 'bad_0' exited with code 7",
+            "Stub process 'bad_0' is not healthy: its worker process exited with code 7",
         ),
     ],
 )

@@ -278,7 +278,7 @@ def test_a_worker_that_crashes_in_initialize_fails_the_load_with_its_last_words(
     with pytest.raises(dlserve.TritonError) as caught:
         server.load("crasher")
     message = caught.value.message
-    assert "worker process for 'crasher_0' was killed by SIGSEGV; its last output:" in message
+    assert "Stub process 'crasher_0' is not healthy: its worker process was killed by SIGSEGV; its last output:" in message
     assert "loading weights from w.bin" in message
     assert "Fatal Python error: Segmentation fault" in message
     assert "line 9 in initialize" in message
