@@ -251,9 +251,9 @@ def test_versions_it_served_stay_listed_and_unavailable(servers, make_repo, capl
     server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT)
     with caplog.at_level(logging.INFO, logger="dlserve.engine"):
         server.load("versioned")
-        config.write_text(latest)  # version 3 only: the reload retires 1 and 2
+        config.write_text(latest)  # version 3 only: the reload retires 1 and 2, and 3's old load
         server.load("versioned")
-        retired = {(logging.INFO, f"successfully unloaded 'versioned' version {version}") for version in (1, 2)}
+        retired = {(logging.INFO, f"successfully unloaded 'versioned' version {version}") for version in (1, 2, 3)}
         wait_until(lambda: retired <= set(engine_log(caplog)))  # (in the background)
     ready = {"state": "READY", "reason": None}
     assert rows(server) == {"versioned:1": UNLOADED, "versioned:2": UNLOADED, "versioned:3": ready}
