@@ -56,7 +56,7 @@ class Host(Protocol):
 
     async def load(self, name: str, parameters: dict[str, Any] | None = None) -> None: ...
 
-    async def unload(self, name: str, unload_dependents: bool = False) -> None: ...
+    async def unload(self, name: str, unload_dependents: bool = False, wait: bool = True) -> None: ...
 
     async def model_ready(self, name: str, version: int = -1, namespace: str | None = None) -> bool: ...
 
@@ -252,10 +252,10 @@ class ModelCalls:
         result: Any = None
         try:
             name = arguments[0]
-            if name == self.instance.model.name and operation in ("load", "unload"):
+            if name == self.instance.model.name and operation == "load":
                 raise InvalidArgumentError(
-                    f"model '{name}' cannot {operation} itself: its own "
-                    f"{operation} would wait for the very call asking for it"
+                    f"model '{name}' cannot load itself: its own load would wait for the "
+                    "very call asking for it"
                 )
             if operation == "load":
                 _, config, files = arguments
@@ -264,7 +264,10 @@ class ModelCalls:
                     parameters["config"] = config
                 await self.host.load(name, parameters)
             elif operation == "unload":
-                await self.host.unload(name, bool(arguments[1]))
+                # Returns once the unload began, as Triton's: the model may unload itself
+                # (vLLM's backend does when its engine is unhealthy), the request asking
+                # for it finishing first.
+                await self.host.unload(name, bool(arguments[1]), wait=False)
             elif operation == "ready":  # ("" is the server's choice; "-1" is refused, as by Triton)
                 result = await self.host.model_ready(name, parse_version(arguments[1]))
             else:
