@@ -189,8 +189,19 @@ class _Branch:
             self.run.start(self, index)
             if self.run.request.finished:
                 return
-        if not self.waiting and not self.running and not self.run.request.finished:
-            self.run.branch_done(self)
+        if self.running or self.run.request.finished:
+            return
+        if self.waiting:  # what they wait for, no step of this branch will make now
+            step = steps[self.waiting[0]]
+            unmade = sorted(set(step.inputs.values()) - absent - self.tensors.keys())
+            self.run.fail(
+                InvalidArgumentError(
+                    f"model '{step.model}' cannot run: its input tensor(s) {unmade} were not "
+                    "returned by the steps that map them"
+                )
+            )
+            return
+        self.run.branch_done(self)
 
     def fork(self, index: int) -> None:
         """A decoupled step starts: the steps reading what it makes (directly or not)
@@ -261,29 +272,29 @@ class _Run:
             model.resources.host.submit(call, sample=False, model=target)
         except TritonError as exc:
             branch.running.pop(index, None)
-            self._fail(exc)
+            self.fail(exc)
 
     def _answered(self, branch: _Branch, index: int, response: Response) -> None:
         if self.request.finished or index not in branch.running:
             return  # the ensemble request is answered already, or cancelled its steps
         step = self.steps[index]
         if response.error is not None:
-            self._fail(response.error)
+            self.fail(response.error)
             return
         downstream = branch.downstream.get(index)
         if downstream is not None:  # a decoupled step: each response starts a branch
             child = None
             if response.outputs:
                 tensors = dict(branch.tensors)
-                if not self._take(step, response, tensors):
-                    return
+                self._take(step, response, tensors)
                 child = self._branch(tensors, list(downstream))
             if response.final:  # (ended first: a last response answers as the final one)
                 self._step_done(branch, index)
             if child is not None:
                 child.advance()
             return
-        if response.final and self._take(step, response, branch.tensors):
+        if response.final:
+            self._take(step, response, branch.tensors)
             self._step_done(branch, index)
 
     def _step_done(self, branch: _Branch, index: int) -> None:
@@ -294,15 +305,15 @@ class _Run:
         compute[2] += call.compute_output_ns
         branch.advance()
 
-    def _take(self, step: Step, response: Response, tensors: dict[str, Tensor]) -> bool:
-        """The step's outputs into ``tensors`` under their ensemble names."""
-        missing = sorted(set(step.outputs) - response.outputs.keys())
-        if missing:
-            self._fail(InvalidArgumentError(f"model '{step.model}' did not return {missing}"))
-            return False
+    @staticmethod
+    def _take(step: Step, response: Response, tensors: dict[str, Tensor]) -> None:
+        """The step's outputs into ``tensors`` under their ensemble names. An output the
+        step did not return is left out, as Triton does (an ensemble output it maps is
+        missing from the answer; a step that reads it cannot run: see advance)."""
         for name, tensor in response.outputs.items():
-            tensors[step.outputs[name]] = tensor
-        return True
+            mapped = step.outputs.get(name)
+            if mapped is not None:
+                tensors[mapped] = tensor
 
     def branch_done(self, branch: _Branch) -> None:
         """A branch ran its last step: it answers (unless a decoupled step's responses
@@ -316,7 +327,7 @@ class _Run:
             response = Response(ensemble.name, ensemble.version, self.request.request_id, flags_only=True)
             self._deliver(response)
 
-    def _fail(self, error: TritonError) -> None:
+    def fail(self, error: TritonError) -> None:
         """A step failed: the ensemble request fails with its error; the other steps
         still running are cancelled."""
         ensemble = self.scheduler.model

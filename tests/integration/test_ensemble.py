@@ -559,3 +559,62 @@ def test_an_optional_input_the_request_leaves_out_is_left_out_of_the_steps(make_
     (given,) = server.model("opt_ensemble").infer(inputs={"EX": x, "EOPT": np.ones(2, np.float32)})
     assert given.outputs["EY"].as_numpy().tolist() == [2.0, 3.0]
 
+
+
+SOMETIMES_STEP_CONFIG = """
+backend: "python"
+input [ { name: "X" data_type: TYPE_FP32 dims: [ -1 ] } ]
+output [ { name: "Y" data_type: TYPE_FP32 dims: [ -1 ] }, { name: "EXTRA" data_type: TYPE_FP32 dims: [ -1 ] } ]
+"""
+SOMETIMES_STEP_MODEL = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):  # EXTRA, which its config declares, it never returns
+        return [
+            pb_utils.InferenceResponse([pb_utils.Tensor("Y", pb_utils.get_input_tensor_by_name(r, "X").as_numpy() * 2)])
+            for r in requests
+        ]
+"""
+SOMETIMES_ENSEMBLE = """
+platform: "ensemble"
+input [ { name: "EX" data_type: TYPE_FP32 dims: [ -1 ] } ]
+output [ { name: "EY" data_type: TYPE_FP32 dims: [ -1 ] }, { name: "EEXTRA" data_type: TYPE_FP32 dims: [ -1 ] } ]
+ensemble_scheduling { step [
+  { model_name: "sometimes" model_version: -1 input_map { key: "X" value: "EX" }
+    output_map [ { key: "Y" value: "EY" }, { key: "EXTRA" value: "EEXTRA" } ] }
+] }
+"""
+STARVED_ENSEMBLE = """
+platform: "ensemble"
+input [ { name: "EX" data_type: TYPE_FP32 dims: [ -1 ] } ]
+output [ { name: "EY" data_type: TYPE_FP32 dims: [ -1 ] } ]
+ensemble_scheduling { step [
+  { model_name: "sometimes" model_version: -1 input_map { key: "X" value: "EX" }
+    output_map [ { key: "Y" value: "unused" }, { key: "EXTRA" value: "extra" } ] },
+  { model_name: "sometimes" model_version: -1 input_map { key: "X" value: "extra" }
+    output_map { key: "Y" value: "EY" } }
+] }
+"""
+
+
+def test_an_output_a_step_does_not_return_is_left_out(make_repo, servers):
+    """As Triton 2.51 answers it (measured with TensorRT-LLM's ensemble, whose step leaves
+    out its optional logits): the ensemble answers without the outputs no step returned,
+    asked for or not; a step that reads one cannot run and the request fails naming it,
+    where it could otherwise have waited forever."""
+    repo = make_repo(extra={
+        "sometimes": {"config.pbtxt": SOMETIMES_STEP_CONFIG, "1/model.py": SOMETIMES_STEP_MODEL},
+        "sometimes_ensemble": {"config.pbtxt": SOMETIMES_ENSEMBLE, "1/.keep": ""},
+        "starved_ensemble": {"config.pbtxt": STARVED_ENSEMBLE, "1/.keep": ""},
+    })
+    server = servers.start(repo)
+    x = np.array([1.0, 2.0], dtype=np.float32)
+    for requested in (None, ["EY", "EEXTRA"]):
+        (response,) = server.model("sometimes_ensemble").infer(inputs={"EX": x}, requested_output_names=requested)
+        assert response.error is None
+        assert outputs(response) == {"EY": [2.0, 4.0]}
+    (starved,) = server.model("starved_ensemble").infer(inputs={"EX": x}, raise_on_error=False)
+    assert isinstance(starved.error, dlserve.InvalidArgumentError)
+    assert "model 'sometimes' cannot run: its input tensor(s) ['extra'] were not returned" in starved.error.message
