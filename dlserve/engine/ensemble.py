@@ -30,6 +30,9 @@ from dlserve.memory.tensor import Tensor
 if TYPE_CHECKING:
     from dlserve.engine.model import ModelVersion
 
+# A branch's tensors by ensemble name; None for one a step maps but did not return.
+Tensors = dict[str, "Tensor | None"]
+
 
 @dataclasses.dataclass(frozen=True)
 class Step:
@@ -172,7 +175,7 @@ class _Branch:
     a decoupled step starts another, holding that response's tensors, for the steps that
     read them (so a streaming step streams through the steps after it)."""
 
-    def __init__(self, run: _Run, tensors: dict[str, Tensor], waiting: list[int]) -> None:
+    def __init__(self, run: _Run, tensors: Tensors, waiting: list[int]) -> None:
         self.run = run
         self.tensors = tensors
         self.waiting = waiting
@@ -189,19 +192,8 @@ class _Branch:
             self.run.start(self, index)
             if self.run.request.finished:
                 return
-        if self.running or self.run.request.finished:
-            return
-        if self.waiting:  # what they wait for, no step of this branch will make now
-            step = steps[self.waiting[0]]
-            unmade = sorted(set(step.inputs.values()) - absent - self.tensors.keys())
-            self.run.fail(
-                InvalidArgumentError(
-                    f"model '{step.model}' cannot run: its input tensor(s) {unmade} were not "
-                    "returned by the steps that map them"
-                )
-            )
-            return
-        self.run.branch_done(self)
+        if not self.waiting and not self.running and not self.run.request.finished:
+            self.run.branch_done(self)
 
     def fork(self, index: int) -> None:
         """A decoupled step starts: the steps reading what it makes (directly or not)
@@ -236,7 +228,7 @@ class _Run:
         request.cancel_hook = self.cancel
         self.root = self._branch(dict(request.inputs), list(range(len(self.steps))))
 
-    def _branch(self, tensors: dict[str, Tensor], waiting: list[int]) -> _Branch:
+    def _branch(self, tensors: Tensors, waiting: list[int]) -> _Branch:
         branch = _Branch(self, tensors, waiting)
         self.branches.append(branch)
         return branch
@@ -246,7 +238,9 @@ class _Run:
         request = self.request
         call = Request(
             model_name=step.model,
-            inputs={name: branch.tensors[tensor] for name, tensor in step.inputs.items() if tensor in branch.tensors},
+            inputs={
+                name: made for name, tensor in step.inputs.items() if (made := branch.tensors.get(tensor)) is not None
+            },
             on_response=functools.partial(self._answered, branch, index),
             model_version=step.version,
             request_id=request.request_id,
@@ -306,14 +300,13 @@ class _Run:
         branch.advance()
 
     @staticmethod
-    def _take(step: Step, response: Response, tensors: dict[str, Tensor]) -> None:
-        """The step's outputs into ``tensors`` under their ensemble names. An output the
-        step did not return is left out, as Triton does (an ensemble output it maps is
-        missing from the answer; a step that reads it cannot run: see advance)."""
-        for name, tensor in response.outputs.items():
-            mapped = step.outputs.get(name)
-            if mapped is not None:
-                tensors[mapped] = tensor
+    def _take(step: Step, response: Response, tensors: Tensors) -> None:
+        """The step's outputs into ``tensors`` under their ensemble names. One the step
+        did not return is there as None, as Triton's empty placeholder: the steps that
+        read it run without it (their own input check says if they need it), and an
+        ensemble output it is goes missing from the answer."""
+        for name, mapped in step.outputs.items():
+            tensors[mapped] = response.outputs.get(name)
 
     def branch_done(self, branch: _Branch) -> None:
         """A branch ran its last step: it answers (unless a decoupled step's responses
@@ -346,13 +339,13 @@ class _Run:
                 if call.owner is not None:
                     call.owner.cancel(call)
 
-    def _answer(self, tensors: dict[str, Tensor], final: bool) -> None:
+    def _answer(self, tensors: Tensors, final: bool) -> None:
         ensemble = self.scheduler.model
         request = self.request
         wanted = request.requested_outputs
         names = wanted if wanted is not None else [t.name for t in ensemble.config.output]
         response = Response(ensemble.name, ensemble.version, request.request_id)
-        response.outputs = {name: tensors[name] for name in names if name in tensors}
+        response.outputs = {name: made for name in names if (made := tensors.get(name)) is not None}
         # As Triton's ensembles answer (measured on 2.51, HTTP and gRPC): the request's
         # sequence fields, whatever the steps answered.
         response.parameters = {

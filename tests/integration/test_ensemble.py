@@ -586,35 +586,45 @@ ensemble_scheduling { step [
     output_map [ { key: "Y" value: "EY" }, { key: "EXTRA" value: "EEXTRA" } ] }
 ] }
 """
-STARVED_ENSEMBLE = """
+FEEDING_ENSEMBLE = """
 platform: "ensemble"
 input [ { name: "EX" data_type: TYPE_FP32 dims: [ -1 ] } ]
 output [ { name: "EY" data_type: TYPE_FP32 dims: [ -1 ] } ]
 ensemble_scheduling { step [
   { model_name: "sometimes" model_version: -1 input_map { key: "X" value: "EX" }
-    output_map [ { key: "Y" value: "unused" }, { key: "EXTRA" value: "extra" } ] },
-  { model_name: "sometimes" model_version: -1 input_map { key: "X" value: "extra" }
-    output_map { key: "Y" value: "EY" } }
+    output_map [ { key: "Y" value: "doubled" }, { key: "EXTRA" value: "extra" } ] },
+  { model_name: "%s" model_version: -1
+    input_map [ { key: "X" value: "doubled" }, { key: "%s" value: "extra" } ] output_map { key: "Y" value: "EY" } }
 ] }
 """
 
 
 def test_an_output_a_step_does_not_return_is_left_out(make_repo, servers):
-    """As Triton 2.51 answers it (measured with TensorRT-LLM's ensemble, whose step leaves
-    out its optional logits): the ensemble answers without the outputs no step returned,
-    asked for or not; a step that reads one cannot run and the request fails naming it,
-    where it could otherwise have waited forever."""
+    """As Triton 2.51 answers it (measured side by side; TensorRT-LLM's ensemble maps
+    optional outputs of its step): an ensemble output no step returned is left out of the
+    answer, asked for or not, and a step reading such a tensor runs without it, so an
+    optional input is simply absent and a required one fails that step's own input check."""
     repo = make_repo(extra={
         "sometimes": {"config.pbtxt": SOMETIMES_STEP_CONFIG, "1/model.py": SOMETIMES_STEP_MODEL},
+        "opt_step": {"config.pbtxt": OPTIONAL_STEP_CONFIG, "1/model.py": OPTIONAL_STEP_MODEL},
         "sometimes_ensemble": {"config.pbtxt": SOMETIMES_ENSEMBLE, "1/.keep": ""},
-        "starved_ensemble": {"config.pbtxt": STARVED_ENSEMBLE, "1/.keep": ""},
+        "optional_fed": {"config.pbtxt": FEEDING_ENSEMBLE % ("opt_step", "OPT"), "1/.keep": ""},
+        "required_fed": {"config.pbtxt": FEEDING_ENSEMBLE % ("sometimes", "X"), "1/.keep": ""},
     })
+    (repo / "required_fed" / "config.pbtxt").write_text(
+        (repo / "required_fed" / "config.pbtxt").read_text().replace(
+            '{ key: "X" value: "doubled" }, { key: "X" value: "extra" }', '{ key: "X" value: "extra" }'
+        )
+    )
     server = servers.start(repo)
     x = np.array([1.0, 2.0], dtype=np.float32)
     for requested in (None, ["EY", "EEXTRA"]):
         (response,) = server.model("sometimes_ensemble").infer(inputs={"EX": x}, requested_output_names=requested)
         assert response.error is None
         assert outputs(response) == {"EY": [2.0, 4.0]}
-    (starved,) = server.model("starved_ensemble").infer(inputs={"EX": x}, raise_on_error=False)
+    (fed,) = server.model("optional_fed").infer(inputs={"EX": x})
+    assert outputs(fed) == {"EY": [4.0, 8.0]}  # opt_step ran without OPT: doubled twice
+    (starved,) = server.model("required_fed").infer(inputs={"EX": x}, raise_on_error=False)
     assert isinstance(starved.error, dlserve.InvalidArgumentError)
-    assert "model 'sometimes' cannot run: its input tensor(s) ['extra'] were not returned" in starved.error.message
+    assert starved.error.message.startswith("in ensemble 'required_fed', ")
+    assert "missing required input(s) ['X']" in starved.error.message
