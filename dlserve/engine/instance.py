@@ -489,6 +489,12 @@ class ModelInstance:
         if worker is not None and worker.peer is not None:
             worker.peer.discard(wire[0])
 
+    def let_go(self, handle: int) -> None:
+        """A request this instance's model rescheduled has its final answer from elsewhere
+        (failed, timed out, cancelled): its worker is told, if it still may answer it."""
+        if handle in self._streaming:
+            self._cancel(handle)
+
     def _cancel(self, handle: int) -> None:
         """Tell the worker; the scheduler answers the caller CANCELLED meanwhile."""
         self._streaming.pop(handle, None)

@@ -299,7 +299,9 @@ class ModelVersion:
             while (instance.in_flight or instance.open_requests(None)) and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
             self._finalizing.add(instance)
-            await instance.stop(deadline)
+            # (finalize gets time of its own: a drain that used up the timeout must not
+            # turn the finalize the load promises into a kill)
+            await instance.stop(max(deadline, time.monotonic() + drain_timeout))
         finally:
             self._finalizing.discard(instance)
             self.retiring.pop(instance, None)

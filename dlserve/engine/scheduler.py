@@ -306,6 +306,10 @@ class Scheduler:
         if response.final:
             request.finished = True
             request.cancel_hook = None
+            if request.resumes is not None:  # answered here, not by the worker it was rescheduled on
+                instance, handle = request.resumes
+                request.resumes = None
+                instance.let_go(handle)
             self.unfinished -= 1
             if request.from_client:
                 self.model.resources.host.request_finished()

@@ -43,6 +43,10 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             delay = pb_utils.get_input_tensor_by_name(request, "DELAY").as_numpy()
+            if float(delay.reshape(-1)[0]) < 0:  # rescheduled, which this model may not do
+                request.set_release_flags(pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE)
+                responses.append(None)
+                continue
             time.sleep(float(delay.reshape(-1)[0]))
             shape = delay.shape
             name = np.full(shape, self.args["model_instance_name"].encode(), dtype=np.object_)
@@ -374,3 +378,16 @@ def test_no_worker_or_segment_left_after_updates_and_unload(servers, repo):
     server.unload("ig")
     wait_until(lambda: not worker_processes(prefix), 10)
     assert not list(Path("/dev/shm").glob(f"{prefix}_w*"))
+
+
+def test_a_removed_instance_does_not_wait_for_requests_it_rescheduled_and_lost(server, repo):
+    """A request the model rescheduled and the scheduler then failed (no iterative
+    sequence) is done: removing its instance neither waits the exit timeout for it nor
+    skips the instance's finalize."""
+    for _ in range(4):
+        (failed,) = server.model("ig").infer(inputs={"DELAY": np.full(1, -1.0, np.float32)}, raise_on_error=False)
+        assert "rescheduled a request" in str(failed.error)
+    started = time.monotonic()
+    load(server, config(1))
+    assert time.monotonic() - started < 3.0  # (the harness's exit timeout is 5 s)
+    assert [e[0] for e in events(repo) if e[1] == "g_1"] == ["init", "fini"]
