@@ -238,7 +238,9 @@ class ModelVersion:
             pool = alike.get(instance_signature(group, device))
             chosen.append(pool.pop(0) if pool else None)
         removed = [instance for pool in alike.values() for instance in pool]
-        names = {instance.name for instance in chosen if instance is not None}
+        # (one removed that outlives this update, to end its sequences, keeps its name)
+        outliving = [*self.retiring, *(i for i in removed if self.scheduler.holds(i))]
+        names = {instance.name for instance in [*chosen, *outliving] if instance is not None}
         added: list[ModelInstance] = []
         for index, (name, kind, device, group) in enumerate(plan):
             if chosen[index] is None:
