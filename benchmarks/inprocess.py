@@ -112,7 +112,8 @@ def bench_execute_here(
     import triton_python_backend_utils as pb_utils
     from dlserve.ipc.stub import load_module
 
-    model = load_module(str(model_dir / "1" / "model.py")).TritonPythonModel()
+    model_file = str(model_dir / "1" / "model.py")
+    model = load_module(model_file, model_file).TritonPythonModel()
     model.initialize({"model_config": json.dumps(config)})
     request = pb_utils.InferenceRequest(
         model_name=config["name"],
