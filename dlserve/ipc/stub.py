@@ -77,11 +77,11 @@ def load_module(model_file: str, model_path: str) -> ModuleType:
     beside it. A Python-based backend's file is imported as top-level module ``model``
     with the backend's folder on ``sys.path``. ``pb_utils.get_model_dir()`` answers
     ``model_path``'s folder either way."""
-    model_file = os.path.abspath(model_file)
-    _runtime.model_dir = os.path.dirname(os.path.abspath(model_path))
+    model_file, model_path = os.path.abspath(model_file), os.path.abspath(model_path)
+    _runtime.model_dir = os.path.dirname(model_path)
     stem = os.path.splitext(os.path.basename(model_file))[0]
     code_dir = os.path.dirname(model_file)
-    if model_file == os.path.abspath(model_path):
+    if model_file == model_path:
         search = (os.path.dirname(code_dir), code_dir)
         package = ModuleType(os.path.basename(code_dir))
         package.__path__ = [code_dir]
