@@ -484,7 +484,10 @@ class ModelManager:
             return False
         if any(v.state != "READY" or v.is_ensemble for v in serving.values()):
             return False
-        if entry.fingerprint is None or not _same_files(entry.fingerprint, source.fingerprint, source):
+        if entry.fingerprint is None:
+            return False
+        config_file = source.config_path(self.repository.config_name)
+        if not _same_files(entry.fingerprint, source.fingerprint, source.path, config_file):
             return False
         if not all(_alike_but_instances(v.config, config) for v in serving.values()):
             return False
@@ -844,9 +847,12 @@ def _alike_but_instances(running: mc.ModelConfig, new: mc.ModelConfig) -> bool:
     return a == b
 
 
-def _same_files(old: Any, new: Any, source: ModelSource) -> bool:
-    """Whether two fingerprints of a model's files agree but for its config.pbtxt."""
-    config = {"config.pbtxt", str(source.path / "config.pbtxt")}
+def _same_files(old: Any, new: Any, model_dir: Path, config_file: Path) -> bool:
+    """Whether two fingerprints of a model's files agree but for the config it loads
+    (its config.pbtxt, or the ``configs/<name>.pbtxt`` that --model-config-name picks),
+    named by its path (a local repository's stamps) or by its path inside the model
+    folder (an object store's)."""
+    config = {str(config_file), str(config_file.relative_to(model_dir))}
 
     def files(stamps: Any) -> list[Any]:
         return [stamp for stamp in stamps if stamp[0] not in config]

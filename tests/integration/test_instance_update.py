@@ -394,3 +394,17 @@ def test_a_removed_instance_does_not_wait_for_requests_it_rescheduled_and_lost(s
     load(server, config(1))
     assert time.monotonic() - started < 3.0  # (the harness's exit timeout is 5 s)
     assert [e[0] for e in events(repo) if e[1] == "g_1"] == ["init", "fini"]
+
+
+def test_a_custom_config_changed_only_in_instance_group_updates_in_place(servers, make_repo):
+    """With --model-config-name the config the load reads is configs/<name>.pbtxt: its
+    instance_group edit updates in place too (other files unchanged)."""
+    repo = make_repo(extra={"ig": {"configs/small.pbtxt": to_pbtxt(config(2)), "1/model.py": MODEL_PY}})
+    server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT, model_config_name="small")
+    server.load("ig")
+    before = pids(server)
+    (repo / "ig" / "configs" / "small.pbtxt").write_text(to_pbtxt(config(3)))
+    server.load("ig")
+    after = pids(server)
+    assert sorted(after) == ["g_0", "g_1", "g_2"]
+    assert {name: after[name] for name in before} == before
