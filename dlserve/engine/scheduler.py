@@ -306,7 +306,7 @@ class Scheduler:
         if response.final:
             request.finished = True
             request.cancel_hook = None
-            if request.resumes is not None:  # answered here, not by the worker it was rescheduled on
+            if request.resumes is not None:  # rescheduled: its instance lets go of it (if still open)
                 instance, handle = request.resumes
                 request.resumes = None
                 instance.let_go(handle)
