@@ -79,7 +79,7 @@ class ModelCalls:
         elif kind == Kind.BLS_CANCEL:
             request = self._calls.get(body)
             if request is not None and request.owner is not None:
-                request.owner.cancel(request)
+                request.owner.cancel(request, answer=False)
         else:
             # The reply goes to the worker that asked: a restarted worker numbers its
             # calls afresh, so a late reply must not reach its successor.

@@ -330,7 +330,15 @@ class _Run:
         response = Response(ensemble.name, ensemble.version, self.request.request_id, error=error)
         self.scheduler._deliver(self.request, response, "OTHER")  # (Triton's label for an ensemble's)
 
-    def cancel(self) -> None:
+    def cancel(self, answered: bool = True) -> None:
+        """Cancel the steps running. ``answered``: the ensemble's request is answered
+        now, so nothing runs on; else the steps' own answers go on through the steps."""
+        if not answered:
+            for branch in self.branches:
+                for call in branch.running.values():
+                    if call.owner is not None:
+                        call.owner.cancel(call, answer=False)
+            return
         branches, self.branches = self.branches, []
         for branch in branches:
             running, branch.running = branch.running, {}

@@ -495,10 +495,12 @@ class ModelInstance:
         if handle in self._streaming:
             self._cancel(handle)
 
-    def _cancel(self, handle: int) -> None:
-        """Tell the worker; the scheduler answers the caller CANCELLED meanwhile."""
-        self._streaming.pop(handle, None)
-        self._held.pop(handle, None)
+    def _cancel(self, handle: int, answered: bool = True) -> None:
+        """Tell the worker. ``answered``: the scheduler answers the caller CANCELLED
+        meanwhile, so nothing the model still sends is wanted; else its responses go on."""
+        if answered:
+            self._streaming.pop(handle, None)
+            self._held.pop(handle, None)
         channel = self.channel
         if channel is not None:
             channel.notify(Kind.CANCEL, [handle])

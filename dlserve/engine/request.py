@@ -93,7 +93,7 @@ class Request:
     from_client: bool = False  # counted by the loop's poller until finished (Engine.enqueue)
     cancelled: bool = False
     owner: Any = None  # who answers it: the scheduler that accepted it (or a model's warmup)
-    cancel_hook: Callable[[], None] | None = None
+    cancel_hook: Callable[[bool], None] | None = None  # called with whether it is answered now
     compute_input_ns: int = 0
     compute_infer_ns: int = 0
     compute_output_ns: int = 0

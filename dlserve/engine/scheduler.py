@@ -340,16 +340,20 @@ class Scheduler:
         response = Response(self.model.name, self.model.version, request.request_id, error=error)
         self._deliver(request, response, failure)
 
-    def cancel(self, request: Request) -> None:
-        """Cancel a request: a queued one is dropped; an executing one's model sees
-        ``is_cancelled()`` turn True. Either way it is answered CANCELLED now."""
+    def cancel(self, request: Request, answer: bool = True) -> None:
+        """Cancel a request: a queued one is dropped and answered CANCELLED; an executing
+        one's model sees ``is_cancelled()`` turn True, and with ``answer`` (its client
+        is gone) it is answered CANCELLED now. Without, its responses go on until the
+        model's final one, as a cancellation is in Triton (a BLS caller's
+        ``ResponseIterator.cancel()``: a callee may ignore it, or answer it its own way)."""
         if request.finished:
             return
         request.cancelled = True
-        self._remove(request)
+        queued = self._remove(request)
         if request.cancel_hook is not None:  # (an executing one's, or a rescheduled one's)
-            request.cancel_hook()
-        self._fail(request, CancelledError("request was cancelled"), "CANCELED")
+            request.cancel_hook(answer or queued)
+        if answer or queued:
+            self._fail(request, CancelledError("request was cancelled"), "CANCELED")
 
     def instance_state_changed(self) -> None:
         """No ready instance left: fail what is queued instead of letting it wait."""

@@ -182,7 +182,7 @@ class _Answers:
         self.errors.append(error.message)
         self._close(request)
 
-    def cancel(self, request: Request) -> None:
+    def cancel(self, request: Request, answer: bool = True) -> None:
         self.fail(request, InternalError("warmup request cancelled"))
 
     def _close(self, request: Request) -> None:

@@ -337,8 +337,9 @@ class ResponseIterator:
         return self.__next__()
 
     def cancel(self) -> None:
-        """Cancel the call: the server cancels the request on the model it runs on
-        (queued: dropped; executing: its ``is_cancelled()`` turns True) and ends
-        this iterator with a CANCELLED response."""
+        """Cancel the call, as Triton does: queued, the request is dropped and this
+        iterator ends with a CANCELLED response; executing, its ``is_cancelled()`` turns
+        True and the iterator goes on with what the callee still sends, until its final
+        response (a callee that ignores the cancellation sends all it would have)."""
         if not self._done and self.corr:
             self.runtime.channel.send(Kind.BLS_CANCEL, 0, self.corr)

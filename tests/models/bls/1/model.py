@@ -4,7 +4,7 @@
   with the rest of the route); empty: answer OUTPUT0 = INPUT0 here.
 - "mode" (for this hop's call): "exec"; "decoupled" (call the decoupled test
   model with IN = INPUT0 as int32 and collect everything); "cancel" (the same,
-  cancelling after the first response); "first_only" (the same with 8 KiB responses,
+  cancelling after the first response; "ignore_cancel": the callee goes on regardless); "first_only" (the same with 8 KiB responses,
   leaving the loop after the first); "missing_input"; "bytes_name" (the model
   name given as bytes, as a model reading it from a BYTES input passes it);
   "empty_name" (no model name at all).
@@ -54,7 +54,11 @@ class TritonPythonModel:
                 model_name=target,
                 inputs=[pb_utils.Tensor("IN", x.as_numpy().astype(np.int32))],
                 requested_output_names=["OUT"],
-                parameters={"mode": params.get("inner_mode", "stream"), "delay_ms": params.get("delay_ms", 0)},
+                parameters={
+                    "mode": params.get("inner_mode", "stream"),
+                    "delay_ms": params.get("delay_ms", 0),
+                    "ignore_cancel": params.get("ignore_cancel", False),
+                },
             )
             responses = call.exec(decoupled=True)
             seen, values = [], []

@@ -40,7 +40,7 @@ class TritonPythonModel:
                 for i, v in enumerate(values):
                     sender.send(value(v), flags=FINAL if i == len(values) - 1 else 0)
             elif mode == "thread":
-                self.start_thread(self.stream, request, values, delay)
+                self.start_thread(self.stream, request, values, delay, params.get("ignore_cancel", False))
             elif mode == "error_mid":
                 sender.send(value(values[0]))
                 error = pb_utils.TritonError("failed halfway", pb_utils.TritonError.INVALID_ARG)
@@ -83,11 +83,11 @@ class TritonPythonModel:
                 sender.send(info(f"unknown mode {mode}"), flags=FINAL)
         return None
 
-    def stream(self, request, values, delay):
+    def stream(self, request, values, delay, ignore_cancel):
         sender = request.get_response_sender()
         for v in values:
             time.sleep(delay)
-            if request.is_cancelled():
+            if request.is_cancelled() and not ignore_cancel:
                 self.notes.append("cancelled while streaming")
                 break
             sender.send(value(v))
