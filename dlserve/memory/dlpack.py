@@ -209,8 +209,10 @@ def export_host_array(
     max_version: tuple[int, int] | None = None,
     dl_device: tuple[int, int] | None = None,
     copy: bool | None = None,
+    keep_alive: Any = None,
 ) -> Any:
-    """``__dlpack__`` for a host tensor whose bits are in ``array`` (BF16 as uint16)."""
+    """``__dlpack__`` for a host tensor whose bits are in ``array`` (BF16 as uint16).
+    The capsule holds ``keep_alive`` too, for as long as it (or what imported it) lives."""
     if data_type is DataType.BYTES:
         raise BufferError(
             "BYTES tensors cannot be exported through DLPack (DLPack has no string type); "
@@ -223,6 +225,10 @@ def export_host_array(
     kwargs: dict[str, Any] = {"copy": copy}
     if max_version is not None:
         kwargs["max_version"] = tuple(max_version)
+    if keep_alive is not None and array.flags.c_contiguous:
+        # numpy's capsule holds the array it exports: one whose base holds both.
+        address = array.__array_interface__["data"][0]
+        array = exposed(address, array.shape, array.dtype.str, (array, keep_alive), not array.flags.writeable)
     capsule = array.__dlpack__(**kwargs)
     if data_type is DataType.BF16:
         _set_dtype_code(capsule, KDL_BFLOAT)

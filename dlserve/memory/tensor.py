@@ -389,13 +389,16 @@ class Tensor:
         dl_device: tuple[int, int] | None = None,
         copy: bool | None = None,
     ) -> Any:
+        return self.export_dlpack(stream=stream, max_version=max_version, dl_device=dl_device, copy=copy)
+
+    def export_dlpack(self, keep_alive: Any = None, **protocol: Any) -> Any:
+        """``__dlpack__`` (its keywords in ``protocol``), whose capsule also holds
+        ``keep_alive`` while it lives."""
         return export_host_array(
             self.storage() if self.data_type is DataType.BYTES else self._shaped(),
             self.data_type,
-            stream=stream,
-            max_version=max_version,
-            dl_device=dl_device,
-            copy=copy,
+            keep_alive=keep_alive,
+            **protocol,
         )
 
     def __dlpack_device__(self) -> tuple[int, int]:

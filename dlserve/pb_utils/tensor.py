@@ -108,7 +108,9 @@ class Tensor:
             raise TritonModelException(str(exc)) from None
 
     def __dlpack__(self, stream: Any = None, **kwargs: Any) -> Any:
-        return self._tensor.__dlpack__(stream=stream, **kwargs)
+        # As Triton's, the capsule holds this Tensor, not only its memory: a model's
+        # refcount of it counts the capsule (upstream's BLS QA checks exactly that).
+        return self._tensor.export_dlpack(keep_alive=self, stream=stream, **kwargs)
 
     def __dlpack_device__(self) -> tuple[int, int]:
         return self._tensor.__dlpack_device__()

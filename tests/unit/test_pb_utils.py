@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import re
+import sys
 from pathlib import Path
 
 import ml_dtypes
@@ -194,6 +195,26 @@ def test_tensor_dlpack_round_trip():
     assert back.as_numpy().__array_interface__["data"][0] == arr.__array_interface__["data"][0]
     with pytest.raises(pb_utils.TritonModelException):
         pb_utils.Tensor.from_dlpack("Z", [1, 2])
+
+
+def test_a_dlpack_capsule_holds_its_tensor_as_triton_s_does():
+    """Upstream's BLS QA asserts ``sys.getrefcount(t)`` grows by one with ``to_dlpack()``
+    and falls back once the capsule is gone; what imports it takes the reference over."""
+    t = pb_utils.Tensor("X", np.arange(6, dtype=np.float32).reshape(2, 3))
+    before = sys.getrefcount(t)
+    capsule = t.to_dlpack()
+    assert sys.getrefcount(t) == before + 1
+    del capsule
+    assert sys.getrefcount(t) == before
+    imported = np.from_dlpack(t)  # (through __dlpack__) a view of the same memory
+    assert sys.getrefcount(t) == before + 1
+    assert imported.__array_interface__["data"][0] == t.as_numpy().__array_interface__["data"][0]
+    assert imported.flags.writeable and imported.tolist() == [[0, 1, 2], [3, 4, 5]]
+    del imported
+    assert sys.getrefcount(t) == before
+    bf16 = pb_utils.Tensor("B", np.array([1.5, -2], dtype=ml_dtypes.bfloat16))
+    back = pb_utils.Tensor.from_dlpack("C", bf16.to_dlpack())  # (the bf16 code survives)
+    assert back.triton_dtype() == bf16.triton_dtype() and back.as_numpy().tolist() == [1.5, -2]
 
 
 def test_tensor_empty_outside_a_worker_is_a_plain_array():
