@@ -433,6 +433,26 @@ def _watch_parent(parent: int, arena: Arena) -> None:
             os._exit(1)
 
 
+_worker_pid = 0  # the worker's own (main sets it): forked children have others
+
+
+def _disregard(signum: int, frame: Any) -> None:
+    """SIGINT and SIGTERM reach a worker only to be disregarded (see :func:`main`). One
+    that reached a child the model just forked before :func:`_default_signals` ran
+    there (Python checks pending signals before it changes a handler) is the child's."""
+    if os.getpid() != _worker_pid:
+        _default_signals()
+        os.kill(os.getpid(), signum)
+
+
+def _default_signals() -> None:
+    """In a process the model forked: SIGINT and SIGTERM act as in any Python process
+    (multiprocessing's ``Pool.terminate()`` ends its workers with SIGTERM; they were
+    left running, and the pool's exit waited for them forever)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dlserve-stub")
     parser.add_argument("--fd", type=int, required=True)
@@ -454,9 +474,14 @@ def main(argv: list[str] | None = None) -> int:
     # Ctrl-C in a terminal, or a supervisor's SIGTERM to the whole process group, reaches
     # the workers too: the server shuts down in order (the model's finalize included); a
     # worker stopped by the signal would crash instead. (The server ends its workers
-    # itself, and a worker whose server is gone exits on its own.)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # itself, and a worker whose server is gone exits on its own.) A handler that does
+    # nothing, not SIG_IGN: an ignored signal stays ignored in every program the model
+    # runs (exec keeps it), and the model could not terminate its own subprocesses.
+    global _worker_pid
+    _worker_pid = os.getpid()
+    signal.signal(signal.SIGINT, _disregard)
+    signal.signal(signal.SIGTERM, _disregard)
+    os.register_at_fork(after_in_child=_default_signals)
     # The worker's own flags are no business of the model's: a model that parses sys.argv
     # (argparse, unittest.main) sees what Triton's stub shows it.
     sys.argv = [""]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import glob
+import json
 import os
 import signal
 import subprocess
@@ -323,6 +324,48 @@ def test_a_helper_holding_the_workers_stderr_leaves_no_thread_or_descriptor(serv
     finally:
         for helper in helpers:
             helper.kill()
+
+
+TERMINATING_MODEL = '''
+import json
+import multiprocessing
+import subprocess
+import sys
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        ended = {}
+        child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))
+        child.start()
+        child.terminate()
+        child.join(10)
+        ended["forked"] = child.exitcode
+        program = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        time.sleep(0.5)  # (past the interpreter's start)
+        program.terminate()
+        ended["program"] = program.wait(10)
+        pool = multiprocessing.get_context("fork").Pool(2)
+        pool.terminate()  # SIGTERM to its workers, then joins them
+        ended["pool"] = "ended"
+        out = np.array([json.dumps(ended).encode()], dtype=np.object_)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", out)]) for _ in requests]
+'''
+
+
+def test_what_a_model_starts_can_be_terminated(servers, make_repo):
+    """A worker disregards SIGTERM and SIGINT (the server ends it in order), but what its
+    model forks or runs does not inherit that: SIGTERM ends it, as anywhere. (Inherited,
+    a fork Pool's exit waited forever for workers its terminate() could not end.)"""
+    config = 'backend: "python"\noutput [ { name: "Y" data_type: TYPE_STRING dims: [ 1 ] } ]\n'
+    server = servers.start(make_repo(extra={"terminator": {"config.pbtxt": config, "1/model.py": TERMINATING_MODEL}}))
+    (response,) = server.model("terminator").infer(inputs={})
+    ended = json.loads(response.outputs["Y"].to_bytes_array()[0])
+    assert ended == {"forked": -signal.SIGTERM, "program": -signal.SIGTERM, "pool": "ended"}
 
 
 def test_a_server_killed_outright_leaves_segments_the_next_one_removes(servers, make_repo):
