@@ -1056,7 +1056,7 @@ def test_stop_ends_a_load_that_never_finishes_at_the_exit_timeout(servers, make_
     loader = threading.Thread(target=load)
     loader.start()
     deadline = time.monotonic() + 20
-    while not server.engine.manager._starting:  # initialize or auto_complete running
+    while not server.engine.manager.loader.starting:  # initialize or auto_complete running
         assert time.monotonic() < deadline
         time.sleep(0.05)
     stopper = threading.Thread(target=servers.stop, args=(server,))  # checks nothing leaked

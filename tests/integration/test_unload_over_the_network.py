@@ -110,7 +110,7 @@ def test_a_load_after_an_unload_that_still_drains_is_not_undone(servers, make_re
         client.load_model("fast")  # waits for the unload to end
         in_flight.join()
         assert answers  # (the ensemble's request was answered, one way or the other)
-        wait_until(lambda: not server.engine.manager._unloading)  # every unload has ended
+        wait_until(lambda: not server.engine.manager.unloader.background)  # every unload has ended
         assert client.is_model_ready("fast")
         assert {m["name"]: m.get("state") for m in client.get_model_repository_index()}["fast"] == "READY"
     finally:
