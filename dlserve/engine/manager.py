@@ -1,6 +1,6 @@
 """Which models are loaded: the model control modes, the index, start and stop, and the
 load / unload / poll API, whose work the manager's collaborators do (:mod:`.loading`,
-:mod:`.unloading`, :mod:`.polling`).
+:mod:`.unloading`, :mod:`.repository_polling`).
 
 Every model has a lock, so loads and unloads of one model never interleave while
 different models load in parallel. A reload loads the new versions first and
@@ -24,7 +24,7 @@ import logging
 import time
 from typing import Any
 
-from dlserve.engine import polling
+from dlserve.engine import repository_polling
 from dlserve.engine.ensemble_steps import ensembles_last
 from dlserve.engine.load_errors import log_load_failure
 from dlserve.engine.loading import Loader
@@ -129,7 +129,8 @@ class ModelManager:
             results += await asyncio.gather(*(self.loader.load_guarded(what) for what in group))
         errors = [failure.message for failure in results if failure is not None]
         if self.control_mode is ModelControlMode.POLL and poll_interval > 0:  # (0: never, as Triton)
-            self._poll_task = asyncio.get_running_loop().create_task(polling.poll_forever(self, poll_interval))
+            polling = repository_polling.poll_forever(self, poll_interval)
+            self._poll_task = asyncio.get_running_loop().create_task(polling)
         return errors
 
     async def stop(self, deadline: float) -> bool:
@@ -225,4 +226,4 @@ class ModelManager:
     # -- poll mode --------------------------------------------------------------------
     async def poll(self) -> None:
         """Load new models, reload changed ones, unload removed ones."""
-        await polling.poll(self)
+        await repository_polling.poll(self)
