@@ -199,8 +199,6 @@ class Worker:
                     self.channel.reply(corr, self._auto_complete(body))
                 elif kind == Kind.IS_READY:
                     self.channel.reply(corr, self._is_ready())
-                elif kind == Kind.RELEASE:
-                    self.peer.release(body)
                 elif kind == Kind.RETIRE:
                     for name in body:
                         self.peer.space.forget_segment(name)
@@ -437,12 +435,25 @@ _worker_pid = 0  # the worker's own (main sets it): forked children have others
 
 
 def _disregard(signum: int, frame: Any) -> None:
-    """SIGINT and SIGTERM reach a worker only to be disregarded (see :func:`main`). One
-    that reached a child the model just forked before :func:`_default_signals` ran
-    there (Python checks pending signals before it changes a handler) is the child's."""
+    """SIGINT and SIGTERM reach a worker only to be disregarded (see :func:`main`). In a
+    child forked outside Python's fork hooks (native code), they are the child's."""
     if os.getpid() != _worker_pid:
         _default_signals()
         os.kill(os.getpid(), signum)
+
+
+_DISREGARDED = {signal.SIGINT, signal.SIGTERM}
+
+
+def _hold_signals() -> None:
+    """Before a fork: the forking thread holds SIGINT and SIGTERM back, so that one sent
+    to the child before it has its own handlers waits for them (Python clears the
+    signals it caught in a child before its fork hooks run)."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, _DISREGARDED)
+
+
+def _release_signals() -> None:
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _DISREGARDED)
 
 
 def _default_signals() -> None:
@@ -451,6 +462,7 @@ def _default_signals() -> None:
     left running, and the pool's exit waited for them forever)."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _release_signals()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -481,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
     _worker_pid = os.getpid()
     signal.signal(signal.SIGINT, _disregard)
     signal.signal(signal.SIGTERM, _disregard)
-    os.register_at_fork(after_in_child=_default_signals)
+    os.register_at_fork(before=_hold_signals, after_in_parent=_release_signals, after_in_child=_default_signals)
     # The worker's own flags are no business of the model's: a model that parses sys.argv
     # (argparse, unittest.main) sees what Triton's stub shows it.
     sys.argv = [""]
