@@ -177,7 +177,8 @@ class _Slot:
 
 
 class Stream:
-    """Where the messages the server sends for one BLS call collect (see :meth:`WorkerChannel.call`).
+    """Where the messages the server sends for one BLS call collect (see :meth:`WorkerChannel.call`),
+    each as :attr:`WorkerChannel.on_bls_response` made it on arrival.
 
     ``on_item`` runs on the reading thread, under the channel's lock, for every message
     (and once with None if the channel closes): it must only hand the news on.
@@ -192,21 +193,11 @@ class Stream:
         self.discard: Callable[[Any], None] | None = None  # set: nobody reads any more
 
     def abandon(self, discard: Callable[[Any], None]) -> None:
-        """Nobody will read this stream again: what it holds, and whatever still
-        arrives for it, goes to ``discard``. Takes no lock (it runs in finalizers):
-        the reader appends before it checks ``discard``, so no item slips through."""
+        """Nobody will read this stream again: what it holds is dropped, and whatever
+        still arrives for it goes to ``discard`` as it came. Takes no lock (it runs in
+        finalizers): an item the reader adds meanwhile goes with the stream."""
         self.discard = discard
-        self.drain()
-
-    def drain(self) -> None:
-        discard = self.discard
-        assert discard is not None
-        while True:
-            try:
-                item = self.items.popleft()
-            except IndexError:
-                return
-            discard(item)
+        self.items.clear()
 
 
 class WorkerChannel:
@@ -226,6 +217,11 @@ class WorkerChannel:
         self._slots: dict[int, _Slot] = {}
         self._streams: dict[int, Stream] = {}
         self.on_cancel: Callable[[list[int]], None] = lambda handles: None
+        # What a BLS_RESPONSE becomes on arrival (the runtime maps its tensors then, before
+        # a RELEASE behind it can drop memory it refers to), and how releases are applied.
+        self.on_bls_response: Callable[[Any], Any] = lambda body: body
+        self.on_release: Callable[[list[int]], None] = lambda leases: None
+        self._command_thread = 0  # the thread that takes the commands (next_command)
         self._frames = FrameBuffer()
         self._ready: collections.deque[Message] = collections.deque()
         self._corr = itertools.count(1)
@@ -292,11 +288,13 @@ class WorkerChannel:
             if stream is not None:
                 if body[1]:  # final
                     del self._streams[corr]
-                stream.items.append(body)
                 if stream.discard is not None:
-                    stream.drain()
-                elif stream.on_item is not None:
-                    stream.on_item(body)
+                    stream.discard(body)
+                else:
+                    item = self.on_bls_response(body)
+                    stream.items.append(item)
+                    if stream.on_item is not None:
+                        stream.on_item(item)
         elif kind == Kind.CANCEL:
             # Now, not in turn: the request it cancels may be executing this very moment.
             self.on_cancel(body)
@@ -304,6 +302,14 @@ class WorkerChannel:
             # RELEASE/RETIRE go through the inbox too, so they are applied in order
             # with the commands around them (a command may still use what they drop).
             self._inbox.append(message)
+
+    def _apply_releases(self) -> None:
+        """On the command thread (lock held): apply the RELEASE messages that no command
+        precedes. Also while it waits inside an execute (a BLS call): a long execute
+        making many calls would otherwise hold every block it ever sent until it ends."""
+        inbox = self._inbox
+        while inbox and inbox[0][0] == Kind.RELEASE:
+            self.on_release(inbox.popleft()[2])
 
     def _close_streams(self) -> None:
         streams, self._streams = self._streams, {}
@@ -314,8 +320,13 @@ class WorkerChannel:
 
     def _wait(self, ready: Callable[[], bool]) -> None:
         """Block until ``ready()``; read frames for everybody while no one else does."""
+        command_thread = threading.get_ident() == self._command_thread
         with self._cond:
-            while not ready():
+            while True:
+                if command_thread:
+                    self._apply_releases()
+                if ready():
+                    return
                 if self._closed:
                     raise EOFError("server closed the channel")
                 if self._reading:
@@ -338,7 +349,9 @@ class WorkerChannel:
                 self._cond.notify_all()
 
     def next_command(self) -> Message:
-        """The next server-initiated message; raises EOFError when the server is gone."""
+        """The next server-initiated message but a RELEASE (those go to ``on_release``);
+        raises EOFError when the server is gone."""
+        self._command_thread = threading.get_ident()
         self._wait(lambda: bool(self._inbox))
         return self._inbox.popleft()
 
@@ -401,6 +414,8 @@ class WorkerChannel:
             with self._cond:
                 while self._ready:
                     self._route(self._ready.popleft())
+                if threading.get_ident() == self._command_thread:
+                    self._apply_releases()
                 if closed:
                     self._closed = True
                     self._close_streams()

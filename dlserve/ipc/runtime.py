@@ -96,6 +96,8 @@ class WorkerRuntime:
         # False while the model's initialize or finalize runs: BLS is execute's, as in Triton.
         self.bls_allowed = True
         channel.on_cancel = self._cancelled
+        channel.on_bls_response = self._received
+        channel.on_release = peer.release
 
     # -- logs, metrics, model control --------------------------------------------------
     def log(self, level: int, message: str, filename: str, line: int) -> None:
@@ -189,7 +191,7 @@ class WorkerRuntime:
             error = (int(ErrorCode.UNAVAILABLE), "the server closed the connection")
         except (TritonError, ValueError, MemoryError) as exc:
             error = (int(ErrorCode.INTERNAL), f"cannot send the BLS request: {exc}")
-        stream.items.append((((), error, "{}"), True))
+        stream.items.append((_error_response(error[1], error[0]), True))
         return 0
 
     def discard(self, body: Any) -> None:
@@ -200,15 +202,22 @@ class WorkerRuntime:
             self.peer.discard(wire[0])
             self.channel.flush_releases()
 
-    def decode(self, body: Any) -> tuple[InferenceResponse, bool]:
-        """A BLS_RESPONSE message as the response the model sees, and its final flag."""
+    def _received(self, body: Any) -> tuple[InferenceResponse, bool]:
+        """A BLS_RESPONSE message as the response the model sees, and its final flag;
+        made as it arrives (on the reading thread), so that its outputs hold their
+        memory before the server's RELEASE behind it is applied: an output may be the
+        caller's own input, returned by reference (lease 0), whose hold that drops."""
         wire, final = body
         if wire is None:
             return InferenceResponse._received([], None, "{}"), final
         outputs_wire, error, parameters = wire
         if error is not None:
             return InferenceResponse._received([], ModelError(error[1], error[0]), parameters), final
-        outputs = [Tensor(*self.peer.import_(w)) for w in outputs_wire]
+        try:
+            outputs = [Tensor(*self.peer.import_(w)) for w in outputs_wire]
+        except TritonError as exc:  # (say, a client's region shrunk meanwhile)
+            self.peer.discard(outputs_wire)
+            return _error_response(exc.message, int(exc.code)), final
         return InferenceResponse._received(outputs, None, parameters), final
 
     def _check_bls_allowed(self) -> None:
@@ -262,7 +271,7 @@ class ResponseIterator:
 
     def _take(self) -> InferenceResponse:
         if self.stream.items:
-            response, final = self.runtime.decode(self.stream.items.popleft())
+            response, final = self.stream.items.popleft()
             self._done = final
         else:
             self._done = True
@@ -279,8 +288,9 @@ class ResponseIterator:
         return self._seen[self._next - 1]
 
     def __iter__(self) -> ResponseIterator:
-        if self._done:
-            self._next = 0  # (iterated again: from the first response)
+        if self._done and self._next >= len(self._seen):
+            self._next = 0  # iterated again after its end: from the first response (as
+            # Triton's; a loop left before the end resumes where it left off)
         return self
 
     def __next__(self) -> InferenceResponse:

@@ -1,0 +1,172 @@
+"""BLS and the memory its tensors live in (upstream's bls_memory, bls_memory_async and
+test_bls_tensor_lifecycle, measured against Triton 2.51): outputs the callee returns by
+reference reach every kind of caller, a long execute gives back each call's memory as it
+goes, and a response iterator resumes as Triton's does.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+CONFIG = """
+backend: "python"
+input [ { name: "N" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "INFO" data_type: TYPE_STRING dims: [ 1 ] } ]
+"""
+
+COMMON = '''
+import asyncio
+import json
+import threading
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+SIZE = 16384  # 64 KiB of FP32: travels by reference, and identity hands it back so
+
+
+def identity_call(value):
+    data = np.full(SIZE, value, np.float32)
+    return pb_utils.InferenceRequest(
+        model_name="identity", inputs=[pb_utils.Tensor("INPUT0", data)], requested_output_names=["OUTPUT0"]
+    )
+
+
+def outcome(answer, value):
+    if answer.has_error():
+        return "error: " + answer.error().message()
+    out = pb_utils.get_output_tensor_by_name(answer, "OUTPUT0").as_numpy()
+    return "ok" if out.shape == (SIZE,) and (out == value).all() else "wrong data"
+
+
+def info(text):
+    return pb_utils.InferenceResponse([pb_utils.Tensor("INFO", np.array([text.encode()], np.object_))])
+'''
+
+ASYNC_CALLER = COMMON + '''
+
+class TritonPythonModel:
+    async def execute(self, requests):
+        responses = []
+        for request in requests:
+            n = int(pb_utils.get_input_tensor_by_name(request, "N").as_numpy()[0])
+            answers = await asyncio.gather(*(identity_call(v).async_exec() for v in range(n)))
+            responses.append(info(json.dumps([outcome(a, v) for v, a in enumerate(answers)])))
+        return responses
+'''
+
+THREAD_CALLER = COMMON + '''
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            n = int(pb_utils.get_input_tensor_by_name(request, "N").as_numpy()[0])
+            threading.Thread(target=self.calls, args=(request, n)).start()
+        return None
+
+    def calls(self, request, n):
+        said = [outcome(identity_call(v).exec(), v) for v in range(n)]
+        sender = request.get_response_sender()
+        sender.send(info(json.dumps(said)), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+'''
+
+LONG_CALLER = COMMON + '''
+
+def shm_mapped():
+    """How many shared-memory files this process maps now."""
+    with open("/proc/self/maps") as maps:
+        return len({line.split()[-1] for line in maps if "/dev/shm/" in line})
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            n = int(pb_utils.get_input_tensor_by_name(request, "N").as_numpy()[0])
+            before, said = shm_mapped(), set()
+            for v in range(n):
+                data = np.full(1 << 20, v, np.float32)  # 4 MiB, dropped after each call
+                answer = pb_utils.InferenceRequest(
+                    model_name="identity", inputs=[pb_utils.Tensor("INPUT0", data)],
+                    requested_output_names=["OUTPUT0"],
+                ).exec()
+                said.add(outcome(answer, v) if answer.has_error() else "ok")
+            responses.append(info(json.dumps({"said": sorted(said), "grew": shm_mapped() - before})))
+        return responses
+'''
+
+ITERATING_CALLER = COMMON + '''
+
+def value(response):
+    out = pb_utils.get_output_tensor_by_name(response, "OUT")
+    return None if out is None else int(out.as_numpy()[0])
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        call = pb_utils.InferenceRequest(
+            model_name="decoupled", inputs=[pb_utils.Tensor("IN", np.arange(10, 15, dtype=np.int32))],
+            requested_output_names=["OUT"],
+        )
+        responses = call.exec(decoupled=True)
+        whole = [value(r) for r in responses]
+        again = []
+        for r in responses:
+            again.append(value(r))
+            if len(again) == 2:
+                break
+        following = value(next(responses))
+        resumed = [value(r) for r in responses]
+        said = {"whole": whole, "again": again, "next": following, "resumed": resumed}
+        return [info(json.dumps(said)) for _ in requests]
+'''
+
+
+def ask(server, model: str, n: int) -> object:
+    (response,) = server.model(model).infer(inputs={"N": np.array([n], np.int32)})
+    return json.loads(response.outputs["INFO"].to_bytes_array()[0])
+
+
+def repo_with(make_repo, name: str, source: str, config: str = CONFIG) -> object:
+    return make_repo("identity", "decoupled", extra={name: {"config.pbtxt": config, "1/model.py": source}})
+
+
+def test_outputs_returned_by_reference_reach_an_async_caller(servers, make_repo):
+    """upstream bls_memory_async: the callee hands the caller's own input back; a RELEASE
+    the server sends right behind the answer must not drop that memory before the caller
+    has it (dlserve failed 2-8 of 8 gathered calls: 'no longer held')."""
+    server = servers.start(repo_with(make_repo, "async_caller", ASYNC_CALLER))
+    for _ in range(10):
+        assert ask(server, "async_caller", 8) == ["ok"] * 8
+
+
+def test_outputs_returned_by_reference_reach_a_callers_thread(servers, make_repo):
+    decoupled = CONFIG + "model_transaction_policy { decoupled: true }\n"
+    server = servers.start(repo_with(make_repo, "thread_caller", THREAD_CALLER, decoupled))
+    for _ in range(5):
+        assert ask(server, "thread_caller", 20) == ["ok"] * 20
+
+
+def test_a_long_execute_gives_back_each_calls_memory_as_it_goes(servers, make_repo):
+    """upstream test_bls_tensor_lifecycle: 30 calls of 4 MiB in one execute, each result
+    dropped. The memory of each goes back while the execute runs (it was held until the
+    execute returned: the worker's arena grew by every call)."""
+    server = servers.start(repo_with(make_repo, "long_caller", LONG_CALLER))
+    said = ask(server, "long_caller", 30)
+    assert said["said"] == ["ok"]
+    assert said["grew"] <= 1  # (one more segment may come; 30 × 4 MiB would be ~8)
+
+
+def test_a_response_iterator_resumes_a_loop_left_early_as_triton_s_does(servers, make_repo):
+    """Triton's iterator starts over only once a pass has reached its end; a loop left
+    with ``break`` resumes where it stopped (upstream test_response_iterator)."""
+    server = servers.start(repo_with(make_repo, "iterating_caller", ITERATING_CALLER))
+    said = ask(server, "iterating_caller", 0)
+    assert said == {
+        "whole": [10, 11, 12, 13, 14, None],  # the last, flags-only final, has no output
+        "again": [10, 11],
+        "next": 12,
+        "resumed": [13, 14, None],
+    }
