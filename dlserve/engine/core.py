@@ -207,7 +207,7 @@ class Engine:
     async def stop(self, deadline: float | None = None) -> bool:
         """Finish in-flight requests, finalize models and end workers by ``deadline``
         (``time.monotonic()``; default: ``exit_timeout`` from now); whether every
-        request in flight finished."""
+        request in flight finished and every worker ended in time."""
         self.live = False
         self.environments.cancel_builds()  # a pip run would hold the stop up for minutes
         if deadline is None:

@@ -578,16 +578,19 @@ class ModelInstance:
         if channel is not None:
             channel.notify(Kind.RETIRE, [name])
 
-    async def stop(self, deadline: float) -> None:
-        """Finalize and end the worker by ``deadline`` (``time.monotonic()``)."""
+    async def stop(self, deadline: float) -> bool:
+        """Finalize and end the worker by ``deadline`` (``time.monotonic()``); whether it
+        ended by then (False: it was killed, its finalize unfinished)."""
         self._stopping = True
         if self._restart_task is not None:
             self._restart_task.cancel()
+        ended = True
         if self._worker is not None:
-            await self._worker.stop(deadline)
+            ended = await self._worker.stop(deadline)
         self.calls.close()
         self._fail_streaming("the model was unloaded before it sent the final response")
         self._set_state(InstanceState.STOPPED)
+        return ended
 
     def kill(self) -> None:
         self._stopping = True

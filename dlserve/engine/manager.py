@@ -135,7 +135,7 @@ class ModelManager:
 
     async def stop(self, deadline: float) -> bool:
         """Unload everything by ``deadline`` (``time.monotonic()``); whether every
-        request in flight finished by then."""
+        request in flight finished, and every worker ended, by then."""
         if self._poll_task is not None:
             self._poll_task.cancel()
         unloads = asyncio.gather(

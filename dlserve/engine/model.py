@@ -327,7 +327,8 @@ class ModelVersion:
 
     async def unload(self, deadline: float) -> bool:
         """Stop taking requests, let in-flight ones finish and stop the workers, all by
-        ``deadline`` (``time.monotonic()``); whether every request finished."""
+        ``deadline`` (``time.monotonic()``); whether every request finished and every
+        worker ended (a finalize that never returns counts as Triton's live model)."""
         served = self.state != "UNAVAILABLE"  # (not one that failed to load, or went already)
         self.begin_unload()
         drained = await self.scheduler.drain(max(0.0, deadline - time.monotonic()))
@@ -345,7 +346,7 @@ class ModelVersion:
                 task.cancel()
         await asyncio.gather(*(task for _, task, _ in retiring), return_exceptions=True)
         instances = [*self.instances, *(i for i, _, finalizing in retiring if not finalizing)]
-        await asyncio.gather(*(instance.stop(deadline) for instance in instances))
+        ended = await asyncio.gather(*(instance.stop(deadline) for instance in instances))
         self._leave_limiter()
         if self.cache is not None:
             self.cache.forget(self.generation)
@@ -354,7 +355,7 @@ class ModelVersion:
         self.state, self.reason = "UNAVAILABLE", "unloaded"
         if served:
             log.info("successfully unloaded '%s' version %d", self.name, self.version)
-        return drained
+        return drained and all(ended)
 
     def kill(self) -> None:
         for instance in [*self.all_instances, *self._adding]:

@@ -120,7 +120,8 @@ class Unloader:
         return time.monotonic() + self.exit_timeout
 
     async def unload_entry(self, entry: ModelEntry, deadline: float | None = None) -> bool:
-        """Unload every version of ``entry``; whether their requests all finished."""
+        """Unload every version of ``entry``; whether their requests all finished and their
+        workers ended in time."""
         async with entry.lock:
             entry.error = ""
             # The versions stay listed (as UNLOADING) until their requests have drained.

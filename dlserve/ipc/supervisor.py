@@ -305,12 +305,13 @@ class WorkerProcess:
     async def wait_exited(self) -> None:
         await self._exited.wait()
 
-    async def stop(self, deadline: float, finalize: bool = True) -> None:
+    async def stop(self, deadline: float, finalize: bool = True) -> bool:
         """Ask the model to finalize, then make sure the process is gone, all by
-        ``deadline`` (``time.monotonic()``); a worker still busy then is killed."""
+        ``deadline`` (``time.monotonic()``); a worker still busy then is killed. Whether
+        it ended by itself (False: killed)."""
         self._stopping = True
         if self.process is None:
-            return
+            return True
         finalized = not finalize
         if finalize and self.alive:
             try:
@@ -328,11 +329,13 @@ class WorkerProcess:
         grace = max(_left(deadline), EXIT_GRACE_S) if finalized else _left(deadline)
         try:
             await asyncio.wait_for(self._exited.wait(), grace)
+            return True
         except asyncio.TimeoutError:
             log.warning("worker '%s' still running at shutdown; killing it", self.instance_name)
             with contextlib.suppress(ProcessLookupError):
                 self.process.kill()
             await self._exited.wait()
+            return False
 
     def kill(self) -> None:
         """Hard stop (used when the event loop is going away)."""

@@ -800,7 +800,9 @@ def test_a_reload_returns_while_the_replaced_version_finishes_its_requests(serve
 def test_an_idle_model_stopped_with_no_time_left_is_not_said_to_have_requests(servers, make_repo, caplog):
     server = servers.start(make_repo("add_sub"), exit_timeout=0)
     with caplog.at_level(logging.WARNING, logger="dlserve"):
-        servers.stop(server)
+        # (no time for its finalize either: as tritonserver, that expires the exit timeout)
+        with pytest.raises(dlserve.InternalError, match="^Exit timeout expired"):
+            servers.stop(server)
     assert not [r for r in caplog.records if "still had requests in flight" in r.getMessage()]
 
 
@@ -811,6 +813,35 @@ def test_stop_raises_as_tritonserver_when_the_exit_timeout_drops_a_request(serve
     with pytest.raises(dlserve.InternalError, match="^Exit timeout expired. Exiting immediately.$"):
         servers.stop(server)  # (which checks nothing was left behind all the same)
     assert next(stuck).error is not None
+
+
+HANGING_FINALIZE = """
+import time
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([]) for _ in requests]
+
+    def finalize(self):
+        time.sleep(60)
+"""
+
+
+def test_stop_raises_as_tritonserver_when_a_finalize_outlasts_the_exit_timeout(servers, make_repo):
+    """Triton 2.51 counts a model whose finalize has not returned as live at its exit
+    timeout ("Found 1 live models"): the stop fails and tritonserver exits 1. The worker
+    is killed at the deadline all the same."""
+    config = 'backend: "python"\noutput [ { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
+    repo = make_repo(extra={"hang_finalize": {"config.pbtxt": config, "1/model.py": HANGING_FINALIZE}})
+    server = servers.start(repo, exit_timeout=1)
+    wait_until(lambda: server.model("hang_finalize").ready(), 30)
+    started = time.monotonic()
+    with pytest.raises(dlserve.InternalError, match="^Exit timeout expired. Exiting immediately.$"):
+        servers.stop(server)  # (which checks nothing was left behind all the same)
+    assert time.monotonic() - started < 10
 
 
 def test_model_logs_reach_the_server_log(servers, make_repo, caplog):
