@@ -154,9 +154,9 @@ def validate(config: mc.ModelConfig, model_name: str, gpu_count: int = 0) -> Non
         where = f"model '{model_name}', instance_group '{group.name}'"
         if group.kind == InstanceGroup.KIND_GPU:
             if gpu_count == 0:
-                raise InvalidArgumentError(
-                    f"{where}: kind is KIND_GPU but no CUDA GPU is available on this "
-                    "machine; use KIND_CPU or KIND_AUTO"
+                raise InvalidArgumentError(  # (Triton 2.51's words)
+                    f"instance group {group.name} of model {model_name} has kind KIND_GPU "
+                    "but no GPUs are available"
                 )
             bad = [g for g in group.gpus if g < 0 or g >= gpu_count]
             if bad:

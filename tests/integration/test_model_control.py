@@ -539,7 +539,7 @@ def test_exit_on_error(servers, make_repo):
             {"config.pbtxt": 'backend: "python"\nversion_policy { specific { versions: [ 5 ] } }\n', "1/model.py": ""},
             "at least one version must be available under the version policy of model 'bad' (version folders: [1])",
         ),
-        ({"config.pbtxt": 'backend: "python"\ninstance_group [ { kind: KIND_GPU } ]\n', "1/model.py": ""}, "KIND_GPU but no CUDA GPU"),
+        ({"config.pbtxt": 'backend: "python"\ninstance_group [ { kind: KIND_GPU } ]\n', "1/model.py": ""}, "has kind KIND_GPU but no GPUs are available"),
         ({"config.pbtxt": 'backend: "python"\n', "1/model.py": "class Nope: pass\n"}, "does not define class TritonPythonModel"),
         ({"config.pbtxt": 'backend: "python"\n', "1/model.py": "import not_a_module_anywhere\n"}, "ModuleNotFoundError"),
         (

@@ -506,7 +506,7 @@ def test_an_instance_count_below_one_is_one(count):
 
 def test_validate_kind_gpu_without_gpus():
     message = invalid('instance_group [ { name: "g" kind: KIND_GPU } ]')
-    assert message.startswith("InvalidArgumentError: model 'm', instance_group 'g': kind is KIND_GPU but no CUDA GPU")
+    assert message.startswith("InvalidArgumentError: instance group g of model m has kind KIND_GPU but no GPUs are available")
 
 
 def test_validate_gpus_that_do_not_exist():
