@@ -76,12 +76,18 @@ def samples(model: ModelVersion) -> list[Sample]:
             name: _input(model.model_dir, where, name, spec, batching)
             for name, spec in sorted(warmup.inputs.items())
         }
-        probe = Request(model.name, inputs, on_response=lambda _: None)
+        # Inputs the config declares are checked as a request's are; others reach the
+        # model unchecked, as in Triton (its samples are input overrides: upstream's
+        # bls_model_loading warms up with inputs its config does not list).
+        declared = {name: t for name, t in inputs.items() if name in model.signature.inputs}
+        probe = Request(model.name, declared, on_response=lambda _: None)
         try:
             validate_request(probe, model.signature)  # applies reshape to probe.inputs
         except InvalidArgumentError as exc:
             raise InvalidArgumentError(f"{where}: {exc.message}") from None
-        made.append(Sample(warmup.name, warmup.batch_size, max(warmup.count, 1), probe.inputs))
+        undeclared = {name: t for name, t in inputs.items() if name not in declared}
+        sample_inputs = {**probe.inputs, **undeclared}
+        made.append(Sample(warmup.name, warmup.batch_size, max(warmup.count, 1), sample_inputs))
     return made
 
 
