@@ -213,10 +213,12 @@ class WorkerRuntime:
         outputs_wire, error, parameters = wire
         if error is not None:
             return InferenceResponse._received([], ModelError(error[1], error[0]), parameters), final
+        outputs: list[Tensor] = []
         try:
-            outputs = [Tensor(*self.peer.import_(w)) for w in outputs_wire]
+            for w in outputs_wire:
+                outputs.append(Tensor(*self.peer.import_(w)))
         except TritonError as exc:  # (say, a client's region shrunk meanwhile)
-            self.peer.discard(outputs_wire)
+            self.peer.discard(outputs_wire[len(outputs):])  # (those mapped go back as they die)
             return _error_response(exc.message, int(exc.code)), final
         return InferenceResponse._received(outputs, None, parameters), final
 
