@@ -104,11 +104,12 @@ class InferenceServicer:
     async def check_restricted(self, rules: list[Restriction], context: Any) -> None:
         metadata = context.invocation_metadata() or ()
         for rule in rules:
-            keys = (rule.header, HEADER_PREFIX + rule.header)
-            if not any(key in keys and value == rule.value for key, value in metadata):
+            # Only under Triton's prefix, named so in the error (as Triton 2.51: a bare
+            # header of the rule's name is refused).
+            key = HEADER_PREFIX + rule.header
+            if not any(name == key and value == rule.value for name, value in metadata):
                 await context.abort(
-                    grpc.StatusCode.UNAVAILABLE,
-                    f"This protocol is restricted, expecting header '{rule.header}'",
+                    grpc.StatusCode.UNAVAILABLE, f"This protocol is restricted, expecting header '{key}'"
                 )
 
     # -- health and metadata ------------------------------------------------------------

@@ -3,9 +3,9 @@ and ``--grpc-restricted-protocol``), shared by both frontends.
 
 ``<category,...>:<header>=<value>``: a call in one of the categories must carry
 ``header`` with exactly ``value``. HTTP answers 403 "This API is restricted,
-expecting header '<header>'"; gRPC answers UNAVAILABLE "This protocol is
-restricted, expecting header '<header>'" and also accepts the header under
-Triton's ``triton-grpc-protocol-`` prefix.
+expecting header '<header>'"; gRPC wants the header under Triton's
+``triton-grpc-protocol-`` prefix and answers UNAVAILABLE "This protocol is
+restricted, expecting header 'triton-grpc-protocol-<header>'", as Triton 2.51.
 """
 
 from __future__ import annotations

@@ -1099,12 +1099,14 @@ def test_restricted_protocols(server):
                 assert info.value.status() == "StatusCode.UNAVAILABLE"
                 assert (
                     info.value.message()
-                    == "This protocol is restricted, expecting header 'infer-key'"
+                    == "This protocol is restricted, expecting header 'triton-grpc-protocol-infer-key'"
                 )
             with pytest.raises(InferenceServerException, match="restricted"):
-                c.is_server_live(headers={"infer-key": "wrong"})
+                c.is_server_live(headers={"triton-grpc-protocol-infer-key": "wrong"})
+            with pytest.raises(InferenceServerException, match="restricted"):  # (as Triton 2.51)
+                c.is_server_live(headers={"infer-key": "secret"})
             assert c.get_server_metadata().name == "dlserve"  # metadata is not restricted
-            assert c.is_server_live(headers={"infer-key": "secret"})
+            assert c.is_server_live(headers={"triton-grpc-protocol-infer-key": "secret"})
             # Triton's clients send the header with its gRPC prefix
             result = c.infer(
                 "add_sub", add_sub_inputs(), headers={"triton-grpc-protocol-infer-key": "secret"}
