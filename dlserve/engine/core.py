@@ -161,6 +161,9 @@ class Engine:
         pools = settings.rate_limit_resources
         self.rate_limiter = RateLimiter(pools) if pools is not None else None
         self.live = False
+        # Whether the network's new requests are taken: no longer once a shutdown began,
+        # while those in flight (and the BLS calls they make) still finish.
+        self.accepting = True
 
     def _knows(self, name: str) -> bool:
         return self.manager is not None and self.manager.models.knows(name)
@@ -385,8 +388,10 @@ class Engine:
         ``model``: the version it is for, where the caller resolved it (an ensemble's
         step, in the ensemble's namespace)."""
         try:
-            if not self.live:
-                raise UnavailableError("the server is stopping and takes no new requests")
+            if not (self.live and self.accepting):
+                raise UnavailableError(  # (Triton 2.51's words)
+                    "Server is stopping, scheduler for model has stopped accepting new inference requests"
+                )
             model = self.prepare(request, model)
         except TritonError:
             if request.trace is not None:

@@ -339,6 +339,9 @@ class Server:
             return True
         # One budget for the whole shutdown: the services drain, then the engine.
         deadline = time.monotonic() + engine.settings.exit_timeout
+        # As Triton's exiting server: the network's requests in flight finish, new ones
+        # (on a gRPC stream or a keep-alive connection still open) are refused.
+        engine.accepting = False
         # No new requests from the network first: every service stops accepting at
         # once, then each drains what it has in flight.
         stopping = [c for service in list(self._services) if (c := service._stopping(deadline)) is not None]

@@ -387,6 +387,40 @@ def test_serve_infers_with_curl_reports_metrics_and_drains_on_sigterm(serve, mak
     process.assert_clean()
 
 
+def test_a_grpc_stream_open_at_shutdown_gets_no_new_requests_run(serve, make_repo):
+    """upstream L0_grpc_state_cleanup (*_shutdownserver): after SIGINT the request in flight
+    on a stream is answered, a new one sent on it is refused in Triton 2.51's words."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    process = serve("--model-repository", str(make_repo("faulty"))).wait_started()
+    answers: queue.Queue = queue.Queue()
+
+    def tensor(value: float) -> grpcclient.InferInput:
+        t = grpcclient.InferInput("INPUT0", [1], "FP32")
+        t.set_data_from_numpy(np.array([value], np.float32))
+        return t
+
+    with grpcclient.InferenceServerClient(f"127.0.0.1:{process.ports['grpc']}") as client:
+        client.start_stream(callback=lambda result, error: answers.put((result, error)))
+        client.async_stream_infer("faulty", [tensor(1.0)], request_id="in flight", parameters={"mode": "sleep:2"})
+        time.sleep(0.5)  # (in the model by now)
+        process.proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        client.async_stream_infer("faulty", [tensor(2.0)], request_id="late")
+        got = [answers.get(timeout=30) for _ in range(2)]
+        client.stop_stream()
+    errors = [error for _, error in got if error is not None]
+    assert len(errors) == 1, got
+    assert "Server is stopping, scheduler for model has stopped accepting new inference requests" in str(errors[0])
+    (answered,) = [result for result, _ in got if result is not None]
+    assert answered.get_response().id == "in flight"
+    code, _ = process.stop(signal.SIGINT)
+    assert code == 0, process.output()
+    process.assert_clean()
+
+
 def test_exit_timeout_bounds_shutdown_with_a_stuck_request(serve, make_repo):
     process = serve(
         "--model-repository", str(make_repo("faulty")), "--exit-timeout-secs", "1",
