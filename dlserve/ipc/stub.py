@@ -365,8 +365,13 @@ class Worker:
                 if request._sender is None and self._is_filler(request):
                     exchange.closed = True  # (its answer goes nowhere: nothing is owed)
                     replies.append(None)
-                else:
+                elif request._sender is not None or request.rescheduled():
                     replies.append(self._streamed(request))
+                else:
+                    # Triton skips it (a cancelled request has its answer; another never
+                    # gets one): this request alone is answered, with Triton's words.
+                    exchange.closed = True
+                    replies.append(((), (int(ErrorCode.INTERNAL), _not_a_response(response)), "{}"))
                 continue
             if exchange.responses or exchange.closed:
                 raise self._failed(
@@ -404,10 +409,8 @@ class Worker:
                 f"and InferenceResponse(s) size is:{len(responses)}\n",
             )
         for response, request in zip(responses, requests):
-            if response is None and (
-                request.rescheduled() or request._sender is not None or self._is_filler(request)
-            ):
-                continue
+            if response is None:
+                continue  # (answered by the sender, rescheduled, or alone: see _replies)
             if request.rescheduled():  # (Triton's words, its typo included)
                 raise self._failed(
                     requests,
@@ -415,11 +418,15 @@ class Worker:
                     f"request, found type '{type(response)}'.",
                 )
             if not isinstance(response, InferenceResponse):
-                raise self._failed(
-                    requests,
-                    "each element of the execute return must be a pb_utils.InferenceResponse, "
-                    f"found type '{type(response)}'",
-                )
+                raise self._failed(requests, _not_a_response(response))
+
+
+def _not_a_response(element: Any) -> str:
+    """What an element of execute's list that is no response gets (Triton 2.51's words)."""
+    return (
+        "Expected an 'InferenceResponse' object in the execute function return list, "
+        f"found type '{type(element)}'."
+    )
 
 
 def _watch_parent(parent: int, arena: Arena) -> None:

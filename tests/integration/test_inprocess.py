@@ -392,7 +392,7 @@ def test_exception_in_execute_is_internal_with_the_python_message(server, caplog
         ("not_list", "Expected a list in the execute return, found type '<class 'dict'>'."),
         ("wrong_length", "Number of InferenceResponse objects do not match the number of InferenceRequest objects"),
         ("none", "without sending its final response: execute returned None"),
-        ("not_response", "must be a pb_utils.InferenceResponse"),
+        ("not_response", "Expected an 'InferenceResponse' object in the execute function return list, found type '<class 'str'>'."),
     ],
 )
 def test_malformed_execute_returns(server, mode, expected):
@@ -402,6 +402,51 @@ def test_malformed_execute_returns(server, mode, expected):
     ok = infer_one(server, "faulty", inputs={"INPUT0": np.ones(1, dtype=np.float32)})
     assert ok.error is None
 
+
+
+NONE_FOR_ONE = """
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        values = [float(pb_utils.get_input_tensor_by_name(r, "X").as_numpy()[0, 0]) for r in requests]
+        return [
+            None if v < 0 else pb_utils.InferenceResponse([pb_utils.Tensor("Y", np.array([[v + 1]], np.float32))])
+            for v in values
+        ]
+"""
+
+
+def test_a_none_in_executes_list_answers_that_request_alone(servers, make_repo):
+    """Triton 2.51 skips a None element (the others get their responses); dlserve did
+    the same for none but failed the whole batch. The None's own request is answered
+    with Triton's words instead of never (Triton leaves it waiting)."""
+    config = (
+        'backend: "python"\nmax_batch_size: 4\n'
+        'input [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
+        'output [ { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
+        "dynamic_batching { max_queue_delay_microseconds: 2000000 preferred_batch_size: [ 2 ] }\n"
+    )
+    server = servers.start(make_repo(extra={"none_for_one": {"config.pbtxt": config, "1/model.py": NONE_FOR_ONE}}))
+    model = server.model("none_for_one")
+
+    async def both() -> list[Any]:
+        async def one(value: float) -> Any:
+            return [r async for r in model.async_infer(inputs={"X": np.array([[value]], np.float32)}, raise_on_error=False)]
+
+        return await asyncio.gather(one(-1.0), one(20.0))
+
+    skipped, answered = asyncio.run(both())
+    assert np.from_dlpack(answered[0].outputs["Y"]).tolist() == [[21.0]]
+    assert answered[0].error is None
+    assert isinstance(skipped[0].error, dlserve.InternalError)
+    assert "Expected an 'InferenceResponse' object in the execute function return list, found type '<class 'NoneType'>'." in str(skipped[0].error)
+    stats = model.statistics()["model_stats"][0]
+    assert stats["execution_count"] == 1  # (one execute: the two were one batch)
 
 def test_bad_requests_raise_before_running(server):
     model = server.model("add_sub")
