@@ -333,9 +333,9 @@ class _Run:
     def cancel(self, answered: bool = True) -> None:
         """Cancel the steps running. ``answered``: the ensemble's request is answered
         now, so nothing runs on; else the steps' own answers go on through the steps."""
-        if not answered:
-            for branch in self.branches:
-                for call in branch.running.values():
+        if not answered:  # (a queued step is answered at once: its branch may change)
+            for branch in list(self.branches):
+                for call in list(branch.running.values()):
                     if call.owner is not None:
                         call.owner.cancel(call, answer=False)
             return
