@@ -152,8 +152,9 @@ class ServerHarness:
             self.stop(server)
         gc.collect()  # tensors caught in exception reference cycles hold mappings until then
         # gRPC shuts its pollers down on a background thread a moment after the last
-        # channel and server are gone: give such asynchronous clean-up a few seconds.
-        deadline = time.monotonic() + 5
+        # channel and server are gone: give such asynchronous clean-up a few seconds
+        # (on a loaded two-CPU machine one was seen closing just after five).
+        deadline = time.monotonic() + 10
         while (extra := open_fds() - self.fds_before) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not extra, f"file descriptors left open: {describe_fds(extra)}"
