@@ -26,6 +26,11 @@ LEGACY_NAME = b"dltensor"
 VERSIONED_NAME = b"dltensor_versioned"
 FLAG_READ_ONLY = 1 << 0
 FLAG_IS_COPIED = 1 << 1
+# Triton's own words (python backend), which its QA compares whole.
+STRING_EXPORT_REFUSED = "DLPack does not have support for string tensors."
+NOT_CONTIGUOUS = (
+    "DLPack tensor is not contiguous. Only contiguous DLPack tensors that are stored in C-Order are supported."
+)
 
 
 class DLDeviceType(enum.IntEnum):
@@ -181,7 +186,11 @@ def host_array_from_dlpack(obj: Any) -> tuple[np.ndarray, DataType]:
         # caller made (torch's to_dlpack, pb_utils' to_dlpack) is taken as writable, as
         # Triton takes it. (A producer asked for a versioned capsule that answers with a
         # legacy one stays read-only: jax's immutable arrays do that.)
-        array = exposed(array.__array_interface__["data"][0], array.shape, array.dtype.str, array)
+        # (The strides travel too: a transposed tensor must stay transposed, for the
+        # contiguity check that follows to see it.)
+        array = exposed(
+            array.__array_interface__["data"][0], array.shape, array.dtype.str, array, strides=array.strides
+        )
     return array, data_type
 
 
@@ -194,10 +203,19 @@ class _Exposure:
         self.owner = owner
 
 
-def exposed(address: int, shape: tuple[int, ...], typestr: str, owner: Any, readonly: bool = False) -> np.ndarray:
-    """A C-contiguous array over the memory at ``address``, which ``owner`` keeps alive
-    for as long as the array (or a view of it) lives."""
+def exposed(
+    address: int,
+    shape: tuple[int, ...],
+    typestr: str,
+    owner: Any,
+    readonly: bool = False,
+    strides: tuple[int, ...] | None = None,
+) -> np.ndarray:
+    """An array over the memory at ``address`` (C-contiguous unless ``strides`` says
+    otherwise), which ``owner`` keeps alive for as long as the array (or a view of it) lives."""
     interface = {"data": (address, readonly), "shape": shape, "typestr": typestr, "version": 3}
+    if strides is not None:
+        interface["strides"] = strides
     return np.asarray(_Exposure(interface, owner))
 
 
@@ -214,10 +232,7 @@ def export_host_array(
     """``__dlpack__`` for a host tensor whose bits are in ``array`` (BF16 as uint16).
     The capsule holds ``keep_alive`` too, for as long as it (or what imported it) lives."""
     if data_type is DataType.BYTES:
-        raise BufferError(
-            "BYTES tensors cannot be exported through DLPack (DLPack has no string type); "
-            "use as_numpy() or to_bytes_array()"
-        )
+        raise BufferError(STRING_EXPORT_REFUSED)
     if stream is not None and stream != -1:
         raise BufferError("a CPU tensor takes no stream (pass stream=None)")
     if dl_device is not None and tuple(dl_device) != (DLDeviceType.kDLCPU, 0):

@@ -26,6 +26,7 @@ from dlserve.memory import bytes_codec
 from dlserve.memory.copying import copy_bytes
 from dlserve.memory.dlpack import (
     HOST_DEVICES,
+    NOT_CONTIGUOUS,
     DLDeviceType,
     device_of,
     export_host_array,
@@ -207,7 +208,7 @@ class Tensor:
         except BufferError as exc:
             raise InvalidArgumentError(f"cannot import DLPack tensor: {exc}") from None
         if not array.flags.c_contiguous:
-            raise InvalidArgumentError("DLPack tensors must be C-contiguous")
+            raise InvalidArgumentError(NOT_CONTIGUOUS)
         return cls(data_type, array.shape, data=array)
 
     @classmethod

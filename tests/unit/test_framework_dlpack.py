@@ -212,7 +212,7 @@ def test_writable_arrays_export_no_read_only_flag(producer):
 @producers
 def test_bytes_tensors_cannot_be_exported(producer):
     tensor = produce(producer, np.array([b"abc", b"de"], dtype=np.object_))
-    message = "BYTES tensors cannot be exported through DLPack"
+    message = "^DLPack does not have support for string tensors\\.$"  # Triton's words, whole
     with pytest.raises(BufferError, match=message):
         tensor.__dlpack__()
     with pytest.raises(BufferError, match=message):
@@ -282,6 +282,25 @@ def test_torch_tensors_are_imported_as_views(torch):
     from_capsule = pb_utils.Tensor.from_dlpack("Z", to_dlpack(source)).as_numpy()
     from_capsule[1, 1] = 7.0
     assert source[1, 1].item() == 7.0
+
+
+def test_a_transposed_tensor_is_refused_in_triton_s_words_not_read_in_the_wrong_order(torch):
+    """Upstream dlpack_test's test_non_contiguous_error: a legacy capsule (numpy imports it
+    read-only, and dlserve re-exposes it writable) once lost its strides on the way, so the
+    transposed tensor passed the contiguity check and read back in storage order."""
+    from torch.utils.dlpack import to_dlpack
+
+    transposed = torch.arange(6, dtype=torch.float16).reshape(2, 3).t()
+    for handed in (to_dlpack(transposed), transposed):
+        with pytest.raises(pb_utils.TritonModelException) as raised:
+            pb_utils.Tensor.from_dlpack("test_tensor", handed)
+        assert str(raised.value) == (
+            "DLPack tensor is not contiguous. Only contiguous DLPack tensors that are stored in C-Order are supported."
+        )
+    # A legacy capsule of a contiguous tensor still comes in whole and in order.
+    contiguous = torch.arange(6, dtype=torch.float16).reshape(3, 2)
+    imported = pb_utils.Tensor.from_dlpack("test_tensor", to_dlpack(contiguous)).as_numpy()
+    assert imported.tolist() == contiguous.tolist()
 
 
 def test_torch_bf16_round_trip(torch):

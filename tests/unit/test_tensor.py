@@ -194,7 +194,7 @@ def test_from_object_torch_tensors():
     assert tb.as_numpy().dtype == np.dtype(ml_dtypes.bfloat16)
     assert tb.as_numpy().astype(np.float32).tolist() == [1.5, -2.0]
     assert tb.data_ptr == bf.data_ptr()
-    with pytest.raises(InvalidArgumentError, match="C-contiguous"):
+    with pytest.raises(InvalidArgumentError, match="DLPack tensor is not contiguous"):
         Tensor.from_object(x.t())
     with pytest.raises(InvalidArgumentError, match="no Triton data type"):
         Tensor.from_object(torch.zeros(2, dtype=torch.complex64))
@@ -277,7 +277,7 @@ def test_malformed_bytes_encoding_is_invalid_argument():
 
 def test_bytes_tensors_have_no_dlpack_form():
     t = Tensor.from_numpy(np.array([b"a"], dtype=object))
-    with pytest.raises(BufferError, match="BYTES tensors cannot be exported through DLPack"):
+    with pytest.raises(BufferError, match="DLPack does not have support for string tensors"):
         t.__dlpack__()
     with pytest.raises(BufferError):
         np.from_dlpack(t)
