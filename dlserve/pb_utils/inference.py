@@ -284,11 +284,13 @@ class InferenceResponse:
 
     def __init__(
         self,
-        output_tensors: Sequence[Tensor] | None = None,
+        output_tensors: Sequence[Tensor] = (),
         error: TritonError | None = None,
         parameters: dict[str, Any] | str | None = None,
     ) -> None:
-        tensors = list(output_tensors or ())
+        if output_tensors is None:  # (left out is an empty list; None is refused, as in Triton)
+            raise TypeError("InferenceResponse output_tensors must be a list of pb_utils.Tensor, not None")
+        tensors = list(output_tensors)
         for tensor in tensors:
             if tensor is None:  # (Triton's words)
                 raise TritonModelException("Output tensor for inference response should not be empty.")

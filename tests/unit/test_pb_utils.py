@@ -641,6 +641,9 @@ def test_arguments_triton_checks_first_are_checked_first_in_its_words():
         pb_utils.InferenceRequest(inputs=[None], model_name="m", requested_output_names=["o"])
     with pytest.raises(pb_utils.TritonModelException, match="^Output tensor for inference response should not be empty.$"):
         pb_utils.InferenceResponse(output_tensors=[None])
+    with pytest.raises(TypeError):  # (None given; left out, it is an empty list)
+        pb_utils.InferenceResponse(output_tensors=None)
+    assert pb_utils.InferenceResponse().output_tensors() == []
     with pytest.raises(TypeError):  # (the array's type before the name's value)
         pb_utils.Tensor("", None)
     with pytest.raises(pb_utils.TritonModelException, match="^Tensor name cannot be an empty string.$"):
