@@ -53,6 +53,7 @@ class Family:
     description: str
     kind: MetricKind
     values: dict[Labels, Any] = dataclasses.field(default_factory=dict)
+    holders: int = 0  # the models' MetricFamily objects of this name still alive
 
 
 def check_buckets(buckets: Any) -> list[float]:
@@ -102,11 +103,24 @@ class CustomMetrics:
         with self._lock:
             family = self.families.get(name)
             if family is None:
-                self.families[name] = Family(name, description, kind)
+                family = self.families[name] = Family(name, description, kind)
             elif family.kind is not kind:  # (another description: the first one stays, as in Triton)
                 raise InvalidArgumentError(
                     f"metric family '{name}' already exists as a {family.kind.name}, not a {kind.name}"
                 )
+            family.holders += 1
+
+    def release(self, name: str) -> None:
+        """A model let one of its MetricFamily objects go. With the last one, the family's
+        metrics go too, as in Triton (its name and description stay; a family declared
+        again starts its metrics at zero). A worker that ends never releases: a model's
+        metrics outlive its unload and reload, as Triton's do."""
+        with self._lock:
+            family = self.families.get(name)
+            if family is not None and family.holders > 0:
+                family.holders -= 1
+                if family.holders == 0:
+                    family.values.clear()
 
     def _family(self, name: str) -> Family:
         family = self.families.get(name)
@@ -180,18 +194,20 @@ class CustomMetrics:
     def _render(self) -> list[str]:
         lines: list[str] = []
         for family in self.families.values():
+            if not family.values:  # (Triton shows no family without metrics)
+                continue
             kind = family.kind.name.lower()
             lines.append(f"# HELP {family.name} {family.description}")
             lines.append(f"# TYPE {family.name} {kind}")
             for key, value in family.values.items():
-                if isinstance(value, Histogram):
+                if isinstance(value, Histogram):  # (in Triton's order: count, sum, buckets)
+                    lines.append(sample(f"{family.name}_count", key, value.count))
+                    lines.append(sample(f"{family.name}_sum", key, value.total))
                     cumulative = 0
                     for edge, count in zip(value.buckets, value.counts):
                         cumulative += count
                         lines.append(sample(f"{family.name}_bucket", key + (("le", _number(edge)),), cumulative))
                     lines.append(sample(f"{family.name}_bucket", key + (("le", "+Inf"),), value.count))
-                    lines.append(sample(f"{family.name}_sum", key, value.total))
-                    lines.append(sample(f"{family.name}_count", key, value.count))
                 else:
                     lines.append(sample(family.name, key, value))
         return lines
@@ -203,13 +219,13 @@ _model_registries: weakref.WeakSet[CustomMetrics] = weakref.WeakSet()
 
 
 def _number(value: float) -> str:
-    if math.isnan(value):  # (a summary's quantile with no observation to rank)
-        return "NaN"
+    """A sample's value as Triton's metrics library writes it: 16 significant digits,
+    ``Nan`` (a summary's quantile with no observation to rank), ``+Inf``/``-Inf``."""
+    if math.isnan(value):
+        return "Nan"
     if math.isinf(value):
         return "+Inf" if value > 0 else "-Inf"
-    if value == int(value) and abs(value) < 1e15:
-        return str(int(value))
-    return repr(float(value))
+    return format(value, ".16g")
 
 
 def _escape(value: str) -> str:

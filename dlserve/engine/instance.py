@@ -222,6 +222,8 @@ class ModelInstance:
             try:
                 if op == "create":
                     metrics.create(name, labels, value)
+                elif op == "release":
+                    metrics.release(name)
                 else:
                     metrics.update(op, name, labels, value)
             except TritonError as exc:

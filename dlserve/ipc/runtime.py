@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import os
 import threading
 import weakref
 from typing import Any
@@ -95,6 +96,8 @@ class WorkerRuntime:
         self._cancel_lock = threading.Lock()
         # False while the model's initialize or finalize runs: BLS is execute's, as in Triton.
         self.bls_allowed = True
+        self.finalized = False  # (the model's finalize returned: the worker is ending)
+        self._pid = os.getpid()
         channel.on_cancel = self._cancelled
         channel.on_bls_response = self._received
         channel.on_release = peer.release
@@ -113,6 +116,12 @@ class WorkerRuntime:
 
     def notify(self, kind: int, body: Any) -> None:
         self.channel.send(kind, 0, body)
+
+    def release_metric_family(self, name: str) -> None:
+        """The model let a MetricFamily go (not the worker's teardown after finalize, nor a
+        process the model forked, whose copy of the channel is not its to write to)."""
+        if not self.finalized and os.getpid() == self._pid:
+            self.notify(Kind.METRIC, ("release", name, {}, 0.0))
 
     # -- received requests -------------------------------------------------------------
     def exchange(

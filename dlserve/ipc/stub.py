@@ -271,6 +271,7 @@ class Worker:
         finalize = getattr(self.model, "finalize", None)
         if finalize is not None:
             self._run(finalize())
+        self.runtime.finalized = True
 
     # -- execute ------------------------------------------------------------------------
     def _execute(self, body: list[Any]) -> list[Any]:

@@ -34,6 +34,10 @@ class Runtime(Protocol):
         """Send to the server without waiting."""
         ...
 
+    def release_metric_family(self, name: str) -> None:
+        """The model let go of a ``MetricFamily`` of this name."""
+        ...
+
     def send_response(self, exchange: Exchange, response: InferenceResponse | None, final: bool) -> None:
         """Send one response (or, with None, just the final flag) for a received request."""
         ...

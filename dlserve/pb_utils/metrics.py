@@ -11,7 +11,7 @@ import enum
 import re
 import weakref
 
-from dlserve.engine.custom_metrics import check_buckets
+from dlserve.engine.custom_metrics import check_buckets, label_key
 from dlserve.errors import TritonError
 from dlserve.ipc.protocol import Kind
 from dlserve.pb_utils import _runtime
@@ -43,6 +43,9 @@ class MetricFamily:
         runtime = _runtime.current()
         if runtime is not None:
             runtime.request(Kind.METRIC_FAMILY, (name, self.description, int(self.kind)))
+            # Once the model lets go of the family, its metrics leave the server's metrics, as
+            # in Triton (the worker's own exit is no letting go: see CustomMetrics.release).
+            weakref.finalize(self, runtime.release_metric_family, name).atexit = False
 
     def Metric(self, labels: dict[str, str] | None = None, buckets: list[float] | None = None) -> Metric:  # noqa: N802 - Triton's name
         return Metric(self, labels or {}, buckets)
@@ -54,6 +57,10 @@ class Metric:
             isinstance(k, str) and isinstance(v, str) for k, v in labels.items()
         ):
             raise TritonModelException("metric labels must be a dict of str to str")
+        try:
+            label_key(labels)  # (refused here, as Triton refuses it, not later by the server)
+        except TritonError as exc:
+            raise TritonModelException(exc.message) from None
         if family.kind is MetricKind.HISTOGRAM:
             if buckets is None:
                 raise TritonModelException("a histogram metric needs buckets")

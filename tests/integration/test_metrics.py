@@ -104,6 +104,18 @@ class TritonPythonModel:
             )
             self.open.Metric(labels={}, buckets=[]).observe(3.0)
             return self._values(0.0, 0.0)
+        if op == "drop_family":  # a family the model lets go of takes its metrics along
+            dropped = pb_utils.MetricFamily(
+                name="dlserve_test_dropped", description="let go", kind=pb_utils.MetricFamily.COUNTER
+            )
+            metric = dropped.Metric(labels={"model": "metrics_model"})
+            metric.increment(float(x[0]))
+            seen = metric.value()
+            self.empty = pb_utils.MetricFamily(  # (kept, with no metric: Triton shows nothing)
+                name="dlserve_test_empty", description="no metrics", kind=pb_utils.MetricFamily.GAUGE
+            )
+            del metric, dropped
+            return self._values(seen, 0.0)
         if op == "shared":  # the same family and labels declared again share the value
             family = pb_utils.MetricFamily(  # (worded otherwise: the first description stays)
                 name=COUNTER, description="Reworded", kind=pb_utils.MetricFamily.COUNTER
@@ -144,6 +156,7 @@ ERRORS = {
     "unsorted_buckets": lambda m: m.histograms.Metric(labels={"model": "x"}, buckets=[5.0, 1.0]),
     "repeated_bucket": lambda m: m.histograms.Metric(labels={"model": "x"}, buckets=[1.0, 1.0, 2.0]),
     "no_kind": lambda m: pb_utils.MetricFamily(name="dlserve_test_kindless", description="no kind"),
+    "bad_label_name": lambda m: m.counters.Metric(labels={"bad-label": "v"}),
     "app_owned": lambda m: pb_utils.MetricFamily(
         name="dlserve_test_app_owned", description="the application's", kind=pb_utils.MetricFamily.COUNTER
     ),
@@ -445,6 +458,7 @@ def test_custom_metrics_through_the_model_and_metrics(server, port):
         ("unsorted_buckets", "histogram buckets must be strictly increasing, got [5.0, 1.0]"),
         ("repeated_bucket", "histogram buckets must be strictly increasing, got [1.0, 1.0, 2.0]"),
         ("no_kind", "TypeError: MetricFamily.__init__() missing 1 required positional argument: 'kind'"),
+        ("bad_label_name", "invalid metric label name 'bad-label'"),
     ],
 )
 def test_metric_misuse_raises_triton_model_exception_in_the_model(server, port, op, message):
@@ -469,8 +483,41 @@ def test_models_may_name_families_nv_and_leave_histograms_without_buckets(server
     text = scrape(port)[0]
     assert 'nv_custom_thing{model="metrics_model"} 2' in text.splitlines()
     assert [line for line in text.splitlines() if line.startswith("dlserve_test_open_")] == [
-        'dlserve_test_open_bucket{le="+Inf"} 1', "dlserve_test_open_sum 3", "dlserve_test_open_count 1",
-    ]
+        "dlserve_test_open_count 1", "dlserve_test_open_sum 3", 'dlserve_test_open_bucket{le="+Inf"} 1',
+    ]  # (in Triton 2.51's order)
+
+
+def test_a_family_the_model_lets_go_of_leaves_with_its_metrics_as_in_triton(server, port):
+    """Triton 2.51, measured side by side: once a model drops its last MetricFamily object
+    of a name, the family's samples leave /metrics, and declared again, its metrics start
+    from zero; a family without metrics shows no lines at all."""
+    for _ in range(2):  # (the second time from zero again, not 2.5 + 2.5)
+        response = infer(server, "metrics_model", {"INPUT0": np.array([2.5])}, parameters={"op": "drop_family"})
+        assert response.error is None, response.error
+        assert outputs(response)[0] == 2.5
+        text = scrape(port)[0]
+        assert "dlserve_test_dropped" not in text
+        assert "dlserve_test_empty" not in text
+    assert 'dlserve_test_requests{kind="plain",model="metrics_model"}' in text  # (the others stay)
+
+
+def test_a_model_s_metrics_outlive_its_unload_and_reload_as_in_triton(servers, tmp_path):
+    """Upstream custom_metrics_reload_test, as Triton 2.51 passes it: the worker's own
+    end (its objects torn down after finalize) is not the model letting its families go."""
+    (tmp_path / "metrics_model" / "1").mkdir(parents=True)
+    (tmp_path / "metrics_model" / "config.pbtxt").write_text(METRICS_CONFIG)
+    (tmp_path / "metrics_model" / "1" / "model.py").write_text(METRICS_MODEL)
+    server = servers.start(
+        tmp_path, model_control_mode=dlserve.ModelControlMode.EXPLICIT, startup_models=["metrics_model"]
+    )
+    line = 'dlserve_test_requests{kind="plain",model="metrics_model"}'
+    for expected in (2, 4):
+        response = infer(server, "metrics_model", {"INPUT0": np.array([2.0, 0.0])})
+        assert response.error is None, response.error
+        assert f"{line} {expected}" in server.metrics()
+        server.unload("metrics_model", wait_until_unloaded=True)
+        assert f"{line} {expected}" in server.metrics()
+        server.load("metrics_model")
 
 
 # -- the application's metrics (dlserve.MetricFamily, as tritonserver.MetricFamily) ------------

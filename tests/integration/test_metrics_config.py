@@ -138,8 +138,8 @@ def test_summaries_exist_before_traffic_with_zero_counts_and_nan_quantiles(summa
             assert sorted(series) == sorted(["count", "sum", *QUANTILES])
             assert (series["count"], series["sum"]) == (0, 0)
             assert all(math.isnan(series[q]) for q in QUANTILES)
-    # the quantile label comes last, as Triton writes it; NaN in Prometheus' spelling
-    assert 'nv_inference_queue_summary_us{model="add_sub",version="1",quantile="0.999"} NaN\n' in text
+    # the quantile label comes last and NaN is spelled "Nan", as Triton 2.51 writes them
+    assert 'nv_inference_queue_summary_us{model="add_sub",version="1",quantile="0.999"} Nan\n' in text
 
 
 def test_summary_counts_and_sums_are_the_statistics_and_the_counters(summarized):

@@ -648,3 +648,16 @@ def test_arguments_triton_checks_first_are_checked_first_in_its_words():
         pb_utils.Tensor("", None)
     with pytest.raises(pb_utils.TritonModelException, match="^Tensor name cannot be an empty string.$"):
         pb_utils.Tensor("", np.zeros(1))
+
+
+def test_metric_values_are_written_as_triton_writes_them():
+    """Triton 2.51's metrics library: 16 significant digits, "Nan", signed infinities."""
+    from dlserve.engine.custom_metrics import sample
+
+    cases = {
+        0.1 + 0.2: "0.3", 1e15: "1000000000000000", 1.2345678901234568e17: "1.234567890123457e+17",
+        -0.0: "-0", 5e-324: "4.940656458412465e-324", 3: "3", float("nan"): "Nan",
+        float("inf"): "+Inf", float("-inf"): "-Inf",
+    }
+    for value, written in cases.items():
+        assert sample("m", (("a", "b"),), value) == f'm{{a="b"}} {written}'
