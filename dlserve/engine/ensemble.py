@@ -58,6 +58,11 @@ def validate(config: mc.ModelConfig, model_name: str) -> None:
     steps = steps_of(config)
     if not steps:
         raise InvalidArgumentError(f"{where}: ensemble_scheduling must have at least one step")
+    if config.ensemble_scheduling.max_inflight_requests:  # (refused rather than ignored)
+        raise InvalidArgumentError(
+            f"{where}: ensemble_scheduling.max_inflight_requests is not supported: dlserve does not "
+            "hold back a step's requests (Triton 2.51 does not know the field either); leave it out"
+        )
     made: dict[str, str] = {t.name: "the ensemble's inputs" for t in config.input}
     for index, step in enumerate(steps):
         if not step.model:

@@ -459,6 +459,22 @@ def test_a_bad_ensemble_config_is_refused_with_the_reason(make_repo, servers, st
         server.load("bad", {"config": config_json(text), "file:1/.keep": b""})
 
 
+def test_a_limit_on_a_step_s_requests_in_flight_is_refused_not_ignored(make_repo, servers):
+    """max_inflight_requests is newer than Triton 2.51 (which fails to parse it) and dlserve
+    does not apply it: a config that sets it is refused with the reason."""
+    server = servers.start(make_repo("identity"), model_control_mode=ModelControlMode.EXPLICIT)
+    text = GUARDED.replace("guarded", "capped").split("ensemble_scheduling")[0]
+    text += (
+        'ensemble_scheduling { max_inflight_requests: 4 step [ { model_name: "identity" model_version: -1 '
+        'input_map { key: "INPUT0" value: "X" } output_map { key: "OUTPUT0" value: "Y" } } ] }'
+    )
+    with pytest.raises(dlserve.InvalidArgumentError, match="max_inflight_requests is not supported"):
+        server.load("capped", {"config": config_json(text), "file:1/.keep": b""})
+    text = text.replace("max_inflight_requests: 4 ", "")
+    server.load("capped", {"config": config_json(text), "file:1/.keep": b""})
+    assert server.model("capped").ready()
+
+
 def _ensemble_over(
     step: str, input_key: str = "INPUT0", output_key: str = "OUTPUT0", version: int = -1, batch: int = 0,
     out_type: str = "TYPE_FP32", in_dims: str = "-1",
