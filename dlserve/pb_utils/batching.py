@@ -93,7 +93,7 @@ def join_inputs(
         tensor = get_input_tensor_by_name(request, name)
         if tensor is None:
             raise TritonModelException(f"request {index} of the batch has no input '{name}'")
-        array = tensor.as_numpy()
+        array = tensor._tensor.as_numpy()  # (BF16 too, which pb_utils' as_numpy refuses)
         if array.ndim == 0:
             raise TritonModelException(f"input '{name}' has no batch dimension to join along")
         arrays.append(array)

@@ -93,6 +93,10 @@ class Tensor:
         return True
 
     def as_numpy(self) -> np.ndarray:
+        if self._tensor.data_type is DataType.BF16:  # (Triton's words: its QA's identity_bf16 expects it)
+            raise TritonModelException(
+                "Tensor dtype is BF16 and cannot be converted to NumPy. Use to_dlpack() and from_dlpack() instead."
+            )
         try:
             return self._tensor.as_numpy()
         except TypeError as exc:

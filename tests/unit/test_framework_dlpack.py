@@ -377,8 +377,9 @@ def test_jax_bf16_round_trip(jax):
     native = jax.numpy.arange(32, dtype=jax.numpy.bfloat16)
     imported = pb_utils.Tensor.from_dlpack("b", native)
     assert imported.triton_dtype() == int(DataType.BF16)
-    assert address(imported.as_numpy()) == native.unsafe_buffer_pointer()
-    assert imported.as_numpy().astype(np.float32).tolist() == list(range(32))
+    again = dlserve.Tensor.from_dlpack(imported)  # (pb_utils' as_numpy refuses BF16, as Triton's)
+    assert again.data_ptr == native.unsafe_buffer_pointer()
+    assert again.as_numpy().astype(np.float32).tolist() == list(range(32))
 
 
 @pytest.mark.xfail(
@@ -423,4 +424,4 @@ def test_tensorflow_tensors_are_imported_as_views(tf, dtype):
     assert tensor.data_ptr == pointer
     assert tensor.as_numpy().astype(np.float64).tolist() == np.arange(12).reshape(3, 4).tolist()
     pb_tensor = pb_utils.Tensor.from_dlpack("OUTPUT0", tf.experimental.dlpack.to_dlpack(source))
-    assert address(pb_tensor.as_numpy()) == pointer
+    assert dlserve.Tensor.from_dlpack(pb_tensor).data_ptr == pointer

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import tritonclient.utils as tc
 
+import dlserve
 import dlserve.pb_utils
 import triton_python_backend_utils as pb_utils
 from dlserve.memory.dtypes import DataType
@@ -214,7 +215,15 @@ def test_a_dlpack_capsule_holds_its_tensor_as_triton_s_does():
     assert sys.getrefcount(t) == before
     bf16 = pb_utils.Tensor("B", np.array([1.5, -2], dtype=ml_dtypes.bfloat16))
     back = pb_utils.Tensor.from_dlpack("C", bf16.to_dlpack())  # (the bf16 code survives)
-    assert back.triton_dtype() == bf16.triton_dtype() and back.as_numpy().tolist() == [1.5, -2]
+    assert back.triton_dtype() == bf16.triton_dtype()
+    assert dlserve.Tensor.from_dlpack(back).as_numpy().tolist() == [1.5, -2]
+    # numpy has no bfloat16: as Triton's, as_numpy() refuses and points at DLPack
+    for tensor in (bf16, back):
+        with pytest.raises(pb_utils.TritonModelException) as raised:
+            tensor.as_numpy()
+        assert str(raised.value) == (
+            "Tensor dtype is BF16 and cannot be converted to NumPy. Use to_dlpack() and from_dlpack() instead."
+        )
 
 
 def test_tensor_empty_outside_a_worker_is_a_plain_array():
@@ -227,8 +236,9 @@ def test_tensor_empty_outside_a_worker_is_a_plain_array():
     assert t.as_numpy().sum() == 30.0
     assert pb_utils.Tensor.empty("I", (3,), DataType.INT8).as_numpy().dtype == np.int8
     bf = pb_utils.Tensor.empty("BF", [4], ml_dtypes.bfloat16)
-    assert bf.triton_dtype() == 14 and bf.as_numpy().dtype == np.dtype(ml_dtypes.bfloat16)
-    assert bf.as_numpy().shape == (4,)
+    assert bf.triton_dtype() == 14 and bf.shape() == [4]  # (filled through DLPack: no numpy bf16)
+    view = dlserve.Tensor.from_dlpack(bf).as_numpy()
+    assert view.dtype == np.dtype(ml_dtypes.bfloat16) and view.shape == (4,)
     with pytest.raises(pb_utils.TritonModelException, match="cannot allocate BYTES"):
         pb_utils.Tensor.empty("S", [1], np.object_)
 
