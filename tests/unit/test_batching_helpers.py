@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -30,6 +31,13 @@ def test_scattered_rows_are_copied_once():
     joined = pb_utils.join_inputs(requests, "X")
     assert joined.copied and joined.sizes == [1, 1, 1]
     np.testing.assert_array_equal(joined.array, [[0, 0], [1, 1], [2, 2]])
+
+
+def test_bf16_inputs_join_though_as_numpy_refuses_them():
+    bf16 = ml_dtypes.bfloat16
+    requests = [request(np.full((1, 2), i, bf16)) for i in range(2)]
+    joined = pb_utils.join_inputs(requests, "X")
+    assert joined.array.dtype == bf16 and joined.array.astype(np.float32).tolist() == [[0, 0], [1, 1]]
 
 
 def test_split_gives_each_request_its_rows():
