@@ -184,6 +184,8 @@ class ModelInstance:
                 reason = worker.exit_description + worker.last_words()
             else:
                 reason = exc.message
+                self._log.info("Failed to initialize Python stub: %s", reason)
+            self._log.error("ERROR: Failed to create instance: %s", reason)  # (Triton's lines, grepped)
             await worker.stop(time.monotonic() + 5.0, finalize=False)
             raise InternalError(reason) from None  # (the model's error, as Triton words the load's)
         self.has_is_ready = bool(reply["has_is_ready"])

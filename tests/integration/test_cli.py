@@ -796,6 +796,8 @@ def test_the_log_is_written_in_tritons_lines(serve, make_repo):
     assert ("I", "loading: logger:1") in said and ("I", "successfully loaded 'logger'") in said
     assert ("E", "failed to load 'init_fail' version 1: Internal: RuntimeError: cannot initialize: "
                  "weights file is missing") in said
+    for severity, text in (("I", "Failed to initialize Python stub"), ("E", "ERROR: Failed to create instance")):
+        assert (severity, f"{text}: RuntimeError: cannot initialize: weights file is missing") in said
     assert ("I", "failed to load 'init_fail'") in said
     assert ("I", "successfully unloaded 'logger' version 1") in said
     process.assert_clean()
