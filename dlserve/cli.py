@@ -471,7 +471,7 @@ def serve(args: argparse.Namespace) -> int:
         return 1
     print("dlserve: ready" if server.ready() else "dlserve: started (some models are not ready)", flush=True)
     stop.wait()
-    log.info("shutting down: finishing in-flight requests (up to %d s)", args.exit_timeout_secs)
+    log.info("Waiting for in-flight requests to complete.")  # (Triton's words, which scripts grep)
     try:
         server.stop()  # stops the services first, draining them
     except dlserve.InternalError as exc:

@@ -15,14 +15,18 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import json
 import logging
+import os
 import sys
 from typing import Any, TextIO
 
 from dlserve.errors import InvalidArgumentError, UnsupportedError
 
 LOGGER = "dlserve"
+# A message is quoted and escaped (one record, one line) unless this is 0 or false, as in Triton.
+ESCAPE_VARIABLE = "TRITON_SERVER_ESCAPE_LOG_MESSAGES"
+_ESCAPES = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t", "\b": "\\b", "\f": "\\f"}
+_ESCAPED = str.maketrans({**{chr(c): f"\\u{c:04X}" for c in range(0x20)}, **_ESCAPES})  # (hex as Triton's)
 _FORMATS = ("default", "ISO8601")
 # ``extra`` of a record written after its line's header as it is (a table, as Triton's)
 VERBATIM = {"verbatim": True}
@@ -144,7 +148,8 @@ def triton_line(record: logging.LogRecord, iso8601: bool) -> str:
     text = record.getMessage()
     if record.exc_info:
         text += "\n" + logging.Formatter().formatException(record.exc_info)
-    body = text if getattr(record, "verbatim", False) else json.dumps(text, ensure_ascii=False)
+    raw = getattr(record, "verbatim", False) or os.environ.get(ESCAPE_VARIABLE, "").lower() in ("0", "false")
+    body = text if raw else f'"{text.translate(_ESCAPED)}"'
     return f"{stamp} {record.process} {source}] {body}"
 
 

@@ -217,6 +217,6 @@ class Options:
             log_info=self.log_info,
             log_warning=self.log_warn,
             log_error=self.log_error,
-            log_verbose_level=int(self.log_verbose),
+            log_verbose_level=max(0, int(self.log_verbose)),  # (Triton shows a negative one as 0)
             log_format="ISO8601" if self.log_format == LogFormat.ISO8601 else "default",
         )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import functools
 import json
+import logging
 import math
 import re
 from collections.abc import Awaitable, Callable
@@ -25,11 +26,11 @@ import orjson
 from dlserve.engine.request import Response
 from dlserve.engine.tracing import Trace
 from dlserve.errors import ErrorCode, InvalidArgumentError, TritonError, UnsupportedError
-from dlserve.frontends.dataplane import DataPlane, InputSpec, OutputSpec, parse_version, shm_ref
 from dlserve.frontends import json_values
+from dlserve.frontends.dataplane import DataPlane, InputSpec, OutputSpec, parse_version, shm_ref
 from dlserve.frontends.http_generate import GenerateApi
-from dlserve.frontends.restrictions import Restriction, rules_by_category
 from dlserve.frontends.http_server import HttpRequest, HttpResponse, decode_body, encode_body
+from dlserve.frontends.restrictions import Restriction, rules_by_category
 from dlserve.memory.dtypes import DataType
 
 STATUS = {
@@ -47,6 +48,11 @@ HEADER_LENGTH = "inference-header-content-length"
 
 def json_response(obj: Any, status: int = 200) -> HttpResponse:
     return HttpResponse(status, [orjson.dumps(obj)])
+
+
+log = logging.getLogger(__name__)
+# Triton's verbose "HTTP request: <method> <path>" line numbers methods as its HTTP library does.
+_METHOD_CODES = {"GET": 0, "HEAD": 1, "POST": 2, "PUT": 3, "DELETE": 4, "OPTIONS": 8, "TRACE": 13, "PATCH": 15}
 
 
 def error_response(error: TritonError) -> HttpResponse:
@@ -126,6 +132,8 @@ class KServeHttpApi:
         return None
 
     async def __call__(self, request: HttpRequest) -> HttpResponse:
+        if log.isEnabledFor(logging.DEBUG):  # (--log-verbose 1, in Triton's words)
+            log.debug("HTTP request: %d %s", _METHOD_CODES.get(request.method, 16), request.path)
         found = self._route(request.path)
         if found is None:
             return json_response({"error": "Not Found"}, 404)

@@ -383,7 +383,7 @@ def test_serve_infers_with_curl_reports_metrics_and_drains_on_sigterm(serve, mak
     status, body = result["reply"]
     assert status == 200, body
     assert {o["name"]: o["data"] for o in json.loads(body)["outputs"]}["OUTPUT0"] == [5.0]
-    assert "shutting down: finishing in-flight requests (up to 10 s)" in process.stderr
+    assert "Waiting for in-flight requests to complete." in process.stderr
     process.assert_clean()
 
 
@@ -491,7 +491,7 @@ def test_sigint_http_only_restricted_api_and_log_file(serve, make_repo, tmp_path
     assert log.startswith("a line before\n")
     assert "logger model initialized" in log  # the model's pb_utils.Logger lines
     assert "info message" in log and "error message" in log
-    assert "shutting down: finishing in-flight requests" in log
+    assert "Waiting for in-flight requests to complete." in log
     assert "successfully unloaded 'logger' version 1" in log  # its lines, till the last
     assert "info message" not in process.stderr and not LINE.search(process.stderr)  # the file's only
 
@@ -800,6 +800,8 @@ def test_the_log_is_written_in_tritons_lines(serve, make_repo):
         assert (severity, f"{text}: RuntimeError: cannot initialize: weights file is missing") in said
     assert ("I", "failed to load 'init_fail'") in said
     assert ("I", "successfully unloaded 'logger' version 1") in said
+    assert ("I", "Waiting for in-flight requests to complete.") in said  # (upstream L0_logging greps it)
+    assert not [m for _, m in said if m.startswith("HTTP request:")]  # (verbose only)
     process.assert_clean()
 
 
@@ -816,6 +818,7 @@ def test_each_severity_has_its_own_switch_at_start_and_at_run_time(serve, make_r
     port = process.ports["http"]
     lines = logged(infer_logger(process))
     assert ("I", "model.py:15", "verbose message") in lines and ("W", "model.py:13", "warning message") in lines
+    assert "HTTP request: 2 /v2/models/logger/infer" in [m for *_, m in lines]  # (Triton's verbose line)
     assert not [m for *_, m in lines if m == "info message"] and "info message" not in process.stderr
     settings = {"log_file": "", "log_info": False, "log_warning": True, "log_error": True,
                 "log_verbose_level": 1, "log_format": "default"}
@@ -828,6 +831,7 @@ def test_each_severity_has_its_own_switch_at_start_and_at_run_time(serve, make_r
     lines = logged(text, ISO_LINE)
     assert ("I", "model.py:12", "info message") in lines and ("E", "model.py:14", "error message") in lines
     assert "warning message" not in text and "verbose message" not in text and not LINE.search(text)
+    assert "HTTP request:" not in text
 
     with grpcclient.InferenceServerClient(f"127.0.0.1:{process.ports['grpc']}") as client:
         client.update_log_settings({"log_format": "default", "log_error": False})
