@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -160,6 +160,21 @@ class Signature:
         self.output_names = tuple(self.outputs)
 
 
+def _count_error(request: Request, signature: Signature, inputs: dict[str, Any]) -> NoReturn:
+    """Triton's answer to a request whose inputs are not the model's required ones."""
+    missing = [n for n in signature.required if n not in inputs]
+    got = ",".join(f"'{n}'" for n in inputs)
+    required, total = len(signature.required), len(signature.inputs)
+    expected = f"{total} inputs"
+    if required < total:  # Triton's wording where optional inputs make it a range
+        expected = f"number of inputs between {required} and {total}"
+    raise InvalidArgumentError(
+        f"{request.label}expected {expected} but got {len(inputs)} inputs "
+        f"for model '{signature.name}'. Got input(s) [{got}], but missing required input(s) "
+        f"[{','.join(repr(m) for m in missing)}]. Please provide all required input(s)."
+    )
+
+
 def validate_request(request: Request, signature: Signature) -> int:
     """Check inputs and requested outputs against the model; returns the batch size.
 
@@ -169,23 +184,17 @@ def validate_request(request: Request, signature: Signature) -> int:
     batching = signature.max_batch_size > 0
     declared = signature.inputs
     inputs = request.inputs
+    required, total = len(signature.required), len(declared)
+    # The count first, as Triton: too many or too few is said so before any unknown name.
+    if not required <= len(inputs) <= total:
+        _count_error(request, signature, inputs)
     for input_name in inputs:
         if input_name not in declared:
             raise InvalidArgumentError(  # (without the request id, as Triton says it)
                 f"unexpected inference input '{input_name}' for model '{name}'"
             )
-    missing = [n for n in signature.required if n not in inputs]
-    if missing:
-        got = ",".join(f"'{n}'" for n in inputs)
-        required, total = len(signature.required), len(declared)
-        expected = f"{total} inputs"
-        if required < total:  # Triton's wording where optional inputs make it a range
-            expected = f"number of inputs between {required} and {total}"
-        raise InvalidArgumentError(
-            f"{request.label}expected {expected} but got {len(inputs)} inputs "
-            f"for model '{name}'. Got input(s) [{got}], but missing required input(s) "
-            f"[{','.join(repr(m) for m in missing)}]. Please provide all required input(s)."
-        )
+    if any(n not in inputs for n in signature.required):
+        _count_error(request, signature, inputs)
     batch_size = 0
     for input_name, tensor in inputs.items():
         spec = declared[input_name]

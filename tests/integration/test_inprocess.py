@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 import queue
+import re
 from pathlib import Path
 from typing import Any
 
@@ -458,6 +459,12 @@ def test_bad_requests_raise_before_running(server):
     with pytest.raises(dlserve.InvalidArgumentError, match=r"missing required input\(s\) \['INPUT1'\]"):
         model.infer(inputs={"INPUT0": a})
     with pytest.raises(dlserve.InvalidArgumentError, match="^unexpected inference input 'NOPE' for model 'add_sub'$"):
+        model.infer(inputs={"INPUT0": a, "NOPE": a}, request_id="r0")
+    # one too many: the count is said first, as Triton 2.51 says it (upstream L0_logging)
+    with pytest.raises(dlserve.InvalidArgumentError, match=re.escape(
+        "[request id: r0] expected 2 inputs but got 3 inputs for model 'add_sub'. Got input(s) "
+        "['INPUT0','INPUT1','NOPE'], but missing required input(s) []."
+    )):
         model.infer(inputs={"INPUT0": a, "INPUT1": a, "NOPE": a}, request_id="r0")
     with pytest.raises(dlserve.InvalidArgumentError, match="unexpected inference output 'OUTPUT9'"):
         model.infer(inputs={"INPUT0": a, "INPUT1": a}, requested_output_names=["OUTPUT9"])
