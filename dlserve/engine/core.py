@@ -51,7 +51,7 @@ from dlserve.memory.tensor import Tensor
 log = logging.getLogger("dlserve.engine")
 
 SEGMENT_NAMESPACE = "dlserve_"  # reserved: clients may never register a region here
-EXTENSIONS = [  # Triton's order; cuda_shared_memory is left out (no CUDA here)
+EXTENSIONS = [  # Triton's order; cuda_shared_memory only where a GPU is (see metadata)
     "classification",
     "sequence",
     "model_repository",
@@ -59,6 +59,7 @@ EXTENSIONS = [  # Triton's order; cuda_shared_memory is left out (no CUDA here)
     "schedule_policy",
     "model_configuration",
     "system_shared_memory",
+    "cuda_shared_memory",
     "binary_tensor_data",
     "parameters",
     "statistics",
@@ -153,6 +154,7 @@ class Engine:
         self.arena: Arena | None = None
         self.environments = Environments()  # EXECUTION_ENV_PATH environments, shared by models
         self.manager: ModelManager | None = None
+        self.gpu_count = 0  # (counted at start)
         self.custom_metrics = CustomMetrics(shared=APPLICATION)
         self.regions = SystemRegions(self.space, SEGMENT_NAMESPACE, on_forget=self._forget_everywhere)
         self.tracer = Tracer(settings.trace, self._knows)
@@ -180,6 +182,7 @@ class Engine:
         remove_stale_segments()
         _PREFIXES_IN_USE.add(self.segment_prefix)
         self.arena = Arena(self.space, f"{self.segment_prefix}_s", s.arena_bytes, s.arena_bytes)
+        self.gpu_count = gpu_count()
         resources = EngineResources(
             space=self.space,
             arena=self.arena,
@@ -189,7 +192,7 @@ class Engine:
             custom_metrics=self.custom_metrics,
             host=self,
             environments=self.environments,
-            gpu_count=gpu_count(),
+            gpu_count=self.gpu_count,
             backend_directory=s.backend_directory,
             response_cache=self.response_cache,
             rate_limiter=self.rate_limiter,
@@ -268,7 +271,7 @@ class Engine:
         return {
             "name": self.settings.server_id,
             "version": dlserve.__version__,
-            "extensions": list(EXTENSIONS),
+            "extensions": [name for name in EXTENSIONS if name != "cuda_shared_memory" or self.gpu_count],
         }
 
     def model(self, name: str, version: int = -1, namespace: str | None = None) -> ModelVersion:

@@ -8,7 +8,6 @@ import json
 import numpy as np
 import pytest
 
-
 from ..conftest import ServerHarness
 
 
@@ -71,5 +70,6 @@ def test_each_gpu_instance_runs_on_its_device(make_repo):
             assert info["kind"] == "GPU" and info["current"] == info["device_id"]
             seen.add(info["device_id"])
         assert seen == set(gpus)  # requests reached an instance on every listed device
+        assert "cuda_shared_memory" in server.metadata()["extensions"]  # (as Triton lists it)
     finally:
         harness.close()

@@ -273,6 +273,8 @@ def test_server_metadata_lists_the_http_extensions_it_implements(client):
     extensions = client.get_server_metadata()["extensions"]
     for name in ("binary_tensor_data", "system_shared_memory", "logging", "trace"):
         assert name in extensions
+    # CUDA shared memory only where a GPU is (tests/gpu checks it is listed there)
+    assert ("cuda_shared_memory" in extensions) == (dlserve.engine.core.gpu_count() > 0)
 
 
 def test_model_metadata_matches_triton(client, port):
