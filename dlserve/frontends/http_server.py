@@ -102,6 +102,14 @@ def error_body(message: str) -> bytes:
     return json.dumps({"error": message}).encode()
 
 
+def _request_parser(protocol: Any) -> httptools.HttpRequestParser:
+    """A request parser that, as Triton's server and RFC 9112 do, reads a body sent with both
+    Content-Length and Transfer-Encoding: chunked as chunked (python-requests sends such)."""
+    parser = httptools.HttpRequestParser(protocol)
+    parser.set_dangerous_leniencies(lenient_chunked_length=True)
+    return parser
+
+
 class HttpConnection(asyncio.BufferedProtocol):
     """One client connection."""
 
@@ -110,7 +118,7 @@ class HttpConnection(asyncio.BufferedProtocol):
         self.transport: asyncio.Transport | None = None
         self._scratch = bytearray(_SCRATCH)
         self._scratch_view = memoryview(self._scratch)
-        self._parser = httptools.HttpRequestParser(self)
+        self._parser = _request_parser(self)
         self._direct: np.ndarray | None = None  # body block being filled straight from the socket
         self._filled = 0
         self._reserved = 0  # bytes of the server's body reserve this connection's block holds
@@ -172,6 +180,11 @@ class HttpConnection(asyncio.BufferedProtocol):
         if upgrade and "transfer-encoding" in self._headers:
             raise HttpError(400, "an Upgrade request with a chunked body is not supported")
         length = self._headers.get("content-length")
+        if length is not None and "transfer-encoding" in self._headers:
+            # Read as chunked, and the connection closed after the answer (RFC 9112 6.3: no
+            # request can be smuggled behind it for a proxy that went by the length).
+            self._keep_alive = False
+            return
         if length is None:
             return
         try:
@@ -272,7 +285,7 @@ class HttpConnection(asyncio.BufferedProtocol):
                 self._parser.feed_data(data)
                 return
             except httptools.HttpParserUpgrade as upgrade:
-                self._parser = httptools.HttpRequestParser(self)
+                self._parser = _request_parser(self)
                 data = data[upgrade.args[0] :]
 
     def buffer_updated(self, nbytes: int) -> None:
@@ -288,7 +301,7 @@ class HttpConnection(asyncio.BufferedProtocol):
                 block, self._direct = self._direct, None
                 self._unreserve()
                 self._queue_request(block)
-                self._parser = httptools.HttpRequestParser(self)  # the old one stopped mid-body
+                self._parser = _request_parser(self)  # the old one stopped mid-body
             return
         try:
             self._feed(self._scratch_view[:nbytes])
