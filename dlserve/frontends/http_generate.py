@@ -74,8 +74,11 @@ class GenerateApi:
 
     def _request(self, request: HttpRequest, args: dict[str, str]) -> Request:
         model = self.engine.model(args["model"], parse_version(args.get("version")))
-        document = json_values.parse_object(decode_body(request))
+        body = decode_body(request)
+        document = json_values.parse_object(body)
         signature = model.signature
+        for key in json_values.repeated_keys(body, signature.inputs):  # (Triton's words)
+            raise InvalidArgumentError(f"input '{key}' already exists in request")
         given = document.get("parameters")
         named_inputs: dict[str, Any] = {}
         if isinstance(given, dict) and any(key in signature.inputs for key in given):

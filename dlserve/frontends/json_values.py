@@ -48,6 +48,27 @@ def parse_object(data: Any) -> dict[str, Any]:
     return value
 
 
+def repeated_keys(data: Any, candidates: Any) -> list[str]:
+    """Which of ``candidates`` (names) the body's top-level object holds more than once,
+    which a parsed dict cannot tell. Read again only where a name's text occurs twice."""
+    raw = bytes(data)
+    suspects = [name for name in candidates if raw.count(json.dumps(name).encode()) > 1]
+    if not suspects:
+        return []
+    objects: list[list[str]] = []
+
+    def keep_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        objects.append([key for key, _ in pairs])  # (the top-level object closes last)
+        return dict(pairs)
+
+    try:
+        json.loads(raw, object_pairs_hook=keep_keys)
+    except (ValueError, RecursionError):
+        return []
+    keys = objects[-1] if objects else []
+    return [name for name in suspects if keys.count(name) > 1]
+
+
 def object_field(value: Any, what: str) -> dict[str, Any]:
     """An optional member that must be a JSON object (absent: empty)."""
     if value is None:

@@ -321,6 +321,13 @@ def test_parameters_naming_inputs_are_inputs(port):
         assert check_plain_error(reply, 400) == "input 'text_input' already exists in request"
         reply = raw_post(port, gen_path("generate_echo", route), {"parameters": {"text_input": "a", "int_in": "x"}})
         assert "INT32 data must be JSON integers" in check_plain_error(reply, 400)
+        # an input named twice at the top (upstream test_duplicate_inputs): refused, not the last taken
+        twice = b'{"text_input": "hello", "n": 1, "text_input": "again"}'
+        reply = raw_post(port, gen_path("generate_echo", route), twice)
+        assert check_plain_error(reply, 400) == "input 'text_input' already exists in request"
+    # the name's text twice, but once as a key: as before
+    body = echo(port, {"text_input": "text_input", "parameters": {"note": "text_input"}})
+    assert body["text_output"] == "echo:text_input"
 
 
 def test_other_keys_and_parameters_reach_the_model(port):
