@@ -345,6 +345,7 @@ def serve(args: argparse.Namespace) -> int:
     from dlserve.engine import logs
     from dlserve.engine.rate_limiter import parse_resource
     from dlserve.frontends import KServeGrpc, KServeHttp, Metrics, SageMaker, VertexAi
+    from dlserve.frontends.restrictions import Restriction
 
     repositories = args.model_repository
     if not repositories and VERTEX_MODE and os.environ.get("AIP_STORAGE_URI"):
@@ -405,6 +406,12 @@ def serve(args: argparse.Namespace) -> int:
         trace=_trace_settings(_trace_entries(args)),
     )
     logs.log_to_stderr(options.log_settings())  # (a --log-file takes over once the server starts)
+    try:  # (checked before any model loads, as Triton checks them)
+        for restrictions in (args.http_restricted_api, args.grpc_restricted_protocol):
+            Restriction.parse_all(restrictions)
+    except dlserve.TritonError as exc:
+        print(f"dlserve: {exc}", file=sys.stderr)
+        return 1
     _warn_ignored(args, sorted(set(args.backend_config) - set(backend_config)))
     stop = threading.Event()
     server = dlserve.Server(options)

@@ -43,14 +43,23 @@ class Restriction:
                 f"restriction '{text}' must look like <category,...>:<header>=<value>"
             ) from None
         names = frozenset(c.strip() for c in categories.split(",") if c.strip())
-        unknown = names - set(CATEGORIES)
+        for name in sorted(names - set(CATEGORIES)):  # (Triton's words, then the ones it knows)
+            raise InvalidArgumentError(f"unknown restricted api '{name}' (known: {', '.join(CATEGORIES)})")
         header = header.strip().lower()
-        if unknown or not names or not header:
-            raise InvalidArgumentError(
-                f"restriction '{text}': unknown categories {sorted(unknown)} or no header; "
-                f"known: {', '.join(CATEGORIES)}"
-            )
+        if not names or not header:
+            raise InvalidArgumentError(f"restriction '{text}' names no category or no header")
         return Restriction(names, header, value)
+
+    @staticmethod
+    def parse_all(texts: list[str]) -> list[Restriction]:
+        """Each category in one group at most, as Triton requires."""
+        restrictions = [Restriction.parse(text) for text in texts]
+        seen: set[str] = set()
+        for restriction in restrictions:
+            for name in sorted(restriction.categories & seen):  # (Triton's words)
+                raise InvalidArgumentError(f"restricted api '{name}' can not be specified in multiple config groups")
+            seen |= restriction.categories
+        return restrictions
 
 
 def rules_by_category(restrictions: list[Restriction]) -> dict[str, list[Restriction]]:

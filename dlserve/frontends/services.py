@@ -208,7 +208,7 @@ class KServeHttp(_HttpService):
             _check_positive("thread_count", self.thread_count)
             _check_positive("max_input_size", self.max_input_size)
             _check_pattern("header_forward_pattern", self.header_forward_pattern)
-            self._restrictions = [Restriction.parse(r) for r in self.restricted_apis]
+            self._restrictions = Restriction.parse_all(self.restricted_apis)
 
     async def _start(self) -> int:
         options = self.options
@@ -352,7 +352,7 @@ class KServeGrpc(Service):
                 raise InvalidArgumentError(
                     f"infer_compression_level must be 0-4, got {self.infer_compression_level!r}"
                 ) from None
-            self._restrictions = [Restriction.parse(r) for r in self.restricted_protocols]
+            self._restrictions = Restriction.parse_all(self.restricted_protocols)
             if self.use_ssl and not (self.server_cert and self.server_key):
                 raise InvalidArgumentError("use_ssl needs server_cert and server_key")
             if self.use_mutual_auth and not self.root_cert:

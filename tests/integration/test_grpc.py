@@ -1123,8 +1123,10 @@ def test_restricted_protocols(server):
             assert error.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         service.stop()
-    with pytest.raises(dlserve.InvalidArgumentError, match=r"unknown categories \['bogus'\]"):
+    with pytest.raises(dlserve.InvalidArgumentError, match=r"^unknown restricted api 'bogus' \(known: health, "):
         start_grpc(server, restricted_protocols=["bogus:h=v"])
+    with pytest.raises(dlserve.InvalidArgumentError, match="^restricted api 'health' can not be specified in multiple config groups$"):
+        start_grpc(server, restricted_protocols=["health,metadata:a=1", "health:b=2"])  # (Triton's words)
 
 
 def test_large_tensors_both_ways(client, stub):
