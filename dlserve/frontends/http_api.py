@@ -351,8 +351,8 @@ def _split_body(request: HttpRequest) -> tuple[Any, np.ndarray]:
     body = decode_body(request)
     data = body if isinstance(body, np.ndarray) else np.frombuffer(body, dtype=np.uint8)
     length_text = request.header(HEADER_LENGTH)
-    if not length_text:
-        return data, data[:0]
+    if not length_text:  # (an empty body is a raw one, as Triton takes it)
+        return (data, data[:0]) if data.nbytes else (None, data)
     try:
         length = int(length_text)
     except ValueError:
@@ -371,10 +371,10 @@ def _raw_input(model: str, config: Any, data: np.ndarray) -> InputSpec:
     of the model's only input (a batch of 1 in front if the model batches), one
     variable dimension deduced from the size; BYTES only for dims [1], the whole body
     being its one element."""
-    if len(config.input) != 1:
+    if len(config.input) != 1:  # (Triton's words)
         raise InvalidArgumentError(
-            "a raw binary request (Inference-Header-Content-Length: 0) needs a model with "
-            f"exactly one input; '{model}' has {len(config.input)}"
+            "[request id: <id_unknown>] Raw request must only have 1 input (found 1) to be deduced "
+            f"but got {len(config.input)} inputs in '{model}' model configuration"
         )
     spec = config.input[0]
     data_type = DataType(spec.data_type)
@@ -390,9 +390,9 @@ def _raw_input(model: str, config: Any, data: np.ndarray) -> InputSpec:
         return InputSpec(spec.name, data_type.wire_name, [*batch, 1], array=array)
     variable = [i for i, d in enumerate(dims) if d < 0]
     if len(variable) > 1:
-        raise InvalidArgumentError(
-            f"the shape of raw input '{spec.name}' cannot be deduced: its dims {dims} have "
-            "more than one variable dimension"
+        raise InvalidArgumentError(  # (Triton's words)
+            f"[request id: <id_unknown>] The shape of the raw input '{spec.name}' can not be deduced "
+            "because there are more than one variable-sized dimension"
         )
     row = data_type.itemsize * math.prod(d for d in dims if d >= 0)
     if variable and row:
@@ -465,9 +465,9 @@ def _json_data(name: str, datatype: str, shape: list[int], data: Any, label: str
         raise InvalidArgumentError(f"{label}Unable to parse 'data' of input '{name}': {exc}") from None
     count = math.prod(shape)
     if array.size != count:
-        raise InvalidArgumentError(
-            f"{label}Unable to parse 'data' of input '{name}': it has {array.size} elements, "
-            f"shape {shape} needs {count}"
+        raise InvalidArgumentError(  # (Triton's words, which its QA greps, then which input and why)
+            f"{label}Unable to parse 'data': Shape does not match true shape of 'data' field "
+            f"(input '{name}' has {array.size} elements, shape {shape} needs {count})"
         )
     return array
 

@@ -1986,10 +1986,14 @@ def test_raw_binary_requests_as_triton_deduces_them(port):
     assert np.frombuffer(tail["OUTPUT0"], np.float32).tolist() == [1, 2, 3, 4, 5]
     for model, body, fragment in [
         ("identity", b"abc", "input byte size mismatch for raw input 'INPUT0' for model 'identity'. Expected 0, got 3"),
-        ("add_sub", fp32([1] * 16), "needs a model with exactly one input; 'add_sub' has 2"),
+        ("add_sub", fp32([1] * 16), "[request id: <id_unknown>] Raw request must only have 1 input (found 1) "
+         "to be deduced but got 2 inputs in 'add_sub' model configuration"),
         ("bytes_model", b"hello", "For BYTE datatype raw input 'INPUT0', the model must have input shape [1]"),
     ]:
         assert_error(request(port, "POST", f"/v2/models/{model}/infer", body, headers), 400, fragment)
+    # an empty body is a raw request too, as Triton takes it (upstream http_request_many_chunks)
+    reply = request(port, "POST", "/v2/models/add_sub/infer", b"")
+    assert_error(reply, 400, "Raw request must only have 1 input (found 1) to be deduced but got 2 inputs")
     assert_serving(port)
 
 
