@@ -64,7 +64,7 @@ from dlserve.engine.batcher import batch_shapes
 from dlserve.engine.proto import model_config_pb2 as mc
 from dlserve.engine.request import SEQUENCE_END, SEQUENCE_START, Request, Response
 from dlserve.engine.scheduler import Scheduler
-from dlserve.errors import InvalidArgumentError, UnavailableError
+from dlserve.errors import CancelledError, InvalidArgumentError, UnavailableError
 from dlserve.memory.dtypes import DataType
 from dlserve.memory.tensor import Tensor
 
@@ -333,6 +333,25 @@ class SequenceBatcher(Scheduler):
     @property
     def pending(self) -> int:
         return sum(len(s.queue) for s in self.sequences.values())
+
+    def cancel(self, request: Request, answer: bool = True) -> None:
+        """A queued request's cancellation cancels its sequence, as in Triton 2.51 (upstream
+        L0_request_cancellation, side by side): the sequence's other queued requests are
+        answered CANCELLED too, and it ends (a request of it already running finishes)."""
+        sequence = self.sequences.get(request.correlation_id)
+        if sequence is None or request not in sequence.queue:
+            super().cancel(request, answer)
+            return
+        siblings = [queued for queued in sequence.queue if queued is not request]
+        sequence.queue.clear()
+        sequence.queue.append(request)
+        super().cancel(request, answer)
+        for sibling in siblings:
+            sibling.cancelled = True
+            self._fail(sibling, CancelledError("request was cancelled"), "CANCELED")
+        if self.sequences.get(sequence.key) is sequence:
+            self._release(sequence)
+            asyncio.get_running_loop().call_soon(self.dispatch)  # (its slot may serve a waiting one)
 
     def _remove(self, request: Request) -> bool:
         """Take a queued request back (cancelled, or its timeout passed). A sequence whose

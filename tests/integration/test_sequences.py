@@ -150,9 +150,10 @@ def one_slot(server: dlserve.Server, idle_us: int) -> Iterator[dlserve.Model]:
 
 
 def test_a_sequence_whose_start_is_cancelled_before_it_runs_is_forgotten(server):
-    """One slot: B's START waits behind A and is cancelled. As in Triton, B is forgotten
-    at once: it holds no slot once A ends (C runs at once, not after B's 5 s idle time)
-    and its next request needs a START again (the model never saw one)."""
+    """One slot: B's START waits behind A and is cancelled. As in Triton 2.51 (upstream
+    L0_request_cancellation, side by side), that cancels B: its request queued behind the
+    START is answered CANCELLED, it holds no slot once A ends (C runs at once, not after
+    B's 5 s idle time) and its next request needs a START again."""
     with one_slot(server, idle_us=5_000_000) as model:
         async def run() -> tuple[Any, float, Any]:
             await step(model, 1, START)  # A takes the slot
@@ -168,8 +169,29 @@ def test_a_sequence_whose_start_is_cancelled_before_it_runs_is_forgotten(server)
 
         orphan, took, third = asyncio.run(run())
         assert total(third) == 1 and took < 2.0
-        assert isinstance(orphan.error, dlserve.InvalidArgumentError) and "START flag" in str(orphan.error)
+        assert isinstance(orphan.error, dlserve.CancelledError)
         late = asyncio.run(step(model, 2, 0))
+        assert isinstance(late.error, dlserve.InvalidArgumentError) and "START flag" in str(late.error)
+
+
+def test_cancelling_a_queued_request_of_a_running_sequence_cancels_the_sequence(server):
+    """As Triton 2.51 (upstream scheduler_test, direct and oldest): A's START runs, two more
+    of A wait; cancelling the first answers both CANCELLED, the running one finishes, and
+    A is over (its next request needs a START)."""
+    with one_slot(server, idle_us=5_000_000) as model:
+        async def run() -> tuple[Any, Any]:
+            running = asyncio.ensure_future(step(model, 1, START, x=5, parameters={"sleep": 0.5}))
+            await asyncio.sleep(0.1)  # A's START runs
+            cancelled = model.async_infer(inputs={"INPUT": value(2)}, correlation_id=1, flags=0)
+            sibling = asyncio.ensure_future(step(model, 1, 0, x=3))
+            await asyncio.sleep(0.1)
+            cancelled.cancel()
+            return await running, await sibling
+
+        first, sibling = asyncio.run(run())
+        assert total(first) == 5
+        assert isinstance(sibling.error, dlserve.CancelledError), sibling.error
+        late = asyncio.run(step(model, 1, 0))
         assert isinstance(late.error, dlserve.InvalidArgumentError) and "START flag" in str(late.error)
 
 
