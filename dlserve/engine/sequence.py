@@ -354,8 +354,8 @@ class SequenceBatcher(Scheduler):
             asyncio.get_running_loop().call_soon(self.dispatch)  # (its slot may serve a waiting one)
 
     def _remove(self, request: Request) -> bool:
-        """Take a queued request back (cancelled, or its timeout passed). A sequence whose
-        START goes back before anything of it ran is forgotten, as in Triton (what came
+        """Take a queued request back (its timeout passed, or cancelled: see cancel). A
+        sequence whose START goes back before anything of it ran is forgotten (what came
         after the START fails as a request without one would); any other left with nothing
         to do idles out like any other: waiting for a slot with no request, it would
         otherwise take one for good."""
