@@ -160,6 +160,21 @@ class Signature:
         self.output_names = tuple(self.outputs)
 
 
+def _batched_shape_error(
+    request: Request, input_name: str, signature: Signature, shape: tuple[int, ...]
+) -> InvalidArgumentError:
+    dims = signature.inputs[input_name].dims
+    return InvalidArgumentError(  # (Triton's words)
+        f"{request.label}unexpected shape for input '{input_name}' for model '{signature.name}'. "
+        f"Expected {shape_text((-1,) + dims)}, got {shape_text(shape)}. NOTE: "
+        "Setting a non-zero max_batch_size in the model config requires a batch "
+        "dimension to be prepended to each input shape. If you want to specify the full "
+        "shape including the batch dim in your input dims config, try setting "
+        "max_batch_size to zero. See the model configuration docs for more info on "
+        "max_batch_size."
+    )
+
+
 def _count_error(request: Request, signature: Signature, inputs: dict[str, Any]) -> NoReturn:
     """Triton's answer to a request whose inputs are not the model's required ones."""
     missing = [n for n in signature.required if n not in inputs]
@@ -206,16 +221,10 @@ def validate_request(request: Request, signature: Signature) -> int:
             )
         shape = tensor.shape
         if batching:
-            if len(shape) == 0 or not _matches(spec.dims, shape[1:]):
-                raise InvalidArgumentError(
-                    f"{request.label}unexpected shape for input '{input_name}' for model '{name}'. "
-                    f"Expected {shape_text((-1,) + spec.dims)}, got {shape_text(shape)}. NOTE: "
-                    "Setting a non-zero max_batch_size in the model config requires a batch "
-                    "dimension to be prepended to each input shape. If you want to specify the full "
-                    "shape including the batch dim in your input dims config, try setting "
-                    "max_batch_size to zero. See the model configuration docs for more info on "
-                    "max_batch_size."
-                )
+            # (the batch size before the dims, as Triton checks them: [3] for dims [-1] and
+            # max_batch_size 2 is a batch of 3 too many)
+            if len(shape) == 0:
+                raise _batched_shape_error(request, input_name, signature, shape)
             if batch_size and shape[0] != batch_size:
                 raise InvalidArgumentError(  # (Triton's words)
                     f"{request.label}input '{input_name}' batch size does not match other inputs "
@@ -231,6 +240,8 @@ def validate_request(request: Request, signature: Signature) -> int:
                     f"{request.label}inference request batch-size must be <= "
                     f"{signature.max_batch_size} for '{name}'"
                 )
+            if not _matches(spec.dims, shape[1:]):
+                raise _batched_shape_error(request, input_name, signature, shape)
         elif not _matches(spec.dims, shape):
             raise InvalidArgumentError(
                 f"{request.label}unexpected shape for input '{input_name}' for model '{name}'. "

@@ -489,6 +489,9 @@ def test_batch_dimension_rules(server):
         model.infer(inputs={"INPUT0": np.zeros((0, 2, 2), dtype=np.int32)})
     with pytest.raises(dlserve.InvalidArgumentError, match="requires a batch dimension"):
         model.infer(inputs={"INPUT0": np.zeros((2, 2), dtype=np.int32)})
+    # a first dimension too big is said as a batch too big, dims wrong or not, as Triton says it
+    with pytest.raises(dlserve.InvalidArgumentError, match="batch-size must be <= 4"):
+        model.infer(inputs={"INPUT0": np.zeros((5, 2), dtype=np.int32)})
 
 
 def test_async_infer(server):
