@@ -35,7 +35,16 @@ EXAMPLES = Path(__file__).parent.parent / "examples" / "models"
 
 
 def open_fds() -> set[int]:
-    return {int(fd) for fd in os.listdir("/proc/self/fd")}
+    """This process's open descriptors, less the one the listing itself used (closed by
+    now: counted, it could take the number of a descriptor opened since and hide it)."""
+    found = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            os.fstat(int(name))
+        except OSError:
+            continue
+        found.add(int(name))
+    return found
 
 
 def fd_targets(pid: int | str = "self") -> list[str]:
