@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from typing import TYPE_CHECKING, Protocol
 
 from dlserve.engine.proto import model_config_pb2 as mc
@@ -34,6 +35,7 @@ from dlserve.errors import InvalidArgumentError
 if TYPE_CHECKING:
     from dlserve.engine.instance import ModelInstance
 
+log = logging.getLogger(__name__)
 GLOBAL = -1  # the device of a global resource's pool
 
 
@@ -157,6 +159,12 @@ class RateLimiter:
                         f"{count} (instance '{instance.name}' {where}; --rate-limit-resource)"
                     )
         self._pools = pools
+        if log.isEnabledFor(logging.DEBUG):  # (Triton's verbose line, which its QA greps)
+            lines = ["", "Max Resource Map===>"]
+            for device in sorted({device for _, device in pools}):
+                lines.append(f"\tDevice: {device}")
+                lines += [f"\t\tResource: {n}\t Count: {pools[n, d]}" for n, d in sorted(pools) if d == device]
+            log.debug("%s\n", "\n".join(lines))
 
     # -- executes ---------------------------------------------------------------------------
     def admits(self, instance: ModelInstance, waiter: Waiter) -> bool:

@@ -253,3 +253,23 @@ def test_a_call_into_a_model_that_needs_what_the_caller_holds_is_refused(servers
     wide = servers.start(repo, rate_limiter_mode=dlserve.RateLimitMode.EXEC_COUNT, rate_limiter_resources=["R1:2"])
     (response,) = wide.model("a").infer(inputs={"X": np.zeros(1, np.float32)}, raise_on_error=False)
     assert response.error is None  # two copies: b runs beside a
+
+
+def test_the_pools_are_logged_at_verbose_level_in_triton_s_words(servers, make_repo, caplog):
+    """Upstream instance_update_test greps this line for a pool that shrinks with the
+    instance that needed most (R1 4 -> 3 when no explicit count is given)."""
+    repo = repo_of(make_repo, a=config('{ name: "R1" count: 4 }'))
+    server = servers.start(
+        repo, rate_limiter_mode=dlserve.RateLimitMode.EXEC_COUNT,
+        model_control_mode=dlserve.ModelControlMode.EXPLICIT, startup_models=["a"],
+    )
+    with caplog.at_level("DEBUG", logger="dlserve.engine.rate_limiter"):
+        server.load("a", {"config": json.dumps({
+            "backend": "python",
+            "input": [{"name": "X", "data_type": "TYPE_FP32", "dims": [1]}],
+            "output": [{"name": "Y", "data_type": "TYPE_FP32", "dims": [1]}],
+            "instance_group": [{"count": 1, "kind": "KIND_CPU",
+                                "rate_limiter": {"resources": [{"name": "R1", "count": 3}]}}],
+        })})
+    logged = [r.getMessage() for r in caplog.records if r.name == "dlserve.engine.rate_limiter"]
+    assert "\nMax Resource Map===>\n\tDevice: 0\n\t\tResource: R1\t Count: 3\n" in logged, logged
