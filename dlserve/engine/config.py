@@ -164,7 +164,10 @@ def validate(config: mc.ModelConfig, model_name: str, gpu_count: int = 0) -> Non
                     f"{where}: gpus {bad} do not exist (this machine has {gpu_count} GPUs)"
                 )
         elif group.gpus and group.kind == InstanceGroup.KIND_CPU:
-            raise InvalidArgumentError(f"{where}: kind KIND_CPU cannot list gpus {list(group.gpus)}")
+            raise InvalidArgumentError(  # (Triton 2.51's words)
+                f"instance group {group.name} of model {model_name} has kind KIND_CPU but specifies "
+                "one or more GPUs"
+            )
         if group.profile:  # (refused as Triton refuses it for Python models)
             raise InvalidArgumentError(f"{where}: 'profile' is for TensorRT models only")
     parameters = config.parameters

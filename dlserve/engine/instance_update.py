@@ -33,18 +33,9 @@ async def update_instances(
     instance fails to start, the versions serve on as they were and the load fails,
     in Triton's words ("version N is at READY state: ..."). ``config_name``: the
     repository's --model-config-name; ``starting``: what the loads are starting."""
+    if not in_place(entry, source, config, versions, config_name=config_name):
+        return False
     serving = entry.versions
-    if not serving or sorted(serving) != sorted(versions):
-        return False
-    if any(v.state != "READY" or v.is_ensemble for v in serving.values()):
-        return False
-    if entry.fingerprint is None:
-        return False
-    config_file = source.config_path(config_name)
-    if not _same_files(entry.fingerprint, source.fingerprint, source.path, config_file):
-        return False
-    if not all(_alike_but_instances(v.config, config) for v in serving.values()):
-        return False
     starting.update(serving.values())  # (a stop meanwhile ends their workers)
     try:
         results = await asyncio.gather(
@@ -56,15 +47,41 @@ async def update_instances(
     for error in failed.values():
         if not isinstance(error, TritonError):  # (a bug, or a cancellation)
             raise error
-    for version, model in serving.items():
-        model.reason = version_failure(failed[version]) if version in failed else ""  # type: ignore[arg-type]
+    for model in serving.values():
+        model.reason = ""
     if failed:
-        entry.tried = []  # (the versions serve on: no version failed to load)
-        states = "".join(
-            f"version {v} is at READY state: {serving[v].reason};\n" for v in sorted(failed)
-        )
-        raise InvalidArgumentError(f"load failed for model '{source.name}': {states}")
+        raise refused(entry, source.name, failed)  # type: ignore[arg-type]
     return True
+
+
+def in_place(
+    entry: ModelEntry, source: ModelSource, config: mc.ModelConfig, versions: list[int], *, config_name: str
+) -> bool:
+    """Whether loading ``config`` updates the serving versions' instances (see
+    update_instances) rather than reloading them."""
+    serving = entry.versions
+    if not serving or sorted(serving) != sorted(versions):
+        return False
+    if any(v.state != "READY" or v.is_ensemble for v in serving.values()):
+        return False
+    if entry.fingerprint is None:
+        return False
+    config_file = source.config_path(config_name)
+    if not _same_files(entry.fingerprint, source.fingerprint, source.path, config_file):
+        return False
+    return all(_alike_but_instances(v.config, config) for v in serving.values())
+
+
+def refused(entry: ModelEntry, name: str, failed: dict[int, TritonError]) -> InvalidArgumentError:
+    """An instance update that failed (a new instance did not start, or the new groups are
+    invalid): the versions serve on as they were, READY, with the reason, as in Triton."""
+    entry.tried = []  # (the versions serve on: no version failed to load)
+    for version, error in failed.items():
+        entry.versions[version].reason = version_failure(error)
+    states = "".join(
+        f"version {v} is at READY state: {entry.versions[v].reason};\n" for v in sorted(failed)
+    )
+    return InvalidArgumentError(f"load failed for model '{name}': {states}")
 
 
 def _alike_but_instances(running: mc.ModelConfig, new: mc.ModelConfig) -> bool:

@@ -14,7 +14,7 @@ from dlserve.engine import config as cfg
 from dlserve.engine import config_forms, ensemble, ensemble_steps, load_errors
 from dlserve.engine.auto_complete import run_auto_complete
 from dlserve.engine.backends import PYTHON_BACKEND, backend_model_file
-from dlserve.engine.instance_update import update_instances
+from dlserve.engine.instance_update import in_place, refused, update_instances
 from dlserve.engine.model import EngineResources, ModelVersion
 from dlserve.engine.model_table import ModelEntry, ModelTable
 from dlserve.engine.proto import model_config_pb2 as mc
@@ -234,7 +234,13 @@ class Loader:
             cfg.complete_instances(config, name, self.resources.gpu_count)  # what Triton shows it
             config = await run_auto_complete(self.resources, self.starting, name, config, model_path, code_file)
         cfg.complete(config, name, self.resources.gpu_count)
-        cfg.validate(config, name, self.resources.gpu_count)
+        try:
+            cfg.validate(config, name, self.resources.gpu_count)
+        except TritonError as exc:  # (an instance update's groups: the versions serve on, READY)
+            config_name = self.repository.config_name
+            if not is_ensemble and in_place(entry, source, config, versions, config_name=config_name):
+                raise refused(entry, name, dict.fromkeys(entry.versions, exc)) from None
+            raise
         for output in config.output:
             labels = source.path / output.label_filename
             if output.label_filename and not labels.is_file():  # (Triton's words)

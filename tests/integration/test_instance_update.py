@@ -371,6 +371,25 @@ def test_an_update_whose_new_instance_fails_leaves_the_model_as_it_was(server, r
     assert server.models()[("ig", 1)].reason in ("", None)
 
 
+def test_an_update_to_invalid_groups_leaves_the_model_ready_with_the_reason(server, repo):
+    """As Triton 2.51 (upstream instance_update_test's GPU cases, side by side): groups the
+    config check refuses fail an instance update as one whose instance did not start."""
+    before = pids(server)
+    bad = config(2)
+    bad["instance_group"][0]["gpus"] = [0]
+    with pytest.raises(dlserve.InvalidArgumentError) as failure:
+        load(server, bad)
+    assert str(failure.value) == (
+        "load failed for model 'ig': version 1 is at READY state: Invalid argument: instance group g "
+        "of model ig has kind KIND_CPU but specifies one or more GPUs;\n"
+    )
+    assert pids(server) == before and server.model("ig").ready()
+    listed = server.models()[("ig", 1)]
+    assert listed.state == "READY" and "specifies one or more GPUs" in listed.reason
+    load(server, config(len(before)))
+    assert server.models()[("ig", 1)].reason in ("", None)
+
+
 def test_no_worker_or_segment_left_after_updates_and_unload(servers, repo):
     server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT)
     server.load("ig")

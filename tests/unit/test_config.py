@@ -516,7 +516,7 @@ def test_validate_gpus_that_do_not_exist():
 
 def test_validate_kind_cpu_with_gpus():
     message = invalid("instance_group [ { kind: KIND_CPU gpus: [0] } ]", gpu_count=1)
-    assert message == "InvalidArgumentError: model 'm', instance_group 'm_0': kind KIND_CPU cannot list gpus [0]"
+    assert message == "InvalidArgumentError: instance group m_0 of model m has kind KIND_CPU but specifies one or more GPUs"
 
 
 def test_validate_profile_is_for_tensorrt_only():
