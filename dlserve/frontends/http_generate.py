@@ -77,8 +77,9 @@ class GenerateApi:
         body = decode_body(request)
         document = json_values.parse_object(body)
         signature = model.signature
-        for key in json_values.repeated_keys(body, signature.inputs):  # (Triton's words)
-            raise InvalidArgumentError(f"input '{key}' already exists in request")
+        repeated = json_values.repeated_keys(body, signature.inputs)
+        if repeated:  # (Triton's words)
+            raise InvalidArgumentError(f"input '{repeated[0]}' already exists in request")
         given = document.get("parameters")
         named_inputs: dict[str, Any] = {}
         if isinstance(given, dict) and any(key in signature.inputs for key in given):

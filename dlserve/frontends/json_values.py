@@ -51,7 +51,7 @@ def parse_object(data: Any) -> dict[str, Any]:
 def repeated_keys(data: Any, candidates: Any) -> list[str]:
     """Which of ``candidates`` (names) the body's top-level object holds more than once,
     which a parsed dict cannot tell. Read again only where a name's text occurs twice."""
-    raw = bytes(data)
+    raw = data if isinstance(data, bytes) else bytes(data)
     suspects = [name for name in candidates if raw.count(json.dumps(name).encode()) > 1]
     if not suspects:
         return []

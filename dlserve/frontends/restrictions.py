@@ -43,8 +43,9 @@ class Restriction:
                 f"restriction '{text}' must look like <category,...>:<header>=<value>"
             ) from None
         names = frozenset(c.strip() for c in categories.split(",") if c.strip())
-        for name in sorted(names - set(CATEGORIES)):  # (Triton's words, then the ones it knows)
-            raise InvalidArgumentError(f"unknown restricted api '{name}' (known: {', '.join(CATEGORIES)})")
+        unknown = sorted(names - set(CATEGORIES))
+        if unknown:  # (Triton's words, then the ones it knows)
+            raise InvalidArgumentError(f"unknown restricted api '{unknown[0]}' (known: {', '.join(CATEGORIES)})")
         header = header.strip().lower()
         if not names or not header:
             raise InvalidArgumentError(f"restriction '{text}' names no category or no header")
@@ -56,8 +57,9 @@ class Restriction:
         restrictions = [Restriction.parse(text) for text in texts]
         seen: set[str] = set()
         for restriction in restrictions:
-            for name in sorted(restriction.categories & seen):  # (Triton's words)
-                raise InvalidArgumentError(f"restricted api '{name}' can not be specified in multiple config groups")
+            again = sorted(restriction.categories & seen)
+            if again:  # (Triton's words)
+                raise InvalidArgumentError(f"restricted api '{again[0]}' can not be specified in multiple config groups")
             seen |= restriction.categories
         return restrictions
 
