@@ -19,7 +19,7 @@ from dlserve.engine.proto import model_config_pb2 as mc
 from dlserve.engine.tracing import Trace
 from dlserve.errors import InvalidArgumentError, TritonError
 from dlserve.memory.dtypes import DataType
-from dlserve.memory.tensor import Tensor
+from dlserve.memory.tensor import ElementCountError, Tensor
 
 
 @dataclasses.dataclass(slots=True)
@@ -178,7 +178,7 @@ def _batched_shape_error(
 def _count_error(request: Request, signature: Signature, inputs: dict[str, Any]) -> NoReturn:
     """Triton's answer to a request whose inputs are not the model's required ones."""
     missing = [n for n in signature.required if n not in inputs]
-    got = ",".join(f"'{n}'" for n in inputs)
+    got = ",".join(f"'{n}'" for n in reversed(inputs))  # (see validate_request's loop)
     required, total = len(signature.required), len(signature.inputs)
     expected = f"{total} inputs"
     if required < total:  # Triton's wording where optional inputs make it a range
@@ -211,7 +211,9 @@ def validate_request(request: Request, signature: Signature) -> int:
     if any(n not in inputs for n in signature.required):
         _count_error(request, signature, inputs)
     batch_size = 0
-    for input_name, tensor in inputs.items():
+    # Last sent first, as Triton 2.51 goes through them (its map's order, measured): with
+    # more than one wrong, the one named is the one Triton names (its QA compares them).
+    for input_name, tensor in reversed(inputs.items()):
         spec = declared[input_name]
         if tensor.data_type is not spec.data_type:
             raise InvalidArgumentError(
@@ -247,7 +249,7 @@ def validate_request(request: Request, signature: Signature) -> int:
                 f"{request.label}unexpected shape for input '{input_name}' for model '{name}'. "
                 f"Expected {shape_text(spec.dims)}, got {shape_text(shape)}. "
             )
-        _check_byte_size(request.label, input_name, tensor)
+        _check_byte_size(request.label, input_name, name, tensor)
         if spec.reshape is not None:
             inputs[input_name] = reshaped(tensor, list(spec.reshape), batching)
     if request.requested_outputs is not None:
@@ -259,11 +261,27 @@ def validate_request(request: Request, signature: Signature) -> int:
     return batch_size if batching else 1
 
 
-def _check_byte_size(label: str, name: str, tensor: Tensor) -> None:
+def _check_byte_size(label: str, name: str, model: str, tensor: Tensor) -> None:
     try:
         tensor.check_size()
+    except ElementCountError as exc:
+        raise string_count_error(label, name, model, exc.expected, exc.count) from None
     except ValueError as exc:
         raise InvalidArgumentError(f"{label}input '{name}': {exc}") from None
+
+
+def string_count_error(label: str, name: str, model: str, expected: int, count: int) -> InvalidArgumentError:
+    """A BYTES input with more or fewer elements than its shape, in Triton 2.51's words (which
+    count one past the last expected element when there are too many, as it stops there)."""
+    if count < expected:
+        return InvalidArgumentError(
+            f"{label}expected {expected} string elements for inference input '{name}' for model "
+            f"'{model}', got {count}"
+        )
+    return InvalidArgumentError(
+        f"{label}unexpected number of string elements {expected + 1} for inference input '{name}' "
+        f"for model '{model}', expecting {expected}"
+    )
 
 
 def reshaped(tensor: Tensor, shape: list[int], batching: bool) -> Tensor:

@@ -26,6 +26,7 @@ from dlserve.engine.request import (
     Response,
     parse_version,
     shape_text,
+    string_count_error,
 )
 from dlserve.engine.tracing import Trace
 from dlserve.errors import InvalidArgumentError, NotFoundError, UnsupportedError
@@ -186,11 +187,8 @@ class DataPlane:
         array = spec.array
         if array is None:
             raise InvalidArgumentError(f"{label}input '{spec.name}' has no data")
-        if array.size != count and data_type is DataType.BYTES:  # (Triton's words)
-            raise InvalidArgumentError(
-                f"{label}expected {count} string elements for inference input '{spec.name}' for model "
-                f"'{model_name}', got {array.size}"
-            )
+        if array.size != count and data_type is DataType.BYTES:
+            raise string_count_error(label, spec.name, model_name, count, array.size)
         if array.size != count:
             raise InvalidArgumentError(
                 f"{label}input '{spec.name}' has {array.size} elements, but its shape "

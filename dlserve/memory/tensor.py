@@ -149,6 +149,14 @@ class HostMemoryAllocator(MemoryAllocator):
 default_memory_allocators: dict[MemoryType, MemoryAllocator] = {MemoryType.CPU: HostMemoryAllocator()}
 
 
+class ElementCountError(ValueError):
+    """A BYTES tensor's encoded elements are not as many as its shape needs."""
+
+    def __init__(self, count: int, expected: int, shape: Sequence[int]) -> None:
+        super().__init__(f"holds {count} BYTES elements, but its shape {list(shape)} needs {expected}")
+        self.count, self.expected = count, expected
+
+
 class Tensor:
     """A typed n-d array; see the module docstring for how its bytes are held."""
 
@@ -275,10 +283,7 @@ class Tensor:
                 return  # Python objects: nothing encoded to check
             count = bytes_codec.count_elements(self._data)
             if count != self.element_count:
-                raise ValueError(
-                    f"holds {count} BYTES elements, but its shape {list(self.shape)} "
-                    f"needs {self.element_count}"
-                )
+                raise ElementCountError(count, self.element_count, self.shape)
             return
         expected = self.element_count * self.data_type.itemsize
         if self.storage().nbytes != expected:

@@ -675,6 +675,17 @@ def test_bad_requests(client, stub):
         "[request id: <id_unknown>] expected 3 string elements for inference input 'INPUT0' for model "
         "'bytes_model', got 2"
     )
+    # too many, as contents or as raw bytes: Triton counts one past the last it expects
+    many_strings = pb.ModelInferRequest(model_name="bytes_model")
+    many_strings.inputs.add(name="INPUT0", datatype="BYTES", shape=[3]).contents.bytes_contents.extend([b"a"] * 5)
+    many_raw = pb.ModelInferRequest(model_name="bytes_model", raw_input_contents=[b"\x01\x00\x00\x00a" * 5])
+    many_raw.inputs.add(name="INPUT0", datatype="BYTES", shape=[3])
+    for many in (many_strings, many_raw):
+        error = rpc_error(lambda: stub.ModelInfer(many, timeout=30))  # noqa: B023
+        assert error.details() == (
+            "[request id: <id_unknown>] unexpected number of string elements 4 for inference input 'INPUT0' "
+            "for model 'bytes_model', expecting 3"
+        )
     unspecified = raw_request()
     unspecified.inputs[0].shape[:] = [-1]
     error = rpc_error(lambda: stub.ModelInfer(unspecified, timeout=30))
