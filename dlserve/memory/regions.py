@@ -78,6 +78,10 @@ class SystemRegions:
         self._objects: dict[tuple[str, int], Segment] = {}  # (key, inode) -> its mapping
 
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        # A key that cannot be opened is Triton's INTERNAL, said before anything else (it
+        # opens the key first; upstream L0_grpc registers ('', '', 0) and expects this).
+        if not key.lstrip("/"):
+            raise InternalError(f"Unable to open shared memory region: '{key}'")
         if not name:
             raise InvalidArgumentError("shared memory region name must not be empty")
         bare = key[1:] if key.startswith("/") else key
@@ -98,11 +102,9 @@ class SystemRegions:
             try:
                 segment = self._mapping(bare, path)
             except FileNotFoundError:
-                raise InvalidArgumentError(
-                    f"Unable to open shared memory region: '{key}'"
-                ) from None
+                raise InternalError(f"Unable to open shared memory region: '{key}'") from None
             except PermissionError:
-                raise InvalidArgumentError(
+                raise InternalError(
                     f"Unable to open shared memory region: '{key}' (permission denied)"
                 ) from None
             if offset + byte_size > segment.size:

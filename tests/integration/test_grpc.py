@@ -999,6 +999,10 @@ def test_system_shared_memory(client):
         with pytest.raises(InferenceServerException) as info:
             client.register_system_shared_memory(f"in_{tag}", f"/grpc_in_{tag}", nbytes)
         assert info.value.status() == "StatusCode.ALREADY_EXISTS"
+        with pytest.raises(InferenceServerException) as info:  # (upstream L0_grpc's aio test)
+            client.register_system_shared_memory("", "", 0)
+        assert info.value.status() == "StatusCode.INTERNAL"
+        assert info.value.message() == "Unable to open shared memory region: ''"
 
         tensor = grpcclient.InferInput("INPUT0", [64], "FP32")
         tensor.set_shared_memory(f"in_{tag}", nbytes)

@@ -542,14 +542,15 @@ def test_system_shared_memory_registration_errors(client, port, regions):
             (("err_r", key, 64), "shared memory region 'err_r' already in manager"),
             (("big", key, 128), "outside the 64-byte object"),
             (("off", key, 32, 48), "outside the 64-byte object"),
-            (
-                ("missing", f"/httptest_{os.getpid()}_missing", 64),
-                "Unable to open shared memory region",
-            ),
         ]
         for args, message in cases:
             error = client_error(client.register_system_shared_memory, *args)
             assert error.status() == "400" and message in error.message(), (args, error)
+        # a key that cannot be opened is Triton 2.51's 500, before any other check
+        for args in (("missing", f"/httptest_{os.getpid()}_missing", 64), ("nokey", "", 0), ("slash", "/", 16)):
+            error = client_error(client.register_system_shared_memory, *args)
+            assert error.status() == "500", (args, error)
+            assert error.message() == f"Unable to open shared memory region: '{args[1]}'"
         error = client_error(client.get_system_shared_memory_status, "nope")
         assert error.status() == "404"
         assert error.message() == "Unable to find system shared memory region: 'nope'"
@@ -605,7 +606,7 @@ def test_the_servers_own_segments_cannot_be_registered(main, port):
     assert request(port, "GET", "/v2/systemsharedmemory/status").json() == []
 
 
-@pytest.mark.parametrize("key", ["../x", "/../x", "x/../../etc/passwd", "//dlserve_x", "", "/"])
+@pytest.mark.parametrize("key", ["../x", "/../x", "x/../../etc/passwd", "//dlserve_x"])
 def test_shm_keys_with_path_characters_are_refused(port, key):
     reply = request(
         port,
