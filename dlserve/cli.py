@@ -407,8 +407,8 @@ def serve(args: argparse.Namespace) -> int:
     )
     logs.log_to_stderr(options.log_settings())  # (a --log-file takes over once the server starts)
     try:  # (checked before any model loads, as Triton checks them)
-        for restrictions in (args.http_restricted_api, args.grpc_restricted_protocol):
-            Restriction.parse_all(restrictions)
+        Restriction.parse_all(args.http_restricted_api, "api")
+        Restriction.parse_all(args.grpc_restricted_protocol, "protocol")
     except dlserve.TritonError as exc:
         print(f"dlserve: {exc}", file=sys.stderr)
         return 1

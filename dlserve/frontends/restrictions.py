@@ -34,7 +34,9 @@ class Restriction:
     value: str
 
     @staticmethod
-    def parse(text: str) -> Restriction:
+    def parse(text: str, kind: str = "api") -> Restriction:
+        """One ``<category,...>:<header>=<value>``; ``kind`` names them in errors, as Triton
+        does: "api" for HTTP's, "protocol" for gRPC's."""
         try:
             categories, pair = text.split(":", 1)
             header, value = pair.split("=", 1)
@@ -45,21 +47,23 @@ class Restriction:
         names = frozenset(c.strip() for c in categories.split(",") if c.strip())
         unknown = sorted(names - set(CATEGORIES))
         if unknown:  # (Triton's words, then the ones it knows)
-            raise InvalidArgumentError(f"unknown restricted api '{unknown[0]}' (known: {', '.join(CATEGORIES)})")
+            raise InvalidArgumentError(f"unknown restricted {kind} '{unknown[0]}' (known: {', '.join(CATEGORIES)})")
         header = header.strip().lower()
         if not names or not header:
             raise InvalidArgumentError(f"restriction '{text}' names no category or no header")
         return Restriction(names, header, value)
 
     @staticmethod
-    def parse_all(texts: list[str]) -> list[Restriction]:
+    def parse_all(texts: list[str], kind: str = "api") -> list[Restriction]:
         """Each category in one group at most, as Triton requires."""
-        restrictions = [Restriction.parse(text) for text in texts]
+        restrictions = [Restriction.parse(text, kind) for text in texts]
         seen: set[str] = set()
         for restriction in restrictions:
             again = sorted(restriction.categories & seen)
             if again:  # (Triton's words)
-                raise InvalidArgumentError(f"restricted api '{again[0]}' can not be specified in multiple config groups")
+                raise InvalidArgumentError(
+                    f"restricted {kind} '{again[0]}' can not be specified in multiple config groups"
+                )
             seen |= restriction.categories
         return restrictions
 

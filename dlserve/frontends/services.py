@@ -352,7 +352,7 @@ class KServeGrpc(Service):
                 raise InvalidArgumentError(
                     f"infer_compression_level must be 0-4, got {self.infer_compression_level!r}"
                 ) from None
-            self._restrictions = Restriction.parse_all(self.restricted_protocols)
+            self._restrictions = Restriction.parse_all(self.restricted_protocols, "protocol")
             if self.use_ssl and not (self.server_cert and self.server_key):
                 raise InvalidArgumentError("use_ssl needs server_cert and server_key")
             if self.use_mutual_auth and not self.root_cert:

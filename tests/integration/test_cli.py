@@ -281,7 +281,7 @@ def test_bad_backend_config_exits_with_a_message():
         (["--http-restricted-api", "inference"], "restriction 'inference' must look like"),
         (["--http-restricted-api", "health:a=1", "--http-restricted-api", "health,metadata:b=2"],
          "restricted api 'health' can not be specified in multiple config groups"),
-        (["--grpc-restricted-protocol", "model-reposit:a=1"], "unknown restricted api 'model-reposit'"),
+        (["--grpc-restricted-protocol", "model-reposit:a=1"], "unknown restricted protocol 'model-reposit'"),
         (["--cache-config", "local,size=abc"], "size must be a positive number of bytes, got 'abc'"),
         (["--cache-config", "local"], "--cache-config 'local' must look like local,size=BYTES"),
         (["--rate-limit", "execution_count", "--rate-limit-resource", "R1:x"],

@@ -1138,9 +1138,9 @@ def test_restricted_protocols(server):
             assert error.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         service.stop()
-    with pytest.raises(dlserve.InvalidArgumentError, match=r"^unknown restricted api 'bogus' \(known: health, "):
+    with pytest.raises(dlserve.InvalidArgumentError, match=r"^unknown restricted protocol 'bogus' \(known: health, "):
         start_grpc(server, restricted_protocols=["bogus:h=v"])
-    with pytest.raises(dlserve.InvalidArgumentError, match="^restricted api 'health' can not be specified in multiple config groups$"):
+    with pytest.raises(dlserve.InvalidArgumentError, match="^restricted protocol 'health' can not be specified in multiple config groups$"):
         start_grpc(server, restricted_protocols=["health,metadata:a=1", "health:b=2"])  # (Triton's words)
 
 
