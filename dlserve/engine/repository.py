@@ -384,8 +384,14 @@ class Repository:
                 raise InvalidArgumentError(
                     f"load of model '{name}': file path 'file:{relative}' escapes the model folder"
                 )
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(content)
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(content)
+            except OSError as exc:  # (a name too long, ...: said without the server's paths)
+                shutil.rmtree(root, ignore_errors=True)
+                raise InvalidArgumentError(
+                    f"load of model '{name}': invalid file path 'file:{relative}': {exc.strerror}"
+                ) from None
         return ModelSource(name, root)
 
     def close(self) -> None:

@@ -178,6 +178,20 @@ def test_uploaded_files_cannot_escape_the_model_folder(servers, make_repo, tmp_p
     assert not Path("/etc/evil.py").exists()
 
 
+def test_an_uploaded_file_the_filesystem_refuses_is_a_clear_error(servers, make_repo):
+    """A name too long for the filesystem: INVALID_ARGUMENT naming it, not an INTERNAL
+    OSError showing the server's upload folder (Triton 2.51 aborts; later ones refuse it)."""
+    server = servers.start(make_repo("identity"), model_control_mode=ModelControlMode.EXPLICIT)
+    config = json.dumps({"backend": "python"})
+    long_name = "1/" + "a" * 300 + ".py"
+    with pytest.raises(dlserve.InvalidArgumentError) as failure:
+        server.load("long", {"config": config, f"file:{long_name}": b"x = 1"})
+    assert str(failure.value) == f"load of model 'long': invalid file path 'file:{long_name}': File name too long"
+    assert server.model("identity").ready() is False  # (explicit mode: not loaded; the server serves on)
+    server.load("identity")
+    assert server.model("identity").ready()
+
+
 @pytest.mark.parametrize("name", ["../escape", "a/b", "..", " x", "x ", ""])
 def test_model_names_with_path_characters_are_rejected(servers, make_repo, name):
     server = servers.start(make_repo("identity"), model_control_mode=ModelControlMode.EXPLICIT)
