@@ -55,4 +55,4 @@ async def run_auto_complete(
     finally:
         starting.discard(worker)
         await worker.stop(time.monotonic() + 5.0, finalize=False)
-    return config_forms.parse_json(result, name, source="config from auto_complete_config")
+    return config_forms.parse_json(result, name, source="invalid config from auto_complete_config")

@@ -30,9 +30,10 @@ def parse_text(text: str, model_name: str) -> mc.ModelConfig:
         ) from None
 
 
-def parse_json(data: str | dict[str, Any], model_name: str, source: str = "config") -> mc.ModelConfig:
+def parse_json(data: str | dict[str, Any], model_name: str, source: str = "Invalid config override") -> mc.ModelConfig:
     """Parse a config in Triton's JSON form (load overrides, auto-complete results),
-    reading it as Triton does; ``source`` says where it came from in the error."""
+    reading it as Triton does; ``source`` begins the error (by default Triton's words for a
+    load's config parameter, which its QA greps)."""
     try:
         obj = json.loads(data) if isinstance(data, str) else data
         if not isinstance(obj, dict):
@@ -40,7 +41,7 @@ def parse_json(data: str | dict[str, Any], model_name: str, source: str = "confi
         read = _as_triton_reads(mc.ModelConfig.DESCRIPTOR, obj, "")
         return json_format.ParseDict(read, mc.ModelConfig())
     except (ValueError, TypeError, json_format.ParseError) as exc:
-        raise InvalidArgumentError(f"failed to load model '{model_name}': invalid {source}: {exc}") from None
+        raise InvalidArgumentError(f"failed to load model '{model_name}': {source}: {exc}") from None
 
 
 _INT64_TYPES = {

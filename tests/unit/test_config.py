@@ -99,7 +99,7 @@ def test_parse_json():
 
 @pytest.mark.parametrize("text", ["{", '{"nme": 1}', '{"max_batch_size": "many"}'])
 def test_parse_json_errors_name_the_model(text):
-    with pytest.raises(InvalidArgumentError, match="failed to load model 'm': invalid config: "):
+    with pytest.raises(InvalidArgumentError, match="failed to load model 'm': Invalid config override: "):
         forms.parse_json(text, "m")
 
 
