@@ -179,12 +179,23 @@ def test_cancelling_a_queued_request_of_a_running_sequence_cancels_the_sequence(
     of A wait; cancelling the first answers both CANCELLED, the running one finishes, and
     A is over (its next request needs a START)."""
     with one_slot(server, idle_us=5_000_000) as model:
+        scheduler = server.engine.model("one_slot").scheduler
+
+        def queued() -> int:
+            while True:
+                try:
+                    return scheduler.pending
+                except RuntimeError:  # (its sequences changed meanwhile on the server's thread)
+                    continue
+
         async def run() -> tuple[Any, Any]:
-            running = asyncio.ensure_future(step(model, 1, START, x=5, parameters={"sleep": 0.5}))
-            await asyncio.sleep(0.1)  # A's START runs
+            running = asyncio.ensure_future(step(model, 1, START, x=5, parameters={"sleep": 1.0}))
+            while not scheduler.unfinished or queued():  # (until A's START runs)
+                await asyncio.sleep(0.01)
             cancelled = model.async_infer(inputs={"INPUT": value(2)}, correlation_id=1, flags=0)
             sibling = asyncio.ensure_future(step(model, 1, 0, x=3))
-            await asyncio.sleep(0.1)
+            while queued() < 2:
+                await asyncio.sleep(0.01)
             cancelled.cancel()
             return await running, await sibling
 
