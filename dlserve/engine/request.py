@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any
 
 import numpy as np
 
@@ -175,7 +175,7 @@ def _batched_shape_error(
     )
 
 
-def _count_error(request: Request, signature: Signature, inputs: dict[str, Any]) -> NoReturn:
+def _count_error(request: Request, signature: Signature, inputs: dict[str, Any]) -> InvalidArgumentError:
     """Triton's answer to a request whose inputs are not the model's required ones."""
     missing = [n for n in signature.required if n not in inputs]
     got = ",".join(f"'{n}'" for n in reversed(inputs))  # (see validate_request's loop)
@@ -183,7 +183,7 @@ def _count_error(request: Request, signature: Signature, inputs: dict[str, Any])
     expected = f"{total} inputs"
     if required < total:  # Triton's wording where optional inputs make it a range
         expected = f"number of inputs between {required} and {total}"
-    raise InvalidArgumentError(
+    return InvalidArgumentError(
         f"{request.label}expected {expected} but got {len(inputs)} inputs "
         f"for model '{signature.name}'. Got input(s) [{got}], but missing required input(s) "
         f"[{','.join(repr(m) for m in missing)}]. Please provide all required input(s)."
@@ -202,14 +202,14 @@ def validate_request(request: Request, signature: Signature) -> int:
     required, total = len(signature.required), len(declared)
     # The count first, as Triton: too many or too few is said so before any unknown name.
     if not required <= len(inputs) <= total:
-        _count_error(request, signature, inputs)
+        raise _count_error(request, signature, inputs)
     for input_name in inputs:
         if input_name not in declared:
             raise InvalidArgumentError(  # (without the request id, as Triton says it)
                 f"unexpected inference input '{input_name}' for model '{name}'"
             )
     if any(n not in inputs for n in signature.required):
-        _count_error(request, signature, inputs)
+        raise _count_error(request, signature, inputs)
     batch_size = 0
     # Last sent first, as Triton 2.51 goes through them (its map's order, measured): with
     # more than one wrong, the one named is the one Triton names (its QA compares them).
