@@ -166,6 +166,7 @@ class ModelManager:
                 model.kill()
         for model in self.unloader.retiring:
             model.kill()
+        self.repository.close()
 
     # -- repositories -----------------------------------------------------------------
     async def register_repository(self, path: str, name_mapping: dict[str, str] | None) -> None:

@@ -201,7 +201,9 @@ class Repository:
             for mirror in self._mirrors.values():
                 mirror.close()
             raise
-        self._uploads = Path(tempfile.mkdtemp(prefix="dlserve-uploads-"))
+        # made on the first load with files, so that a server that never takes one
+        # (or dies before its stop) leaves nothing in the temp folder
+        self._uploads: Path | None = None
 
     @staticmethod
     def _key(path: str | Path) -> str:
@@ -374,6 +376,8 @@ class Repository:
     def write_upload(self, name: str, files: dict[str, bytes]) -> ModelSource:
         """Materialise ``file:<path>`` load parameters as a private model folder."""
         check_model_name(name)
+        if self._uploads is None:
+            self._uploads = Path(tempfile.mkdtemp(prefix="dlserve-uploads-"))
         root = self._uploads / name
         if root.exists():
             shutil.rmtree(root)
@@ -397,4 +401,6 @@ class Repository:
     def close(self) -> None:
         for mirror in [*self._mirrors.values(), *self._retired]:
             mirror.close()
-        shutil.rmtree(self._uploads, ignore_errors=True)
+        if self._uploads is not None:
+            shutil.rmtree(self._uploads, ignore_errors=True)
+            self._uploads = None

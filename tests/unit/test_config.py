@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import re
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -751,6 +752,18 @@ def test_repository_close_removes_uploads(tmp_path):
     assert not source.path.exists()
 
 
+def test_repository_makes_no_uploads_folder_until_a_load_brings_files(tmp_path, monkeypatch):
+    # a server killed before its stop must not leave an empty folder in the temp dir
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    (tmp_path / "r").mkdir()
+    repo = Repository([tmp_path / "r"])
+    assert list(tmp_path.glob("dlserve-uploads-*")) == []
+    repo.write_upload("up", {"1/model.py": b""})
+    assert len(list(tmp_path.glob("dlserve-uploads-*"))) == 1
+    repo.close()
+    assert list(tmp_path.glob("dlserve-uploads-*")) == []
+
+
 @pytest.mark.parametrize("name", ["..", ".", "", " up", "a/b", "a\\b", "x\0"], ids=repr)
 def test_write_upload_rejects_bad_model_names(repository, name):
     with pytest.raises(InvalidArgumentError, match="model name"):
@@ -761,7 +774,8 @@ def test_write_upload_model_name_cannot_escape_the_uploads_folder(repository, tm
     victim = tmp_path / "victim"
     victim.mkdir()
     (victim / "precious.txt").write_text("keep me")
-    name = os.path.relpath(victim, repository._uploads)  # "../..../victim"
+    uploads = repository.write_upload("first", {"1/model.py": b""}).path.parent
+    name = os.path.relpath(victim, uploads)  # "../..../victim"
     assert name.startswith("..")
     with pytest.raises(InvalidArgumentError, match="path traversal"):
         repository.write_upload(name, {"1/model.py": b""})
