@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
+import re
 from collections.abc import AsyncGenerator, Callable, Iterable
 from typing import Any
 
@@ -206,7 +207,11 @@ class DataPlane:
         parameters: dict[str, Any],
         inputs: list[InputSpec],
         outputs: list[OutputSpec] | None,
+        forwarded: Iterable[tuple[str, str]] = (),
     ) -> Request:
+        """The engine request; ``forwarded`` headers reach the model as string
+        parameters and never act as reserved ones (a ``priority`` header is not a
+        priority), as in Triton."""
         request = Request(
             model_name=model_name,
             model_version=parse_version(model_version),
@@ -224,6 +229,7 @@ class DataPlane:
                     f"parameter '{key}' has invalid type. It should be either 'int', 'bool', or 'string'."
                 )
             model_parameters[key] = value
+        model_parameters.update(forwarded)
         request.parameters = model_parameters
         sequence_id = parameters.get("sequence_id")
         if sequence_id is not None:
@@ -321,6 +327,18 @@ class DataPlane:
         finally:
             if not request.finished:
                 self.engine.cancel(request)
+
+
+def forward_pattern(pattern: str) -> re.Pattern[str] | None:
+    """The header-forward pattern as Triton applies it: found anywhere in a header's
+    name (RE2::PartialMatch), ignoring case unless the pattern begins with RE2's
+    ``(?-i)``, which Python's ``re`` only knows in scoped form; None for no pattern.
+    Raises ``re.error`` for a pattern that does not compile."""
+    if not pattern:
+        return None
+    if pattern.startswith("(?-i)"):
+        return re.compile(pattern[len("(?-i)") :])
+    return re.compile(pattern, re.IGNORECASE)
 
 
 def _from_bytes(

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -36,7 +35,7 @@ from google.protobuf import json_format
 from dlserve.engine.request import Request
 from dlserve.engine.tracing import Trace
 from dlserve.errors import InvalidArgumentError, TritonError, UnsupportedError
-from dlserve.frontends.dataplane import DataPlane, InputSpec, OutputSpec, shm_ref
+from dlserve.frontends.dataplane import DataPlane, InputSpec, OutputSpec, forward_pattern, shm_ref
 from dlserve.frontends.grpc_calls import GRPC_CODES, Abort, status_of
 from dlserve.frontends.grpc_codec import (
     Answer,
@@ -96,9 +95,7 @@ class InferenceServicer:
         self.dataplane = dataplane
         self.engine = dataplane.engine
         self.rules = rules_by_category(restrictions)
-        pattern = getattr(options, "forward_header_pattern", "")
-        # Triton forwards every header the pattern finds (RE2::PartialMatch) as a string parameter.
-        self.forward = re.compile(pattern) if pattern else None
+        self.forward = forward_pattern(getattr(options, "forward_header_pattern", ""))
         self.compression = _COMPRESSION.get(int(getattr(options, "infer_compression_level", 0)))
 
     async def check_restricted(self, rules: list[Restriction], context: Any) -> None:
@@ -340,12 +337,13 @@ class InferenceServicer:
                 "ModelInfer RPC doesn't support models with decoupled transaction policy"
             )
         parameters = request_parameters(request.parameters) if request.parameters else {}
+        forwarded = []
         if self.forward is not None:
             for key, value in context.invocation_metadata() or ():
                 if self.forward.search(key):
                     # A binary (-bin) header goes as its text up to a NUL, as Triton's does.
                     text = value if isinstance(value, str) else value.split(b"\0", 1)[0].decode("utf-8", "replace")
-                    parameters[key] = text
+                    forwarded.append((key, text))
         raw_count = len(raws)
         index = 0
         inputs = []
@@ -418,7 +416,7 @@ class InferenceServicer:
                         specs = {}
                     specs[spec_out.name] = spec_out
         engine_request = self.dataplane.build_request(
-            model_name, version if version >= 0 else None, request.id, parameters, inputs, outputs
+            model_name, version if version >= 0 else None, request.id, parameters, inputs, outputs, forwarded
         )
         return engine_request, specs
 

@@ -27,7 +27,14 @@ from dlserve.engine.request import Response
 from dlserve.engine.tracing import Trace
 from dlserve.errors import ErrorCode, InvalidArgumentError, TritonError, UnsupportedError
 from dlserve.frontends import json_values
-from dlserve.frontends.dataplane import DataPlane, InputSpec, OutputSpec, parse_version, shm_ref
+from dlserve.frontends.dataplane import (
+    DataPlane,
+    InputSpec,
+    OutputSpec,
+    forward_pattern,
+    parse_version,
+    shm_ref,
+)
 from dlserve.frontends.http_generate import GenerateApi
 from dlserve.frontends.http_server import HttpRequest, HttpResponse, decode_body, encode_body
 from dlserve.frontends.restrictions import Restriction, rules_by_category
@@ -78,8 +85,7 @@ class KServeHttpApi:
         self.dataplane = dataplane
         self.engine = dataplane.engine
         self.rules = rules_by_category(restrictions or [])
-        # Triton forwards headers the pattern finds anywhere in the name (RE2::PartialMatch).
-        self.forward = re.compile(header_forward_pattern, re.IGNORECASE) if header_forward_pattern else None
+        self.forward = forward_pattern(header_forward_pattern)
         generate = GenerateApi(dataplane)
         model = r"/v2/models/(?P<model>[^/]+)(?:/versions/(?P<version>[^/]+))?"
         shm = r"(?:/region/(?P<region>[^/]+))?"
@@ -296,13 +302,14 @@ class KServeHttpApi:
             outputs = _decode_outputs(body.get("outputs"))
         # (consumed here: the model does not see it, as with Triton's HTTP frontend)
         binary_default = header is None or bool(parameters.pop("binary_data_output", False))
+        forwarded = []
         if self.forward is not None:
-            parameters = dict(parameters)
             for key, value in request.headers.items():
-                if not key.startswith("_") and self.forward.search(key):
-                    parameters[key] = value
+                name = request.header_names.get(key, key)  # (the model sees it as sent)
+                if not key.startswith("_") and self.forward.search(name):
+                    forwarded.append((name, value))
         engine_request = self.dataplane.build_request(
-            args["model"], args.get("version"), request_id, parameters, inputs, outputs
+            args["model"], args.get("version"), request_id, parameters, inputs, outputs, forwarded
         )
         traced = functools.partial(_traced, request) if self.engine.tracer.enabled else None
         response = await self.dataplane.infer(engine_request, traced)

@@ -58,13 +58,14 @@ class HttpRequest:
     method: str
     path: str  # as sent, percent-encoded: a router decodes the parts it captures
     query: str
-    headers: dict[str, str]
+    headers: dict[str, str]  # by lower-cased name
     body: Any  # bytes, or a uint8 numpy view of shared memory for large bodies
     connection: HttpConnection | None = None
     received_ns: tuple[int, int] = (0, 0)  # monotonic: first byte read, message complete
     # Set by a handler that wants to know when its response went out: called once with
     # the write's start and end (monotonic ns), or (0, 0) if it never did.
     on_sent: Callable[[int, int], None] | None = None
+    header_names: dict[str, str] = dataclasses.field(default_factory=dict)  # lower-cased -> as sent, where they differ
 
     def sent(self, start_ns: int, end_ns: int) -> None:
         on_sent, self.on_sent = self.on_sent, None
@@ -144,6 +145,7 @@ class HttpConnection(asyncio.BufferedProtocol):
     def _reset_message(self) -> None:
         self._url = b""
         self._headers: dict[str, str] = {}
+        self._header_names: dict[str, str] = {}
         self._header_bytes = 0
         self._last_name = ""
         self._body_parts: list[bytes] = []
@@ -168,7 +170,10 @@ class HttpConnection(asyncio.BufferedProtocol):
         self._header_bytes += len(name) + len(value)
         if self._header_bytes > MAX_HEADER_BYTES:
             raise HttpError(400, "request headers are too large")
-        key = name.decode("latin-1").lower()
+        raw = name.decode("latin-1")
+        key = raw.lower()
+        if key != raw:
+            self._header_names[key] = raw
         text = value.decode("latin-1")
         self._headers[key] = f"{self._headers[key]},{text}" if key in self._headers else text
 
@@ -247,6 +252,7 @@ class HttpConnection(asyncio.BufferedProtocol):
             path=parsed.path.decode("latin-1"),
             query=(parsed.query or b"").decode("latin-1"),
             headers=self._headers,
+            header_names=self._header_names,
             body=body,
             connection=self,
             received_ns=(self._begun_ns, time.monotonic_ns()),

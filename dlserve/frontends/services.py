@@ -27,7 +27,7 @@ from dlserve.errors import (
     UnavailableError,
     UnsupportedError,
 )
-from dlserve.frontends.dataplane import DataPlane
+from dlserve.frontends.dataplane import DataPlane, forward_pattern
 from dlserve.frontends.hosted import (
     PING_MODE_VARIABLE,
     SageMakerApi,
@@ -88,7 +88,7 @@ def _check_pattern(name: str, value: Any) -> None:
         raise InvalidArgumentError(f"{name} must be a string")
     if value:
         try:
-            re.compile(value)
+            forward_pattern(value)
         except re.error as exc:
             raise InvalidArgumentError(f"{name} is not a valid regular expression: {exc}") from None
 

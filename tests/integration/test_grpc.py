@@ -1269,6 +1269,23 @@ def test_forward_header_pattern(server):
         service.stop()
 
 
+def test_forward_header_pattern_ignores_case_and_never_makes_reserved_parameters(server):
+    # (gRPC metadata names arrive lower-cased; Triton matches them ignoring case)
+    service = start_grpc(server, forward_header_pattern="^(X-FWD-.*|PRIORITY|sequence_id)$")
+    try:
+        with grpcclient.InferenceServerClient(f"127.0.0.1:{service.port}") as c:
+            result = c.infer(
+                "params_echo",
+                [fp32_input("INPUT0", ONES[:1])],
+                headers={"x-fwd-user": "alice", "priority": "high", "sequence_id": "42"},
+            )
+            info = json.loads(result.as_numpy("INFO")[0])
+            assert info["parameters"] == {"x-fwd-user": "alice", "priority": "high", "sequence_id": "42"}
+            assert (info["correlation_id"], info["flags"]) == (0, 0)
+    finally:
+        service.stop()
+
+
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 def test_mutual_tls(server, tmp_path):
     key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"

@@ -2379,6 +2379,36 @@ def test_headers_are_forwarded_as_parameters(main):
 
 
 @pytest.mark.parametrize(
+    "pattern,forwarded",
+    [
+        # Triton matches ignoring case and hands the name on as the client sent it
+        ("^(x-case|priority|sequence_.*|timeout)$", {"X-Case", "priority", "sequence_id", "sequence_start", "timeout"}),
+        # RE2's (?-i) at the front: case counts
+        ("(?-i)^(X-Case|x-case-2|priority)$", {"X-Case", "priority"}),
+    ],
+)
+def test_forwarded_headers_keep_their_case_and_never_act_as_reserved_parameters(main, pattern, forwarded):
+    service = _http(main.server, header_forward_pattern=pattern)
+    headers = {
+        "X-Case": "kept",
+        "X-Case-2": "other",
+        "priority": "high",  # a priority parameter would have to be an integer
+        "sequence_id": "42",  # ...and these would make it a sequence request
+        "sequence_start": "false",
+        "timeout": "soon",
+    }
+    try:
+        body = json_infer([identity_input((1.0,))])
+        reply = request(service.port, "POST", "/v2/models/params_echo/infer", body, headers)
+        assert reply.status == 200, reply.body
+        info = json.loads(reply.json()["outputs"][0]["data"][0])
+        assert info["parameters"] == {name: headers[name] for name in forwarded}
+        assert (info["correlation_id"], info["flags"], info["timeout"]) == (0, 0, 0)
+    finally:
+        service.stop()
+
+
+@pytest.mark.parametrize(
     "restriction",
     ["inference", "bogus:x-key=1", ":x-key=1", "inference:=1", "inference:x-key"],
 )
