@@ -19,7 +19,13 @@ import json
 import logging
 from typing import TYPE_CHECKING, Any, Protocol
 
-from dlserve.engine.request import Request, Response, parse_version, validate_request
+from dlserve.engine.request import (
+    Request,
+    Response,
+    parameters_json,
+    parse_version,
+    validate_request,
+)
 from dlserve.errors import (
     InternalError,
     InvalidArgumentError,
@@ -227,7 +233,7 @@ class ModelCalls:
         if response.flags_only:
             self._send(corr, None, response.final)
             return
-        parameters = json.dumps(response.parameters) if response.parameters else "{}"
+        parameters = parameters_json(response.parameters)
         if response.error is not None:
             error = response.error
             self._send(corr, ((), (int(error.code), error.message), parameters), response.final)

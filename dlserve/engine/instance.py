@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from dlserve.engine import warmup
 from dlserve.engine.backends import code_paths
 from dlserve.engine.calls import ModelCalls
-from dlserve.engine.request import STREAMING, Request, Response, reshaped
+from dlserve.engine.request import STREAMING, Request, Response, parameters_json, reshaped
 from dlserve.errors import ErrorCode, InternalError, TritonError, UnavailableError
 from dlserve.ipc.channel import WorkerGoneError
 from dlserve.ipc.protocol import STREAMED, Kind, Message
@@ -59,8 +59,6 @@ class InstanceState(enum.Enum):
 
 
 _EXECUTING = (InstanceState.READY, InstanceState.WARMING)
-# A request's parameters as Triton writes them ({"a":1}); one encoder, not one per call.
-_compact_json = json.JSONEncoder(separators=(",", ":")).encode
 
 
 class Timings:
@@ -341,7 +339,7 @@ class ModelInstance:
                     r.correlation_id,
                     r.flags,
                     r.timeout_us,
-                    _compact_json(r.parameters) if r.parameters else "{}",
+                    parameters_json(r.parameters),
                     model.output_names if r.requested_outputs is None else r.requested_outputs,
                     [out.add(name, tensor) for name, tensor in r.inputs.items()],
                     None if not r.output_buffers else [

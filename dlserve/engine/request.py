@@ -9,6 +9,7 @@ Validation messages follow Triton's wording (captured from a real server in
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -105,6 +106,15 @@ class Request:
     def label(self) -> str:
         """Triton's prefix for request-level errors."""
         return f"[request id: {self.request_id or '<id_unknown>'}] "
+
+
+# Parameters as a model reads them (request.parameters(), a BLS response's parameters()):
+# compact JSON with text as UTF-8, as Triton's core writes it; one encoder, not one per call.
+_parameters_encoder = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+
+
+def parameters_json(parameters: dict[str, Any]) -> str:
+    return _parameters_encoder(parameters) if parameters else "{}"
 
 
 def parse_version(version: str | int | None) -> int:

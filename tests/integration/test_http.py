@@ -998,17 +998,18 @@ def test_parameters_reach_the_model_and_response_parameters_come_back(client):
         "params_echo",
         [x],
         request_id="rid-42",
-        parameters={"p_int": 5, "p_str": "s", "p_bool": True, "p_float": 1.5, "p_neg": -(2**40)},
+        parameters={"p_int": 5, "p_str": "sé", "p_bool": True, "p_float": 1.5, "p_neg": -(2**40)},
     )
     info = json.loads(result.as_numpy("INFO")[0])
     assert info["parameters"] == {
         "p_int": 5,
-        "p_str": "s",
+        "p_str": "sé",
         "p_bool": True,
         "p_float": 1.5,
         "p_neg": -(2**40),
     }
-    assert info["parameters_text"] == '{"p_int":5,"p_str":"s","p_bool":true,"p_float":1.5,"p_neg":-1099511627776}'
+    # (text as UTF-8, not \u escapes, as Triton's core writes it)
+    assert info["parameters_text"] == '{"p_int":5,"p_str":"sé","p_bool":true,"p_float":1.5,"p_neg":-1099511627776}'
     assert info["request_id"] == "rid-42"
     assert info["requested_output_names"] == ["INFO", "OUTPUT0"]
     assert result.get_response()["parameters"] == {
