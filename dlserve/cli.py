@@ -370,7 +370,11 @@ def serve(args: argparse.Namespace) -> int:
     backend_config = [e for e in args.backend_config if "," in e or "=" not in e]
     cache_config = _grouped_settings("--cache-config", args.cache_config, "local,size=BYTES")
     if args.response_cache_byte_size is not None:
-        cache_config.setdefault("local", {}).setdefault("size", str(args.response_cache_byte_size))
+        if cache_config:  # (Triton's words and exit status)
+            print("Error: Incompatible flags --response-cache-byte-size and --cache-config both "
+                  "provided. Please provide one or the other.", file=sys.stderr)
+            return 1
+        cache_config = {"local": {"size": str(args.response_cache_byte_size)}}
     options = dlserve.Options(
         model_repository=repositories,
         server_id=args.id,

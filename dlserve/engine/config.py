@@ -185,18 +185,7 @@ def validate(config: mc.ModelConfig, model_name: str, gpu_count: int = 0) -> Non
             f"model '{model_name}': parameter ASYNC_EXECUTE_CONCURRENCY must be a positive "
             f"integer, got '{concurrency.string_value}'"
         )
-    if config.response_cache.enable:
-        if config.model_transaction_policy.decoupled:
-            unsupported = "with 'decoupled' transaction policy"
-        elif config.HasField("sequence_batching"):
-            unsupported = "with sequence batching scheduler"
-        else:
-            unsupported = ""
-        if unsupported:  # Triton's message
-            raise InvalidArgumentError(
-                f"Response Cache does not currently support model {model_name} {unsupported}. "
-                "Please disable the response cache."
-            )
+    check_response_cache(config, model_name)
     ensemble = config.platform == ENSEMBLE_PLATFORM
     if ensemble and config.model_warmup:
         raise InvalidArgumentError(f"model_warmup can not be specified for ensemble '{model_name}'")
@@ -226,6 +215,23 @@ def validate(config: mc.ModelConfig, model_name: str, gpu_count: int = 0) -> Non
         oldest = config.sequence_batching.oldest
         if any(size > config.max_batch_size for size in oldest.preferred_batch_size):
             raise InvalidArgumentError("sequence batching preferred batch size must be <= max batch size")
+
+
+def check_response_cache(config: mc.ModelConfig, model_name: str) -> None:
+    """A response cache on a decoupled or sequence model is refused (Triton's words);
+    run again on an ensemble once its steps have made it decoupled."""
+    if not config.response_cache.enable:
+        return
+    if config.model_transaction_policy.decoupled:
+        unsupported = "with 'decoupled' transaction policy"
+    elif config.HasField("sequence_batching"):
+        unsupported = "with sequence batching scheduler"
+    else:
+        return
+    raise InvalidArgumentError(
+        f"Response Cache does not currently support model {model_name} {unsupported}. "
+        "Please disable the response cache."
+    )
 
 
 def _check_batch_inputs_and_outputs(config: mc.ModelConfig) -> None:

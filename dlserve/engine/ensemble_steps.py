@@ -107,6 +107,7 @@ def check_steps(models: ModelTable, repository: Repository, name: str, config: m
         decoupled |= model.decoupled
     if decoupled:
         config.model_transaction_policy.decoupled = True
+        cfg.check_response_cache(config, name)
 
 
 def unavailable_steps(ensemble_name: str, step: str) -> str:

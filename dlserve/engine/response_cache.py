@@ -32,6 +32,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import logging
 import time
 from typing import TYPE_CHECKING
 
@@ -45,6 +46,8 @@ from dlserve.memory.tensor import Tensor
 if TYPE_CHECKING:
     from dlserve.engine.model import ModelVersion
 
+log = logging.getLogger(__name__)
+
 CACHE_NAME = "local"  # the one cache implementation, as Triton's --cache-config names it
 
 
@@ -53,6 +56,10 @@ def cache_size(cache_config: dict[str, dict[str, object]]) -> int | None:
     value}}), or None when no cache is configured."""
     if not cache_config:
         return None
+    if len(cache_config) > 1:  # (Triton's words)
+        raise InvalidArgumentError(
+            "found multiple cache configurations, but only a single cache is currently supported"
+        )
     unknown = set(cache_config) - {CACHE_NAME}
     if unknown:
         raise InvalidArgumentError(
@@ -137,7 +144,15 @@ class ResponseCache:
             outputs.append((name, tensor.data_type, tuple(int(d) for d in tensor.shape), data))
         frozen = tuple(outputs)
         entry = _Entry(frozen, _entry_size(frozen), generation)
-        if entry.nbytes <= self.capacity and key not in self._entries:
+        if entry.nbytes > self.capacity:  # (Triton's words, logged at each such miss)
+            log.error(
+                "Failed to insert key [%d] into response cache: Requested byte_size: %d is "
+                "greater than total cache size: %d",
+                int.from_bytes(key[:8], "little"),
+                entry.nbytes,
+                self.capacity,
+            )
+        elif key not in self._entries:
             while self.used + entry.nbytes > self.capacity:
                 _, evicted = self._entries.popitem(last=False)
                 self.used -= evicted.nbytes

@@ -284,6 +284,11 @@ def test_bad_backend_config_exits_with_a_message():
         (["--grpc-restricted-protocol", "model-reposit:a=1"], "unknown restricted protocol 'model-reposit'"),
         (["--cache-config", "local,size=abc"], "size must be a positive number of bytes, got 'abc'"),
         (["--cache-config", "local"], "--cache-config 'local' must look like local,size=BYTES"),
+        (["--cache-config", "local,size=8192", "--cache-config", "redis,host=x"],  # (Triton's words)
+         "found multiple cache configurations, but only a single cache is currently supported"),
+        (["--cache-config", "local,size=8192", "--response-cache-byte-size", "8192"],
+         "Error: Incompatible flags --response-cache-byte-size and --cache-config both provided. "
+         "Please provide one or the other."),
         (["--rate-limit", "execution_count", "--rate-limit-resource", "R1:x"],
          "rate limit resource 'R1:x' must look like NAME:COUNT[:DEVICE]"),
     ],

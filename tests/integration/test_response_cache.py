@@ -6,6 +6,7 @@ over HTTP, including outputs into a client's shared memory."""
 from __future__ import annotations
 
 import os
+import re
 from multiprocessing import resource_tracker
 
 import numpy as np
@@ -101,11 +102,20 @@ def test_least_recently_used_entries_go_first(servers, make_repo):
     assert cache is not None and len(cache) == 2 and cache.evictions == 2 and cache.used <= size * 2
 
 
-def test_an_entry_bigger_than_the_cache_is_not_kept(servers, make_repo):
+def test_an_entry_bigger_than_the_cache_is_not_kept(servers, make_repo, caplog):
     server = servers.start(make_repo("cached"), cache_config={"local": {"size": "64"}})
-    assert executed(infer(server, X)) == 1
-    assert executed(infer(server, X)) == 2
+    with caplog.at_level("ERROR", logger="dlserve.engine.response_cache"):
+        assert executed(infer(server, X)) == 1
+        assert executed(infer(server, X)) == 2
     assert len(server.engine.response_cache) == 0
+    # each miss says so in Triton's words (upstream L0_response_cache greps them)
+    failures = [r.getMessage() for r in caplog.records if "Failed to insert key" in r.getMessage()]
+    assert len(failures) == 2
+    assert re.fullmatch(
+        r"Failed to insert key \[\d+\] into response cache: Requested byte_size: \d+ is greater "
+        r"than total cache size: 64",
+        failures[0],
+    ), failures[0]
 
 
 def test_without_a_server_cache_the_model_runs_every_time(servers, make_repo):
@@ -146,6 +156,22 @@ def test_decoupled_and_sequence_models_cannot_use_it(servers, make_repo, extra, 
     (row,) = [m for (name, _), m in server.models().items() if name == "cached"]
     assert row.state == "UNAVAILABLE"
     assert f"Response Cache does not currently support model cached {unsupported}. Please disable the response cache." in row.reason
+
+
+def test_an_ensemble_made_decoupled_by_its_step_cannot_use_it(servers, make_repo):
+    # The config does not say decoupled: the streaming step makes it so, and the cache
+    # is refused then, as Triton refuses it.
+    config = (MODELS / "stream_double" / "config.pbtxt").read_text()
+    config = config.replace("model_transaction_policy { decoupled: true }", "response_cache { enable: true }")
+    repo = make_repo("decoupled", "double", extra={"stream_double": {"config.pbtxt": config, "1/.keep": ""}})
+    server = servers.start(repo, exit_on_error=False, cache_config=CACHE)
+    rows = {name: m for (name, _), m in server.models().items()}
+    assert rows["decoupled"].state == rows["double"].state == "READY"
+    assert rows["stream_double"].state == "UNAVAILABLE"
+    assert (
+        "Response Cache does not currently support model stream_double with 'decoupled' "
+        "transaction policy. Please disable the response cache." in rows["stream_double"].reason
+    )
 
 
 @pytest.mark.parametrize(
