@@ -168,7 +168,10 @@ class Engine:
         self.accepting = True
 
     def _knows(self, name: str) -> bool:
-        return self.manager is not None and self.manager.models.knows(name)
+        """Whether a model of this name is loaded (whose trace settings can be had)."""
+        return self.manager is not None and any(
+            entry.latest_loaded() is not None for entry in self.manager.models.named(name)
+        )
 
     # -- lifecycle ----------------------------------------------------------------------
     async def start(self) -> list[str]:

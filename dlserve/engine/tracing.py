@@ -21,11 +21,11 @@ Level TENSORS adds the request's inputs as they are queued and each response's o
 floats as C++'s ``%g``, BYTES elements quoted; FP16 and BF16 left empty, as Triton does).
 
 Files are Triton's: a JSON array of ``{"id", "model_name", "model_version", "request_id",
-"parent_id"}`` and one ``{"id", "timestamps": [{"name", "ns"}]}`` per event. With
-``log_frequency`` 0 every trace goes to ``trace_file`` (streamed as it completes, the array
-closed at stop); with N > 0 each N traces go to ``trace_file.0``, ``trace_file.1``, ...
-A model with a ``log_frequency`` of its own has its traces gathered apart, N at a time,
-into the same numbered files (or, with 0, into the streamed one).
+"parent_id"}`` and one ``{"id", "timestamps": [{"name", "ns"}]}`` per event, into
+``trace_file`` (one array, closed at stop) or numbered files ``trace_file.0``, ``.1``, ...
+by Triton's rules (see :class:`_Sampling`): N traces to a file with a ``log_frequency``
+of N, and the traces of a ``trace_count`` to one file once it is spent. A model with
+settings of its own has its traces gathered apart, into the same files.
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ class Trace:
 
     __slots__ = (
         "tracer", "id", "parent_id", "model_name", "model_version", "request_id", "levels",
-        "events", "tensors", "_holds", "_discarded",
+        "events", "tensors", "sampling", "_holds", "_discarded",
     )
 
     def __init__(
@@ -154,6 +154,7 @@ class Trace:
         self.levels = levels
         self.events: list[tuple[str, int]] = []
         self.tensors: list[dict[str, Any]] | None = [] if "TENSORS" in levels else None
+        self.sampling: _Sampling | None = None  # the one that sampled it (a child's: None)
         self._holds = 1  # the engine's, let go after the final response
         self._discarded = False
         tracer._open[self.id] = self
@@ -239,45 +240,44 @@ def _tensor_entry(name: str, tensor: Tensor) -> dict[str, str]:
 
 
 class _Writer:
-    """Trace files: one streamed array (log_frequency 0) or numbered files of N traces.
-    Locked: the server's loop writes, and a server being killed closes from another thread."""
+    """The trace file, streamed as one JSON array closed at stop, and its numbered
+    files. Locked: the server's loop writes, and a server being killed closes from
+    another thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, path: str) -> None:
+        self.path = path
         self._lock = threading.Lock()
         self._stream: IO[str] | None = None
-        # Traces waiting for a numbered file: the server's (None) and those of each
-        # model with a log_frequency of its own.
-        self._batches: dict[str | None, list[Trace]] = {}
         self._index = 0
         self._closed = False
 
-    def add(self, path: str, trace: Trace, log_frequency: int, scope: str | None = None) -> None:
+    def write(self, traces: list[Trace], numbered: bool) -> None:
+        """``traces`` into the streamed file, or into the next numbered one."""
         with self._lock:
             if self._closed:  # finished after the server stopped: the file is complete
-                log.debug("trace %d finished after the trace file was closed", trace.id)
+                log.debug("%d trace(s) finished after the trace file was closed", len(traces))
                 return
             try:
-                if log_frequency == 0:
-                    self._streamed(path, trace)
+                if numbered:
+                    self._write_numbered(traces)
                 else:
-                    batch = self._batches.setdefault(scope, [])
-                    batch.append(trace)
-                    if len(batch) >= log_frequency:
-                        self._write_batch(path, self._batches.pop(scope))
+                    self._write_streamed(traces)
             except OSError as exc:
-                log.error("cannot write trace file %s: %s", path, exc)
+                log.error("cannot write trace file %s: %s", self.path, exc)
 
-    def _streamed(self, path: str, trace: Trace) -> None:
-        entries = ",".join(json.dumps(entry, separators=(",", ":")) for entry in trace.entries())
+    def _write_streamed(self, traces: list[Trace]) -> None:
+        entries = ",".join(
+            json.dumps(entry, separators=(",", ":")) for trace in traces for entry in trace.entries()
+        )
         if self._stream is None:
-            self._stream = open(path, "w", encoding="utf-8")  # noqa: SIM115 - open until close()
+            self._stream = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 - open until close()
             self._stream.write("[" + entries)
         else:
             self._stream.write("," + entries)
 
-    def _write_batch(self, path: str, batch: list[Trace]) -> None:
-        entries = [entry for trace in batch for entry in trace.entries()]
-        target = f"{path}.{self._index}"
+    def _write_numbered(self, traces: list[Trace]) -> None:
+        entries = [entry for trace in traces for entry in trace.entries()]
+        target = f"{self.path}.{self._index}"
         # Written aside (a hidden name no "PATH.*" matches), then renamed: whoever
         # watches the folder sees each file whole.
         folder, name = os.path.split(target)
@@ -287,21 +287,79 @@ class _Writer:
         os.replace(scratch, target)
         self._index += 1
 
-    def close(self, path: str) -> None:
+    def close(self) -> None:
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            try:
-                for batch in self._batches.values():
-                    self._write_batch(path, batch)
-                self._batches.clear()
-                if self._stream is not None:
+            if self._stream is not None:
+                try:
                     self._stream.write("]")
                     self._stream.close()
-                    self._stream = None
-            except OSError as exc:
-                log.error("cannot write trace file %s: %s", path, exc)
+                except OSError as exc:
+                    log.error("cannot write trace file %s: %s", self.path, exc)
+                self._stream = None
+
+
+class _Sampling:
+    """One scope's sampling under one version of its settings (Triton's TraceSetting):
+    every ``rate``-th request is traced while ``count`` lasts (-1: no limit), and its
+    traces are written as Triton writes them: N to a numbered file with a log
+    frequency N; those of a count to a numbered file once the count is spent and they
+    have all finished; what is left when the settings change or the server stops to
+    the numbered files with a log frequency, else to the streamed file. With neither a
+    count nor a log frequency each trace is streamed as it finishes (Triton holds them
+    in memory until then)."""
+
+    __slots__ = ("rate", "left", "log_frequency", "limited", "seen", "started", "finished", "pending", "retired")
+
+    def __init__(self, rate: int, count: int, log_frequency: int) -> None:
+        self.rate = rate
+        self.left = count  # traces still to start (-1: no limit)
+        self.log_frequency = log_frequency
+        self.limited = count >= 0
+        self.seen = 0  # requests counted toward the rate
+        self.started = 0
+        self.finished = 0
+        self.pending: list[Trace] = []
+        self.retired = False  # replaced by newer settings: write the rest once all finish
+
+    def sample(self) -> bool:
+        if self.left == 0:  # spent: requests no longer count toward the rate either
+            return False
+        self.seen += 1
+        if self.seen % self.rate:
+            return False
+        if self.left > 0:
+            self.left -= 1
+        self.started += 1
+        return True
+
+    def finish(self, trace: Trace, counted: bool, writer: _Writer) -> None:
+        """Write ``trace`` (``counted``: one this sampling started) or hold it."""
+        if counted:
+            self.finished += 1
+        if not self.limited and not self.log_frequency:
+            writer.write([trace], numbered=False)
+            return
+        self.pending.append(trace)
+        if self.log_frequency and len(self.pending) >= self.log_frequency:
+            self.flush(writer, numbered=True)
+        elif self.limited and self.left == 0 and self.finished == self.started:
+            self.flush(writer, numbered=True)
+        elif self.retired and self.finished == self.started:
+            self.flush(writer, numbered=self.log_frequency > 0)
+
+    def retire(self, writer: _Writer) -> None:
+        """Newer settings replace these: what is held goes out once all have finished."""
+        self.retired = True
+        if self.finished == self.started:
+            self.flush(writer, numbered=self.log_frequency > 0)
+
+    def flush(self, writer: _Writer, numbered: bool) -> None:
+        if self.pending:
+            pending, self.pending = self.pending, []
+            writer.write(pending, numbered)
 
 
 class Tracer:
@@ -312,12 +370,12 @@ class Tracer:
         self._global = dict(self._startup)
         self._models: dict[str, dict[str, Any]] = {}
         self._has_model = has_model
-        self._seen: dict[str | None, int] = {}  # requests counted toward the rate, per scope
-        self._left: dict[str | None, int] = {}  # traces left of trace_count, per scope
+        self._scopes: dict[str | None, _Sampling] = {}  # the server's (None) and models' own
+        self._retired: list[_Sampling] = []  # replaced ones whose traces are still open
         self._ids = itertools.count(1)
         self._open: dict[int, Trace] = {}  # traces not written yet, by id
-        self._writer = _Writer()
-        self._left[None] = self._global["trace_count"]
+        self._writer = _Writer(self._global["trace_file"])
+        self._resample(None, self._global["trace_count"])
         self.enabled = False  # may any request be traced now (a cheap check per request)
         self._refresh()
 
@@ -328,7 +386,7 @@ class Tracer:
             self._check_model(model)
         own = self._models.get(model, {}) if model is not None else {}
         values = {**self._global, **own}
-        values["trace_count"] = self._left[model if own else None]  # what is left, as Triton shows
+        values["trace_count"] = self._scopes[model if own else None].left  # what is left, as Triton shows
         return {name: _wire(name, values[name]) for name in _NAMES}
 
     def update(self, model: str | None, changes: dict[str, Any]) -> dict[str, Any]:
@@ -366,11 +424,10 @@ class Tracer:
         if model is None:
             for name, value in parsed.items():
                 self._global[name] = self._startup[name] if value is None else value
-            if "trace_count" in parsed:
-                self._left[None] = self._global["trace_count"]
+            left = self._global["trace_count"] if "trace_count" in parsed else self._scopes[None].left
+            self._resample(None, left)
             for name in list(self._models):
                 self._restart(name)
-            self._seen[None] = 0
         else:
             own = self._models.setdefault(model, {})
             for name, value in parsed.items():
@@ -382,15 +439,28 @@ class Tracer:
                 self._restart(model)
             else:
                 del self._models[model]
-                self._seen.pop(model, None)
-                self._left.pop(model, None)
+                sampling = self._scopes.pop(model, None)
+                if sampling is not None:
+                    self._retire(sampling)
         self._refresh()
         return self.settings(model)
 
     def _restart(self, model: str) -> None:
         """A model's own sampling starts over (its settings or the server's changed)."""
-        self._seen[model] = 0
-        self._left[model] = self._models[model].get("trace_count", self._left[None])
+        self._resample(model, self._models[model].get("trace_count", self._scopes[None].left))
+
+    def _resample(self, scope: str | None, count: int) -> None:
+        """A scope's sampling starts over under its settings now; the old one retires."""
+        values = {**self._global, **self._models.get(scope or "", {})} if scope else self._global
+        old = self._scopes.get(scope)
+        self._scopes[scope] = _Sampling(values["trace_rate"], count, values["log_frequency"])
+        if old is not None:
+            self._retire(old)
+
+    def _retire(self, sampling: _Sampling) -> None:
+        sampling.retire(self._writer)
+        # (kept while traces of it are open, to write what they leave at a stop)
+        self._retired = [s for s in (*self._retired, sampling) if s.finished < s.started or s.pending]
 
     def _check_model(self, model: str) -> None:
         if not self._has_model(model):
@@ -412,26 +482,25 @@ class Tracer:
         levels = own.get("trace_level", self._global["trace_level"])
         if levels == ("OFF",):
             return None
-        left = self._left[scope]
-        if left == 0:  # spent: requests no longer count toward the rate either
+        sampling = self._scopes[scope]
+        if not sampling.sample():
             return None
-        seen = self._seen.get(scope, 0) + 1
-        self._seen[scope] = seen
-        if seen % own.get("trace_rate", self._global["trace_rate"]):
-            return None
-        if left > 0:
-            self._left[scope] = left - 1
-        return Trace(self, model_name, request_id, levels)
+        trace = Trace(self, model_name, request_id, levels)
+        trace.sampling = sampling
+        return trace
 
     def open_trace(self, trace_id: int) -> Trace | None:
         """A trace still collecting events (a model hands it to the requests it makes)."""
         return self._open.get(trace_id)
 
     def _finished(self, trace: Trace) -> None:
-        own = self._models.get(trace.model_name, {}).get("log_frequency")
-        frequency, scope = (self._global["log_frequency"], None) if own is None else (own, trace.model_name)
-        self._writer.add(self._global["trace_file"], trace, frequency, scope)
+        sampling = trace.sampling
+        if sampling is None:  # (a child trace goes with its model's traces)
+            sampling = self._scopes.get(trace.model_name) or self._scopes[None]
+        sampling.finish(trace, trace.sampling is not None, self._writer)
 
     def close(self) -> None:
-        """The server stops: write what is left and end the file."""
-        self._writer.close(self._global["trace_file"])
+        """The server stops: write what is held and end the file."""
+        for sampling in [*self._scopes.values(), *self._retired]:
+            sampling.flush(self._writer, numbered=sampling.log_frequency > 0)
+        self._writer.close()

@@ -371,6 +371,22 @@ def test_a_level_without_a_trace_file_is_refused_as_in_triton(make_repo, servers
         assert server.engine.tracer.update(model, {"trace_level": None})["trace_level"] == ["OFF"]
 
 
+def test_an_unloaded_models_trace_settings_are_refused_as_triton_does(make_repo, servers):
+    server = servers.start(make_repo("identity"), model_control_mode=dlserve.ModelControlMode.EXPLICIT)
+    message = "Request for unknown model : identity"
+    with pytest.raises(dlserve.InvalidArgumentError, match=message):
+        server.engine.tracer.settings("identity")  # in the repository, not loaded
+    server.load("identity")
+    assert server.engine.tracer.update("identity", {"trace_rate": "3"})["trace_rate"] == "3"
+    server.unload("identity", wait_until_unloaded=True)
+    for call in (lambda: server.engine.tracer.settings("identity"),
+                 lambda: server.engine.tracer.update("identity", {"trace_rate": "2"})):
+        with pytest.raises(dlserve.InvalidArgumentError, match=message):
+            call()
+    server.load("identity")  # its own settings are still there, as in Triton
+    assert server.engine.tracer.settings("identity")["trace_rate"] == "3"
+
+
 def test_trace_is_listed_as_an_extension(traced):
     _, urls, _ = traced
     with httpclient.InferenceServerClient(urls["http"]) as client:

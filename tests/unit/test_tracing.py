@@ -116,6 +116,49 @@ def test_one_streamed_array_without_a_log_frequency(tmp_path):
     assert [e["request_id"] for e in entries if "model_name" in e] == ["r0", "r1", "r2"]
 
 
+def request_ids(path) -> list[str]:
+    return [e["request_id"] for e in json.loads(path.read_text()) if "model_name" in e]
+
+
+def test_a_spent_count_writes_its_traces_to_a_numbered_file_at_once(tmp_path):
+    """Triton's rule (upstream L0_trace's count case): the traces of a trace_count go to
+    the next numbered file as soon as the count is spent and they have all finished;
+    the traces before it stream into the main file."""
+    t = tracer(tmp_path)
+    for n in range(3):
+        finish(t.start("a", f"before{n}"))
+    t.update(None, {"trace_count": "2"})
+    first = t.start("a", "counted0")
+    finish(t.start("a", "counted1"))
+    assert t.start("a", "not traced") is None
+    assert not (tmp_path / "trace.json.0").exists()  # counted0 is still open
+    finish(first)
+    assert request_ids(tmp_path / "trace.json.0") == ["counted1", "counted0"]
+    t.close()
+    assert request_ids(tmp_path / "trace.json") == ["before0", "before1", "before2"]
+
+
+def test_new_settings_write_what_the_old_ones_held(tmp_path):
+    """A log_frequency's partial batch is written when the settings change (once its
+    open traces finish), not merged into the next settings' batches."""
+    t = tracer(tmp_path, log_frequency=3)
+    finish(t.start("a", "r0"))
+    still_open = t.start("a", "r1")
+    t.update(None, {"trace_rate": "1"})
+    assert not (tmp_path / "trace.json.0").exists()
+    finish(still_open)
+    assert request_ids(tmp_path / "trace.json.0") == ["r0", "r1"]
+    for n in range(2, 6):
+        finish(t.start("a", f"r{n}"))
+    assert request_ids(tmp_path / "trace.json.1") == ["r2", "r3", "r4"]
+    t.update(None, {"trace_count": "5"})  # (a count not spent: written at close)
+    finish(t.start("a", "r6"))
+    t.close()
+    assert request_ids(tmp_path / "trace.json.2") == ["r5"]
+    assert request_ids(tmp_path / "trace.json.3") == ["r6"]
+    assert not (tmp_path / "trace.json").exists()
+
+
 def test_tensor_entries_are_written_as_triton_writes_them(tmp_path):
     t = tracer(tmp_path, level=("TENSORS",), log_frequency=1)
     trace = t.start("a", "r")
