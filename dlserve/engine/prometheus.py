@@ -310,7 +310,8 @@ def render(engine: Engine, cpu: CpuSampler | None = None, gpu: bool = True) -> s
     lines: list[str] = []
     samples = _model_samples(engine)
     for name, kind, help_text in _MODEL_METRICS:
-        if settings.counter_latencies or name not in _LATENCY_COUNTER_NAMES:
+        # (no family at all without a model, as in Triton)
+        if samples[name] and (settings.counter_latencies or name not in _LATENCY_COUNTER_NAMES):
             lines += _family(name, kind, help_text, samples[name])
     arena = engine.arena
     lines += _gauges((

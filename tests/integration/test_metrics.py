@@ -520,6 +520,16 @@ def test_a_model_s_metrics_outlive_its_unload_and_reload_as_in_triton(servers, t
         server.load("metrics_model")
 
 
+def test_without_a_loaded_model_there_are_no_inference_families_as_in_triton(servers, make_repo):
+    # (upstream checks assertNotIn("nv_inference_count", ...) once the last model is unloaded)
+    server = servers.start(make_repo("identity"), model_control_mode=dlserve.ModelControlMode.EXPLICIT)
+    assert "nv_inference" not in server.metrics()
+    server.load("identity")
+    assert '# TYPE nv_inference_count counter\nnv_inference_count{model="identity",version="1"} 0' in server.metrics()
+    server.unload("identity", wait_until_unloaded=True)
+    assert "nv_inference" not in server.metrics()
+
+
 # -- the application's metrics (dlserve.MetricFamily, as tritonserver.MetricFamily) ------------
 def test_application_metrics_on_the_endpoint_and_in_server_metrics(server, port):
     requests = dlserve.MetricFamily(dlserve.MetricKind.COUNTER, "app_test_requests", "Requests the app saw")
