@@ -16,10 +16,14 @@ value are errors.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import re
 from collections.abc import Mapping
 from typing import Any
 
 from dlserve.errors import InvalidArgumentError
+
+log = logging.getLogger(__name__)
 
 DEFAULT_QUANTILES = ((0.5, 0.05), (0.9, 0.01), (0.95, 0.001), (0.99, 0.001), (0.999, 0.001))
 _BOOLEANS = {"true": True, "false": False}
@@ -64,19 +68,31 @@ def _parse(key: str, value: str) -> Any:
     )
 
 
+# The number std::stod reads at the start of a text (it stops at the first character
+# that cannot continue one), as Triton reads each quantile and error.
+_LEADING_NUMBER = re.compile(r"\s*[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
+
+
+def _leading_number(text: str) -> float | None:
+    match = _LEADING_NUMBER.match(text)
+    if match is None:
+        return None
+    if match.end() != len(text):
+        log.warning("metrics config summary_quantiles: '%s' read as %s, as Triton reads it",
+                    text, match.group().strip())
+    return float(match.group())
+
+
 def _quantiles(text: str) -> tuple[tuple[float, float], ...]:
     """``0.5:0.05,0.9:0.01`` as ((0.5, 0.05), (0.9, 0.01))."""
     quantiles = []
     for entry in text.split(","):
         quantile, sep, error = entry.partition(":")
-        try:
-            pair: tuple[float, float] | None = (float(quantile), float(error))
-        except ValueError:
-            pair = None
-        if not sep or pair is None or not all(0.0 <= x <= 1.0 for x in pair):
+        q, e = _leading_number(quantile), _leading_number(error)
+        if not sep or q is None or e is None or not (0.0 <= q <= 1.0 and 0.0 <= e <= 1.0):
             raise InvalidArgumentError(
                 f"metrics config summary_quantiles '{text}' must look like QUANTILE:ERROR[,...] "
                 "with both in [0, 1]"
             )
-        quantiles.append(pair)
+        quantiles.append((q, e))
     return tuple(quantiles)

@@ -247,6 +247,17 @@ def test_bad_settings_are_refused(tmp_path, options, message):
         dlserve.Options(model_repository=str(tmp_path), **options).engine_settings()
 
 
+def test_quantiles_are_read_as_triton_reads_them(tmp_path, caplog):
+    # (upstream L0_metrics passes "0.1:0.0.1": Triton's std::stod reads 0.0 and goes on)
+    with caplog.at_level("WARNING", logger="dlserve.engine.metrics_settings"):
+        settings = dlserve.Options(
+            model_repository=str(tmp_path),
+            metrics_configuration={"": {"summary_quantiles": "0.1:0.0.1, 0.7:0.01,.75:1e-2"}},
+        ).engine_settings()
+    assert settings.metrics.summary_quantiles == ((0.1, 0.0), (0.7, 0.01), (0.75, 0.01))
+    assert "'0.0.1' read as 0.0" in caplog.text
+
+
 def test_histogram_latencies_is_accepted(tmp_path):
     settings = dlserve.Options(
         model_repository=str(tmp_path), metrics_configuration={"": {"histogram_latencies": "true"}}
