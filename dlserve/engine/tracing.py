@@ -103,7 +103,8 @@ def _integer(name: str, value: Any, least: int) -> int:
     return number
 
 
-_LEAST = {"trace_rate": 1, "trace_count": -1, "log_frequency": 0}  # the integer settings
+# (a rate of 0 samples nothing: Triton takes it, and refuses it only with tracing on)
+_LEAST = {"trace_rate": 0, "trace_count": -1, "log_frequency": 0}  # the integer settings
 _MOST = {"trace_rate": 2**32 - 1, "trace_count": 2**31 - 1, "log_frequency": 2**32 - 1}
 
 
@@ -325,7 +326,7 @@ class _Sampling:
         self.retired = False  # replaced by newer settings: write the rest once all finish
 
     def sample(self) -> bool:
-        if self.left == 0:  # spent: requests no longer count toward the rate either
+        if self.left == 0 or self.rate == 0:  # spent: requests no longer count toward the rate either
             return False
         self.seen += 1
         if self.seen % self.rate:
@@ -421,6 +422,13 @@ class Tracer:
         if parsed.get("trace_level") not in (None, ("OFF",)) and not self._global["trace_file"]:
             # (Triton's words: nothing could be written, so nothing would be traced)
             raise InvalidArgumentError("Attempting to set invalid trace setting :trace file name is not given")
+        if model is None:
+            after = {**self._global, **{k: self._startup[k] if v is None else v for k, v in parsed.items()}}
+        else:
+            own = {**self._models.get(model, {}), **parsed}
+            after = {**self._global, **{k: v for k, v in own.items() if v is not None}}
+        if after["trace_level"] != ("OFF",) and after["trace_rate"] == 0:  # (Triton's words)
+            raise InvalidArgumentError("Attempting to set invalid trace setting :sample rate must be non-zero")
         if model is None:
             for name, value in parsed.items():
                 self._global[name] = self._startup[name] if value is None else value

@@ -344,11 +344,12 @@ def test_bad_http_settings_are_clear_errors(traced):
     cases = [
         ({"trace_level": "TIMESTAMPS"}, 400, "must be an array of strings"),
         ({"trace_rate": 3}, 400, "must be a string"),
-        ({"trace_rate": "0"}, 400, "Expecting value >= 1"),
+        # (with tracing on; Triton takes 0 while the level is OFF)
+        ({"trace_rate": "0"}, 400, "Attempting to set invalid trace setting :sample rate must be non-zero"),
         ({"log_frequency": "-1"}, 400, "Expecting value >= 0"),
         # Triton keeps them in 32 bits and refuses more, in these words
         ({"trace_count": "2147483648"}, 400, "Unable to parse 'trace_count', value is out of range [ -1, 2147483647 ], got: 2147483648"),
-        ({"trace_rate": "4294967296"}, 400, "value is out of range [ 1, 4294967295 ]"),
+        ({"trace_rate": "4294967296"}, 400, "value is out of range [ 0, 4294967295 ]"),
         ([1], 400, "JSON object"),
     ]
     for body, status, message in cases:
@@ -395,7 +396,7 @@ def test_trace_is_listed_as_an_extension(traced):
 
 def test_options_refuse_bad_trace_settings(tmp_path):
     for settings, message in [
-        (dlserve.TraceSettings(rate=0), "trace_rate"),
+        (dlserve.TraceSettings(rate=-1), "trace_rate"),
         (dlserve.TraceSettings(level=("SOMETIMES",)), "unknown trace level"),
         (dlserve.TraceSettings(mode="opentelemetry"), "not supported"),
     ]:

@@ -56,6 +56,19 @@ def test_a_model_with_settings_of_its_own_samples_on_its_own(tmp_path):
     assert t.start("a", "x") is None and t.start("b", "x") is None
 
 
+def test_a_rate_of_zero_is_taken_only_with_tracing_off_as_in_triton(tmp_path):
+    t = tracer(tmp_path, level=("OFF",), rate=0)  # (--trace-config rate=0 starts)
+    assert t.update(None, {"trace_rate": "0"})["trace_rate"] == "0"
+    with pytest.raises(InvalidArgumentError, match="^Attempting to set invalid trace setting :sample rate must be non-zero$"):
+        t.update(None, {"trace_level": ["TIMESTAMPS"]})
+    with pytest.raises(InvalidArgumentError, match="sample rate must be non-zero"):
+        t.update("a", {"trace_level": ["TIMESTAMPS"]})
+    assert t.update("a", {"trace_level": ["TIMESTAMPS"], "trace_rate": "1"})["trace_rate"] == "1"
+    assert t.start("a", "x") is not None
+    on = tracer(tmp_path, rate=0)  # (a setting that traces nothing, as Triton's invalid one)
+    assert on.start("a", "x") is None
+
+
 def test_no_file_or_level_off_traces_nothing(tmp_path):
     assert not Tracer(TraceSettings(level=("TIMESTAMPS",)), lambda name: True).enabled
     t = tracer(tmp_path, level=("OFF",))
