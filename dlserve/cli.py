@@ -293,6 +293,8 @@ def _grouped_settings(flag: str, entries: list[str], example: str, named: bool =
 
 _TRACE_KEYS = {"file": "file", "level": "level", "rate": "rate", "count": "count",
                "log-frequency": "log_frequency", "mode": "mode"}
+# tritonserver's other words for the trace levels
+_TRACE_LEVEL_WORDS = {"false": "OFF", "true": "TIMESTAMPS", "on": "TIMESTAMPS", "min": "TIMESTAMPS", "max": "TIMESTAMPS"}
 _OLD_TRACE_FLAGS = ("file", "level", "rate", "count", "log-frequency")  # --trace-<setting>
 
 
@@ -327,7 +329,7 @@ def _trace_settings(entries: list[str]) -> TraceSettings:
                 f"one of {', '.join(_TRACE_KEYS)} (only Triton's trace files are written)"
             )
         if field == "level":
-            levels.append(value.upper())
+            levels.append(_TRACE_LEVEL_WORDS.get(value.lower(), value.upper()))
         elif field in ("file", "mode"):
             setattr(settings, field, value)
         else:
@@ -335,8 +337,8 @@ def _trace_settings(entries: list[str]) -> TraceSettings:
                 setattr(settings, field, int(value))
             except ValueError:
                 raise SystemExit(f"dlserve: --trace-config {key} must be an integer, got '{value}'") from None
-    if levels:
-        settings.level = tuple(levels)
+    if levels:  # each adds to the others, as in tritonserver (OFF adds nothing)
+        settings.level = tuple(dict.fromkeys(level for level in levels if level != "OFF")) or ("OFF",)
     return settings
 
 

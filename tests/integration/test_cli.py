@@ -548,7 +548,9 @@ def test_trace_config_writes_tritons_trace_file(serve, make_repo, tmp_path):
         assert request(port, "/v2/models/add_sub/infer", "POST", add_sub_body())[0] == 200
     assert process.stop()[0] == 0, process.output()
     process.assert_clean()
-    entries = json.loads(file.read_text())
+    # a spent count's traces go to the first numbered file, as Triton writes them
+    assert not file.exists()
+    entries = json.loads((tmp_path / "trace.json.0").read_text())
     heads = [e for e in entries if "model_name" in e]
     assert [(h["model_name"], h["model_version"]) for h in heads] == [("add_sub", 1)] * 2
     events = {e["timestamps"][0]["name"] for e in entries if e["id"] == heads[0]["id"] and "timestamps" in e}
@@ -567,6 +569,21 @@ def test_tritonservers_older_trace_flags_are_accepted():
     assert _trace_settings(_trace_entries(args)) == TraceSettings(
         file="/tmp/t.json", level=("TIMESTAMPS", "TENSORS"), rate=7, count=9, log_frequency=2
     )
+
+
+@pytest.mark.parametrize(
+    "levels,expected",
+    [
+        (["OFF", "TIMESTAMPS"], ("TIMESTAMPS",)),  # each adds to the others; OFF adds nothing
+        (["tensors", "on"], ("TENSORS", "TIMESTAMPS")),  # (tritonserver's other words)
+        (["max", "false"], ("TIMESTAMPS",)),
+        (["off"], ("OFF",)),
+    ],
+)
+def test_trace_levels_add_up_as_in_tritonserver(levels, expected):
+    from dlserve.cli import _trace_settings
+
+    assert _trace_settings([f"level={level}" for level in levels]).level == expected
 
 
 @pytest.mark.parametrize(
