@@ -135,7 +135,7 @@ class Trace:
 
     __slots__ = (
         "tracer", "id", "parent_id", "model_name", "model_version", "request_id", "levels",
-        "events", "tensors", "sampling", "_holds", "_discarded",
+        "events", "tensors", "sampling", "root", "group", "_holds", "_discarded",
     )
 
     def __init__(
@@ -156,6 +156,10 @@ class Trace:
         self.events: list[tuple[str, int]] = []
         self.tensors: list[dict[str, Any]] | None = [] if "TENSORS" in levels else None
         self.sampling: _Sampling | None = None  # the one that sampled it (a child's: None)
+        # A child is written with the trace of the request that began it all (its root),
+        # as one sample, as Triton writes a request's traces: the root's group holds them.
+        self.root: Trace | None = None
+        self.group: list[Trace] = []
         self._holds = 1  # the engine's, let go after the final response
         self._discarded = False
         tracer._open[self.id] = self
@@ -174,8 +178,11 @@ class Trace:
             )
 
     def child(self, model_name: str, request_id: str) -> Trace:
-        """The trace of a request this one makes (an ensemble step)."""
-        return Trace(self.tracer, model_name, request_id, self.levels, parent_id=self.id)
+        """The trace of a request this one makes (an ensemble step, a BLS call)."""
+        child = Trace(self.tracer, model_name, request_id, self.levels, parent_id=self.id)
+        child.root = self.root or self
+        child.root.hold()  # (let go when the child is written into its group)
+        return child
 
     def hold(self) -> None:
         """Keep the trace open past the engine's part (a frontend that still sends)."""
@@ -187,6 +194,8 @@ class Trace:
             del self.tracer._open[self.id]
             if not self._discarded:
                 self.tracer._finished(self)
+            if self.root is not None:
+                self.root.release()
 
     def release_soon(self) -> None:
         """Release after the current loop turn, so that a frontend answering inside it
@@ -322,7 +331,7 @@ class _Sampling:
         self.seen = 0  # requests counted toward the rate
         self.started = 0
         self.finished = 0
-        self.pending: list[Trace] = []
+        self.pending: list[list[Trace]] = []  # samples held
         self.retired = False  # replaced by newer settings: write the rest once all finish
 
     def sample(self) -> bool:
@@ -336,14 +345,13 @@ class _Sampling:
         self.started += 1
         return True
 
-    def finish(self, trace: Trace, counted: bool, writer: _Writer) -> None:
-        """Write ``trace`` (``counted``: one this sampling started) or hold it."""
-        if counted:
-            self.finished += 1
+    def finish(self, traces: list[Trace], writer: _Writer) -> None:
+        """Write one sample (a request's traces) or hold it."""
+        self.finished += 1
         if not self.limited and not self.log_frequency:
-            writer.write([trace], numbered=False)
+            writer.write(traces, numbered=False)
             return
-        self.pending.append(trace)
+        self.pending.append(traces)
         if self.log_frequency and len(self.pending) >= self.log_frequency:
             self.flush(writer, numbered=True)
         elif self.limited and self.left == 0 and self.finished == self.started:
@@ -360,7 +368,7 @@ class _Sampling:
     def flush(self, writer: _Writer, numbered: bool) -> None:
         if self.pending:
             pending, self.pending = self.pending, []
-            writer.write(pending, numbered)
+            writer.write([trace for sample in pending for trace in sample], numbered)
 
 
 class Tracer:
@@ -502,10 +510,11 @@ class Tracer:
         return self._open.get(trace_id)
 
     def _finished(self, trace: Trace) -> None:
-        sampling = trace.sampling
-        if sampling is None:  # (a child trace goes with its model's traces)
-            sampling = self._scopes.get(trace.model_name) or self._scopes[None]
-        sampling.finish(trace, trace.sampling is not None, self._writer)
+        if trace.root is not None:  # written with its root, which it holds open until now
+            trace.root.group.append(trace)
+        elif trace.sampling is not None:
+            sample = sorted([trace, *trace.group], key=lambda t: t.id)  # (the order they began)
+            trace.sampling.finish(sample, self._writer)
 
     def close(self) -> None:
         """The server stops: write what is held and end the file."""

@@ -95,18 +95,25 @@ def test_a_trace_is_written_when_its_last_holder_lets_go(tmp_path):
     assert not (tmp_path / "trace.json.1").exists()
 
 
-def test_files_of_n_traces_and_the_rest_at_close(tmp_path):
+def test_files_of_n_requests_and_the_rest_at_close(tmp_path):
+    """A log frequency counts requests: a request's child traces (ensemble steps, BLS
+    calls, theirs in turn) go into its file with it and are not counted, as in Triton."""
     t = tracer(tmp_path, log_frequency=2)
     for n in range(5):
         trace = t.start("a", f"r{n}")
         child = trace.child("b", f"r{n}")
+        finish(child.child("a", f"r{n}"))
         finish(child)
         finish(trace)
     t.close()
-    files = [json.loads((tmp_path / f"trace.json.{i}").read_text()) for i in range(5)]
+    assert not (tmp_path / "trace.json.3").exists()
+    files = [json.loads((tmp_path / f"trace.json.{i}").read_text()) for i in range(3)]
     heads = [[e for e in f if "model_name" in e] for f in files]
-    assert [len(h) for h in heads] == [2, 2, 2, 2, 2]
-    assert heads[0][0]["parent_id"] == heads[0][1]["id"]
+    assert [[h["request_id"] for h in file] for file in heads] == [
+        ["r0"] * 3 + ["r1"] * 3, ["r2"] * 3 + ["r3"] * 3, ["r4"] * 3
+    ]
+    root, child, grandchild = heads[0][:3]
+    assert "parent_id" not in root and child["parent_id"] == root["id"] and grandchild["parent_id"] == child["id"]
 
 
 def test_a_trace_finishing_after_close_leaves_the_file_whole(tmp_path):
