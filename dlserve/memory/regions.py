@@ -89,9 +89,10 @@ class SystemRegions:
             raise InvalidArgumentError(
                 f"shared memory key '{key}' is in a reserved namespace and cannot be registered"
             )
-        if offset < 0 or byte_size <= 0:
+        if offset < 0 or byte_size <= 0:  # (Triton's words first, then which)
             raise InvalidArgumentError(
-                f"shared memory region '{name}': offset must be >= 0 and byte_size > 0"
+                f"failed to register shared memory region '{name}': invalid args: offset must "
+                "be >= 0 and byte_size > 0"
             )
         with self._lock:
             if name in self._regions:
@@ -111,8 +112,8 @@ class SystemRegions:
                 if not any(region.segment is segment for region in self._regions.values()):
                     self._forget(segment)  # let go of what no region holds
                 raise InvalidArgumentError(
-                    f"shared memory region '{name}': [{offset}, {offset + byte_size}) is outside "
-                    f"the {segment.size}-byte object '{key}'"
+                    f"failed to register shared memory region '{name}': invalid args: "
+                    f"[{offset}, {offset + byte_size}) is outside the {segment.size}-byte object '{key}'"
                 )
             anchor = self._space.anchor(segment, offset, byte_size)
             self._regions[name] = Region(name, key, offset, byte_size, segment, anchor)
@@ -167,9 +168,10 @@ class SystemRegions:
         if region is None:
             raise NotFoundError(f"Unable to find shared memory region: '{name}'")  # (Triton's 404)
         if offset < 0 or byte_size < 0 or offset + byte_size > region.byte_size:
-            raise InvalidArgumentError(
-                f"shared memory reference [{offset}, {offset + byte_size}) is outside region "
-                f"'{name}' of {region.byte_size} bytes"
+            what = "offset" if offset < 0 or offset >= region.byte_size else "offset + byte size"
+            raise InvalidArgumentError(  # (Triton's words, then the numbers)
+                f"Invalid {what} for shared memory region: '{name}': [{offset}, "
+                f"{offset + byte_size}) is outside its {region.byte_size} bytes"
             )
         # Only the bytes this reference touches must still exist (Triton serves what lies
         # inside a shrunk object too); touching the rest would be a SIGBUS.

@@ -540,8 +540,9 @@ def test_system_shared_memory_registration_errors(client, port, regions):
     try:
         cases = [
             (("err_r", key, 64), "shared memory region 'err_r' already in manager"),
-            (("big", key, 128), "outside the 64-byte object"),
-            (("off", key, 32, 48), "outside the 64-byte object"),
+            # (upstream shared_memory_test matches "failed to register shared memory region.*invalid args")
+            (("big", key, 128), "failed to register shared memory region 'big': invalid args: [0, 128) is outside the 64-byte object"),
+            (("off", key, 32, 48), "failed to register shared memory region 'off': invalid args: [48, 80) is outside the 64-byte object"),
         ]
         for args, message in cases:
             error = client_error(client.register_system_shared_memory, *args)
@@ -640,9 +641,10 @@ def test_shared_memory_references_are_bounds_checked(client, port, regions):
         for in_params, out_params in ((unknown, None), (ok, unknown)):  # (Triton's 404)
             assert_error(infer(in_params, out_params), 404, "Unable to find shared memory region: 'nope'")
         cases = [
-            ({**ok, "shared_memory_offset": 8}, None, "outside region 'ref_r'"),
-            ({**ok, "shared_memory_offset": 1 << 62}, None, "outside region 'ref_r'"),
-            ({**ok, "shared_memory_byte_size": 1 << 40}, None, "outside region 'ref_r'"),
+            # (Triton's words, which upstream shared_memory_test looks for)
+            ({**ok, "shared_memory_offset": 8}, None, "Invalid offset + byte size for shared memory region: 'ref_r'"),
+            ({**ok, "shared_memory_offset": 1 << 62}, None, "Invalid offset for shared memory region: 'ref_r'"),
+            ({**ok, "shared_memory_byte_size": 1 << 40}, None, "Invalid offset + byte size for shared memory region: 'ref_r'"),
             ({**ok, "shared_memory_offset": -8}, None, "shared_memory_offset"),
             ({**ok, "shared_memory_byte_size": -1}, None, "shared_memory_byte_size"),
             ({**ok, "shared_memory_offset": "8"}, None, "shared_memory_offset"),
@@ -663,7 +665,7 @@ def test_shared_memory_references_are_bounds_checked(client, port, regions):
                     "shared_memory_byte_size": 64,
                     "shared_memory_offset": 32,
                 },
-                "outside region",
+                "Invalid offset + byte size for shared memory region: 'ref_r': [32, 96) is outside its 64 bytes",
             ),
         ]
         for in_params, out_params, message in cases:
