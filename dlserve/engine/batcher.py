@@ -6,9 +6,9 @@ instance is free the batcher takes requests in priority and arrival order while 
 fit ``max_batch_size`` and have the same shapes (inputs with ``allow_ragged_batch``
 excepted), and runs them as one ``execute`` call — the model receives the list of
 requests, as in Triton. It
-sends a batch at once when it reaches ``max_batch_size`` or a
-``preferred_batch_size``; otherwise it waits for more requests until the oldest
-has waited ``max_queue_delay_microseconds``.
+sends a batch at once when it reaches a ``preferred_batch_size`` (the largest it can)
+or can grow no more; otherwise it waits for more requests until the oldest has waited
+``max_queue_delay_microseconds``, and then sends all that fits ``max_batch_size``.
 
 Queue policies: ``max_queue_size`` rejects new requests (UNAVAILABLE, counted as
 REJECTED); a request that waits longer than its timeout is rejected, or with
@@ -48,7 +48,9 @@ class DynamicBatcher(Scheduler):
         config = model.config
         batching = config.dynamic_batching
         self.max_batch = max(config.max_batch_size, 1)
-        self.preferred = set(batching.preferred_batch_size)  # (1..max_batch_size: config.validate)
+        # (1..max_batch_size: config.validate; config.normalize sets max_batch_size if none)
+        self.preferred = set(batching.preferred_batch_size)
+        self.max_preferred = max(self.preferred, default=self.max_batch)
         self.delay_ns = batching.max_queue_delay_microseconds * 1000
         self.preserve_ordering = batching.preserve_ordering
         levels = max(batching.priority_levels, 1)
@@ -143,41 +145,43 @@ class DynamicBatcher(Scheduler):
 
     # -- batch formation ----------------------------------------------------------------
     def _next_batch(self, instance: ModelInstance) -> list[Request] | None:
-        now = time.monotonic_ns()
+        """Triton's batch formation (GetDynamicBatch): take requests in order while they
+        fit; the longest run that hits a preferred size goes at once, as does a run that
+        cannot grow (the next request is too big or of another shape, or it would pass
+        the largest preferred size); otherwise wait for more until the oldest has waited
+        ``max_queue_delay_microseconds``, then send all that fits."""
         chosen: list[Request] = []
         total = 0
-        preferred_at = 0  # length of the longest prefix that hits a preferred batch size
+        best = 0  # how many requests make the batch to send before the delay runs out
         key = None
-        # The next request cannot join (another shape, or too many rows): the batch can
-        # grow no more, so it goes now rather than at the end of the delay, as in Triton.
-        closed = False
+        closed = False  # the next request cannot join: the batch can grow no more
         for queue in self._queues():
             for request in queue:
                 size = self.model.batch_size_of(request)
-                if chosen and (total + size > self.max_batch or batch_shapes(request, self._ragged) != key):
-                    closed = True
-                    break
-                if not chosen:
+                if chosen:
+                    if total + size > self.max_preferred and not best:
+                        best = len(chosen)
+                    if total + size > self.max_batch or batch_shapes(request, self._ragged) != key:
+                        closed = True
+                        break
+                else:
                     key = batch_shapes(request, self._ragged)
                 chosen.append(request)
                 total += size
                 if total in self.preferred:
-                    preferred_at = len(chosen)
-                if total >= self.max_batch:
-                    break
+                    best = len(chosen)
             else:
                 continue
             break
         if not chosen:
             return None
-        if total < self.max_batch and not preferred_at and not closed:
-            oldest = min(r.arrival_ns for r in chosen)
-            ready_at = oldest + self.delay_ns
-            if now < ready_at:
-                self._arm(ready_at)  # wait for more requests, at most until then
-                return None
-        elif total < self.max_batch and not closed:
-            chosen = chosen[:preferred_at]  # the largest preferred batch size available
+        ready_at = min(r.arrival_ns for r in chosen) + self.delay_ns
+        delay_over = self.delay_ns and time.monotonic_ns() >= ready_at
+        if best and not delay_over:
+            chosen = chosen[:best]
+        elif not (closed or total >= self.max_preferred or delay_over or not self.delay_ns):
+            self._arm(ready_at)  # wait for more requests, at most until then
+            return None
         for request in chosen:
             for queue in self._queues():
                 if queue and queue[0] is request:

@@ -131,6 +131,45 @@ def test_a_batch_the_next_request_cannot_join_goes_before_the_delay(server, firs
     assert took_second >= 2.5  # the second did wait: nothing came to close its batch
 
 
+def test_a_batch_that_would_pass_the_largest_preferred_size_goes_before_the_delay(server):
+    """As Triton: 3 rows then 2 with preferred size 4 — the 3 go at once, alone, as the 2
+    would take the batch past every preferred size; the 2 wait out the delay."""
+    load(server, dynamic_batching={"preferred_batch_size": [4], "max_queue_delay_microseconds": 3_000_000})
+
+    async def timed(x: np.ndarray) -> tuple[float, Any]:
+        started = time.monotonic()
+        response = await infer(server, x)
+        return time.monotonic() - started, response
+
+    async def run() -> list[tuple[float, Any]]:
+        first = asyncio.ensure_future(timed(rows(3)))
+        await asyncio.sleep(0.2)  # the 3 rows are queued, waiting for company
+        return await asyncio.gather(first, timed(rows(2)))
+
+    (took_first, response_first), (took_second, response_second) = asyncio.run(run())
+    assert batch_of(response_first) == (1, 3) and batch_of(response_second) == (1, 2)
+    assert took_first < 2.0
+    assert took_second >= 2.5
+
+
+@pytest.mark.parametrize(
+    ("delay_us", "expected"), [(0, [4] * 8), (200_000, [8] * 8)], ids=["within the delay", "delay passed"]
+)
+def test_queued_requests_go_in_preferred_batches_until_the_delay_passes(server, delay_us, expected):
+    """As Triton: with a preferred size below max_batch_size a full queue goes in batches
+    of the preferred size; once the oldest has waited the delay, all that fits goes."""
+    load(server, dynamic_batching={"preferred_batch_size": [4], "max_queue_delay_microseconds": delay_us})
+
+    async def run() -> list[Any]:
+        holder = asyncio.ensure_future(infer(server, rows(), parameters={"sleep": 1.0}))
+        await asyncio.sleep(0.4)  # the holder waited out the delay alone and is executing
+        responses = await asyncio.gather(*(infer(server, rows()) for _ in range(8)))
+        assert batch_of(await holder)[0] == 1
+        return responses
+
+    assert sorted(batch_of(r)[0] for r in asyncio.run(run())) == expected
+
+
 def test_max_queue_delay_waits_for_more_requests(server):
     load(server, dynamic_batching={"preferred_batch_size": [8], "max_queue_delay_microseconds": 500_000})
 
