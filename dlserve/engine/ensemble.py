@@ -251,6 +251,7 @@ class _Run:
             request_id=request.request_id,
             correlation_id=request.correlation_id,
             flags=request.flags,
+            priority=request.priority,
             timeout_us=request.timeout_us,
             parameters=request.parameters,
             requested_outputs=list(step.outputs),

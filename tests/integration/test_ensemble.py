@@ -644,3 +644,51 @@ def test_an_output_a_step_does_not_return_is_left_out(make_repo, servers):
     assert isinstance(starved.error, dlserve.InvalidArgumentError)
     assert starved.error.message.startswith("in ensemble 'required_fed', ")
     assert "missing required input(s) ['X']" in starved.error.message
+
+
+RANKED = """
+name: "ranked"
+platform: "ensemble"
+max_batch_size: 1
+input [ { name: "X" data_type: TYPE_FP32 dims: [ -1 ] } ]
+output [ { name: "ORDER" data_type: TYPE_INT64 dims: [ 1 ] } ]
+ensemble_scheduling {
+  step [
+    { model_name: "batcher" model_version: -1
+      input_map { key: "INPUT0" value: "X" } output_map { key: "ORDER" value: "ORDER" } }
+  ]
+}
+"""
+
+PRIORITISED_BATCHER = (MODELS / "batcher" / "config.pbtxt").read_text().replace(
+    "max_batch_size: 8", "max_batch_size: 1"
+).replace("dynamic_batching { }", "dynamic_batching { priority_levels: 2 default_priority_level: 2 }")
+
+
+def test_a_step_runs_at_the_ensemble_requests_priority(make_repo, servers):
+    """As Triton, a step's request carries the ensemble request's priority: a priority-1
+    request through the ensemble overtakes default-level ones queued at the step model."""
+    repo = make_repo("batcher", extra={
+        "batcher": {"config.pbtxt": PRIORITISED_BATCHER},
+        "ranked": {"config.pbtxt": RANKED, "1/.keep": ""},
+    })
+    server = servers.start(repo)
+    row = np.ones((1, 4), np.float32)
+
+    async def first(model: str, **kwargs) -> dlserve.InferenceResponse:
+        async for response in server.model(model).async_infer(inputs=kwargs.pop("inputs"), **kwargs):
+            return response
+        raise AssertionError("no response")
+
+    async def run() -> tuple[list[int], int]:
+        holder = asyncio.ensure_future(first("batcher", inputs={"INPUT0": row}, parameters={"sleep": 0.4}))
+        await asyncio.sleep(0.1)  # the holder is executing; what follows queues
+        low = [asyncio.ensure_future(first("batcher", inputs={"INPUT0": row})) for _ in range(3)]
+        await asyncio.sleep(0.05)
+        high = asyncio.ensure_future(first("ranked", inputs={"X": row}, priority=1))
+        await holder
+        order = [int(np.from_dlpack((await f).outputs["ORDER"])[0, 0]) for f in low]
+        return order, int(np.from_dlpack((await high).outputs["ORDER"])[0, 0])
+
+    low, high = asyncio.run(run())
+    assert high < min(low)
