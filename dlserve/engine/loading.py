@@ -23,8 +23,8 @@ from dlserve.engine.repository import (
     ModelSource,
     Repository,
     check_model_name,
-    defines_auto_complete,
     log_missing_versions,
+    may_define_auto_complete,
     select_versions,
 )
 from dlserve.engine.unloading import Unloader
@@ -230,7 +230,7 @@ class Loader:
         backend_file = None if is_ensemble else backend_model_file(config, name, self.resources.backend_directory)
         model_path = source.path / str(max(versions)) / filename
         code_file = backend_file or model_path
-        if not is_ensemble and self.auto_complete and defines_auto_complete(code_file):
+        if not is_ensemble and self.auto_complete and may_define_auto_complete(code_file):
             cfg.complete_instances(config, name, self.resources.gpu_count)  # what Triton shows it
             config = await run_auto_complete(self.resources, self.starting, name, config, model_path, code_file)
         cfg.complete(config, name, self.resources.gpu_count)

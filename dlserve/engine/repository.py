@@ -140,24 +140,59 @@ def select_versions(policy: mc.ModelVersionPolicy, available: list[int]) -> list
     return sorted(available)[-max(count, 1) :]
 
 
-def defines_auto_complete(model_file: Path) -> bool:
-    """Whether ``TritonPythonModel`` defines ``auto_complete_config``, read without importing.
+_MODEL_CLASS = "TritonPythonModel"
 
-    Saves a throwaway worker process for the (common) models that do not. A file
-    that does not parse, or has no such class, is left for the instance's worker
-    to report, after the config has been checked.
+
+def may_define_auto_complete(model_file: Path) -> bool:
+    """Whether ``TritonPythonModel`` may have ``auto_complete_config``, read without importing.
+
+    Triton runs the hook of every model; reading the file saves a throwaway worker for
+    the (common) models that plainly have none: a class of that name with no base but
+    ``object``, no decorator or metaclass, nothing of that name in its body, and not
+    changed or bound otherwise in the file. Anything else (a base class, an import of
+    the class, a star import) may bring the hook, so the worker asks the class. A file
+    that does not parse, or has no such class, is left for the instance's worker to
+    report, after the config has been checked.
     """
     try:
         tree = ast.parse(model_file.read_text())
     except (OSError, SyntaxError, ValueError):
         return False
-    for node in tree.body:
-        if isinstance(node, ast.ClassDef) and node.name == "TritonPythonModel":
-            return any(
-                isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef))
-                and item.name == "auto_complete_config"
-                for item in node.body
-            )
+    classes = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name == _MODEL_CLASS:
+            classes.append(node)
+        elif _binds_model_class(node):
+            return True
+    return any(_class_may_define_auto_complete(node) for node in classes)
+
+
+def _binds_model_class(node: ast.AST) -> bool:
+    """Whether ``node`` binds or changes the model class other than by a plain class
+    statement: an import of it, a star import, an assignment to it or to its attributes,
+    or a ``setattr`` on it."""
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        return any(alias.name == "*" or (alias.asname or alias.name) == _MODEL_CLASS for alias in node.names)
+    if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+        return node.id == _MODEL_CLASS
+    if isinstance(node, ast.Attribute) and isinstance(node.ctx, (ast.Store, ast.Del)):
+        return isinstance(node.value, ast.Name) and node.value.id == _MODEL_CLASS
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr":
+        target = node.args[0] if node.args else None
+        return isinstance(target, ast.Name) and target.id == _MODEL_CLASS
+    return False
+
+
+def _class_may_define_auto_complete(node: ast.ClassDef) -> bool:
+    plain_bases = all(isinstance(base, ast.Name) and base.id == "object" for base in node.bases)
+    if node.decorator_list or node.keywords or not plain_bases:
+        return True
+    for item in ast.walk(node):
+        if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            if item.name == "auto_complete_config":
+                return True
+        elif isinstance(item, ast.Name) and item.id == "auto_complete_config":
+            return True  # assigned in the body, or any other mention: let the worker ask
     return False
 
 

@@ -456,6 +456,37 @@ def test_index_lists_every_folder_and_then_why_a_folder_without_versions_failed(
     assert server.engine.manager.index() == [{"name": name} for name in sorted([*folders, "identity"])]
 
 
+INHERITS_AUTO_COMPLETE = {
+    "config.pbtxt": 'backend: "python"\n',
+    "1/completing.py": (
+        "class Completing:\n"
+        "    @staticmethod\n"
+        "    def auto_complete_config(config):\n"
+        "        config.add_input({'name': 'IN', 'data_type': 'TYPE_FP32', 'dims': [2]})\n"
+        "        config.add_output({'name': 'OUT', 'data_type': 'TYPE_FP32', 'dims': [2]})\n"
+        "        return config\n"
+    ),
+    "1/model.py": (
+        "from completing import Completing\n"
+        "import triton_python_backend_utils as pb_utils\n\n\n"
+        "class TritonPythonModel(Completing):\n"
+        "    def execute(self, requests):\n"
+        "        return [pb_utils.InferenceResponse([pb_utils.Tensor('OUT', pb_utils.get_input_tensor_by_name(r, 'IN')"
+        ".as_numpy() * 2)]) for r in requests]\n"
+    ),
+}
+
+
+def test_auto_complete_config_inherited_from_a_base_class_runs(servers, make_repo):
+    """Triton asks the model class for the hook, so one a base class in a file beside
+    model.py brings runs too (dlserve read only the class statement and skipped it)."""
+    server = servers.start(make_repo("identity", extra={"inherits": INHERITS_AUTO_COMPLETE}))
+    config = server.model("inherits").config()
+    assert [(t["name"], t["dims"]) for t in config["input"]] == [("IN", [2])]
+    (response,) = server.model("inherits").infer(inputs={"IN": np.array([1, 2], np.float32)})
+    assert np.from_dlpack(response.outputs["OUT"]).tolist() == [2, 4]
+
+
 def test_auto_complete_sees_the_defaults_triton_has_filled_in(servers, make_repo):
     """Triton 2.51 (measured) hands auto_complete_config a config with its model file,
     instance groups and optimization filled in; a model branching on them must see them."""

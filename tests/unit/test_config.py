@@ -20,7 +20,7 @@ from dlserve.engine.proto import model_config_pb2 as mc
 from dlserve.engine.repository import (
     ModelSource,
     Repository,
-    defines_auto_complete,
+    may_define_auto_complete,
     select_versions,
 )
 from dlserve.engine.request import Request
@@ -646,23 +646,39 @@ def test_versions_on_disk_ignores_unicode_digit_folders(tmp_path):
         ("class TritonPythonModel:\n    def execute(self, requests):\n        return []\n", False),
         ("class Other:\n    def auto_complete_config(c):\n        return c\n\nclass TritonPythonModel:\n    pass\n", False),
         ("def auto_complete_config(c):\n    return c\n\nclass TritonPythonModel:\n    pass\n", False),
+        ("class TritonPythonModel(object):\n    pass\n", False),
+        # The hook may come from elsewhere: Triton asks the class, and so does the worker.
+        ("class Base:\n    pass\n\nclass TritonPythonModel(Base):\n    pass\n", True),
+        ("from base import TritonPythonModel\n", True),
+        ("from base import Model as TritonPythonModel\n", True),
+        ("from base import *\n\nclass TritonPythonModel:\n    pass\n", True),
+        ("@register\nclass TritonPythonModel:\n    pass\n", True),
+        ("class TritonPythonModel(metaclass=Meta):\n    pass\n", True),
+        ("class TritonPythonModel:\n    auto_complete_config = staticmethod(complete)\n", True),
+        ("class TritonPythonModel:\n    pass\n\nTritonPythonModel.auto_complete_config = f\n", True),
+        ("class TritonPythonModel:\n    pass\n\nsetattr(TritonPythonModel, name, f)\n", True),
+        ("TritonPythonModel = make_model()\n", True),
         # Unparseable files and files without the class are left for the instance's
         # worker to report, after the config has been checked.
         ("def broken(:\n", False),
         ("x = 1\n", False),
     ],
-    ids=["static", "async", "absent", "other-class", "module-level", "syntax-error", "no-class"],
+    ids=[
+        "static", "async", "absent", "other-class", "module-level", "object-base", "inherited",
+        "imported", "imported-as", "star-import", "decorated", "metaclass", "assigned-in-body",
+        "assigned-after", "setattr", "bound-by-call", "syntax-error", "no-class",
+    ],
 )
-def test_defines_auto_complete(tmp_path, source, expected):
+def test_may_define_auto_complete(tmp_path, source, expected):
     path = tmp_path / "model.py"
     path.write_text(source)
-    assert defines_auto_complete(path) is expected
+    assert may_define_auto_complete(path) is expected
 
 
-def test_defines_auto_complete_of_probe_models():
-    assert defines_auto_complete(PROBE_REPO / "auto_complete" / "1" / "model.py")
-    assert not defines_auto_complete(PROBE_REPO / "add_sub" / "1" / "model.py")
-    assert not defines_auto_complete(Path("/nonexistent/model.py"))  # the instance reports it
+def test_may_define_auto_complete_of_probe_models():
+    assert may_define_auto_complete(PROBE_REPO / "auto_complete" / "1" / "model.py")
+    assert not may_define_auto_complete(PROBE_REPO / "add_sub" / "1" / "model.py")
+    assert not may_define_auto_complete(Path("/nonexistent/model.py"))  # the instance reports it
 
 
 # -- repository: folders and uploads -------------------------------------------------------
