@@ -284,9 +284,11 @@ class SequenceBatcher(Scheduler):
             if not self._place(sequence):
                 self.backlog.append(sequence)
         if sequence.ending:
-            raise InvalidArgumentError(
-                f"inference request for sequence {key} to model '{name}' arrived after its END"
-            )
+            # As Triton: a queued END forgets the correlation ID, so only a START may
+            # use it again; it begins a new sequence, on this one's slot after the END.
+            if not request.flags & SEQUENCE_START:
+                raise self._not_started(key)
+            sequence.ending = False
         if sequence.idle is not None:
             sequence.idle.cancel()
             sequence.idle = None
@@ -425,7 +427,8 @@ class SequenceBatcher(Scheduler):
     def _start(self, sequence: Sequence) -> Request:
         """Take the sequence's next request for a batch, with its control inputs and
         state. Its END frees the slot now (once it is done for an iterative sequence, or
-        where the instance runs several executes at once: an async model's)."""
+        where the instance runs several executes at once: an async model's; and not while
+        a new sequence of the same ID waits behind it)."""
         sequence.running = sequence.started = True
         request = sequence.queue.popleft()
         self._running[id(request)] = sequence
@@ -433,7 +436,7 @@ class SequenceBatcher(Scheduler):
         if self.states:
             self._with_state(sequence, request)
         concurrent = sequence.instance is not None and sequence.instance.concurrency
-        if request.flags & SEQUENCE_END and not self.iterative and not concurrent:
+        if request.flags & SEQUENCE_END and not self.iterative and not concurrent and not sequence.queue:
             self._release(sequence)
         return request
 

@@ -296,6 +296,28 @@ def test_idle_sequences_are_released(server):
     assert isinstance(late.error, dlserve.InvalidArgumentError) and "START flag" in str(late.error)
 
 
+def test_a_sequence_id_is_free_again_once_its_end_is_queued(server):
+    """As Triton: the END forgets the correlation ID when it is queued, so a START with
+    the same ID begins a new sequence behind it, and a request without START is refused."""
+
+    async def run() -> list[Any]:
+        first = asyncio.ensure_future(send(server, 880, 1, START, parameters={"sleep": 0.3}))
+        await asyncio.sleep(0.1)  # it runs; what follows queues behind it
+        ending = asyncio.ensure_future(send(server, 880, 2, END))
+        await asyncio.sleep(0.02)
+        orphan = asyncio.ensure_future(send(server, 880, 7))
+        again = [asyncio.ensure_future(send(server, 880, 10, START))]
+        await asyncio.sleep(0.02)
+        again.append(asyncio.ensure_future(send(server, 880, 5, END)))
+        return [await f for f in (first, ending, orphan, *again)]
+
+    first, ending, orphan, *again = asyncio.run(run())
+    assert [total(first), total(ending)] == [1, 3]
+    assert isinstance(orphan.error, dlserve.InvalidArgumentError)
+    assert "must specify the START flag on the first request of the sequence" in str(orphan.error)
+    assert [total(r) for r in again] == [10, 15]
+
+
 def test_batches_hold_requests_of_several_sequences(server):
     async def run() -> list[Any]:
         # one instance is busy with a slow request while four sequences queue behind it
