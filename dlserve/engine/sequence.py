@@ -5,7 +5,8 @@ flagged START to the one flagged END. Every request of a sequence runs on the
 instance the sequence was given at its start, one at a time and in order, so a
 model can keep per-sequence state. An instance takes at most ``max_batch_size``
 sequences at once with the ``direct`` strategy (one batch slot each; further
-sequences wait for a slot) and ``max_candidate_sequences`` with ``oldest``; a new
+sequences wait for a slot) and ``max_candidate_sequences`` with ``oldest`` (by default
+``max_batch_size`` too, as in Triton); a new
 sequence takes the lowest free slot (on the first instance with one that low), and
 frees it when its END request goes into a batch (as Triton does: a sequence waiting
 for a slot may run in the very next batch), or once that END is done where it must
@@ -217,7 +218,7 @@ class SequenceBatcher(Scheduler):
         strategy = config.WhichOneof("strategy_choice") or "direct"
         candidates = config.oldest.max_candidate_sequences if strategy == "oldest" else 0
         self.direct = strategy == "direct"
-        self.slots = self.max_batch if self.direct else (candidates or 1 << 30)
+        self.slots = candidates or self.max_batch  # (max_batch_size by default, as in Triton)
         # A batch of ``_enough`` requests (or of a preferred size) need not wait for more.
         if self.direct:
             self.delay_ns = config.direct.max_queue_delay_microseconds * 1000

@@ -131,6 +131,27 @@ def test_a_waiting_sequence_takes_the_slot_that_frees(servers, make_repo):
     assert together == [real(33, END), real(32, 0)]
 
 
+def test_oldest_without_max_candidate_sequences_holds_max_batch_size_sequences(servers, make_repo):
+    """As Triton: the oldest strategy's candidate sequences per instance default to
+    max_batch_size (dlserve took any number), so a third sequence waits for a free one."""
+    repo = make_repo("slots")
+    config = repo / "slots" / "config.pbtxt"
+    config.write_text(config.read_text().replace("max_batch_size: 4", "max_batch_size: 2").replace(
+        "direct { }", "oldest { }"))
+    model = servers.start(repo).model("slots")
+
+    async def run() -> None:
+        await step(model, 71, START)
+        await step(model, 72, START)
+        waiting = asyncio.ensure_future(step(model, 73, START))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        await step(model, 71, END)
+        await waiting
+
+    asyncio.run(run())
+
+
 def test_a_sequence_frees_its_slot_when_its_end_goes_into_a_batch(slots):
     """As in Triton: the slot is free once the END request is in a batch, not when that
     batch is done, so sequences starting meanwhile take the lowest slots (0 and 1 here,
