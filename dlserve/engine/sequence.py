@@ -35,6 +35,7 @@ as extra input tensors. A sequence that receives no request for
 ``max_sequence_idle_microseconds`` is released; a later request without START is
 refused, as is one for a sequence whose instance died (its state is gone: its
 requests are told it was lost and why, the queued ones and the next one to come).
+A sequence waiting for a slot fails once a timeout of its requests runs out.
 Iterative sequences (``iterative_sequence: true``) let a model reschedule a
 request: it runs again, ahead of the sequence's later requests. As in Triton, such a
 sequence ends once its request is done (rescheduled no more), and a request without a
@@ -55,6 +56,7 @@ import asyncio
 import collections
 import dataclasses
 import itertools
+import logging
 import math
 import time
 from typing import TYPE_CHECKING, Any
@@ -73,6 +75,8 @@ if TYPE_CHECKING:
     from dlserve.engine.instance import ModelInstance
     from dlserve.engine.model import ModelVersion
 
+log = logging.getLogger("dlserve.engine")
+
 DEFAULT_IDLE_US = 1_000_000
 LOST_KEPT = 1024  # lost sequences whose keys are remembered (see SequenceBatcher._lost)
 _Kind = mc.ModelSequenceBatching.Control
@@ -89,6 +93,9 @@ class Sequence:
     started: bool = False  # a request of it ran (or runs)
     ending: bool = False
     idle: asyncio.TimerHandle | None = None
+    # While it waits for a slot: when it fails for its requests' timeouts (monotonic ns;
+    # the earliest of arrival + timeout over its requests, as Triton's backlog keeps it).
+    expires_ns: int | None = None
     state: dict[str, Tensor] = dataclasses.field(default_factory=dict)  # input name -> state
 
 
@@ -276,6 +283,11 @@ class SequenceBatcher(Scheduler):
                 f"but the correlation ID '{key}' is a string"
             )
         sequence = self.sequences.get(key)
+        if sequence is not None and request.flags & SEQUENCE_START and not sequence.ending:
+            log.warning(  # (Triton's words)
+                "sequence %s for model '%s' has a conflict. The previous sequence did not end "
+                "before this sequence start. Previous sequence will be terminated early.", key, name
+            )
         if sequence is None:
             if not request.flags & SEQUENCE_START:
                 lost = self._lost.get(key)
@@ -296,6 +308,10 @@ class SequenceBatcher(Scheduler):
         if request.flags & SEQUENCE_END:
             sequence.ending = True
         sequence.queue.append(request)
+        if sequence.instance is None and request.timeout_us > 0:
+            expires = request.arrival_ns + request.timeout_us * 1000
+            sequence.expires_ns = min(expires, sequence.expires_ns or expires)
+            self._arm(expires)
 
     def _unused_id(self) -> int:
         key = next(self._standalone_ids)
@@ -398,6 +414,7 @@ class SequenceBatcher(Scheduler):
     def dispatch(self) -> None:
         """Work here belongs to instances: offer each free instance its sequences (those an
         instance_group update removed too, which run theirs to their end, as in Triton)."""
+        self._expire_backlog()
         for instance in self.model.all_instances:
             if self.has_room(instance):
                 batch = self._next_batch(instance)
@@ -555,7 +572,19 @@ class SequenceBatcher(Scheduler):
     def _place_waiting(self) -> None:
         """Give free slots to the sequences waiting for one, in the order they came."""
         while self.backlog and self._place(self.backlog[0]):
-            self.backlog.popleft()
+            self.backlog.popleft().expires_ns = None
+
+    def _expire_backlog(self) -> None:
+        """Fail the sequences whose requests' timeouts ran out while they waited for a
+        slot, as Triton does (a sequence in a slot keeps its requests, timeouts or not)."""
+        now = time.monotonic_ns()
+        for sequence in [s for s in self.backlog if s.expires_ns is not None and s.expires_ns <= now]:
+            queued = list(sequence.queue)
+            sequence.queue.clear()
+            self._release(sequence)
+            for request in queued:  # (Triton's words)
+                expired = UnavailableError("timeout of the corresponding sequence has been expired")
+                self._fail(request, expired, "REJECTED")
 
     def holds(self, instance: ModelInstance) -> bool:
         return any(s.instance is instance for s in self.sequences.values())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 from typing import Any
@@ -150,6 +151,43 @@ def test_oldest_without_max_candidate_sequences_holds_max_batch_size_sequences(s
         await waiting
 
     asyncio.run(run())
+
+
+def test_a_sequence_waiting_for_a_slot_fails_when_its_timeout_runs_out(servers, make_repo, caplog):
+    """As Triton: a sequence in the backlog fails with its requests' timeout, and a START
+    for a sequence still going is logged as a conflict (and continues it)."""
+    repo = make_repo("slots")
+    config = repo / "slots" / "config.pbtxt"
+    config.write_text(config.read_text().replace("max_batch_size: 4", "max_batch_size: 1"))
+    model = servers.start(repo).model("slots")
+
+    async def waiting(key: int, **kwargs: Any) -> Any:
+        inputs = {"INPUT": np.full((1, 2), key, dtype=np.float32)}
+        async for response in model.async_infer(
+            inputs=inputs, correlation_id=key, flags=START, raise_on_error=False, **kwargs
+        ):
+            return response
+        raise AssertionError("no response")
+
+    async def run() -> tuple[Any, Any]:
+        await step(model, 81, START)  # the only slot
+        timed_out = await waiting(82, timeout=100_000)
+        with caplog.at_level(logging.WARNING, logger="dlserve"):
+            await step(model, 81, START)
+        untimed = asyncio.ensure_future(waiting(83))
+        await asyncio.sleep(0.3)
+        assert not untimed.done()  # no timeout: it waits for the slot
+        await step(model, 81, END)
+        return timed_out, await untimed
+
+    timed_out, untimed = asyncio.run(run())
+    assert isinstance(timed_out.error, dlserve.UnavailableError)
+    assert str(timed_out.error) == "timeout of the corresponding sequence has been expired"
+    assert untimed.error is None
+    assert any(
+        "sequence 81 for model 'slots' has a conflict. The previous sequence did not end before this "
+        "sequence start. Previous sequence will be terminated early." == r.getMessage() for r in caplog.records
+    )
 
 
 def test_a_sequence_frees_its_slot_when_its_end_goes_into_a_batch(slots):
