@@ -8,6 +8,7 @@ and :meth:`share` must be called on the engine's event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import glob
 import logging
@@ -316,10 +317,12 @@ class Engine:
                 else:
                     entry = self.manager.models.find(name)
                     models = list(entry.versions.values()) if entry else []
-            except (NotFoundError, UnavailableError):  # (unknown, or a version that failed)
-                models = []
+            except (NotFoundError, UnavailableError, InvalidArgumentError):
+                models = []  # (unknown, a version that failed, or ambiguous: model namespacing)
             if not models:
-                entry = self.manager.models.find(name)
+                entry = None
+                with contextlib.suppress(InvalidArgumentError):
+                    entry = self.manager.models.find(name)
                 if version >= 0 and entry is not None and entry.versions:  # (it serves others)
                     raise InvalidArgumentError(f"requested model version is not available for model '{name}'")
                 raise InvalidArgumentError(f"requested model '{name}' is not available")

@@ -121,6 +121,9 @@ def test_each_repository_serves_its_own_model_and_a_bare_name_loaded_twice_is_am
             with pytest.raises(InferenceServerException) as caught:
                 call()
             assert caught.value.status() == "400" and caught.value.message() == AMBIGUOUS
+        with pytest.raises(InferenceServerException) as caught:  # (Triton's words for statistics)
+            client.get_inference_statistics("m")
+        assert caught.value.status() == "400" and caught.value.message() == "requested model 'm' is not available"
         assert not client.is_model_ready("m")
         assert client.is_model_ready("ens_1") and client.is_model_ready("cross")
         index = [row for row in client.get_model_repository_index() if row["name"] == "m"]
