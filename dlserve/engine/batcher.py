@@ -24,17 +24,20 @@ from __future__ import annotations
 import collections
 import heapq
 import itertools
+import logging
 import time
 from typing import TYPE_CHECKING, Any
 
 from dlserve.engine.proto import model_config_pb2 as mc
 from dlserve.engine.request import Request, Response
-from dlserve.engine.scheduler import Scheduler
+from dlserve.engine.scheduler import Scheduler, delay_count
 from dlserve.errors import UnavailableError
 
 if TYPE_CHECKING:
     from dlserve.engine.instance import ModelInstance
     from dlserve.engine.model import ModelVersion
+
+log = logging.getLogger("dlserve.engine")
 
 _DELAY = mc.ModelQueuePolicy.DELAY
 
@@ -70,6 +73,10 @@ class DynamicBatcher(Scheduler):
         self._held: dict[int, tuple[Request, Response, str | None] | None] = {}
         self._next_to_deliver = 0
         self._order_of: dict[int, int] = {}  # id(request) -> arrival order, for preserve_ordering
+        # Triton's test hook: no batch until this many requests are queued, once.
+        self._held_until = delay_count("TRITONSERVER_DELAY_SCHEDULER")
+        if self._held_until:
+            log.info("Delaying batcher for %s until %d queued requests", model.name, self._held_until)
 
     # -- queueing -----------------------------------------------------------------------
     def _level(self, priority: int) -> int:
@@ -150,6 +157,10 @@ class DynamicBatcher(Scheduler):
         cannot grow (the next request is too big or of another shape, or it would pass
         the largest preferred size); otherwise wait for more until the oldest has waited
         ``max_queue_delay_microseconds``, then send all that fits."""
+        if self._held_until:
+            if self.pending < self._held_until:
+                return None  # (each request queued dispatches again)
+            self._held_until = 0
         chosen: list[Request] = []
         total = 0
         best = 0  # how many requests make the batch to send before the delay runs out

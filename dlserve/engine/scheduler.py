@@ -23,6 +23,8 @@ import asyncio
 import collections
 import functools
 import logging
+import os
+import re
 import time
 from typing import TYPE_CHECKING
 
@@ -41,6 +43,14 @@ if TYPE_CHECKING:
     from dlserve.engine.model import ModelVersion
 
 log = logging.getLogger("dlserve.engine")
+
+
+def delay_count(variable: str) -> int:
+    """A test hook of Triton's that its upstream tests set (TRITONSERVER_DELAY_SCHEDULER,
+    TRITONSERVER_BACKLOG_DELAY_SCHEDULER): how many requests a batcher holds back until
+    they are queued, read as C's ``atoi`` reads the variable (0 when unset or not a number)."""
+    match = re.match(r"\s*([+-]?\d+)", os.environ.get(variable, ""))
+    return max(int(match.group(1)), 0) if match else 0
 
 
 class Scheduler:

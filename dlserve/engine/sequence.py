@@ -66,7 +66,7 @@ import numpy as np
 from dlserve.engine.batcher import batch_shapes
 from dlserve.engine.proto import model_config_pb2 as mc
 from dlserve.engine.request import SEQUENCE_END, SEQUENCE_START, Request, Response
-from dlserve.engine.scheduler import Scheduler
+from dlserve.engine.scheduler import Scheduler, delay_count
 from dlserve.errors import CancelledError, InvalidArgumentError, UnavailableError
 from dlserve.memory.dtypes import DataType
 from dlserve.memory.tensor import Tensor
@@ -256,6 +256,14 @@ class SequenceBatcher(Scheduler):
         self._placements = itertools.count(1)
         self._standalone_ids = itertools.count(1)  # (iterative requests without a correlation ID)
         self._last_placed: dict[ModelInstance, int] = {}  # instance -> its latest placement
+        # Triton's test hooks: no batch until this many requests are queued in slots and
+        # in the backlog, once.
+        self._held_until = (
+            delay_count("TRITONSERVER_DELAY_SCHEDULER"), delay_count("TRITONSERVER_BACKLOG_DELAY_SCHEDULER")
+        )
+        if any(self._held_until):
+            log.info("Delaying scheduler for %s until %d queued and %d backlog queued requests",
+                     model.name, *self._held_until)
 
     # -- queueing -----------------------------------------------------------------------
     def _enqueue(self, request: Request) -> None:
@@ -415,6 +423,12 @@ class SequenceBatcher(Scheduler):
         """Work here belongs to instances: offer each free instance its sequences (those an
         instance_group update removed too, which run theirs to their end, as in Triton)."""
         self._expire_backlog()
+        if any(self._held_until):
+            backlog = sum(len(s.queue) for s in self.backlog)
+            in_slots, in_backlog = self._held_until
+            if self.pending - backlog < in_slots or backlog < in_backlog:
+                return  # (each request queued dispatches again)
+            self._held_until = (0, 0)
         for instance in self.model.all_instances:
             if self.has_room(instance):
                 batch = self._next_batch(instance)

@@ -170,6 +170,24 @@ def test_queued_requests_go_in_preferred_batches_until_the_delay_passes(server, 
     assert sorted(batch_of(r)[0] for r in asyncio.run(run())) == expected
 
 
+def test_tritons_delay_scheduler_hook_holds_the_first_batch_until_that_many_are_queued(server, monkeypatch):
+    """Triton's test hook, which its upstream batcher tests set: TRITONSERVER_DELAY_SCHEDULER."""
+    monkeypatch.setenv("TRITONSERVER_DELAY_SCHEDULER", "4")
+    load(server, dynamic_batching={})  # (read when the model's batcher is made)
+    monkeypatch.delenv("TRITONSERVER_DELAY_SCHEDULER")
+
+    async def run() -> list[Any]:
+        first = [asyncio.ensure_future(infer(server, rows())) for _ in range(3)]
+        await asyncio.sleep(0.3)
+        assert not any(f.done() for f in first)  # held back: three of four are queued
+        last = await infer(server, rows())
+        return [await f for f in first] + [last]
+
+    assert [batch_of(r)[0] for r in asyncio.run(run())] == [4] * 4
+    _, responses = asyncio.run(hold_then(server, 0.2, [infer(server, rows())]))
+    assert responses[0].error is None  # only the first batch was held
+
+
 def test_max_queue_delay_waits_for_more_requests(server):
     load(server, dynamic_batching={"preferred_batch_size": [8], "max_queue_delay_microseconds": 500_000})
 

@@ -190,6 +190,29 @@ def test_a_sequence_waiting_for_a_slot_fails_when_its_timeout_runs_out(servers, 
     )
 
 
+def test_tritons_delay_scheduler_hooks_hold_the_first_batch(servers, make_repo, monkeypatch):
+    """Triton's test hooks, which its upstream sequence batcher tests set: no batch until
+    TRITONSERVER_DELAY_SCHEDULER requests are queued in slots and
+    TRITONSERVER_BACKLOG_DELAY_SCHEDULER in the backlog."""
+    monkeypatch.setenv("TRITONSERVER_DELAY_SCHEDULER", "2")
+    monkeypatch.setenv("TRITONSERVER_BACKLOG_DELAY_SCHEDULER", "1")
+    repo = make_repo("slots")
+    config = repo / "slots" / "config.pbtxt"
+    config.write_text(config.read_text().replace("max_batch_size: 4", "max_batch_size: 2"))
+    model = servers.start(repo).model("slots")
+
+    async def run() -> list[Any]:
+        first = [asyncio.ensure_future(step(model, key, START | END)) for key in (91, 92)]
+        await asyncio.sleep(0.3)
+        assert not any(f.done() for f in first)  # two in slots, none in the backlog yet
+        last = asyncio.ensure_future(step(model, 93, START | END))  # waits for a slot
+        return [batch(await f) for f in (*first, last)]
+
+    first, second, last = asyncio.run(run())
+    assert first == second == [real(91, START | END), real(92, START | END)]
+    assert last == [real(93, START | END)]
+
+
 def test_a_sequence_frees_its_slot_when_its_end_goes_into_a_batch(slots):
     """As in Triton: the slot is free once the END request is in a batch, not when that
     batch is done, so sequences starting meanwhile take the lowest slots (0 and 1 here,
