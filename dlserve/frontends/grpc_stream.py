@@ -1,6 +1,8 @@
-"""ModelStreamInfer: one call's requests in, its answers out in completion order.
+"""ModelStreamInfer: one call's requests in, its answers out.
 
-Each request on the stream is answered with a ``ModelStreamInferResponse``
+As in Triton, a decoupled model's answers go out as they come, and every other answer
+(a refusal included) in the order of the requests, so a client may match answers to its
+requests by order. Each request on the stream is answered with a ``ModelStreamInferResponse``
 (``triton_final_response`` set on the final one); a failed request puts its message in
 ``error_message`` and the stream stays open, unless the call's metadata holds
 ``triton_grpc_error: true``: then, as in Triton, the first error ends the call with its
@@ -10,6 +12,8 @@ gRPC status and message.
 from __future__ import annotations
 
 import asyncio
+import collections
+import dataclasses
 import functools
 import logging
 import time
@@ -41,8 +45,16 @@ STREAM_BACKLOG = 128
 ERRORS_END_CALL = "triton_grpc_error"  # the metadata key that makes the first error end the call
 
 
+@dataclasses.dataclass(eq=False)  # (each place is itself, whatever it holds)
+class _InOrder:
+    """The place of a request whose answer goes out in request order: what waits there."""
+
+    answers: list[tuple[Answer, Trace | None]] = dataclasses.field(default_factory=list)
+    done: bool = False
+
+
 class InferStream:
-    """One ModelStreamInfer call: requests in, responses out in completion order.
+    """One ModelStreamInfer call: requests in, responses out (see the module docstring).
 
     A client that reads no answers is held back: while :data:`STREAM_BACKLOG` answers
     wait unsent (its window is shut), the call reads no more of its requests, which stay
@@ -56,8 +68,10 @@ class InferStream:
     def __init__(self, servicer: InferenceServicer, context: Any) -> None:
         self.servicer = servicer
         self.context = context
-        # answers in completion order, each with the trace it holds open until it is sent
+        # answers to send, each with the trace it holds open until it is sent
         self.queue: asyncio.Queue[tuple[Answer, Trace | None] | None] = asyncio.Queue()
+        # places of the requests answered in order whose turn has not come, oldest first
+        self.in_order: collections.deque[_InOrder] = collections.deque()
         self.waiting_since: int = context.started_ns  # for the next request's GRPC_WAITREAD_START
         self.pending: set[Request] = set()
         self.room = asyncio.Event()  # set when an answer leaves the queue
@@ -88,11 +102,14 @@ class InferStream:
     def submit(self, inbound: InferCall) -> None:
         received = time.monotonic_ns()
         message = inbound.message
+        place = None  # (a refused request keeps its place in the order)
         try:
             request, specs = self.servicer.decode(inbound, self.context, unary=False)
             empty_final = message.parameters.get(EMPTY_FINAL)
+            model = self.servicer.engine.model(request.model_name, request.model_version)
+            place = None if model.decoupled else self._place()
             request.on_response = functools.partial(
-                self.deliver, request, specs, empty_final is not None and empty_final.bool_param
+                self.deliver, request, specs, empty_final is not None and empty_final.bool_param, place
             )
             self.pending.add(request)
             try:
@@ -104,10 +121,10 @@ class InferStream:
                 request.trace.record("GRPC_WAITREAD_START", self.waiting_since)
                 request.trace.record("GRPC_WAITREAD_END", received)
         except TritonError as exc:
-            self.refuse(message, exc)
+            self.refuse(message, exc, place)
         except Exception as exc:  # noqa: BLE001 - a bug answers this request, not the stream
             log.exception("gRPC stream request failed")
-            self.refuse(message, InternalError(f"{type(exc).__name__}: {exc}"))
+            self.refuse(message, InternalError(f"{type(exc).__name__}: {exc}"), place)
         self.waiting_since = time.monotonic_ns()
 
     def end_with(self, error: TritonError) -> None:
@@ -117,25 +134,48 @@ class InferStream:
         self.reading = False
         self.queue.put_nowait(None)
 
-    def refuse(self, message: pb.ModelInferRequest, error: TritonError) -> None:
+    def refuse(
+        self, message: pb.ModelInferRequest, error: TritonError, place: _InOrder | None = None
+    ) -> None:
         if self.errors_end_call:
             self.end_with(error)
             return
         # Refused before reaching a model: Triton answers with just the request id.
-        self.queue.put_nowait(
-            (
-                pb.ModelStreamInferResponse(
-                    error_message=error.message, infer_response=pb.ModelInferResponse(id=message.id)
-                ),
-                None,
-            )
+        answer = pb.ModelStreamInferResponse(
+            error_message=error.message, infer_response=pb.ModelInferResponse(id=message.id)
         )
+        self._send(place or self._place(), (answer, None), final=True)
+
+    def _place(self) -> _InOrder:
+        place = _InOrder()
+        self.in_order.append(place)
+        return place
+
+    def _send(self, place: _InOrder | None, entry: tuple[Answer, Trace | None] | None, final: bool) -> None:
+        """Queue an answer (``entry``; None: nothing to send, only the request's end) at
+        once, or with ``place`` once every request before it is answered."""
+        if place is None:
+            if entry is not None:
+                self.queue.put_nowait(entry)
+            return
+        if entry is not None:
+            place.answers.append(entry)
+        place.done = place.done or final
+        while self.in_order and (self.in_order[0].answers or self.in_order[0].done):
+            head = self.in_order[0]
+            for waiting in head.answers:
+                self.queue.put_nowait(waiting)
+            head.answers.clear()
+            if not head.done:
+                break
+            self.in_order.popleft()
 
     def deliver(
         self,
         request: Request,
         specs: dict[str, OutputSpec] | None,
         empty_final: bool,
+        place: _InOrder | None,
         response: Response,
     ) -> None:
         if request not in self.pending or self.failure is not None:
@@ -147,6 +187,7 @@ class InferStream:
             return
         if response.flags_only and not empty_final:
             # Only clients that asked for it get a final with nothing in it.
+            self._send(place, None, response.final)
             if not self.reading and not self.pending:
                 self.queue.put_nowait(None)
             return
@@ -168,7 +209,7 @@ class InferStream:
         if trace is not None:  # still open: this runs inside the engine's delivery
             trace.record("GRPC_SEND_START")
             trace.hold()  # until the answer is sent
-        self.queue.put_nowait((item, trace))
+        self._send(place, (item, trace), response.final)
         if not self.reading and not self.pending:
             self.queue.put_nowait(None)
 

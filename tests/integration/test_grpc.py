@@ -737,6 +737,25 @@ def test_stream_with_errors_in_the_middle(client):
     assert any(e.startswith("Failed to process the request(s) for model 'faulty") for e in errors)
 
 
+def test_a_stream_answers_requests_to_non_decoupled_models_in_request_order(client):
+    """As Triton 2.51 (side by side): a slow request's answer, a refusal and a fast
+    request's answer come back in the order the requests were sent (dlserve sent them
+    as they finished: the refusal and the fast one first)."""
+    results: queue.SimpleQueue = queue.SimpleQueue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        client.async_stream_infer(
+            "faulty", [fp32_input("INPUT0", ONES[:2])], request_id="slow", parameters={"mode": "sleep:0.5"}
+        )
+        client.async_stream_infer("nope", add_sub_inputs(), request_id="refused")
+        client.async_stream_infer("add_sub", add_sub_inputs(), request_id="fast")
+        got = [results.get(timeout=30) for _ in range(3)]
+    finally:
+        client.stop_stream()
+    order = [result.get_response().id if error is None else error.message() for result, error in got]
+    assert order == ["slow", "Request for unknown model: 'nope' is not found", "fast"]
+
+
 def test_a_stream_asking_for_triton_grpc_error_ends_with_the_first_errors_status(client):
     """As Triton 2.51 (its QA lifecycle test_triton_grpc_error_*): with the
     ``triton_grpc_error: true`` header the first error ends the stream with its gRPC
