@@ -57,6 +57,30 @@ def filler(size: int = 2) -> dict[str, Any]:
     return {**FILLER, "shape": [1, size], "sum": 0.0}
 
 
+def slots_model(servers, make_repo, max_batch_size: int, strategy: str = "direct { }") -> dlserve.Model:
+    """The slots model with ``max_batch_size`` (with either strategy, by default its
+    sequences per instance) and ``strategy``."""
+    repo = make_repo("slots")
+    config = repo / "slots" / "config.pbtxt"
+    config.write_text(
+        config.read_text()
+        .replace("max_batch_size: 4", f"max_batch_size: {max_batch_size}")
+        .replace("direct { }", strategy)
+    )
+    return servers.start(repo).model("slots")
+
+
+async def third_waits_for_a_slot(model: dlserve.Model, first: int, second: int, third: int) -> Any:
+    """Two sequences hold both slots; a third starts, waits, and runs once the first ends."""
+    await step(model, first, START)
+    await step(model, second, START)
+    waiting = asyncio.ensure_future(step(model, third, START))
+    await asyncio.sleep(0.2)
+    assert not waiting.done()
+    await step(model, first, END)
+    return await waiting
+
+
 def test_each_sequence_keeps_its_slot_and_gaps_get_fillers(slots):
     async def run() -> list[list[dict[str, Any]]]:
         seen = [batch(await step(slots, key, START)) for key in (11, 12, 13)]  # slots 0, 1, 2
@@ -105,19 +129,10 @@ def test_requests_of_another_shape_wait_for_a_batch_of_their_own(slots):
 def test_a_waiting_sequence_takes_the_slot_that_frees(servers, make_repo):
     """Two slots (max_batch_size 2), both held: a third sequence waits, then takes the
     freed slot 0, and with it place 0 in every batch, whatever the arrival order."""
-    repo = make_repo("slots")
-    config = repo / "slots" / "config.pbtxt"
-    config.write_text(config.read_text().replace("max_batch_size: 4", "max_batch_size: 2"))
-    model = servers.start(repo).model("slots")
+    model = slots_model(servers, make_repo, max_batch_size=2)
 
     async def run() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        await step(model, 31, START)
-        await step(model, 32, START)
-        waiting = asyncio.ensure_future(step(model, 33, START))
-        await asyncio.sleep(0.2)
-        assert not waiting.done()
-        await step(model, 31, END)
-        started = batch(await waiting)
+        started = batch(await third_waits_for_a_slot(model, 31, 32, 33))
         busy = asyncio.ensure_future(step(model, 32, 0, sleep=0.5))
         await asyncio.sleep(0.2)
         later = asyncio.ensure_future(step(model, 32, 0))  # queued first...
@@ -135,31 +150,14 @@ def test_a_waiting_sequence_takes_the_slot_that_frees(servers, make_repo):
 def test_oldest_without_max_candidate_sequences_holds_max_batch_size_sequences(servers, make_repo):
     """As Triton: the oldest strategy's candidate sequences per instance default to
     max_batch_size (dlserve took any number), so a third sequence waits for a free one."""
-    repo = make_repo("slots")
-    config = repo / "slots" / "config.pbtxt"
-    config.write_text(config.read_text().replace("max_batch_size: 4", "max_batch_size: 2").replace(
-        "direct { }", "oldest { }"))
-    model = servers.start(repo).model("slots")
-
-    async def run() -> None:
-        await step(model, 71, START)
-        await step(model, 72, START)
-        waiting = asyncio.ensure_future(step(model, 73, START))
-        await asyncio.sleep(0.2)
-        assert not waiting.done()
-        await step(model, 71, END)
-        await waiting
-
-    asyncio.run(run())
+    model = slots_model(servers, make_repo, max_batch_size=2, strategy="oldest { }")
+    assert batch(asyncio.run(third_waits_for_a_slot(model, 71, 72, 73))) == [real(73, START)]
 
 
 def test_a_sequence_waiting_for_a_slot_fails_when_its_timeout_runs_out(servers, make_repo, caplog):
     """As Triton: a sequence in the backlog fails with its requests' timeout, and a START
     for a sequence still going is logged as a conflict (and continues it)."""
-    repo = make_repo("slots")
-    config = repo / "slots" / "config.pbtxt"
-    config.write_text(config.read_text().replace("max_batch_size: 4", "max_batch_size: 1"))
-    model = servers.start(repo).model("slots")
+    model = slots_model(servers, make_repo, max_batch_size=1)
 
     async def waiting(key: int, **kwargs: Any) -> Any:
         inputs = {"INPUT": np.full((1, 2), key, dtype=np.float32)}
@@ -196,10 +194,7 @@ def test_tritons_delay_scheduler_hooks_hold_the_first_batch(servers, make_repo, 
     TRITONSERVER_BACKLOG_DELAY_SCHEDULER in the backlog."""
     monkeypatch.setenv("TRITONSERVER_DELAY_SCHEDULER", "2")
     monkeypatch.setenv("TRITONSERVER_BACKLOG_DELAY_SCHEDULER", "1")
-    repo = make_repo("slots")
-    config = repo / "slots" / "config.pbtxt"
-    config.write_text(config.read_text().replace("max_batch_size: 4", "max_batch_size: 2"))
-    model = servers.start(repo).model("slots")
+    model = slots_model(servers, make_repo, max_batch_size=2)
 
     async def run() -> list[Any]:
         first = [asyncio.ensure_future(step(model, key, START | END)) for key in (91, 92)]
@@ -233,10 +228,7 @@ def test_a_sequence_frees_its_slot_when_its_end_goes_into_a_batch(slots):
 def test_oldest_batches_only_requests_of_the_oldest_ones_shapes(servers, make_repo):
     """The oldest strategy, as Triton's: a batch holds the oldest request and those with
     its input shapes; others wait for a batch of their own (they used to join it)."""
-    repo = make_repo("slots")
-    config = repo / "slots" / "config.pbtxt"
-    config.write_text(config.read_text().replace("direct { }", "oldest { max_candidate_sequences: 4 }"))
-    model = servers.start(repo).model("slots")
+    model = slots_model(servers, make_repo, max_batch_size=4, strategy="oldest { max_candidate_sequences: 4 }")
 
     async def run() -> tuple[Any, Any, Any]:
         busy = asyncio.ensure_future(step(model, 60, START | END, sleep=0.5))
