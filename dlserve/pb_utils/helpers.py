@@ -98,13 +98,17 @@ def numpy_to_triton_type(data_type: Any) -> int | None:
         return None
 
 
-def serialize_byte_tensor(input_tensor: np.ndarray) -> np.ndarray:
-    """Triton's BYTES encoding of ``input_tensor`` as a 0-d object array holding the bytes."""
+def serialize_byte_tensor(input_tensor: np.ndarray) -> bytes | tuple[()] | None:
+    """Triton's BYTES encoding of ``input_tensor`` (4-byte length, then the bytes, per
+    element in C order), returned as the Python backend's helper returns it: ``bytes``,
+    ``()`` for an empty array, None for an array that is not of objects or bytes (a str
+    array, which Triton's refuses, is taken as UTF-8 text). tritonclient's helper of the
+    same name answers a 0-d object array instead; models get the backend's."""
     if input_tensor.size == 0:
-        return np.empty([0], dtype=np.object_)
+        return ()
     if input_tensor.dtype.kind not in ("O", "S", "U"):
-        raise ValueError("cannot serialize bytes tensor: invalid datatype")
-    return np.asarray(bytes_codec.serialize_bytes(input_tensor).tobytes(), dtype=np.object_)
+        return None
+    return bytes_codec.serialize_bytes(input_tensor).tobytes()
 
 
 def deserialize_bytes_tensor(encoded_tensor: Any) -> np.ndarray:
