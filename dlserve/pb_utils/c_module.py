@@ -15,6 +15,7 @@ from dlserve.pb_utils.inference import (
     InferenceRequest,
     InferenceResponse,
     InferenceTrace,
+    MemoryType,
     PreferredMemory,
 )
 from dlserve.pb_utils.logger import Logger
@@ -56,6 +57,7 @@ __all__ = [
     "InferenceResponseSender",
     "InferenceTrace",
     "Logger",
+    "MemoryType",
     "Metric",
     "MetricFamily",
     "MetricKind",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -37,8 +38,18 @@ def _parameters_json(parameters: dict[str, Any] | str | None, what: str) -> str:
 
 RELEASE_ALL = 1
 RELEASE_RESCHEDULE = 2
-MEMORY_CPU = 0
-MEMORY_GPU = 2
+
+
+class MemoryType(enum.IntEnum):
+    """Where a BLS call would like its outputs; the values of Triton's stub (GPU 0, CPU 1),
+    not of the server's C API."""
+
+    TRITONSERVER_MEMORY_GPU = 0
+    TRITONSERVER_MEMORY_CPU = 1
+
+
+MEMORY_CPU = MemoryType.TRITONSERVER_MEMORY_CPU
+MEMORY_GPU = MemoryType.TRITONSERVER_MEMORY_GPU
 
 
 class PreferredMemory:

@@ -31,11 +31,11 @@ INTROSPECTION = json.loads(
 # Modules Triton's file happens to import: not part of the API.
 NOT_API = {"json", "np", "struct"}
 
-# dir(c_python_backend_utils) in a model on Triton 2.51 (measured), less MemoryType and
+# dir(c_python_backend_utils) in a model on Triton 2.51 (measured), less
 # async_event_future_done_callback (its internals).
 C_MODULE_NAMES = {
     "COUNTER", "GAUGE", "HISTOGRAM", "InferenceRequest", "InferenceResponse", "InferenceResponseSender",
-    "InferenceTrace", "Logger", "Metric", "MetricFamily", "MetricKind", "PreferredMemory", "ResponseIterator",
+    "InferenceTrace", "Logger", "MemoryType", "Metric", "MetricFamily", "MetricKind", "PreferredMemory", "ResponseIterator",
     "SharedMemory", "TRITONSERVER_MEMORY_CPU", "TRITONSERVER_MEMORY_GPU", "Tensor", "TritonError",
     "TritonModelException", "is_model_ready", "load_model", "shared_memory", "unload_model",
 }
@@ -100,8 +100,11 @@ def test_constants():
     assert pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL == 1
     assert pb_utils.TRITONSERVER_REQUEST_RELEASE_ALL == 1
     assert pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE == 2
-    assert pb_utils.TRITONSERVER_MEMORY_CPU == 0
-    assert pb_utils.TRITONSERVER_MEMORY_GPU == 2
+    # Triton 2.51's stub (measured): members of its MemoryType, GPU 0 and CPU 1.
+    assert pb_utils.TRITONSERVER_MEMORY_CPU == 1 and pb_utils.TRITONSERVER_MEMORY_GPU == 0
+    import c_python_backend_utils as c_utils
+
+    assert c_utils.MemoryType(1) is pb_utils.TRITONSERVER_MEMORY_CPU
 
 
 # -- TritonError ---------------------------------------------------------------------------
