@@ -143,8 +143,8 @@ class ModelCalls:
                 raise UnavailableError("the server is stopping and takes no new requests")
             try:
                 target = self.host.model(model_name, version)
-            except (NotFoundError, UnavailableError) as exc:  # (Triton's words for both)
-                raise type(exc)(f"Failed for execute the inference request. Model '{model_name}' is not ready.") from None
+            except (NotFoundError, UnavailableError):  # (Triton's words and code for both)
+                raise InternalError(f"Failed for execute the inference request. Model '{model_name}' is not ready.") from None
             if target.decoupled and not decoupled:
                 raise UnsupportedError(
                     f"Model {model_name} is using the decoupled transaction policy: call it "

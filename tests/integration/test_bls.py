@@ -75,7 +75,7 @@ def test_bls_chain_of_models(server):
 
 def test_bls_errors_come_back_in_the_response(server):
     response, _ = call(server, "bls", route="no_such_model")
-    assert isinstance(response.error, dlserve.TritonError)
+    assert isinstance(response.error, dlserve.InternalError)  # (Triton 2.51's code, side by side)
     assert response.error.message.endswith(  # (Triton 2.51's words; tests/data/triton_reference)
         "Model no_such_model - Error when running inference: Failed for execute the inference "
         "request. Model 'no_such_model' is not ready."
