@@ -27,7 +27,7 @@ from dlserve.engine.request import (
     validate_request,
 )
 from dlserve.errors import (
-    InternalError,
+    ErrorCode,
     InvalidArgumentError,
     NotFoundError,
     TritonError,
@@ -143,13 +143,13 @@ class ModelCalls:
                 raise UnavailableError("the server is stopping and takes no new requests")
             try:
                 target = self.host.model(model_name, version)
-            except (NotFoundError, UnavailableError):  # (Triton's words and code for both)
-                raise InternalError(f"Failed for execute the inference request. Model '{model_name}' is not ready.") from None
-            if target.decoupled and not decoupled:
+            except (NotFoundError, UnavailableError):  # (Triton's words for both)
+                raise NotFoundError(f"Failed for execute the inference request. Model '{model_name}' is not ready.") from None
+            if target.decoupled and not decoupled:  # (Triton's words, its stray quote too)
                 raise UnsupportedError(
-                    f"Model {model_name} is using the decoupled transaction policy: call it "
-                    "with exec(decoupled=True) or async_exec(decoupled=True) and iterate "
-                    "its responses"
+                    f"Model {model_name} is using the decoupled. The current BLS request call doesn't "
+                    "support models using the decoupled transaction policy. Please use "
+                    "'decoupled=True' argument to the 'exec' or 'async_exec' calls for decoupled models.'"
                 )
             self._check_cycle(request, target)
             self._check_resources(target)
@@ -159,10 +159,11 @@ class ModelCalls:
                 if parent is not None:
                     request.trace = parent.child(model_name, request_id)
         except Exception as exc:  # noqa: BLE001 - refused in the response, never left waiting
-            error = exc if isinstance(exc, TritonError) else InternalError(str(exc))
-            # Triton's prefix for a BLS request the server refused (not the callee's errors).
-            message = f"Model {model_name} - Error when running inference: {error.message}"
-            self._send(corr, ((), (int(error.code), message), "{}"), True)
+            reason = exc.message if isinstance(exc, TritonError) else str(exc)
+            # Triton's prefix and code (INTERNAL, whatever the reason) for a BLS request the
+            # server refused; the callee's own errors keep theirs.
+            message = f"Model {model_name} - Error when running inference: {reason}"
+            self._send(corr, ((), (int(ErrorCode.INTERNAL), message), "{}"), True)
             return
         self._calls[corr] = request
         self.host.enqueue(target, request, sample=False)

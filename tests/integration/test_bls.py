@@ -75,7 +75,7 @@ def test_bls_chain_of_models(server):
 
 def test_bls_errors_come_back_in_the_response(server):
     response, _ = call(server, "bls", route="no_such_model")
-    assert isinstance(response.error, dlserve.InternalError)  # (Triton 2.51's code, side by side)
+    assert isinstance(response.error, dlserve.InternalError)  # (Triton 2.51's code for every refusal)
     assert response.error.message.endswith(  # (Triton 2.51's words; tests/data/triton_reference)
         "Model no_such_model - Error when running inference: Failed for execute the inference "
         "request. Model 'no_such_model' is not ready."
@@ -85,18 +85,19 @@ def test_bls_errors_come_back_in_the_response(server):
         "Model  - Error when running inference: Failed for execute the inference request. Model '' is not ready."
     ), response.error.message
     response, _ = call(server, "bls", route="identity", mode="missing_input")
+    assert isinstance(response.error, dlserve.InternalError)
     assert "missing required input(s) ['INPUT0']" in response.error.message
 
 
 def test_bls_call_cycle_is_refused(server):
     response, _ = call(server, "bls", route="bls_peer,bls,identity")
-    assert isinstance(response.error, dlserve.InvalidArgumentError)
+    assert isinstance(response.error, dlserve.InternalError)
     assert "BLS call cycle bls -> bls_peer -> bls" in response.error.message
 
 
 def test_bls_self_call_without_a_free_instance_is_refused(server):
     response, _ = call(server, "bls", route="bls,identity")
-    assert isinstance(response.error, dlserve.UnavailableError)
+    assert isinstance(response.error, dlserve.InternalError)
     assert "called itself" in response.error.message and "no other instance free" in response.error.message
 
 
@@ -126,10 +127,12 @@ def test_bls_decoupled_iterates_every_response(server):
 
 def test_bls_non_decoupled_call_into_a_decoupled_model_is_an_error(server):
     response, _ = call(server, "bls", data=np.array([1], np.float32), route="decoupled")
-    assert response.error.message.startswith(
-        "Model decoupled - Error when running inference: Model decoupled is using the decoupled"
-    )
-    assert "exec(decoupled=True)" in response.error.message
+    assert isinstance(response.error, dlserve.InternalError)
+    assert response.error.message.endswith(  # (Triton 2.51's words, side by side)
+        "Model decoupled - Error when running inference: Model decoupled is using the decoupled. The "
+        "current BLS request call doesn't support models using the decoupled transaction policy. Please "
+        "use 'decoupled=True' argument to the 'exec' or 'async_exec' calls for decoupled models.'"
+    ), response.error.message
 
 
 def test_bls_decoupled_call_into_a_plain_model_gives_one_response(server):
