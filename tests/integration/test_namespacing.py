@@ -121,7 +121,7 @@ def test_each_repository_serves_its_own_model_and_a_bare_name_loaded_twice_is_am
             with pytest.raises(InferenceServerException) as caught:
                 call()
             assert caught.value.status() == "400" and caught.value.message() == AMBIGUOUS
-        with pytest.raises(InferenceServerException) as caught:  # (Triton's words for statistics)
+        with pytest.raises(InferenceServerException) as caught:  # (Triton 2.51's, side by side)
             client.get_inference_statistics("m")
         assert caught.value.status() == "400" and caught.value.message() == "requested model 'm' is not available"
         assert not client.is_model_ready("m")
