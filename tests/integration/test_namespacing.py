@@ -101,6 +101,8 @@ def test_each_repository_serves_its_own_model_and_a_bare_name_loaded_twice_is_am
     wait_until(server.ready)
     rows = [(row["name"], row.get("state")) for row in server.engine.manager.index()]
     assert rows.count(("m", "READY")) == 2, rows
+    # As Triton 2.51 lists them (side by side): by repository, then by name.
+    assert [name for name, _ in rows] == ["bls1", "ens_1", "m", "only1", "cross", "ens_2", "m"]
 
     # Each ensemble runs its own repository's m; one may take the only model of a name
     # from another repository.
