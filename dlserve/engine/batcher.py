@@ -76,7 +76,9 @@ class DynamicBatcher(Scheduler):
         # Triton's test hook: no batch until this many requests are queued, once.
         self._held_until = delay_count("TRITONSERVER_DELAY_SCHEDULER")
         if self._held_until:
-            log.info("Delaying batcher for %s until %d queued requests", model.name, self._held_until)
+            log.info(
+                "Delaying batcher for %s until %d queued requests", model.name, self._held_until
+            )
 
     # -- queueing -----------------------------------------------------------------------
     def _level(self, priority: int) -> int:

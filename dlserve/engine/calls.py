@@ -144,12 +144,15 @@ class ModelCalls:
             try:
                 target = self.host.model(model_name, version)
             except (NotFoundError, UnavailableError):  # (Triton's words for both)
-                raise NotFoundError(f"Failed for execute the inference request. Model '{model_name}' is not ready.") from None
+                raise NotFoundError(
+                    f"Failed for execute the inference request. Model '{model_name}' is not ready."
+                ) from None
             if target.decoupled and not decoupled:  # (Triton's words, its stray quote too)
                 raise UnsupportedError(
-                    f"Model {model_name} is using the decoupled. The current BLS request call doesn't "
-                    "support models using the decoupled transaction policy. Please use "
-                    "'decoupled=True' argument to the 'exec' or 'async_exec' calls for decoupled models.'"
+                    f"Model {model_name} is using the decoupled. The current BLS request call "
+                    "doesn't support models using the decoupled transaction policy. Please use "
+                    "'decoupled=True' argument to the 'exec' or 'async_exec' calls for "
+                    "decoupled models.'"
                 )
             self._check_cycle(request, target)
             self._check_resources(target)

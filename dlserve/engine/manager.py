@@ -79,7 +79,8 @@ class ModelManager:
         if not ready_only:
             in_repository = {k for k, s in self.repository.scan().items() if isinstance(s, ModelSource)}
             keys |= in_repository
-        for key in sorted(keys):  # (namespace, name): by repository, then name, as Triton lists them
+        # (namespace, name): by repository, then by name, as Triton lists them
+        for key in sorted(keys):
             name, entry = key[1], self.models.get(key)
             if entry is not None and not entry.versions and not entry.tried and (entry.loading or entry.error):
                 if not ready_only:  # (its versions not known yet, or it failed before they were)

@@ -172,7 +172,8 @@ def _binds_model_class(node: ast.AST) -> bool:
     statement: an import of it, a star import, an assignment to it or to its attributes,
     or a ``setattr`` on it."""
     if isinstance(node, (ast.Import, ast.ImportFrom)):
-        return any(alias.name == "*" or (alias.asname or alias.name) == _MODEL_CLASS for alias in node.names)
+        names = [alias.asname or alias.name for alias in node.names]
+        return "*" in names or _MODEL_CLASS in names
     if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
         return node.id == _MODEL_CLASS
     if isinstance(node, ast.Attribute) and isinstance(node.ctx, (ast.Store, ast.Del)):

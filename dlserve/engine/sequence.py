@@ -259,7 +259,8 @@ class SequenceBatcher(Scheduler):
         # Triton's test hooks: no batch until this many requests are queued in slots and
         # in the backlog, once.
         self._held_until = (
-            delay_count("TRITONSERVER_DELAY_SCHEDULER"), delay_count("TRITONSERVER_BACKLOG_DELAY_SCHEDULER")
+            delay_count("TRITONSERVER_DELAY_SCHEDULER"),
+            delay_count("TRITONSERVER_BACKLOG_DELAY_SCHEDULER"),
         )
         if any(self._held_until):
             log.info("Delaying scheduler for %s until %d queued and %d backlog queued requests",
@@ -468,7 +469,8 @@ class SequenceBatcher(Scheduler):
         if self.states:
             self._with_state(sequence, request)
         concurrent = sequence.instance is not None and sequence.instance.concurrency
-        if request.flags & SEQUENCE_END and not self.iterative and not concurrent and not sequence.queue:
+        ends = request.flags & SEQUENCE_END and not self.iterative and not concurrent
+        if ends and not sequence.queue:
             self._release(sequence)
         return request
 
@@ -592,13 +594,14 @@ class SequenceBatcher(Scheduler):
         """Fail the sequences whose requests' timeouts ran out while they waited for a
         slot, as Triton does (a sequence in a slot keeps its requests, timeouts or not)."""
         now = time.monotonic_ns()
-        for sequence in [s for s in self.backlog if s.expires_ns is not None and s.expires_ns <= now]:
+        expired = [s for s in self.backlog if s.expires_ns is not None and s.expires_ns <= now]
+        for sequence in expired:
             queued = list(sequence.queue)
             sequence.queue.clear()
             self._release(sequence)
             for request in queued:  # (Triton's words)
-                expired = UnavailableError("timeout of the corresponding sequence has been expired")
-                self._fail(request, expired, "REJECTED")
+                error = UnavailableError("timeout of the corresponding sequence has been expired")
+                self._fail(request, error, "REJECTED")
 
     def holds(self, instance: ModelInstance) -> bool:
         return any(s.instance is instance for s in self.sequences.values())

@@ -108,8 +108,9 @@ class InferStream:
             empty_final = message.parameters.get(EMPTY_FINAL)
             model = self.servicer.engine.model(request.model_name, request.model_version)
             place = None if model.decoupled else self._place()
+            wants_empty_final = empty_final is not None and empty_final.bool_param
             request.on_response = functools.partial(
-                self.deliver, request, specs, empty_final is not None and empty_final.bool_param, place
+                self.deliver, request, specs, wants_empty_final, place
             )
             self.pending.add(request)
             try:
@@ -151,7 +152,9 @@ class InferStream:
         self.in_order.append(place)
         return place
 
-    def _send(self, place: _InOrder | None, entry: tuple[Answer, Trace | None] | None, final: bool) -> None:
+    def _send(
+        self, place: _InOrder | None, entry: tuple[Answer, Trace | None] | None, final: bool
+    ) -> None:
         """Queue an answer (``entry``; None: nothing to send, only the request's end) at
         once, or with ``place`` once every request before it is answered."""
         if place is None:
