@@ -96,6 +96,7 @@ class Sequence:
     # While it waits for a slot: when it fails for its requests' timeouts (monotonic ns;
     # the earliest of arrival + timeout over its requests, as Triton's backlog keeps it).
     expires_ns: int | None = None
+    done_ns: int = 0  # when its latest request finished (monotonic ns)
     state: dict[str, Tensor] = dataclasses.field(default_factory=dict)  # input name -> state
 
 
@@ -443,19 +444,27 @@ class SequenceBatcher(Scheduler):
         ]
         if not ready:
             return None
-        ready.sort(key=lambda s: s.queue[0].arrival_ns)
+        ready.sort(key=self._waiting_since)
         if not self.direct:  # the oldest request's shapes: the others wait for their own batch
             shapes = batch_shapes(ready[0].queue[0], self._ragged)
             ready = [s for s in ready if batch_shapes(s.queue[0], self._ragged) == shapes]
         count = min(len(ready), self.max_batch)
         if self.delay_ns and count < self._enough and count not in self._preferred:
-            due = ready[0].queue[0].arrival_ns + self.delay_ns
+            due = self._waiting_since(ready[0]) + self.delay_ns
             if time.monotonic_ns() < due:
                 self._arm(due)  # more may come for the batch meanwhile
                 return None
         if self.direct:
             return self._slot_batch(ready)
         return [self._start(sequence) for sequence in ready[: self.max_batch]]
+
+    def _waiting_since(self, sequence: Sequence) -> int:
+        """When the sequence's next request began to wait for a batch: its arrival, or
+        with ``oldest``, as in Triton, once the request before it was done (Triton hands
+        a sequence's next request to its batcher only then, and times the delay and the
+        order of the batch from that)."""
+        arrival = sequence.queue[0].arrival_ns
+        return arrival if self.direct else max(arrival, sequence.done_ns)
 
     def _start(self, sequence: Sequence) -> Request:
         """Take the sequence's next request for a batch, with its control inputs and
@@ -545,6 +554,7 @@ class SequenceBatcher(Scheduler):
             if sequence is None:  # (a filler)
                 continue
             sequence.running = False
+            sequence.done_ns = time.monotonic_ns()
             if self.sequences.get(sequence.key) is not sequence:
                 continue  # freed when its END went into the batch, or lost
             # (an iterative sequence ends once its request is done, rescheduled no more, as

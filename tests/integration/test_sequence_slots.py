@@ -147,6 +147,27 @@ def test_a_waiting_sequence_takes_the_slot_that_frees(servers, make_repo):
     assert together == [real(33, END), real(32, 0)]
 
 
+def test_oldest_times_a_sequences_next_request_from_when_the_one_before_it_finished(servers, make_repo):
+    """As Triton's oldest strategy, which hands a sequence's next request to its batcher
+    only once the one before it is done: queued meanwhile, it still waits the whole
+    max_queue_delay after that, so a sequence that starts within it joins its batch
+    (dlserve timed the delay from its arrival and sent it alone)."""
+    strategy = "oldest { max_candidate_sequences: 2 max_queue_delay_microseconds: 500000 }"
+    model = slots_model(servers, make_repo, max_batch_size=2, strategy=strategy)
+
+    async def run() -> tuple[Any, Any]:
+        first = asyncio.ensure_future(step(model, 41, START, sleep=0.4))  # waits 0.5 s, runs until ~0.9 s
+        await asyncio.sleep(0.6)
+        second = asyncio.ensure_future(step(model, 41, 0))  # queued while the first runs
+        await asyncio.sleep(0.65)  # ~1.25 s: within 0.5 s of the first's end, past 0.5 s of its arrival
+        other = await step(model, 42, START)
+        await first
+        return batch(await second), batch(other)
+
+    second, other = asyncio.run(run())
+    assert second == other == [real(41, 0), real(42, START)]
+
+
 def test_oldest_without_max_candidate_sequences_holds_max_batch_size_sequences(servers, make_repo):
     """As Triton: the oldest strategy's candidate sequences per instance default to
     max_batch_size (dlserve took any number), so a third sequence waits for a free one."""
