@@ -26,7 +26,8 @@ and statistics count fillers in the batch's size only (``batch_stats``), not in
 ``inference_count``.
 
 With a ``max_queue_delay_microseconds``, a batch waits up to that long
-after its oldest request came for more: until ``minimum_slot_utilization`` of the
+after its oldest request came (with ``oldest``, or once the request before it in its
+sequence finished, as in Triton) for more: until ``minimum_slot_utilization`` of the
 instance's slots have a request (direct) or a ``preferred_batch_size`` is reached
 (oldest), as Triton's does.
 
