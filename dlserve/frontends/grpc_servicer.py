@@ -26,7 +26,7 @@ import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
@@ -51,6 +51,9 @@ from dlserve.frontends.grpc_stream import InferStream
 from dlserve.frontends.proto import grpc_service_pb2 as pb
 from dlserve.frontends.restrictions import Restriction, rules_by_category
 from dlserve.memory.dtypes import DataType
+
+if TYPE_CHECKING:
+    from dlserve.engine.model import ModelVersion
 
 log = logging.getLogger("dlserve.frontends.grpc")
 
@@ -324,9 +327,10 @@ class InferenceServicer:
     # -- inference ------------------------------------------------------------------------
     def decode(
         self, inbound: InferCall, context: Any, unary: bool = True
-    ) -> tuple[Request, dict[str, OutputSpec] | None]:
-        """The engine request for a ModelInferRequest, and the requested outputs that
-        need care (written to shared memory, or classified), by name."""
+    ) -> tuple[Request, dict[str, OutputSpec] | None, ModelVersion]:
+        """The engine request for a ModelInferRequest, the requested outputs that need
+        care (written to shared memory, or classified) by name, and the model version
+        that will serve it."""
         request, raws = inbound
         model_name = request.model_name
         version = parse_version(request.model_version)
@@ -418,12 +422,12 @@ class InferenceServicer:
         engine_request = self.dataplane.build_request(
             model_name, version if version >= 0 else None, request.id, parameters, inputs, outputs, forwarded
         )
-        return engine_request, specs
+        return engine_request, specs, model
 
     @_rpc("inference")
     async def ModelInfer(self, request: InferCall, context: Any) -> list[bytes | memoryview]:
         received = time.monotonic_ns()
-        engine_request, specs = self.decode(request, context)
+        engine_request, specs, _ = self.decode(request, context)
         if not self.engine.tracer.enabled:
             return await self._answer(engine_request, specs, context)
         held: list[Trace] = []

@@ -104,9 +104,8 @@ class InferStream:
         message = inbound.message
         place = None  # (a refused request keeps its place in the order)
         try:
-            request, specs = self.servicer.decode(inbound, self.context, unary=False)
+            request, specs, model = self.servicer.decode(inbound, self.context, unary=False)
             empty_final = message.parameters.get(EMPTY_FINAL)
-            model = self.servicer.engine.model(request.model_name, request.model_version)
             place = None if model.decoupled else self._place()
             wants_empty_final = empty_final is not None and empty_final.bool_param
             request.on_response = functools.partial(
