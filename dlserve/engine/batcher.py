@@ -26,6 +26,7 @@ import heapq
 import itertools
 import logging
 import time
+from collections.abc import Hashable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from dlserve.engine.proto import model_config_pb2 as mc
@@ -50,11 +51,13 @@ class DynamicBatcher(Scheduler):
         super().__init__(model)
         config = model.config
         batching = config.dynamic_batching
-        self.max_batch = max(config.max_batch_size, 1)
-        # (1..max_batch_size: config.validate; config.normalize sets max_batch_size if none)
-        self.preferred = set(batching.preferred_batch_size)
-        self.max_preferred = max(self.preferred, default=self.max_batch)
-        self.delay_ns = batching.max_queue_delay_microseconds * 1000
+        # (preferred sizes 1..max_batch_size: config.validate; config.normalize sets
+        # max_batch_size if none)
+        self.rule = BatchRule(
+            batching.preferred_batch_size,
+            max(config.max_batch_size, 1),
+            batching.max_queue_delay_microseconds,
+        )
         self.preserve_ordering = batching.preserve_ordering
         levels = max(batching.priority_levels, 1)
         self.default_level = batching.default_priority_level if batching.priority_levels else 1
@@ -154,52 +157,23 @@ class DynamicBatcher(Scheduler):
 
     # -- batch formation ----------------------------------------------------------------
     def _next_batch(self, instance: ModelInstance) -> list[Request] | None:
-        """Triton's batch formation (GetDynamicBatch): take requests in order while they
-        fit; the longest run that hits a preferred size goes at once, as does a run that
-        cannot grow (the next request is too big or of another shape, or it would pass
-        the largest preferred size); otherwise wait for more until the oldest has waited
-        ``max_queue_delay_microseconds``, then send all that fits."""
         if self._held_until:
             if self.pending < self._held_until:
                 return None  # (each request queued dispatches again)
             self._held_until = 0
-        chosen: list[Request] = []
-        total = 0
-        best = 0  # how many requests make the batch to send before the delay runs out
-        key = None
-        closed = False  # the next request cannot join: the batch can grow no more
+        queued = itertools.chain.from_iterable(self._queues())
+        count, wait_until = self.rule.take(
+            (self.model.batch_size_of(r), batch_shapes(r, self._ragged), r.arrival_ns)
+            for r in queued
+        )
+        if not count:
+            if wait_until:
+                self._arm(wait_until)  # wait for more requests, at most until then
+            return None
+        chosen = []
         for queue in self._queues():
-            for request in queue:
-                size = self.model.batch_size_of(request)
-                if chosen:
-                    if total + size > self.max_preferred and not best:
-                        best = len(chosen)
-                    if total + size > self.max_batch or batch_shapes(request, self._ragged) != key:
-                        closed = True
-                        break
-                else:
-                    key = batch_shapes(request, self._ragged)
-                chosen.append(request)
-                total += size
-                if total in self.preferred:
-                    best = len(chosen)
-            else:
-                continue
-            break
-        if not chosen:
-            return None
-        ready_at = min(r.arrival_ns for r in chosen) + self.delay_ns
-        delay_over = self.delay_ns and time.monotonic_ns() >= ready_at
-        if best and not delay_over:
-            chosen = chosen[:best]
-        elif not (closed or total >= self.max_preferred or delay_over or not self.delay_ns):
-            self._arm(ready_at)  # wait for more requests, at most until then
-            return None
-        for request in chosen:
-            for queue in self._queues():
-                if queue and queue[0] is request:
-                    queue.popleft()
-                    break
+            while queue and len(chosen) < count:
+                chosen.append(queue.popleft())
         return chosen
 
     # -- responses ----------------------------------------------------------------------
@@ -225,6 +199,53 @@ class DynamicBatcher(Scheduler):
             if held is not None:
                 super()._deliver(*held)
             self._next_to_deliver += 1
+
+
+class BatchRule:
+    """Triton's batch formation (its dynamic batcher's GetDynamicBatch, which its
+    ``oldest`` sequence batcher uses too): take requests in order while they fit
+    ``max_batch_size`` and share shapes; the longest run that hits a preferred size goes
+    at once, as does a run that cannot grow (the next request is too big or of other
+    shapes, or it would pass the largest preferred size); otherwise wait for more until
+    the oldest has waited the delay, then send all that fits."""
+
+    def __init__(self, preferred: Iterable[int], max_batch: int, delay_us: int) -> None:
+        self.preferred = set(preferred)
+        self.max_batch = max_batch
+        self.max_preferred = max(self.preferred, default=max_batch)
+        self.delay_ns = delay_us * 1000
+
+    def take(self, candidates: Iterable[tuple[int, Hashable, int]]) -> tuple[int, int]:
+        """How many of the queued ``(batch size, shapes, waiting since ns)`` candidates,
+        in queue order, to send now, and if none, until when the batch waits for more
+        (0 when nothing is queued)."""
+        count = total = best = 0  # best: how many make the batch to send before the delay
+        shapes: Hashable = None
+        oldest = 0
+        closed = False  # the next candidate cannot join: the batch can grow no more
+        for size, its_shapes, since in candidates:
+            if count:
+                if total + size > self.max_preferred and not best:
+                    best = count
+                if total + size > self.max_batch or its_shapes != shapes:
+                    closed = True
+                    break
+                oldest = min(oldest, since)
+            else:
+                shapes, oldest = its_shapes, since
+            count += 1
+            total += size
+            if total in self.preferred:
+                best = count
+        if not count:
+            return 0, 0
+        ready_at = oldest + self.delay_ns
+        delay_over = self.delay_ns and time.monotonic_ns() >= ready_at
+        if best and not delay_over:
+            return best, 0
+        if closed or total >= self.max_preferred or delay_over or not self.delay_ns:
+            return count, 0
+        return 0, ready_at
 
 
 def batch_shapes(request: Request, ragged: set[str]) -> tuple[Any, ...]:

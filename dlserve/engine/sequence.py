@@ -12,9 +12,11 @@ frees it when its END request goes into a batch (as Triton does: a sequence wait
 for a slot may run in the very next batch), or once that END is done where it must
 be (an iterative sequence; an async model, which runs several batches at once).
 
-With ``oldest``, each ``execute`` gets the next request of up to ``max_batch_size``
-of its sequences, oldest first, those whose inputs have the oldest one's shapes (the
-others wait for a batch of their own, as in Triton). With ``direct``, as in Triton,
+With ``oldest``, each ``execute`` gets the next request of its sequences, oldest
+first, those whose inputs have the oldest one's shapes (the others wait for a batch
+of their own, as in Triton), as many as Triton's dynamic batcher would take
+(:class:`~dlserve.engine.batcher.BatchRule`: the largest ``preferred_batch_size`` it
+can reach goes at once). With ``direct``, as in Triton,
 a request's place in the batch is its sequence's slot, so a model may keep per-slot
 state by position:
 the batch runs from slot 0 up to the highest slot with a request, and every slot
@@ -28,8 +30,9 @@ and statistics count fillers in the batch's size only (``batch_stats``), not in
 With a ``max_queue_delay_microseconds``, a batch waits up to that long
 after its oldest request came (with ``oldest``, or once the request before it in its
 sequence finished, as in Triton) for more: until ``minimum_slot_utilization`` of the
-instance's slots have a request (direct) or a ``preferred_batch_size`` is reached
-(oldest), as Triton's does.
+instance's slots have a request (direct) or the batch can grow no more (oldest:
+it reached its largest preferred size, or the next request would pass it), as
+Triton's does.
 
 The model sees the control inputs the config declares (START, END, READY, CORRID)
 as extra input tensors. A sequence that receives no request for
@@ -64,7 +67,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dlserve.engine.batcher import batch_shapes
+from dlserve.engine.batcher import BatchRule, batch_shapes
 from dlserve.engine.proto import model_config_pb2 as mc
 from dlserve.engine.request import SEQUENCE_END, SEQUENCE_START, Request, Response
 from dlserve.engine.scheduler import Scheduler, delay_count
@@ -228,16 +231,15 @@ class SequenceBatcher(Scheduler):
         candidates = config.oldest.max_candidate_sequences if strategy == "oldest" else 0
         self.direct = strategy == "direct"
         self.slots = candidates or self.max_batch  # (max_batch_size by default, as in Triton)
-        # A batch of ``_enough`` requests (or of a preferred size) need not wait for more.
-        if self.direct:
-            self.delay_ns = config.direct.max_queue_delay_microseconds * 1000
-            self._enough = math.ceil(config.direct.minimum_slot_utilization * self.slots)
-            self._preferred: set[int] = set()
-        else:
-            self.delay_ns = config.oldest.max_queue_delay_microseconds * 1000
-            self._preferred = set(config.oldest.preferred_batch_size)
-            self._enough = max(self._preferred, default=self.max_batch)
-        self._enough = min(self._enough, self.max_batch)
+        # direct: a batch of ``_enough`` requests need not wait for more; oldest batches
+        # as Triton's dynamic batcher (config.normalize gives it a preferred size)
+        self.delay_ns = config.direct.max_queue_delay_microseconds * 1000
+        utilization = math.ceil(config.direct.minimum_slot_utilization * self.slots)
+        self._enough = min(utilization, self.max_batch)
+        oldest = config.oldest
+        self.rule = BatchRule(
+            oldest.preferred_batch_size, self.max_batch, oldest.max_queue_delay_microseconds
+        )
         parsed = (ControlInput.parse(model.name, spec) for spec in config.control_input)
         self.controls = [control for control in parsed if control is not None]
         self.states = [ImplicitState.parse(model, spec) for spec in config.state]
@@ -446,18 +448,22 @@ class SequenceBatcher(Scheduler):
         if not ready:
             return None
         ready.sort(key=self._waiting_since)
-        if not self.direct:  # the oldest request's shapes: the others wait for their own batch
+        if not self.direct:
+            # The oldest request's shapes: the others wait for a batch of their own (Triton
+            # 2.51 side by side: it does not close the batch at the first one, as its
+            # dynamic batcher does).
             shapes = batch_shapes(ready[0].queue[0], self._ragged)
             ready = [s for s in ready if batch_shapes(s.queue[0], self._ragged) == shapes]
-        count = min(len(ready), self.max_batch)
-        if self.delay_ns and count < self._enough and count not in self._preferred:
+            count, wait_until = self.rule.take((1, shapes, self._waiting_since(s)) for s in ready)
+            if wait_until:
+                self._arm(wait_until)  # more may come for the batch meanwhile
+            return [self._start(sequence) for sequence in ready[:count]] or None
+        if self.delay_ns and min(len(ready), self.max_batch) < self._enough:
             due = self._waiting_since(ready[0]) + self.delay_ns
             if time.monotonic_ns() < due:
                 self._arm(due)  # more may come for the batch meanwhile
                 return None
-        if self.direct:
-            return self._slot_batch(ready)
-        return [self._start(sequence) for sequence in ready[: self.max_batch]]
+        return self._slot_batch(ready)
 
     def _waiting_since(self, sequence: Sequence) -> int:
         """When the sequence's next request began to wait for a batch: its arrival, or

@@ -266,6 +266,28 @@ def test_oldest_batches_only_requests_of_the_oldest_ones_shapes(servers, make_re
     assert batch(other) == [real(62, START | END, size=3)]
 
 
+def test_oldest_sends_its_largest_preferred_batch_at_once(servers, make_repo):
+    """As Triton 2.51 side by side: with three sequences ready and preferred_batch_size
+    [2], the oldest strategy sends the two oldest, then the third (dlserve sent all
+    three, which fit max_batch_size)."""
+    strategy = "oldest { max_candidate_sequences: 4 preferred_batch_size: [ 2 ] }"
+    model = slots_model(servers, make_repo, max_batch_size=4, strategy=strategy)
+
+    async def run() -> list[Any]:
+        busy = asyncio.ensure_future(step(model, 70, START | END, sleep=0.5))
+        await asyncio.sleep(0.2)
+        queued = []
+        for key in (71, 72, 73):
+            queued.append(asyncio.ensure_future(step(model, key, START | END)))
+            await asyncio.sleep(0.03)
+        await busy
+        return [batch(await f) for f in queued]
+
+    first, second, third = asyncio.run(run())
+    assert first == second == [real(71, START | END), real(72, START | END)]
+    assert third == [real(73, START | END)]
+
+
 STREAMING_SLOTS = '''
 import numpy as np
 import triton_python_backend_utils as pb_utils
