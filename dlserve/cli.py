@@ -273,6 +273,9 @@ def _warn_ignored(args: argparse.Namespace, backend_wide_config: list[str]) -> N
         log.warning("--backend-config %s (for every backend) has no effect in dlserve", entry)
     if args.response_cache_byte_size is not None:
         log.warning("--response-cache-byte-size is deprecated: use --cache-config local,size=BYTES")
+    for entry in args.trace_config:
+        if entry.startswith("opentelemetry,"):
+            log.warning("--trace-config %s has no effect: dlserve writes Triton's trace files", entry)
 
 
 def _grouped_settings(flag: str, entries: list[str], example: str, named: bool = True) -> dict[str, dict[str, str]]:
@@ -321,6 +324,8 @@ def _trace_settings(entries: list[str]) -> TraceSettings:
     levels: list[str] = []
     for entry in entries:
         mode, _, setting = entry.rpartition(",")
+        if mode == "opentelemetry":
+            continue  # (a mode not in use: ignored, as tritonserver does; _warn_ignored says so)
         key, sep, value = setting.partition("=")
         field = _TRACE_KEYS.get(key)
         if mode not in ("", "triton") or not sep or field is None:

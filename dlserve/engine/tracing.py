@@ -38,7 +38,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import IO, Any
 
 from dlserve.errors import InvalidArgumentError, UnsupportedError
@@ -114,16 +114,25 @@ def _parse(name: str, value: Any) -> Any:
     if name == "trace_level":
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise InvalidArgumentError("trace setting 'trace_level' must be an array of strings")
-        levels = tuple(dict.fromkeys(v.upper() for v in value))
+        levels = [v.upper() for v in value]
         for level in levels:
             if level not in LEVELS:
                 raise InvalidArgumentError(
                     f"unknown trace level '{level}' (use OFF, TIMESTAMPS and/or TENSORS)"
                 )
-        if not levels or (len(levels) > 1 and "OFF" in levels):
+        if not levels:
             raise InvalidArgumentError("trace_level must be OFF, or TIMESTAMPS and/or TENSORS")
-        return levels
+        if len(levels) > 1 and "OFF" in levels:  # (Triton's words)
+            raise InvalidArgumentError("Expect only one trace level 'OFF' is specified")
+        return _in_order(levels)
     return _integer(name, value, _LEAST[name])
+
+
+def _in_order(levels: Iterable[str]) -> tuple[str, ...]:
+    """Trace levels as Triton lists them, whatever order they were given in: TIMESTAMPS,
+    then TENSORS, or OFF when neither."""
+    given = set(levels)
+    return tuple(level for level in LEVELS[1:] if level in given) or ("OFF",)
 
 
 def _wire(name: str, value: Any) -> Any:

@@ -431,11 +431,17 @@ def _decode_inputs(raw_inputs: Any, binary: np.ndarray, request_id: str) -> list
         ref = shm_ref(parameters, f"input '{name}'")
         size = parameters.get("binary_data_size")
         has_data = "data" in item
-        if (ref is not None) + (size is not None) + has_data != 1:
+        given = [
+            field for field, is_set in
+            (("data", has_data), ("binary_data_size", size is not None),
+             ("shared_memory_region", ref is not None))
+            if is_set
+        ]
+        if len(given) != 1:  # (Triton's words)
             raise InvalidArgumentError(
                 "Input must set only one of the following fields: 'data', 'binary_data_size' in "
-                "'parameters', 'shared_memory_region' in 'parameters'. "
-                + ("But no field is set" if not (ref or size is not None or has_data) else "But more than one is set")
+                "'parameters', 'shared_memory_region' in 'parameters'. But "
+                + ("set " + " ".join(f"'{field}'" for field in given) if given else "no field is set")
             )
         spec = InputSpec(name, datatype, shape, shm=ref)
         if size is not None:

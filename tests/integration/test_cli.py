@@ -589,7 +589,7 @@ def test_trace_levels_add_up_as_in_tritonserver(levels, expected):
 @pytest.mark.parametrize(
     "flag,message",
     [
-        ("opentelemetry,url=http://x", "must look like [triton,]SETTING=VALUE"),
+        ("jaeger,url=http://x", "must look like [triton,]SETTING=VALUE"),
         ("rate=often", "rate must be an integer"),
         ("level=LOUD", "unknown trace level 'LOUD'"),
     ],
@@ -598,6 +598,20 @@ def test_bad_trace_config_exits_with_a_message(flag, message, tmp_path):
     result = run_cli("serve", "--model-repository", str(tmp_path), "--trace-config", flag)
     assert result.returncode != 0
     assert message in result.stderr, result.stderr
+
+
+def test_opentelemetry_trace_settings_are_ignored_with_a_warning(serve, make_repo):
+    """As tritonserver ignores the settings of a trace mode not in use, a command line
+    that sets both modes' (as deployments do) starts; dlserve refused it."""
+    process = serve(
+        "--model-repository", str(make_repo("identity")),
+        "--trace-config", "opentelemetry,url=http://127.0.0.1:1/v1/traces",
+        "--trace-config", "rate=5",
+    ).wait_started()
+    assert request(process.ports["http"], "/v2/health/ready")[0] == 200
+    status, body = request(process.ports["http"], "/v2/trace/setting")
+    assert status == 200 and json.loads(body)["trace_rate"] == "5"
+    assert "--trace-config opentelemetry,url=http://127.0.0.1:1/v1/traces has no effect" in process.stderr
 
 
 def test_explicit_mode_loads_only_the_named_models(serve, make_repo):

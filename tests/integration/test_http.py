@@ -1959,7 +1959,8 @@ def _fp32_input(size: int) -> dict:
                 {"inputs": [{**identity_input(), "parameters": {"binary_data_size": 8}}]}, b"\0" * 8
             ),
             400,
-            "only one of",
+            # (Triton 2.51's words, side by side)
+            "in 'parameters'. But set 'data' 'binary_data_size'",
         ),
     ],
     ids=lambda v: v if isinstance(v, str) else "",

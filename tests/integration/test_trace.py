@@ -210,7 +210,8 @@ def test_a_decoupled_model_that_answers_inside_execute_keeps_its_compute_times(t
 def test_level_tensors_writes_the_tensors_as_triton_does(traced):
     _, urls, file = traced
     with httpclient.InferenceServerClient(urls["http"]) as client:
-        level = client.update_trace_settings(settings={"trace_level": ["TIMESTAMPS", "TENSORS"]})
+        # (Triton lists the levels in this order, whatever order they were given in)
+        level = client.update_trace_settings(settings={"trace_level": ["TENSORS", "TIMESTAMPS"]})
         assert level["trace_level"] == ["TIMESTAMPS", "TENSORS"]
         x = np.array([0.5, 1.25, -3.0, 1e-7], np.float32)
         inputs = [httpclient.InferInput(name, [4], "FP32") for name in ("INPUT0", "INPUT1")]
@@ -343,6 +344,7 @@ def test_bad_http_settings_are_clear_errors(traced):
         # (with tracing on; Triton takes 0 while the level is OFF)
         ({"trace_rate": "0"}, 400, "Attempting to set invalid trace setting :sample rate must be non-zero"),
         ({"log_frequency": "-1"}, 400, "Expecting value >= 0"),
+        ({"trace_level": ["OFF", "OFF"]}, 400, "Expect only one trace level 'OFF' is specified"),
         # Triton keeps them in 32 bits and refuses more, in these words
         ({"trace_count": "2147483648"}, 400, "Unable to parse 'trace_count', value is out of range [ -1, 2147483647 ], got: 2147483648"),
         ({"trace_rate": "4294967296"}, 400, "value is out of range [ 0, 4294967295 ]"),
