@@ -161,11 +161,14 @@ class ModelTable(dict[ModelKey, ModelEntry]):
     def all_ready(self) -> bool:
         """Every model asked for serves (a first load still going is not serving yet;
         a reload is: its old versions serve until the new ones replace them, but one
-        that adds versions is not until they serve, as Triton sees it)."""
+        that adds versions is not until they serve, as Triton sees it). A model that
+        failed before it had versions (its config did not parse, say) does not count:
+        Triton has no versions of it to be unready (side by side: one bad load request
+        in explicit mode left a dlserve server unready until that model loaded)."""
         return all(
             entry.versions
             and all(v.ready for v in entry.versions.values())
             and not (entry.loading and set(entry.tried) - entry.versions.keys())
             for entry in self.values()
-            if entry.versions or entry.error or entry.loading
+            if entry.versions or (entry.error and entry.tried) or entry.loading
         )

@@ -127,5 +127,7 @@ class Unloader:
             # The versions stay listed (as UNLOADING) until their requests have drained.
             drained = await asyncio.gather(*(v.unload(deadline or self._deadline()) for v in entry.versions.values()))
             entry.unloaded = sorted(entry.versions.keys() | set(entry.unloaded))
+            # (a version that served on through a failed reload is listed as unloaded now)
+            entry.failed = {v: why for v, why in entry.failed.items() if v not in entry.versions}
             entry.versions = {}
         return all(drained)

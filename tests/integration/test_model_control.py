@@ -221,6 +221,19 @@ def test_failed_reload_keeps_the_old_version_serving(servers, make_repo):
     assert out.error is None
 
 
+def test_a_version_that_served_through_a_failed_reload_is_listed_as_unloaded(servers, make_repo):
+    """Triton 2.51 side by side: once unloaded, the version that served on through a
+    failed reload is 'unloaded' in the index (dlserve kept the reload's failure)."""
+    server = servers.start(make_repo("identity"), model_control_mode=ModelControlMode.EXPLICIT, startup_models=["identity"])
+    config = server.model("identity").config()
+    with pytest.raises(dlserve.InvalidArgumentError, match="'name' is 'elsewhere'"):
+        server.load("identity", {"config": json.dumps({**config, "name": "elsewhere"})})
+    assert server.model("identity").ready() and server.ready()
+    server.unload("identity", wait_until_unloaded=True)
+    rows = [row for row in server.engine.manager.index() if row["name"] == "identity"]
+    assert rows == [{"name": "identity", "version": "1", "state": "UNAVAILABLE", "reason": "unloaded"}]
+
+
 def test_version_policies(servers, make_repo):
     repo = make_repo("versioned")
     server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT, startup_models=["versioned"])
@@ -451,6 +464,9 @@ def test_index_lists_every_folder_and_then_why_a_folder_without_versions_failed(
     failed = {row["name"]: row for row in server.engine.manager.index() if row["name"] != "identity"}
     assert sorted(failed) == folders
     assert all(row["state"] == "UNAVAILABLE" and "no version folder" in row["reason"] for row in failed.values())
+    # Models that failed before they had versions leave the server ready, as in Triton
+    # (side by side: dlserve stayed unready until each of them loaded)
+    assert server.ready()
     for name in folders:
         server.unload(name)
     assert server.engine.manager.index() == [{"name": name} for name in sorted([*folders, "identity"])]
