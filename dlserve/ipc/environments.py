@@ -37,6 +37,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import lzma
 import os
 import shutil
 import site
@@ -46,6 +47,7 @@ import sysconfig
 import tarfile
 import tempfile
 import threading
+import zlib
 from pathlib import Path
 
 from dlserve.errors import InvalidArgumentError
@@ -273,8 +275,12 @@ def _extract(archive: Path, root: Path, where: str) -> None:
                 if member.isdev():
                     raise InvalidArgumentError(f"{where}: archive entry '{name}' is a device file")
                 tar.extract(member, base, **_NO_FILTER)
-    except (tarfile.TarError, OSError) as exc:
+    except _DAMAGED as exc:
         raise InvalidArgumentError(f"{where}: cannot unpack '{archive}': {exc}") from None
+
+
+# What a truncated or corrupt archive raises while it is read (its decompressor's errors too)
+_DAMAGED = (tarfile.TarError, OSError, EOFError, zlib.error, lzma.LZMAError)
 
 
 # Our checks above replace tarfile's extraction filters (which refuse the absolute symlinks

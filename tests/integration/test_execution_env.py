@@ -194,6 +194,29 @@ def test_an_archive_writing_outside_its_folder_is_refused(make_repo, servers, tm
     assert not server.model("probe").ready()
 
 
+@pytest.mark.parametrize("damage", ["truncated", "flipped"])
+def test_a_damaged_archive_fails_the_load_with_a_clear_reason(make_repo, servers, environment, damage):
+    """As Triton, a load error naming the archive (dlserve raised the decompressor's
+    EOFError / zlib.error out of the load: a 500 and no reason in the index)."""
+    before = unpacked_dirs()
+    files = {"config.pbtxt": config("$$TRITON_MODEL_DIRECTORY/env.tar.gz"), "1/model.py": MODEL}
+    repo = make_repo(extra={"probe": files})
+    archive = packed(environment, repo / "probe" / "env.tar.gz")
+    data = bytearray(archive.read_bytes())
+    if damage == "truncated":
+        del data[len(data) // 2:]
+    else:
+        middle = len(data) // 2
+        data[middle:middle + 64] = bytes(b ^ 0xFF for b in data[middle:middle + 64])
+    archive.write_bytes(bytes(data))
+    server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT)
+    with pytest.raises(dlserve.InvalidArgumentError, match="cannot unpack '.*env.tar.gz'"):
+        server.load("probe")
+    (row,) = [row for row in server.engine.manager.index() if row["name"] == "probe"]
+    assert row["state"] == "UNAVAILABLE" and "cannot unpack" in row["reason"]
+    assert unpacked_dirs() - before == set()  # the half-unpacked folder went too
+
+
 def test_an_environment_of_another_python_runs_the_model(make_repo, servers, other_environment):
     """Triton needs a stub compiled for another Python; a dlserve worker just runs in it."""
     root, version = other_environment
