@@ -11,7 +11,8 @@ from dlserve.engine import config_forms
 from dlserve.engine.backends import code_paths
 from dlserve.engine.model import EngineResources, ModelVersion
 from dlserve.engine.proto import model_config_pb2 as mc
-from dlserve.errors import TritonError
+from dlserve.errors import InternalError, TritonError
+from dlserve.ipc.channel import WorkerGoneError
 from dlserve.ipc.protocol import Kind
 from dlserve.ipc.supervisor import WorkerProcess
 
@@ -50,6 +51,9 @@ async def run_auto_complete(
                 "config": json.dumps(config_forms.to_json(config)),
             },
         )
+    except WorkerGoneError:  # it died before it could answer: how, and its last output
+        reason = await worker.death_reason()
+        raise InternalError(f"auto_complete_config of model '{name}' failed: {reason}") from None
     except TritonError as exc:
         raise type(exc)(f"auto_complete_config of model '{name}' failed: {exc.message}") from None
     finally:

@@ -178,8 +178,7 @@ class ModelInstance:
                 raise WorkerGoneError("worker process is not running")
         except TritonError as exc:
             if isinstance(exc, WorkerGoneError):  # the worker died during initialize
-                await worker.wait_exited()
-                reason = worker.exit_description + worker.last_words()
+                reason = await worker.death_reason()
             else:
                 reason = exc.message
                 self._log.info("Failed to initialize Python stub: %s", reason)

@@ -305,6 +305,12 @@ class WorkerProcess:
     async def wait_exited(self) -> None:
         await self._exited.wait()
 
+    async def death_reason(self) -> str:
+        """Why a worker that dropped its channel is gone: its exit status and its last
+        output (an import that failed before it could answer, say), once it is reaped."""
+        await self.wait_exited()
+        return self.exit_description + self.last_words()
+
     async def stop(self, deadline: float, finalize: bool = True) -> bool:
         """Ask the model to finalize, then make sure the process is gone, all by
         ``deadline`` (``time.monotonic()``); a worker still busy then is killed. Whether

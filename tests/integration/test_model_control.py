@@ -538,6 +538,27 @@ def test_auto_complete_errors_are_reported(servers, make_repo):
         servers.start(repo)
 
 
+def test_a_worker_that_dies_before_auto_complete_answers_is_reported_with_its_last_output(servers, make_repo):
+    """Its exit and what it wrote (an import that fails in an execution environment, say);
+    dlserve said only "worker process connection closed" (UNAVAILABLE, a 503)."""
+    dying = (
+        "import os, sys\n"
+        "sys.stderr.write('numpy.libs is missing\\n'); sys.stderr.flush()\n"
+        "os._exit(3)\n\n"
+        "class TritonPythonModel:\n"
+        "    @staticmethod\n"
+        "    def auto_complete_config(config):\n"
+        "        return config\n"
+    )
+    repo = make_repo(extra={"dies": {"config.pbtxt": 'backend: "python"\n', "1/model.py": dying}})
+    server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT)
+    with pytest.raises(dlserve.InvalidArgumentError) as info:  # (a failed load: 400, as Triton's)
+        server.load("dies")
+    message = info.value.message
+    assert "auto_complete_config of model 'dies' failed" in message, message
+    assert "exited with code 3" in message and "numpy.libs is missing" in message, message
+
+
 def auto_complete_adding(input_fields: str) -> str:
     """A model whose auto_complete_config adds input IN with ``input_fields`` (Python
     text) and output OUT with dims ["-1", "4"]."""
