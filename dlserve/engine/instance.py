@@ -192,7 +192,8 @@ class ModelInstance:
             self._set_state(InstanceState.WARMING)
             try:
                 await warmup.warm_up(self, self.model.warmup_samples)
-            except TritonError:
+            except TritonError as exc:
+                self._log.error("ERROR: Failed to create instance: %s", exc.message)  # (Triton's)
                 await worker.stop(time.monotonic() + 5.0)  # finalize runs, as in Triton
                 self._set_state(InstanceState.RESTARTING if self.restarts else InstanceState.STARTING)
                 raise

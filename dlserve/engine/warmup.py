@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import errno
+import logging
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,6 +44,8 @@ from dlserve.memory.tensor import Tensor
 if TYPE_CHECKING:
     from dlserve.engine.instance import ModelInstance
     from dlserve.engine.model import ModelVersion
+
+log = logging.getLogger("dlserve.engine")
 
 _RANDOM_SEED = 0  # random_data is the same at every load, as Triton's is
 
@@ -63,8 +66,10 @@ def samples(model: ModelVersion) -> list[Sample]:
     config = model.config
     made = []
     for warmup in config.model_warmup:
-        if warmup.batch_size == 0:
-            continue  # as Triton: a sample without a batch size is skipped
+        if warmup.batch_size == 0:  # as Triton: a sample without a batch size is skipped
+            log.debug("Skipping batch 0 warmup sample '%s'", warmup.name)
+            continue
+        log.debug("Generating warmup sample data for '%s'", warmup.name)
         where = f"model '{model.name}', warmup sample '{warmup.name}'"
         batching = config.max_batch_size > 0
         if warmup.batch_size > max(config.max_batch_size, 1):
@@ -160,9 +165,17 @@ async def warm_up(instance: ModelInstance, warmups: list[Sample]) -> None:
     """Run every sample on ``instance``; raises InvalidArgumentError with Triton's
     message on the first that fails."""
     for sample in warmups:
-        for _ in range(sample.count):
+        for iteration in range(1, sample.count + 1):
+            log.debug(
+                "model '%s' instance %s is running warmup sample '%s' for iteration %d",
+                instance.model.name, instance.name, sample.name, iteration,
+            )  # (Triton's words, which its QA greps)
             errors = await _run(instance, sample)
             if errors:
+                log.debug(
+                    "model '%s' instance %s failed to run warmup sample '%s'",
+                    instance.model.name, instance.name, sample.name,
+                )
                 reasons = "".join(f"{error}; " for error in errors)
                 raise InvalidArgumentError(f"failed to run warmup sample '{sample.name}': {reasons}")
 

@@ -5,6 +5,7 @@ and decoupled models."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import threading
@@ -110,9 +111,19 @@ def seen(repo) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def test_every_instance_runs_every_sample_before_the_model_is_ready(servers, make_repo):
+def test_every_instance_runs_every_sample_before_the_model_is_ready(servers, make_repo, caplog):
     repo = probe_repo(make_repo, probe_config(SAMPLES))
-    server = servers.start(repo)
+    with caplog.at_level(logging.DEBUG, logger="dlserve"):
+        server = servers.start(repo, log_verbose=1)
+    # Triton's verbose lines, which its QA (L0_warmup) greps
+    lines = [r.getMessage() for r in caplog.records]
+    assert "Skipping batch 0 warmup sample 'skipped'" in lines
+    assert "Generating warmup sample data for 'zeros'" in lines
+    running = [line for line in lines if "is running warmup sample" in line]
+    assert sorted(running) == sorted(
+        f"model 'probe' instance probe_0_{i} is running warmup sample '{name}' for iteration {n}"
+        for i in (0, 1) for name, n in (("zeros", 1), ("zeros", 2), ("random", 1))
+    )
     assert server.model("probe").ready()
     executes = seen(repo)
     by_instance: dict[str, list[dict]] = {}
@@ -166,11 +177,14 @@ def test_a_model_is_loading_while_it_warms_up(servers, make_repo):
         ("raise", "failed to run warmup sample 'zeros': Failed to process the request(s) for model 'probe_0_0'"),
     ],
 )
-def test_a_failing_warmup_fails_the_load(servers, make_repo, behaviour, message):
+def test_a_failing_warmup_fails_the_load(servers, make_repo, behaviour, message, caplog):
     repo = probe_repo(make_repo, probe_config(SAMPLES, behaviour=behaviour, instances=1))
     server = servers.start(repo, exit_on_error=False)
     (row,) = server.models().values()
     assert row.state == "UNAVAILABLE" and message in row.reason, row.reason
+    # Triton's error line for it (its QA greps "failed to run warmup sample")
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert any(e.startswith("ERROR: Failed to create instance: " + message) for e in errors), errors
     assert len(seen(repo)) == 1  # the first failing execute ended it
     with pytest.raises(dlserve.InternalError, match="failed to run warmup sample 'zeros'"):
         servers.start(repo)  # exit_on_error: the start fails, no worker left (the harness checks)
