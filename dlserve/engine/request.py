@@ -19,6 +19,7 @@ import numpy as np
 from dlserve.engine.proto import model_config_pb2 as mc
 from dlserve.engine.tracing import Trace
 from dlserve.errors import InvalidArgumentError, TritonError
+from dlserve.memory.bytes_codec import TruncatedElement
 from dlserve.memory.dtypes import DataType
 from dlserve.memory.tensor import ElementCountError, Tensor
 
@@ -243,7 +244,7 @@ def validate_request(request: Request, signature: Signature) -> int:
                     f"for '{name}'"
                 )
             batch_size = shape[0]
-            if batch_size == 0:  # Triton refuses an empty batch too
+            if batch_size == 0:  # (Triton 2.51 never answers it: side by side, the client timed out)
                 raise InvalidArgumentError(
                     f"{request.label}inference request batch-size must be >= 1 for '{name}'"
                 )
@@ -276,6 +277,17 @@ def _check_byte_size(label: str, name: str, model: str, tensor: Tensor) -> None:
         tensor.check_size()
     except ElementCountError as exc:
         raise string_count_error(label, name, model, exc.expected, exc.count) from None
+    except TruncatedElement as exc:  # (Triton 2.51's words, side by side; the second without label)
+        if exc.in_prefix:
+            raise InvalidArgumentError(
+                f"{label}incomplete string length indicator for inference input '{name}' for "
+                f"model '{model}', expecting 4 bytes but only {exc.available} bytes available. "
+                "Please make sure the string length indicator is in one buffer."
+            ) from None
+        raise InvalidArgumentError(
+            f"incomplete string data for inference input '{name}', expecting string of length "
+            f"{exc.expected} but only {exc.available} bytes available"
+        ) from None
     except ValueError as exc:
         raise InvalidArgumentError(f"{label}input '{name}': {exc}") from None
 

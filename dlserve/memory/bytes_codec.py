@@ -16,6 +16,23 @@ import numpy as np
 _LEN = struct.Struct("<I")
 
 
+class TruncatedElement(ValueError):
+    """Encoded BYTES data that ends inside an element: inside its 4-byte length prefix
+    (``in_prefix``) or inside its bytes; ``expected`` bytes were due, ``available`` left."""
+
+    def __init__(self, in_prefix: bool, expected: int, available: int) -> None:
+        where = "an element's length prefix" if in_prefix else f"an element of {expected} bytes"
+        super().__init__(f"BYTES data ends inside {where} ({available} bytes left)")
+        self.in_prefix, self.expected, self.available = in_prefix, expected, available
+
+
+def _truncated(buf: memoryview, pos: int, end: int) -> TruncatedElement:
+    """The error for an element that starts at ``pos`` and does not fit before ``end``."""
+    if pos + 4 > end:
+        return TruncatedElement(True, 4, end - pos)
+    return TruncatedElement(False, _LEN.unpack_from(buf, pos)[0], end - pos - 4)
+
+
 def _element_bytes(flat: np.ndarray) -> list[bytes]:
     kind = flat.dtype.kind
     if kind == "S":
@@ -90,12 +107,10 @@ def deserialize_bytes(buffer: Any, count: int | None = None) -> np.ndarray:
         pos, end = 0, len(buf)
         unpack = _LEN.unpack_from
         while pos < end:
-            if pos + 4 > end:
-                raise ValueError("BYTES data ends inside an element's length prefix")
+            if pos + 4 > end or pos + 4 + unpack(buf, pos)[0] > end:
+                raise _truncated(buf, pos, end)
             (length,) = unpack(buf, pos)
             pos += 4
-            if pos + length > end:
-                raise ValueError("BYTES element length runs past the end of the data")
             items.append(bytes(buf[pos : pos + length]))
             pos += length
     if count is not None and len(items) != count:
@@ -110,11 +125,9 @@ def count_elements(buffer: Any) -> int:
     buf = memoryview(buffer).cast("B")
     pos, end, n = 0, len(buf), 0
     while pos < end:
-        if pos + 4 > end:
-            raise ValueError("BYTES data ends inside an element's length prefix")
+        if pos + 4 > end or pos + 4 + _LEN.unpack_from(buf, pos)[0] > end:
+            raise _truncated(buf, pos, end)
         pos += 4 + _LEN.unpack_from(buf, pos)[0]
-        if pos > end:
-            raise ValueError("BYTES element length runs past the end of the data")
         n += 1
     return n
 

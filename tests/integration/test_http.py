@@ -1234,18 +1234,25 @@ def test_bytes_through_json_and_binary(client, port):
     )
     _, blobs = split_binary_response(reply)
     assert blobs["OUTPUT0"] == bytes_tensor([b"XY", b"\x00\xff\x01", b""])
-    # A binary BYTES tensor whose element lengths overrun its data is refused.
-    body, header_length = binary_infer_body(
-        [("INPUT0", "BYTES", [1], b"\x10\x00\x00\x00abc", None)]
-    )
-    reply = request(
-        port,
-        "POST",
-        "/v2/models/bytes_model/infer",
-        body,
-        {"Inference-Header-Content-Length": str(header_length)},
-    )
-    assert 400 <= reply.status < 500, reply.body
+    # A binary BYTES tensor whose data ends inside an element is refused, in Triton 2.51's
+    # words (side by side)
+    cases = [
+        (b"\x10\x00\x00\x00abc", "incomplete string data for inference input 'INPUT0', "
+         "expecting string of length 16 but only 3 bytes available"),
+        (bytes_tensor([b"ab"]) + b"\x01\x00\x00", "incomplete string length indicator for "
+         "inference input 'INPUT0' for model 'bytes_model', expecting 4 bytes but only 3 bytes "
+         "available. Please make sure the string length indicator is in one buffer."),
+    ]
+    for data, message in cases:
+        body, header_length = binary_infer_body([("INPUT0", "BYTES", [1], data, None)])
+        reply = request(
+            port,
+            "POST",
+            "/v2/models/bytes_model/infer",
+            body,
+            {"Inference-Header-Content-Length": str(header_length)},
+        )
+        assert_error(reply, 400, message)
     body = json_infer([{"name": "INPUT0", "datatype": "BYTES", "shape": [2], "data": ["a", 1]}])
     assert_error(request(port, "POST", "/v2/models/bytes_model/infer", body), 400, "INPUT0")
     assert_serving(port)

@@ -9,6 +9,7 @@ import pytest
 import tritonclient.utils as tc
 
 from dlserve.memory.bytes_codec import (
+    TruncatedElement,
     count_elements,
     deserialize_bytes,
     serialize_bytes,
@@ -204,28 +205,30 @@ def test_count_zero_with_data_raises():
 @pytest.mark.parametrize("count", [None, 2])
 def test_truncated_inside_element_raises(count):
     encoded = encode_by_hand([b"ab", b"cdef"])[:-1]
-    with pytest.raises(ValueError, match="length runs past the end of the data"):
+    with pytest.raises(TruncatedElement, match=r"inside an element of 4 bytes \(3 bytes left\)") as info:
         deserialize_bytes(encoded, count)
+    assert (info.value.in_prefix, info.value.expected, info.value.available) == (False, 4, 3)
 
 
 @pytest.mark.parametrize("cut", [1, 2, 3])
 def test_truncated_inside_length_prefix_raises(cut):
     encoded = encode_by_hand([b"ab"]) + b"\x05\x00\x00\x00"[:cut]
-    with pytest.raises(ValueError, match="ends inside an element's length prefix"):
+    with pytest.raises(TruncatedElement, match="ends inside an element's length prefix") as info:
         deserialize_bytes(encoded)
-    with pytest.raises(ValueError, match="ends inside an element's length prefix"):
+    assert (info.value.in_prefix, info.value.available) == (True, cut)
+    with pytest.raises(TruncatedElement, match="ends inside an element's length prefix"):
         count_elements(encoded)
 
 
 def test_huge_length_prefix_raises():
-    with pytest.raises(ValueError, match="runs past the end"):
+    with pytest.raises(TruncatedElement, match="of 4294967295 bytes"):
         deserialize_bytes(b"\xff\xff\xff\xffabc", 1)
 
 
 def test_uniform_prefix_but_wrong_total_falls_back_and_validates():
     # Two 2-byte elements but a third prefix that also says 2 and is cut short.
     encoded = encode_by_hand([b"ab", b"cd"]) + b"\x02\x00\x00\x00c"
-    with pytest.raises(ValueError, match="runs past the end"):
+    with pytest.raises(TruncatedElement, match=r"of 2 bytes \(1 bytes left\)"):
         deserialize_bytes(encoded, 3)
 
 
@@ -259,7 +262,7 @@ def test_count_elements(n):
 
 
 def test_count_elements_rejects_truncated_data():
-    with pytest.raises(ValueError, match="runs past the end"):
+    with pytest.raises(TruncatedElement, match=r"of 3 bytes \(2 bytes left\)"):
         count_elements(encode_by_hand([b"abc"])[:-1])
 
 

@@ -301,7 +301,7 @@ def test_check_size_bytes_counts_elements():
     Tensor(DataType.BYTES, [2], data=encoded).check_size()
     with pytest.raises(ValueError, match=r"holds 2 BYTES elements, but its shape \[3\] needs 3"):
         Tensor(DataType.BYTES, [3], data=encoded).check_size()
-    with pytest.raises(ValueError, match="runs past the end"):
+    with pytest.raises(ValueError, match=r"ends inside an element of 1 bytes \(0 bytes left\)"):
         Tensor(DataType.BYTES, [2], data=encoded[:-1]).check_size()
 
 
