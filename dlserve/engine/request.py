@@ -244,7 +244,7 @@ def validate_request(request: Request, signature: Signature) -> int:
                     f"for '{name}'"
                 )
             batch_size = shape[0]
-            if batch_size == 0:  # (Triton 2.51 never answers it: side by side, the client timed out)
+            if batch_size == 0:  # (Triton 2.51 never answers it: side by side, a client timeout)
                 raise InvalidArgumentError(
                     f"{request.label}inference request batch-size must be >= 1 for '{name}'"
                 )
