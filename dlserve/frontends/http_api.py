@@ -538,7 +538,7 @@ def _encode_response(response: Response, outputs: list[OutputSpec], binary_defau
         entries.append(entry)
     result["outputs"] = entries
     header = json_values.dumps(result)
-    if not buffers:
+    if not any(len(buffer) for buffer in buffers):  # (binary outputs of 0 bytes: JSON, as Triton)
         return HttpResponse(200, [header])
     return HttpResponse(
         200,

@@ -949,6 +949,20 @@ def test_binary_inputs_with_json_outputs_get_a_json_reply(port):
     assert [o["data"] for o in reply.json()["outputs"]] == [(A + B).tolist(), (A - B).tolist()]
 
 
+def test_binary_outputs_of_no_bytes_get_a_json_reply(port):
+    """As Triton 2.51 (side by side): nothing binary to send, so no binary framing."""
+    body = json.dumps({
+        "inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [0], "data": []}],
+        "outputs": [{"name": "OUTPUT0", "parameters": {"binary_data": True}}],
+    })
+    reply = request(port, "POST", "/v2/models/identity/infer", body)
+    assert reply.status == 200, reply.body
+    assert reply.headers["content-type"] == "application/json"
+    assert "inference-header-content-length" not in reply.headers
+    (output,) = reply.json()["outputs"]
+    assert output["shape"] == [0] and output["parameters"] == {"binary_data_size": 0}
+
+
 def test_binary_data_output_request_parameter(port, client):
     body = json_infer(
         [identity_input((1.0, 2.0, 3.0))],
