@@ -214,7 +214,9 @@ def validate(config: mc.ModelConfig, model_name: str, gpu_count: int = 0) -> Non
             kinds.add(control.kind)
         oldest = config.sequence_batching.oldest
         if any(size > config.max_batch_size for size in oldest.preferred_batch_size):
-            raise InvalidArgumentError("sequence batching preferred batch size must be <= max batch size")
+            raise InvalidArgumentError(  # (Triton's words, side by side)
+                f"sequence batching preferred batch size must be <= max batch size for {model_name}"
+            )
 
 
 def check_response_cache(config: mc.ModelConfig, model_name: str) -> None:

@@ -428,7 +428,7 @@ def test_validate_refuses_empty_dims_as_triton_does(kind):
         ),
         (
             "max_batch_size: 4 sequence_batching { oldest { max_candidate_sequences: 4 preferred_batch_size: [ 8 ] } }",
-            "sequence batching preferred batch size must be <= max batch size",
+            "sequence batching preferred batch size must be <= max batch size for m",
         ),
         (
             'max_batch_size: 4 sequence_batching { control_input [ { name: "S1" control [ { kind: CONTROL_SEQUENCE_START '
