@@ -39,6 +39,13 @@ log = logging.getLogger(__name__)
 GLOBAL = -1  # the device of a global resource's pool
 
 
+def _checking_order(need: tuple[tuple[str, int], int]) -> tuple[int, str]:
+    """Sorts ``((name, device), count)`` as Triton checks them: by device, the global
+    pool's first (GLOBAL sorts lowest), then by name."""
+    (name, device), _ = need
+    return device, name
+
+
 @dataclasses.dataclass(frozen=True)
 class RateLimiterResource:
     """A pool size from the command line / ``Options.rate_limiter_resources``, as
@@ -126,10 +133,10 @@ class RateLimiter:
             for name, device in client.needs:
                 scopes.setdefault(name, set()).add(device == GLOBAL)
         for name, kinds in scopes.items():
-            if len(kinds) > 1:
+            if len(kinds) > 1:  # (Triton's words, which its QA greps)
                 raise InvalidArgumentError(
-                    f"instance '{instance.name}': rate limiter resource '{name}' is global in one "
-                    "model configuration and per device in another"
+                    f'Resource "{name}" is present as both global and device-specific resource '
+                    "in the model configuration."
                 )
 
     def _resize(self) -> None:
@@ -149,7 +156,8 @@ class RateLimiter:
             if counts:
                 pools[key] = max(counts)
         for instance, client in self._clients.items():
-            for key, count in client.needs.items():
+            # in Triton's order: global resources, then by device, each by name
+            for key, count in sorted(client.needs.items(), key=_checking_order):
                 if count > pools[key]:
                     name, device = key
                     where = "globally" if device == GLOBAL else f"on device {device}"

@@ -117,8 +117,14 @@ def test_priority_weights_the_turns(servers, make_repo):
         # Once any pool is given, one not given has none (Triton's rule).
         ({"a": config('{ name: "U" count: 2 }'), "b": config('{ name: "R1" count: 1 }')}, ["R1:2"],
          'Resource count for "U" is limited to 0 which will prevent scheduling'),
+        # (Triton's words, side by side)
         ({"a": config(R1), "b": config('{ name: "R1" global: true count: 1 }')}, [],
-         "rate limiter resource 'R1' is global in one model configuration and per device in another"),
+         'Resource "R1" is present as both global and device-specific resource in the model '
+         "configuration."),
+        # A model short of several: the global one is named first, as Triton names it
+        ({"a": config('{ name: "R1" count: 2 }, { name: "R2" global: true count: 2 }'),
+          "b": config('{ name: "R1" count: 1 }')}, ["R1:1"],
+         'Resource count for "R2" is limited to 0 which will prevent scheduling'),
     ],
 )
 def test_configs_that_could_never_run_fail_their_load(servers, make_repo, models, pools, message):
