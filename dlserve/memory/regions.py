@@ -138,7 +138,7 @@ class SystemRegions:
         if not force and any(region.users for region in list(self._regions.values())):
             gc.collect()  # a view only a reference cycle still holds is no use
         with self._lock:
-            names = list(self._regions) if name is None else [name]
+            names = sorted(self._regions) if name is None else [name]  # (by name, as Triton)
             busy = [n for n in names if n in self._regions and self._regions[n].users and not force]
             removed = [self._regions.pop(n) for n in names if n in self._regions and n not in busy]
             in_use = {id(region.segment) for region in self._regions.values()}
@@ -154,8 +154,8 @@ class SystemRegions:
 
     def status(self, name: str | None = None) -> list[dict[str, Any]]:
         with self._lock:
-            if name is None:
-                return [region.status() for region in self._regions.values()]
+            if name is None:  # by name, as Triton lists them
+                return [self._regions[n].status() for n in sorted(self._regions)]
             region = self._regions.get(name)
         if region is None:
             raise NotFoundError(f"Unable to find system shared memory region: '{name}'")

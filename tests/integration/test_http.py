@@ -523,6 +523,19 @@ def test_system_shared_memory_round_trip(client, regions):
     assert client.get_system_shared_memory_status() == []
 
 
+def test_system_shared_memory_status_lists_regions_by_name_as_triton(client, regions):
+    """Triton 2.51 (side by side, tritonclient's shm example): sorted by name, not in the
+    order they were registered."""
+    for name in ("out_s", "in_s", "mid_s"):
+        key, _ = regions(name, 64)
+        client.register_system_shared_memory(name, key, 64)
+    try:
+        names = [row["name"] for row in client.get_system_shared_memory_status()]
+        assert names == ["in_s", "mid_s", "out_s"]
+    finally:
+        client.unregister_system_shared_memory()
+
+
 def test_system_shared_memory_status_echoes_the_key_as_registered(client, regions):
     key, _ = regions("echo_r", 64)
     client.register_system_shared_memory("echo_r", key, 64)
