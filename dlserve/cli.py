@@ -46,9 +46,12 @@ def _bool_flag(group: Any, name: str, default: bool, help_text: str) -> None:
 
 
 def _port(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
     if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"port must be in [0, 65535], got {value}")
+        raise argparse.ArgumentTypeError(f"port must be an integer in [0, 65535], got {text!r}")
     return value
 
 
@@ -189,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
         grpc.add_argument(flag, type=int, default=default, dest=f"grpc_{option}", metavar="N")
     _bool_flag(grpc, "--grpc-keepalive-permit-without-calls", False, "allow keepalive pings without calls")
     grpc.add_argument("--grpc-infer-response-compression-level", type=str.lower, default="none",
-                      choices=["none", "low", "med", "high"])
+                      choices=list(_COMPRESSION_LEVELS))
 
     _hosted_flags(serve, "SageMaker", "sagemaker", False,
                   "serve Amazon SageMaker's /ping and /invocations (model: SAGEMAKER_TRITON_DEFAULT_MODEL_NAME, "
@@ -499,7 +502,8 @@ def serve(args: argparse.Namespace) -> int:
 
 
 _STARTED = {"KServeGrpc": "GRPCInferenceService", "KServeHttp": "HTTPService", "Metrics": "Metrics Service"}
-_COMPRESSION_LEVELS = {"none": 0, "low": 1, "med": 2, "high": 3}
+# tritonserver's words, any case ("med" too: dlserve took it before it took "medium")
+_COMPRESSION_LEVELS = {"none": 0, "low": 1, "medium": 2, "med": 2, "high": 3}
 
 
 def _model_table(rows: list[dict[str, Any]]) -> list[str]:

@@ -157,6 +157,7 @@ class Options:
         if repos is None:
             raise InvalidArgumentError("Model repository must be specified.")
         repositories = [repos] if isinstance(repos, str) else [str(r) for r in repos]
+        repositories = list(dict.fromkeys(repositories))  # the same path twice is one, as in Triton
         python = self.backend_configuration.get("python", {})
         try:
             worker_bytes = int(python.get("shm-default-byte-size", 16 * _MIB))

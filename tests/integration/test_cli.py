@@ -28,7 +28,7 @@ import numpy as np
 import psutil
 import pytest
 
-from dlserve.cli import build_parser
+from dlserve.cli import _COMPRESSION_LEVELS, build_parser
 
 from ..conftest import MODELS, worker_processes
 from .test_model_control import HANGS_IN_INITIALIZE
@@ -206,9 +206,12 @@ def test_help():
 @pytest.mark.parametrize(
     "args,message",
     [
-        (["--http-port", "70000"], "argument --http-port: port must be in [0, 65535], got 70000"),
-        (["--grpc-port", "-1"], "argument --grpc-port: port must be in [0, 65535], got -1"),
-        (["--metrics-port", "eighty"], "argument --metrics-port: invalid"),
+        (["--http-port", "70000"], "argument --http-port: port must be an integer in [0, 65535], got '70000'"),
+        (["--grpc-port", "-1"], "argument --grpc-port: port must be an integer in [0, 65535], got '-1'"),
+        # (argparse named the checking function: "invalid _port value")
+        (["--metrics-port", "eighty"], "argument --metrics-port: port must be an integer in [0, 65535], got 'eighty'"),
+        # tritonserver takes medium, not med (dlserve took only med)
+        (["--grpc-infer-response-compression-level", "max"], "invalid choice: 'max' (choose from 'none', 'low', 'medium', 'med', 'high')"),
         (["--model-control-mode", "bogus"], "--model-control-mode: invalid choice: 'bogus'"),
         (["--rate-limit", "sometimes"], "--rate-limit: invalid choice: 'sometimes'"),
         (["--allow-http", "maybe"], "argument --allow-http: expected true or false, got 'maybe'"),
@@ -250,6 +253,9 @@ def test_tritonservers_other_flags_are_accepted_and_cased_as_it_takes_them():
         "--grpc-keepalive-time=10000", "--grpc-keepalive-permit-without-calls=true",
         "--grpc-infer-response-compression-level=HIGH",
     ])
+    for words in ("Medium", "med"):  # (tritonserver's word, and dlserve's older one)
+        level = build_parser().parse_args(["serve", f"--grpc-infer-response-compression-level={words}"])
+        assert _COMPRESSION_LEVELS[level.grpc_infer_response_compression_level] == 2
     assert (args.model_control_mode, args.rate_limit, args.log_format) == ("explicit", "execution_count", "iso8601")
     assert args.grpc_keepalive_time_ms == 10000 and args.grpc_keepalive_permit_without_calls is True
     assert args.ignored_pinned_memory_pool_byte_size == ["0"] and args.backend_directory == "/srv/backends"

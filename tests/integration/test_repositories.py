@@ -105,6 +105,14 @@ def test_two_repositories_holding_one_name_fail_that_model_only(servers, make_re
     assert server.model("identity").ready()
 
 
+def test_the_same_repository_path_given_twice_is_one_repository(servers, make_repo):
+    """As tritonserver takes --model-repository twice with the same path (side by side);
+    dlserve failed the model as being in more than one repository."""
+    repo = str(make_repo("add_sub"))
+    server = servers.start([repo, repo], exit_on_error=True)
+    assert server.model("add_sub").ready()
+
+
 @pytest.mark.parametrize("mode", [ModelControlMode.NONE, ModelControlMode.POLL])
 def test_registration_needs_explicit_mode(servers, make_repo, mode):
     server = servers.start(make_repo("identity"), model_control_mode=mode, repository_poll_secs=60)
