@@ -30,9 +30,9 @@ and statistics count fillers in the batch's size only (``batch_stats``), not in
 With a ``max_queue_delay_microseconds``, a batch waits up to that long
 after its oldest request came (with ``oldest``, or once the request before it in its
 sequence finished, as in Triton) for more: until ``minimum_slot_utilization`` of the
-instance's slots have a request (direct) or the batch can grow no more (oldest:
-it reached its largest preferred size, or the next request would pass it), as
-Triton's does.
+instance's slots have a request (direct), or until it reaches a preferred size or
+can grow no more (oldest: the next request would pass the largest preferred size or
+``max_batch_size``), as Triton's does.
 
 The model sees the control inputs the config declares (START, END, READY, CORRID)
 as extra input tensors. A sequence that receives no request for
