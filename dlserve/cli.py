@@ -46,11 +46,8 @@ def _bool_flag(group: Any, name: str, default: bool, help_text: str) -> None:
 
 
 def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= 65535:
+    value = int(text) if text.strip().lstrip("+-").isdigit() else None
+    if value is None or not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"port must be an integer in [0, 65535], got {text!r}")
     return value
 
