@@ -107,9 +107,11 @@ def deserialize_bytes(buffer: Any, count: int | None = None) -> np.ndarray:
         pos, end = 0, len(buf)
         unpack = _LEN.unpack_from
         while pos < end:
-            if pos + 4 > end or pos + 4 + unpack(buf, pos)[0] > end:
+            if pos + 4 > end:
                 raise _truncated(buf, pos, end)
             (length,) = unpack(buf, pos)
+            if pos + 4 + length > end:
+                raise _truncated(buf, pos, end)
             pos += 4
             items.append(bytes(buf[pos : pos + length]))
             pos += length
@@ -125,9 +127,12 @@ def count_elements(buffer: Any) -> int:
     buf = memoryview(buffer).cast("B")
     pos, end, n = 0, len(buf), 0
     while pos < end:
-        if pos + 4 > end or pos + 4 + _LEN.unpack_from(buf, pos)[0] > end:
-            raise _truncated(buf, pos, end)
+        start = pos
+        if pos + 4 > end:
+            raise _truncated(buf, start, end)
         pos += 4 + _LEN.unpack_from(buf, pos)[0]
+        if pos > end:
+            raise _truncated(buf, start, end)
         n += 1
     return n
 
