@@ -1246,19 +1246,16 @@ def test_bytes_through_json_and_binary(client, port):
         "bytes_model", [x], outputs=[httpclient.InferRequestedOutput("OUTPUT0", binary_data=False)]
     )
     assert result.get_output("OUTPUT0")["data"] == ["ABC", "D\u00e9F", ""]
+    def post_binary(body: bytes, header_length: int) -> Reply:
+        headers = {"Inference-Header-Content-Length": str(header_length)}
+        return request(port, "POST", "/v2/models/bytes_model/infer", body, headers)
+
     # Binary in, binary out, bytes that are not UTF-8 included.
     values = [b"xy", b"\x00\xff\x01", b""]
-    body, header_length = binary_infer_body(
+    reply = post_binary(*binary_infer_body(
         [("INPUT0", "BYTES", [3], bytes_tensor(values), None)],
         outputs=[{"name": "OUTPUT0", "parameters": {"binary_data": True}}],
-    )
-    reply = request(
-        port,
-        "POST",
-        "/v2/models/bytes_model/infer",
-        body,
-        {"Inference-Header-Content-Length": str(header_length)},
-    )
+    ))
     _, blobs = split_binary_response(reply)
     assert blobs["OUTPUT0"] == bytes_tensor([b"XY", b"\x00\xff\x01", b""])
     # A binary BYTES tensor whose data ends inside an element is refused, in Triton 2.51's
@@ -1271,14 +1268,7 @@ def test_bytes_through_json_and_binary(client, port):
          "available. Please make sure the string length indicator is in one buffer."),
     ]
     for data, message in cases:
-        body, header_length = binary_infer_body([("INPUT0", "BYTES", [1], data, None)])
-        reply = request(
-            port,
-            "POST",
-            "/v2/models/bytes_model/infer",
-            body,
-            {"Inference-Header-Content-Length": str(header_length)},
-        )
+        reply = post_binary(*binary_infer_body([("INPUT0", "BYTES", [1], data, None)]))
         assert_error(reply, 400, message)
     body = json_infer([{"name": "INPUT0", "datatype": "BYTES", "shape": [2], "data": ["a", 1]}])
     assert_error(request(port, "POST", "/v2/models/bytes_model/infer", body), 400, "INPUT0")
