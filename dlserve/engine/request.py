@@ -221,6 +221,11 @@ def validate_request(request: Request, signature: Signature) -> int:
             )
     if any(n not in inputs for n in signature.required):
         raise _count_error(request, signature, inputs)
+    if batching and not inputs:  # (all inputs optional, none sent: no batch size to read)
+        raise InvalidArgumentError(  # (Triton 2.51's words, then why)
+            f"{request.label}out of bounds index 0: request has 0 inputs; model '{name}' "
+            "batches, so a request needs at least one input to give its batch size"
+        )
     batch_size = 0
     # Last sent first, as Triton 2.51 goes through them (its map's order, measured): with
     # more than one wrong, the one named is the one Triton names (its QA compares them).

@@ -484,6 +484,45 @@ def test_bad_requests_raise_before_running(server):
     assert infer_one(server, "add_sub", inputs={"INPUT0": a, "INPUT1": a}).error is None
 
 
+COUNT_INPUTS = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [
+            pb_utils.InferenceResponse([pb_utils.Tensor("N", np.array([len(r.inputs())], np.int32))])
+            for r in requests
+        ]
+"""
+
+
+def test_a_request_with_no_inputs_needs_a_model_that_does_not_batch(servers, make_repo):
+    """Every input optional, none sent: a model without batching runs it (as Triton 2.51),
+    a batching one cannot tell its batch size and refuses it, in Triton 2.51's words
+    (side by side; before, dlserve ran it with a batch of 0)."""
+    def config(max_batch_size: int) -> str:
+        return (
+            f'backend: "python"\nmax_batch_size: {max_batch_size}\n'
+            'input [ { name: "A" data_type: TYPE_FP32 dims: [ 1 ] optional: true } ]\n'
+            'output [ { name: "N" data_type: TYPE_INT32 dims: [ 1 ] } ]\n'
+        )
+
+    server = servers.start(make_repo(extra={
+        "batching": {"config.pbtxt": config(4), "1/model.py": COUNT_INPUTS},
+        "unbatched": {"config.pbtxt": config(0), "1/model.py": COUNT_INPUTS},
+    }))
+    with pytest.raises(dlserve.InvalidArgumentError, match=re.escape(
+        "[request id: r7] out of bounds index 0: request has 0 inputs; model 'batching' batches"
+    )):
+        server.model("batching").infer(inputs={}, request_id="r7")
+    answer = infer_one(server, "unbatched", inputs={})
+    assert np.from_dlpack(answer.outputs["N"]).tolist() == [0]
+    one = infer_one(server, "batching", inputs={"A": np.ones((1, 1), np.float32)})
+    assert np.from_dlpack(one.outputs["N"]).tolist() == [1]
+
+
 def test_batch_dimension_rules(server):
     model = server.model("reshape")
     with pytest.raises(dlserve.InvalidArgumentError, match="batch-size must be <= 4"):
