@@ -298,8 +298,9 @@ class KServeHttpApi:
             body = json_values.parse_object(header)
             request_id, parameters = json_values.id_and_parameters(body)
             json_values.check_infer_parameters(parameters)
-            inputs = _decode_inputs(body.get("inputs"), binary, request_id)
-            outputs = _decode_outputs(body.get("outputs"))
+            inputs = _decode_inputs(json_values.member(body, "inputs", list), binary, request_id)
+            if "outputs" in body:
+                outputs = _decode_outputs(json_values.member(body, "outputs", list))
         # (consumed here: the model does not see it, as with Triton's HTTP frontend)
         binary_default = header is None or bool(parameters.pop("binary_data_output", False))
         forwarded = []
@@ -413,18 +414,16 @@ def _raw_input(model: str, config: Any, data: np.ndarray) -> InputSpec:
     return InputSpec(spec.name, data_type.wire_name, [*batch, *dims], raw=data)
 
 
-def _decode_inputs(raw_inputs: Any, binary: np.ndarray, request_id: str) -> list[InputSpec]:
+def _decode_inputs(raw_inputs: list[Any], binary: np.ndarray, request_id: str) -> list[InputSpec]:
     label = f"[request id: {request_id or '<id_unknown>'}] "
-    if not isinstance(raw_inputs, list):
-        raise InvalidArgumentError("Unable to parse 'inputs': it must be a JSON array")
     specs = []
     position = 0
     for item in raw_inputs:
         if not isinstance(item, dict):
             raise InvalidArgumentError("each input must be a JSON object")
-        name, datatype, shape = item.get("name"), item.get("datatype"), item.get("shape")
-        if not isinstance(name, str) or not isinstance(datatype, str) or not isinstance(shape, list):
-            raise InvalidArgumentError("each input needs 'name', 'datatype' and 'shape'")
+        name = json_values.member(item, "name", str)
+        datatype = json_values.member(item, "datatype", str)
+        shape = json_values.member(item, "shape", list)
         if not all(_is_count(d) for d in shape):
             raise InvalidArgumentError(f"{label}input '{name}': shape must be non-negative integers")
         parameters = json_values.object_field(item.get("parameters"), f"parameters of input '{name}'")
@@ -485,16 +484,12 @@ def _json_data(name: str, datatype: str, shape: list[int], data: Any, label: str
     return array
 
 
-def _decode_outputs(raw: Any) -> list[OutputSpec] | None:
-    if raw is None:
-        return None
-    if not isinstance(raw, list):
-        raise InvalidArgumentError("'outputs' must be a JSON array")
+def _decode_outputs(raw: list[Any]) -> list[OutputSpec]:
     specs = []
     for item in raw:
-        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-            raise InvalidArgumentError("each requested output needs a 'name'")
-        name = item["name"]
+        if not isinstance(item, dict):
+            raise InvalidArgumentError("each requested output must be a JSON object")
+        name = json_values.member(item, "name", str)
         parameters = json_values.object_field(item.get("parameters"), f"parameters of output '{name}'")
         binary = parameters.get("binary_data")
         if binary is not None and not isinstance(binary, bool):

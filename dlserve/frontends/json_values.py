@@ -69,6 +69,24 @@ def repeated_keys(data: Any, candidates: Any) -> list[str]:
     return [name for name in suspects if keys.count(name) > 1]
 
 
+_JSON_KINDS = {list: "array", str: "string"}
+
+
+def member(document: dict[str, Any], key: str, kind: type[list] | type[str]) -> Any:
+    """A required member of a JSON object, of one kind, or Triton's words for why not."""
+    if key not in document:
+        raise InvalidArgumentError(
+            f"Unable to parse '{key}': attempt to access non-existing object member '{key}'"
+        )
+    value = document[key]
+    if not isinstance(value, kind):
+        what = _JSON_KINDS[kind]
+        raise InvalidArgumentError(
+            f"Unable to parse '{key}': attempt to access JSON non-{what} as {what}"
+        )
+    return value
+
+
 def object_field(value: Any, what: str) -> dict[str, Any]:
     """An optional member that must be a JSON object (absent: empty)."""
     if value is None:
