@@ -105,10 +105,10 @@ class KServeHttpApi:
             (r"/v2/repository(?:/(?P<repo>[^/]+))?/models/(?P<model>[^/]+)/load", {"POST"}, "model-repository", self.load),
             (r"/v2/repository(?:/(?P<repo>[^/]+))?/models/(?P<model>[^/]+)/unload", {"POST"}, "model-repository", self.unload),
             (r"/v2/systemsharedmemory" + shm + "/status", {"GET"}, "shared-memory", self.system_status),
-            (r"/v2/systemsharedmemory/region/(?P<region>[^/]+)/register", {"POST"}, "shared-memory", self.system_register),
+            (r"/v2/systemsharedmemory" + shm + "/register", {"POST"}, "shared-memory", self.system_register),
             (r"/v2/systemsharedmemory" + shm + "/unregister", {"POST"}, "shared-memory", self.system_unregister),
             (r"/v2/cudasharedmemory" + shm + "/status", {"GET"}, "shared-memory", self.cuda_status),
-            (r"/v2/cudasharedmemory/region/(?P<region>[^/]+)/register", {"POST"}, "shared-memory", self.cuda_register),
+            (r"/v2/cudasharedmemory" + shm + "/register", {"POST"}, "shared-memory", self.cuda_register),
             (r"/v2/cudasharedmemory" + shm + "/unregister", {"POST"}, "shared-memory", self.cuda_unregister),
             (r"/v2/logging", {"GET", "POST"}, "logging", self.logging),
             (r"/v2(?:/models/(?P<model>[^/]+))?/trace/setting", {"GET", "POST"}, "trace", self.trace_setting),
@@ -231,13 +231,14 @@ class KServeHttpApi:
         return json_response(self.dataplane.system_shm_status(args.get("region")))
 
     async def system_register(self, request: HttpRequest, args: dict[str, str]) -> HttpResponse:
+        region = _region_to_register(args, "system")
         body = json_object(request)
         key = body.get("key")
         offset = body.get("offset", 0)
         byte_size = body.get("byte_size")
         if not isinstance(key, str) or not _is_count(offset) or not _is_count(byte_size):
             raise InvalidArgumentError("register needs 'key' (string), 'offset' and 'byte_size' (integers)")
-        self.dataplane.register_system_shm(args["region"], key, offset, byte_size)
+        self.dataplane.register_system_shm(region, key, offset, byte_size)
         return empty(200)  # as Triton: no body
 
     async def system_unregister(self, request: HttpRequest, args: dict[str, str]) -> HttpResponse:
@@ -248,6 +249,7 @@ class KServeHttpApi:
         return json_response(self.dataplane.cuda_shm_status(args.get("region")))
 
     async def cuda_register(self, request: HttpRequest, args: dict[str, str]) -> HttpResponse:
+        region = _region_to_register(args, "cuda")
         body = json_object(request)
         handle = body.get("raw_handle", {})
         raw = handle.get("b64") if isinstance(handle, dict) else None
@@ -260,7 +262,7 @@ class KServeHttpApi:
             raw = base64.b64decode(raw, validate=True)
         except ValueError:
             raise InvalidArgumentError("'raw_handle.b64' is not valid base64") from None
-        self.dataplane.register_cuda_shm(args["region"], raw, device_id, byte_size)
+        self.dataplane.register_cuda_shm(region, raw, device_id, byte_size)
         return empty(200)  # as Triton: no body
 
     async def cuda_unregister(self, request: HttpRequest, args: dict[str, str]) -> HttpResponse:
@@ -482,6 +484,14 @@ def _json_data(name: str, datatype: str, shape: list[int], data: Any, label: str
             f"(input '{name}' has {array.size} elements, shape {shape} needs {count})"
         )
     return array
+
+
+def _region_to_register(args: dict[str, str], kind: str) -> str:
+    """The region named in a register path (Triton's words without one, and its 400)."""
+    region = args.get("region")
+    if not region:
+        raise InvalidArgumentError(f"'region name' is necessary to register {kind} shared memory region")
+    return region
 
 
 def _decode_outputs(raw: list[Any]) -> list[OutputSpec]:

@@ -580,6 +580,12 @@ def test_system_shared_memory_registration_errors(client, port, regions):
             assert_error(
                 request(port, "POST", "/v2/systemsharedmemory/region/bad/register", body), 400
             )
+        # without a region in the path: Triton 2.51's 400 and words, not a 404 (side by side)
+        for kind in ("system", "cuda"):
+            reply = request(port, "POST", f"/v2/{kind}sharedmemory/register", json.dumps({"key": key}))
+            assert (reply.status, reply.json()["error"]) == (
+                400, f"'region name' is necessary to register {kind} shared memory region"
+            )
         # Unregistering something unknown is not an error (as in Triton).
         assert request(port, "POST", "/v2/systemsharedmemory/region/nope/unregister").status == 200
         assert [row["name"] for row in client.get_system_shared_memory_status()] == ["err_r"]
