@@ -113,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "model has it")
     models.add_argument("--model-load-retry-count", type=int, default=0, metavar="N",
                         help="start a model that failed to start up to N more times (default: 0)")
+    models.add_argument("--model-load-thread-count", type=int, default=4, metavar="N",
+                        help="load up to N models at once at startup and on repository scans "
+                        "(default: 4)")
     models.add_argument("--disable-auto-complete-config", action="store_true",
                         help="do not run the models' auto_complete_config")
     _bool_flag(models, "--strict-model-config", False, "deprecated spelling of --disable-auto-complete-config")
@@ -255,7 +258,7 @@ _IGNORED_FLAGS = (
     "--cache-directory", "--repoagent-directory", "--pinned-memory-pool-byte-size",
     "--cuda-memory-pool-byte-size", "--cuda-virtual-address-size", "--min-supported-compute-capability",
     "--buffer-manager-thread-count", "--host-policy", "--model-load-gpu-limit",
-    "--model-load-thread-count", "--enable-peer-access", "--sagemaker-safe-port-range",
+    "--enable-peer-access", "--sagemaker-safe-port-range",
     "--sagemaker-thread-count", "--vertex-ai-thread-count",
 )
 
@@ -412,6 +415,7 @@ def serve(args: argparse.Namespace) -> int:
         metrics_interval=int(args.metrics_interval_ms),
         metrics_configuration=_grouped_settings("--metrics-config", args.metrics_config, "KEY=VALUE", named=False),
         model_load_retry_count=args.model_load_retry_count,
+        model_load_thread_count=args.model_load_thread_count,
         model_namespacing=args.model_namespacing,
         busy_poll_us=args.busy_poll_us,
         trace=_trace_settings(_trace_entries(args)),

@@ -87,6 +87,7 @@ class EngineSettings:
     model_config_name: str = ""
     backend_directory: str = DEFAULT_BACKEND_DIRECTORY  # where Python-based backends are
     model_load_retry_count: int = 0
+    model_load_thread_count: int = 4  # models loaded at once at startup and by repository polling
     model_namespacing: bool = False  # each repository a namespace: a name may be in several
     response_cache_bytes: int | None = None  # --cache-config local,size=<bytes>; None: no cache
     # --rate-limit=execution_count: the rate limiter's pool sizes (None: no rate limiter)
@@ -209,6 +210,7 @@ class Engine:
             auto_complete=s.auto_complete,
             exit_timeout=s.exit_timeout,
             load_retries=s.model_load_retry_count,
+            concurrent_loads=s.model_load_thread_count,
         )
         self._poller = loop_poller(asyncio.get_running_loop())
         self.live = True

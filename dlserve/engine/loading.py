@@ -55,6 +55,7 @@ class Loader:
         auto_complete: bool,
         exit_timeout: float,
         load_retries: int,
+        concurrent_loads: int,
     ) -> None:
         self.repository = repository
         self.resources = resources
@@ -64,6 +65,9 @@ class Loader:
         self.auto_complete = auto_complete
         self.exit_timeout = exit_timeout
         self.load_retries = load_retries  # tries after a model's first failed start
+        # Loads of the whole repository (startup, polling) run this many at a time, as
+        # tritonserver's --model-load-thread-count: not one worker per model all at once.
+        self._load_slots = asyncio.Semaphore(concurrent_loads)
         # What a load is starting (versions, auto-complete workers): ended at the stop deadline.
         self.starting: set[ModelVersion | WorkerProcess] = set()
         self.stopping = False  # the server stops: no load starts a worker (retries included)
@@ -82,12 +86,14 @@ class Loader:
         return source
 
     async def load_guarded(self, what: str | ModelSource) -> TritonError | None:
-        """Load a model by name, or from a source; its error, logged, rather than raised."""
+        """Load a model by name, or from a source, in its turn among the repository's;
+        its error, logged, rather than raised."""
         try:
-            if isinstance(what, ModelSource):
-                await self._load_source(await self._fetch_source(what))
-            else:
-                await self.load_named(what)
+            async with self._load_slots:
+                if isinstance(what, ModelSource):
+                    await self._load_source(await self._fetch_source(what))
+                else:
+                    await self.load_named(what)
             return None
         except TritonError as exc:
             source = what if isinstance(what, ModelSource) else None

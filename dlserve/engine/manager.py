@@ -54,6 +54,7 @@ class ModelManager:
         auto_complete: bool,
         exit_timeout: float,
         load_retries: int = 0,
+        concurrent_loads: int = 4,
     ) -> None:
         self.repository = repository
         self.control_mode = control_mode
@@ -68,6 +69,7 @@ class ModelManager:
             auto_complete=auto_complete,
             exit_timeout=exit_timeout,
             load_retries=load_retries,
+            concurrent_loads=concurrent_loads,
         )
         self._poll_task: asyncio.Task[None] | None = None
 

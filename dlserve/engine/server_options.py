@@ -25,7 +25,7 @@ _MIB = 1 << 20
 _REFUSED = ("host_policies", "model_load_device_limits", "repo_agent_directory")
 _IGNORED = (
     "pinned_memory_pool_size", "cuda_memory_pool_sizes", "min_supported_compute_capability",
-    "buffer_manager_thread_count", "model_load_thread_count", "enable_peer_access",
+    "buffer_manager_thread_count", "enable_peer_access",
     "cache_directory",
 )
 
@@ -61,7 +61,8 @@ class Options:
 
     dlserve reads these Triton fields: model_repository, server_id,
     model_control_mode, startup_models, strict_model_config, exit_on_error,
-    strict_readiness, exit_timeout, model_load_retry_count, model_namespacing
+    strict_readiness, exit_timeout, model_load_retry_count, model_load_thread_count
+    (models loaded at once at startup and by polling), model_namespacing
     (:mod:`dlserve.engine.manager`), rate_limiter_mode and
     rate_limiter_resources (``RateLimiterResource(name, count, device=None)`` or
     ``"NAME:COUNT[:DEVICE]"``), cache_config
@@ -169,6 +170,8 @@ class Options:
             raise InvalidArgumentError("exit_timeout must be >= 0")
         if self.model_load_retry_count < 0:
             raise InvalidArgumentError("model_load_retry_count must be >= 0")
+        if self.model_load_thread_count < 1:
+            raise InvalidArgumentError("model_load_thread_count must be >= 1")
         if not 0 <= self.busy_poll_us <= 10_000:
             raise InvalidArgumentError("busy_poll_us must be between 0 and 10000")
         self.trace.values()  # raises on a bad setting
@@ -188,6 +191,7 @@ class Options:
             model_config_name=self.model_config_name,
             backend_directory=str(self.backend_directory),
             model_load_retry_count=int(self.model_load_retry_count),
+            model_load_thread_count=int(self.model_load_thread_count),
             model_namespacing=bool(self.model_namespacing),
             response_cache_bytes=cache_size(self.cache_config),
             rate_limit_resources=self._rate_limit_resources(),

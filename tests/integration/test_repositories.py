@@ -6,6 +6,7 @@ custom model configs (``model_config_name``), retried model starts
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -239,13 +240,53 @@ def test_options_take_what_tritonserver_converts(servers, make_repo):
 
 def test_tuning_options_of_tritons_core_are_accepted_with_a_warning(servers, make_repo, caplog):
     server = servers.start(
-        make_repo("identity"), model_load_thread_count=8, pinned_memory_pool_size=1 << 20, log_warn=True,
+        make_repo("identity"), buffer_manager_thread_count=8, pinned_memory_pool_size=1 << 20, log_warn=True,
         backend_configuration={"python": {"stub-timeout-seconds": "30", "shm-default-byte-size": str(1 << 24)}},
     )
     assert server.model("identity").ready()
     warned = [r.getMessage() for r in caplog.records if "has no effect in dlserve" in r.getMessage()]
-    assert len(warned) == 3 and any("model_load_thread_count" in m for m in warned), warned
+    assert len(warned) == 3 and any("buffer_manager_thread_count" in m for m in warned), warned
     assert any("python backend setting 'stub-timeout-seconds'" in m for m in warned), warned
+
+
+SLOW_INIT = """
+import os
+import time
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        start = time.monotonic()
+        time.sleep(1.0)
+        with open(os.path.join(args["model_repository"], "..", "times"), "a") as out:
+            out.write(f"{start} {time.monotonic()}\\n")
+
+    def execute(self, requests):
+        return []
+"""
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_model_load_thread_count_bounds_the_models_loaded_at_once(servers, make_repo, threads):
+    """Three models whose initialize takes a second: one at a time with 1 (as tritonserver's
+    --model-load-thread-count), side by side with 3."""
+    config = 'backend: "python"\ninput [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]\n' \
+        'output [ { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
+    repo = make_repo(extra={f"slow{i}": {"config.pbtxt": config, "1/model.py": SLOW_INIT} for i in range(3)})
+    server = servers.start(repo, model_load_thread_count=threads)
+    deadline = time.monotonic() + 60
+    while not all(server.model(f"slow{i}").ready() for i in range(3)):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    spans = sorted(tuple(map(float, line.split())) for line in (repo / "times").read_text().splitlines())
+    assert len(spans) == 3
+    overlapping = any(later[0] < earlier[1] for earlier, later in zip(spans, spans[1:]))
+    assert overlapping == (threads > 1), spans
+
+
+def test_model_load_thread_count_must_be_positive(servers, make_repo):
+    with pytest.raises(dlserve.InvalidArgumentError, match="model_load_thread_count must be >= 1"):
+        servers.start(make_repo("identity"), model_load_thread_count=0)
 
 
 def test_the_metrics_port_follows_the_same_options(servers, make_repo):
