@@ -136,7 +136,23 @@ class Loader:
 
     def _unchanged(self, source: ModelSource) -> bool:
         entry = self.models.get(source.key)
-        return entry is not None and entry.unchanged(source.fingerprint)
+        return entry is not None and entry.unchanged(source.fingerprint) and not self.steps_moved(source)
+
+    def steps_moved(self, source: ModelSource) -> bool:
+        """With model namespacing, whether a loaded ensemble's steps now mean other models
+        (a step model came into its own repository, or went from another): its load then
+        loads it again, resolved anew, as Triton re-resolves it."""
+        entry = self.models.get(source.key)
+        loaded = entry.latest_loaded() if entry is not None and self.models.namespacing else None
+        if loaded is None or not loaded.is_ensemble:
+            return False
+        config = mc.ModelConfig()
+        config.CopyFrom(loaded.config)
+        try:
+            ensemble_steps.resolve_steps(self.models, source, config, self.repository.scan())
+        except TritonError:  # (now ambiguous: its load says so)
+            return True
+        return config != loaded.config
 
     async def reload_waiting(self, loaded: list[ModelKey]) -> None:
         """Ensembles unloaded with these step models load again, as Triton's do, once

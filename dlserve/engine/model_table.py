@@ -126,7 +126,8 @@ class ModelTable(dict[ModelKey, ModelEntry]):
             return None
         if len(entries) == 1:
             return entries[0]
-        loaded = [entry for entry in entries if entry.versions]
+        # (one that is unloading is no longer a meaning of the name, as in Triton 2.51)
+        loaded = [entry for entry in entries if entry.latest_loaded() is not None]
         if len(loaded) > 1:
             raise InvalidArgumentError(
                 f"There are {len(loaded)} identifiers of model '{name}' in global map, model "

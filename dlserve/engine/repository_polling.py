@@ -8,7 +8,6 @@ import logging
 from typing import TYPE_CHECKING
 
 from dlserve.engine.ensemble_steps import ensembles_last
-from dlserve.engine.model_table import ModelTable
 from dlserve.engine.object_store import ObjectStoreError
 from dlserve.engine.repository import ModelSource
 
@@ -31,13 +30,23 @@ async def poll(manager: ModelManager) -> None:
             await manager.unloader.unload_with_users(models[key])
         models.forget(key)  # gone from the index too, as in Triton
     for group in ensembles_last(manager.repository, list(found.values())):  # (side by side, as Triton)
-        await asyncio.gather(*(_poll_load(manager, source) for source in group if _changed(models, source)))
+        await asyncio.gather(*(_poll_load(manager, source) for source in group if _changed(manager, source)))
 
 
-def _changed(models: ModelTable, source: str | ModelSource) -> bool:
+def _changed(manager: ModelManager, source: str | ModelSource) -> bool:
+    """New or changed files; with model namespacing, also an ensemble whose steps now mean
+    other models, or one unloaded with a step model that is gone when another repository
+    has a model of that name (Triton re-resolves both)."""
     assert isinstance(source, ModelSource)
-    entry = models.get(source.key)
-    return entry is None or entry.fingerprint != source.fingerprint
+    entry = manager.models.get(source.key)
+    if entry is None or entry.fingerprint != source.fingerprint:
+        return True
+    if not manager.models.namespacing:
+        return False
+    if entry.versions:
+        return manager.loader.steps_moved(source)
+    gone = {name for namespace, name in entry.waits_for if (namespace, name) not in manager.models}
+    return any(e.versions for name in gone for e in manager.models.named(name))
 
 
 async def _poll_load(manager: ModelManager, source: str | ModelSource) -> None:

@@ -224,8 +224,16 @@ def test_poll_reloads_only_the_changed_repository_s_model(servers, repositories)
     assert manager.models[(str(r2), "m")].versions[1].instances[0].pid != pids[(str(r2), "m")]
     shutil.rmtree(r2 / "m")
     server.poll_model_repository()
-    assert not server.model("ens_2").ready()  # its step went with the folder
+    # Its step went with the folder: the ensemble runs the m there is now, R1's, as Triton
+    # 2.51 re-resolves it (upstream L0_model_namespacing test_dynamic_resolution, side by side).
+    assert run(server, "ens_2") == [11, 21]
     assert run(server, "m") == [11, 21]  # and the bare name is R1's alone
+    write(r2, {"m": adder("m", 2)})
+    server.poll_model_repository()
+    assert run(server, "ens_2") == [12, 22]  # its own repository's again
+    assert run(server, "ens_1") == [11, 21]
+    with pytest.raises(dlserve.InvalidArgumentError, match="There are 2 identifiers of model 'm'"):
+        run(server, "m")
 
 
 def test_an_upload_replaces_the_model_of_that_name_in_its_repository(servers, repositories):
@@ -254,6 +262,55 @@ def test_a_step_whose_folder_went_is_taken_from_the_other_repository(servers, re
     server.unload("ens_1", unload_dependents=True)
     assert not any(entry.versions for entry in server.engine.manager.models.values())
 
+
+def test_loading_an_ensemble_again_takes_the_step_model_back_in_its_repository(servers, repositories):
+    """Upstream L0_model_namespacing test_dynamic_resolution, explicit mode: an ensemble
+    whose own step model was away ran another repository's; its step model back, loading it
+    again (files unchanged) re-resolves it, as Triton 2.51 does (side by side)."""
+    r1, r2 = repositories
+    server = servers.start([str(r1), str(r2)], model_namespacing=True,
+                           model_control_mode=ModelControlMode.EXPLICIT)
+    away = r1.parent / "m_away"
+    shutil.move(r1 / "m", away)
+    server.load("ens_1")
+    server.load("ens_2")
+    assert run(server, "ens_1") == [12, 22] and run(server, "m") == [12, 22]
+    shutil.move(away, r1 / "m")
+    server.load("ens_1")
+    assert run(server, "ens_1") == [11, 21] and run(server, "ens_2") == [12, 22]
+    with pytest.raises(dlserve.InvalidArgumentError, match="There are 2 identifiers of model 'm'"):
+        run(server, "m")
+
+
+
+def test_a_model_that_is_unloading_no_longer_makes_its_name_ambiguous(servers, repositories):
+    """Side by side with Triton 2.51: while R1's m unloads (its finalize takes a while),
+    the index lists it as UNLOADING and the bare name means R2's m alone."""
+    r1, r2 = repositories
+    model_file = r1 / "m" / "1" / "model.py"
+    model_file.write_text(model_file.read_text() + "\n    def finalize(self):\n"
+                          "        import time\n        time.sleep(3)\n")
+    server = servers.start([str(r1), str(r2)], model_namespacing=True,
+                           model_control_mode=ModelControlMode.EXPLICIT)
+    server.load("ens_1")
+    server.load("ens_2")
+    with KServeHttp(server, KServeHttp.Options(address="127.0.0.1", port=0)) as service:
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{service.port}")
+        try:
+            client.unload_model("ens_1", unload_dependents=True)  # (answered before it ends)
+
+            def states() -> list[str]:
+                return sorted(row.get("state") for row in client.get_model_repository_index()
+                              if row["name"] == "m")
+
+            wait_until(lambda: states() == ["READY", "UNLOADING"], timeout=2.5)
+            inputs = [httpclient.InferInput("INPUT0", [2], "FP32")]
+            inputs[0].set_data_from_numpy(X)
+            assert client.infer("m", inputs).as_numpy("OUTPUT0").tolist() == [12, 22]
+            assert states() == ["READY", "UNLOADING"]  # (still: the answer came in that window)
+        finally:
+            client.close()
+    wait_until(lambda: not server.engine.manager.models[(str(r1), "m")].versions)
 
 
 def test_a_model_that_fails_to_load_is_logged_with_its_namespace(servers, repositories, caplog):
