@@ -85,15 +85,20 @@ class Loader:
             return await asyncio.to_thread(self.repository.fetch_source, source)
         return source
 
+    async def load_in_turn(self, what: str | ModelSource) -> TritonError | None:
+        """:meth:`load_guarded` in its turn among the repository's models. (Only for loads
+        of the whole repository: a load this one starts, such as an ensemble's that
+        waited for it, does not wait for a turn, so none waits for another's.)"""
+        async with self._load_slots:
+            return await self.load_guarded(what)
+
     async def load_guarded(self, what: str | ModelSource) -> TritonError | None:
-        """Load a model by name, or from a source, in its turn among the repository's;
-        its error, logged, rather than raised."""
+        """Load a model by name, or from a source; its error, logged, rather than raised."""
         try:
-            async with self._load_slots:
-                if isinstance(what, ModelSource):
-                    await self._load_source(await self._fetch_source(what))
-                else:
-                    await self.load_named(what)
+            if isinstance(what, ModelSource):
+                await self._load_source(await self._fetch_source(what))
+            else:
+                await self.load_named(what)
             return None
         except TritonError as exc:
             source = what if isinstance(what, ModelSource) else None

@@ -129,7 +129,7 @@ class ModelManager:
         # Ensembles after the models they run: loading one checks what its steps are.
         results = []
         for group in ensembles_last(self.repository, wanted):
-            results += await asyncio.gather(*(self.loader.load_guarded(what) for what in group))
+            results += await asyncio.gather(*(self.loader.load_in_turn(what) for what in group))
         errors = [failure.message for failure in results if failure is not None]
         if self.control_mode is ModelControlMode.POLL and poll_interval > 0:  # (0: never, as Triton)
             polling = repository_polling.poll_forever(self, poll_interval)

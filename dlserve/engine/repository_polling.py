@@ -53,7 +53,7 @@ async def _poll_load(manager: ModelManager, source: str | ModelSource) -> None:
     """Load a model a poll found new or changed."""
     assert isinstance(source, ModelSource)
     log.info("model '%s' is new or changed; loading", source.name)
-    failure = await manager.loader.load_guarded(source)
+    failure = await manager.loader.load_in_turn(source)
     if failure is None:
         await manager.loader.reload_waiting([source.key])
     elif source.key in manager.models:

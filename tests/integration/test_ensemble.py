@@ -423,6 +423,21 @@ def test_unloading_a_step_model_unloads_the_ensembles_that_use_it(make_repo, ser
     assert not server.model("pipeline").ready()
 
 
+def test_ensembles_of_ensembles_come_back_with_their_step_model_one_load_at_a_time(make_repo, servers):
+    """outer runs pipeline runs add_sub: add_sub back brings pipeline, which brings outer, with
+    model_load_thread_count 1 too (those loads take no turn of their own, so none waits for
+    the one that started it)."""
+    repo = make_repo("pipeline", "add_sub", "identity", extra={"outer": {"config.pbtxt": OUTER, "1/.keep": ""}})
+    server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT, model_load_thread_count=1)
+    server.load("outer")
+    server.unload("add_sub")
+    assert not server.model("outer").ready() and not server.model("pipeline").ready()
+    server.load("add_sub")
+    assert server.model("pipeline").ready() and server.model("outer").ready()
+    (response,) = server.model("outer").infer(inputs={"A": A, "B": B})
+    assert outputs(response)["SUM"] == (A + B).tolist()
+
+
 @pytest.mark.parametrize(
     ("steps", "message"),
     [
