@@ -186,8 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     grpc.add_argument("--grpc-server-cert", default="")
     grpc.add_argument("--grpc-server-key", default="")
     grpc.add_argument("--grpc-root-cert", default="")
-    grpc.add_argument("--grpc-max-message-size", type=int, default=1 << 26, metavar="BYTES",
-                      help="largest gRPC request message (default: 64 MiB; responses: up to 2 GiB)")
+    grpc.add_argument("--grpc-max-message-size", type=int, default=2**31 - 1, metavar="BYTES",
+                      help="largest gRPC request message (default: 2 GiB - 1, tritonserver's)")
     for flag, option, default in _GRPC_TUNING:
         grpc.add_argument(flag, type=int, default=default, dest=f"grpc_{option}", metavar="N")
     _bool_flag(grpc, "--grpc-keepalive-permit-without-calls", False, "allow keepalive pings without calls")

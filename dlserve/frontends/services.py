@@ -324,7 +324,7 @@ class KServeGrpc(Service):
         max_response_pool_size: int = 2_147_483_647
         forward_header_pattern: str = ""
         # dlserve: explicit message-size limit, --allow-client-shm, --grpc-restricted-protocol
-        max_message_size: int = 64 * _MIB
+        max_message_size: int = 2**31 - 1  # (tritonserver's: INT32_MAX)
         allow_client_shm: bool = False
         restricted_protocols: list[str] = dataclasses.field(default_factory=list)
 

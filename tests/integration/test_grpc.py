@@ -1247,6 +1247,14 @@ def test_compression_and_message_size(server):
         service.stop()
 
 
+def test_a_message_over_64_mib_is_taken_by_default(client):
+    """tritonserver takes gRPC messages up to INT32_MAX bytes, and tritonclient sends them:
+    an 80 MiB tensor goes through unchanged (dlserve's default was 64 MiB)."""
+    big = np.arange(20 << 20, dtype=np.float32)
+    np.testing.assert_array_equal(client.infer("identity", [fp32_input("INPUT0", big)]).as_numpy("OUTPUT0"), big)
+    assert KServeGrpc.Options().max_message_size == 2**31 - 1
+
+
 def test_options_become_transport_settings():
     options = KServeGrpc.Options(
         keepalive_time_ms=1000,
