@@ -495,7 +495,7 @@ def serve(args: argparse.Namespace) -> int:
     stop.wait()
     log.info("Waiting for in-flight requests to complete.")  # (Triton's words, which scripts grep)
     try:
-        server.stop()  # stops the services first, draining them
+        server.stop(wait_for_sequences=True)  # open sequences may end; then the services drain
     except dlserve.InternalError as exc:
         log.error("failed to stop server: Internal - %s", exc.message)
         return 1  # (as tritonserver: requests in flight were dropped)

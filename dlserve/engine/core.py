@@ -68,6 +68,8 @@ EXTENSIONS = [  # Triton's order; cuda_shared_memory only where a GPU is (see me
     "logging",
 ]
 _MIB = 1 << 20
+# (Triton 2.51's words)
+_STOPPING = "Server is stopping, scheduler for model has stopped accepting new inference requests"
 
 
 @dataclasses.dataclass
@@ -235,6 +237,22 @@ class Engine:
             close_loop_poller(asyncio.get_running_loop())
         return drained
 
+    async def sequences_ended(self, deadline: float) -> None:
+        """Wait, by ``deadline``, until no sequence is open; meanwhile (``accepting`` off)
+        the requests that continue one are still taken, until it ends or idles out."""
+        while time.monotonic() < deadline:
+            open_now = [
+                (version, count)
+                for entry in (self.manager.models.values() if self.manager else [])
+                for version in entry.versions.values()
+                if (count := version.scheduler.open_sequences())
+            ]
+            if not open_now:
+                return
+            for version, count in open_now:  # (once a second, as Triton logs what it waits for)
+                log.info("Model '%s' (version %d) has %d open sequences", version.name, version.version, count)
+            await asyncio.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+
     def kill(self) -> None:
         """Stop without asking models to finalize (the loop is gone)."""
         self.live = False
@@ -399,11 +417,11 @@ class Engine:
         ``model``: the version it is for, where the caller resolved it (an ensemble's
         step, in the ensemble's namespace)."""
         try:
-            if not (self.live and self.accepting):
-                raise UnavailableError(  # (Triton 2.51's words)
-                    "Server is stopping, scheduler for model has stopped accepting new inference requests"
-                )
+            if not self.live:
+                raise UnavailableError(_STOPPING)
             model = self.prepare(request, model)
+            if not self.accepting and not model.scheduler.continues(request):
+                raise UnavailableError(_STOPPING)
         except TritonError:
             if request.trace is not None:
                 request.trace.discard()

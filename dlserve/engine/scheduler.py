@@ -101,6 +101,14 @@ class Scheduler:
         """Requests waiting to execute (Triton's pending request count)."""
         raise NotImplementedError
 
+    def open_sequences(self) -> int:
+        """Sequences started and not ended (only a sequence batcher has any)."""
+        return 0
+
+    def continues(self, request: Request) -> bool:
+        """Whether ``request`` continues a sequence this scheduler has open."""
+        return False
+
     # -- submission ---------------------------------------------------------------------
     def submit(self, request: Request) -> None:
         if not self._accept(request):

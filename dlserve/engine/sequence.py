@@ -326,6 +326,12 @@ class SequenceBatcher(Scheduler):
             sequence.expires_ns = min(expires, sequence.expires_ns or expires)
             self._arm(expires)
 
+    def open_sequences(self) -> int:
+        return len(self.sequences)
+
+    def continues(self, request: Request) -> bool:
+        return not request.flags & SEQUENCE_START and request.correlation_id in self.sequences
+
     def _unused_id(self) -> int:
         key = next(self._standalone_ids)
         while key in self.sequences:

@@ -325,15 +325,20 @@ class Server:
         and raise it; at any other time, stop() is the way."""
         return self._loading
 
-    def stop(self) -> None:
+    def stop(self, wait_for_sequences: bool = False) -> None:
         """Drain in-flight requests (up to ``exit_timeout``), finalize models, end workers.
         Raises InternalError, as tritonserver does, when the exit timeout expired and the
-        requests still in flight were dropped; the server is stopped all the same."""
+        requests still in flight were dropped; the server is stopped all the same.
+
+        ``wait_for_sequences``: first let the sequences open now end (their END, or their
+        idle time), taking their next requests meanwhile and refusing others, as
+        tritonserver does when it exits (``dlserve serve`` does so on SIGTERM); all within
+        the same ``exit_timeout``."""
         self._engine_or_raise()
-        if not self._shutdown():
+        if not self._shutdown(wait_for_sequences):
             raise InternalError("Exit timeout expired. Exiting immediately.")
 
-    def _shutdown(self) -> bool:
+    def _shutdown(self, wait_for_sequences: bool = False) -> bool:
         engine, loop, thread = self._engine, self._loop, self._thread
         if engine is None or loop is None:
             return True
@@ -342,7 +347,9 @@ class Server:
         # As Triton's exiting server: the network's requests in flight finish, new ones
         # (on a gRPC stream or a keep-alive connection still open) are refused.
         engine.accepting = False
-        # No new requests from the network first: every service stops accepting at
+        if wait_for_sequences:  # (the services take their requests, on new connections too)
+            self._run_waking(engine.sequences_ended(deadline))
+        # No new requests from the network then: every service stops accepting at
         # once, then each drains what it has in flight.
         stopping = [c for service in list(self._services) if (c := service._stopping(deadline)) is not None]
         if stopping:

@@ -435,6 +435,46 @@ def test_a_grpc_stream_open_at_shutdown_gets_no_new_requests_run(serve, make_rep
     process.assert_clean()
 
 
+def test_a_sequence_open_at_shutdown_may_finish(serve, make_repo):
+    """As Triton 2.51 (side by side): after SIGTERM an open sequence counts as in flight: its
+    next requests, on a new connection too, are answered until its END, a new sequence is
+    refused in Triton's words, and the server exits once it ended."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    config = (MODELS / "accumulate" / "config.pbtxt").read_text().replace(
+        "max_sequence_idle_microseconds: 500000", "max_sequence_idle_microseconds: 20000000"
+    )
+    files = {"config.pbtxt": config, "1/model.py": (MODELS / "accumulate" / "1" / "model.py").read_text()}
+    process = serve("--model-repository", str(make_repo(extra={"acc": files}))).wait_started()
+    url = f"127.0.0.1:{process.ports['grpc']}"
+
+    def step(x: int, key: int, **flags: bool) -> int:
+        with grpcclient.InferenceServerClient(url) as client:  # (a new connection each time)
+            value = grpcclient.InferInput("INPUT", [1, 1], "INT32")
+            value.set_data_from_numpy(np.array([[x]], np.int32))
+            result = client.infer("acc", [value], sequence_id=key, **flags)
+            return int(result.as_numpy("OUTPUT")[0, 0])
+
+    assert step(5, 555, sequence_start=True) == 5
+    started = time.monotonic()
+    process.proc.send_signal(signal.SIGTERM)
+    time.sleep(1.0)
+    assert process.proc.poll() is None  # waiting for the sequence
+    assert step(2, 555) == 7
+    with pytest.raises(InferenceServerException) as refused:
+        step(1, 556, sequence_start=True)
+    assert refused.value.status() == "StatusCode.UNAVAILABLE"
+    assert "Server is stopping, scheduler for model has stopped accepting new inference requests" in (
+        refused.value.message()
+    )
+    assert step(3, 555, sequence_end=True) == 10
+    assert process.proc.wait(timeout=30) == 0, process.output()
+    assert time.monotonic() - started < 15, "it waited for the sequence's idle time, not its END"
+    assert "Model 'acc' (version 1) has 1 open sequences" in process.stderr
+    process.assert_clean()
+
+
 def test_exit_timeout_bounds_shutdown_with_a_stuck_request(serve, make_repo):
     process = serve(
         "--model-repository", str(make_repo("faulty")), "--exit-timeout-secs", "1",
