@@ -287,7 +287,7 @@ class Engine:
 
     # -- health and metadata -------------------------------------------------------------
     def ready(self) -> bool:
-        if not self.live or self.manager is None:
+        if not (self.live and self.accepting) or self.manager is None:  # (stopping: not ready)
             return False
         return self.manager.models.all_ready() if self.settings.strict_readiness else True
 

@@ -461,6 +461,8 @@ def test_a_sequence_open_at_shutdown_may_finish(serve, make_repo):
     process.proc.send_signal(signal.SIGTERM)
     time.sleep(1.0)
     assert process.proc.poll() is None  # waiting for the sequence
+    with grpcclient.InferenceServerClient(url) as client:  # (live, not ready, as tritonserver exiting)
+        assert client.is_server_live() and not client.is_server_ready()
     assert step(2, 555) == 7
     with pytest.raises(InferenceServerException) as refused:
         step(1, 556, sequence_start=True)
