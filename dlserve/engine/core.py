@@ -250,7 +250,9 @@ class Engine:
             if not open_now:
                 return
             for version, count in open_now:  # (once a second, as Triton logs what it waits for)
-                log.info("Model '%s' (version %d) has %d open sequences", version.name, version.version, count)
+                log.info(
+                    "Model '%s' (version %d) has %d open sequences", version.name, version.version, count
+                )
             await asyncio.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
     def kill(self) -> None:

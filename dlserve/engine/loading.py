@@ -141,7 +141,9 @@ class Loader:
 
     def _unchanged(self, source: ModelSource) -> bool:
         entry = self.models.get(source.key)
-        return entry is not None and entry.unchanged(source.fingerprint) and not self.steps_moved(source)
+        if entry is None or not entry.unchanged(source.fingerprint):
+            return False
+        return not self.steps_moved(source)
 
     def steps_moved(self, source: ModelSource) -> bool:
         """With model namespacing, whether a loaded ensemble's steps now mean other models

@@ -30,7 +30,8 @@ async def poll(manager: ModelManager) -> None:
             await manager.unloader.unload_with_users(models[key])
         models.forget(key)  # gone from the index too, as in Triton
     for group in ensembles_last(manager.repository, list(found.values())):  # (side by side, as Triton)
-        await asyncio.gather(*(_poll_load(manager, source) for source in group if _changed(manager, source)))
+        changed = [source for source in group if _changed(manager, source)]
+        await asyncio.gather(*(_poll_load(manager, source) for source in changed))
 
 
 def _changed(manager: ModelManager, source: str | ModelSource) -> bool:

@@ -490,7 +490,9 @@ def _region_to_register(args: dict[str, str], kind: str) -> str:
     """The region named in a register path (Triton's words without one, and its 400)."""
     region = args.get("region")
     if not region:
-        raise InvalidArgumentError(f"'region name' is necessary to register {kind} shared memory region")
+        raise InvalidArgumentError(
+            f"'region name' is necessary to register {kind} shared memory region"
+        )
     return region
 
 
