@@ -91,12 +91,12 @@ class OutputSpec:
         count = self.parameters.get(CLASSIFICATION, 0)
         given = CLASSIFICATION in self.parameters
         if isinstance(count, bool) or not isinstance(count, int) or count < 0 or (given and count == 0):
-            raise InvalidArgumentError(  # (Triton refuses 0 too, when sent)
-                f"output '{self.name}': '{CLASSIFICATION}' must be a positive integer"
+            raise InvalidArgumentError(  # Triton's gRPC words (0 sent is refused too)
+                f"invalid value for '{CLASSIFICATION}' parameter, expected >= 0"
             )
         if count and self.shm is not None:
             raise InvalidArgumentError(
-                f"output '{self.name}': a classification cannot be written to shared memory"
+                f"output can't set both 'shared_memory_region' and '{CLASSIFICATION}'"
             )
         self.class_count = count
 

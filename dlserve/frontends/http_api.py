@@ -28,6 +28,7 @@ from dlserve.engine.tracing import Trace
 from dlserve.errors import ErrorCode, InvalidArgumentError, TritonError, UnsupportedError
 from dlserve.frontends import json_values
 from dlserve.frontends.dataplane import (
+    CLASSIFICATION,
     DataPlane,
     InputSpec,
     OutputSpec,
@@ -497,7 +498,9 @@ def _region_to_register(args: dict[str, str], kind: str) -> str:
 
 
 def _decode_outputs(raw: list[Any]) -> list[OutputSpec]:
-    specs = []
+    """The outputs a JSON request asks for; an output named twice is answered as its
+    first entry asks (as Triton's HTTP frontend does: into shared memory or not)."""
+    specs: dict[str, OutputSpec] = {}
     for item in raw:
         if not isinstance(item, dict):
             raise InvalidArgumentError("each requested output must be a JSON object")
@@ -509,8 +512,21 @@ def _decode_outputs(raw: list[Any]) -> list[OutputSpec]:
         ref = shm_ref(parameters, f"output '{name}'")
         if ref is not None and binary:
             raise InvalidArgumentError("Output can't set both 'shared_memory_region' and 'binary_data'")
-        specs.append(OutputSpec(name, parameters, ref))
-    return specs
+        if CLASSIFICATION in parameters:
+            count = parameters[CLASSIFICATION]
+            if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+                raise InvalidArgumentError(  # Triton's words (with its 500)
+                    f"Unable to set '{CLASSIFICATION}': attempt to access JSON "
+                    "non-unsigned-integer as unsigned-integer"
+                )
+            if count == 0:  # as Triton: no classification
+                parameters = {k: v for k, v in parameters.items() if k != CLASSIFICATION}
+            elif ref is not None:
+                raise InvalidArgumentError(
+                    f"Output can't set both 'shared_memory_region' and '{CLASSIFICATION}'"
+                )
+        specs.setdefault(name, OutputSpec(name, parameters, ref))
+    return list(specs.values())
 
 
 # -- response encoding -------------------------------------------------------------------------

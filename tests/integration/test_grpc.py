@@ -627,7 +627,7 @@ def test_bad_requests(client, stub):
     )
     assert (code, text) == (
         "INVALID_ARGUMENT",
-        "output 'OUTPUT0': 'classification' must be a positive integer",
+        "invalid value for 'classification' parameter, expected >= 0",  # (Triton's)
     )
 
     # raw_input_contents: one per input, the right number of bytes

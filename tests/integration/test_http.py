@@ -523,6 +523,46 @@ def test_system_shared_memory_round_trip(client, regions):
     assert client.get_system_shared_memory_status() == []
 
 
+def test_an_output_named_twice_is_answered_as_its_first_entry_asks(client, regions):
+    """Triton 2.51 (side by side): over HTTP the first entry for an output decides
+    whether it goes into shared memory; the later one is ignored."""
+    in_key, in_handle = regions("dup_in", 64)
+    out_key, out_handle = regions("dup_out", 64)
+    shm.set_shared_memory_region(in_handle, [A])
+    client.register_system_shared_memory("dup_in", in_key, 64)
+    client.register_system_shared_memory("dup_out", out_key, 64)
+    try:
+        x = httpclient.InferInput("INPUT0", [16], "FP32")
+        x.set_shared_memory("dup_in", 64)
+        into_shm = httpclient.InferRequestedOutput("OUTPUT0")
+        into_shm.set_shared_memory("dup_out", 64)
+        plain = httpclient.InferRequestedOutput("OUTPUT0", binary_data=False)
+
+        shm.set_shared_memory_region(out_handle, [np.zeros(16, np.float32)])
+        result = client.infer("identity", [x], outputs=[plain, into_shm])
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), A)
+        untouched = shm.get_contents_as_numpy(out_handle, np.float32, [16])
+        np.testing.assert_array_equal(untouched, np.zeros(16, np.float32))
+
+        result = client.infer("identity", [x], outputs=[into_shm, plain])
+        assert "data" not in result.get_output("OUTPUT0")
+        np.testing.assert_array_equal(shm.get_contents_as_numpy(out_handle, np.float32, [16]), A)
+    finally:
+        client.unregister_system_shared_memory()
+
+
+def test_a_zero_class_count_over_http_is_no_classification(port):
+    """Triton 2.51 answers the plain tensor to ``"classification": 0`` in JSON (gRPC
+    refuses 0: tests/integration/test_classification.py)."""
+    body = json_infer(
+        [identity_input()], outputs=[{"name": "OUTPUT0", "parameters": {"classification": 0}}]
+    )
+    reply = request(port, "POST", "/v2/models/identity/infer", body)
+    assert reply.status == 200, reply.body
+    (output,) = json.loads(reply.body)["outputs"]
+    assert (output["datatype"], output["data"]) == ("FP32", [1.0, 2.0])
+
+
 def test_system_shared_memory_status_lists_regions_by_name_as_triton(client, regions):
     """Triton 2.51 (side by side, tritonclient's shm example): sorted by name, not in the
     order they were registered."""
@@ -1847,15 +1887,20 @@ BAD_INFER_BODIES = {
         "INPUT0",
     ),
     "invalid UTF-8": (b'{"id": "\xff\xfe", "inputs": []}', "failed to parse"),
+    # Triton 2.51's words for these (with its 500)
     "negative classification": (
         json_infer(
             [identity_input()], outputs=[{"name": "OUTPUT0", "parameters": {"classification": -2}}]
         ),
-        "'classification' must be a positive integer",
+        "Unable to set 'classification': attempt to access JSON non-unsigned-integer as "
+        "unsigned-integer",
     ),
-    "zero classification": (
-        json_infer([identity_input()], outputs=[{"name": "OUTPUT0", "parameters": {"classification": 0}}]),
-        "'classification' must be a positive integer",
+    "classification a string": (
+        json_infer(
+            [identity_input()], outputs=[{"name": "OUTPUT0", "parameters": {"classification": "2"}}]
+        ),
+        "Unable to set 'classification': attempt to access JSON non-unsigned-integer as "
+        "unsigned-integer",
     ),
     "classification into shared memory": (
         json_infer(
@@ -1871,7 +1916,7 @@ BAD_INFER_BODIES = {
                 }
             ],
         ),
-        "a classification cannot be written to shared memory",
+        "Output can't set both 'shared_memory_region' and 'classification'",
     ),
     "lone surrogate in a string": (
         '{"id": "\\ud800", "inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1], "data": [NaN]}]}',
