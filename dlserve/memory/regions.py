@@ -167,8 +167,9 @@ class SystemRegions:
             region = self._regions.get(name)
         if region is None:
             raise NotFoundError(f"Unable to find shared memory region: '{name}'")  # (Triton's 404)
-        if offset < 0 or byte_size < 0 or offset + byte_size > region.byte_size:
-            what = "offset" if offset < 0 or offset >= region.byte_size else "offset + byte size"
+        outside = offset < 0 or offset >= region.byte_size  # (an empty reference too, as Triton)
+        if outside or byte_size < 0 or offset + byte_size > region.byte_size:
+            what = "offset" if outside else "offset + byte size"
             raise InvalidArgumentError(  # (Triton's words, then the numbers)
                 f"Invalid {what} for shared memory region: '{name}': [{offset}, "
                 f"{offset + byte_size}) is outside its {region.byte_size} bytes"

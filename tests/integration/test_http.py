@@ -726,6 +726,15 @@ def test_shared_memory_references_are_bounds_checked(client, port, regions):
                 },
                 "Invalid offset + byte size for shared memory region: 'ref_r': [32, 96) is outside its 64 bytes",
             ),
+            (  # an empty reference at the region's end (Triton's words)
+                ok,
+                {
+                    "shared_memory_region": "ref_r",
+                    "shared_memory_byte_size": 0,
+                    "shared_memory_offset": 64,
+                },
+                "Invalid offset for shared memory region: 'ref_r'",
+            ),
         ]
         for in_params, out_params, message in cases:
             assert_error(infer(in_params, out_params), 400, message)
