@@ -3,8 +3,10 @@
 Each step names a model and maps the model's inputs from ensemble tensors and its outputs
 to ensemble tensors (``input_map`` / ``output_map``, as in Triton's config). A step runs as
 soon as every tensor it reads exists, so independent steps run at once; the ensemble
-answers when every step is done. Tensors move between steps by reference: a step's output,
-still in the worker memory that produced it, is the next step's input, with no copy.
+answers when every step is done. Steps that make none of the outputs a request asks for
+(directly or through what they feed) do not run for it. Tensors move between steps by
+reference: a step's output, still in the worker memory that produced it, is the next
+step's input, with no copy.
 
 Composing models are ordinary models: their own schedulers (batching included) and
 statistics apply to the requests an ensemble sends them. A decoupled step (a model that
@@ -153,6 +155,25 @@ def _agree(
         )
 
 
+def needed_steps(steps: list[Step], wanted: list[str] | None) -> list[int]:
+    """The steps that make the ensemble outputs a request asks for, directly or through
+    the tensors they read: only these run, as in Triton (which skips the others). All of
+    them when the request names no outputs (it gets every output)."""
+    if wanted is None:
+        return list(range(len(steps)))
+    needed = set(wanted)
+    chosen: set[int] = set()
+    grew = True
+    while grew:
+        grew = False
+        for index, step in enumerate(steps):
+            if index not in chosen and needed & set(step.outputs.values()):
+                chosen.add(index)
+                needed.update(step.inputs.values())
+                grew = True
+    return sorted(chosen)
+
+
 class EnsembleScheduler(Scheduler):
     """Runs each request through the steps; nothing queues here (the steps' models queue)."""
 
@@ -231,7 +252,8 @@ class _Run:
         # Optional ensemble inputs the request left out: the steps reading them run without.
         self.absent = {t.name for t in scheduler.model.config.input if t.optional} - request.inputs.keys()
         request.cancel_hook = self.cancel
-        self.root = self._branch(dict(request.inputs), list(range(len(self.steps))))
+        needed = needed_steps(self.steps, request.requested_outputs)
+        self.root = self._branch(dict(request.inputs), needed)
 
     def _branch(self, tensors: Tensors, waiting: list[int]) -> _Branch:
         branch = _Branch(self, tensors, waiting)

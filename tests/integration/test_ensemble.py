@@ -73,9 +73,17 @@ def test_a_request_flows_through_the_steps(server):
     assert outputs(response) == {"SUM": (A + B).tolist(), "DIFF": (A - B).tolist()}
 
 
-def test_only_the_requested_outputs_come_back(server):
+def test_only_the_requested_outputs_come_back_and_only_their_steps_run(server):
+    """As Triton 2.51 (side by side, upstream L0_simple_ensemble's one-output test): a
+    step that makes nothing the request asks for does not run."""
+    def runs() -> dict[str, int]:
+        return {m: stats_of(server, m)["inference_count"] for m in ("add_sub", "identity")}
+
+    before = runs()
     (response,) = server.model("pipeline").infer(inputs={"A": A, "B": B}, requested_output_names=["DIFF"])
     assert outputs(response) == {"DIFF": (A - B).tolist()}
+    after = runs()
+    assert {m: after[m] - before[m] for m in after} == {"add_sub": 1, "identity": 1}
 
 
 def test_tritonclient_grpc_sees_an_ordinary_model(server):
@@ -659,6 +667,42 @@ def test_an_output_a_step_does_not_return_is_left_out(make_repo, servers):
     assert isinstance(starved.error, dlserve.InvalidArgumentError)
     assert starved.error.message.startswith("in ensemble 'required_fed', ")
     assert "missing required input(s) ['X']" in starved.error.message
+
+
+CHAIN = """
+name: "chain"
+platform: "ensemble"
+input [ { name: "A" data_type: TYPE_FP32 dims: [ 16 ] },
+        { name: "B" data_type: TYPE_FP32 dims: [ 16 ] } ]
+output [ { name: "SUM" data_type: TYPE_FP32 dims: [ 16 ] },
+         { name: "COPY" data_type: TYPE_FP32 dims: [ -1 ] } ]
+ensemble_scheduling { step [
+  { model_name: "add_sub" model_version: -1
+    input_map [ { key: "INPUT0" value: "A" }, { key: "INPUT1" value: "B" } ]
+    output_map [ { key: "OUTPUT0" value: "SUM" }, { key: "OUTPUT1" value: "diff" } ] },
+  { model_name: "identity" model_version: -1
+    input_map { key: "INPUT0" value: "SUM" } output_map { key: "OUTPUT0" value: "COPY" } }
+] }
+"""
+
+
+def test_an_output_that_also_feeds_a_later_step_is_answered_without_running_it(make_repo, servers):
+    """Asking only for SUM, which identity also reads, runs add_sub alone. (Triton 2.51
+    answers that request with "unexpected deadlock, at least one output is not set while
+    no more ensemble steps can be made": a fault of its pruning dlserve does not copy.)"""
+    chain = {"chain": {"config.pbtxt": CHAIN, "1/.keep": ""}}
+    server = servers.start(make_repo("add_sub", "identity", extra=chain))
+    model = server.model("chain")
+
+    def identity_runs() -> int:
+        return stats_of(server, "identity")["inference_count"]
+
+    (response,) = model.infer(inputs={"A": A, "B": B}, requested_output_names=["SUM"])
+    assert outputs(response) == {"SUM": (A + B).tolist()}
+    assert identity_runs() == 0
+    (response,) = model.infer(inputs={"A": A, "B": B}, requested_output_names=["COPY"])
+    assert outputs(response) == {"COPY": (A + B).tolist()}
+    assert identity_runs() == 1
 
 
 RANKED = """
