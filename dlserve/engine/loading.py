@@ -137,7 +137,7 @@ class Loader:
         for result in results:
             if isinstance(result, BaseException):
                 raise result
-        await self.reload_waiting([source.key for source in sources])
+        await self.reload_waiting()
 
     def _unchanged(self, source: ModelSource) -> bool:
         entry = self.models.get(source.key)
@@ -161,15 +161,20 @@ class Loader:
             return True
         return config != loaded.config
 
-    async def reload_waiting(self, loaded: list[ModelKey]) -> None:
-        """Ensembles unloaded with these step models load again, as Triton's do, once
-        every step they lost is back."""
+    async def reload_waiting(self) -> None:
+        """Ensembles unloaded with their step models load again, as Triton's do, once
+        every step they lost is loaded again: by name, by a poll, or as another
+        ensemble's step."""
         for user in list(self.models.values()):
-            if user.waits_for & set(loaded):
-                user.waits_for -= set(loaded)
+            if user.waits_for:
+                user.waits_for = {key for key in user.waits_for if not self._serving(key)}
                 if not user.waits_for and not user.versions:
                     log.info("loading ensemble '%s' again: its step models are back", user.name)
                     await self.load_guarded(user.name)
+
+    def _serving(self, key: ModelKey) -> bool:
+        entry = self.models.get(key)
+        return entry is not None and entry.latest_loaded() is not None
 
     async def _load_source(self, source: ModelSource, config: str | None = None, as_step: bool = False) -> None:
         entry = self.models.entry(source.key)

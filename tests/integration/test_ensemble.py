@@ -431,6 +431,24 @@ def test_unloading_a_step_model_unloads_the_ensembles_that_use_it(make_repo, ser
     assert not server.model("pipeline").ready()
 
 
+def test_an_ensemble_comes_back_when_its_step_loads_for_another_ensemble(make_repo, servers):
+    """Triton 2.51 (side by side): pipeline, unloaded with add_sub, loads again when
+    add_sub comes back as the step of another ensemble being loaded; add_sub then stays
+    when that one is unloaded with its dependents, pipeline using it."""
+    over = {"over_add_sub": _ensemble_over("add_sub")}
+    repo = make_repo("pipeline", "add_sub", "identity", extra=over)
+    server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT)
+    server.load("pipeline")
+    server.unload("add_sub")
+    assert not server.model("pipeline").ready()
+    server.load("over_add_sub")
+    assert server.model("pipeline").ready()
+    (response,) = server.model("pipeline").infer(inputs={"A": A, "B": B})
+    assert outputs(response)["SUM"] == (A + B).tolist()
+    server.unload("over_add_sub", unload_dependents=True, wait_until_unloaded=True)
+    assert server.model("add_sub").ready() and server.model("pipeline").ready()
+
+
 def test_ensembles_of_ensembles_come_back_with_their_step_model_one_load_at_a_time(make_repo, servers):
     """outer runs pipeline runs add_sub: add_sub back brings pipeline, which brings outer, with
     model_load_thread_count 1 too (those loads take no turn of their own, so none waits for
