@@ -101,9 +101,12 @@ class _HostedApi:
         headers = {k: v for k, v in request.headers.items() if k != HEADER_LENGTH}
         if content_type.startswith(self.binary_type + _HEADER_SIZE):
             text = content_type[len(self.binary_type + _HEADER_SIZE) :].split(";", 1)[0].strip()
-            if not text.isdigit():
-                raise InvalidArgumentError(f"json-header-size '{text}' in the content type is not a number")
-            headers[HEADER_LENGTH] = text
+            try:  # ("+320" too, as Triton reads it; the infer handler checks the range)
+                headers[HEADER_LENGTH] = str(int(text))
+            except ValueError:
+                raise InvalidArgumentError(
+                    f"json-header-size '{text}' in the content type is not a number"
+                ) from None
         elif self.binary_type in content_type:
             raise InvalidArgumentError(
                 f"content type must be '{self.binary_type}{_HEADER_SIZE}<bytes>' for a binary request"
@@ -180,6 +183,8 @@ class VertexAiApi(_HostedApi):
         if path == "/metrics":
             return HttpResponse(200, [prometheus.render(self.api.engine).encode()], prometheus.CONTENT_TYPE)
         methods = self.api.methods_of(path)
+        if self.binary_type in request.header("content-type"):  # (an infer's binary tensors)
+            request.headers = self._binary_header(request)
         request.path = path
         request.method = "POST" if methods is None or "POST" in methods else "GET"
         return await self.api(request)

@@ -39,6 +39,13 @@ def vertex(server: dlserve.Server, **options) -> VertexAi:
     return VertexAi(server, VertexAi.Options(address="127.0.0.1", port=0, **options))
 
 
+def binary_add_sub_inputs() -> list[httpclient.InferInput]:
+    inputs = [httpclient.InferInput(name, [16], "FP32") for name in ("INPUT0", "INPUT1")]
+    inputs[0].set_data_from_numpy(A)
+    inputs[1].set_data_from_numpy(B)
+    return inputs
+
+
 def test_health_and_predict_with_json_and_binary(servers, make_repo):
     server = servers.start(make_repo("add_sub"))
     with vertex(server) as service:
@@ -47,9 +54,7 @@ def test_health_and_predict_with_json_and_binary(servers, make_repo):
         assert status == 200, body
         outputs = {o["name"]: o["data"] for o in json.loads(body)["outputs"]}
         assert outputs["OUTPUT0"] == (A + B).tolist()
-        inputs = [httpclient.InferInput(name, [16], "FP32") for name in ("INPUT0", "INPUT1")]
-        inputs[0].set_data_from_numpy(A)
-        inputs[1].set_data_from_numpy(B)
+        inputs = binary_add_sub_inputs()
         wanted = [httpclient.InferRequestedOutput("OUTPUT1", binary_data=True)]
         raw, length = httpclient.InferenceServerClient.generate_request_body(inputs, outputs=wanted)
         status, headers, body = call(
@@ -77,8 +82,21 @@ def test_the_redirect_header_reaches_kserve_endpoints(servers, make_repo):
         assert status == 200 and json.loads(body)["name"] == "add_sub"
         status, _, body = redirect("v2/models/add_sub/infer", json.dumps(add_sub_body()).encode())
         assert status == 200 and json.loads(body)["model_name"] == "add_sub"
+        # binary tensors as Vertex AI sends them, the header's size in the content type
+        # (Triton 2.51 side by side; "+N" is read as N there too)
+        client = httpclient.InferenceServerClient
+        raw, length = client.generate_request_body(binary_add_sub_inputs())
+        for size in (str(length), f"+{length}"):
+            status, headers, body = call(service.port, PREDICT_PATH, raw, "POST", {
+                "X-Vertex-Ai-Triton-Redirect": "v2/models/add_sub/infer",
+                "Content-Type": f"{BINARY};json-header-size={size}",
+            })
+            assert status == 200, body
+            header_length = int(headers["Inference-Header-Content-Length"])
+            result = client.parse_response_body(body, header_length=header_length)
+            np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), A + B)
         status, _, body = redirect("metrics")
-        assert status == 200 and b'nv_inference_count{model="add_sub",version="1"} 1' in body
+        assert status == 200 and b'nv_inference_count{model="add_sub",version="1"} 3' in body
         for bad in ("foo", "/v2", "v2/", "v2/logging", "v2/models/add_sub/generate", "v2/trace/setting"):
             assert redirect(bad)[::2] == (400, b""), bad
         assert redirect("v2/health/live", method="GET")[::2] == (405, b"")
