@@ -89,52 +89,72 @@ def complete_instances(config: mc.ModelConfig, model_name: str, gpu_count: int =
 
 
 def _check_tensors(config: mc.ModelConfig, kind: str, tensors: Any) -> None:
+    """Each input's or output's name, data type, dims and reshape, in Triton's words."""
     seen: set[str] = set()
     for tensor in tensors:
-        where = f"model '{config.name}', {kind} '{tensor.name}'"
         if not tensor.name:
-            raise InvalidArgumentError(f"model '{config.name}': every {kind} needs a name")
+            raise InvalidArgumentError(f"model {kind} must specify 'name' for {config.name}")
         if tensor.name in seen:
             raise InvalidArgumentError(f"model '{config.name}': {kind} '{tensor.name}' is declared twice")
         seen.add(tensor.name)
+        prefix = f"model {kind} '{tensor.name}'"
         if tensor.data_type == mc.TYPE_INVALID:
-            raise InvalidArgumentError(f"{where}: data_type must be set")
-        if not tensor.dims and config.platform != ENSEMBLE_PLATFORM:  # (Triton's words)
-            raise InvalidArgumentError(f"model {kind} '{tensor.name}' must specify 'dims' for {config.name}")
-        for dim in tensor.dims:
-            if dim < -1 or dim == 0:
-                raise InvalidArgumentError(
-                    f"{where}: dims must be integers >= 1, or -1 for a variable-size "
-                    f"dimension; got {list(tensor.dims)}"
-                )
+            raise InvalidArgumentError(f"{prefix} must specify 'data_type' for {config.name}")
+        if not tensor.dims and config.platform != ENSEMBLE_PLATFORM:
+            raise InvalidArgumentError(f"{prefix} must specify 'dims' for {config.name}")
+        if tensor.HasField("reshape") and not tensor.reshape.shape and config.max_batch_size == 0:
+            raise InvalidArgumentError(
+                f"{prefix} cannot have empty reshape for non-batching "
+                f"model as scalar tensors are not supported for {config.name}"
+            )
+        if any(dim < -1 or dim == 0 for dim in tensor.dims):
+            raise InvalidArgumentError(
+                f"{prefix} dimension must be integer >= 1, or -1 to indicate a variable-size "
+                f"dimension for {config.name}"
+            )
         if tensor.HasField("reshape"):
-            if not tensor.reshape.shape and config.max_batch_size == 0:  # (Triton's words)
-                raise InvalidArgumentError(
-                    f"model {kind} '{tensor.name}' cannot have empty reshape for non-batching "
-                    f"model as scalar tensors are not supported for {config.name}"
-                )
-            _check_reshape(where, list(tensor.dims), list(tensor.reshape.shape))
+            why = _reshape_problem(list(tensor.dims), list(tensor.reshape.shape))
+            if why:
+                raise InvalidArgumentError(f"{prefix} {why} for {config.name}")
         if tensor.is_shape_tensor:
             raise InvalidArgumentError(
                 f"shape tensors are only supported for TensorRT platform for {config.name}"
             )
 
 
-def _check_reshape(where: str, dims: list[int], shape: list[int]) -> None:
-    def count(values: list[int]) -> int:
-        total = 1
-        for v in values:
-            total *= v
-        return total
+def _reshape_problem(dims: list[int], shape: list[int]) -> str:
+    """Why ``reshape`` cannot stand for ``dims`` (Triton's rule and words), or "". Both
+    must hold as many elements; an empty reshape stands for dims of one element; with
+    variable (-1) dimensions the runs of fixed ones between them must match, run by run
+    ([2, 4, -1, 6] as [8, -1, 1, 6], not as [2, -1, 24])."""
+    if any(dim < -1 or dim == 0 for dim in shape):
+        return (
+            "reshape dimensions must be integer >= 1, or -1 to indicate a variable-size dimension"
+        )
 
-    if dims.count(-1) != shape.count(-1):
-        raise InvalidArgumentError(
-            f"{where}: reshape {shape} must have as many variable (-1) dimensions as dims {dims}"
-        )
-    if -1 not in dims and count(dims) != count(shape):
-        raise InvalidArgumentError(
-            f"{where}: reshape {shape} has a different number of elements than dims {dims}"
-        )
+    def runs(values: list[int]) -> list[int]:
+        products = [1]
+        for value in values:
+            if value == -1:
+                products.append(1)
+            else:
+                products[-1] *= value
+        return products
+
+    dims_runs, shape_runs = runs(dims), runs(shape)
+    variable = len(dims_runs) > 1
+    if variable != (len(shape_runs) > 1):
+        return "has different size for dims and reshape"
+    if not variable:
+        count = dims_runs[0] if dims else 0
+        if count != (shape_runs[0] if shape else 0) and (shape or count != 1):
+            return "has different size for dims and reshape"
+        return ""
+    if len(dims_runs) != len(shape_runs):
+        return "has different number of variable-size dimensions for dims and reshape"
+    if dims_runs != shape_runs:
+        return "has different size for dims and reshape"
+    return ""
 
 
 def validate(config: mc.ModelConfig, model_name: str, gpu_count: int = 0) -> None:
