@@ -137,7 +137,7 @@ def select_versions(policy: mc.ModelVersionPolicy, available: list[int]) -> list
     if choice == "specific":
         return [v for v in policy.specific.versions if v in available]
     count = policy.latest.num_versions if choice == "latest" else 1
-    return sorted(available)[-max(count, 1) :]
+    return sorted(available)[-count:] if count > 0 else []  # (0: none, as Triton has it)
 
 
 _MODEL_CLASS = "TritonPythonModel"

@@ -607,6 +607,8 @@ def policy(text: str) -> mc.ModelVersionPolicy:
         ("specific { versions: [1, 3, 7] }", [1, 2, 3], [1, 3]),
         ("specific { versions: [7] }", [1, 2, 3], []),
         ("latest { num_versions: 1 }", [], []),
+        ("latest { num_versions: 0 }", [1, 2], []),  # (Triton 2.51 fails such a load)
+        ("latest { }", [1, 2], []),
     ],
 )
 def test_select_versions(text, available, expected):
