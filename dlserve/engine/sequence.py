@@ -84,6 +84,11 @@ log = logging.getLogger("dlserve.engine")
 DEFAULT_IDLE_US = 1_000_000
 LOST_KEPT = 1024  # lost sequences whose keys are remembered (see SequenceBatcher._lost)
 _Kind = mc.ModelSequenceBatching.Control
+_FALSE_TRUE_FIELDS = (
+    ("int32_false_true", DataType.INT32),
+    ("fp32_false_true", DataType.FP32),
+    ("bool_false_true", DataType.BOOL),
+)
 _CORRID_TYPES = (mc.TYPE_UINT64, mc.TYPE_INT64, mc.TYPE_UINT32, mc.TYPE_INT32, mc.TYPE_STRING)
 
 
@@ -161,7 +166,12 @@ class ControlInput:
     @staticmethod
     def parse(model: str, spec: Any) -> ControlInput | None:
         """The control input ``spec`` declares; None for one with no control (it gives the
-        model nothing, as in Triton, which loads such a config)."""
+        model nothing, as in Triton, which loads such a config). Errors in Triton 2.51's
+        words where it has them."""
+        if not spec.name:
+            raise InvalidArgumentError(
+                f"sequence batching control tensor must have a name for {model}"
+            )
         if not spec.control:
             return None
         if len(spec.control) > 1:
@@ -178,22 +188,28 @@ class ControlInput:
                     "data types are TYPE_UINT64, TYPE_INT64, TYPE_UINT32, TYPE_INT32 and TYPE_STRING"
                 )
             return ControlInput(spec.name, control.kind, DataType(control.data_type), (None, None))
-        for field, data_type in (
-            ("int32_false_true", DataType.INT32),
-            ("fp32_false_true", DataType.FP32),
-            ("bool_false_true", DataType.BOOL),
-        ):
-            values = list(getattr(control, field))
-            if values:
-                if len(values) != 2:
-                    raise InvalidArgumentError(
-                        f"model '{model}', control input '{spec.name}': {field} needs 2 values"
-                    )
-                return ControlInput(spec.name, control.kind, data_type, (values[0], values[1]))
-        raise InvalidArgumentError(
-            f"model '{model}', control input '{spec.name}': give int32_false_true, "
-            "fp32_false_true or bool_false_true"
-        )
+        kind = f"{_Kind.Kind.Name(control.kind)} for {model}"
+        given = [
+            (field, data_type, list(getattr(control, field)))
+            for field, data_type in _FALSE_TRUE_FIELDS
+            if getattr(control, field)
+        ]
+        if not given:
+            raise InvalidArgumentError(
+                "sequence batching must specify either 'int32_false_true', 'fp32_false_true' "
+                f"or 'bool_false_true' for {kind}"
+            )
+        if len(given) > 1:
+            raise InvalidArgumentError(
+                "sequence batching specifies more than one from 'int32_false_true', "
+                f"'fp32_false_true' and 'bool_false_true' for {kind}"
+            )
+        ((field, data_type, values),) = given
+        if len(values) != 2:
+            raise InvalidArgumentError(
+                f"sequence batching control '{field}' must have exactly 2 entries for {kind}"
+            )
+        return ControlInput(spec.name, control.kind, data_type, (values[0], values[1]))
 
     def tensor(self, request: Request, batching: bool) -> Tensor:
         shape = (1, 1) if batching else (1,)

@@ -584,8 +584,30 @@ def test_sequence_batching_defaults_and_control_inputs():
     assert "only one control" in invalid(two_controls)
     no_control = completed('sequence_batching { control_input [ { name: "S" } ] }')  # loads, as in Triton
     cfg.validate(no_control, "m")
-    no_values = 'sequence_batching { control_input [ { name: "S" control [ { kind: CONTROL_SEQUENCE_START } ] } ] }'
-    assert "int32_false_true" in invalid(no_values)
+    # Triton 2.51's words (side by side for the first and the last two)
+    start = (
+        'sequence_batching { control_input [ { name: "S" '
+        "control [ { kind: CONTROL_SEQUENCE_START %s } ] } ] }"
+    )
+    fields = "'int32_false_true', 'fp32_false_true' %s 'bool_false_true'"
+    kind = "for CONTROL_SEQUENCE_START for m"
+    assert invalid(start % "") == (
+        f"InvalidArgumentError: sequence batching must specify either {fields % 'or'} {kind}"
+    )
+    assert invalid(start % "int32_false_true: [ 1 ]") == (
+        "InvalidArgumentError: sequence batching control 'int32_false_true' must have exactly 2 "
+        "entries for CONTROL_SEQUENCE_START for m"
+    )
+    assert invalid(start % "int32_false_true: [ 0, 1 ] fp32_false_true: [ 0, 1 ]") == (
+        "InvalidArgumentError: sequence batching specifies more than one from "
+        f"{fields % 'and'} {kind}"
+    )
+    nameless = (
+        "sequence_batching { control_input [ { control [ { kind: CONTROL_SEQUENCE_START } ] } ] }"
+    )
+    assert invalid(nameless) == (
+        "InvalidArgumentError: sequence batching control tensor must have a name for m"
+    )
     corrid = 'sequence_batching { control_input [ { name: "C" control [ { kind: CONTROL_SEQUENCE_CORRID } ] } ] }'
     assert "CORRID needs data_type" in invalid(corrid)
 
