@@ -281,10 +281,13 @@ def _warn_ignored(args: argparse.Namespace, backend_wide_config: list[str]) -> N
             log.warning("--trace-config %s has no effect: dlserve writes Triton's trace files", entry)
 
 
-def _grouped_settings(flag: str, entries: list[str], example: str, named: bool = True) -> dict[str, dict[str, str]]:
+def _grouped_settings(
+    flag: str, entries: list[str], form: str, example: str, named: bool = True
+) -> dict[str, dict[str, str]]:
     """``NAME,KEY=VALUE`` entries (--backend-config, --cache-config) as {NAME: {KEY: VALUE}};
     with ``named`` False (--metrics-config) NAME may be left out, for "" (a NAME given is
-    kept, for the server to refuse) and VALUE may be empty (the server says what is wrong)."""
+    kept, for the server to refuse) and VALUE may be empty (the server says what is wrong).
+    A malformed entry is refused in tritonserver's words (``form``), then an ``example``."""
     config: dict[str, dict[str, str]] = {}
     for entry in entries:
         setting, equals, value = entry.partition("=")
@@ -292,7 +295,9 @@ def _grouped_settings(flag: str, entries: list[str], example: str, named: bool =
         if not comma:
             name, key = "", name
         if not equals or not key or (named and (not name or not value)):
-            raise SystemExit(f"dlserve: {flag} '{entry}' must look like {example}")
+            raise SystemExit(
+                f"dlserve: {flag} option format is '{form}'. Got {entry} (for example {example})"
+            )
         config.setdefault(name, {})[key] = value
     return config
 
@@ -377,8 +382,11 @@ def serve(args: argparse.Namespace) -> int:
         except dlserve.TritonError as exc:
             print(f"dlserve: --rate-limit-resource: {exc}", file=sys.stderr)
             return 1
-    backend_config = [e for e in args.backend_config if "," in e or "=" not in e]
-    cache_config = _grouped_settings("--cache-config", args.cache_config, "local,size=BYTES")
+    # (KEY=VALUE without a backend: a setting for every backend, which has no effect here)
+    backend_config = [e for e in args.backend_config if "," in e or not e.partition("=")[2]]
+    cache_config = _grouped_settings(
+        "--cache-config", args.cache_config, "<cache name>,<setting>=<value>", "local,size=BYTES"
+    )
     if args.response_cache_byte_size is not None:
         if cache_config:  # (Triton's words and exit status)
             print("Error: Incompatible flags --response-cache-byte-size and --cache-config both "
@@ -400,7 +408,12 @@ def serve(args: argparse.Namespace) -> int:
         log_error=args.log_error,
         log_verbose=args.log_verbose,
         log_format=dlserve.LogFormat.ISO8601 if args.log_format == "iso8601" else dlserve.LogFormat.DEFAULT,
-        backend_configuration=_grouped_settings("--backend-config", backend_config, "python,KEY=VALUE"),
+        backend_configuration=_grouped_settings(
+            "--backend-config",
+            backend_config,
+            "<backend name>,<setting>=<value>",
+            "python,KEY=VALUE",
+        ),
         cache_config=cache_config,
         rate_limiter_mode=(
             dlserve.RateLimitMode.EXEC_COUNT if args.rate_limit == "execution_count" else dlserve.RateLimitMode.OFF
@@ -413,7 +426,9 @@ def serve(args: argparse.Namespace) -> int:
         cpu_metrics=args.allow_cpu_metrics,
         gpu_metrics=args.allow_gpu_metrics,
         metrics_interval=int(args.metrics_interval_ms),
-        metrics_configuration=_grouped_settings("--metrics-config", args.metrics_config, "KEY=VALUE", named=False),
+        metrics_configuration=_grouped_settings(
+            "--metrics-config", args.metrics_config, "<setting>=<value>", "KEY=VALUE", named=False
+        ),
         model_load_retry_count=args.model_load_retry_count,
         model_load_thread_count=args.model_load_thread_count,
         model_namespacing=args.model_namespacing,

@@ -272,10 +272,15 @@ def test_bad_rate_limit_resource_exits_even_with_rate_limiting_off():
     assert result.returncode == 1 and "must look like NAME:COUNT[:DEVICE]" in result.stderr, result.stderr
 
 
-def test_bad_backend_config_exits_with_a_message():
-    result = run_cli("serve", "--backend-config", "shm-default-byte-size")
+@pytest.mark.parametrize(
+    "entry",
+    ["shm-default-byte-size", ",default-max-batch-size=3", "default-max-batch-size=", "python,"],
+)
+def test_bad_backend_config_exits_with_a_message(entry):
+    """The line upstream L0_backend_config looks for in tritonserver's output."""
+    result = run_cli("serve", "--backend-config", entry)
     assert result.returncode != 0
-    expected = "--backend-config 'shm-default-byte-size' must look like python,KEY=VALUE"
+    expected = f"--backend-config option format is '<backend name>,<setting>=<value>'. Got {entry}"
     assert expected in result.stderr, result.stderr
 
 
@@ -289,7 +294,8 @@ def test_bad_backend_config_exits_with_a_message():
          "restricted api 'health' can not be specified in multiple config groups"),
         (["--grpc-restricted-protocol", "model-reposit:a=1"], "unknown restricted protocol 'model-reposit'"),
         (["--cache-config", "local,size=abc"], "size must be a positive number of bytes, got 'abc'"),
-        (["--cache-config", "local"], "--cache-config 'local' must look like local,size=BYTES"),
+        (["--cache-config", "local"],
+         "--cache-config option format is '<cache name>,<setting>=<value>'. Got local"),
         (["--cache-config", "local,size=8192", "--cache-config", "redis,host=x"],  # (Triton's words)
          "found multiple cache configurations, but only a single cache is currently supported"),
         (["--cache-config", "local,size=8192", "--response-cache-byte-size", "8192"],

@@ -269,7 +269,10 @@ def test_histogram_latencies_is_accepted(tmp_path):
     "flag,message",
     [
         ("bogus_key=1", "unknown metrics config key 'bogus_key'"),
-        ("summary_latencies", "--metrics-config 'summary_latencies' must look like KEY=VALUE"),
+        (
+            "summary_latencies",
+            "--metrics-config option format is '<setting>=<value>'. Got summary_latencies",
+        ),
     ],
 )
 def test_cli_exits_on_a_bad_metrics_config(tmp_path, flag, message):
