@@ -85,6 +85,7 @@ class EngineSettings:
     poll_interval: float = 15.0
     arena_bytes: int = 64 * _MIB
     worker_arena_bytes: int = 16 * _MIB
+    worker_arena_growth_bytes: int = 16 * _MIB
     busy_poll_us: int = 1000
     model_config_name: str = ""
     backend_directory: str = DEFAULT_BACKEND_DIRECTORY  # where Python-based backends are
@@ -195,6 +196,7 @@ class Engine:
             arena=self.arena,
             segment_prefix=self.segment_prefix,
             worker_arena_bytes=s.worker_arena_bytes,
+            worker_arena_growth_bytes=s.worker_arena_growth_bytes,
             busy_poll_us=s.busy_poll_us,
             custom_metrics=self.custom_metrics,
             host=self,

@@ -157,6 +157,7 @@ class ModelInstance:
             instance_name=self.name,
             segment_prefix=f"{resources.segment_prefix}_w{self.serial}r{self.restarts}",
             arena_bytes=resources.worker_arena_bytes,
+            arena_growth_bytes=resources.worker_arena_growth_bytes,
             space=resources.space,
             arena=resources.arena,
             on_message=self._on_worker_message,

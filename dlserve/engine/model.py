@@ -46,7 +46,8 @@ class EngineResources:
     space: MemorySpace
     arena: Arena
     segment_prefix: str
-    worker_arena_bytes: int
+    worker_arena_bytes: int  # a worker's first shared-memory segment
+    worker_arena_growth_bytes: int  # each segment it adds when that is full
     busy_poll_us: int  # see dlserve.ipc.polling
     custom_metrics: CustomMetrics
     host: Host  # the engine, for the calls models make (BLS, model control)

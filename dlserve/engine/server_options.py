@@ -149,6 +149,26 @@ class Options:
             if accepted is not None and not isinstance(value, accepted):
                 raise TypeError(f"{field.name} must be a {field.type}, got {type(value).__name__}")
 
+    def _worker_arena(self) -> tuple[int, int]:
+        """A worker's first shared-memory segment and each one it adds, in bytes: the
+        Python backend's shm-default-byte-size and shm-growth-byte-size (16 MiB each
+        unless set). Values tritonserver would fail every load over are refused here."""
+        python = self.backend_configuration.get("python", {})
+        sizes = []
+        for key in ("shm-default-byte-size", "shm-growth-byte-size"):
+            try:
+                sizes.append(int(python.get(key, 16 * _MIB)))
+            except ValueError:
+                raise InvalidArgumentError(f"{key} must be an integer") from None
+        worker_bytes, growth_bytes = sizes
+        if worker_bytes < _MIB:
+            raise InvalidArgumentError("shm-default-byte-size must be at least 1 MiB")
+        if growth_bytes <= 0:  # (Triton's words)
+            raise InvalidArgumentError(
+                "shm-growth-byte-size can't be smaller than or equal to zero."
+            )
+        return worker_bytes, growth_bytes
+
     def engine_settings(self) -> EngineSettings:
         without_effect = self._without_effect()
         repos = self.model_repository
@@ -159,13 +179,7 @@ class Options:
             raise InvalidArgumentError("Model repository must be specified.")
         repositories = [repos] if isinstance(repos, str) else [str(r) for r in repos]
         repositories = list(dict.fromkeys(repositories))  # the same path twice is one, as in Triton
-        python = self.backend_configuration.get("python", {})
-        try:
-            worker_bytes = int(python.get("shm-default-byte-size", 16 * _MIB))
-        except ValueError:
-            raise InvalidArgumentError("shm-default-byte-size must be an integer") from None
-        if worker_bytes < _MIB:
-            raise InvalidArgumentError("shm-default-byte-size must be at least 1 MiB")
+        worker_bytes, growth_bytes = self._worker_arena()
         if self.exit_timeout < 0:
             raise InvalidArgumentError("exit_timeout must be >= 0")
         if self.model_load_retry_count < 0:
@@ -187,6 +201,7 @@ class Options:
             poll_interval=float(self.repository_poll_secs),
             arena_bytes=int(self.shm_arena_size),
             worker_arena_bytes=worker_bytes,
+            worker_arena_growth_bytes=growth_bytes,
             busy_poll_us=int(self.busy_poll_us),
             model_config_name=self.model_config_name,
             backend_directory=str(self.backend_directory),

@@ -478,6 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fd", type=int, required=True)
     parser.add_argument("--segment-prefix", required=True)
     parser.add_argument("--arena-bytes", type=int, required=True)
+    parser.add_argument("--arena-growth-bytes", type=int, required=True)
     parser.add_argument("--instance-name", required=True)
     parser.add_argument("--poll-us", type=int, default=0)
     parser.add_argument("--poll-board", type=int, help="descriptor of the server's PollerBoard")
@@ -513,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
         space,
         args.segment_prefix,
         initial_size=args.arena_bytes,
-        growth_size=args.arena_bytes,
+        growth_size=args.arena_growth_bytes,
         on_retire=lambda name: channel.send(Kind.RETIRE, 0, [name]),
     )
     peer = Peer(space, arena, channel.queue_releases)

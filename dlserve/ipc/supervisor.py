@@ -154,10 +154,12 @@ class WorkerProcess:
         on_exit: Callable[[str], None],
         environment: ExecutionEnvironment | None = None,
         poll_us: int = 0,
+        arena_growth_bytes: int | None = None,
     ) -> None:
         self.instance_name = instance_name
         self.segment_prefix = segment_prefix
         self._arena_bytes = arena_bytes
+        self._arena_growth_bytes = arena_growth_bytes or arena_bytes
         self._space = space
         self._arena = arena
         self._on_message = on_message
@@ -205,6 +207,8 @@ class WorkerProcess:
                     self.segment_prefix,
                     "--arena-bytes",
                     str(self._arena_bytes),
+                    "--arena-growth-bytes",
+                    str(self._arena_growth_bytes),
                     "--instance-name",
                     self.instance_name,
                     "--poll-us",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import signal
 import subprocess
 from pathlib import Path
@@ -14,6 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
+
+import dlserve
 
 from ..conftest import pid_alive, wait_until
 from .test_cli import Serve
@@ -127,3 +130,56 @@ def test_a_killed_worker_with_memfd_segments_is_replaced_and_leaves_nothing(
         wait_until(lambda: server.model("identity").ready() and instance.pid != pid)
     assert instance.restarts == 2
     assert glob.glob(f"/dev/shm/{server.engine.segment_prefix}*") == []
+
+
+SCALE_CONFIG = """
+backend: "python"
+input [ { name: "X" data_type: TYPE_FP32 dims: [ -1 ] } ]
+output [ { name: "Y" data_type: TYPE_FP32 dims: [ -1 ] } ]
+"""
+
+SCALE_MODEL = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [
+            pb_utils.InferenceResponse(
+                [pb_utils.Tensor("Y", pb_utils.get_input_tensor_by_name(r, "X").as_numpy() * 2)]
+            )
+            for r in requests
+        ]
+"""
+
+
+def test_the_python_backend_settings_size_a_workers_segments(servers, make_repo):
+    """shm-default-byte-size is a worker's first segment, shm-growth-byte-size each one it
+    adds when an output does not fit (or the output's size, when bigger)."""
+    repo = make_repo(extra={"scale": {"config.pbtxt": SCALE_CONFIG, "1/model.py": SCALE_MODEL}})
+    server = servers.start(repo, backend_configuration={
+        "python": {"shm-default-byte-size": str(MIB), "shm-growth-byte-size": str(3 * MIB)}
+    })
+    worker_segments = f"/dev/shm/{server.engine.segment_prefix}_w*"
+    assert [os.path.getsize(p) for p in glob.glob(worker_segments)] == [MIB]
+    x = np.ones(MIB // 2, np.float32)  # a 2 MiB output: more than the first segment holds
+    (response,) = server.model("scale").infer(inputs={"X": x})
+    np.testing.assert_array_equal(response.outputs["Y"].to_host().as_numpy(), x * 2)
+    assert sorted(os.path.getsize(p) for p in glob.glob(worker_segments)) == [MIB, 3 * MIB]
+
+
+@pytest.mark.parametrize(
+    "settings,message",
+    [
+        ({"shm-growth-byte-size": "0"},
+         "shm-growth-byte-size can't be smaller than or equal to zero."),
+        ({"shm-growth-byte-size": "abc"}, "shm-growth-byte-size must be an integer"),
+        ({"shm-default-byte-size": "1024"}, "shm-default-byte-size must be at least 1 MiB"),
+    ],
+)
+def test_bad_python_backend_settings_are_refused(tmp_path, settings, message):
+    options = dlserve.Options(
+        model_repository=str(tmp_path), backend_configuration={"python": settings}
+    )
+    with pytest.raises(dlserve.InvalidArgumentError, match=re.escape(message)):
+        dlserve.Server(options).start()
