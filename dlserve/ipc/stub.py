@@ -232,9 +232,10 @@ class Worker:
             return json.dumps(config.as_dict())
         result = hook(config)
         if not isinstance(result, ModelConfig):
-            raise ModelFailure(
-                "auto_complete_config must return the pb_utils.ModelConfig it was given, "
-                f"got {type(result).__name__}"
+            raise ModelFailure(  # (Triton's words, then what it got)
+                f"auto_complete_config function in model '{config.as_dict().get('name', '')}' "
+                f"must return a valid pb.ModelConfig object. (It returned a "
+                f"{type(result).__name__}.)"
             )
         return json.dumps(result.as_dict())
 

@@ -2,7 +2,8 @@
 
 A model may fill in ``max_batch_size``, inputs, outputs, dynamic batching and the
 transaction policy; whatever ``config.pbtxt`` already says wins, and a conflict is
-a ``ValueError`` that names the model, the tensor and both values.
+a ``ValueError`` that names the model, the tensor and both values, in the words of
+Triton's ``triton_python_backend_utils`` (upstream tests look for them).
 """
 
 from __future__ import annotations
@@ -12,6 +13,11 @@ from typing import Any
 
 _INPUT_KEYS = ("name", "data_type", "dims", "optional")
 _OUTPUT_KEYS = ("name", "data_type", "dims")
+_ALLOWED = {
+    "input": "'name', 'data_type', 'dims' and 'optional'",
+    "output": "'name', 'data_type' and 'dims'",
+}
+_IN_HOOK = "in auto-complete-config function for model"
 
 
 class ModelConfig:
@@ -34,8 +40,8 @@ class ModelConfig:
         configured = int(self._config.get("max_batch_size", 0))
         if configured > max_batch_size:
             raise ValueError(
-                f"model '{self._name}': config.pbtxt sets max_batch_size {configured}, "
-                f"auto_complete_config tried to lower it to {max_batch_size}"
+                f"configuration specified max_batch_size {configured}, but {_IN_HOOK} "
+                f"'{self._name}' specified max_batch_size {max_batch_size}"
             )
         self._config["max_batch_size"] = int(max_batch_size)
 
@@ -43,8 +49,9 @@ class ModelConfig:
         for other in ("sequence_batching", "ensemble_scheduling"):
             if other in self._config:
                 raise ValueError(
-                    f"model '{self._name}': config.pbtxt chooses '{other}', "
-                    "auto_complete_config cannot switch it to 'dynamic_batching'"
+                    f"Configuration specified scheduling_choice as '{other}', but "
+                    f"auto-complete-config function for model '{self._name}' tries to set "
+                    "scheduling_choice as 'dynamic_batching'"
                 )
         self._config.setdefault("dynamic_batching", {})
 
@@ -56,40 +63,38 @@ class ModelConfig:
 
     def _add_tensor(self, kind: str, tensor: dict[str, Any], allowed: tuple[str, ...]) -> None:
         label = tensor.get("name", "<unnamed>")
-        for key in tensor:
-            if key not in allowed:
-                raise ValueError(
-                    f"{kind} '{label}' of model '{self._name}' in auto_complete_config has "
-                    f"property '{key}'; only {', '.join(repr(k) for k in allowed)} are allowed"
-                )
-        for key in ("name", "data_type", "dims"):
+        where = f"{kind} '{label}' {_IN_HOOK} '{self._name}'"
+        if any(key not in allowed for key in tensor):
+            raise ValueError(f"{where} contains property other than {_ALLOWED[kind]}.")
+        if "name" not in tensor:
+            raise ValueError(f"{kind} {_IN_HOOK} '{self._name}' is missing 'name' property.")
+        for key in ("data_type", "dims"):
             if key not in tensor:
-                raise ValueError(
-                    f"{kind} '{label}' of model '{self._name}' in auto_complete_config "
-                    f"is missing '{key}'"
-                )
+                raise ValueError(f"{where} is missing '{key}' property.")
         for current in self._config[kind]:
             if current.get("name") != tensor["name"]:
                 continue
             configured_type = current.get("data_type", "TYPE_INVALID")
             if configured_type != "TYPE_INVALID" and configured_type != tensor["data_type"]:
                 raise ValueError(
-                    f"model '{self._name}': config.pbtxt gives {kind} '{label}' data type "
-                    f"{configured_type}, the model says {tensor['data_type']}"
+                    f"unable to load model '{self._name}', configuration expects datatype "
+                    f"{configured_type} for {kind} '{label}', model provides {tensor['data_type']}"
                 )
             # compared as given, as Triton does: ["4"] or 4 is not config.pbtxt's [4]
             wanted_dims = list(tensor["dims"]) if isinstance(tensor["dims"], tuple) else tensor["dims"]
             if current.get("dims") and list(current["dims"]) != wanted_dims:
                 raise ValueError(
                     f"model '{self._name}', tensor '{label}': the model expects dims "
-                    f"{wanted_dims} but config.pbtxt specifies {list(current['dims'])}"
+                    f"{wanted_dims} but the model configuration specifies dims "
+                    f"{list(current['dims'])}"
                 )
             if "optional" in tensor and current.get("optional", tensor["optional"]) != tensor[
                 "optional"
             ]:
                 raise ValueError(
                     f"model '{self._name}', tensor '{label}': the model expects optional "
-                    f"{tensor['optional']} but config.pbtxt specifies {current['optional']}"
+                    f"{tensor['optional']} but the model configuration specifies optional "
+                    f"{current['optional']}"
                 )
             current.update(tensor)
             return
@@ -99,15 +104,15 @@ class ModelConfig:
         for key in transaction_policy_dict:
             if key != "decoupled":
                 raise ValueError(
-                    f"model_transaction_policy of model '{self._name}' in auto_complete_config "
-                    f"has property '{key}'; only 'decoupled' is allowed"
+                    f"model transaction property {_IN_HOOK} '{self._name}' contains property "
+                    "other than 'decoupled'."
                 )
         policy = self._config.setdefault("model_transaction_policy", {})
         if "decoupled" in transaction_policy_dict:
             wanted = bool(transaction_policy_dict["decoupled"])
             if "decoupled" in policy and bool(policy["decoupled"]) != wanted:
                 raise ValueError(
-                    f"model '{self._name}': auto_complete_config tried to change 'decoupled', "
-                    f"which config.pbtxt sets to {policy['decoupled']}"
+                    "trying to change decoupled property in auto-complete-config for model "
+                    f"'{self._name}', which is already set to '{policy['decoupled']}'."
                 )
             policy["decoupled"] = wanted

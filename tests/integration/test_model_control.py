@@ -538,6 +538,24 @@ def test_auto_complete_errors_are_reported(servers, make_repo):
         servers.start(repo)
 
 
+def test_an_auto_complete_config_returning_nothing_fails_in_tritons_words(servers, make_repo):
+    returns_none = (
+        "class TritonPythonModel:\n"
+        "    @staticmethod\n"
+        "    def auto_complete_config(config):\n"
+        "        config.set_max_batch_size(4)\n"
+    )
+    forgetful = {"config.pbtxt": 'backend: "python"\n', "1/model.py": returns_none}
+    repo = make_repo(extra={"forgetful": forgetful})
+    server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT)
+    with pytest.raises(dlserve.TritonError) as info:
+        server.load("forgetful")
+    assert (
+        "auto_complete_config function in model 'forgetful' must return a valid pb.ModelConfig "
+        "object. (It returned a NoneType.)"
+    ) in info.value.message
+
+
 def test_a_worker_that_dies_before_auto_complete_answers_is_reported_with_its_last_output(servers, make_repo):
     """Its exit and what it wrote (an import that fails in an execution environment, say);
     dlserve said only "worker process connection closed" (UNAVAILABLE, a 503)."""
