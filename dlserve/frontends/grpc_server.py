@@ -69,17 +69,15 @@ def _read(path: str, what: str) -> None:
 
 
 def server_tls(options: Any) -> ssl.SSLContext:
+    """The server's TLS context. The root certificate checks clients' certificates, so
+    only mutual TLS reads it (tritonserver, too, starts without one that is missing)."""
     _read(options.server_key, "server key")
     _read(options.server_cert, "server certificate")
-    if options.root_cert:
-        _read(options.root_cert, "root certificate")
+    root = options.root_cert if options.use_mutual_auth else ""
+    if root:
+        _read(root, "root certificate")
     try:
-        return tls_context(
-            options.server_cert,
-            options.server_key,
-            options.root_cert or None,
-            bool(options.use_mutual_auth),
-        )
+        return tls_context(options.server_cert, options.server_key, root or None, bool(root))
     except ssl.SSLError as exc:
         raise InvalidArgumentError(f"unable to use the TLS key and certificates: {exc}") from None
 

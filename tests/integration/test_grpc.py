@@ -1366,6 +1366,22 @@ def test_mutual_tls(server, tmp_path):
                 refused.is_server_live(client_timeout=5)
     finally:
         service.stop()
+    # Without mutual TLS a root certificate has no use: a missing one does not stop the
+    # service (nor tritonserver, side by side).
+    service = start_grpc(
+        server,
+        use_ssl=True,
+        server_cert=str(cert),
+        server_key=str(key),
+        root_cert=str(tmp_path / "missing.pem"),
+    )
+    try:
+        with grpcclient.InferenceServerClient(
+            f"127.0.0.1:{service.port}", ssl=True, root_certificates=str(cert)
+        ) as c:
+            assert c.is_server_live()
+    finally:
+        service.stop()
 
 
 # -- cancellation ----------------------------------------------------------------------------------
