@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 import os
 import re
 import time
@@ -239,6 +240,13 @@ class SageMaker(_HttpService):
             _check_positive("max_input_size", self.max_input_size)
             if self.ping_mode is None:
                 self.ping_mode = os.environ.get(PING_MODE_VARIABLE, "ready")
+                if self.ping_mode not in ("ready", "live"):  # (tritonserver's reading)
+                    logging.getLogger("dlserve").warning(
+                        "%s=%r is neither 'ready' nor 'live': /ping answers for readiness",
+                        PING_MODE_VARIABLE,
+                        self.ping_mode,
+                    )
+                    self.ping_mode = "ready"
             if self.ping_mode not in ("ready", "live"):
                 raise InvalidArgumentError(f"ping_mode must be 'ready' or 'live', got {self.ping_mode!r}")
 

@@ -121,6 +121,10 @@ def test_ping_follows_readiness_or_liveness(servers, make_repo, monkeypatch):
         assert post(service.port, "/ping", b"", method="GET")[0] == 200
     with pytest.raises(dlserve.InvalidArgumentError, match="ping_mode must be 'ready' or 'live'"):
         SageMaker.Options(ping_mode="sometimes")
+    for unknown in ("", "sometimes"):  # from the environment: readiness, as tritonserver reads it
+        monkeypatch.setenv("SAGEMAKER_TRITON_PING_MODE", unknown)
+        with sagemaker(server, default_model="add_sub") as service:
+            assert post(service.port, "/ping", b"", method="GET")[0] == 400
 
 
 def test_dlserve_serve_allow_sagemaker(make_repo, tmp_path):
