@@ -110,13 +110,15 @@ def check_step(config: mc.ModelConfig, model_name: str, step: Step, step_config:
     for own, tensor in step.inputs.items():
         if own not in inputs:
             raise InvalidArgumentError(
-                f"ensemble tensor {tensor} is mapping to non-existing input {own} in model {step.model}"
+                f"in ensemble {model_name}, ensemble tensor {tensor} is mapping to non-existing "
+                f"input {own} in model {step.model}"
             )
     outputs = {t.name for t in step_config.output}
     for own, tensor in step.outputs.items():
         if own not in outputs:
             raise InvalidArgumentError(
-                f"ensemble tensor {tensor} is mapped from non-existing output {own} in model {step.model}"
+                f"in ensemble {model_name}, ensemble tensor {tensor} is mapped from non-existing "
+                f"output {own} in model {step.model}"
             )
     if config.max_batch_size > step_config.max_batch_size:
         raise InvalidArgumentError(
