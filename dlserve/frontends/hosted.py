@@ -101,12 +101,20 @@ class _HostedApi:
         headers = {k: v for k, v in request.headers.items() if k != HEADER_LENGTH}
         if content_type.startswith(self.binary_type + _HEADER_SIZE):
             text = content_type[len(self.binary_type + _HEADER_SIZE) :].split(";", 1)[0].strip()
-            try:  # ("+320" too, as Triton reads it; the infer handler checks the range)
-                headers[HEADER_LENGTH] = str(int(text))
+            try:  # ("+320" too, as Triton reads it)
+                size = int(text)
             except ValueError:
                 raise InvalidArgumentError(
                     f"json-header-size '{text}' in the content type is not a number"
                 ) from None
+            # Triton's words (an encoded body's size is checked once it is decoded)
+            body_size = len(request.body)
+            plain = request.header("content-encoding").strip().lower() in ("", "identity")
+            if plain and not 0 <= size <= body_size:
+                raise InvalidArgumentError(
+                    f"inference header size should be in range (0, {body_size}), got: {size}"
+                )
+            headers[HEADER_LENGTH] = str(size)
         elif self.binary_type in content_type:
             raise InvalidArgumentError(
                 f"content type must be '{self.binary_type}{_HEADER_SIZE}<bytes>' for a binary request"

@@ -81,7 +81,10 @@ def test_binary_invocations_as_tritonclient_builds_them_for_sagemaker(servers, m
         ("/ping", "POST", b"", "application/json", 405, "Method Not Allowed"),
         ("/invocations", "POST", b"{not json", "application/json", 400, "failed to parse"),
         ("/invocations", "POST", b"{}", f"{BINARY};json-header-size=abc", 400, "json-header-size 'abc'"),
-        ("/invocations", "POST", b"{}", f"{BINARY};json-header-size=99", 400, "outside the 2-byte body"),
+        ("/invocations", "POST", b"{}", f"{BINARY};json-header-size=99", 400,
+         "inference header size should be in range (0, 2), got: 99"),
+        ("/invocations", "POST", b"{}", f"{BINARY};json-header-size=-1", 400,
+         "inference header size should be in range (0, 2), got: -1"),
         ("/invocations", "POST", b"{}", f"text/plain; {BINARY}", 400, "content type must be"),
     ],
 )
