@@ -193,6 +193,8 @@ class VertexAiApi(_HostedApi):
         methods = self.api.methods_of(path)
         if self.binary_type in request.header("content-type"):  # (an infer's binary tensors)
             request.headers = self._binary_header(request)
+        # Answered uncompressed, as Triton answers Vertex AI (its predict route never compresses)
+        request.headers = {k: v for k, v in request.headers.items() if k != "accept-encoding"}
         request.path = path
         request.method = "POST" if methods is None or "POST" in methods else "GET"
         return await self.api(request)
