@@ -13,7 +13,7 @@ from typing import Any
 from dlserve.engine.backends import BACKEND_RUNTIME, PYTHON_BACKEND
 from dlserve.engine.proto import model_config_pb2 as mc
 from dlserve.engine.sequence import ControlInput
-from dlserve.errors import InvalidArgumentError
+from dlserve.errors import InvalidArgumentError, UnsupportedError
 
 ModelConfig = mc.ModelConfig
 InstanceGroup = mc.ModelInstanceGroup
@@ -188,14 +188,17 @@ def validate(config: mc.ModelConfig, model_name: str, gpu_count: int = 0) -> Non
                 f"instance group {group.name} of model {model_name} has kind KIND_CPU but specifies "
                 "one or more GPUs"
             )
-        if group.profile:  # (refused as Triton refuses it for Python models)
-            raise InvalidArgumentError(f"{where}: 'profile' is for TensorRT models only")
+        if group.profile:  # (refused as Triton refuses it for Python models, in its words)
+            raise InvalidArgumentError(
+                f"instance group {group.name} of model {model_name} and platform specifies "
+                "profile field which is only supported for TensorRT models"
+            )
     parameters = config.parameters
     force_cpu = parameters.get("FORCE_CPU_ONLY_INPUT_TENSORS")
     if force_cpu is not None and force_cpu.string_value not in ("yes", "no"):
-        raise InvalidArgumentError(
-            f"model '{model_name}': parameter FORCE_CPU_ONLY_INPUT_TENSORS must be "
-            f"'yes' or 'no', got '{force_cpu.string_value}'"
+        raise UnsupportedError(  # (Triton's code and first words)
+            f"Incorrect value for FORCE_CPU_ONLY_INPUT_TENSORS: '{force_cpu.string_value}' "
+            "(it takes 'yes' or 'no')"
         )
     concurrency = parameters.get("ASYNC_EXECUTE_CONCURRENCY")
     if concurrency is not None and not (

@@ -278,7 +278,7 @@ class Loader:
         for output in config.output:
             labels = source.path / output.label_filename
             if output.label_filename and not labels.is_file():  # (Triton's words)
-                raise InvalidArgumentError(
+                raise InternalError(  # (Triton's code and words)
                     f"failed to open text file for read {labels}: No such file or directory"
                 )
         if not is_ensemble and await update_instances(

@@ -532,15 +532,18 @@ def test_validate_kind_cpu_with_gpus():
 
 def test_validate_profile_is_for_tensorrt_only():
     message = invalid('instance_group [ { kind: KIND_CPU profile: ["p1"] } ]')
-    assert message == "InvalidArgumentError: model 'm', instance_group 'm_0': 'profile' is for TensorRT models only"
+    assert message == (  # (Triton 2.51's words)
+        "InvalidArgumentError: instance group m_0 of model m and platform specifies profile field "
+        "which is only supported for TensorRT models"
+    )
 
 
 @pytest.mark.parametrize("value", ["maybe", "YES", ""])
 def test_validate_force_cpu_only_input_tensors(value):
     message = invalid(f'parameters {{ key: "FORCE_CPU_ONLY_INPUT_TENSORS" value: {{ string_value: "{value}" }} }}')
-    assert message == (
-        "InvalidArgumentError: model 'm': parameter FORCE_CPU_ONLY_INPUT_TENSORS must be "
-        f"'yes' or 'no', got '{value}'"
+    assert message == (  # (Triton 2.51's code and first words)
+        f"UnsupportedError: Incorrect value for FORCE_CPU_ONLY_INPUT_TENSORS: '{value}' "
+        "(it takes 'yes' or 'no')"
     )
 
 
