@@ -55,7 +55,8 @@ def steps_of(config: mc.ModelConfig) -> list[Step]:
 def validate(config: mc.ModelConfig, model_name: str) -> None:
     """What Triton checks of an ensemble's steps: every tensor a step reads exists (an
     ensemble input or another step's output), each tensor is made once, every ensemble
-    output is made, and the steps form no cycle."""
+    output is made, every ensemble input and step output is used, and the steps form no
+    cycle."""
     where = f"ensemble '{model_name}'"
     steps = steps_of(config)
     if not steps:
@@ -88,6 +89,19 @@ def validate(config: mc.ModelConfig, model_name: str) -> None:
     for output in config.output:
         if output.name not in made:
             raise InvalidArgumentError(f"{where}: no step makes the ensemble output '{output.name}'")
+    # Unused tensors are mistakes Triton refuses (in its words, its stray quote included).
+    read = {t for step in steps for t in step.inputs.values()} | {t.name for t in config.output}
+    for tensor in config.input:
+        if tensor.name not in read:
+            raise InvalidArgumentError(
+                f"ensemble input '{tensor.name}' for ensemble {model_name}' is not used"
+            )
+    for step in steps:
+        for tensor in step.outputs.values():
+            if tensor not in read:
+                raise InvalidArgumentError(
+                    f"ensemble tensor '{tensor}' is unused in ensemble '{model_name}'"
+                )
     # A cycle leaves steps that never become runnable from the ensemble's inputs.
     available = {t.name for t in config.input}
     left = list(range(len(steps)))

@@ -489,8 +489,23 @@ def test_ensembles_of_ensembles_come_back_with_their_step_model_one_load_at_a_ti
             '{ model_name: "identity" input_map { key: "INPUT0" value: "X" } output_map { key: "OUTPUT0" value: "Y" } }',
             "wait on each other's outputs (a cycle)",
         ),
+        # Triton 2.51's words (side by side; its stray quote too)
+        (
+            '{ model_name: "identity" output_map { key: "OUTPUT0" value: "Y" } }',
+            "ensemble input 'X' for ensemble bad' is not used",
+        ),
+        (
+            '{ model_name: "identity" input_map { key: "INPUT0" value: "X" } '
+            'output_map { key: "OUTPUT0" value: "Y" } }, '
+            '{ model_name: "identity" input_map { key: "INPUT0" value: "X" } '
+            'output_map { key: "OUTPUT0" value: "spare" } }',
+            "ensemble tensor 'spare' is unused in ensemble 'bad'",
+        ),
     ],
-    ids=["no-steps", "unknown-tensor", "output-not-made", "made-twice", "cycle"],
+    ids=[
+        "no-steps", "unknown-tensor", "output-not-made", "made-twice", "cycle", "unused-input",
+        "unused-tensor",
+    ],
 )
 def test_a_bad_ensemble_config_is_refused_with_the_reason(make_repo, servers, steps, message):
     server = servers.start(make_repo("identity"), model_control_mode=ModelControlMode.EXPLICIT)
@@ -673,7 +688,7 @@ def test_an_output_a_step_does_not_return_is_left_out(make_repo, servers):
     (repo / "required_fed" / "config.pbtxt").write_text(
         (repo / "required_fed" / "config.pbtxt").read_text().replace(
             '{ key: "X" value: "doubled" }, { key: "X" value: "extra" }', '{ key: "X" value: "extra" }'
-        )
+        ).replace('{ key: "Y" value: "doubled" }, ', "")  # (an unused tensor fails the load)
     )
     server = servers.start(repo)
     x = np.array([1.0, 2.0], dtype=np.float32)
@@ -699,7 +714,7 @@ output [ { name: "SUM" data_type: TYPE_FP32 dims: [ 16 ] },
 ensemble_scheduling { step [
   { model_name: "add_sub" model_version: -1
     input_map [ { key: "INPUT0" value: "A" }, { key: "INPUT1" value: "B" } ]
-    output_map [ { key: "OUTPUT0" value: "SUM" }, { key: "OUTPUT1" value: "diff" } ] },
+    output_map { key: "OUTPUT0" value: "SUM" } },
   { model_name: "identity" model_version: -1
     input_map { key: "INPUT0" value: "SUM" } output_map { key: "OUTPUT0" value: "COPY" } }
 ] }
