@@ -192,7 +192,10 @@ class VertexAiApi(_HostedApi):
             return HttpResponse(200, [prometheus.render(self.api.engine).encode()], prometheus.CONTENT_TYPE)
         methods = self.api.methods_of(path)
         if self.binary_type in request.header("content-type"):  # (an infer's binary tensors)
-            request.headers = self._binary_header(request)
+            try:
+                request.headers = self._binary_header(request)
+            except TritonError as exc:
+                return error_response(exc)
         # Answered uncompressed, as Triton answers Vertex AI (its predict route never compresses)
         request.headers = {k: v for k, v in request.headers.items() if k != "accept-encoding"}
         request.path = path

@@ -98,6 +98,13 @@ def test_the_redirect_header_reaches_kserve_endpoints(servers, make_repo):
             header_length = int(headers["Inference-Header-Content-Length"])
             result = client.parse_response_body(body, header_length=header_length)
             np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), A + B)
+        status, _, body = call(service.port, PREDICT_PATH, raw, "POST", {
+            "X-Vertex-Ai-Triton-Redirect": "v2/models/add_sub/infer",
+            "Content-Type": f"{BINARY};json-header-size=abc",
+        })
+        assert (status, json.loads(body)) == (
+            400, {"error": "json-header-size 'abc' in the content type is not a number"}
+        )
         status, _, body = redirect("metrics")
         assert status == 200 and b'nv_inference_count{model="add_sub",version="1"} 3' in body
         for bad in ("foo", "/v2", "v2/", "v2/logging", "v2/models/add_sub/generate", "v2/trace/setting"):
