@@ -166,15 +166,16 @@ class Loader:
         every step they lost is loaded again: by name, by a poll, or as another
         ensemble's step."""
         for user in list(self.models.values()):
-            if user.waits_for:
+            # (not while it drains: its steps may still serve until they unload after it)
+            if user.waits_for and not user.versions and user.unloading is None:
                 user.waits_for = {key for key in user.waits_for if not self._serving(key)}
-                if not user.waits_for and not user.versions:
+                if not user.waits_for:
                     log.info("loading ensemble '%s' again: its step models are back", user.name)
                     await self.load_guarded(user.name)
 
     def _serving(self, key: ModelKey) -> bool:
         entry = self.models.get(key)
-        return entry is not None and entry.latest_loaded() is not None
+        return entry is not None and entry.unloading is None and entry.latest_loaded() is not None
 
     async def _load_source(self, source: ModelSource, config: str | None = None, as_step: bool = False) -> None:
         entry = self.models.entry(source.key)
