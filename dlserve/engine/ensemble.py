@@ -72,6 +72,11 @@ def validate(config: mc.ModelConfig, model_name: str) -> None:
             raise InvalidArgumentError(f"{where}: step {index} names no model")
         if step.model == model_name:
             raise InvalidArgumentError(f"{where}: step {index} calls the ensemble itself")
+        for field, mapping in (("input_map", step.inputs), ("output_map", step.outputs)):
+            if not mapping:  # (Triton's words)
+                raise InvalidArgumentError(
+                    f"must specify '{field}' in step {index} of ensemble '{model_name}'"
+                )
         for tensor in step.outputs.values():
             if tensor in made:
                 raise InvalidArgumentError(
@@ -175,7 +180,7 @@ def needed_steps(steps: list[Step], wanted: list[str] | None) -> list[int]:
     """The steps that make the ensemble outputs a request asks for, directly or through
     the tensors they read: only these run, as in Triton (which skips the others). All of
     them when the request names no outputs (it gets every output)."""
-    if wanted is None:
+    if not wanted:
         return list(range(len(steps)))
     needed = set(wanted)
     chosen: set[int] = set()

@@ -26,7 +26,8 @@ class InferenceRequest:
 
     ``output_memory_allocator`` (a :class:`dlserve.MemoryAllocator`) gives the memory
     each output is copied into, as tritonserver's. ``requested_output_names``
-    (dlserve's) limits the outputs returned.
+    (dlserve's) limits the outputs returned; None or empty: every output (as Triton reads
+    a request that names none, a BLS request's ``requested_output_names=[]`` too).
     """
 
     model: Model
@@ -89,9 +90,7 @@ def to_engine_request(request: InferenceRequest, deliver: Any) -> Request:
         priority=int(request.priority),
         timeout_us=int(request.timeout),
         parameters=dict(request.parameters),
-        requested_outputs=(
-            None if request.requested_output_names is None else list(request.requested_output_names)
-        ),
+        requested_outputs=list(request.requested_output_names or ()) or None,
     )
 
 

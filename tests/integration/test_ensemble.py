@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import queue
 import re
 import threading
@@ -19,7 +20,7 @@ import dlserve
 from dlserve import ModelControlMode
 from dlserve.frontends import KServeGrpc
 
-from ..conftest import MODELS, frontend, serve
+from ..conftest import MODELS, frontend, serve, wait_until
 
 LOADED = ["pipeline", "add_sub", "identity", "faulty", "stream_double", "decoupled", "double"]
 REFERENCE = Path(__file__).parents[1] / "data" / "triton_reference"  # captured from Triton 2.51
@@ -84,6 +85,9 @@ def test_only_the_requested_outputs_come_back_and_only_their_steps_run(server):
     assert outputs(response) == {"DIFF": (A - B).tolist()}
     after = runs()
     assert {m: after[m] - before[m] for m in after} == {"add_sub": 1, "identity": 1}
+    # none named is every output, as Triton reads it (and every step runs)
+    (response,) = server.model("pipeline").infer(inputs={"A": A, "B": B}, requested_output_names=[])
+    assert outputs(response) == {"SUM": (A + B).tolist(), "DIFF": (A - B).tolist()}
 
 
 def test_tritonclient_grpc_sees_an_ordinary_model(server):
@@ -449,6 +453,36 @@ def test_an_ensemble_comes_back_when_its_step_loads_for_another_ensemble(make_re
     assert server.model("add_sub").ready() and server.model("pipeline").ready()
 
 
+def test_a_load_while_an_ensemble_drains_does_not_lose_its_way_back(make_repo, servers, tmp_path):
+    """guarded (identity then faulty) drains a held request while faulty unloads under it;
+    a load of another model meanwhile must not take faulty for back (it still serves
+    until guarded has drained): faulty loaded again brings guarded back."""
+    guarded = {"guarded": {"config.pbtxt": GUARDED, "1/.keep": ""}}
+    repo = make_repo("identity", "faulty", "double", extra=guarded)
+    server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT)
+    server.load("guarded")
+    release = tmp_path / "release"
+    answers: list = []
+    held = threading.Thread(target=lambda: answers.extend(server.model("guarded").infer(
+        inputs={"X": np.ones(2, np.float32)},
+        parameters={"mode": f"hold:{release}"},
+        raise_on_error=False,
+    )))
+    held.start()
+    wait_until(lambda: os.path.exists(f"{release}.held"))
+    unloading = threading.Thread(target=lambda: server.unload("faulty", wait_until_unloaded=True))
+    unloading.start()
+    wait_until(lambda: not server.model("guarded").ready())  # draining
+    server.load("double")
+    release.touch()
+    held.join(30)
+    unloading.join(30)
+    assert [a.error for a in answers] == [None]  # the held request was answered
+    assert not server.model("guarded").ready() and not server.model("faulty").ready()
+    server.load("faulty")
+    assert server.model("guarded").ready()
+
+
 def test_ensembles_of_ensembles_come_back_with_their_step_model_one_load_at_a_time(make_repo, servers):
     """outer runs pipeline runs add_sub: add_sub back brings pipeline, which brings outer, with
     model_load_thread_count 1 too (those loads take no turn of their own, so none waits for
@@ -489,10 +523,16 @@ def test_ensembles_of_ensembles_come_back_with_their_step_model_one_load_at_a_ti
             '{ model_name: "identity" input_map { key: "INPUT0" value: "X" } output_map { key: "OUTPUT0" value: "Y" } }',
             "wait on each other's outputs (a cycle)",
         ),
-        # Triton 2.51's words (side by side; its stray quote too)
+        # Triton 2.51's words (side by side, or from its source for the maps)
         (
             '{ model_name: "identity" output_map { key: "OUTPUT0" value: "Y" } }',
-            "ensemble input 'X' for ensemble bad' is not used",
+            "must specify 'input_map' in step 0 of ensemble 'bad'",
+        ),
+        (
+            '{ model_name: "identity" input_map { key: "INPUT0" value: "X" } '
+            'output_map { key: "OUTPUT0" value: "Y" } }, '
+            '{ model_name: "identity" input_map { key: "INPUT0" value: "X" } }',
+            "must specify 'output_map' in step 1 of ensemble 'bad'",
         ),
         (
             '{ model_name: "identity" input_map { key: "INPUT0" value: "X" } '
@@ -503,8 +543,8 @@ def test_ensembles_of_ensembles_come_back_with_their_step_model_one_load_at_a_ti
         ),
     ],
     ids=[
-        "no-steps", "unknown-tensor", "output-not-made", "made-twice", "cycle", "unused-input",
-        "unused-tensor",
+        "no-steps", "unknown-tensor", "output-not-made", "made-twice", "cycle", "no-input-map",
+        "no-output-map", "unused-tensor",
     ],
 )
 def test_a_bad_ensemble_config_is_refused_with_the_reason(make_repo, servers, steps, message):

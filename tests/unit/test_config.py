@@ -573,6 +573,24 @@ def test_validate_ensemble_scheduling_goes_with_the_ensemble_platform():
     assert invalid('platform: "ensemble"') == expected
 
 
+def test_an_ensemble_input_no_step_reads_is_refused_as_in_triton():
+    from dlserve.engine import ensemble
+
+    config = parse(
+        'platform: "ensemble" '
+        'input [ { name: "A" data_type: TYPE_FP32 dims: [ 1 ] }, '
+        '{ name: "B" data_type: TYPE_FP32 dims: [ 1 ] } ] '
+        'output [ { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] } ] '
+        'ensemble_scheduling { step [ { model_name: "identity" '
+        'input_map { key: "INPUT0" value: "A" } output_map { key: "OUTPUT0" value: "Y" } } ] }',
+        name="e",
+    )
+    with pytest.raises(InvalidArgumentError) as info:
+        ensemble.validate(config, "e")
+    # (Triton's words, its stray quote too)
+    assert info.value.message == "ensemble input 'B' for ensemble e' is not used"
+
+
 def test_sequence_batching_defaults_and_control_inputs():
     config = completed("sequence_batching { }")
     assert config.sequence_batching.max_sequence_idle_microseconds == 1_000_000
