@@ -77,7 +77,9 @@ def server_tls(options: Any) -> ssl.SSLContext:
     if root:
         _read(root, "root certificate")
     try:
-        return tls_context(options.server_cert, options.server_key, root or None, bool(root))
+        return tls_context(
+            options.server_cert, options.server_key, root or None, bool(options.use_mutual_auth)
+        )
     except ssl.SSLError as exc:
         raise InvalidArgumentError(f"unable to use the TLS key and certificates: {exc}") from None
 
