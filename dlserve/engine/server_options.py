@@ -151,16 +151,19 @@ class Options:
 
     def _worker_arena(self) -> tuple[int, int]:
         """A worker's first shared-memory segment and each one it adds, in bytes: the
-        Python backend's shm-default-byte-size and shm-growth-byte-size (16 MiB each
-        unless set). Values tritonserver would fail every load over are refused here."""
+        Python backend's shm-default-byte-size (16 MiB unless set) and shm-growth-byte-size
+        (unless set, the first one's size). Values tritonserver would fail every load over
+        are refused here."""
         python = self.backend_configuration.get("python", {})
-        sizes = []
-        for key in ("shm-default-byte-size", "shm-growth-byte-size"):
+
+        def size(key: str, default: int) -> int:
             try:
-                sizes.append(int(python.get(key, 16 * _MIB)))
+                return int(python.get(key, default))
             except ValueError:
                 raise InvalidArgumentError(f"{key} must be an integer") from None
-        worker_bytes, growth_bytes = sizes
+
+        worker_bytes = size("shm-default-byte-size", 16 * _MIB)
+        growth_bytes = size("shm-growth-byte-size", worker_bytes)
         if worker_bytes < _MIB:
             raise InvalidArgumentError("shm-default-byte-size must be at least 1 MiB")
         if growth_bytes <= 0:  # (Triton's words)
