@@ -187,6 +187,8 @@ def test_bad_python_backend_settings_are_refused(tmp_path, settings, message):
 
 def test_unless_set_a_workers_added_segments_are_as_large_as_its_first(tmp_path):
     python = {"shm-default-byte-size": str(2 * MIB)}
-    options = dlserve.Options(model_repository=str(tmp_path), backend_configuration={"python": python})
+    options = dlserve.Options(
+        model_repository=str(tmp_path), backend_configuration={"python": python}
+    )
     settings = options.engine_settings()
     assert (settings.worker_arena_bytes, settings.worker_arena_growth_bytes) == (2 * MIB, 2 * MIB)
