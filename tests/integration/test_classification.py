@@ -153,8 +153,7 @@ def test_a_model_whose_label_file_is_missing_fails_to_load(servers, make_repo):
     with pytest.raises(InvalidArgumentError) as info:
         server.load("classifier")
     missing = repo / "classifier" / "labels.txt"
-    assert f"Internal: failed to open text file for read {missing}: No such file or directory" in str(
-        info.value
-    )
+    expected = f"Internal: failed to open text file for read {missing}: No such file or directory"
+    assert expected in str(info.value)
     assert not server.model("classifier").ready()
 

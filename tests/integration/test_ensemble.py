@@ -607,10 +607,10 @@ def test_an_ensemble_that_does_not_fit_its_steps_fails_to_load_as_in_triton(make
     server = servers.start(repo, exit_on_error=False)
     reasons = {name: entry.reason for (name, _), entry in server.models().items() if entry.state != "READY"}
     assert reasons == {
-        "a_bad_input": "in ensemble a_bad_input, ensemble tensor EIN is mapping to non-existing input "
-        "NOPE in model identity",
-        "a_bad_output": "in ensemble a_bad_output, ensemble tensor EOUT is mapped from non-existing "
-        "output NOPE in model identity",
+        "a_bad_input": "in ensemble a_bad_input, ensemble tensor EIN is mapping to non-existing "
+        "input NOPE in model identity",
+        "a_bad_output": "in ensemble a_bad_output, ensemble tensor EOUT is mapped from "
+        "non-existing output NOPE in model identity",
         "a_pinned_missing": "ensemble 'a_pinned_missing' depends on 'identity' whose required version 7 is not loaded.",
         "a_bigger_batches": "ensemble a_bigger_batches allows maximum batch size 8, but it contains model "
         "identity which only allows maximum batch size to be 0",

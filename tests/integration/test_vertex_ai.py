@@ -80,7 +80,9 @@ def test_the_redirect_header_reaches_kserve_endpoints(servers, make_repo):
         assert status == 200 and json.loads(body)[0]["name"] == "add_sub"
         status, _, body = redirect("v2/models/add_sub/config")
         assert status == 200 and json.loads(body)["name"] == "add_sub"
-        gzip_ok = {"X-Vertex-Ai-Triton-Redirect": "v2/models/add_sub/infer", "Accept-Encoding": "gzip"}
+        gzip_ok = {
+            "X-Vertex-Ai-Triton-Redirect": "v2/models/add_sub/infer", "Accept-Encoding": "gzip"
+        }
         body = json.dumps(add_sub_body()).encode()
         status, headers, body = call(service.port, PREDICT_PATH, body, "POST", gzip_ok)
         assert status == 200 and json.loads(body)["model_name"] == "add_sub"

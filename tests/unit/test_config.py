@@ -484,15 +484,26 @@ def test_validate_tensor_without_name():
         ("[ 2 ]", "[ ]", "has different size for dims and reshape"),
         ("[ -1, 4 ]", "[ 4 ]", "has different size for dims and reshape"),
         ("[ 2, 3 ]", "[ -1 ]", "has different size for dims and reshape"),
-        ("[ -1, 4 ]", "[ -1, 2, -1 ]", "has different number of variable-size dimensions for dims and reshape"),
+        (
+            "[ -1, 4 ]",
+            "[ -1, 2, -1 ]",
+            "has different number of variable-size dimensions for dims and reshape",
+        ),
         ("[ 2, 4, -1, 6 ]", "[ 2, -1, 24 ]", "has different size for dims and reshape"),
         ("[ -1, 4 ]", "[ 2, -1, 2 ]", "has different size for dims and reshape"),
         ("[ -1, 2 ]", "[ 2, -1 ]", "has different size for dims and reshape"),
-        ("[ 4 ]", "[ 2, 0 ]", "reshape dimensions must be integer >= 1, or -1 to indicate a variable-size dimension"),
+        (
+            "[ 4 ]",
+            "[ 2, 0 ]",
+            "reshape dimensions must be integer >= 1, or -1 to indicate a variable-size dimension",
+        ),
     ],
 )
 def test_validate_bad_reshape(dims, shape, why):
-    config = f'max_batch_size: 1 output [ {{ name: "R" data_type: TYPE_FP32 dims: {dims} reshape: {{ shape: {shape} }} }} ]'
+    config = (
+        'max_batch_size: 1 output [ { name: "R" data_type: TYPE_FP32 '
+        f"dims: {dims} reshape: {{ shape: {shape} }} }} ]"
+    )
     assert invalid(config) == f"InvalidArgumentError: model output 'R' {why} for m"
 
 
@@ -502,7 +513,8 @@ def test_validate_good_reshapes():
             'max_batch_size: 2 input [ { name: "A" data_type: TYPE_FP32 dims: [ 1 ] reshape: { shape: [ ] } } ] '
             'output [ { name: "R" data_type: TYPE_FP32 dims: [ 2, 3 ] reshape: { shape: [ 6 ] } }, '
             '{ name: "V" data_type: TYPE_FP32 dims: [ -1, 4 ] reshape: { shape: [ -1, 2, 2 ] } }, '
-            '{ name: "W" data_type: TYPE_FP32 dims: [ 2, 4, -1, 6 ] reshape: { shape: [ 8, -1, 1, 6 ] } } ]'
+            '{ name: "W" data_type: TYPE_FP32 dims: [ 2, 4, -1, 6 ] '
+            'reshape: { shape: [ 8, -1, 1, 6 ] } } ]'
         ),
         "m",
     )
