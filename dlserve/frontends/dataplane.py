@@ -80,7 +80,8 @@ class InputSpec:
 @dataclasses.dataclass
 class OutputSpec:
     """A requested output. ``class_count`` > 0: answered as its top entries
-    (the classification extension, :mod:`dlserve.frontends.classification`)."""
+    (the classification extension, :mod:`dlserve.frontends.classification`). Each
+    transport checks the count as Triton's frontend for it does, in its words."""
 
     name: str
     parameters: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -88,17 +89,7 @@ class OutputSpec:
     class_count: int = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
-        count = self.parameters.get(CLASSIFICATION, 0)
-        given = CLASSIFICATION in self.parameters
-        if isinstance(count, bool) or not isinstance(count, int) or count < 0 or (given and count == 0):
-            raise InvalidArgumentError(  # Triton's gRPC words (0 sent is refused too)
-                f"invalid value for '{CLASSIFICATION}' parameter, expected >= 0"
-            )
-        if count and self.shm is not None:
-            raise InvalidArgumentError(
-                f"output can't set both 'shared_memory_region' and '{CLASSIFICATION}'"
-            )
-        self.class_count = count
+        self.class_count = self.parameters.get(CLASSIFICATION, 0)
 
 
 def shm_ref(parameters: dict[str, Any], what: str) -> ShmRef | None:

@@ -35,7 +35,15 @@ from google.protobuf import json_format
 from dlserve.engine.request import Request
 from dlserve.engine.tracing import Trace
 from dlserve.errors import InvalidArgumentError, TritonError, UnsupportedError
-from dlserve.frontends.dataplane import DataPlane, InputSpec, OutputSpec, forward_pattern, shm_ref
+from dlserve.frontends.dataplane import (
+    CLASSIFICATION,
+    DataPlane,
+    InputSpec,
+    OutputSpec,
+    ShmRef,
+    forward_pattern,
+    shm_ref,
+)
 from dlserve.frontends.grpc_calls import GRPC_CODES, Abort, status_of
 from dlserve.frontends.grpc_codec import (
     Answer,
@@ -409,11 +417,9 @@ class InferenceServicer:
                 output_parameters = (
                     plain_parameters(output.parameters) if output.parameters else {}
                 )
-                spec_out = OutputSpec(
-                    output.name,
-                    output_parameters,
-                    shm_ref(output_parameters, f"output '{output.name}'"),
-                )
+                ref = shm_ref(output_parameters, f"output '{output.name}'")
+                _check_classification(output_parameters, ref)
+                spec_out = OutputSpec(output.name, output_parameters, ref)
                 outputs.append(spec_out)
                 if spec_out.shm is not None or spec_out.class_count:
                     if specs is None:
@@ -509,6 +515,20 @@ class InferenceServicer:
             except Exception:  # noqa: BLE001 - the stream already failed; do not mask it
                 log.exception("gRPC stream reader failed")
 
+
+def _check_classification(parameters: dict[str, Any], shm: ShmRef | None) -> None:
+    """An output's class count as Triton's gRPC frontend checks it (a 0 sent is refused
+    too), in its words."""
+    if CLASSIFICATION in parameters:
+        count = parameters[CLASSIFICATION]
+        if isinstance(count, bool) or not isinstance(count, int) or count <= 0:
+            raise InvalidArgumentError(
+                f"invalid value for '{CLASSIFICATION}' parameter, expected >= 0"
+            )
+        if shm is not None:
+            raise InvalidArgumentError(
+                f"output can't set both 'shared_memory_region' and '{CLASSIFICATION}'"
+            )
 
 
 __all__ = ["GRPC_CODES", "InferenceServicer"]
