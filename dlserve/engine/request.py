@@ -249,7 +249,8 @@ def validate_request(request: Request, signature: Signature) -> int:
                     f"for '{name}'"
                 )
             batch_size = shape[0]
-            if batch_size == 0:  # (Triton 2.51 never answers it: side by side, a client timeout)
+            if batch_size == 0:  # (Triton 2.51 answers a byte size mismatch, hangs or crashes,
+                # by the model: side by side. Named plainly here.)
                 raise InvalidArgumentError(
                     f"{request.label}inference request batch-size must be >= 1 for '{name}'"
                 )

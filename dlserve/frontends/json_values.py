@@ -153,8 +153,6 @@ def from_json(data_type: DataType, data: Any) -> np.ndarray:
         if kinds - {bool}:
             raise TypeError("BOOL data must be JSON true/false")
         return np.array(flat, dtype=np.bool_)
-    if data_type in (DataType.FP16, DataType.BF16):
-        raise TypeError(f"{data_type.name} data must be sent as binary data")
     if data_type in _INTEGER_KINDS:
         if kinds - {int}:
             raise TypeError(f"{data_type.name} data must be JSON integers")

@@ -46,6 +46,7 @@ from tritonclient.utils import InferenceServerException
 import dlserve
 from dlserve import ModelControlMode
 from dlserve.frontends import KServeGrpc, KServeHttp
+from dlserve.memory.dtypes import DataType, numpy_dtype
 
 from ..conftest import MODELS, ServerHarness, wait_until
 from .http_helpers import (
@@ -1209,15 +1210,22 @@ def test_bf16_travels_as_its_uint16_bits(port):
     header, blobs = split_binary_response(reply)
     assert header["outputs"][0]["datatype"] == "BF16"
     assert np.frombuffer(blobs["OUT_BF16"], dtype=np.uint16).tolist() == bits.reshape(-1).tolist()
-    # Half-precision types cannot be written as JSON numbers.
+    # Half-precision types travel as JSON numbers too, both ways (the KServe v2 protocol
+    # allows it; Triton refuses both directions): rounded to the type on the way in.
     for datatype in ("BF16", "FP16"):
-        suffix = datatype
         body = json_infer(
-            [{"name": f"IN_{suffix}", "datatype": datatype, "shape": [1, 1], "data": [1.5]}]
+            [{"name": f"IN_{datatype}", "datatype": datatype, "shape": [1, 3],
+              "data": [1.5, -2.25, 0.1]}],
+            outputs=[{"name": f"OUT_{datatype}"}],
         )
-        assert_error(
-            request(port, "POST", "/v2/models/dtypes_echo/infer", body), 400, "binary data"
-        )
+        reply = request(port, "POST", "/v2/models/dtypes_echo/infer", body)
+        assert reply.status == 200, reply.body
+        output = json.loads(reply.body)["outputs"][0]
+        assert output["datatype"] == datatype and output["shape"] == [1, 3]
+        half = numpy_dtype(DataType[datatype])
+        rounded = np.array([1.5, -2.25, 0.1], dtype=half)
+        assert np.array(output["data"], dtype=half).tobytes() == rounded.tobytes()
+        assert output["data"][2] != 0.1  # (0.1 has no exact half-precision value)
 
 
 @pytest.mark.parametrize(
