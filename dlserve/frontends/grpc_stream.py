@@ -77,8 +77,8 @@ class InferStream:
         self.room = asyncio.Event()  # set when an answer leaves the queue
         self.reading = True
         self.failure: Abort | None = None
-        self.errors_end_call = any(
-            key.lower() == ERRORS_END_CALL and str(value).lower() == "true"
+        self.errors_end_call = any(  # (only "true" as written, as Triton reads it)
+            key.lower() == ERRORS_END_CALL and value == "true"
             for key, value in context.invocation_metadata()
         )
 
@@ -137,10 +137,9 @@ class InferStream:
     def refuse(
         self, message: pb.ModelInferRequest, error: TritonError, place: _InOrder | None = None
     ) -> None:
-        if self.errors_end_call:
-            self.end_with(error)
-            return
-        # Refused before reaching a model: Triton answers with just the request id.
+        """A request refused before it reached a model: answered on the stream with just
+        its id, which goes on, with or without ``triton_grpc_error`` (as in Triton,
+        whose header ends the call only on a model's errors)."""
         answer = pb.ModelStreamInferResponse(
             error_message=error.message, infer_response=pb.ModelInferResponse(id=message.id)
         )

@@ -780,6 +780,39 @@ def test_a_stream_asking_for_triton_grpc_error_ends_with_the_first_errors_status
     assert "custom error" in ended[1].message()
 
 
+def test_triton_grpc_error_leaves_refusals_on_the_stream_and_reads_only_true(client):
+    """As Triton 2.51, side by side: with ``triton_grpc_error: true`` a request refused
+    before it reaches a model (unknown model, bad input) is answered on the stream, which
+    goes on; and only "true" as written asks for the mode ("True" does not)."""
+    for header, model_error_ends_call in (("true", True), ("True", False)):
+        results: queue.SimpleQueue = queue.SimpleQueue()
+        client.start_stream(
+            callback=lambda result, error: results.put((result, error)),
+            headers={"triton_grpc_error": header},
+        )
+        try:
+            client.async_stream_infer("nope", add_sub_inputs(), request_id="r1")
+            client.async_stream_infer("add_sub", [fp32_input("INPUT0", A)], request_id="r2")
+            client.async_stream_infer("add_sub", add_sub_inputs(), request_id="r3")
+            got = [results.get(timeout=30) for _ in range(3)]
+            client.async_stream_infer(
+                "faulty", [fp32_input("INPUT0", ONES[:2])], request_id="r4",
+                parameters={"mode": "error:NOT_FOUND"},
+            )
+            failed = results.get(timeout=30)
+            if not model_error_ends_call:
+                client.async_stream_infer("add_sub", add_sub_inputs(), request_id="r5")
+                after = results.get(timeout=30)
+                assert after[1] is None and after[0].get_response().id == "r5"
+        finally:
+            client.stop_stream()
+        assert got[0][1].message() == "Request for unknown model: 'nope' is not found"
+        assert "INPUT1" in got[1][1].message()
+        assert got[2][1] is None and got[2][0].get_response().id == "r3"
+        assert "custom error" in failed[1].message()
+        assert (failed[1].status() == "StatusCode.NOT_FOUND") is model_error_ends_call
+
+
 def test_stream_error_responses_carry_ids(stub):
     requests = [raw_request("nope", id="a"), raw_request(id="b")]
     responses = {r.infer_response.id: r for r in stub.ModelStreamInfer(iter(requests), timeout=30)}
