@@ -276,9 +276,10 @@ def _warn_ignored(args: argparse.Namespace, backend_wide_config: list[str]) -> N
         log.warning("--backend-config %s (for every backend) has no effect in dlserve", entry)
     if args.response_cache_byte_size is not None:
         log.warning("--response-cache-byte-size is deprecated: use --cache-config local,size=BYTES")
-    for entry in args.trace_config:
-        if entry.startswith("opentelemetry,"):
-            log.warning("--trace-config %s has no effect: dlserve writes Triton's trace files", entry)
+    if "mode=opentelemetry" not in _trace_entries(args):
+        for entry in args.trace_config:
+            if entry.startswith("opentelemetry,"):
+                log.warning("--trace-config %s has no effect: the trace mode is triton", entry)
 
 
 def _grouped_settings(
@@ -326,23 +327,37 @@ def _trace_entries(args: argparse.Namespace) -> list[str]:
 
 def _trace_settings(entries: list[str]) -> TraceSettings:
     """``--trace-config`` entries (``[triton,]setting=value``) as TraceSettings."""
-    from dlserve.engine.tracing import TraceSettings  # the engine loads only to serve
+    from dlserve.engine.otel import OtelSettings  # the engine loads only to serve
+    from dlserve.engine.tracing import TraceSettings
 
     settings = TraceSettings()
     levels: list[str] = []
+    opentelemetry: list[tuple[str, str]] = []  # (used only in that mode, as by tritonserver)
     for entry in entries:
+        if entry.startswith("opentelemetry,"):
+            key, sep, value = entry.removeprefix("opentelemetry,").partition("=")
+            if not sep or not key:  # (tritonserver's words)
+                raise SystemExit(
+                    "dlserve: --trace-config option format is '<trace mode>,<setting>=<value>'. "
+                    f"Got {entry}"
+                )
+            opentelemetry.append((key, value))
+            continue
         mode, _, setting = entry.rpartition(",")
-        if mode == "opentelemetry":
-            continue  # (a mode not in use: ignored, as tritonserver does; _warn_ignored says so)
         key, sep, value = setting.partition("=")
         field = _TRACE_KEYS.get(key)
         if mode not in ("", "triton") or not sep or field is None:
             raise SystemExit(
-                f"dlserve: --trace-config '{entry}' must look like [triton,]SETTING=VALUE with SETTING "
-                f"one of {', '.join(_TRACE_KEYS)} (only Triton's trace files are written)"
+                f"dlserve: --trace-config '{entry}' must look like [MODE,]SETTING=VALUE with MODE "
+                f"triton or opentelemetry, and a triton SETTING one of {', '.join(_TRACE_KEYS)}"
             )
         if field == "level":
             levels.append(_TRACE_LEVEL_WORDS.get(value.lower(), value.upper()))
+        elif field == "mode" and value not in ("triton", "opentelemetry"):  # (tritonserver's words)
+            raise SystemExit(
+                f"dlserve: invalid value for trace mode option: {value}. "
+                'Available options are "triton" and "opentelemetry"'
+            )
         elif field in ("file", "mode"):
             setattr(settings, field, value)
         else:
@@ -352,6 +367,10 @@ def _trace_settings(entries: list[str]) -> TraceSettings:
                 raise SystemExit(f"dlserve: --trace-config {key} must be an integer, got '{value}'") from None
     if levels:  # each adds to the others, as in tritonserver (OFF adds nothing)
         settings.level = tuple(dict.fromkeys(level for level in levels if level != "OFF")) or ("OFF",)
+    try:
+        settings.opentelemetry = OtelSettings(tuple(opentelemetry))
+    except ValueError as exc:
+        raise SystemExit(f"dlserve: {exc}") from None
     return settings
 
 

@@ -436,7 +436,9 @@ class Engine:
         """Queue a request :meth:`prepare` accepted (on the loop)."""
         trace = request.trace
         if trace is None and sample and self.tracer.enabled:
-            trace = request.trace = self.tracer.start(model.name, request.request_id)
+            trace = request.trace = self.tracer.start(
+                model.name, request.request_id, request.trace_context
+            )
         if trace is not None:
             trace.model_version = model.version
             trace.record("REQUEST_START", request.arrival_ns)

@@ -347,7 +347,7 @@ class ModelInstance:
                         out.add(name, Tensor(DataType.UINT8, view.shape, data=view), by_reference=True)
                         for name, view in r.output_buffers.items()
                     ],
-                    0 if r.trace is None else r.trace.id,  # for the model's BLS calls
+                    0 if r.trace is None else r.trace.for_worker(),  # for BLS calls, get_context()
                 )
                 for handle, r in zip(handles, requests)
             ]

@@ -100,6 +100,8 @@ class Request:
     compute_infer_ns: int = 0
     compute_output_ns: int = 0
     trace: Trace | None = None  # set when the request is sampled for tracing
+    # W3C traceparent and tracestate the client sent (read in OpenTelemetry trace mode)
+    trace_context: tuple[str, str] | None = None
     # (instance, handle) a rescheduled request keeps for its next execute on that instance
     resumes: tuple[Any, int] | None = None
 

@@ -1,4 +1,5 @@
-"""Triton's request tracing in its "triton" mode: sampled requests' timestamps in a JSON file.
+"""Triton's request tracing: sampled requests' timestamps in a JSON file ("triton" mode)
+or as OpenTelemetry spans sent to a collector ("opentelemetry" mode, :mod:`dlserve.engine.otel`).
 
 Settings (``--trace-config``, the trace extension's ``trace/setting`` endpoints) live in
 one :class:`Tracer`: server-wide values, and per model only the values a client set for
@@ -26,6 +27,11 @@ Files are Triton's: a JSON array of ``{"id", "model_name", "model_version", "req
 by Triton's rules (see :class:`_Sampling`): N traces to a file with a ``log_frequency``
 of N, and the traces of a ``trace_count`` to one file once it is spent. A model with
 settings of its own has its traces gathered apart, into the same files.
+
+In OpenTelemetry mode the same sampling picks the requests (one that carries a W3C
+``traceparent`` is traced whatever the rate and count say, as in Triton) and each trace
+goes to :class:`~dlserve.engine.otel.OtlpExporter` instead of a file; the settings shown
+are Triton's for that mode (no file or log frequency; the OpenTelemetry ones).
 """
 
 from __future__ import annotations
@@ -39,8 +45,10 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
+from dlserve.engine import otel
+from dlserve.engine.otel import OtelSettings, OtlpExporter, SpanIds
 from dlserve.errors import InvalidArgumentError, UnsupportedError
 from dlserve.memory.dtypes import DataType
 from dlserve.memory.tensor import Tensor
@@ -51,6 +59,7 @@ LEVELS = ("OFF", "TIMESTAMPS", "TENSORS")
 # In the order Triton answers them.
 _NAMES = ("trace_level", "trace_rate", "trace_count", "log_frequency", "trace_file", "trace_mode")
 _SERVER_WIDE = ("trace_file", "trace_mode")
+_OTEL_NAMES = ("trace_level", "trace_rate", "trace_count", "trace_mode")  # then its own
 
 
 @dataclasses.dataclass
@@ -62,12 +71,13 @@ class TraceSettings:
     rate: int = 1000
     count: int = -1
     log_frequency: int = 0
-    mode: str = "triton"
+    mode: str = "triton"  # or "opentelemetry"
+    opentelemetry: OtelSettings = dataclasses.field(default_factory=OtelSettings)
 
     def values(self) -> dict[str, Any]:
         """The settings under their trace-extension names, checked."""
-        values: dict[str, Any] = {"trace_file": self.file, "trace_mode": "triton"}
-        if self.mode != "triton":
+        values: dict[str, Any] = {"trace_file": self.file, "trace_mode": self.mode}
+        if self.mode not in ("triton", otel.MODE):
             raise UnsupportedError(_unsupported_mode(self.mode))
         for name, value in (
             ("trace_level", list(self.level)),
@@ -79,8 +89,11 @@ class TraceSettings:
         return values
 
 
-def _unsupported_mode(mode: str) -> str:
-    return f"trace mode '{mode}' is not supported: dlserve writes Triton's trace files"
+def _unsupported_mode(mode: str) -> str:  # (tritonserver's words)
+    return (
+        f"invalid value for trace mode option: {mode}. "
+        'Available options are "triton" and "opentelemetry"'
+    )
 
 
 def _integer(name: str, value: Any, least: int) -> int:
@@ -144,7 +157,8 @@ class Trace:
 
     __slots__ = (
         "tracer", "id", "parent_id", "model_name", "model_version", "request_id", "levels",
-        "events", "tensors", "sampling", "root", "group", "_holds", "_discarded",
+        "events", "tensors", "sampling", "root", "group", "span_ids", "started_ns", "ended_ns",
+        "_holds", "_discarded",
     )
 
     def __init__(
@@ -169,6 +183,9 @@ class Trace:
         # as one sample, as Triton writes a request's traces: the root's group holds them.
         self.root: Trace | None = None
         self.group: list[Trace] = []
+        self.span_ids: SpanIds | None = None  # in OpenTelemetry mode
+        self.started_ns = time.monotonic_ns()
+        self.ended_ns = 0  # when its last holder let go
         self._holds = 1  # the engine's, let go after the final response
         self._discarded = False
         tracer._open[self.id] = self
@@ -189,6 +206,7 @@ class Trace:
     def child(self, model_name: str, request_id: str) -> Trace:
         """The trace of a request this one makes (an ensemble step, a BLS call)."""
         child = Trace(self.tracer, model_name, request_id, self.levels, parent_id=self.id)
+        child.span_ids = None if self.span_ids is None else self.span_ids.child()
         child.root = self.root or self
         child.root.hold()  # (let go when the child is written into its group)
         return child
@@ -200,6 +218,7 @@ class Trace:
     def release(self) -> None:
         self._holds -= 1
         if self._holds == 0:
+            self.ended_ns = time.monotonic_ns()
             del self.tracer._open[self.id]
             if not self._discarded:
                 self.tracer._finished(self)
@@ -213,6 +232,13 @@ class Trace:
             asyncio.get_running_loop().call_soon(self.release)
         except RuntimeError:  # no loop any more (the server is being killed)
             self.release()
+
+    def for_worker(self) -> int | tuple[int, str]:
+        """What the model's worker gets: the trace's id (for the model's BLS calls) and, in
+        OpenTelemetry mode with timestamps, the context ``get_context()`` returns."""
+        if self.span_ids is None or "TIMESTAMPS" not in self.levels:
+            return self.id
+        return (self.id, self.span_ids.context_json())
 
     def discard(self) -> None:
         """The request never started (refused before it was queued): write nothing."""
@@ -256,6 +282,15 @@ def _tensor_entry(name: str, tensor: Tensor) -> dict[str, str]:
         "shape": ",".join(str(d) for d in tensor.shape),
         "dtype": data_type.wire_name,
     }
+
+
+class _Output(Protocol):
+    """Where finished traces go: the trace file (:class:`_Writer`) or a collector
+    (:class:`~dlserve.engine.otel.OtlpExporter`)."""
+
+    def write(self, traces: list[Trace], numbered: bool) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class _Writer:
@@ -354,7 +389,11 @@ class _Sampling:
         self.started += 1
         return True
 
-    def finish(self, traces: list[Trace], writer: _Writer) -> None:
+    def admit(self) -> None:
+        """A request traced whatever the rate and count say (a client's OpenTelemetry span)."""
+        self.started += 1
+
+    def finish(self, traces: list[Trace], writer: _Output) -> None:
         """Write one sample (a request's traces) or hold it."""
         self.finished += 1
         if not self.limited and not self.log_frequency:
@@ -368,13 +407,13 @@ class _Sampling:
         elif self.retired and self.finished == self.started:
             self.flush(writer, numbered=self.log_frequency > 0)
 
-    def retire(self, writer: _Writer) -> None:
+    def retire(self, writer: _Output) -> None:
         """Newer settings replace these: what is held goes out once all have finished."""
         self.retired = True
         if self.finished == self.started:
             self.flush(writer, numbered=self.log_frequency > 0)
 
-    def flush(self, writer: _Writer, numbered: bool) -> None:
+    def flush(self, writer: _Output, numbered: bool) -> None:
         if self.pending:
             pending, self.pending = self.pending, []
             writer.write([trace for sample in pending for trace in sample], numbered)
@@ -385,6 +424,8 @@ class Tracer:
 
     def __init__(self, settings: TraceSettings, has_model: Callable[[str], bool]) -> None:
         self._startup = settings.values()
+        self.exporting = settings.mode == otel.MODE  # OpenTelemetry: spans, not a file
+        self._otel = settings.opentelemetry
         self._global = dict(self._startup)
         self._models: dict[str, dict[str, Any]] = {}
         self._has_model = has_model
@@ -392,7 +433,11 @@ class Tracer:
         self._retired: list[_Sampling] = []  # replaced ones whose traces are still open
         self._ids = itertools.count(1)
         self._open: dict[int, Trace] = {}  # traces not written yet, by id
-        self._writer = _Writer(self._global["trace_file"])
+        self._writer: _Output = (
+            OtlpExporter(settings.opentelemetry)
+            if self.exporting
+            else _Writer(self._global["trace_file"])
+        )
         self._resample(None, self._global["trace_count"])
         self.enabled = False  # may any request be traced now (a cheap check per request)
         self._refresh()
@@ -405,6 +450,9 @@ class Tracer:
         own = self._models.get(model, {}) if model is not None else {}
         values = {**self._global, **own}
         values["trace_count"] = self._scopes[model if own else None].left  # what is left, as Triton shows
+        if self.exporting:
+            shown = {name: _wire(name, values[name]) for name in _OTEL_NAMES}
+            return {**shown, **self._otel.wire()}
         return {name: _wire(name, values[name]) for name in _NAMES}
 
     def update(self, model: str | None, changes: dict[str, Any]) -> dict[str, Any]:
@@ -418,6 +466,12 @@ class Tracer:
             self._check_model(model)
         parsed: dict[str, Any] = {}
         for name, value in changes.items():
+            # Start-up settings (Triton ignores a new mode or OpenTelemetry setting: refused
+            # here, so that a client does not believe it took effect).
+            if name == "trace_mode" and value in (None, self._global["trace_mode"]):
+                continue
+            if name in ("trace_mode", *otel.SETTINGS) and (self.exporting or name == "trace_mode"):
+                raise UnsupportedError(f"'{name}' can not be updated through network protocol")
             if name not in _NAMES:
                 raise InvalidArgumentError(f"unknown trace setting '{name}'")
             if name == "trace_file":
@@ -427,16 +481,13 @@ class Tracer:
             if value is None:
                 parsed[name] = None
                 continue
-            if name == "trace_mode":
-                if value != "triton":
-                    raise UnsupportedError(_unsupported_mode(str(value)))
-                continue
             if model is not None and name in _SERVER_WIDE:
                 raise InvalidArgumentError(
                     f"'{name}' is a server-wide trace setting: set it without a model"
                 )
             parsed[name] = _parse(name, value)
-        if parsed.get("trace_level") not in (None, ("OFF",)) and not self._global["trace_file"]:
+        level_on = parsed.get("trace_level") not in (None, ("OFF",))
+        if level_on and not self._global["trace_file"] and not self.exporting:
             # (Triton's words: nothing could be written, so nothing would be traced)
             raise InvalidArgumentError("Attempting to set invalid trace setting :trace file name is not given")
         if model is None:
@@ -493,13 +544,16 @@ class Tracer:
 
     def _refresh(self) -> None:
         scopes = [self._global, *({**self._global, **m} for m in self._models.values())]
-        self.enabled = bool(self._global["trace_file"]) and any(
+        self.enabled = (self.exporting or bool(self._global["trace_file"])) and any(
             values["trace_level"] != ("OFF",) for values in scopes
         )
 
     # -- tracing ------------------------------------------------------------------------
-    def start(self, model_name: str, request_id: str) -> Trace | None:
-        """A new trace for a request to ``model_name``, or None when it is not sampled."""
+    def start(
+        self, model_name: str, request_id: str, context: tuple[str, str] | None = None
+    ) -> Trace | None:
+        """A new trace for a request to ``model_name``, or None when it is not sampled.
+        ``context``: the W3C traceparent and tracestate the client sent, if any."""
         if not self.enabled:
             return None
         scope = model_name if model_name in self._models else None
@@ -508,10 +562,15 @@ class Tracer:
         if levels == ("OFF",):
             return None
         sampling = self._scopes[scope]
-        if not sampling.sample():
+        ids = SpanIds.start(context) if self.exporting and context is not None else None
+        if ids is not None and ids.parent_span_id:
+            sampling.admit()
+        elif not sampling.sample():
             return None
         trace = Trace(self, model_name, request_id, levels)
         trace.sampling = sampling
+        if self.exporting:
+            trace.span_ids = ids or SpanIds.start(None)
         return trace
 
     def open_trace(self, trace_id: int) -> Trace | None:

@@ -23,6 +23,7 @@ from urllib.parse import unquote
 import numpy as np
 import orjson
 
+from dlserve.engine.otel import w3c_context
 from dlserve.engine.request import Response
 from dlserve.engine.tracing import Trace
 from dlserve.errors import ErrorCode, InvalidArgumentError, TritonError, UnsupportedError
@@ -315,6 +316,8 @@ class KServeHttpApi:
         engine_request = self.dataplane.build_request(
             args["model"], args.get("version"), request_id, parameters, inputs, outputs, forwarded
         )
+        if self.engine.tracer.exporting:
+            engine_request.trace_context = w3c_context(request.headers.items())
         traced = functools.partial(_traced, request) if self.engine.tracer.enabled else None
         response = await self.dataplane.infer(engine_request, traced)
         if response.error is not None:

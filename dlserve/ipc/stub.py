@@ -331,7 +331,7 @@ class Worker:
 
     def _request(self, wire: tuple[Any, ...], inputs: list[Tensor]) -> InferenceRequest:
         (handle, request_id, correlation_id, flags, timeout, parameters, requested, _, buffers,
-         trace_id) = wire
+         trace) = wire
         destinations = None
         if buffers:
             destinations = {}
@@ -341,7 +341,7 @@ class Worker:
         exchange = self.runtime.exchange(handle, requested, destinations, self.decoupled)
         return InferenceRequest._received(
             inputs, requested, request_id, correlation_id, flags, timeout, parameters, exchange,
-            trace_id,
+            trace,
         )
 
     def _failure(self, message: str) -> str:

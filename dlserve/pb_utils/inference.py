@@ -82,16 +82,19 @@ class InferenceTrace:
 
     def __init__(self) -> None:
         self._id = 0  # the server's trace id; 0: not traced
+        self._context: str | None = None
 
     @classmethod
-    def _of(cls, trace_id: int) -> InferenceTrace:
+    def _of(cls, wire: int | tuple[int, str]) -> InferenceTrace:
+        """From the server's ``Trace.for_worker()``: an id, or an id and a context."""
         trace = cls()
-        trace._id = trace_id
+        trace._id, trace._context = wire if isinstance(wire, tuple) else (wire, None)
         return trace
 
     def get_context(self) -> str | None:
-        """The OpenTelemetry context; None, as dlserve writes Triton's trace files only."""
-        return None
+        """The request's OpenTelemetry context as JSON (``{"traceparent": ...}``, the
+        model's own span's) when it is traced in OpenTelemetry mode; else None, as in Triton."""
+        return self._context
 
 
 def binding_text(value: Any) -> str | None:
@@ -180,7 +183,7 @@ class InferenceRequest:
         timeout: int,
         parameters: str,
         exchange: Exchange,
-        trace_id: int = 0,
+        trace: int | tuple[int, str] = 0,
     ) -> InferenceRequest:
         """A request handed to ``execute``: built from trusted values, no re-validation."""
         request = cls.__new__(cls)
@@ -196,7 +199,7 @@ class InferenceRequest:
         request._timeout = timeout
         request._parameters = parameters
         request._preferred_memory = None
-        request._trace = InferenceTrace._of(trace_id) if trace_id else None
+        request._trace = InferenceTrace._of(trace) if trace else None
         return request
 
     def inputs(self) -> list[Tensor]:

@@ -643,7 +643,12 @@ def test_trace_levels_add_up_as_in_tritonserver(levels, expected):
 @pytest.mark.parametrize(
     "flag,message",
     [
-        ("jaeger,url=http://x", "must look like [triton,]SETTING=VALUE"),
+        ("jaeger,url=http://x", "must look like [MODE,]SETTING=VALUE"),
+        ("mode=jaeger", "invalid value for trace mode option: jaeger. Available options are"),
+        ("opentelemetry,url", "format is '<trace mode>,<setting>=<value>'. Got opentelemetry,url"),
+        ("opentelemetry,bsp_schedule_delay=soon",
+         'Bad option: "--trace-config opentelemetry,bsp_schedule_delay". Invalid value for option. '
+         "Got soon"),
         ("rate=often", "rate must be an integer"),
         ("level=LOUD", "unknown trace level 'LOUD'"),
     ],

@@ -326,7 +326,7 @@ def test_grpc_settings_and_errors(traced):
             ("nosuch", {"trace_rate": "2"}, "INVALID_ARGUMENT", "unknown model : nosuch"),
             (None, {"trace_rate": "x"}, "INVALID_ARGUMENT", "Unable to parse 'trace_rate'"),
             (None, {"trace_level": ["LOUD"]}, "INVALID_ARGUMENT", "unknown trace level 'LOUD'"),
-            (None, {"trace_mode": "opentelemetry"}, "UNIMPLEMENTED", "not supported"),
+            (None, {"trace_mode": "opentelemetry"}, "UNIMPLEMENTED", "'trace_mode' can not be"),
             (None, {"sampling": "1"}, "INVALID_ARGUMENT", "unknown trace setting 'sampling'"),
         ]
         for model, changes, code, message in cases:
@@ -396,7 +396,7 @@ def test_options_refuse_bad_trace_settings(tmp_path):
     for settings, message in [
         (dlserve.TraceSettings(rate=-1), "trace_rate"),
         (dlserve.TraceSettings(level=("SOMETIMES",)), "unknown trace level"),
-        (dlserve.TraceSettings(mode="opentelemetry"), "not supported"),
+        (dlserve.TraceSettings(mode="jaeger"), "invalid value for trace mode option: jaeger"),
     ]:
         with pytest.raises(dlserve.TritonError, match=message):
             dlserve.Options(model_repository=str(tmp_path), trace=settings).engine_settings()

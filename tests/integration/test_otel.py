@@ -1,0 +1,244 @@
+"""OpenTelemetry trace mode (``--trace-config mode=opentelemetry``): the spans a real
+OTLP/HTTP receiver (a socket server here) gets, in the shape Triton 2.51 exports them
+(captured side by side: InferRequest > model > compute, BLS calls under their caller's
+model span, the client's W3C traceparent honoured), what a model's
+``request.trace().get_context()`` returns, and the trace-setting endpoints in that mode."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+import dlserve
+from dlserve.engine.otel import OtelSettings
+from dlserve.frontends import KServeGrpc, KServeHttp
+
+from ..conftest import EXAMPLES, MODELS, ServerHarness, frontend
+
+A = np.arange(4, dtype=np.float32)
+CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+CLIENT_SPAN = "00f067aa0ba902b7"
+
+
+class Receiver(http.server.ThreadingHTTPServer):
+    """An OTLP/HTTP collector that keeps every POST's path, content type and JSON body."""
+
+    def __init__(self) -> None:
+        self.posts: list[tuple[str, str, dict]] = []
+        received = self.posts
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                received.append((self.path, self.headers["Content-Type"], json.loads(body)))
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+
+    def spans(self) -> list[dict]:
+        return [
+            span
+            for _, _, body in self.posts
+            for resource in body["resourceSpans"]
+            for scope in resource["scopeSpans"]
+            for span in scope["spans"]
+        ]
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    server = Receiver()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def start(
+    tmp_path: Path, receiver: Receiver, delay_ms: int
+) -> tuple[ServerHarness, dlserve.Server]:
+    repo = tmp_path / "repo"
+    shutil.copytree(EXAMPLES / "add_sub", repo / "add_sub")
+    shutil.copytree(MODELS / "bls_traced", repo / "bls_traced")
+    settings = dlserve.TraceSettings(
+        mode="opentelemetry", level=("TIMESTAMPS",), rate=1,
+        opentelemetry=OtelSettings((
+            ("url", f"127.0.0.1:{receiver.server_address[1]}/v1/traces"),
+            ("resource", "service.name=otel-test"),
+            ("resource", "deployment=ci"),
+            ("bsp_schedule_delay", str(delay_ms)),
+        )),
+    )
+    harness = ServerHarness()
+    server = harness.start(repo, trace=settings)
+    deadline = time.monotonic() + 60
+    while not server.ready():
+        assert time.monotonic() < deadline, "models not ready"
+        time.sleep(0.05)
+    return harness, server
+
+
+def inputs(module):
+    tensors = [module.InferInput(name, [4], "FP32") for name in ("INPUT0", "INPUT1")]
+    for tensor in tensors:
+        tensor.set_data_from_numpy(A)
+    return tensors
+
+
+def by_name(spans: list[dict]) -> dict[str, dict]:
+    return {span["name"]: span for span in spans}
+
+
+def attributes(span: dict) -> dict[str, object]:
+    return {a["key"]: next(iter(a["value"].values())) for a in span.get("attributes", [])}
+
+
+def events(span: dict) -> list[str]:
+    return [event["name"] for event in span["events"]]
+
+
+def test_spans_reach_the_collector_as_triton_exports_them(tmp_path, receiver):
+    # A long schedule delay: the spans are sent when the server stops, not before.
+    harness, server = start(tmp_path, receiver, delay_ms=60_000)
+    try:
+        for http_port in frontend(KServeHttp, server):
+            for grpc_port in frontend(KServeGrpc, server):
+                with httpclient.InferenceServerClient(f"127.0.0.1:{http_port}") as client:
+                    client.infer(
+                        "add_sub", inputs(httpclient), request_id="h1",
+                        headers={"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01",
+                                 "tracestate": "vendor=1"},
+                    )
+                with grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}") as client:
+                    result = client.infer("bls_traced", inputs(grpcclient), request_id="g1")
+                    context = json.loads(result.as_numpy("TRACE_CONTEXT")[0])
+                time.sleep(0.5)
+                assert receiver.posts == []  # (still batched)
+    finally:
+        harness.close()
+    path, content_type, body = receiver.posts[0]
+    assert (path, content_type) == ("/v1/traces", "application/json")
+    resource = attributes(body["resourceSpans"][0]["resource"])
+    assert resource["service.name"] == "otel-test" and resource["deployment"] == "ci"
+    assert body["resourceSpans"][0]["scopeSpans"][0]["scope"] == {"name": "triton-server"}
+
+    spans = receiver.spans()
+    assert all(span["kind"] == 2 and "status" not in span for span in spans)
+    http_trace = [span for span in spans if span["traceId"] == CLIENT_TRACE]
+    named = by_name(http_trace)
+    request, model, compute = named["InferRequest"], named["add_sub"], named["compute"]
+    assert len(http_trace) == 3
+    assert request["parentSpanId"] == CLIENT_SPAN  # the client's span, from its traceparent
+    assert all(span["traceState"] == "vendor=1" for span in http_trace)
+    assert model["parentSpanId"] == request["spanId"] and compute["parentSpanId"] == model["spanId"]
+    assert events(request) == [
+        "HTTP_RECV_START", "HTTP_RECV_END", "INFER_RESPONSE_COMPLETE", "HTTP_SEND_START",
+        "HTTP_SEND_END",
+    ]
+    assert events(model) == ["REQUEST_START", "QUEUE_START", "REQUEST_END"]
+    assert events(compute) == [
+        "COMPUTE_START", "COMPUTE_INPUT_END", "COMPUTE_OUTPUT_START", "COMPUTE_END",
+    ]
+    assert attributes(model) == {
+        "triton.model_name": "add_sub", "triton.model_version": "1",
+        "triton.trace_id": attributes(model)["triton.trace_id"], "triton.trace_parent_id": "0",
+        "triton.request_id": "h1",
+    }
+    starts = {span["name"]: int(span["startTimeUnixNano"]) for span in http_trace}
+    ends = {span["name"]: int(span["endTimeUnixNano"]) for span in http_trace}
+    assert starts["InferRequest"] <= starts["add_sub"] <= starts["compute"]
+    assert ends["compute"] <= ends["add_sub"] <= ends["InferRequest"]
+    assert model["startTimeUnixNano"] == model["events"][0]["timeUnixNano"]
+    assert abs(ends["InferRequest"] - time.time_ns()) < 120e9  # Unix time, not monotonic
+
+    # The BLS request: its call to add_sub is in the same trace, under the caller's model span.
+    grpc_trace = [span for span in spans if span["traceId"] != CLIENT_TRACE]
+    assert len({span["traceId"] for span in grpc_trace}) == 1 and len(grpc_trace) == 5
+    root = by_name(grpc_trace)["InferRequest"]
+    assert "parentSpanId" not in root and events(root)[0] == "GRPC_WAITREAD_START"
+    caller = by_name(grpc_trace)["bls_traced"]
+    callee = by_name(grpc_trace)["add_sub"]
+    assert caller["parentSpanId"] == root["spanId"] and callee["parentSpanId"] == caller["spanId"]
+    assert attributes(callee)["triton.trace_parent_id"] == attributes(caller)["triton.trace_id"]
+    assert attributes(caller)["triton.request_id"] == "g1"
+    assert attributes(callee)["triton.request_id"] == "child-of-g1"
+    computes = [span for span in grpc_trace if span["name"] == "compute"]
+    parents = sorted(span["parentSpanId"] for span in computes)
+    assert parents == sorted([caller["spanId"], callee["spanId"]])
+    # What the model's get_context() returned: its own span, in W3C form.
+    assert context == {"traceparent": f"00-{root['traceId']}-{caller['spanId']}-01"}
+
+
+def test_settings_in_opentelemetry_mode(tmp_path, receiver):
+    harness, server = start(tmp_path, receiver, delay_ms=20)
+    try:
+        for http_port in frontend(KServeHttp, server):
+            url = f"127.0.0.1:{http_port}"
+            with httpclient.InferenceServerClient(url) as client:
+                settings = client.get_trace_settings()
+                assert settings == {
+                    "trace_level": ["TIMESTAMPS"], "trace_rate": "1", "trace_count": "-1",
+                    "trace_mode": "opentelemetry",
+                    "url": f"127.0.0.1:{receiver.server_address[1]}/v1/traces",
+                    "resource": ["service.name=otel-test", "deployment=ci"],
+                    "bsp_schedule_delay": "20", "bsp_max_export_batch_size": "512",
+                    "bsp_max_queue_size": "2048",
+                }
+                updated = client.update_trace_settings(settings={"trace_rate": "2"})
+                assert updated["trace_rate"] == "2"
+                for change in ({"url": "elsewhere:4318"}, {"trace_mode": "triton"}):
+                    with pytest.raises(InferenceServerException, match="can not be updated"):
+                        client.update_trace_settings(settings=change)
+                # Every second request is sampled now; with a short delay the spans
+                # arrive while the server runs.
+                for _ in range(4):
+                    client.infer("add_sub", inputs(httpclient))
+                deadline = time.monotonic() + 10
+                while len(receiver.spans()) < 6 and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                assert sorted(span["name"] for span in receiver.spans()) == sorted(
+                    ["InferRequest", "add_sub", "compute"] * 2
+                )
+    finally:
+        harness.close()
+
+
+def test_an_unreachable_collector_loses_spans_not_requests(tmp_path):
+    repo = tmp_path / "repo"
+    shutil.copytree(EXAMPLES / "add_sub", repo / "add_sub")
+    settings = dlserve.TraceSettings(
+        mode="opentelemetry", level=("TIMESTAMPS",), rate=1,
+        opentelemetry=OtelSettings(
+            (("url", "127.0.0.1:9/v1/traces"), ("bsp_schedule_delay", "10"))
+        ),
+    )
+    harness = ServerHarness()
+    try:
+        server = harness.start(repo, trace=settings)
+        for http_port in frontend(KServeHttp, server):
+            with httpclient.InferenceServerClient(f"127.0.0.1:{http_port}") as client:
+                for _ in range(3):
+                    result = client.infer("add_sub", inputs(httpclient))
+                    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), A + A)
+    finally:
+        harness.close()
