@@ -37,6 +37,7 @@ _EXPORTS = {
     "RateLimiterResource": "dlserve.engine.rate_limiter",
     "Server": "dlserve.engine.server",
     "TraceSettings": "dlserve.engine.tracing",
+    "OtelSettings": "dlserve.engine.otel",
     "AlreadyExistsError": "dlserve.errors",
     "CancelledError": "dlserve.errors",
     "InternalError": "dlserve.errors",

@@ -53,6 +53,7 @@ BATCHING = {
 }
 SETTINGS = ("url", "resource", *BATCHING)  # what a trace/setting update leaves alone here
 _EXPORT_TIMEOUT_S = 10.0
+_STOPPING_TIMEOUT_S = 2.0  # a post's at stop, which a collector that does not answer must not hold
 # The events each span takes from a trace.
 _REQUEST_EVENTS = frozenset({
     "HTTP_RECV_START", "HTTP_RECV_END", "HTTP_SEND_START", "HTTP_SEND_END", "GRPC_WAITREAD_START",
@@ -70,6 +71,14 @@ class OtelSettings:
     entries: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
+        if not all(
+            isinstance(entry, tuple) and len(entry) == 2 and all(isinstance(s, str) for s in entry)
+            for entry in self.entries
+        ):
+            raise TypeError(
+                "OtelSettings takes (KEY, VALUE) string pairs in order, e.g. "
+                "(('url', 'collector:4318/v1/traces'), ('resource', 'service.name=svc'))"
+            )
         for key, value in self.entries:
             if key in BATCHING:
                 try:
@@ -239,8 +248,10 @@ class _Spans:
             ))
         if ids.request_span_id:
             events = [(n, ns) for n, ns in trace.events if n in _REQUEST_EVENTS]
-            # (from when it was picked for tracing, or from its arrival, picked a moment after)
-            start = min([trace.started_ns, *(ns for _, ns in model_events[:1])])
+            # From its first event (it was read, or arrived, a moment before it was picked).
+            start = min(
+                [trace.started_ns, *(ns for _, ns in events), *(ns for _, ns in model_events)]
+            )
             spans.append(self.span(
                 ids, ids.request_span_id, ids.parent_span_id, "InferRequest",
                 start, trace.ended_ns or time.monotonic_ns(), events,
@@ -274,7 +285,8 @@ class OtlpExporter:
         """Queue ``traces``' spans for export (``numbered`` is the trace file's; unused)."""
         spans = [span for trace in traces for span in self._spans.of(trace)]
         with self._wake:
-            if self._closed:
+            if self._closed:  # (a trace let go after the stop, by a server being killed)
+                log.debug("OpenTelemetry: %d span(s) finished after the stop", len(spans))
                 return
             room = self.queue_size - len(self._waiting)
             self._dropped += max(len(spans) - room, 0)
@@ -286,13 +298,14 @@ class OtlpExporter:
                 self._wake.notify()
 
     def close(self) -> None:
-        """Send what waits, then stop (within the export timeout)."""
+        """Send what waits, then stop: a few seconds at most when the collector does not
+        answer (what is left then is dropped)."""
         with self._wake:
             self._closed = True
             self._wake.notify()
             thread = self._thread
-        if thread is not None:
-            thread.join(_EXPORT_TIMEOUT_S + 1)
+        if thread is not None:  # (a post begun before the stop may outlast this: a daemon)
+            thread.join(2 * _STOPPING_TIMEOUT_S + 1)
 
     def _run(self) -> None:
         while True:
@@ -301,19 +314,24 @@ class OtlpExporter:
                     self._wake.wait(self.delay_s)
                 batch = self._waiting[:self.batch_size]
                 del self._waiting[:self.batch_size]
-                done = self._closed and not self._waiting
+                closed = self._closed
                 dropped, self._dropped = self._dropped, 0
             if dropped:
                 log.warning(
                     "OpenTelemetry: %d span(s) dropped: more than bsp_max_queue_size waited",
                     dropped,
                 )
-            if batch:
-                self._post(batch)
-            if done:
-                return
+            timeout = _STOPPING_TIMEOUT_S if closed else _EXPORT_TIMEOUT_S
+            sent = not batch or self._post(batch, timeout)
+            if closed:
+                with self._wake:
+                    if not sent:  # (the collector is gone: the rest would wait as long each)
+                        self._waiting.clear()
+                    if not self._waiting:
+                        return
 
-    def _post(self, spans: list[dict[str, Any]]) -> None:
+    def _post(self, spans: list[dict[str, Any]], timeout: float) -> bool:
+        """Send one batch; whether the collector took it."""
         body = json.dumps({"resourceSpans": [{
             "resource": self._resource,
             "scopeSpans": [{"scope": {"name": "triton-server"}, "spans": spans}],
@@ -321,10 +339,11 @@ class OtlpExporter:
         url = self.url
         secure = url.scheme == "https"
         connection_type = http.client.HTTPSConnection if secure else http.client.HTTPConnection
-        connection = connection_type(url.netloc, timeout=_EXPORT_TIMEOUT_S)
+        connection = connection_type(url.netloc, timeout=timeout)
+        target = (url.path or "/v1/traces") + (f"?{url.query}" if url.query else "")
         try:
             connection.request(
-                "POST", url.path or "/v1/traces", body,
+                "POST", target, body,
                 {
                     "Content-Type": "application/json",
                     "User-Agent": f"dlserve/{dlserve.__version__}",
@@ -334,11 +353,13 @@ class OtlpExporter:
             if status >= 300:
                 raise OSError(f"the collector answered HTTP {status}")
             self._failing = False
+            return True
         except (OSError, http.client.HTTPException) as exc:
             # Said once per streak of failures: a collector that is down loses spans only.
             (log.debug if self._failing else log.warning)(
                 "OpenTelemetry: %d span(s) not exported to %s: %s", len(spans), url.geturl(), exc
             )
             self._failing = True
+            return False
         finally:
             connection.close()

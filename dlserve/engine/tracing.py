@@ -79,6 +79,8 @@ class TraceSettings:
         values: dict[str, Any] = {"trace_file": self.file, "trace_mode": self.mode}
         if self.mode not in ("triton", otel.MODE):
             raise UnsupportedError(_unsupported_mode(self.mode))
+        if not isinstance(self.opentelemetry, OtelSettings):
+            raise InvalidArgumentError("TraceSettings.opentelemetry must be a dlserve.OtelSettings")
         for name, value in (
             ("trace_level", list(self.level)),
             ("trace_rate", str(self.rate)),
@@ -363,15 +365,17 @@ class _Sampling:
     have all finished; what is left when the settings change or the server stops to
     the numbered files with a log frequency, else to the streamed file. With neither a
     count nor a log frequency each trace is streamed as it finishes (Triton holds them
-    in memory until then)."""
+    in memory until then). With ``holds`` False (OpenTelemetry: spans go out as their
+    requests end, as Triton's) every trace is written as it finishes, whatever the count
+    and log frequency."""
 
     __slots__ = ("rate", "left", "log_frequency", "limited", "seen", "started", "finished", "pending", "retired")
 
-    def __init__(self, rate: int, count: int, log_frequency: int) -> None:
+    def __init__(self, rate: int, count: int, log_frequency: int, holds: bool = True) -> None:
         self.rate = rate
         self.left = count  # traces still to start (-1: no limit)
-        self.log_frequency = log_frequency
-        self.limited = count >= 0
+        self.log_frequency = log_frequency if holds else 0
+        self.limited = count >= 0 and holds
         self.seen = 0  # requests counted toward the rate
         self.started = 0
         self.finished = 0
@@ -470,6 +474,8 @@ class Tracer:
             # here, so that a client does not believe it took effect).
             if name == "trace_mode" and value in (None, self._global["trace_mode"]):
                 continue
+            if self.exporting and name in otel.SETTINGS and value == self._otel.wire().get(name):
+                continue  # (as shown: a client writing back what it read changes nothing)
             if name in ("trace_mode", *otel.SETTINGS) and (self.exporting or name == "trace_mode"):
                 raise UnsupportedError(f"'{name}' can not be updated through network protocol")
             if name not in _NAMES:
@@ -529,7 +535,9 @@ class Tracer:
         """A scope's sampling starts over under its settings now; the old one retires."""
         values = {**self._global, **self._models.get(scope or "", {})} if scope else self._global
         old = self._scopes.get(scope)
-        self._scopes[scope] = _Sampling(values["trace_rate"], count, values["log_frequency"])
+        self._scopes[scope] = _Sampling(
+            values["trace_rate"], count, values["log_frequency"], holds=not self.exporting
+        )
         if old is not None:
             self._retire(old)
 

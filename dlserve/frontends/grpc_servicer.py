@@ -290,14 +290,8 @@ class InferenceServicer:
                 values = list(entry.value)
                 if not values:  # no value: back to the default
                     changes[key] = None
-                elif key == "trace_level":
-                    changes[key] = values
-                elif len(values) == 1:
-                    changes[key] = values[0]
-                else:
-                    raise InvalidArgumentError(
-                        f"trace setting '{key}' takes one value, got {len(values)}"
-                    )
+                else:  # (the tracer says which settings take more than one value)
+                    changes[key] = values if key == "trace_level" or len(values) > 1 else values[0]
             settings = tracer.update(model, changes)
         else:
             settings = tracer.settings(model)

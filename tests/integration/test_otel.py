@@ -75,13 +75,14 @@ def receiver() -> Iterator[Receiver]:
 
 
 def start(
-    tmp_path: Path, receiver: Receiver, delay_ms: int
+    tmp_path: Path, receiver: Receiver, delay_ms: int, **trace: object
 ) -> tuple[ServerHarness, dlserve.Server]:
     repo = tmp_path / "repo"
-    shutil.copytree(EXAMPLES / "add_sub", repo / "add_sub")
+    for name in ("add_sub", "identity", "pipeline"):
+        shutil.copytree(EXAMPLES / name, repo / name)
     shutil.copytree(MODELS / "bls_traced", repo / "bls_traced")
     settings = dlserve.TraceSettings(
-        mode="opentelemetry", level=("TIMESTAMPS",), rate=1,
+        mode="opentelemetry", level=("TIMESTAMPS",), **{"rate": 1, **trace},
         opentelemetry=OtelSettings((
             ("url", f"127.0.0.1:{receiver.server_address[1]}/v1/traces"),
             ("resource", "service.name=otel-test"),
@@ -169,6 +170,10 @@ def test_spans_reach_the_collector_as_triton_exports_them(tmp_path, receiver):
     assert starts["InferRequest"] <= starts["add_sub"] <= starts["compute"]
     assert ends["compute"] <= ends["add_sub"] <= ends["InferRequest"]
     assert model["startTimeUnixNano"] == model["events"][0]["timeUnixNano"]
+    for span in http_trace:  # every event within its span
+        times = [int(event["timeUnixNano"]) for event in span["events"]]
+        begins, ends_at = int(span["startTimeUnixNano"]), int(span["endTimeUnixNano"])
+        assert begins <= min(times) <= max(times) <= ends_at
     assert abs(ends["InferRequest"] - time.time_ns()) < 120e9  # Unix time, not monotonic
 
     # The BLS request: its call to add_sub is in the same trace, under the caller's model span.
@@ -242,3 +247,85 @@ def test_an_unreachable_collector_loses_spans_not_requests(tmp_path):
                     np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), A + A)
     finally:
         harness.close()
+
+
+def wait_for_spans(receiver: Receiver, count: int) -> list[dict]:
+    deadline = time.monotonic() + 10
+    while len(receiver.spans()) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return receiver.spans()
+
+
+def test_spans_go_out_as_requests_end_whatever_the_count_and_log_frequency(tmp_path, receiver):
+    """Unlike trace files, spans are not held for a count or a log frequency; the count
+    still says how many requests are sampled, and a client's traceparent is traced past it."""
+    harness, server = start(tmp_path, receiver, delay_ms=20, count=2)
+    try:
+        for http_port in frontend(KServeHttp, server):
+            with httpclient.InferenceServerClient(f"127.0.0.1:{http_port}") as client:
+                client.update_trace_settings(settings={"log_frequency": "10"})
+                client.infer("add_sub", inputs(httpclient))
+                assert len(wait_for_spans(receiver, 3)) == 3  # (count 2, one used: not held)
+                for _ in range(3):
+                    client.infer("add_sub", inputs(httpclient))
+                parent = {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"}
+                client.infer("add_sub", inputs(httpclient), headers=parent)
+                spans = wait_for_spans(receiver, 9)
+                assert client.get_trace_settings()["trace_count"] == "0"
+        assert len(spans) == 9  # two sampled by the count, one by its traceparent
+        assert sum(span["traceId"] == CLIENT_TRACE for span in spans) == 3
+    finally:
+        harness.close()
+
+
+def test_an_ensemble_s_steps_sit_under_its_model_span(tmp_path, receiver):
+    harness, server = start(tmp_path, receiver, delay_ms=20)
+    try:
+        for grpc_port in frontend(KServeGrpc, server):
+            with grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}") as client:
+                client.infer("pipeline", inputs(grpcclient))
+                spans = wait_for_spans(receiver, 8)
+    finally:
+        harness.close()
+    ensemble = by_name(spans)["pipeline"]
+    assert by_name(spans)["InferRequest"]["spanId"] == ensemble["parentSpanId"]
+    steps = [span for span in spans if span["name"] in ("add_sub", "identity")]
+    assert len(steps) == 3 and all(s["parentSpanId"] == ensemble["spanId"] for s in steps)
+    computes = [span for span in spans if span["name"] == "compute"]
+    assert sorted(c["parentSpanId"] for c in computes) == sorted(s["spanId"] for s in steps)
+    assert len(spans) == 8  # (an ensemble has no compute span of its own)
+
+
+def test_grpc_settings_refuse_changes_but_take_back_what_they_showed(tmp_path, receiver):
+    harness, server = start(tmp_path, receiver, delay_ms=20)
+    try:
+        for grpc_port in frontend(KServeGrpc, server):
+            with grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}") as client:
+                shown = client.get_trace_settings(as_json=True)["settings"]
+                assert shown["resource"]["value"] == ["service.name=otel-test", "deployment=ci"]
+                with pytest.raises(InferenceServerException, match="'resource' can not be updated"):
+                    client.update_trace_settings(settings={"resource": ["a=1", "b=2"]})
+                again = client.update_trace_settings(
+                    settings={"resource": shown["resource"]["value"], "trace_rate": "3"},
+                    as_json=True,
+                )
+                assert again["settings"]["trace_rate"]["value"] == ["3"]
+    finally:
+        harness.close()
+
+
+def test_level_tensors_alone_exports_a_bare_request_span(tmp_path, receiver):
+    harness, server = start(tmp_path, receiver, delay_ms=20)
+    try:
+        for http_port in frontend(KServeHttp, server):
+            with httpclient.InferenceServerClient(f"127.0.0.1:{http_port}") as client:
+                client.update_trace_settings(settings={"trace_level": ["TENSORS"]})
+                result = client.infer("bls_traced", inputs(httpclient))
+                assert result.as_numpy("TRACE_CONTEXT")[0] == b"None"  # (no timestamps)
+                wait_for_spans(receiver, 1)
+                time.sleep(0.2)  # (nothing else comes)
+    finally:
+        harness.close()
+    assert [(s["name"], s["events"], "attributes" in s) for s in receiver.spans()] == [
+        ("InferRequest", [], False)
+    ]
