@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--repository-poll-secs", type=float, default=15.0, metavar="SECONDS",
                         help="repository scan period in poll mode (default: 15; 0: no scans after "
                         "the first, as in tritonserver)")
-    models.add_argument("--model-config-name", default="", metavar="NAME",
+    models.add_argument("--model-config-name", default=None, metavar="NAME",
                         help="load <model>/configs/NAME.pbtxt instead of config.pbtxt where a "
                         "model has it")
     models.add_argument("--model-load-retry-count", type=int, default=0, metavar="N",
@@ -391,6 +391,8 @@ def serve(args: argparse.Namespace) -> int:
         repositories = [str(EXAMPLES)]
         if args.exit_on_error is None:
             exit_on_error = False  # examples whose framework is missing must not stop the rest
+    if args.model_config_name == "":  # given, but empty (tritonserver's words)
+        raise SystemExit("dlserve: Error: empty argument for --model-config-name")
     if args.load_model and args.model_control_mode != "explicit":  # (Triton's words and status)
         print("Error: Use of '--load-model' requires setting '--model-control-mode=explicit' as well.",
               file=sys.stderr)
@@ -439,7 +441,7 @@ def serve(args: argparse.Namespace) -> int:
         ),
         rate_limiter_resources=args.rate_limit_resource,
         repository_poll_secs=args.repository_poll_secs,
-        model_config_name=args.model_config_name,
+        model_config_name=args.model_config_name or "",
         backend_directory=args.backend_directory,
         metrics=args.allow_metrics,
         cpu_metrics=args.allow_cpu_metrics,

@@ -20,14 +20,13 @@ from dlserve.engine.proto import model_config_pb2 as mc
 from dlserve.errors import InvalidArgumentError
 
 
-def parse_text(text: str, model_name: str) -> mc.ModelConfig:
-    """Parse ``config.pbtxt`` text; a syntax error names the model and the position."""
+def parse_text(text: str, model_name: str, file: str = "config.pbtxt") -> mc.ModelConfig:
+    """Parse a config's text (``file``, as the model's folder names it); a syntax error
+    names the model, the file and the position."""
     try:
         return text_format.Parse(text, mc.ModelConfig())
     except text_format.ParseError as exc:
-        raise InvalidArgumentError(
-            f"failed to load model '{model_name}': config.pbtxt: {exc}"
-        ) from None
+        raise InvalidArgumentError(f"failed to load model '{model_name}': {file}: {exc}") from None
 
 
 def parse_json(data: str | dict[str, Any], model_name: str, source: str = "Invalid config override") -> mc.ModelConfig:

@@ -402,12 +402,13 @@ class Repository:
         return [entry for entry in entries if isinstance(entry, ModelSource)]
 
     def read_config(self, source: ModelSource) -> mc.ModelConfig | None:
-        """The model's config.pbtxt, or None when it has none."""
+        """The model's config (see :meth:`ModelSource.config_path`), or None when it has none."""
+        path = source.config_path(self.config_name)
         try:
-            text = source.config_path(self.config_name).read_text()
+            text = path.read_text()
         except FileNotFoundError:
             return None
-        return config_forms.parse_text(text, source.name)
+        return config_forms.parse_text(text, source.name, path.relative_to(source.path).as_posix())
 
     def write_upload(self, name: str, files: dict[str, bytes]) -> ModelSource:
         """Materialise ``file:<path>`` load parameters as a private model folder."""

@@ -640,6 +640,12 @@ def test_trace_levels_add_up_as_in_tritonserver(levels, expected):
     assert _trace_settings([f"level={level}" for level in levels]).level == expected
 
 
+def test_an_empty_model_config_name_is_refused(tmp_path):
+    result = run_cli("serve", "--model-repository", str(tmp_path), "--model-config-name=")
+    assert result.returncode != 0  # (tritonserver's words; L0_custom_model_config expects it)
+    assert "Error: empty argument for --model-config-name" in result.stderr, result.stderr
+
+
 @pytest.mark.parametrize(
     "flag,message",
     [

@@ -139,6 +139,21 @@ def test_model_config_name_picks_configs_folder_and_falls_back(servers, make_rep
     assert default.model("add_sub").config()["instance_group"][0]["count"] == 1
 
 
+def test_a_bad_custom_config_is_named_in_the_error(make_repo):
+    repo = make_repo("identity", extra={"identity": {"configs/bad.pbtxt": "bogus_field: 1\n"}})
+    options = dlserve.Options(
+        model_repository=str(repo), model_config_name="bad",
+        model_control_mode=ModelControlMode.EXPLICIT,
+    )
+    server = dlserve.Server(options).start()
+    try:
+        with pytest.raises(dlserve.InvalidArgumentError) as info:
+            server.load("identity")
+        assert "failed to load model 'identity': configs/bad.pbtxt: 1:1 :" in str(info.value)
+    finally:
+        server.stop()
+
+
 def test_a_model_config_name_must_be_a_file_name(make_repo):
     with pytest.raises(dlserve.InvalidArgumentError, match="model config name '../x' must be a file name"):
         dlserve.Server(dlserve.Options(model_repository=str(make_repo("identity")), model_config_name="../x")).start()
