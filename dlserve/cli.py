@@ -225,9 +225,11 @@ def build_parser() -> argparse.ArgumentParser:
     _bool_flag(shared, "--log-error", True, "log errors")
     shared.add_argument("--log-format", type=str.lower, choices=["default", "iso8601"], default="default")
     shared.add_argument("--log-file", default="", metavar="PATH")
-    shared.add_argument("--trace-config", action="append", default=[], metavar="[triton,]SETTING=VALUE",
-                        help="request tracing, as tritonserver: file=PATH, level=TIMESTAMPS|TENSORS, "
-                        "rate=N, count=N, log-frequency=N (repeatable)")
+    shared.add_argument("--trace-config", action="append", default=[], metavar="[MODE,]SETTING=VALUE",
+                        help="request tracing, as tritonserver: mode=triton|opentelemetry, "
+                        "level=TIMESTAMPS|TENSORS, rate=N, count=N; triton: file=PATH, "
+                        "log-frequency=N; opentelemetry,url=HOST:PORT/v1/traces, "
+                        "opentelemetry,resource=KEY=VALUE, opentelemetry,bsp_*=N (repeatable)")
     for setting in _OLD_TRACE_FLAGS:  # tritonserver's older spellings, still accepted there
         shared.add_argument(f"--trace-{setting}", action="append", default=[], metavar="VALUE",
                             dest=_old_trace_dest(setting),
