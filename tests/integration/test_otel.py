@@ -6,6 +6,7 @@ model span, the client's W3C traceparent honoured), what a model's
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import shutil
@@ -97,6 +98,22 @@ def start(
         assert time.monotonic() < deadline, "models not ready"
         time.sleep(0.05)
     return harness, server
+
+
+@contextlib.contextmanager
+def client_of(
+    tmp_path: Path, receiver: Receiver, protocol: str, delay_ms: int = 20, **trace: object
+) -> Iterator[httpclient.InferenceServerClient | grpcclient.InferenceServerClient]:
+    """A tritonclient of a server exporting to ``receiver``; the server stops on leaving
+    (so what it still held has been sent)."""
+    harness, server = start(tmp_path, receiver, delay_ms, **trace)
+    module, service = (httpclient, KServeHttp) if protocol == "http" else (grpcclient, KServeGrpc)
+    try:
+        for port in frontend(service, server):
+            with module.InferenceServerClient(f"127.0.0.1:{port}") as client:
+                yield client
+    finally:
+        harness.close()
 
 
 def inputs(module):
@@ -195,37 +212,28 @@ def test_spans_reach_the_collector_as_triton_exports_them(tmp_path, receiver):
 
 
 def test_settings_in_opentelemetry_mode(tmp_path, receiver):
-    harness, server = start(tmp_path, receiver, delay_ms=20)
-    try:
-        for http_port in frontend(KServeHttp, server):
-            url = f"127.0.0.1:{http_port}"
-            with httpclient.InferenceServerClient(url) as client:
-                settings = client.get_trace_settings()
-                assert settings == {
-                    "trace_level": ["TIMESTAMPS"], "trace_rate": "1", "trace_count": "-1",
-                    "trace_mode": "opentelemetry",
-                    "url": f"127.0.0.1:{receiver.server_address[1]}/v1/traces",
-                    "resource": ["service.name=otel-test", "deployment=ci"],
-                    "bsp_schedule_delay": "20", "bsp_max_export_batch_size": "512",
-                    "bsp_max_queue_size": "2048",
-                }
-                updated = client.update_trace_settings(settings={"trace_rate": "2"})
-                assert updated["trace_rate"] == "2"
-                for change in ({"url": "elsewhere:4318"}, {"trace_mode": "triton"}):
-                    with pytest.raises(InferenceServerException, match="can not be updated"):
-                        client.update_trace_settings(settings=change)
-                # Every second request is sampled now; with a short delay the spans
-                # arrive while the server runs.
-                for _ in range(4):
-                    client.infer("add_sub", inputs(httpclient))
-                deadline = time.monotonic() + 10
-                while len(receiver.spans()) < 6 and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                assert sorted(span["name"] for span in receiver.spans()) == sorted(
-                    ["InferRequest", "add_sub", "compute"] * 2
-                )
-    finally:
-        harness.close()
+    with client_of(tmp_path, receiver, "http") as client:
+        settings = client.get_trace_settings()
+        assert settings == {
+            "trace_level": ["TIMESTAMPS"], "trace_rate": "1", "trace_count": "-1",
+            "trace_mode": "opentelemetry",
+            "url": f"127.0.0.1:{receiver.server_address[1]}/v1/traces",
+            "resource": ["service.name=otel-test", "deployment=ci"],
+            "bsp_schedule_delay": "20", "bsp_max_export_batch_size": "512",
+            "bsp_max_queue_size": "2048",
+        }
+        updated = client.update_trace_settings(settings={"trace_rate": "2"})
+        assert updated["trace_rate"] == "2"
+        for change in ({"url": "elsewhere:4318"}, {"trace_mode": "triton"}):
+            with pytest.raises(InferenceServerException, match="can not be updated"):
+                client.update_trace_settings(settings=change)
+        # Every second request is sampled now; with a short delay the spans
+        # arrive while the server runs.
+        for _ in range(4):
+            client.infer("add_sub", inputs(httpclient))
+        assert sorted(span["name"] for span in wait_for_spans(receiver, 6)) == sorted(
+            ["InferRequest", "add_sub", "compute"] * 2
+        )
 
 
 def test_an_unreachable_collector_loses_spans_not_requests(tmp_path):
@@ -259,34 +267,24 @@ def wait_for_spans(receiver: Receiver, count: int) -> list[dict]:
 def test_spans_go_out_as_requests_end_whatever_the_count_and_log_frequency(tmp_path, receiver):
     """Unlike trace files, spans are not held for a count or a log frequency; the count
     still says how many requests are sampled, and a client's traceparent is traced past it."""
-    harness, server = start(tmp_path, receiver, delay_ms=20, count=2)
-    try:
-        for http_port in frontend(KServeHttp, server):
-            with httpclient.InferenceServerClient(f"127.0.0.1:{http_port}") as client:
-                client.update_trace_settings(settings={"log_frequency": "10"})
-                client.infer("add_sub", inputs(httpclient))
-                assert len(wait_for_spans(receiver, 3)) == 3  # (count 2, one used: not held)
-                for _ in range(3):
-                    client.infer("add_sub", inputs(httpclient))
-                parent = {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"}
-                client.infer("add_sub", inputs(httpclient), headers=parent)
-                spans = wait_for_spans(receiver, 9)
-                assert client.get_trace_settings()["trace_count"] == "0"
-        assert len(spans) == 9  # two sampled by the count, one by its traceparent
-        assert sum(span["traceId"] == CLIENT_TRACE for span in spans) == 3
-    finally:
-        harness.close()
+    with client_of(tmp_path, receiver, "http", count=2) as client:
+        client.update_trace_settings(settings={"log_frequency": "10"})
+        client.infer("add_sub", inputs(httpclient))
+        assert len(wait_for_spans(receiver, 3)) == 3  # (count 2, one used: not held)
+        for _ in range(3):
+            client.infer("add_sub", inputs(httpclient))
+        parent = {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"}
+        client.infer("add_sub", inputs(httpclient), headers=parent)
+        spans = wait_for_spans(receiver, 9)
+        assert client.get_trace_settings()["trace_count"] == "0"
+    assert len(spans) == 9  # two sampled by the count, one by its traceparent
+    assert sum(span["traceId"] == CLIENT_TRACE for span in spans) == 3
 
 
 def test_an_ensemble_s_steps_sit_under_its_model_span(tmp_path, receiver):
-    harness, server = start(tmp_path, receiver, delay_ms=20)
-    try:
-        for grpc_port in frontend(KServeGrpc, server):
-            with grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}") as client:
-                client.infer("pipeline", inputs(grpcclient))
-                spans = wait_for_spans(receiver, 8)
-    finally:
-        harness.close()
+    with client_of(tmp_path, receiver, "grpc") as client:
+        client.infer("pipeline", inputs(grpcclient))
+        spans = wait_for_spans(receiver, 8)
     ensemble = by_name(spans)["pipeline"]
     assert by_name(spans)["InferRequest"]["spanId"] == ensemble["parentSpanId"]
     steps = [span for span in spans if span["name"] in ("add_sub", "identity")]
@@ -297,35 +295,25 @@ def test_an_ensemble_s_steps_sit_under_its_model_span(tmp_path, receiver):
 
 
 def test_grpc_settings_refuse_changes_but_take_back_what_they_showed(tmp_path, receiver):
-    harness, server = start(tmp_path, receiver, delay_ms=20)
-    try:
-        for grpc_port in frontend(KServeGrpc, server):
-            with grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}") as client:
-                shown = client.get_trace_settings(as_json=True)["settings"]
-                assert shown["resource"]["value"] == ["service.name=otel-test", "deployment=ci"]
-                with pytest.raises(InferenceServerException, match="'resource' can not be updated"):
-                    client.update_trace_settings(settings={"resource": ["a=1", "b=2"]})
-                again = client.update_trace_settings(
-                    settings={"resource": shown["resource"]["value"], "trace_rate": "3"},
-                    as_json=True,
-                )
-                assert again["settings"]["trace_rate"]["value"] == ["3"]
-    finally:
-        harness.close()
+    with client_of(tmp_path, receiver, "grpc") as client:
+        shown = client.get_trace_settings(as_json=True)["settings"]
+        assert shown["resource"]["value"] == ["service.name=otel-test", "deployment=ci"]
+        with pytest.raises(InferenceServerException, match="'resource' can not be updated"):
+            client.update_trace_settings(settings={"resource": ["a=1", "b=2"]})
+        again = client.update_trace_settings(
+            settings={"resource": shown["resource"]["value"], "trace_rate": "3"},
+            as_json=True,
+        )
+        assert again["settings"]["trace_rate"]["value"] == ["3"]
 
 
 def test_level_tensors_alone_exports_a_bare_request_span(tmp_path, receiver):
-    harness, server = start(tmp_path, receiver, delay_ms=20)
-    try:
-        for http_port in frontend(KServeHttp, server):
-            with httpclient.InferenceServerClient(f"127.0.0.1:{http_port}") as client:
-                client.update_trace_settings(settings={"trace_level": ["TENSORS"]})
-                result = client.infer("bls_traced", inputs(httpclient))
-                assert result.as_numpy("TRACE_CONTEXT")[0] == b"None"  # (no timestamps)
-                wait_for_spans(receiver, 1)
-                time.sleep(0.2)  # (nothing else comes)
-    finally:
-        harness.close()
+    with client_of(tmp_path, receiver, "http") as client:
+        client.update_trace_settings(settings={"trace_level": ["TENSORS"]})
+        result = client.infer("bls_traced", inputs(httpclient))
+        assert result.as_numpy("TRACE_CONTEXT")[0] == b"None"  # (no timestamps)
+        wait_for_spans(receiver, 1)
+        time.sleep(0.2)  # (nothing else comes)
     assert [(s["name"], s["events"], "attributes" in s) for s in receiver.spans()] == [
         ("InferRequest", [], False)
     ]
