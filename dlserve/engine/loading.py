@@ -117,7 +117,8 @@ class Loader:
     ) -> None:
         """Load ``name`` in any control mode. As in Triton, loading a model that serves,
         unchanged, leaves it as it is (its workers, its sequences); a changed file, a
-        config override or files given reload it."""
+        config override or files given reload it. A config override therefore lasts until
+        the model's files change or it is unloaded, as in Triton 2.51."""
         check_model_name(name)
         if files and config is None:
             raise InvalidArgumentError(
@@ -217,7 +218,6 @@ class Loader:
             entry.waits_for.clear()
             entry.as_step = as_step
             entry.fingerprint = source.fingerprint
-            entry.overridden = config is not None
             for replaced in old.values():
                 self.unloader.retire(entry, replaced)
 

@@ -34,7 +34,6 @@ class ModelEntry:
     # Versions a reload replaced that still finish their requests (listed UNLOADING).
     draining: dict[int, ModelVersion] = dataclasses.field(default_factory=dict)
     fingerprint: Any = None
-    overridden: bool = False  # loaded with a config override (or uploaded files)
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
     # Loaded only because an ensemble needs it (not asked for by name): unloading that
     # ensemble with unload_dependents takes it too, as in Triton.
@@ -48,7 +47,7 @@ class ModelEntry:
         """Loaded from these very files, as they are, and every version serving: a load
         of it again changes nothing (as in Triton)."""
         return (
-            bool(self.versions) and not self.overridden and self.fingerprint == fingerprint
+            bool(self.versions) and self.fingerprint == fingerprint
             and all(v.state == "READY" for v in self.versions.values())
         )
 

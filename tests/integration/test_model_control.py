@@ -45,7 +45,8 @@ def test_loading_a_model_that_serves_unchanged_leaves_it_as_it_is(servers, make_
     """As in Triton: a load of a model that serves, from files that did not change, keeps
     its workers (and so their state, open sequences included); a changed file or a config
     override that changes more than instance_group reloads it (an override equal to the
-    serving config changes nothing, as Triton's instance update rule has it)."""
+    serving config changes nothing, as Triton's instance update rule has it), and a plain
+    load after an override keeps it."""
     repo = make_repo("add_sub")
     server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT)
     server.load("add_sub")
@@ -64,8 +65,8 @@ def test_loading_a_model_that_serves_unchanged_leaves_it_as_it_is(servers, make_
     server.load("add_sub", {"config": json.dumps(config)})
     third = worker_pids(server, "add_sub")
     assert third != second
-    server.load("add_sub")  # back to config.pbtxt: a change too
-    assert worker_pids(server, "add_sub") != third
+    server.load("add_sub")  # the override stays, as Triton 2.51's does: nothing changed
+    assert worker_pids(server, "add_sub") == third
 
 
 def test_explicit_mode_load_and_unload(servers, make_repo):
@@ -133,6 +134,15 @@ def test_load_with_config_override(servers, make_repo):
     batch = np.arange(6, dtype=np.float32).reshape(2, 3)
     out = list(server.model("identity").infer(inputs={"INPUT0": batch}))[0].outputs["OUTPUT0"]
     np.testing.assert_array_equal(out.as_numpy(), batch)
+    # A plain load of it, its files unchanged, leaves it as it is (as Triton 2.51 does,
+    # side by side): the override lasts until an unload, or until its files change.
+    workers = [instance.worker for instance in server.engine.model("identity").instances]
+    server.load("identity")
+    assert server.model("identity").config()["max_batch_size"] == 8
+    assert [i.worker for i in server.engine.model("identity").instances] == workers
+    server.unload("identity")
+    server.load("identity")
+    assert server.model("identity").config()["max_batch_size"] == 0
 
 
 def test_load_from_uploaded_files(servers, make_repo):
