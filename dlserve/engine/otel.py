@@ -27,11 +27,13 @@ reached loses spans, never requests.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import http.client
 import json
 import logging
 import random
+import socket
 import threading
 import time
 import urllib.parse
@@ -54,6 +56,7 @@ BATCHING = {
 SETTINGS = ("url", "resource", *BATCHING)  # what a trace/setting update leaves alone here
 _EXPORT_TIMEOUT_S = 10.0
 _STOPPING_TIMEOUT_S = 2.0  # a post's at stop, which a collector that does not answer must not hold
+_SPANS_PER_TRACE = 3  # about (InferRequest, model, compute): to tell when enough wait
 # The events each span takes from a trace.
 _REQUEST_EVENTS = frozenset({
     "HTTP_RECV_START", "HTTP_RECV_END", "HTTP_SEND_START", "HTTP_SEND_END", "GRPC_WAITREAD_START",
@@ -261,74 +264,91 @@ class _Spans:
 
 class OtlpExporter:
     """Sends finished traces' spans to an OTLP/HTTP collector from a thread of its own
-    (see the module docstring); the trace file's stand-in for :class:`Tracer`."""
+    (see the module docstring); the trace file's stand-in for :class:`Tracer`. The thread
+    also turns the traces into spans, so the server's loop only hands them over."""
 
     def __init__(self, settings: OtelSettings) -> None:
         self.url = urllib.parse.urlsplit(settings.url)
         self.delay_s = max(settings.batching("bsp_schedule_delay"), 1) / 1000
         self.batch_size = max(settings.batching("bsp_max_export_batch_size"), 1)
         self.queue_size = max(settings.batching("bsp_max_queue_size"), 1)
+        # An export starts once a batch or half the queue waits (as in OpenTelemetry's
+        # batch span processor), else every schedule delay.
+        self._enough = max(1, min(self.batch_size, self.queue_size // 2))
         resources = {
             "telemetry.sdk.name": "dlserve", "telemetry.sdk.language": "python",
             "telemetry.sdk.version": dlserve.__version__, **settings.resources,
         }
         self._resource = {"attributes": [_attribute(k, v) for k, v in resources.items()]}
         self._spans = _Spans()
-        self._waiting: list[dict[str, Any]] = []
-        self._dropped = 0
+        self._traces: list[Trace] = []  # finished, for the thread to turn into spans
+        self._waiting: list[dict[str, Any]] = []  # spans to send (the thread's own)
+        self._dropping = False
         self._failing = False
         self._closed = False
+        self._connection: http.client.HTTPConnection | None = None  # the post under way
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
 
     def write(self, traces: list[Trace], numbered: bool = False) -> None:
-        """Queue ``traces``' spans for export (``numbered`` is the trace file's; unused)."""
-        spans = [span for trace in traces for span in self._spans.of(trace)]
+        """Hand ``traces`` over for export (``numbered`` is the trace file's; unused)."""
         with self._wake:
             if self._closed:  # (a trace let go after the stop, by a server being killed)
-                log.debug("OpenTelemetry: %d span(s) finished after the stop", len(spans))
+                log.debug("OpenTelemetry: %d trace(s) finished after the stop", len(traces))
                 return
-            room = self.queue_size - len(self._waiting)
-            self._dropped += max(len(spans) - room, 0)
-            self._waiting.extend(spans[:max(room, 0)])
+            self._traces.extend(traces)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="dlserve-otlp", daemon=True)
                 self._thread.start()
-            if len(self._waiting) >= self.batch_size:
+            if _SPANS_PER_TRACE * len(self._traces) >= self._enough:
                 self._wake.notify()
 
     def close(self) -> None:
-        """Send what waits, then stop: a few seconds at most when the collector does not
-        answer (what is left then is dropped)."""
+        """Send what waits, then stop, within a few seconds: a post a collector does not
+        answer is cut short (what is left then is dropped)."""
         with self._wake:
             self._closed = True
             self._wake.notify()
             thread = self._thread
-        if thread is not None:  # (a post begun before the stop may outlast this: a daemon)
-            thread.join(2 * _STOPPING_TIMEOUT_S + 1)
+        if thread is None:
+            return
+        thread.join(_STOPPING_TIMEOUT_S + 1)
+        connection = self._connection
+        if thread.is_alive() and connection is not None and connection.sock is not None:
+            with contextlib.suppress(OSError):
+                connection.sock.shutdown(socket.SHUT_RDWR)
+            thread.join(1)
 
     def _run(self) -> None:
         while True:
             with self._wake:
-                if len(self._waiting) < self.batch_size and not self._closed:
+                if _SPANS_PER_TRACE * len(self._traces) < self._enough and not self._closed:
                     self._wake.wait(self.delay_s)
+                traces, self._traces = self._traces, []
+                closed = self._closed
+            self._queue(traces)
+            timeout = _STOPPING_TIMEOUT_S if closed else _EXPORT_TIMEOUT_S
+            while self._waiting:  # (as the batch processor: until nothing waits)
                 batch = self._waiting[:self.batch_size]
                 del self._waiting[:self.batch_size]
-                closed = self._closed
-                dropped, self._dropped = self._dropped, 0
-            if dropped:
-                log.warning(
-                    "OpenTelemetry: %d span(s) dropped: more than bsp_max_queue_size waited",
-                    dropped,
-                )
-            timeout = _STOPPING_TIMEOUT_S if closed else _EXPORT_TIMEOUT_S
-            sent = not batch or self._post(batch, timeout)
-            if closed:
-                with self._wake:
-                    if not sent:  # (the collector is gone: the rest would wait as long each)
+                if not self._post(batch, timeout):
+                    if closed:  # (the collector is gone: the rest would wait as long each)
                         self._waiting.clear()
-                    if not self._waiting:
-                        return
+                    break
+            if closed:
+                return
+
+    def _queue(self, traces: list[Trace]) -> None:
+        """The traces' spans into the queue, past its size dropped (said once a streak)."""
+        spans = [span for trace in traces for span in self._spans.of(trace)]
+        room = max(self.queue_size - len(self._waiting), 0)
+        self._waiting.extend(spans[:room])
+        dropped = len(spans) - room
+        if dropped > 0:
+            (log.debug if self._dropping else log.warning)(
+                "OpenTelemetry: %d span(s) dropped: more than bsp_max_queue_size waited", dropped
+            )
+        self._dropping = dropped > 0
 
     def _post(self, spans: list[dict[str, Any]], timeout: float) -> bool:
         """Send one batch; whether the collector took it."""
@@ -339,7 +359,7 @@ class OtlpExporter:
         url = self.url
         secure = url.scheme == "https"
         connection_type = http.client.HTTPSConnection if secure else http.client.HTTPConnection
-        connection = connection_type(url.netloc, timeout=timeout)
+        connection = self._connection = connection_type(url.netloc, timeout=timeout)
         target = (url.path or "/v1/traces") + (f"?{url.query}" if url.query else "")
         try:
             connection.request(
@@ -362,4 +382,5 @@ class OtlpExporter:
             self._failing = True
             return False
         finally:
+            self._connection = None
             connection.close()

@@ -10,6 +10,7 @@ import contextlib
 import http.server
 import json
 import shutil
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -76,7 +77,7 @@ def receiver() -> Iterator[Receiver]:
 
 
 def start(
-    tmp_path: Path, receiver: Receiver, delay_ms: int, **trace: object
+    tmp_path: Path, receiver: Receiver, delay_ms: int, extra: tuple = (), **trace: object
 ) -> tuple[ServerHarness, dlserve.Server]:
     repo = tmp_path / "repo"
     for name in ("add_sub", "identity", "pipeline"):
@@ -89,6 +90,7 @@ def start(
             ("resource", "service.name=otel-test"),
             ("resource", "deployment=ci"),
             ("bsp_schedule_delay", str(delay_ms)),
+            *extra,
         )),
     )
     harness = ServerHarness()
@@ -102,11 +104,12 @@ def start(
 
 @contextlib.contextmanager
 def client_of(
-    tmp_path: Path, receiver: Receiver, protocol: str, delay_ms: int = 20, **trace: object
+    tmp_path: Path, receiver: Receiver, protocol: str, delay_ms: int = 20, extra: tuple = (),
+    **trace: object,
 ) -> Iterator[httpclient.InferenceServerClient | grpcclient.InferenceServerClient]:
-    """A tritonclient of a server exporting to ``receiver``; the server stops on leaving
-    (so what it still held has been sent)."""
-    harness, server = start(tmp_path, receiver, delay_ms, **trace)
+    """A tritonclient of a server exporting to ``receiver`` (``extra`` OpenTelemetry
+    settings); the server stops on leaving (so what it still held has been sent)."""
+    harness, server = start(tmp_path, receiver, delay_ms, extra, **trace)
     module, service = (httpclient, KServeHttp) if protocol == "http" else (grpcclient, KServeGrpc)
     try:
         for port in frontend(service, server):
@@ -317,3 +320,37 @@ def test_level_tensors_alone_exports_a_bare_request_span(tmp_path, receiver):
     assert [(s["name"], s["events"], "attributes" in s) for s in receiver.spans()] == [
         ("InferRequest", [], False)
     ]
+
+
+def test_half_a_small_queue_starts_an_export(tmp_path, receiver):
+    """As OpenTelemetry's batch span processor: an export starts once half the queue waits,
+    not only a full batch (512 by default) or the schedule delay (a minute here)."""
+    queue = (("bsp_max_queue_size", "10"),)
+    with client_of(tmp_path, receiver, "http", 60_000, queue) as client:
+        for _ in range(2):
+            client.infer("add_sub", inputs(httpclient))
+        assert len(wait_for_spans(receiver, 6)) == 6
+
+
+def test_a_stop_cuts_short_a_post_the_collector_does_not_answer(tmp_path):
+    silent = socket.create_server(("127.0.0.1", 0))  # connects (its backlog), never answers
+    repo = tmp_path / "repo"
+    shutil.copytree(EXAMPLES / "add_sub", repo / "add_sub")
+    settings = dlserve.TraceSettings(
+        mode="opentelemetry", level=("TIMESTAMPS",), rate=1,
+        opentelemetry=OtelSettings((
+            ("url", f"127.0.0.1:{silent.getsockname()[1]}/v1/traces"),
+            ("bsp_schedule_delay", "10"),
+        )),
+    )
+    harness = ServerHarness()
+    try:
+        server = harness.start(repo, trace=settings)
+        for http_port in frontend(KServeHttp, server):
+            with httpclient.InferenceServerClient(f"127.0.0.1:{http_port}") as client:
+                client.infer("add_sub", inputs(httpclient))
+        time.sleep(0.2)  # (the post under way)
+    finally:
+        harness.close()
+        silent.close()
+    assert not [t for t in threading.enumerate() if t.name == "dlserve-otlp"]
