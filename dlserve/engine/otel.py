@@ -243,7 +243,11 @@ class _Spans:
                 attributes.append(_attribute("triton.request_id", trace.request_id))
             times = dict(model_events)  # (the last of each name)
             start = times.get("REQUEST_START", model_events[0][1])
-            end = times.get("REQUEST_END", model_events[-1][1])
+            # (a cancelled request ends before its execute does: the span holds its computes)
+            end = max(
+                [times.get("REQUEST_END", model_events[-1][1])]
+                + [ns for n, ns in trace.events if n == "COMPUTE_END"]
+            )
             parent = ids.request_span_id or ids.parent_span_id
             spans.append(self.span(
                 ids, ids.model_span_id, parent, trace.model_name, start, end, model_events,

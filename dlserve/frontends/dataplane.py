@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from dlserve.engine.core import Engine
+from dlserve.engine.otel import w3c_context
 from dlserve.engine.request import (
     SEQUENCE_END,
     SEQUENCE_START,
@@ -297,14 +298,23 @@ class DataPlane:
             self.engine.cancel(request)
             raise
 
-    def stream(self, request: Request) -> AsyncGenerator[Response, None]:
+    def stream(
+        self, request: Request, traced: Callable[[Trace], None] | None = None
+    ) -> AsyncGenerator[Response, None]:
         """Submit a request (raising now if it is refused) and return a generator of
         its responses as they come, the last one final. Closing the generator early
-        (its client went away) cancels the request."""
+        (its client went away) cancels the request. ``traced`` as for :meth:`infer`."""
         responses: asyncio.Queue[Response] = asyncio.Queue()
         request.on_response = responses.put_nowait
         self.engine.submit(request)
+        if traced is not None and request.trace is not None:
+            traced(request.trace)
         return self._responses(request, responses)
+
+    def trace_context(self, headers: Iterable[tuple[str, Any]]) -> tuple[str, str] | None:
+        """The W3C trace context a request's headers (or gRPC metadata) carry, when the
+        server traces in OpenTelemetry mode (else None: not even looked for)."""
+        return w3c_context(headers) if self.engine.tracer.exporting else None
 
     async def _responses(
         self, request: Request, responses: asyncio.Queue[Response]

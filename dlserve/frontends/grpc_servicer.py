@@ -32,7 +32,6 @@ import grpc
 import numpy as np
 from google.protobuf import json_format
 
-from dlserve.engine.otel import w3c_context
 from dlserve.engine.request import Request
 from dlserve.engine.tracing import Trace
 from dlserve.errors import InvalidArgumentError, TritonError, UnsupportedError
@@ -423,8 +422,8 @@ class InferenceServicer:
         engine_request = self.dataplane.build_request(
             model_name, version if version >= 0 else None, request.id, parameters, inputs, outputs, forwarded
         )
-        if self.engine.tracer.exporting:
-            engine_request.trace_context = w3c_context(context.invocation_metadata() or ())
+        metadata = context.invocation_metadata() or ()
+        engine_request.trace_context = self.dataplane.trace_context(metadata)
         return engine_request, specs, model
 
     @_rpc("inference")

@@ -11,7 +11,6 @@ Triton's HTTP frontend. Status codes come from the error's Triton code (see
 from __future__ import annotations
 
 import base64
-import functools
 import json
 import logging
 import math
@@ -23,9 +22,7 @@ from urllib.parse import unquote
 import numpy as np
 import orjson
 
-from dlserve.engine.otel import w3c_context
 from dlserve.engine.request import Response
-from dlserve.engine.tracing import Trace
 from dlserve.errors import ErrorCode, InvalidArgumentError, TritonError, UnsupportedError
 from dlserve.frontends import json_values
 from dlserve.frontends.dataplane import (
@@ -316,31 +313,13 @@ class KServeHttpApi:
         engine_request = self.dataplane.build_request(
             args["model"], args.get("version"), request_id, parameters, inputs, outputs, forwarded
         )
-        if self.engine.tracer.exporting:
-            engine_request.trace_context = w3c_context(request.headers.items())
-        traced = functools.partial(_traced, request) if self.engine.tracer.enabled else None
+        engine_request.trace_context = self.dataplane.trace_context(request.headers.items())
+        traced = request.traced if self.engine.tracer.enabled else None
         response = await self.dataplane.infer(engine_request, traced)
         if response.error is not None:
             return error_response(response.error)
         response = self.dataplane.classified(response, outputs or [])
         return _encode_response(response, outputs or [], binary_default)
-
-
-def _traced(request: HttpRequest, trace: Trace) -> None:
-    """A request picked for tracing: when it was read, and (the trace held until then)
-    when its response was written."""
-    start, end = request.received_ns
-    trace.record("HTTP_RECV_START", start)
-    trace.record("HTTP_RECV_END", end)
-    trace.hold()
-
-    def sent(start_ns: int, end_ns: int) -> None:
-        if start_ns:
-            trace.record("HTTP_SEND_START", start_ns)
-            trace.record("HTTP_SEND_END", end_ns)
-        trace.release()
-
-    request.on_sent = sent
 
 
 # -- request decoding -----------------------------------------------------------------------

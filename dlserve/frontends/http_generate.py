@@ -101,13 +101,19 @@ class GenerateApi:
                 raise InvalidArgumentError(f"input '{key}' already exists in request")
             values[key] = value
         inputs = [_input(key, signature.inputs[key], value, batching) for key, value in values.items()]
-        return self.dataplane.build_request(
+        built = self.dataplane.build_request(
             model.name, model.version, request_id, parameters, inputs, None
         )
+        built.trace_context = self.dataplane.trace_context(request.headers.items())
+        return built
+
+    def _stream(self, request: HttpRequest, args: dict[str, str]) -> AsyncGenerator[Response, None]:
+        traced = request.traced if self.engine.tracer.enabled else None
+        return self.dataplane.stream(self._request(request, args), traced)
 
     async def generate(self, request: HttpRequest, args: dict[str, str]) -> HttpResponse:
         answers: list[Response] = []
-        responses = self.dataplane.stream(self._request(request, args))
+        responses = self._stream(request, args)
         try:
             async for response in responses:
                 if response.error is not None:
@@ -130,7 +136,7 @@ class GenerateApi:
         """Server-sent events, one per response. The status waits for the first
         response: an error there makes it a 400; every error comes as an
         ``{"error": ...}`` event, and the responses after it follow (as in Triton)."""
-        responses = self.dataplane.stream(self._request(request, args))
+        responses = self._stream(request, args)
         try:
             first = await anext(responses)
         except BaseException:

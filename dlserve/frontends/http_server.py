@@ -27,12 +27,15 @@ import logging
 import time
 import zlib
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httptools
 import numpy as np
 
 from dlserve.ipc.polling import PollWindow, loop_poller
+
+if TYPE_CHECKING:
+    from dlserve.engine.tracing import Trace
 
 log = logging.getLogger("dlserve.http")
 
@@ -74,6 +77,22 @@ class HttpRequest:
 
     def header(self, name: str, default: str = "") -> str:
         return self.headers.get(name, default)
+
+    def traced(self, trace: Trace) -> None:
+        """This request was picked for tracing: when it was read, and (the trace held
+        until then) when its response was written."""
+        start, end = self.received_ns
+        trace.record("HTTP_RECV_START", start)
+        trace.record("HTTP_RECV_END", end)
+        trace.hold()
+
+        def sent(start_ns: int, end_ns: int) -> None:
+            if start_ns:
+                trace.record("HTTP_SEND_START", start_ns)
+                trace.record("HTTP_SEND_END", end_ns)
+            trace.release()
+
+        self.on_sent = sent
 
 
 @dataclasses.dataclass

@@ -13,6 +13,7 @@ import shutil
 import socket
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -77,12 +78,14 @@ def receiver() -> Iterator[Receiver]:
 
 
 def start(
-    tmp_path: Path, receiver: Receiver, delay_ms: int, extra: tuple = (), **trace: object
+    tmp_path: Path, receiver: Receiver, delay_ms: int, extra: tuple = (),
+    test_models: tuple[str, ...] = ("bls_traced",), **trace: object,
 ) -> tuple[ServerHarness, dlserve.Server]:
     repo = tmp_path / "repo"
     for name in ("add_sub", "identity", "pipeline"):
         shutil.copytree(EXAMPLES / name, repo / name)
-    shutil.copytree(MODELS / "bls_traced", repo / "bls_traced")
+    for name in test_models:
+        shutil.copytree(MODELS / name, repo / name)
     settings = dlserve.TraceSettings(
         mode="opentelemetry", level=("TIMESTAMPS",), **{"rate": 1, **trace},
         opentelemetry=OtelSettings((
@@ -354,3 +357,44 @@ def test_a_stop_cuts_short_a_post_the_collector_does_not_answer(tmp_path):
         harness.close()
         silent.close()
     assert not [t for t in threading.enumerate() if t.name == "dlserve-otlp"]
+
+
+def test_generate_takes_the_client_s_traceparent(tmp_path, receiver):
+    harness, server = start(tmp_path, receiver, 20)
+    try:
+        for http_port in frontend(KServeHttp, server):
+            body = json.dumps({"INPUT0": A.tolist(), "INPUT1": A.tolist()})
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{http_port}/v2/models/add_sub/generate", body.encode(),
+                {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"},
+            )
+            with urllib.request.urlopen(request, timeout=30) as reply:
+                assert json.loads(reply.read())["OUTPUT0"] == (A + A).tolist()
+            spans = wait_for_spans(receiver, 3)
+    finally:
+        harness.close()
+    root = by_name(spans)["InferRequest"]
+    assert all(span["traceId"] == CLIENT_TRACE for span in spans)
+    assert root["parentSpanId"] == CLIENT_SPAN
+    assert events(root)[:2] == ["HTTP_RECV_START", "HTTP_RECV_END"]
+
+
+def test_a_cancelled_request_s_spans_still_nest(tmp_path, receiver):
+    """A request the client gave up on ends (REQUEST_END) before its execute does: its
+    model span still holds its compute span, as a trace viewer expects."""
+    harness, server = start(tmp_path, receiver, 20, test_models=("faulty",))
+    try:
+        for grpc_port in frontend(KServeGrpc, server):
+            with grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}") as client:
+                tensor = grpcclient.InferInput("INPUT0", [2], "FP32")
+                tensor.set_data_from_numpy(A[:2])
+                with pytest.raises(InferenceServerException, match="Deadline"):
+                    client.infer(
+                        "faulty", [tensor], parameters={"mode": "sleep:1"}, client_timeout=0.2
+                    )
+                spans = wait_for_spans(receiver, 3)
+    finally:
+        harness.close()
+    model, compute = by_name(spans)["faulty"], by_name(spans)["compute"]
+    assert int(model["endTimeUnixNano"]) >= int(compute["endTimeUnixNano"])
+    assert int(compute["endTimeUnixNano"]) - int(compute["startTimeUnixNano"]) >= 0.9e9
