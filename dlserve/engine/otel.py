@@ -344,7 +344,12 @@ class OtlpExporter:
 
     def _queue(self, traces: list[Trace]) -> None:
         """The traces' spans into the queue, past its size dropped (said once a streak)."""
-        spans = [span for trace in traces for span in self._spans.of(trace)]
+        spans: list[dict[str, Any]] = []
+        for trace in traces:
+            try:
+                spans.extend(self._spans.of(trace))
+            except Exception:  # noqa: BLE001 - a bug loses that trace, not the thread
+                log.exception("OpenTelemetry: trace %d could not be made into spans", trace.id)
         room = max(self.queue_size - len(self._waiting), 0)
         self._waiting.extend(spans[:room])
         dropped = len(spans) - room

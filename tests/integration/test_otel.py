@@ -25,6 +25,7 @@ from tritonclient.utils import InferenceServerException
 
 import dlserve
 from dlserve.engine.otel import OtelSettings
+from dlserve.engine.tracing import Tracer
 from dlserve.frontends import KServeGrpc, KServeHttp
 
 from ..conftest import EXAMPLES, MODELS, ServerHarness, frontend
@@ -398,3 +399,27 @@ def test_a_cancelled_request_s_spans_still_nest(tmp_path, receiver):
     model, compute = by_name(spans)["faulty"], by_name(spans)["compute"]
     assert int(model["endTimeUnixNano"]) >= int(compute["endTimeUnixNano"])
     assert int(compute["endTimeUnixNano"]) - int(compute["startTimeUnixNano"]) >= 0.9e9
+
+
+def test_a_trace_that_cannot_become_spans_loses_only_itself(receiver, caplog):
+    """The exporter's thread outlives a bug in one trace's conversion (every later span
+    would be lost with it)."""
+    url = f"127.0.0.1:{receiver.server_address[1]}/v1/traces"
+    settings = dlserve.TraceSettings(
+        mode="opentelemetry", level=("TIMESTAMPS",), rate=1,
+        opentelemetry=OtelSettings((("url", url), ("bsp_schedule_delay", "10"))),
+    )
+    tracer = Tracer(settings, has_model=lambda name: True)
+    try:
+        broken = tracer.start("m", "")
+        broken.span_ids = None  # (what a bug could leave)
+        broken.release()
+        trace = tracer.start("m", "r")
+        trace.record("REQUEST_START")
+        trace.record("REQUEST_END")
+        trace.release()
+        names = sorted(span["name"] for span in wait_for_spans(receiver, 2))
+    finally:
+        tracer.close()
+    assert names == ["InferRequest", "m"]
+    assert "could not be made into spans" in caplog.text
