@@ -165,7 +165,7 @@ class SpanIds:
         self.model_span_id = _new_id(64)
 
     @classmethod
-    def start(cls, context: tuple[str, str] | None) -> SpanIds:
+    def for_request(cls, context: tuple[str, str] | None) -> SpanIds:
         """A client's request: under the client's span when ``context`` is a valid W3C
         traceparent (an invalid one is ignored, as Triton ignores it)."""
         if context is not None:

@@ -570,7 +570,7 @@ class Tracer:
         if levels == ("OFF",):
             return None
         sampling = self._scopes[scope]
-        ids = SpanIds.start(context) if self.exporting and context is not None else None
+        ids = SpanIds.for_request(context) if self.exporting and context is not None else None
         if ids is not None and ids.parent_span_id:
             sampling.admit()
         elif not sampling.sample():
@@ -578,7 +578,7 @@ class Tracer:
         trace = Trace(self, model_name, request_id, levels)
         trace.sampling = sampling
         if self.exporting:
-            trace.span_ids = ids or SpanIds.start(None)
+            trace.span_ids = ids or SpanIds.for_request(None)
         return trace
 
     def open_trace(self, trace_id: int) -> Trace | None:
