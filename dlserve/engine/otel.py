@@ -286,10 +286,14 @@ class OtlpExporter:
         self._resource = {"attributes": [_attribute(k, v) for k, v in resources.items()]}
         self._spans = _Spans()
         self._traces: list[Trace] = []  # finished, for the thread to turn into spans
+        # (at most as many as would fill the queue: the rest are dropped at once)
+        self._most_traces = max(1, self.queue_size // _SPANS_PER_TRACE)
+        self._traces_dropped = 0
         self._waiting: list[dict[str, Any]] = []  # spans to send (the thread's own)
         self._dropping = False
         self._failing = False
         self._closed = False
+        self._cut = False  # the stop cut a post short: post no more
         self._connection: http.client.HTTPConnection | None = None  # the post under way
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -300,7 +304,9 @@ class OtlpExporter:
             if self._closed:  # (a trace let go after the stop, by a server being killed)
                 log.debug("OpenTelemetry: %d trace(s) finished after the stop", len(traces))
                 return
-            self._traces.extend(traces)
+            room = max(self._most_traces - len(self._traces), 0)
+            self._traces.extend(traces[:room])
+            self._traces_dropped += max(len(traces) - room, 0)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="dlserve-otlp", daemon=True)
                 self._thread.start()
@@ -317,10 +323,13 @@ class OtlpExporter:
         if thread is None:
             return
         thread.join(_STOPPING_TIMEOUT_S + 1)
-        connection = self._connection
-        if thread.is_alive() and connection is not None and connection.sock is not None:
-            with contextlib.suppress(OSError):
-                connection.sock.shutdown(socket.SHUT_RDWR)
+        if thread.is_alive():
+            self._cut = True
+            connection = self._connection
+            sock = connection.sock if connection is not None else None
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
             thread.join(1)
 
     def _run(self) -> None:
@@ -329,21 +338,31 @@ class OtlpExporter:
                 if _SPANS_PER_TRACE * len(self._traces) < self._enough and not self._closed:
                     self._wake.wait(self.delay_s)
                 traces, self._traces = self._traces, []
+                dropped, self._traces_dropped = self._traces_dropped, 0
                 closed = self._closed
-            self._queue(traces)
-            timeout = _STOPPING_TIMEOUT_S if closed else _EXPORT_TIMEOUT_S
-            while self._waiting:  # (as the batch processor: until nothing waits)
-                batch = self._waiting[:self.batch_size]
-                del self._waiting[:self.batch_size]
-                if not self._post(batch, timeout):
-                    if closed:  # (the collector is gone: the rest would wait as long each)
-                        self._waiting.clear()
-                    break
+            try:
+                self._export(traces, dropped, closed)
+            except Exception:  # noqa: BLE001 - a bug loses these spans, not the thread
+                log.exception("OpenTelemetry: spans lost")
+                self._waiting.clear()
             if closed:
                 return
 
-    def _queue(self, traces: list[Trace]) -> None:
-        """The traces' spans into the queue, past its size dropped (said once a streak)."""
+    def _export(self, traces: list[Trace], traces_dropped: int, closed: bool) -> None:
+        """Queue ``traces``' spans and send what waits, batch by batch."""
+        self._queue(traces, traces_dropped)
+        timeout = _STOPPING_TIMEOUT_S if closed else _EXPORT_TIMEOUT_S
+        while self._waiting:  # (as the batch processor: until nothing waits)
+            batch = self._waiting[:self.batch_size]
+            del self._waiting[:self.batch_size]
+            if not self._post(batch, timeout):
+                if closed or self._closed:  # (the collector is gone or the stop came)
+                    self._waiting.clear()
+                break
+
+    def _queue(self, traces: list[Trace], traces_dropped: int) -> None:
+        """The traces' spans into the queue, past its size dropped (said once a streak,
+        with the traces the server dropped before they became spans)."""
         spans: list[dict[str, Any]] = []
         for trace in traces:
             try:
@@ -352,15 +371,18 @@ class OtlpExporter:
                 log.exception("OpenTelemetry: trace %d could not be made into spans", trace.id)
         room = max(self.queue_size - len(self._waiting), 0)
         self._waiting.extend(spans[:room])
-        dropped = len(spans) - room
-        if dropped > 0:
+        dropped = max(len(spans) - room, 0)
+        if dropped or traces_dropped:
             (log.debug if self._dropping else log.warning)(
-                "OpenTelemetry: %d span(s) dropped: more than bsp_max_queue_size waited", dropped
+                "OpenTelemetry: %d span(s) and %d trace(s) dropped: more than "
+                "bsp_max_queue_size waited", dropped, traces_dropped,
             )
-        self._dropping = dropped > 0
+        self._dropping = bool(dropped or traces_dropped)
 
     def _post(self, spans: list[dict[str, Any]], timeout: float) -> bool:
         """Send one batch; whether the collector took it."""
+        if self._cut:
+            return False
         body = json.dumps({"resourceSpans": [{
             "resource": self._resource,
             "scopeSpans": [{"scope": {"name": "triton-server"}, "spans": spans}],
@@ -383,7 +405,7 @@ class OtlpExporter:
                 raise OSError(f"the collector answered HTTP {status}")
             self._failing = False
             return True
-        except (OSError, http.client.HTTPException) as exc:
+        except (OSError, ValueError, http.client.HTTPException) as exc:  # (ValueError: a bad host)
             # Said once per streak of failures: a collector that is down loses spans only.
             (log.debug if self._failing else log.warning)(
                 "OpenTelemetry: %d span(s) not exported to %s: %s", len(spans), url.geturl(), exc

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import http.server
 import json
+import logging
 import shutil
 import socket
 import threading
@@ -404,6 +405,7 @@ def test_a_cancelled_request_s_spans_still_nest(tmp_path, receiver):
 def test_a_trace_that_cannot_become_spans_loses_only_itself(receiver, caplog):
     """The exporter's thread outlives a bug in one trace's conversion (every later span
     would be lost with it)."""
+    caplog.set_level(logging.WARNING, logger="dlserve.trace")  # (whatever servers set)
     url = f"127.0.0.1:{receiver.server_address[1]}/v1/traces"
     settings = dlserve.TraceSettings(
         mode="opentelemetry", level=("TIMESTAMPS",), rate=1,
@@ -423,3 +425,54 @@ def test_a_trace_that_cannot_become_spans_loses_only_itself(receiver, caplog):
         tracer.close()
     assert names == ["InferRequest", "m"]
     assert "could not be made into spans" in caplog.text
+
+
+def finished_trace(tracer: Tracer) -> None:
+    trace = tracer.start("m", "")
+    trace.record("REQUEST_START")
+    trace.record("REQUEST_END")
+    trace.release()
+
+
+def test_a_host_that_cannot_be_named_loses_spans_not_the_exporter(caplog):
+    caplog.set_level(logging.WARNING, logger="dlserve.trace")  # (whatever servers set)
+    settings = dlserve.TraceSettings(
+        mode="opentelemetry", level=("TIMESTAMPS",), rate=1,
+        opentelemetry=OtelSettings((("url", "a..b:4318/v1/traces"), ("bsp_schedule_delay", "10"))),
+    )
+    tracer = Tracer(settings, has_model=lambda name: True)
+    try:
+        for _ in range(3):
+            finished_trace(tracer)
+            time.sleep(0.1)
+        exporters = [t for t in threading.enumerate() if t.name == "dlserve-otlp"]
+        assert exporters and all(t.is_alive() for t in exporters)
+    finally:
+        tracer.close()
+    assert "span(s) not exported to http://a..b:4318/v1/traces" in caplog.text
+
+
+def test_traces_waiting_on_a_silent_collector_are_bounded_by_the_queue(caplog):
+    caplog.set_level(logging.WARNING, logger="dlserve.trace")  # (whatever servers set)
+    silent = socket.create_server(("127.0.0.1", 0))  # connects (its backlog), never answers
+    url = f"127.0.0.1:{silent.getsockname()[1]}/v1/traces"
+    settings = dlserve.TraceSettings(
+        mode="opentelemetry", level=("TIMESTAMPS",), rate=1,
+        opentelemetry=OtelSettings((
+            ("url", url), ("bsp_schedule_delay", "10"), ("bsp_max_export_batch_size", "2"),
+            ("bsp_max_queue_size", "9"),
+        )),
+    )
+    tracer = Tracer(settings, has_model=lambda name: True)
+    try:
+        finished_trace(tracer)
+        time.sleep(0.3)  # (its post hangs)
+        for _ in range(200):
+            finished_trace(tracer)
+        assert len(tracer._writer._traces) <= 3  # (9 spans' worth: the rest dropped)
+    finally:
+        tracer.close()
+        silent.close()
+    assert "trace(s) dropped: more than bsp_max_queue_size waited" in caplog.text
+    # The stop cut the hung post short, and posted none of the batches behind it.
+    assert not [t for t in threading.enumerate() if t.name == "dlserve-otlp"]
