@@ -135,12 +135,7 @@ class GrpcServer:
         options = self.options
         tls = server_tls(options) if options.use_ssl else None
         transport = GrpcTransport(methods(self.servicer), transport_settings(options))
-        try:
-            port = await transport.listen(options.address, options.port, tls, options.reuse_port)
-        except OSError as exc:
-            raise UnavailableError(
-                f"failed to bind the gRPC service to {self.address}: {exc.strerror or exc}"
-            ) from None
+        port = await transport.listen(options.address, options.port, tls, options.reuse_port)
         self._transport = transport
         return port
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import errno
 import logging
 import os
 import re
@@ -98,6 +99,7 @@ class Service:
     """Shared lifecycle: a coroutine pair run on the server's loop."""
 
     Options: type[Any]
+    triton_name: str  # the service as tritonserver's messages name it
 
     def __init__(self, server: Server, options: Any = None) -> None:
         options = self.Options() if options is None else options
@@ -117,10 +119,15 @@ class Service:
         try:
             self.port = self.server._run(self._start())
         except OSError as exc:
-            raise UnavailableError(
-                f"{type(self).__name__} cannot listen on {self.options.address}:{self.options.port}: "
-                f"{exc.strerror or exc}"
-            ) from None
+            where = f"{self.options.address}:{self.options.port}"
+            if exc.errno == errno.EADDRINUSE:  # (tritonserver's words, which scripts grep)
+                message = (
+                    f"failed to start {self.triton_name} service: Unavailable - Socket '{where}' "
+                    "already in use"
+                )
+            else:
+                message = f"{type(self).__name__} cannot listen on {where}: {exc.strerror or exc}"
+            raise UnavailableError(message) from None
         self._running = True
         self.server._attach(self)
 
@@ -191,6 +198,8 @@ class _HttpService(Service):
 
 
 class KServeHttp(_HttpService):
+    triton_name = "HTTP"
+
     @dataclasses.dataclass
     class Options:
         address: str = "0.0.0.0"
@@ -222,6 +231,8 @@ class KServeHttp(_HttpService):
 class SageMaker(_HttpService):
     """Amazon SageMaker's ``/ping`` and ``/invocations`` (:mod:`dlserve.frontends.hosted`),
     as tritonserver's ``--allow-sagemaker`` serves them."""
+
+    triton_name = "SageMaker"
 
     @dataclasses.dataclass
     class Options:
@@ -261,6 +272,8 @@ class VertexAi(_HttpService):
     """Google Vertex AI's health and predict routes (:mod:`dlserve.frontends.hosted`), as
     tritonserver's ``--allow-vertex-ai`` serves them; the defaults come from the AIP_*
     variables Vertex AI sets in a custom container."""
+
+    triton_name = "Vertex AI"
 
     @dataclasses.dataclass
     class Options:
@@ -306,6 +319,8 @@ class GrpcCompressionLevel(enum.IntEnum):
 
 
 class KServeGrpc(Service):
+    triton_name = "GRPC"
+
     Grpc_compression_level = GrpcCompressionLevel
 
     @dataclasses.dataclass
@@ -385,6 +400,8 @@ class KServeGrpc(Service):
 
 
 class Metrics(Service):
+    triton_name = "Metrics"
+
     @dataclasses.dataclass
     class Options:
         address: str = "0.0.0.0"

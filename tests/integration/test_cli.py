@@ -315,15 +315,20 @@ def test_bad_service_options_exit_1_and_leave_nothing(serve, tmp_path, args, mes
     process.assert_clean()
 
 
-def test_busy_port_exits_1_with_a_message(serve, make_repo):
+@pytest.mark.parametrize(
+    "service,name", [("http", "HTTP"), ("grpc", "GRPC"), ("metrics", "Metrics")]
+)
+def test_busy_port_exits_1_with_a_message(serve, make_repo, service, name):
+    """In tritonserver's words, which upstream L0_lifecycle greps for."""
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        process = serve("--model-repository", str(make_repo("add_sub")), ports={"http": port})
+        process = serve("--model-repository", str(make_repo("add_sub")), ports={service: port})
         code = process.proc.wait(timeout=30)
     assert code == 1, process.output()
-    assert f"KServeHttp cannot listen on 127.0.0.1:{port}" in process.stderr, process.output()
+    message = f"failed to start {name} service: Unavailable - Socket '127.0.0.1:{port}' already"
+    assert message in process.stderr, process.output()
     process.assert_clean()
 
 
