@@ -207,8 +207,19 @@ class Engine:
             rate_limiter=self.rate_limiter,
             latency_summaries=s.metrics.summary_latencies,
         )
+        try:
+            repository = Repository(s.model_repositories, s.model_config_name, s.model_namespacing)
+            healthy = True
+        except TritonError as exc:
+            if s.exit_on_error:
+                raise
+            # As tritonserver with --exit-on-error=false: it answers on, neither live nor
+            # ready, so that its health says what is wrong.
+            log.error("%s", exc.message)
+            repository = Repository([], s.model_config_name, s.model_namespacing)
+            healthy = False
         self.manager = ModelManager(
-            Repository(s.model_repositories, s.model_config_name, s.model_namespacing),
+            repository,
             resources,
             control_mode=s.control_mode,
             auto_complete=s.auto_complete,
@@ -217,7 +228,7 @@ class Engine:
             concurrent_loads=s.model_load_thread_count,
         )
         self._poller = loop_poller(asyncio.get_running_loop())
-        self.live = True
+        self.live = healthy
         return await self.manager.start(s.startup_models, s.poll_interval)
 
     async def stop(self, deadline: float | None = None) -> bool:

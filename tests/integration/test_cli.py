@@ -720,6 +720,23 @@ def test_exit_on_error_stops_on_a_failing_model(serve, make_repo):
     process.assert_clean()
 
 
+def test_a_missing_repository_with_exit_on_error_false_serves_neither_live_nor_ready(
+    serve, tmp_path
+):
+    """As tritonserver (upstream L0_lifecycle test_parse_error_noexit): it starts, logs
+    why, and its health says it is neither live nor ready; it exits cleanly when told."""
+    missing = tmp_path / "no_such_repository"
+    process = serve("--model-repository", str(missing), "--exit-on-error=false").wait_started()
+    port = process.ports["http"]
+    assert f"failed to stat file {missing}" in process.stderr, process.output()
+    assert request(port, "/v2/health/live")[0] == 400
+    assert request(port, "/v2/health/ready")[0] == 400
+    assert request(port, "/v2")[0] == 200
+    code, _ = process.stop()
+    assert code == 0, process.output()
+    process.assert_clean()
+
+
 def test_exit_on_error_false_keeps_serving_the_other_models(serve, make_repo):
     process = serve(
         "--model-repository", str(make_repo("add_sub", "init_fail")), "--exit-on-error=false",
