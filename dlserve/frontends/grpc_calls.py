@@ -294,8 +294,11 @@ class CallContext:
         raise Abort(code, details)
 
     def set_compression(self, name: str) -> None:
-        if name in self.accepts:
-            self.compression = name
+        """Compress the answers with ``name``, or, as gRPC core does, with the other
+        algorithm when the client accepts only that one (none when it accepts neither)."""
+        usable = [codec for codec in (name, *_CODECS) if codec in self.accepts]
+        if usable:
+            self.compression = usable[0]
 
     # -- answers ---------------------------------------------------------------------------
     def send_message(self, payload: bytes | list[bytes | memoryview], last: bool = False) -> None:

@@ -84,7 +84,7 @@ class Answer:
             flag, length = self.data[pos], struct.unpack_from(">I", self.data, pos + 1)[0]
             body = self.data[pos + 5 : pos + 5 + length]
             assert len(body) == length, "truncated gRPC message"
-            out.append(zlib.decompress(body, 31) if flag else body)
+            out.append(zlib.decompress(body, 47) if flag else body)  # (gzip or zlib)
             pos += 5 + length
         return out
 
@@ -754,6 +754,11 @@ def test_compressed_responses(server):
         check_add_sub(answer)
         answer = client.call(add_sub_request())  # a client that accepts no compression
         assert answer.data[0] == 0
+        check_add_sub(answer)
+        # Only the other algorithm accepted: that one, as gRPC core (and so Triton) answers.
+        deflate_only = [("grpc-accept-encoding", "identity,deflate")]
+        answer = client.call(add_sub_request(), extra=deflate_only)
+        assert answer.headers["grpc-encoding"] == "deflate" and answer.data[0] == 1
         check_add_sub(answer)
 
 
