@@ -518,8 +518,8 @@ def decode_body(request: HttpRequest) -> Any:
 
 
 def accepted_compression(accept_encoding: str) -> str | None:
-    """gzip or deflate, whichever ``Accept-Encoding`` weighs more (gzip on a tie), or
-    None when it accepts neither (absent, or ``q=0``)."""
+    """gzip or deflate, whichever ``Accept-Encoding`` weighs more (on a tie the one listed
+    first, as Triton picks), or None when it accepts neither (absent, or ``q=0``)."""
     weights: dict[str, float] = {}
     for item in accept_encoding.lower().split(","):
         coding, _, parameters = item.partition(";")
@@ -535,8 +535,8 @@ def accepted_compression(accept_encoding: str) -> str | None:
                 except ValueError:
                     weight = 0.0
         weights[coding] = weight
-    best = max(("gzip", "deflate"), key=lambda c: weights.get(c, 0.0))
-    return best if weights.get(best, 0.0) > 0 else None
+    best = max(weights, key=weights.__getitem__, default=None)  # (the first of equals)
+    return best if best is not None and weights[best] > 0 else None
 
 
 def encode_body(request: HttpRequest, response: HttpResponse) -> HttpResponse:

@@ -1431,9 +1431,11 @@ def test_compression_on_the_wire(port):
             == plain.headers["inference-header-content-length"]
         )
         assert decompress(reply.body) == plain.body
-    # Weights as Triton reads them: q=0 refuses a coding; the heavier one wins.
+    # Weights as Triton reads them: q=0 refuses a coding; the heavier one wins, the first
+    # listed of equals.
     for accept, expected in (("gzip;q=0, identity", None), ("deflate;q=0.5, gzip;q=0.1", "deflate"),
-                             ("gzip;q=0, deflate", "deflate"), ("identity", None), ("GZIP", "gzip")):
+                             ("gzip;q=0, deflate", "deflate"), ("identity", None), ("GZIP", "gzip"),
+                             ("deflate, gzip", "deflate"), ("gzip, deflate", "gzip")):
         reply = request(port, "POST", "/v2/models/add_sub/infer", body,
                         {"Inference-Header-Content-Length": str(header_length), "Accept-Encoding": accept})
         assert reply.status == 200 and reply.headers.get("content-encoding") == expected, accept
