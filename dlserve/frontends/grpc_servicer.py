@@ -343,9 +343,10 @@ class InferenceServicer:
                 "ModelInfer RPC doesn't support models with decoupled transaction policy"
             )
         parameters = request_parameters(request.parameters) if request.parameters else {}
+        metadata = context.invocation_metadata() or ()
         forwarded = []
         if self.forward is not None:
-            for key, value in context.invocation_metadata() or ():
+            for key, value in metadata:
                 if self.forward.search(key):
                     # A binary (-bin) header goes as its text up to a NUL, as Triton's does.
                     text = value if isinstance(value, str) else value.split(b"\0", 1)[0].decode("utf-8", "replace")
@@ -422,7 +423,6 @@ class InferenceServicer:
         engine_request = self.dataplane.build_request(
             model_name, version if version >= 0 else None, request.id, parameters, inputs, outputs, forwarded
         )
-        metadata = context.invocation_metadata() or ()
         engine_request.trace_context = self.dataplane.trace_context(metadata)
         return engine_request, specs, model
 
