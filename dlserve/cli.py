@@ -523,8 +523,8 @@ def serve(args: argparse.Namespace) -> int:
             service.start()
             print(f"dlserve: {type(service).__name__} listening on port {service.port}", flush=True)
             # The line scripts wait for, in Triton's words (its gRPC, HTTP and metrics services).
-            started = _STARTED.get(type(service).__name__, type(service).__name__)
-            log.info("Started %s at %s:%d", started, service.options.address, service.port)
+            options = service.options
+            log.info("Started %s at %s:%d", service.started_as, options.address, service.port)
     except (dlserve.TritonError, OSError) as exc:
         print(f"dlserve: {exc}", file=sys.stderr)
         server.stop()
@@ -540,7 +540,6 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-_STARTED = {"KServeGrpc": "GRPCInferenceService", "KServeHttp": "HTTPService", "Metrics": "Metrics Service"}
 # tritonserver's words, any case ("med" too: dlserve took it before it took "medium")
 _COMPRESSION_LEVELS = {"none": 0, "low": 1, "medium": 2, "med": 2, "high": 3}
 

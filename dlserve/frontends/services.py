@@ -99,7 +99,9 @@ class Service:
     """Shared lifecycle: a coroutine pair run on the server's loop."""
 
     Options: type[Any]
-    triton_name: str  # the service as tritonserver's messages name it
+    # The service as tritonserver's messages name it, and as its "Started ... at" line does.
+    triton_name: str
+    started_as: str
 
     def __init__(self, server: Server, options: Any = None) -> None:
         options = self.Options() if options is None else options
@@ -198,7 +200,7 @@ class _HttpService(Service):
 
 
 class KServeHttp(_HttpService):
-    triton_name = "HTTP"
+    triton_name, started_as = "HTTP", "HTTPService"
 
     @dataclasses.dataclass
     class Options:
@@ -232,7 +234,7 @@ class SageMaker(_HttpService):
     """Amazon SageMaker's ``/ping`` and ``/invocations`` (:mod:`dlserve.frontends.hosted`),
     as tritonserver's ``--allow-sagemaker`` serves them."""
 
-    triton_name = "SageMaker"
+    triton_name, started_as = "SageMaker", "SageMaker"
 
     @dataclasses.dataclass
     class Options:
@@ -273,7 +275,7 @@ class VertexAi(_HttpService):
     tritonserver's ``--allow-vertex-ai`` serves them; the defaults come from the AIP_*
     variables Vertex AI sets in a custom container."""
 
-    triton_name = "Vertex AI"
+    triton_name, started_as = "Vertex AI", "VertexAi"
 
     @dataclasses.dataclass
     class Options:
@@ -319,7 +321,7 @@ class GrpcCompressionLevel(enum.IntEnum):
 
 
 class KServeGrpc(Service):
-    triton_name = "GRPC"
+    triton_name, started_as = "GRPC", "GRPCInferenceService"
 
     Grpc_compression_level = GrpcCompressionLevel
 
@@ -400,7 +402,7 @@ class KServeGrpc(Service):
 
 
 class Metrics(Service):
-    triton_name = "Metrics"
+    triton_name, started_as = "Metrics", "Metrics Service"
 
     @dataclasses.dataclass
     class Options:
