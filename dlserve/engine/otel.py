@@ -224,10 +224,12 @@ class _Spans:
         model_events = [(n, ns) for n, ns in trace.events if n in _MODEL_EVENTS]
         if model_events:
             computes: list[tuple[str, int]] = []
+            compute_ends: list[int] = []
             for name, ns in trace.events:
                 if name.startswith("COMPUTE_"):
                     computes.append((name, ns))
                     if name == "COMPUTE_END":
+                        compute_ends.append(ns)
                         spans.append(self.span(
                             ids, _new_id(64), ids.model_span_id, "compute",
                             computes[0][1], ns, computes,
@@ -244,10 +246,7 @@ class _Spans:
             times = dict(model_events)  # (the last of each name)
             start = times.get("REQUEST_START", model_events[0][1])
             # (a cancelled request ends before its execute does: the span holds its computes)
-            end = max(
-                [times.get("REQUEST_END", model_events[-1][1])]
-                + [ns for n, ns in trace.events if n == "COMPUTE_END"]
-            )
+            end = max([times.get("REQUEST_END", model_events[-1][1]), *compute_ends])
             parent = ids.request_span_id or ids.parent_span_id
             spans.append(self.span(
                 ids, ids.model_span_id, parent, trace.model_name, start, end, model_events,
