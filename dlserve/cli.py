@@ -9,6 +9,7 @@ lets in-flight ones finish (up to ``--exit-timeout-secs``), then ends every work
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import logging
 import os
@@ -469,7 +470,11 @@ def serve(args: argparse.Namespace) -> int:
     stop = threading.Event()
     server = dlserve.Server(options)
 
-    def on_signal(*_: Any) -> None:
+    def on_signal(signum: int, _frame: Any) -> None:
+        # tritonserver's line, on its standard output (os.write: print could be the code
+        # this handler interrupted)
+        with contextlib.suppress(OSError):
+            os.write(1, f"Signal ({signum}) received.\n".encode())
         stop.set()
         if server.loading:  # out of a start still loading models: it shuts down what it began
             raise _StopWhileStarting
@@ -531,7 +536,6 @@ def serve(args: argparse.Namespace) -> int:
         return 1
     print("dlserve: ready" if server.ready() else "dlserve: started (some models are not ready)", flush=True)
     stop.wait()
-    log.info("Waiting for in-flight requests to complete.")  # (Triton's words, which scripts grep)
     try:
         server.stop(wait_for_sequences=True)  # open sequences may end; then the services drain
     except dlserve.InternalError as exc:

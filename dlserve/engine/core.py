@@ -31,6 +31,7 @@ from dlserve.engine.rate_limiter import RateLimiter, RateLimiterResource
 from dlserve.engine.repository import Repository
 from dlserve.engine.request import Request, validate_request
 from dlserve.engine.response_cache import ResponseCache
+from dlserve.engine.shutdown_log import ShutdownLog
 from dlserve.engine.tracing import Tracer, TraceSettings
 from dlserve.errors import (
     InternalError,
@@ -171,6 +172,7 @@ class Engine:
         # Whether the network's new requests are taken: no longer once a shutdown began,
         # while those in flight (and the BLS calls they make) still finish.
         self.accepting = True
+        self._shutdown_log: ShutdownLog | None = None
 
     def _knows(self, name: str) -> bool:
         """Whether a model of this name is loaded (whose trace settings can be had)."""
@@ -231,6 +233,17 @@ class Engine:
         self.live = healthy
         return await self.manager.start(s.startup_models, s.poll_interval)
 
+    async def begin_stop(self, deadline: float) -> None:
+        """A shutdown begins (a server's stop, before its services drain): the network's
+        new requests are refused from now on, and what the stop waits for is logged."""
+        self.accepting = False
+        log.info("Waiting for in-flight requests to complete.")
+        if self.manager is not None and self._shutdown_log is None:
+            manager = self.manager
+            self._shutdown_log = ShutdownLog(
+                deadline, manager.versions_in_flight, manager.live_models
+            )
+
     async def stop(self, deadline: float | None = None) -> bool:
         """Finish in-flight requests, finalize models and end workers by ``deadline``
         (``time.monotonic()``; default: ``exit_timeout`` from now); whether every
@@ -242,7 +255,13 @@ class Engine:
         drained = True
         try:
             if self.manager is not None:
-                drained = await self.manager.stop(deadline)
+                if self._shutdown_log is not None:
+                    self._shutdown_log.unloading()
+                try:
+                    drained = await self.manager.stop(deadline)
+                finally:
+                    if self._shutdown_log is not None:
+                        await self._shutdown_log.finish()
             await asyncio.sleep(0)  # traces let go in the last turn are written first
             self.tracer.close()
             self._release_memory()

@@ -163,6 +163,19 @@ class ModelManager:
         self.repository.close()
         return all(drained is True for drained in unloads.result())
 
+    def versions_in_flight(self) -> list[tuple[ModelVersion, int]]:
+        """The loaded versions (and those a reload replaced) with requests queued or
+        executing, and how many each has."""
+        loaded = (v for entry in self.models.values() for v in entry.versions.values())
+        versions = [*loaded, *self.unloader.retiring]
+        counted = ((version, version.requests_in_flight) for version in versions)
+        return [(version, count) for version, count in counted if count]
+
+    def live_models(self) -> int:
+        """Models with a version not unloaded yet (replaced ones still draining count apart)."""
+        loaded = sum(1 for entry in self.models.values() if entry.versions)
+        return loaded + len(self.unloader.retiring)
+
     def kill(self) -> None:
         for entry in self.models.values():
             for model in entry.versions.values():

@@ -146,6 +146,11 @@ class ModelVersion:
         waiting_in_workers = sum(max(0, i.in_flight - 1) for i in self.all_instances)
         return self.scheduler.pending + waiting_in_workers
 
+    @property
+    def requests_in_flight(self) -> int:
+        """Requests queued or open in a worker (executing, or streaming responses)."""
+        return self.scheduler.pending + sum(len(i.open_requests(None)) for i in self.all_instances)
+
     def unready_reason(self) -> str:
         """Why a loaded version has no ready instance (workers died, restarting)."""
         reasons = "; ".join(i.last_error for i in self.instances if i.last_error)

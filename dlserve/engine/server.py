@@ -346,7 +346,7 @@ class Server:
         deadline = time.monotonic() + engine.settings.exit_timeout
         # As Triton's exiting server: the network's requests in flight finish, new ones
         # (on a gRPC stream or a keep-alive connection still open) are refused.
-        engine.accepting = False
+        self._run(engine.begin_stop(deadline))
         if wait_for_sequences:  # (the services take their requests, on new connections too)
             self._run_waking(engine.sequences_ended(deadline))
         # No new requests from the network then: every service stops accepting at
