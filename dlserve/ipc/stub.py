@@ -280,7 +280,7 @@ class Worker:
         token = current_handles.set(tuple(wire[0] for wire in body))
         try:
             result = self.model.execute(requests)
-        except Exception as exc:  # noqa: BLE001
+        except BaseException as exc:  # noqa: BLE001 - SystemExit too: an error, as in Triton
             raise self._failed(requests, describe_exception(exc)) from None
         finally:
             current_handles.reset(token)
@@ -294,7 +294,7 @@ class Worker:
         try:
             try:
                 result = await self.model.execute(requests)
-            except Exception as exc:  # noqa: BLE001
+            except BaseException as exc:  # noqa: BLE001 - a CancelledError or SystemExit too
                 raise self._failed(requests, describe_exception(exc)) from None
             wire = self._replies(result, requests)
             del requests, result

@@ -42,6 +42,9 @@ from dlserve.memory.shm import SHM_DIR
 log = logging.getLogger("dlserve.worker")
 
 EXIT_GRACE_S = 2.0
+# A worker that closed its channel has this long to exit before it is ended (one that
+# died is reaped well within it).
+_LINGER_AFTER_EOF = 0.5
 
 
 def _left(deadline: float) -> float:
@@ -261,9 +264,22 @@ class WorkerProcess:
             self._space.forget_segment(name)
 
     def _lost(self) -> None:
-        """Channel EOF: the worker died or closed its end."""
+        """Channel EOF: the worker died or closed its end. One that closed it and lives
+        on (its serve loop ended, a thread of the model's holding the process) serves
+        nothing more: it is ended, so that it is reaped and restarted as a dead one is."""
         if self.peer is not None:
             self.peer.close()
+        if not self._stopping:
+            asyncio.get_running_loop().call_later(_LINGER_AFTER_EOF, self._end_if_alive)
+
+    def _end_if_alive(self) -> None:
+        if self._stopping or self.process is None or self.process.poll() is not None:
+            return
+        log.warning(
+            "model instance '%s': its worker closed its channel but did not exit; ending it",
+            self.instance_name,
+        )
+        self.process.kill()
 
     def _reaped(self, pidfd: int) -> None:
         loop = asyncio.get_running_loop()

@@ -389,3 +389,111 @@ def test_a_server_killed_outright_leaves_segments_the_next_one_removes(servers, 
         for path in leftovers:
             if os.path.exists(path):
                 os.unlink(path)
+
+
+BASE_EXCEPTION_MODEL = '''
+import asyncio
+import sys
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+async def cancelled():  # awaiting a task something else cancelled
+    task = asyncio.ensure_future(asyncio.sleep(10))
+    asyncio.get_running_loop().call_soon(task.cancel)
+    await task
+
+
+class TritonPythonModel:
+    async def execute(self, requests):
+        how = int(pb_utils.get_input_tensor_by_name(requests[0], "X").as_numpy()[0])
+        if how == 1:
+            await cancelled()
+        if how == 2:
+            sys.exit("fatal")
+        return [
+            pb_utils.InferenceResponse([pb_utils.Tensor("Y", np.array([how], np.float32))])
+            for _ in requests
+        ]
+'''
+BASE_EXCEPTION_CONFIG = (
+    'backend: "python"\nmax_batch_size: 0\n'
+    'input [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
+    'output [ { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
+)
+
+
+@pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
+def test_cancelled_error_or_sys_exit_in_execute_is_an_error_response(servers, make_repo, sync):
+    """As Triton 2.51 (side by side): the request fails with the exception's name and the
+    instance serves on. dlserve left the execute unanswered (its instance stopped taking
+    requests once its concurrency was used up) or, for SystemExit in an async execute,
+    ended the model's event loop, so that every later request hung."""
+    code = BASE_EXCEPTION_MODEL
+    if sync:
+        code = code.replace("async def execute", "def execute").replace(
+            "await cancelled()", "raise asyncio.CancelledError()"
+        )
+    repo = make_repo(extra={"base": {"config.pbtxt": BASE_EXCEPTION_CONFIG, "1/model.py": code}})
+    server = servers.start(repo)
+    model = server.model("base")
+    for _ in range(3):  # (more than ASYNC_EXECUTE_CONCURRENCY would allow, were they held)
+        for how, name in ((1, "CancelledError: "), (2, "SystemExit: fatal")):
+            with pytest.raises(dlserve.InternalError) as failed:
+                list(model.infer(inputs={"X": np.array([how], np.float32)}))
+            assert "Failed to process the request(s) for model 'base_0'" in str(failed.value)
+            assert name in str(failed.value)
+    (answer,) = model.infer(inputs={"X": np.array([0], np.float32)}, timeout=10)
+    assert answer.outputs["Y"].as_numpy().tolist() == [0.0]
+    assert server.engine.model("base").instances[0].restarts == 0
+    stats = model.statistics()["model_stats"][0]["inference_stats"]
+    assert (stats["success"]["count"], stats["fail"]["count"]) == (1, 6)
+
+
+LINGERING_MODEL = '''
+import contextlib
+import os
+import socket
+import stat
+import threading
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        if pb_utils.get_input_tensor_by_name(requests[0], "X").as_numpy()[0] == 1:
+            # A thread that is not a daemon: it holds the process after the worker's loop ends.
+            threading.Thread(target=time.sleep, args=(60,)).start()
+            # The worker's channel ends (as when its loop failed), its process lives on.
+            for fd in map(int, os.listdir("/proc/self/fd")):
+                with contextlib.suppress(OSError):
+                    if stat.S_ISSOCK(os.fstat(fd).st_mode):
+                        channel = socket.socket(fileno=fd)
+                        channel.shutdown(socket.SHUT_RDWR)
+                        channel.detach()
+        return [
+            pb_utils.InferenceResponse([pb_utils.Tensor("Y", np.array([1], np.float32))])
+            for _ in requests
+        ]
+'''
+
+
+def test_a_worker_that_closes_its_channel_but_lives_on_is_ended_and_restarted(servers, make_repo):
+    """Not left READY over a worker that can answer nothing (every request failed with
+    "worker process is not running", and it was never restarted)."""
+    config = BASE_EXCEPTION_CONFIG
+    repo = make_repo(extra={"linger": {"config.pbtxt": config, "1/model.py": LINGERING_MODEL}})
+    server = servers.start(repo)
+    model = server.model("linger")
+    instance = server.engine.model("linger").instances[0]
+    old_pid = instance.worker.process.pid
+    with pytest.raises(dlserve.TritonError):
+        list(model.infer(inputs={"X": np.array([1], np.float32)}))
+    wait_until(lambda: instance.restarts == 1 and model.ready(), timeout=20)
+    assert not pid_alive(old_pid)
+    (answer,) = model.infer(inputs={"X": np.array([0], np.float32)})
+    assert answer.outputs["Y"].as_numpy().tolist() == [1.0]
