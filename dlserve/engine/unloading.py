@@ -36,17 +36,23 @@ class Unloader:
             await self._unload_entries(entries, unload_dependents)
             return
         task = self._in_background(self._unload_entries(entries, unload_dependents))
-        marked: set[ModelKey] = set()
+        marked: dict[ModelKey, ModelEntry] = {}
         going = [entry.key for entry in entries]
         while going:  # the models named and, in turn, the ensembles that use them
             key = going.pop()
             if key not in marked and key in self.models:
-                marked.add(key)
-                entry = self.models[key]
+                entry = marked[key] = self.models[key]
                 entry.unloading = task
                 for version in entry.versions.values():
                     version.begin_unload()
                 going.extend(self._users_of(key))
+
+        def ended(_: object) -> None:  # (before a load that waits for it goes on)
+            for entry in marked.values():
+                if entry.unloading is task:
+                    entry.unloading = None
+
+        task.add_done_callback(ended)
 
     async def _unload_entries(self, entries: list[ModelEntry], unload_dependents: bool) -> None:
         deadline = self._deadline()  # (one for the whole unload, its ensembles and steps too)

@@ -88,7 +88,7 @@ def test_a_load_after_an_unload_that_still_drains_is_not_undone(servers, make_re
     """Unloading 'fast' takes the ensemble that uses it too (no new requests from the
     start) and first drains it; a load of 'fast' sent meanwhile waits for that unload
     to end, so the model it loads stays loaded (the unload used to go on afterwards and
-    unload it)."""
+    unload it), and brings the ensemble back."""
     repo = make_repo(extra={
         "slow": {"config.pbtxt": STEP, "1/model.py": _passing(1.5)},
         "fast": {"config.pbtxt": STEP, "1/model.py": _passing(0)},
@@ -113,6 +113,11 @@ def test_a_load_after_an_unload_that_still_drains_is_not_undone(servers, make_re
         wait_until(lambda: not server.engine.manager.unloader.background)  # every unload has ended
         assert client.is_model_ready("fast")
         assert {m["name"]: m.get("state") for m in client.get_model_repository_index()}["fast"] == "READY"
+        # ...and the ensemble it took comes back with it, as in Triton 2.51 (side by side:
+        # after an unload over the network it used to stay unloaded for good)
+        wait_until(lambda: client.is_model_ready("ens"))
+        (answer,) = server.model("ens").infer(inputs={"X": X})
+        assert answer.outputs["Y"].as_numpy().tolist() == X.tolist()
     finally:
         client.close()
         service.stop()
