@@ -341,12 +341,14 @@ class WorkerChannel:
                 finally:
                     self._cond.acquire()
                     self._reading = False
-                if message is None:
-                    self._closed = True
-                    self._close_streams()
-                else:
-                    self._route(message)
-                self._cond.notify_all()
+                try:
+                    if message is None:
+                        self._closed = True
+                        self._close_streams()
+                    else:
+                        self._route(message)
+                finally:
+                    self._cond.notify_all()
 
     def next_command(self) -> Message:
         """The next server-initiated message but a RELEASE (those go to ``on_release``);
@@ -412,15 +414,17 @@ class WorkerChannel:
             closed = True
         finally:
             with self._cond:
-                while self._ready:
-                    self._route(self._ready.popleft())
-                if threading.get_ident() == self._command_thread:
-                    self._apply_releases()
-                if closed:
-                    self._closed = True
-                    self._close_streams()
-                self._reading = False
-                self._cond.notify_all()
+                try:
+                    while self._ready:
+                        self._route(self._ready.popleft())
+                    if threading.get_ident() == self._command_thread:
+                        self._apply_releases()
+                    if closed:
+                        self._closed = True
+                        self._close_streams()
+                finally:  # (the next reader must not wait for one that is gone)
+                    self._reading = False
+                    self._cond.notify_all()
 
     def reply(self, corr: int, body: Any) -> None:
         self.send(Kind.REPLY, corr, body)

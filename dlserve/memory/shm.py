@@ -67,7 +67,10 @@ def _open(name: str) -> int:
     not dumpable) is UNAVAILABLE."""
     held = _HELD_NAME.match(name)
     if held is None:
-        return os.open(shm_path(name), os.O_RDWR)
+        try:
+            return os.open(shm_path(name), os.O_RDWR)
+        except FileNotFoundError:  # (its owner died, and the server removed what it left)
+            raise UnavailableError(f"shared memory segment {name} is gone") from None
     path = f"/proc/{held[3]}/fd/{held[4]}"
     kind = "/memfd:" if held[2] == "@" else f"{SHM_DIR}/"
     try:

@@ -497,3 +497,78 @@ def test_a_worker_that_closes_its_channel_but_lives_on_is_ended_and_restarted(se
     assert not pid_alive(old_pid)
     (answer,) = model.infer(inputs={"X": np.array([0], np.float32)})
     assert answer.outputs["Y"].as_numpy().tolist() == [1.0]
+
+
+DYING_STREAMER = '''
+import os
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        sender = requests[0].get_response_sender()
+        for i in range(3):  # 400 KB each: they travel by reference, in its shared memory
+            out = pb_utils.Tensor("OUT", np.full(100000, i, np.float32))
+            sender.send(pb_utils.InferenceResponse([out]))
+        time.sleep(0.1)
+        os._exit(1)  # before its caller reads them
+'''
+LATE_READER = '''
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        said = []
+        if pb_utils.get_input_tensor_by_name(requests[0], "IN").as_numpy()[0] == 1:
+            call = pb_utils.InferenceRequest(
+                model_name="streamer", requested_output_names=["OUT"],
+                inputs=[pb_utils.Tensor("IN", np.array([1], np.int32))],
+            )
+            responses = call.exec(decoupled=True)
+            time.sleep(1.5)  # the callee streams, dies, and its shared memory is removed
+            said.append(f"cancelled: {requests[0].is_cancelled()}")
+            said += [r.error().message() if r.has_error() else "ok" for r in responses]
+        said.append("answered")
+        out = pb_utils.Tensor("LOG", np.array(said, dtype=np.object_))
+        return [pb_utils.InferenceResponse([out])]
+'''
+
+
+def test_bls_responses_whose_callee_died_before_they_were_read_are_errors(servers, make_repo):
+    """The caller gets each lost response as an error naming the gone segment, and it
+    serves on; the reader used to fail inside the worker's channel (FileNotFoundError),
+    leaving a worker waiting forever for a reader (is_cancelled()) or dying."""
+    streamer = (
+        'backend: "python"\ninput [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]\n'
+        'output [ { name: "OUT" data_type: TYPE_FP32 dims: [ -1 ] } ]\n'
+        "model_transaction_policy { decoupled: true }\n"
+    )
+    reader = (
+        'backend: "python"\ninput [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]\n'
+        'output [ { name: "LOG" data_type: TYPE_STRING dims: [ -1 ] } ]\n'
+    )
+    repo = make_repo(extra={
+        "streamer": {"config.pbtxt": streamer, "1/model.py": DYING_STREAMER},
+        "reader": {"config.pbtxt": reader, "1/model.py": LATE_READER},
+    })
+    server = servers.start(repo)
+    model = server.model("reader")
+
+    def ask(value: int) -> list[str]:
+        (answer,) = model.infer(inputs={"IN": np.array([value], np.int32)}, timeout=30)
+        return [line.decode() for line in answer.outputs["LOG"].to_bytes_array()]
+
+    said = ask(1)
+    assert said[0] == "cancelled: False" and said[-1] == "answered", said
+    lost = said[1:-1]
+    assert any("is gone" in line for line in lost), said  # (those read before it died are ok)
+    assert "exited with code 1" in lost[-1], said
+    assert ask(0) == ["answered"]
+    assert server.engine.model("reader").instances[0].restarts == 0
