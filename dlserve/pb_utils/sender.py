@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from dlserve.errors import TritonError
 from dlserve.pb_utils import _runtime
 from dlserve.pb_utils.errors import TritonModelException
 
@@ -110,11 +111,23 @@ class InferenceResponseSender:
         runtime = _runtime.current()
         if runtime is None:
             raise TritonModelException("responses can only be sent inside a dlserve worker")
+        # Counted (and closed) before it goes, so that another thread's send sees it; a
+        # response that could not go (no shared memory for its outputs, say) is taken
+        # back, so that the model can still answer the request, with an error perhaps.
         if response is not None:
             exchange.responses += 1
         if final:
             exchange.closed = True
-        runtime.send_response(exchange, response, final)
+        try:
+            runtime.send_response(exchange, response, final)
+        except BaseException as exc:
+            if response is not None:
+                exchange.responses -= 1
+            if final:
+                exchange.closed = False
+            if isinstance(exc, TritonError):  # (what pb_utils raises to a model, as Triton's)
+                raise TritonModelException(exc.message) from None
+            raise
 
     def is_cancelled(self) -> bool:
         """Whether the request was cancelled (its client went away, or a BLS caller

@@ -351,3 +351,46 @@ def test_grpc_aio_stream_interleaves_requests(grpc_url):
 
     by_id = asyncio.run(run())
     assert by_id == {str(i): [i, i + 10, i + 20] for i in range(5)}
+
+
+UNSENDABLE_MODEL = '''
+import resource
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        sender = requests[0].get_response_sender()
+        # No shared memory for the output (as with a full /dev/shm)
+        _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, hard))
+        big = pb_utils.Tensor("OUT", np.zeros(8 << 20, np.float32))
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        try:
+            sender.send(pb_utils.InferenceResponse([big]), flags=final)
+        except pb_utils.TritonModelException as exc:  # the model still answers, with the reason
+            error = pb_utils.TritonError(f"could not send: {exc}")
+            sender.send(pb_utils.InferenceResponse(error=error), flags=final)
+        return None
+'''
+
+
+def test_a_final_response_that_could_not_be_sent_leaves_the_request_open(servers, make_repo):
+    """A send that fails (here: no shared memory for its output) raises and sends nothing;
+    the model can then answer the request. The sender used to count itself closed, so
+    that the model's error answer was refused and the request never answered."""
+    config = (
+        'backend: "python"\ninput [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]\n'
+        'output [ { name: "OUT" data_type: TYPE_FP32 dims: [ -1 ] } ]\n'
+        "model_transaction_policy { decoupled: true }\n"
+    )
+    repo = make_repo(extra={"unsendable": {"config.pbtxt": config, "1/model.py": UNSENDABLE_MODEL}})
+    server = servers.start(repo)
+    (answer,) = server.model("unsendable").infer(
+        inputs={"IN": np.array([1], np.int32)}, raise_on_error=False, timeout=30
+    )
+    assert answer.error is not None and answer.final
+    message = answer.error.message
+    assert "could not send:" in message and "failed to allocate" in message, message
