@@ -359,7 +359,18 @@ class Worker:
                 "execute function must return None.",
             )
         self._check_responses(result, requests)
-        replies = []
+        replies: list[Any] = []
+        try:
+            self._encode_replies(result, requests, replies)
+        except BaseException:  # none of them goes: the holds filed for those made go too
+            made = [wire for reply in replies if isinstance(reply, tuple) for wire in reply[0]]
+            self.peer.revoke(made)
+            raise
+        return replies
+
+    def _encode_replies(
+        self, result: list[Any], requests: list[InferenceRequest], replies: list[Any]
+    ) -> None:
         for response, request in zip(result, requests):
             exchange = request._exchange
             assert exchange is not None
@@ -383,7 +394,6 @@ class Worker:
                 )
             exchange.closed = True
             replies.append(encode_response(self.peer, response, exchange.requested, exchange.destinations))
-        return replies
 
     @staticmethod
     def _streamed(request: InferenceRequest) -> int | None:

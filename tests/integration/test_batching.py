@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from typing import Any
 
@@ -15,7 +16,7 @@ import dlserve
 from dlserve import ModelControlMode
 from dlserve.engine.request import Request, Response
 
-from ..conftest import serve
+from ..conftest import serve, wait_until
 
 BASE = {
     "backend": "python",
@@ -476,3 +477,66 @@ def test_the_next_batch_goes_to_the_worker_before_the_last_ones_responses(server
     assert seen == [(1, False)]  # while the first's answer is delivered, the second executes
     order = [int(r.outputs["ORDER"].as_numpy()[0, 0]) for r in (a, b)]
     assert order[1] == order[0] + 1  # two executes, one after the other
+
+
+DOUBLE_ANSWER_MODEL = '''
+import numpy as np
+import c_python_backend_utils as c_utils
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        if pb_utils.get_input_tensor_by_name(requests[0], "X").as_numpy()[0, 0] == 9:
+            free = np.array([[c_utils.shared_memory.free_memory()]], np.int64)
+            return [pb_utils.InferenceResponse([pb_utils.Tensor("FREE", free)])]
+        responses = [
+            pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.ones((1, 1 << 20), np.uint8))])
+            for _ in requests
+        ]
+        requests[-1].get_response_sender().send(responses[-1])  # a bug: answered twice
+        return responses
+'''
+
+
+def test_a_batch_whose_reply_fails_partway_gives_back_the_memory_of_those_made(servers, make_repo):
+    """The first response of the batch is made (its 1 MiB output leased to the server),
+    then the last one fails the call: the lease is dropped with the reply. The worker's
+    free shared memory fell by 1 MiB with every such batch, for good."""
+    config = (
+        'backend: "python"\nmax_batch_size: 4\n'
+        "dynamic_batching { max_queue_delay_microseconds: 300000 }\n"
+        'input [ { name: "X" data_type: TYPE_INT32 dims: [ 1 ] } ]\n'
+        'output [ { name: "OUT" data_type: TYPE_UINT8 dims: [ -1 ] },'
+        ' { name: "FREE" data_type: TYPE_INT64 dims: [ 1 ] } ]\n'
+    )
+    repo = make_repo(extra={"double": {"config.pbtxt": config, "1/model.py": DOUBLE_ANSWER_MODEL}})
+    server = servers.start(repo)
+    model = server.model("double")
+
+    def free() -> int:
+        (answer,) = model.infer(inputs={"X": np.array([[9]], np.int32)}, requested_output_names=["FREE"])
+        return int(answer.outputs["FREE"].as_numpy()[0, 0])
+
+    def fail_in_pairs() -> None:
+        failed = []
+
+        def ask() -> None:
+            failed.extend(model.infer(inputs={"X": np.array([[0]], np.int32)}, raise_on_error=False))
+
+        pair = [threading.Thread(target=ask) for _ in range(2)]
+        for thread in pair:
+            thread.start()
+        for thread in pair:
+            thread.join(30)
+        # (the one answered twice has its sender's answer; the call's error is the other's)
+        assert len(failed) == 2 and [r.error is None for r in failed].count(False) == 1
+
+    def executions() -> int:
+        return model.statistics()["model_stats"][0]["execution_count"]
+
+    before, start = free(), executions()
+    for _ in range(4):
+        fail_in_pairs()
+    assert executions() - start < 8, "the requests were batched in pairs"  # (else this checks nothing)
+    wait_until(lambda: free() == before, timeout=5)
