@@ -181,7 +181,8 @@ def test_open_out_of_range_rejected(segment, offset, size):
 
 
 def test_open_missing_segment(prefix):
-    with pytest.raises(FileNotFoundError):
+    """Its owner died and the server removed what it left: UNAVAILABLE, naming it."""
+    with pytest.raises(UnavailableError, match=f"shared memory segment {prefix}_missing is gone"):
         Segment.open(f"{prefix}_missing")
 
 
