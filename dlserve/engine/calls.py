@@ -66,6 +66,8 @@ class Host(Protocol):
 
     async def model_ready(self, name: str, version: int = -1, namespace: str | None = None) -> bool: ...
 
+    def segments_gone(self, names: list[str]) -> None: ...
+
 
 class ModelCalls:
     """The BLS and model-control traffic of one model instance's worker."""

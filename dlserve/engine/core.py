@@ -162,7 +162,9 @@ class Engine:
         self.manager: ModelManager | None = None
         self.gpu_count = 0  # (counted at start)
         self.custom_metrics = CustomMetrics(shared=APPLICATION)
-        self.regions = SystemRegions(self.space, SEGMENT_NAMESPACE, on_forget=self._forget_everywhere)
+        self.regions = SystemRegions(
+            self.space, SEGMENT_NAMESPACE, on_forget=lambda name: self.segments_gone([name])
+        )
         self.tracer = Tracer(settings.trace, self._knows)
         size = settings.response_cache_bytes
         self.response_cache = ResponseCache(size) if size else None
@@ -191,7 +193,15 @@ class Engine:
             log.warning("%s has no effect in dlserve", setting)
         remove_stale_segments()
         _PREFIXES_IN_USE.add(self.segment_prefix)
-        self.arena = Arena(self.space, f"{self.segment_prefix}_s", s.arena_bytes, s.arena_bytes)
+        loop = asyncio.get_running_loop()
+
+        def retired(name: str) -> None:  # (its last block may die on any thread)
+            with contextlib.suppress(RuntimeError):  # (the loop is closed: so is every worker)
+                loop.call_soon_threadsafe(self.segments_gone, [name])
+
+        self.arena = Arena(
+            self.space, f"{self.segment_prefix}_s", s.arena_bytes, s.arena_bytes, on_retire=retired
+        )
         self.gpu_count = gpu_count()
         resources = EngineResources(
             space=self.space,
@@ -306,10 +316,12 @@ class Engine:
             for instance in version.all_instances
         ]
 
-    def _forget_everywhere(self, segment_name: str) -> None:
-        """Workers drop a mapping the server dropped (called on the loop)."""
+    def segments_gone(self, names: list[str]) -> None:
+        """Segments that were unlinked (a client's unregistered region, one the server's
+        arena or a worker retired, a gone worker's): every worker drops its mapping, or
+        the memory would never be freed (called on the loop)."""
         for instance in self.instances():
-            instance.forget_segment(segment_name)
+            instance.forget_segments(names)
 
     def _release_memory(self) -> None:
         self.regions.unregister(force=True)

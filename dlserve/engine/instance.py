@@ -162,6 +162,7 @@ class ModelInstance:
             arena=resources.arena,
             on_message=self._on_worker_message,
             on_exit=lambda description: self._on_worker_exit(worker, description),
+            on_segments_gone=resources.host.segments_gone,
             environment=self.model.environment,
             poll_us=resources.busy_poll_us,
         )
@@ -575,11 +576,11 @@ class ModelInstance:
             response.outputs[name] = tensor
         return response
 
-    def forget_segment(self, name: str) -> None:
-        """Tell the worker to drop its mapping of a segment (e.g. an unregistered client region)."""
+    def forget_segments(self, names: list[str]) -> None:
+        """Tell the worker to drop its mappings of these segments (unlinked elsewhere)."""
         channel = self.channel
         if channel is not None:
-            channel.notify(Kind.RETIRE, [name])
+            channel.notify(Kind.RETIRE, names)
 
     async def stop(self, deadline: float) -> bool:
         """Finalize and end the worker by ``deadline`` (``time.monotonic()``); whether it

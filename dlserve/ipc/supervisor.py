@@ -158,7 +158,10 @@ class WorkerProcess:
         environment: ExecutionEnvironment | None = None,
         poll_us: int = 0,
         arena_growth_bytes: int | None = None,
+        on_segments_gone: Callable[[list[str]], None] = lambda names: None,
     ) -> None:
+        """``on_segments_gone(names)``: segments of the worker's that it unlinked (or
+        that went with it), which other processes may have mapped."""
         self.instance_name = instance_name
         self.segment_prefix = segment_prefix
         self._arena_bytes = arena_bytes
@@ -167,6 +170,7 @@ class WorkerProcess:
         self._arena = arena
         self._on_message = on_message
         self._on_exit = on_exit
+        self._on_segments_gone = on_segments_gone
         self._environment = environment
         self._poll_us = poll_us  # the most either end polls before it sleeps (ipc.polling)
         self._board: PollerBoard | None = None  # the server loop's (ipc.polling)
@@ -262,6 +266,7 @@ class WorkerProcess:
     def _retired(self, names: list[str]) -> None:
         for name in names:
             self._space.forget_segment(name)
+        self._on_segments_gone(names)
 
     def _lost(self) -> None:
         """Channel EOF: the worker died or closed its end. One that closed it and lives
@@ -301,8 +306,10 @@ class WorkerProcess:
             self.channel.close()
         if self.peer is not None:
             self.peer.close()
-        self._space.forget_segments(self.segment_prefix)
+        gone = self._space.forget_segments(self.segment_prefix)
         unlink_segments(self.segment_prefix)
+        if gone:
+            self._on_segments_gone(gone)
         self._free_board_slot()
         self._exited.set()
         if not self._stopping:

@@ -118,9 +118,12 @@ class MemorySpace:
             del self._by_start[seg.address]
             self._anchors.pop(name, None)
 
-    def forget_segments(self, prefix: str) -> None:
-        for name in [n for n in self._segments if n.startswith(prefix)]:
+    def forget_segments(self, prefix: str) -> list[str]:
+        """Forget every segment whose name starts with ``prefix``; their names."""
+        names = [n for n in self._segments if n.startswith(prefix)]
+        for name in names:
             self.forget_segment(name)
+        return names
 
     # -- anchors ------------------------------------------------------------------
     def anchor(

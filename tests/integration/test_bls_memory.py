@@ -10,6 +10,10 @@ import json
 
 import numpy as np
 
+import dlserve
+
+from ..conftest import wait_until
+
 CONFIG = """
 backend: "python"
 input [ { name: "N" data_type: TYPE_INT32 dims: [ 1 ] } ]
@@ -170,3 +174,97 @@ def test_a_response_iterator_resumes_a_loop_left_early_as_triton_s_does(servers,
         "next": 12,
         "resumed": [13, 14, None],
     }
+
+
+def unlinked_mappings(pid: int) -> int:
+    """How many of dlserve's shared-memory segments, unlinked by now, a process still maps."""
+    with open(f"/proc/{pid}/maps") as maps:
+        return sum(1 for line in maps if "/dev/shm/dlserve" in line and "(deleted)" in line)
+
+
+SUMMER = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        outputs = []
+        for request in requests:
+            data = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
+            total = pb_utils.Tensor("SUM", np.array([data.sum()], np.int64))
+            outputs.append(pb_utils.InferenceResponse([total]))
+        return outputs
+'''
+SUMMER_CONFIG = """
+backend: "python"
+input [ { name: "IN" data_type: TYPE_UINT8 dims: [ -1 ] } ]
+output [ { name: "SUM" data_type: TYPE_INT64 dims: [ 1 ] } ]
+"""
+
+
+def test_segments_the_servers_arena_retires_are_unmapped_by_workers(servers, make_repo):
+    """Large inputs grow the server's arena, whose emptied extra segments are retired:
+    the worker that read them drops its mappings too (it kept them, and their memory,
+    for as long as it lived)."""
+    repo = make_repo(extra={"summer": {"config.pbtxt": SUMMER_CONFIG, "1/model.py": SUMMER}})
+    server = servers.start(repo, shm_arena_size=1 << 20)
+    pid = server.engine.model("summer").instances[0].worker.pid
+    for mib in (2, 3, 4, 5):
+        data = np.ones(mib << 20, np.uint8)
+        (answer,) = server.model("summer").infer(inputs={"IN": data})
+        assert int(answer.outputs["SUM"].as_numpy()[0]) == data.sum()
+        del answer
+    wait_until(lambda: unlinked_mappings(pid) == 0, timeout=10)
+
+
+BIG_OUTPUT = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.ones(1 << 20, np.uint8))])
+                for _ in requests]
+'''
+SUM_OF_BIG = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        call = pb_utils.InferenceRequest(
+            model_name="big", requested_output_names=["OUT"],
+            inputs=[pb_utils.Tensor("N", np.array([1], np.int32))],
+        )
+        result = call.exec()
+        total = int(result.output_tensors()[0].as_numpy().sum())
+        del result
+        info = pb_utils.Tensor("INFO", np.array([str(total)], object))
+        return [pb_utils.InferenceResponse([info]) for _ in requests]
+'''
+
+
+def test_a_bls_callers_worker_unmaps_a_gone_callees_segments(servers, make_repo):
+    """A caller maps the callee's shared memory to read its outputs; when the callee's
+    worker goes (an unload here; a reload or restart alike), the caller drops those
+    mappings (it kept them for good: memory never freed, one more with every callee)."""
+    big = (
+        'backend: "python"\ninput [ { name: "N" data_type: TYPE_INT32 dims: [ 1 ] } ]\n'
+        'output [ { name: "OUT" data_type: TYPE_UINT8 dims: [ -1 ] } ]\n'
+    )
+    repo = make_repo(extra={
+        "big": {"config.pbtxt": big, "1/model.py": BIG_OUTPUT},
+        "caller": {"config.pbtxt": CONFIG, "1/model.py": SUM_OF_BIG},
+    })
+    server = servers.start(
+        repo, model_control_mode=dlserve.ModelControlMode.EXPLICIT, startup_models=["big", "caller"]
+    )
+    pid = server.engine.model("caller").instances[0].worker.pid
+    for _ in range(2):
+        assert ask(server, "caller", 0) == 1 << 20
+        server.unload("big", wait_until_unloaded=True)
+        wait_until(lambda: unlinked_mappings(pid) == 0, timeout=10)
+        server.load("big")
