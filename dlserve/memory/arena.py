@@ -258,25 +258,39 @@ class Arena:
 
     def _free(self, heap: _Heap, offset: int, size: int) -> None:
         if self._holder == threading.get_ident():
-            # An anchor died in a GC pass inside allocate(): finish that first.
+            # An anchor died in a GC pass while this thread holds the lock (in allocate()
+            # or in here: both allocate objects): finish that first.
             self._deferred.append((heap, offset, size))
             return
         with self._lock:
-            heap.give(offset, size)
-            if self._closed or heap.used or heap is self._heaps[0]:
-                return
-            # Keep one empty extra segment as a spare, so a steady stream of requests
-            # that overflow the first segment does not create (and page-fault) a new
-            # one each time; a second empty one retires the smaller of the two.
-            empty = [h for h in self._heaps[1:] if not h.used]
-            if len(empty) < 2:
-                return
-            victim = min(empty, key=lambda h: h.segment.size)
-            self._heaps.remove(victim)
-        self.space.forget_segment(victim.segment.name)
-        victim.segment.unlink()
-        if self.on_retire is not None:
-            self.on_retire(victim.segment.name)
+            self._holder = threading.get_ident()
+            try:
+                victim = self._give(heap, offset, size)
+            finally:
+                self._holder = 0
+            deferred, self._deferred = self._deferred, []
+        if victim is not None:
+            self.space.forget_segment(victim.segment.name)
+            victim.segment.unlink()
+            if self.on_retire is not None:
+                self.on_retire(victim.segment.name)
+        for args in deferred:
+            self._free(*args)
+
+    def _give(self, heap: _Heap, offset: int, size: int) -> _Heap | None:
+        """Take a block back (the lock held); the extra segment to retire, if any."""
+        heap.give(offset, size)
+        if self._closed or heap.used or heap is self._heaps[0]:
+            return None
+        # Keep one empty extra segment as a spare, so a steady stream of requests
+        # that overflow the first segment does not create (and page-fault) a new
+        # one each time; a second empty one retires the smaller of the two.
+        empty = [h for h in self._heaps[1:] if not h.used]
+        if len(empty) < 2:
+            return None
+        victim = min(empty, key=lambda h: h.segment.size)
+        self._heaps.remove(victim)
+        return victim
 
     @property
     def bytes_in_use(self) -> int:
@@ -289,9 +303,16 @@ class Arena:
     def close(self) -> None:
         """Unlink every segment; mappings live on until the last view dies."""
         with self._lock:
-            self._closed = True
-            for heap in self._heaps:
-                self.space.forget_segment(heap.segment.name)
-                heap.segment.unlink()
-            self._heaps.clear()
+            self._holder = threading.get_ident()  # (see _free)
+            try:
+                self._closed = True
+                for heap in self._heaps:
+                    self.space.forget_segment(heap.segment.name)
+                    heap.segment.unlink()
+                self._heaps.clear()
+            finally:
+                self._holder = 0
+            deferred, self._deferred = self._deferred, []
+        for args in deferred:
+            self._free(*args)
 

@@ -11,6 +11,7 @@ import gc
 import glob
 import mmap
 import os
+import threading
 import uuid
 import weakref
 from collections.abc import Callable, Iterator
@@ -674,3 +675,45 @@ def test_a_region_holds_its_object_and_lets_go_when_unregistered_or_refused(pref
         regions.unregister()
         if os.path.exists(path):
             os.unlink(path)
+
+
+def test_a_block_freed_by_a_gc_pass_inside_a_free_does_not_deadlock(prefix):
+    """A garbage-collection pass may start wherever the free path allocates, with the
+    arena's lock held, and free another block of the same arena on the same thread:
+    that free waits (it deadlocked on the lock). Tried at every point of the path in
+    turn, by the number of allocations before the pass."""
+    threshold, enabled = gc.get_threshold(), gc.isenabled()
+    stuck = []
+    try:
+        for allocations in range(1, 40):
+            space = MemorySpace()
+            arena = Arena(space, f"{prefix}_{allocations}", initial_size=1 << 20, growth_size=1 << 20)
+
+            def free_an_extra_segment() -> None:
+                first = np.frombuffer(arena.allocate(1 << 19), np.uint8)  # noqa: F841 (held)
+                second = np.frombuffer(arena.allocate(900_000), np.uint8)  # an extra segment
+                third = np.frombuffer(arena.allocate(900_000), np.uint8)  # another
+                spare = np.frombuffer(arena.allocate(900_000), np.uint8)
+                del spare  # its segment is empty: the spare
+                gc.collect()
+                gc.disable()
+                cycle: list = [third]
+                cycle.append(cycle)  # only the cycle holds the third block now
+                del third, cycle
+                gc.set_threshold(allocations)
+                gc.enable()
+                del second  # empties a second extra segment: one is retired
+
+            thread = threading.Thread(target=free_an_extra_segment, daemon=True)
+            thread.start()
+            thread.join(5)
+            gc.set_threshold(*threshold)
+            if thread.is_alive():
+                stuck.append(allocations)
+                break
+            gc.collect()
+            arena.close()
+    finally:
+        gc.set_threshold(*threshold)
+        (gc.enable if enabled else gc.disable)()
+    assert not stuck, f"deadlocked with a GC pass after {stuck} allocations"
