@@ -323,7 +323,11 @@ class WorkerProcess:
     def submit(self, kind: int, body: Any) -> asyncio.Future[Any]:
         """Send a request; the future resolves to the reply (or the worker's error)."""
         if self.channel is None or not self.alive:
-            raise WorkerGoneError(self.exit_description or "worker process is not running")
+            # (its end seen before its exit: no exit status yet)
+            unhealthy = f"Stub process '{self.instance_name}' is not healthy"
+            raise WorkerGoneError(
+                self.exit_description or f"{unhealthy}: its worker process is not running"
+            )
         return self.channel.request(kind, body)
 
     async def request(self, kind: int, body: Any) -> Any:
