@@ -493,9 +493,6 @@ def test_a_worker_that_closes_its_channel_but_lives_on_is_ended_and_restarted(se
     old_pid = instance.worker.process.pid
     with pytest.raises(dlserve.TritonError):
         list(model.infer(inputs={"X": np.array([1], np.float32)}))
-    with pytest.raises(dlserve.TritonError) as meanwhile:  # (it names the instance, however far)
-        list(model.infer(inputs={"X": np.array([0], np.float32)}))
-    assert "Stub process 'linger_0' is not healthy" in str(meanwhile.value)
     wait_until(lambda: instance.restarts == 1 and model.ready(), timeout=20)
     assert not pid_alive(old_pid)
     (answer,) = model.infer(inputs={"X": np.array([0], np.float32)})

@@ -408,3 +408,19 @@ def test_discarded_wires_send_their_leases_back_unmapped(sides):
     assert leases_sent(worker) == [wires[0][3][3], wires[2][3][3]]  # the inline one has none
     server.peer.release(leases_sent(worker))
     assert server.peer.lease_count == 0
+
+
+def test_a_request_to_a_worker_without_its_channel_names_the_instance():
+    """Its channel's end seen, its exit not yet: the error says which stub (it was a
+    bare 'worker process is not running')."""
+    from dlserve.ipc.channel import WorkerGoneError
+    from dlserve.ipc.supervisor import WorkerProcess
+
+    worker = WorkerProcess(
+        instance_name="add_sub_0", segment_prefix="unused", arena_bytes=1 << 20,
+        space=MemorySpace(), arena=None, on_message=lambda message: None,  # type: ignore[arg-type]
+        on_exit=lambda description: None,
+    )
+    with pytest.raises(WorkerGoneError) as gone:
+        worker.submit(Kind.EXECUTE, [])
+    assert str(gone.value) == "Stub process 'add_sub_0' is not healthy: its worker process is not running"
