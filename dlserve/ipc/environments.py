@@ -275,6 +275,10 @@ def _extract(archive: Path, root: Path, where: str) -> None:
                 if member.isdev():
                     raise InvalidArgumentError(f"{where}: archive entry '{name}' is a device file")
                 tar.extract(member, base, **_NO_FILTER)
+            # Read to the end, so the compression's checksum is checked: damage the tar
+            # reader stopped before (or that landed in a file's bytes) is found too.
+            while tar.fileobj is not None and tar.fileobj.read(1 << 20):
+                pass
     except _DAMAGED as exc:
         raise InvalidArgumentError(f"{where}: cannot unpack '{archive}': {exc}") from None
 
