@@ -15,11 +15,12 @@ behind every zero-copy hand-off.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import ctypes
 import mmap
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -224,24 +225,17 @@ class Arena:
     def allocate(self, nbytes: int) -> Anchor:
         """A new block of at least ``nbytes``; it is freed when its anchor dies."""
         size = _round_up(nbytes)
-        with self._lock:
-            self._holder = threading.get_ident()
-            try:
-                if self._closed:
-                    raise UnavailableError("shared memory arena is closed")
-                for heap in self._heaps:
-                    offset = heap.take(size)
-                    if offset is not None:
-                        break
-                else:
-                    heap = self._grow(max(self.growth_size, _round_up(size, mmap.PAGESIZE)))
-                    offset = heap.take(size)
-                    assert offset is not None
-            finally:
-                self._holder = 0
-            deferred, self._deferred = self._deferred, []
-        for args in deferred:
-            self._free(*args)
+        with self._holding():
+            if self._closed:
+                raise UnavailableError("shared memory arena is closed")
+            for heap in self._heaps:
+                offset = heap.take(size)
+                if offset is not None:
+                    break
+            else:
+                heap = self._grow(max(self.growth_size, _round_up(size, mmap.PAGESIZE)))
+                offset = heap.take(size)
+                assert offset is not None
         return self.space.anchor(
             heap.segment, offset, nbytes, lambda: self._free(heap, offset, size)
         )
@@ -258,22 +252,29 @@ class Arena:
 
     def _free(self, heap: _Heap, offset: int, size: int) -> None:
         if self._holder == threading.get_ident():
-            # An anchor died in a GC pass while this thread holds the lock (in allocate()
-            # or in here: both allocate objects): finish that first.
+            # An anchor died in a GC pass while this thread holds the lock: see _holding.
             self._deferred.append((heap, offset, size))
             return
-        with self._lock:
-            self._holder = threading.get_ident()
-            try:
-                victim = self._give(heap, offset, size)
-            finally:
-                self._holder = 0
-            deferred, self._deferred = self._deferred, []
+        with self._holding():
+            victim = self._give(heap, offset, size)
         if victim is not None:
             self.space.forget_segment(victim.segment.name)
             victim.segment.unlink()
             if self.on_retire is not None:
                 self.on_retire(victim.segment.name)
+
+    @contextlib.contextmanager
+    def _holding(self) -> Iterator[None]:
+        """The lock, held by this thread: a free that a GC pass starts meanwhile (on this
+        thread: both hold it while they allocate objects) is deferred, then done once
+        the lock is let go (see _free)."""
+        with self._lock:
+            self._holder = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._holder = 0
+            deferred, self._deferred = self._deferred, []
         for args in deferred:
             self._free(*args)
 
@@ -302,17 +303,10 @@ class Arena:
 
     def close(self) -> None:
         """Unlink every segment; mappings live on until the last view dies."""
-        with self._lock:
-            self._holder = threading.get_ident()  # (see _free)
-            try:
-                self._closed = True
-                for heap in self._heaps:
-                    self.space.forget_segment(heap.segment.name)
-                    heap.segment.unlink()
-                self._heaps.clear()
-            finally:
-                self._holder = 0
-            deferred, self._deferred = self._deferred, []
-        for args in deferred:
-            self._free(*args)
+        with self._holding():
+            self._closed = True
+            for heap in self._heaps:
+                self.space.forget_segment(heap.segment.name)
+                heap.segment.unlink()
+            self._heaps.clear()
 
