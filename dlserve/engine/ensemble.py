@@ -234,12 +234,21 @@ class _Branch:
         """Start every step whose inputs all exist (or are optional inputs the request
         left out); end the branch when none is left."""
         steps, absent = self.run.steps, self.run.absent
-        for index in [i for i in self.waiting if set(steps[i].inputs.values()) - absent <= self.tensors.keys()]:
-            self.waiting.remove(index)
-            self.run.start(self, index)
-            if self.run.request.finished:
-                return
-        if not self.waiting and not self.running and not self.run.request.finished:
+        # A step may answer inside start (a response-cache hit), which advances this
+        # branch again from within: look for the next step afresh after each start.
+        while not self.run.request.finished and self in self.run.branches:
+            have = self.tensors.keys() | absent
+            ready = [i for i in self.waiting if have >= set(steps[i].inputs.values())]
+            if not ready:
+                break
+            self.waiting.remove(ready[0])
+            self.run.start(self, ready[0])
+        if (
+            not self.waiting
+            and not self.running
+            and not self.run.request.finished
+            and self in self.run.branches
+        ):
             self.run.branch_done(self)
 
     def fork(self, index: int) -> None:

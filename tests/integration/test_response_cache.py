@@ -5,6 +5,7 @@ over HTTP, including outputs into a client's shared memory."""
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from multiprocessing import resource_tracker
@@ -312,3 +313,37 @@ def test_a_reloaded_model_does_not_answer_with_its_old_outputs(servers, make_rep
     wait_until(lambda: len(server.engine.response_cache) == 1)  # the old load's entry goes with it
     server.unload("cached")
     assert len(server.engine.response_cache) == 0
+
+
+def test_a_hit_on_one_ensemble_step_while_another_is_still_to_start(servers, make_repo, caplog):
+    """The cached step answers inside its own start on the second request, before the
+    step beside it has started: the ensemble answers, each step's work done once, and
+    nothing fails on the engine's loop (it raised there, after answering)."""
+    ensemble = """
+name: "both" platform: "ensemble" max_batch_size: 0
+input [ { name: "X" data_type: TYPE_FP32 dims: [ -1, -1 ] } ]
+output [ { name: "A" data_type: TYPE_FP32 dims: [ -1, -1 ] },
+         { name: "B" data_type: TYPE_FP32 dims: [ -1, -1 ] } ]
+ensemble_scheduling { step [
+  { model_name: "cached" model_version: -1
+    input_map { key: "INPUT0" value: "X" } output_map { key: "OUTPUT0" value: "A" } },
+  { model_name: "uncached" model_version: -1
+    input_map { key: "INPUT0" value: "X" } output_map { key: "OUTPUT0" value: "B" } }
+] }
+"""
+    cached = MODELS / "cached"
+    uncached = (cached / "config.pbtxt").read_text().replace('"cached"', '"uncached"')
+    uncached = uncached.replace("response_cache { enable: true }", "")
+    repo = make_repo("cached", extra={
+        "uncached": {"config.pbtxt": uncached, "1/model.py": (cached / "1/model.py").read_text()},
+        "both": {"config.pbtxt": ensemble},
+    })
+    (repo / "both" / "1").mkdir()
+    server = servers.start(repo, cache_config=CACHE)
+    for _ in range(3):
+        (response,) = server.model("both").infer(inputs={"X": X})
+        np.testing.assert_array_equal(np.from_dlpack(response.outputs["A"]), X * 2)
+        np.testing.assert_array_equal(np.from_dlpack(response.outputs["B"]), X * 2)
+    assert server.model("cached").statistics()["model_stats"][0]["execution_count"] == 1
+    assert server.model("uncached").statistics()["model_stats"][0]["execution_count"] == 3
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
