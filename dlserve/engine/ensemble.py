@@ -283,7 +283,29 @@ class _Run:
         self.absent = {t.name for t in scheduler.model.config.input if t.optional} - request.inputs.keys()
         request.cancel_hook = self.cancel
         needed = needed_steps(self.steps, request.requested_outputs)
+        self.held = self._hold(needed)
         self.root = self._branch(dict(request.inputs), needed)
+
+    def _hold(self, needed: list[int]) -> dict[int, ModelVersion]:
+        """The versions serving the steps now, kept until the request is answered (as
+        Triton's ensembles keep theirs): unloading a step, or reloading it, while the
+        request runs does not fail its later steps. A step that does not resolve now
+        resolves when it starts (and fails there, if it still does not)."""
+        host = self.scheduler.model.resources.host
+        held: dict[int, ModelVersion] = {}
+        for index in needed:
+            step = self.steps[index]
+            try:
+                held[index] = host.model(step.model, step.version, step.namespace)
+            except TritonError:
+                continue
+            held[index].scheduler.keep_for_ensemble()
+        return held
+
+    def _let_go(self) -> None:
+        held, self.held = self.held, {}
+        for version in held.values():
+            version.scheduler.release_for_ensemble()
 
     def _branch(self, tensors: Tensors, waiting: list[int]) -> _Branch:
         branch = _Branch(self, tensors, waiting)
@@ -310,7 +332,9 @@ class _Run:
         )
         model = self.scheduler.model
         try:
-            target = model.resources.host.model(step.model, step.version, step.namespace)
+            target = self.held.get(index)
+            if target is None or target.state not in ("READY", "UNLOADING"):  # (gone regardless)
+                target = model.resources.host.model(step.model, step.version, step.namespace)
             if target.decoupled:
                 if not model.decoupled:
                     raise UnsupportedError(
@@ -397,6 +421,7 @@ class _Run:
                     if call.owner is not None:
                         call.owner.cancel(call, answer=False)
             return
+        self._let_go()
         branches, self.branches = self.branches, []
         for branch in branches:
             running, branch.running = branch.running, {}
@@ -425,6 +450,7 @@ class _Run:
     def _deliver(self, response: Response) -> None:
         request = self.request
         if response.final:
+            self._let_go()
             self._record(request)
         self.scheduler._deliver(request, response, None)
 

@@ -71,6 +71,7 @@ class Scheduler:
     def __init__(self, model: ModelVersion) -> None:
         self.model = model
         self.unfinished = 0  # accepted requests whose final response has not gone out
+        self.ensemble_holds = 0  # ensemble requests that will send it a step (keep_for_ensemble)
         self._next = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -110,6 +111,21 @@ class Scheduler:
         return False
 
     # -- submission ---------------------------------------------------------------------
+    def keep_for_ensemble(self) -> None:
+        """An ensemble request that will send this version a step later keeps it, as
+        Triton's ensembles keep their steps' models from the request's start: an unload
+        drains until it lets go, and meanwhile the version takes its requests."""
+        self.ensemble_holds += 1
+        self._idle.clear()
+
+    def release_for_ensemble(self) -> None:
+        self.ensemble_holds -= 1
+        self._set_idle_if_done()
+
+    def _set_idle_if_done(self) -> None:
+        if not self.unfinished and not self.ensemble_holds:
+            self._idle.set()
+
     def submit(self, request: Request) -> None:
         if not self._accept(request):
             return
@@ -135,7 +151,8 @@ class Scheduler:
         request.owner = self
         self.unfinished += 1
         self._idle.clear()
-        if self.model.state != "READY":
+        kept = self.ensemble_holds and self.model.state == "UNLOADING"
+        if self.model.state != "READY" and not kept:
             self._fail(
                 request,
                 UnavailableError(f"model '{self.model.name}' version {self.model.version} is not ready"),
@@ -347,8 +364,7 @@ class Scheduler:
             log.exception("response callback for request '%s' failed", request.request_id)
         if trace is not None and response.final:
             trace.release_soon()
-        if not self.unfinished:
-            self._idle.set()
+        self._set_idle_if_done()
 
     def fail(self, request: Request, error: TritonError) -> None:
         """Answer a request with a final error from its model's side (e.g. it died)."""
