@@ -344,14 +344,12 @@ class ResponseIterator:
 
     def __del__(self) -> None:
         # The model stopped reading before the final response (a ``break``, a cancelled
-        # coroutine): cancel the call, and give back the memory of every response it
-        # will never read, those already here and those still to come.
+        # coroutine): as Triton's, the call is not cancelled (the callee runs to its end),
+        # and the memory of every response nobody will read goes back, those already here
+        # and those still to come. Triton's destructor waits for them all; this one does
+        # not (it may run on the thread that reads the channel, or on the model's loop).
         if not self._done:
             self.stream.abandon(self.runtime.discard)
-            try:
-                self.cancel()
-            except Exception:  # noqa: BLE001 - runs in a finalizer: the server may be gone
-                pass
 
     def single(self) -> InferenceResponse:
         """The one response of a non-decoupled call."""

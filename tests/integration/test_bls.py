@@ -275,8 +275,8 @@ def test_bls_leaves_no_leases_behind(server):
 
 def test_bls_stream_left_early_gives_back_what_it_never_read(server):
     """A model that leaves ``for r in exec(decoupled=True)`` after one response: the call
-    is cancelled and the responses it never read (already delivered, or still coming)
-    return their memory, so no lease stays granted to any worker."""
+    goes on (as Triton's) and the responses it never read (already delivered, or still
+    coming) return their memory, so no lease stays granted to any worker."""
     for _ in range(20):
         response, info = call(
             server, "bls", data=np.arange(200, dtype=np.float32), route="decoupled", mode="first_only"

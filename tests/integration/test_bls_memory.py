@@ -1,7 +1,7 @@
 """BLS and the memory its tensors live in (upstream's bls_memory, bls_memory_async and
 test_bls_tensor_lifecycle, measured against Triton 2.51): outputs the callee returns by
 reference reach every kind of caller, a long execute gives back each call's memory as it
-goes, and a response iterator resumes as Triton's does.
+goes, and a response iterator resumes, or is dropped, as Triton's does.
 """
 
 from __future__ import annotations
@@ -174,6 +174,67 @@ def test_a_response_iterator_resumes_a_loop_left_early_as_triton_s_does(servers,
         "next": 12,
         "resumed": [13, 14, None],
     }
+
+
+STREAMER = '''
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            n = int(pb_utils.get_input_tensor_by_name(request, "N").as_numpy()[0])
+            sender, sent = request.get_response_sender(), 0
+            for v in range(n):
+                time.sleep(0.05)
+                if request.is_cancelled():
+                    break
+                big = pb_utils.Tensor("BIG", np.full(2048, v, np.float32))  # (by reference)
+                sender.send(pb_utils.InferenceResponse([big]))
+                sent += 1
+            with open(REPORT, "w") as report:
+                report.write(f"sent {sent} of {n}, cancelled={request.is_cancelled()}")
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+'''
+STREAMER_CONFIG = """
+backend: "python"
+model_transaction_policy { decoupled: true }
+input [ { name: "N" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "BIG" data_type: TYPE_FP32 dims: [ -1 ] } ]
+"""
+DROPPING_CALLER = COMMON + '''
+
+class TritonPythonModel:
+    def execute(self, requests):
+        n = pb_utils.get_input_tensor_by_name(requests[0], "N")
+        responses = pb_utils.InferenceRequest(
+            model_name="streamer", inputs=[n], requested_output_names=["BIG"]
+        ).exec(decoupled=True)
+        first = pb_utils.get_output_tensor_by_name(next(responses), "BIG").as_numpy()[0]
+        del responses  # stops reading: the call goes on
+        return [info(json.dumps({"first": float(first)})) for _ in requests]
+'''
+
+
+def test_a_response_iterator_dropped_early_lets_the_callee_run_on(servers, make_repo, tmp_path):
+    """As Triton's, a caller that drops its iterator after one response does not cancel
+    the call (dlserve's did): the callee sends all it would have, and the memory of the
+    responses nobody reads goes back."""
+    report = tmp_path / "streamer.txt"
+    streamer = f"REPORT = {str(report)!r}\n" + STREAMER
+    server = servers.start(make_repo(extra={
+        "streamer": {"config.pbtxt": STREAMER_CONFIG, "1/model.py": streamer},
+        "caller": {"config.pbtxt": CONFIG, "1/model.py": DROPPING_CALLER},
+    }))
+    assert ask(server, "caller", 5) == {"first": 0.0}
+    wait_until(lambda: report.exists() and report.read_text() != "", timeout=10)
+    assert report.read_text() == "sent 5 of 5, cancelled=False"
+    instances = server.engine.instances()
+    wait_until(lambda: not any(i.worker.peer.lease_count for i in instances), timeout=10)
 
 
 def unlinked_mappings(pid: int) -> int:
