@@ -451,9 +451,14 @@ class Engine:
     # -- inference -----------------------------------------------------------------------
     def prepare(self, request: Request, model: ModelVersion | None = None) -> ModelVersion:
         """Resolve (unless the caller did: ``model``) and validate a request. Safe from
-        any thread; raises on bad input."""
+        any thread; raises on bad input, and while the server stops (UNAVAILABLE, as
+        Triton's: a request that continues an open sequence excepted, until it ends)."""
+        if not self.live:
+            raise UnavailableError(_STOPPING)
         model = model or self.model(request.model_name, request.model_version)
         validate_request(request, model.signature)
+        if not self.accepting and not model.scheduler.continues(request):
+            raise UnavailableError(_STOPPING)
         return model
 
     def submit(self, request: Request, sample: bool = True, model: ModelVersion | None = None) -> None:
@@ -463,11 +468,7 @@ class Engine:
         ``model``: the version it is for, where the caller resolved it (an ensemble's
         step, in the ensemble's namespace)."""
         try:
-            if not self.live:
-                raise UnavailableError(_STOPPING)
             model = self.prepare(request, model)
-            if not self.accepting and not model.scheduler.continues(request):
-                raise UnavailableError(_STOPPING)
         except TritonError:
             if request.trace is not None:
                 request.trace.discard()

@@ -925,6 +925,22 @@ def test_stop_raises_as_tritonserver_when_the_exit_timeout_drops_a_request(serve
     assert next(stuck).error is not None
 
 
+def test_an_in_process_request_while_stop_drains_is_unavailable(servers, make_repo, tmp_path):
+    """As tritonserver's: a request made while stop() waits for those in flight is refused
+    UNAVAILABLE, in Triton's words (it was NOT_FOUND: its model was being unloaded)."""
+    server = servers.start(make_repo("faulty", "identity"))
+    held = HeldRequest(server, tmp_path / "release")
+    engine = server.engine
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        stopping = pool.submit(servers.stop, server)
+        wait_until(lambda: not engine.live)
+        for name in ("faulty", "identity"):  # (the busy model, an idle one)
+            with pytest.raises(dlserve.UnavailableError, match="^Server is stopping, scheduler"):
+                server.model(name).infer(inputs={"INPUT0": X1})
+        assert held.answer().error is None
+        stopping.result(timeout=30)
+
+
 HANGING_FINALIZE = """
 import time
 
