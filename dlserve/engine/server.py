@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import collections
 import concurrent.futures
 import enum
 import queue
 import threading
 import time
 import weakref
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from dlserve.engine import prometheus
@@ -86,6 +87,36 @@ def _public(server: Server, response: Response, allocator: MemoryAllocator | Non
     )
 
 
+class _InOrder:
+    """Hands one request's responses to ``hand_out`` on a thread of ``pool``, one at a
+    time and in order, never on the engine's loop (see :meth:`Server._delivery`)."""
+
+    def __init__(
+        self, pool: concurrent.futures.Executor, hand_out: Callable[[Response], None]
+    ) -> None:
+        self._pool = pool
+        self._hand_out = hand_out
+        self._pending: collections.deque[Response] = collections.deque()  # the first: in hand
+        self._lock = threading.Lock()
+
+    def __call__(self, response: Response) -> None:
+        with self._lock:
+            self._pending.append(response)
+            if len(self._pending) > 1:
+                return  # the thread handing out the ones before takes it too
+        self._pool.submit(self._run)
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                response = self._pending[0]
+            self._hand_out(response)
+            with self._lock:
+                self._pending.popleft()
+                if not self._pending:
+                    return
+
+
 class Model:
     """A handle on a model (and version) of a started :class:`Server`."""
 
@@ -141,7 +172,7 @@ class Model:
             if users is not None:
                 users.put(public)
 
-        engine_request = self._start(request, deliver)
+        engine_request = self._start(request, server._delivery(deliver, allocator))
         return ResponseIterator(self._server, self, engine_request, raise_on_error, responses)
 
     @staticmethod
@@ -174,7 +205,7 @@ class Model:
         def deliver(response: Response) -> None:
             loop.call_soon_threadsafe(hand_out, _public(server, response, allocator))
 
-        engine_request = self._start(request, deliver)
+        engine_request = self._start(request, server._delivery(deliver, allocator))
         return AsyncResponseIterator(self._server, self, engine_request, raise_on_error, responses)
 
     def metadata(self) -> dict[str, Any]:
@@ -240,6 +271,7 @@ class Server:
         self._services: list[Any] = []  # frontends running on our loop, stopped with us
         self._cpu = prometheus.CpuSampler()  # CPU use between calls of metrics()
         self._loading = False  # start() is loading the models
+        self._allocating: concurrent.futures.ThreadPoolExecutor | None = None  # (_delivery)
 
     # -- plumbing -----------------------------------------------------------------------
     def _engine_or_raise(self) -> Engine:
@@ -282,6 +314,20 @@ class Server:
     def _on_loop(self, fn: Any, *args: Any) -> None:
         self.loop.call_soon_threadsafe(fn, *args)
 
+    def _delivery(
+        self, deliver: Callable[[Response], None], allocator: MemoryAllocator | None
+    ) -> Callable[[Response], None]:
+        """What the engine hands a request's responses to: ``deliver``, on the engine's
+        loop; where an output allocator (which ``deliver`` calls) is given, ``deliver`` in
+        order on threads of the server's own, as Triton calls allocators on its threads: the
+        user's allocator may call the server (``model.config()`` to size its buffers), and
+        that waits for the loop."""
+        if allocator is None:
+            return deliver
+        if self._allocating is None:
+            raise InvalidArgumentError("Server not started")
+        return _InOrder(self._allocating, deliver)
+
     # -- lifecycle ----------------------------------------------------------------------
     def start(
         self,
@@ -297,6 +343,9 @@ class Server:
         thread.start()
         engine = Engine(settings)
         self._engine, self._loop, self._thread = engine, loop, thread
+        self._allocating = concurrent.futures.ThreadPoolExecutor(
+            thread_name_prefix="dlserve-allocator"
+        )
         _LIVE_SERVERS.add(self)
         try:
             self._loading = True
@@ -357,11 +406,15 @@ class Server:
         try:
             return asyncio.run_coroutine_threadsafe(engine.stop(deadline), loop).result()
         finally:
+            if self._allocating is not None:
+                # The last responses go out while the loop still runs (their allocator may
+                # call the server).
+                self._allocating.shutdown()
             loop.call_soon_threadsafe(loop.stop)
             if thread is not None:
                 thread.join()
             loop.close()
-            self._engine = self._loop = self._thread = None
+            self._engine = self._loop = self._thread = self._allocating = None
             _LIVE_SERVERS.discard(self)
 
     def _attach(self, service: Any) -> None:

@@ -9,6 +9,7 @@ import json
 import logging
 import queue
 import re
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -271,6 +272,47 @@ def test_an_allocator_that_fails_fails_the_response(server, allocator, message):
     assert isinstance(response.error, dlserve.InternalError) and message in str(response.error)
     assert not response.outputs
     assert infer_one(server, "add_sub", inputs={"INPUT0": a, "INPUT1": a}).error is None  # the server goes on
+
+
+class ConfigSizedAllocator(dlserve.MemoryAllocator):
+    """Asks the server for the model's config before each buffer, as a user's allocator
+    may to size its buffers (that deadlocked the server: allocators ran on the engine's
+    loop, and the call waits for it); gives up after 5 s, so that such a server recovers."""
+
+    def __init__(self, model: dlserve.Model) -> None:
+        self.model = model
+        self.given: list[np.ndarray] = []
+
+    def allocate(self, size, memory_type, memory_type_id, tensor_name):
+        configs: list[dict] = []
+        asking = threading.Thread(target=lambda: configs.append(self.model.config()), daemon=True)
+        asking.start()
+        asking.join(5)
+        if not configs:
+            raise TimeoutError("the server did not answer model.config()")
+        self.given.append(np.zeros(size, dtype=np.uint8))
+        return dlserve.MemoryBuffer.from_dlpack(self.given[-1])
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_an_allocator_may_call_the_server(servers, make_repo, asynchronous):
+    """As tritonserver's, which calls allocators on its own threads: each response of the
+    stream, in order, in the memory of an allocator that calls the server for it."""
+    server = servers.start(make_repo("decoupled"))
+    model = server.model("decoupled")
+    allocator = ConfigSizedAllocator(model)
+    request = model.create_request(inputs={"IN": np.arange(3, dtype=np.int32)},
+                                   output_memory_allocator=allocator)
+
+    async def collect() -> list[Any]:
+        return [r async for r in model.async_infer(request)]
+
+    responses = asyncio.run(collect()) if asynchronous else list(model.infer(request))
+    assert len(responses) == 4 and responses[-1].final
+    outputs = [r.outputs["OUT"] for r in responses[:-1]]  # (the final is flag-only)
+    assert [int(out.as_numpy()[0]) for out in outputs] == [0, 1, 2]
+    assert [out.data_ptr for out in outputs] == [array.ctypes.data for array in allocator.given]
+    assert server.ready()
 
 
 def test_reshape_applies_to_inputs_and_outputs(server):
