@@ -16,6 +16,7 @@ import atexit
 import collections
 import concurrent.futures
 import enum
+import logging
 import queue
 import threading
 import time
@@ -45,6 +46,7 @@ from dlserve.memory.dtypes import DataType
 from dlserve.memory.tensor import MemoryAllocator, Tensor
 
 T = TypeVar("T")
+log = logging.getLogger("dlserve.engine")
 
 
 class MetricFormat(enum.IntEnum):
@@ -203,7 +205,18 @@ class Model:
                 users.put_nowait(public)
 
         def deliver(response: Response) -> None:
-            loop.call_soon_threadsafe(hand_out, _public(server, response, allocator))
+            if not loop.is_closed():
+                try:
+                    loop.call_soon_threadsafe(hand_out, _public(server, response, allocator))
+                    return
+                except RuntimeError:
+                    if not loop.is_closed():
+                        raise
+            # The caller's loop ended before the stream did (an asyncio.run left early):
+            # nobody can read the responses, so they go, memory and all.
+            if response.final:
+                log.debug("async_infer's event loop closed: the responses of request '%s' "
+                          "to '%s' were dropped", response.request_id, response.model_name)
 
         engine_request = self._start(request, server._delivery(deliver, allocator))
         return AsyncResponseIterator(self._server, self, engine_request, raise_on_error, responses)

@@ -20,7 +20,7 @@ import pytest
 import dlserve
 from dlserve import DataType
 
-from ..conftest import serve
+from ..conftest import serve, wait_until
 
 LOADED = [
     "add_sub",
@@ -313,6 +313,26 @@ def test_an_allocator_may_call_the_server(servers, make_repo, asynchronous):
     assert [int(out.as_numpy()[0]) for out in outputs] == [0, 1, 2]
     assert [out.data_ptr for out in outputs] == [array.ctypes.data for array in allocator.given]
     assert server.ready()
+
+
+def test_a_stream_whose_async_caller_loop_closed_is_dropped_quietly(servers, make_repo, caplog):
+    """The caller's ``asyncio.run`` ended after the first response: the rest go, with one
+    debug line (each was an error traceback: 'Event loop is closed')."""
+    server = servers.start(make_repo("decoupled"))
+    values = np.arange(4, dtype=np.int32)
+
+    async def first() -> Any:
+        async for response in server.model("decoupled").async_infer(
+            inputs={"IN": values}, parameters={"mode": "thread", "delay_ms": 50}
+        ):
+            return response
+
+    with caplog.at_level(logging.DEBUG, logger="dlserve.engine"):
+        assert int(asyncio.run(first()).outputs["OUT"].as_numpy()[0]) == 0
+        dropped = "async_infer's event loop closed: the responses of request"
+        wait_until(lambda: any(dropped in r.getMessage() for r in caplog.records), timeout=10)
+    assert [r.getMessage() for r in caplog.records if r.levelno > logging.DEBUG] == []
+    assert sum(dropped in r.getMessage() for r in caplog.records) == 1
 
 
 def test_reshape_applies_to_inputs_and_outputs(server):
