@@ -112,7 +112,10 @@ class _InOrder:
         while True:
             with self._lock:
                 response = self._pending[0]
-            self._hand_out(response)
+            try:
+                self._hand_out(response)
+            except Exception:  # noqa: BLE001 - the next responses still go out
+                log.exception("handing out a response of request '%s' failed", response.request_id)
             with self._lock:
                 self._pending.popleft()
                 if not self._pending:
