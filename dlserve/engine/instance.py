@@ -151,7 +151,7 @@ class ModelInstance:
 
     async def start(self) -> None:
         """Spawn the worker, run ``initialize`` and the model's warmup; raises with the
-        model's error."""
+        model's error. A start that does not finish (cancelled, say) leaves no worker."""
         resources = self.model.resources
         worker = WorkerProcess(
             instance_name=self.name,
@@ -167,7 +167,16 @@ class ModelInstance:
             poll_us=resources.busy_poll_us,
         )
         self._worker = worker
-        await worker.start()
+        await worker.start()  # (a cancelled one ends its process itself)
+        try:
+            await self._initialize(worker)
+        except BaseException as exc:
+            if not isinstance(exc, TritonError):  # (a model's error stopped it already)
+                worker.kill()
+            raise
+
+    async def _initialize(self, worker: WorkerProcess) -> None:
+        """``initialize`` and the warmup in a started worker, which a failure stops."""
         try:
             reply = await worker.request(
                 Kind.INIT,

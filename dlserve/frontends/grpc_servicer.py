@@ -209,7 +209,9 @@ class InferenceServicer:
             if key.startswith("file:") and not isinstance(value, bytes):
                 raise InvalidArgumentError(f"invalid value type for load parameter '{key}', expected bytes_param.")
             parameters[key] = value
-        await self.engine.load(request.model_name, parameters)
+        # (shielded: a call past its deadline or cancelled leaves the load to complete, as
+        # Triton's does; see KServeHttpApi.load)
+        await asyncio.shield(self.engine.load(request.model_name, parameters))
         return pb.RepositoryModelLoadResponse()
 
     @_rpc("model-repository")

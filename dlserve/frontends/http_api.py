@@ -10,6 +10,7 @@ Triton's HTTP frontend. Status codes come from the error's Triton code (see
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import logging
@@ -214,7 +215,9 @@ class KServeHttpApi:
                 decoded[key] = value if isinstance(value, str) else json.dumps(value)
             else:
                 decoded[key] = value
-        await self.engine.load(args["model"], decoded)
+        # Shielded: a client that goes away does not cancel it halfway; as Triton's, it
+        # completes. (An unload needs none: it returns once it began, without a pause.)
+        await asyncio.shield(self.engine.load(args["model"], decoded))
         return empty(200)  # as Triton: no body
 
     async def unload(self, request: HttpRequest, args: dict[str, str]) -> HttpResponse:

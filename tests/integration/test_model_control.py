@@ -3,6 +3,7 @@ version policies, auto-complete, bad repositories, logging and finalize."""
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import concurrent.futures
 import json
@@ -20,7 +21,7 @@ import pytest
 import dlserve
 from dlserve import ModelControlMode
 
-from ..conftest import MODELS, pid_alive, wait_until
+from ..conftest import MODELS, pid_alive, wait_until, worker_processes
 from .test_metrics import families, value
 
 X1 = np.ones(1, dtype=np.float32)
@@ -1163,6 +1164,36 @@ class TritonPythonModel:
     (repo / "slow" / "config.pbtxt").write_text('backend: "python"\nversion_policy { all { } }\n')
     assert False in load_watching()[1] and server.ready()
     assert {key for key in server.models() if key[0] == "slow"} == {("slow", 1), ("slow", 2)}
+
+
+def test_a_load_cancelled_while_the_model_initializes_leaves_no_worker(servers, make_repo):
+    """A load cancelled halfway (whoever awaited it went away) ends the worker it started
+    at once: it used to stay, running, in no model's instances, and a later load started
+    another."""
+    initializing = """
+import os
+import time
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        open(os.path.join(args["model_repository"], "INITIALIZING"), "w").close()
+        time.sleep(2)
+
+    def execute(self, requests):
+        return []
+"""
+    slow = {"config.pbtxt": 'backend: "python"\n', "1/model.py": initializing}
+    repo = make_repo(extra={"slow": slow})
+    server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT)
+    prefix = server.engine.segment_prefix
+    load = asyncio.run_coroutine_threadsafe(server.engine.load("slow"), server.loop)
+    wait_until(lambda: (repo / "slow" / "INITIALIZING").exists())
+    load.cancel()
+    wait_until(lambda: not worker_processes(prefix), timeout=5)
+    server.load("slow")
+    assert server.model("slow").ready()
+    assert len(worker_processes(prefix)) == 1
 
 
 HANGS_IN_INITIALIZE = """

@@ -1,9 +1,11 @@
 """An unload over HTTP or gRPC answers at once, as Triton 2.51's does (measured side by
 side): the model is UNLOADING, refusing new requests, while its request in flight
-finishes; then it is listed as unloaded. A load meanwhile waits for the unload to end."""
+finishes; then it is listed as unloaded. A load meanwhile waits for the unload to end.
+A load whose client gives up on it completes all the same, as Triton's does."""
 
 from __future__ import annotations
 
+import http.client
 import threading
 from typing import Any
 
@@ -16,7 +18,7 @@ from tritonclient.utils import InferenceServerException
 from dlserve import ModelControlMode
 from dlserve.frontends import KServeGrpc, KServeHttp
 
-from ..conftest import wait_until
+from ..conftest import wait_until, worker_processes
 
 X = np.ones([1], dtype=np.float32)
 
@@ -125,4 +127,47 @@ def test_a_load_after_an_unload_that_still_drains_is_not_undone(servers, make_re
         assert answer.outputs["Y"].as_numpy().tolist() == X.tolist()
     finally:
         client.close()
+        service.stop()
+
+
+SLOW_INITIALIZE = """
+import time
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        time.sleep(2)
+
+    def execute(self, requests):
+        return []
+"""
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_a_load_whose_client_gives_up_completes(servers, make_repo, protocol):
+    """The client goes away (HTTP) or its deadline passes (gRPC) while the model's
+    initialize runs: the load goes on to READY with no other load, and leaves one worker
+    (cancelled halfway, it used to leave its worker running, and the model unloaded)."""
+    slow = {"config.pbtxt": 'backend: "python"\n', "1/model.py": SLOW_INITIALIZE}
+    repo = make_repo(extra={"slow": slow})
+    server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT)
+    kind = KServeHttp if protocol == "http" else KServeGrpc
+    service = kind(server, kind.Options(address="127.0.0.1", port=0))
+    service.start()
+    try:
+        if protocol == "http":
+            connection = http.client.HTTPConnection("127.0.0.1", service.port, timeout=0.5)
+            try:
+                connection.request("POST", "/v2/repository/models/slow/load", body=b"{}")
+                with pytest.raises(TimeoutError):
+                    connection.getresponse()
+            finally:
+                connection.close()
+        else:
+            with grpcclient.InferenceServerClient(f"127.0.0.1:{service.port}") as client:
+                with pytest.raises(InferenceServerException, match="Deadline Exceeded"):
+                    client.load_model("slow", client_timeout=0.5)
+        wait_until(lambda: server.model("slow").ready(), timeout=15)
+        assert len(worker_processes(server.engine.segment_prefix)) == 1
+    finally:
         service.stop()
