@@ -22,6 +22,7 @@ from dlserve.engine.repository import (
     ModelKey,
     ModelSource,
     Repository,
+    UploadFolder,
     check_model_name,
     log_missing_versions,
     may_define_auto_complete,
@@ -124,17 +125,23 @@ class Loader:
             raise InvalidArgumentError(
                 f"load of model '{name}': file: parameters need a 'config' parameter too"
             )
+        upload: UploadFolder | None = None
         if files:  # it replaces the model of that name, in its namespace
             loaded = self.models.find(name)
-            upload = self.repository.write_upload(name, files)
-            sources = [dataclasses.replace(upload, namespace=loaded.namespace if loaded else "")]
+            written = self.repository.write_upload(name, files)
+            upload = written.upload
+            sources = [dataclasses.replace(written, namespace=loaded.namespace if loaded else "")]
         else:
             sources = await self._fetch(name)
             if config is None:
                 sources = [s for s in sources if not self._unchanged(s)]
-        results = await asyncio.gather(
-            *(self._load_source(source, config) for source in sources), return_exceptions=True
-        )
+        try:
+            results = await asyncio.gather(
+                *(self._load_source(source, config) for source in sources), return_exceptions=True
+            )
+        finally:
+            if upload is not None:  # (the versions loaded from it hold it on)
+                upload.release()
         for result in results:
             if isinstance(result, BaseException):
                 raise result
@@ -339,7 +346,8 @@ class Loader:
             raise UnavailableError(f"model '{name}' not started: the server is stopping")
         models = {
             version: ModelVersion(
-                name, version, config, source.path, self.resources, source.namespace, backend_file
+                name, version, config, source.path, self.resources, source.namespace, backend_file,
+                source.upload,
             )
             for version in versions
         }

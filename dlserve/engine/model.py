@@ -19,6 +19,7 @@ from dlserve.engine.custom_metrics import CustomMetrics
 from dlserve.engine.instance import ModelInstance
 from dlserve.engine.proto import model_config_pb2 as mc
 from dlserve.engine.rate_limiter import RateLimiter
+from dlserve.engine.repository import UploadFolder
 from dlserve.engine.request import Request, Signature
 from dlserve.engine.response_cache import ResponseCache
 from dlserve.engine.scheduler import DefaultScheduler, Scheduler
@@ -76,6 +77,7 @@ class ModelVersion:
         resources: EngineResources,
         namespace: str = "",
         backend_file: Path | None = None,
+        upload: UploadFolder | None = None,
     ) -> None:
         self.name = name
         self.namespace = namespace  # its repository as given, with model namespacing
@@ -117,6 +119,9 @@ class ModelVersion:
         self.reason = ""
         self.environment: ExecutionEnvironment | None = None  # the Python its workers run in
         self.warmup_samples: list[warmup.Sample] = []  # run by each instance before it serves
+        self._upload = upload  # the uploaded files it is loaded from, held until it unloads
+        if upload is not None:
+            upload.hold()
 
     @property
     def ready(self) -> bool:
@@ -359,6 +364,9 @@ class ModelVersion:
         self.scheduler.close()
         self.stats.ended = True
         self.state, self.reason = "UNAVAILABLE", "unloaded"
+        upload, self._upload = self._upload, None
+        if upload is not None:
+            upload.release()
         if served:
             log.info("successfully unloaded '%s' version %d", self.name, self.version)
         return drained and all(ended)

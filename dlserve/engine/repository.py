@@ -44,6 +44,23 @@ _MODEL_FOLDERS = (CUSTOM_CONFIGS, WARMUP_FOLDER)  # a model's folders that are n
 ModelKey = tuple[str, str]
 
 
+class UploadFolder:
+    """The folder one load's uploaded files were written to, removed when nothing uses
+    it any more: that load, then each version loaded from it (until it unloads), hold it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._users = 1  # (the load that wrote it)
+
+    def hold(self) -> None:
+        self._users += 1
+
+    def release(self) -> None:
+        self._users -= 1
+        if not self._users:
+            shutil.rmtree(self.path, ignore_errors=True)
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSource:
     """Where a model's files are."""
@@ -58,6 +75,8 @@ class ModelSource:
     renamed: bool = False
     # Its repository as given, with model namespacing on ("" otherwise).
     namespace: str = ""
+    # For a model from files uploaded with its load: their folder.
+    upload: UploadFolder | None = None
 
     @property
     def key(self) -> ModelKey:
@@ -411,29 +430,35 @@ class Repository:
         return config_forms.parse_text(text, source.name, path.relative_to(source.path).as_posix())
 
     def write_upload(self, name: str, files: dict[str, bytes]) -> ModelSource:
-        """Materialise ``file:<path>`` load parameters as a private model folder."""
+        """Materialise ``file:<path>`` load parameters as a private model folder: a new
+        one for each load, as Triton's, so that a version loaded from earlier ones keeps
+        its files. The caller holds its ``upload`` (see :class:`UploadFolder`)."""
         check_model_name(name)
         if self._uploads is None:
             self._uploads = Path(tempfile.mkdtemp(prefix="dlserve-uploads-"))
-        root = self._uploads / name
-        if root.exists():
-            shutil.rmtree(root)
-        root.mkdir(parents=True)
-        for relative, content in files.items():
-            target = (root / relative).resolve()
-            if not target.is_relative_to(root.resolve()) or target == root.resolve():
-                raise InvalidArgumentError(
-                    f"load of model '{name}': file path 'file:{relative}' escapes the model folder"
-                )
-            try:
-                target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_bytes(content)
-            except OSError as exc:  # (a name too long, ...: said without the server's paths)
-                shutil.rmtree(root, ignore_errors=True)
-                raise InvalidArgumentError(
-                    f"load of model '{name}': invalid file path 'file:{relative}': {exc.strerror}"
-                ) from None
-        return ModelSource(name, root)
+        folder = Path(tempfile.mkdtemp(dir=self._uploads))
+        root = folder / name
+        try:
+            root.mkdir()
+            for relative, content in files.items():
+                target = (root / relative).resolve()
+                if not target.is_relative_to(root.resolve()) or target == root.resolve():
+                    raise InvalidArgumentError(
+                        f"load of model '{name}': file path 'file:{relative}' escapes the "
+                        "model folder"
+                    )
+                try:
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    target.write_bytes(content)
+                except OSError as exc:  # (a name too long, ...: said without the server's paths)
+                    raise InvalidArgumentError(
+                        f"load of model '{name}': invalid file path 'file:{relative}': "
+                        f"{exc.strerror}"
+                    ) from None
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        return ModelSource(name, root, upload=UploadFolder(folder))
 
     def close(self) -> None:
         for mirror in [*self._mirrors.values(), *self._retired]:

@@ -11,6 +11,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import threading
 import time
 from pathlib import Path
@@ -178,6 +179,71 @@ def test_load_from_uploaded_files(servers, make_repo):
     assert server.engine.manager.index() == [
         {"name": "identity", "version": "1", "state": "UNAVAILABLE", "reason": "unloaded"}
     ]
+
+
+LABEL_READER = """
+import os
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.folder = os.path.join(args["model_repository"], args["model_version"])
+
+    def execute(self, requests):
+        with open(os.path.join(self.folder, "labels.txt"), "rb") as f:
+            label = np.array([f.read()], dtype=object)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", label)]) for _ in requests]
+"""
+BROKEN = """
+class TritonPythonModel:
+    def initialize(self, args):
+        raise RuntimeError("this upload is broken")
+"""
+
+
+def test_a_refused_upload_reload_leaves_the_serving_version_its_files(servers, make_repo):
+    """Each load's uploaded files get a folder of their own, as Triton's: a reload whose
+    files fail to load leaves the version that serves on its own files, for its requests
+    and its worker's restart (the refused upload's replaced them); a folder goes when its
+    versions have unloaded, and the last at the stop."""
+    server = servers.start(make_repo(), model_control_mode=ModelControlMode.EXPLICIT)
+    config = json.dumps({
+        "backend": "python",
+        "input": [{"name": "IN", "data_type": "TYPE_FP32", "dims": [1]}],
+        "output": [{"name": "OUT", "data_type": "TYPE_STRING", "dims": [1]}],
+    })
+
+    def upload(code: str, labels: bytes) -> dict[str, object]:
+        return {"config": config, "file:1/model.py": code.encode(), "file:1/labels.txt": labels}
+
+    def label() -> bytes:
+        (response,) = server.model("up").infer(inputs={"IN": X1})
+        return response.outputs["OUT"].to_bytes_array()[0]
+
+    server.load("up", upload(LABEL_READER, b"v1"))
+    assert label() == b"v1"
+    first = server.engine.model("up").model_dir
+    uploads = first.parent.parent
+    with pytest.raises(dlserve.InvalidArgumentError, match="this upload is broken"):
+        server.load("up", upload(BROKEN, b"v2"))
+    assert label() == b"v1"
+    assert list(uploads.iterdir()) == [first.parent]  # (the refused one's is gone)
+    instance = server.engine.model("up").instances[0]
+    os.kill(instance.pid, signal.SIGKILL)
+    wait_until(lambda: instance.restarts == 1 and server.model("up").ready())
+    assert label() == b"v1"
+    # A reload that loads: the replaced version's files go once it has unloaded.
+    server.load("up", upload(LABEL_READER, b"v3"))
+    assert label() == b"v3"
+    second = server.engine.model("up").model_dir
+    wait_until(lambda: not first.exists())
+    server.unload("up")
+    assert not second.exists()
+    servers.stop(server)
+    assert not uploads.exists()
 
 
 @pytest.mark.parametrize("path", ["../escape.py", "1/../../escape.py", "/etc/evil.py", ""])

@@ -812,18 +812,27 @@ def test_write_upload_writes_the_files(repository):
     assert (source.path / "1" / "model.py").read_bytes() == b"x = 1\n"
     assert (source.path / "1" / "sub" / "data.bin").read_bytes() == b"\x00\xff"
     assert source.versions_on_disk() == [1]
-    # A second upload of the same model replaces the first.
+    # A second upload of the same model gets a folder of its own (the first one's versions
+    # may serve on); each folder goes when the last that holds it lets go.
     again = repository.write_upload("up", {"2/model.py": b""})
-    assert again.path == source.path
+    assert again.path != source.path and again.path.name == "up"
     assert again.versions_on_disk() == [2]
     assert not (again.path / "config.pbtxt").exists()
+    assert (source.path / "1" / "model.py").read_bytes() == b"x = 1\n"
+    source.upload.hold()  # (as a version loaded from it does)
+    source.upload.release()
+    assert source.path.exists()
+    source.upload.release()
+    assert not source.path.parent.exists()
+    assert again.path.exists()
 
 
 @pytest.mark.parametrize("path", ["../x", "../../etc/passwd", "1/../../x", "/etc/passwd", "/tmp/x", "", "."])
 def test_write_upload_rejects_paths_outside_the_model_folder(repository, tmp_path, path):
     with pytest.raises(InvalidArgumentError, match=r"load of model 'up': file path 'file:.*' escapes the model folder"):
-        repository.write_upload("up", {path: b"evil"})
+        repository.write_upload("up", {"1/model.py": b"", path: b"evil"})
     assert not (tmp_path / "x").exists()
+    assert not list(repository._uploads.iterdir())  # (nor the files before it)
 
 
 def test_repository_close_removes_uploads(tmp_path):
