@@ -12,8 +12,9 @@ What a gRPC server owes its clients, and where it is done:
 * HTTP/2 (RFC 9113): the preface, SETTINGS both ways, PING answers, flow control in
   both directions (the connection's receive window is opened wide, each stream's is
   bounded and reopened as its messages are read: :data:`STREAM_WINDOW`; sends wait for
-  the peer's windows), CONTINUATION, padding, RST_STREAM, GOAWAY on stop (calls in
-  flight get the grace period, then are cancelled).
+  the peer's windows; a peer is not read while what we write it piles up unread),
+  CONTINUATION, padding, RST_STREAM, GOAWAY on stop (calls in flight get the grace
+  period, then are cancelled).
 * gRPC over HTTP/2 (one call per stream, in :mod:`dlserve.frontends.grpc_calls`):
   length-prefixed messages split across DATA frames or sharing one, ``grpc-timeout``
   (the call is cancelled and answered DEADLINE_EXCEEDED), ``grpc-encoding`` and
@@ -91,6 +92,7 @@ HEADER_LIST_LIMIT = 1 << 16  # a call's metadata, as SETTINGS_MAX_HEADER_LIST_SI
 INLINE_SEND = 1 << 16  # answers up to this size are joined into one write; larger stay views
 BLOCK_LIMIT = 1 << 20  # past this a header block ends the connection (HPACK state is shared)
 TOP_UP = 1 << 30  # received bytes after which the connection's window is opened again
+FLUSH_FRAMES = 256  # frames owed to the peer after one read past which they go at once
 # A stream's receive window. What a stream took is given back once it comes to half
 # the window: at once for a unary call's bytes and for a message still being cut (so
 # one bigger than the window arrives, and a 64 MiB request never waits), but for the
@@ -173,6 +175,16 @@ class Connection(asyncio.Protocol):
             timer.cancel()
         for call in list(self.calls.values()):
             self._drop(call)
+
+    def pause_writing(self) -> None:
+        # A peer that reads nothing of what we write is not read either: each of its PINGs
+        # and SETTINGS (or calls) would queue an answer for it, in our memory, without end.
+        if self.transport is not None:
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.transport is not None:
+            self.transport.resume_reading()
 
     def _later(self, name: str, ms: int, action: Callable[..., None], *args: Any) -> None:
         """Run ``action`` in ``ms`` milliseconds: the connection's one timer of that name."""
@@ -303,6 +315,11 @@ class Connection(asyncio.Protocol):
         if self.received > TOP_UP and self.transport is not None:
             self._out(frame(WINDOW_UPDATE, 0, 0, U32.pack(self.received)))
             self.received = 0
+        if len(self.outgoing) > FLUSH_FRAMES:
+            # Written now, not at the end of the loop's turn: the event loop may read
+            # the socket many times in one turn, and a peer that reads nothing is to be
+            # paused (pause_writing) before the next read, not after megabytes of them.
+            self._send_out()
 
     def _data(self, flags: int, stream_id: int, view: memoryview, start: int, end: int) -> None:
         if self.headers_of is not None:

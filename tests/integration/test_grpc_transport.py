@@ -27,7 +27,7 @@ from dlserve.frontends.grpc_stream import STREAM_BACKLOG
 from dlserve.frontends.proto import grpc_service_pb2 as pb
 from dlserve.frontends.proto import grpc_service_pb2_grpc as pb_grpc
 
-from ..conftest import open_fds, serve
+from ..conftest import open_fds, serve, wait_until
 
 # RFC 9113, written out here so the test does not share the server's constants
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -651,6 +651,41 @@ def test_answers_sent_forgive_earlier_pings(server):
     acks = [f.payload for f in frames if f.kind == PING and f.payload != b"before00"]
     assert acks == [b"00000000", b"00000001", b"00000002"]  # free, then two strikes
     assert frames[-1].kind == GOAWAY
+
+
+def test_a_client_that_reads_nothing_is_read_no_more(server):
+    """SETTINGS sent in a loop by a client that reads nothing (each owes it an ACK, and no
+    ping policy counts them): once what the server writes it piles up, the server stops
+    reading it, so it holds a bounded backlog of ACKs, and serves other clients meanwhile.
+    Once the client reads, every frame is answered and the connection serves on."""
+    count = 400_000  # 3.6 MiB of SETTINGS, owed as much of ACKs
+    service = KServeGrpc(server, KServeGrpc.Options(address="127.0.0.1", port=0))
+    with service, H2Client(service.port) as client:
+        client.handshake()
+        (connection,) = service._grpc._transport.connections
+        client.sock.settimeout(60)  # (for the flood: it blocks until the client reads)
+        flood = threading.Thread(target=client.sock.sendall, args=(frame(SETTINGS) * count,))
+        flood.start()
+        try:
+            wait_until(lambda: not connection.transport.is_reading(), timeout=10)
+            held = connection.transport.get_write_buffer_size()
+            assert held <= 1 << 20, held  # (about one read's worth)
+            with H2Client(service.port) as other:
+                other.handshake()
+                check_add_sub(other.call(add_sub_request()))
+            acks, expected = bytearray(client.buffer), frame(SETTINGS, ACK) * count
+            while len(acks) < len(expected):
+                chunk = client.sock.recv(1 << 20)
+                assert chunk, "connection closed"
+                acks += chunk
+            assert acks == expected
+            flood.join(timeout=10)
+        finally:
+            if flood.is_alive():
+                client.sock.shutdown(socket.SHUT_RDWR)  # (wakes it)
+                flood.join()
+        client.buffer = b""
+        check_add_sub(client.call(add_sub_request()))
 
 
 def test_max_connection_age(server):
