@@ -24,10 +24,11 @@ What a gRPC server owes its clients, and where it is done:
 * Keepalive and abuse policy as grpc's server options describe them: pings every
   ``keepalive_time_ms`` and the connection closed when one goes unanswered for
   ``keepalive_timeout_ms`` (``http2_max_pings_without_data`` limits clients only, in
-  grpc as here); a client that pings an idle connection more often than
-  ``http2_min_recv_ping_interval_without_data_ms`` gets a strike, and after
-  ``http2_max_ping_strikes`` a GOAWAY ``too_many_pings``; ``max_connection_age_ms``
-  (+ grace) ends a connection with GOAWAY.
+  grpc as here); a client that pings more often than
+  ``http2_min_recv_ping_interval_without_data_ms`` while we send nothing (calls open
+  or not; two hours with no call open, unless ``keepalive_permit_without_calls``) gets
+  a strike, and after ``http2_max_ping_strikes`` a GOAWAY ``too_many_pings``;
+  ``max_connection_age_ms`` (+ grace) ends a connection with GOAWAY.
 * TLS and mutual TLS through :mod:`ssl` with ALPN ``h2``.
 """
 
@@ -506,16 +507,17 @@ class Connection(asyncio.Protocol):
         # PRIORITY, PUSH_PROMISE (never from a client), unknown types: nothing to do
 
     def _ping_abuse(self) -> bool:
-        """grpc's policy: on an idle connection, pings closer together than the allowed
-        interval are strikes; too many strikes end the connection."""
+        """grpc's policy (see the module docstring): pings closer together than the
+        allowed interval, while we send nothing, are strikes; too many strikes end the
+        connection, whether calls are open on it or not."""
         now = time.monotonic()
         last, self.last_ping_received = self.last_ping_received, now
         s = self.settings
-        if self.calls or s.http2_max_ping_strikes <= 0:
+        if s.http2_max_ping_strikes <= 0:
             return False
         interval = (
             s.http2_min_recv_ping_interval_without_data_ms / 1000
-            if s.keepalive_permit_without_calls
+            if self.calls or s.keepalive_permit_without_calls
             else 7200.0
         )
         if last and now - last < interval:
@@ -623,6 +625,7 @@ class Connection(asyncio.Protocol):
                 call.window -= len(chunk)
                 self._out(HEAD.pack((len(chunk) << 8) | DATA, 0, call.stream_id))
                 self._out(chunk)
+                self.ping_strikes, self.last_ping_received = 0, 0.0  # (as in send_data)
             if outbox:
                 waiting.append(call)
             else:

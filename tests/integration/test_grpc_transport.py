@@ -639,6 +639,49 @@ def test_too_many_pings_get_goaway(server):
     assert frames[-1] == goaway
 
 
+def test_too_many_pings_get_goaway_with_a_call_open(server):
+    # as grpc: an open call that sends nothing does not make a ping flood acceptable
+    with grpc_service(server, http2_max_ping_strikes=2) as p, H2Client(p) as client:
+        client.handshake()
+        stream = client.new_stream()
+        client.send(HEADERS, END_HEADERS, stream, client.header_block(STREAM_INFER))
+        client.sock.sendall(b"".join(frame(PING, 0, 0, b"%08d" % i) for i in range(5)))
+        frames = client.wait_closed(timeout=2)
+    assert [f.payload for f in frames if f.kind == PING] == [b"%08d" % i for i in range(3)]
+    (goaway,) = [f for f in frames if f.kind == GOAWAY]
+    assert struct.unpack_from(">II", goaway.payload) == (stream, ENHANCE_YOUR_CALM)
+    assert goaway.payload[8:] == b"too_many_pings"
+
+
+def test_an_answer_sent_as_the_window_opens_forgives_pings_piece_by_piece(server):
+    # as grpc: each DATA frame sent starts the count again, also those of an answer paced
+    # by the client's window (a client may ping, as grpc's do, as it reads)
+    options = dict(http2_max_ping_strikes=2)
+    with grpc_service(server, **options) as p, H2Client(p, {INITIAL_WINDOW_SIZE: 0}) as client:
+        client.handshake()
+        client.send(WINDOW_UPDATE, 0, 0, struct.pack(">I", 1 << 20))
+        stream = client.start_call(identity_request(16 * 1024))  # 64 KiB back
+        answer, credit, pings = Answer(), 0, 0
+        while not answer.trailers:
+            f = client.recv()
+            assert f is not None and f.kind != GOAWAY, f
+            if f.kind == HEADERS:
+                headers = dict(client.decoder.decode(f.payload, raw=False))
+                if f.flags & END_STREAM:
+                    answer.trailers = headers
+                else:
+                    answer.headers = headers
+            elif f.kind == DATA:
+                answer.data += f.payload
+                credit -= len(f.payload)
+            if answer.headers and credit == 0 and not answer.trailers:
+                client.send(PING, 0, 0, b"%08d" % pings)  # a ping, then 8 KiB more window
+                client.send(WINDOW_UPDATE, 0, stream, struct.pack(">I", 8192))
+                credit, pings = 8192, pings + 1
+        assert pings > 8
+        assert len(answer.response().raw_output_contents[0]) == 64 * 1024
+
+
 def test_answers_sent_forgive_earlier_pings(server):
     # as grpc: sending data or headers starts the count again, so the first ping on an
     # idle connection after an answer is free, whatever came before it
