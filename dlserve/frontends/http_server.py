@@ -277,6 +277,7 @@ class HttpConnection(asyncio.BufferedProtocol):
             received_ns=(self._begun_ns, time.monotonic_ns()),
         )
         request.headers["_keep_alive"] = "1" if self._keep_alive else "0"
+        self._reset_message()  # (the body is the request's now: an idle connection keeps none)
         self._pending.append(request)
         self._serve_soon()
         if len(self._pending) > 16 and self.transport is not None:

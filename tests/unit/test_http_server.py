@@ -4,7 +4,10 @@ a chunked response whose stream fails after its head went out."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import socket
+import tracemalloc
+import weakref
 from collections.abc import AsyncGenerator
 
 import numpy as np
@@ -139,6 +142,63 @@ def test_a_body_cut_off_by_its_client_gives_its_reserve_back() -> None:
                 if server.reserved == 0:
                     break
             assert server.reserved == 0
+        finally:
+            await server.stop()
+
+    asyncio.run(main())
+
+
+def test_an_idle_keep_alive_connection_keeps_no_body() -> None:
+    """Once a request is answered, its connection, waiting for the next, holds nothing of
+    its body: neither the block a large body was read into (shared memory, in the KServe
+    frontend) nor the parts a chunked body was gathered in."""
+    size = 4 << 20
+    blocks: list[weakref.ref[np.ndarray]] = []
+
+    def allocate(nbytes: int) -> np.ndarray:
+        block = np.empty(nbytes, dtype=np.uint8)
+        blocks.append(weakref.ref(block))
+        return block
+
+    async def length(request: HttpRequest) -> HttpResponse:
+        return HttpResponse(body=[str(len(request.body)).encode()])
+
+    def ask(sock: socket.socket, request: bytes) -> bytes:
+        sock.sendall(request)
+        answer = b""
+        while not answer.endswith(str(size).encode()):
+            chunk = sock.recv(65536)
+            assert chunk, f"connection closed: {answer!r}"
+            answer += chunk
+        return answer
+
+    sized = b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % size + b"." * size
+    piece = b"." * (64 << 10)
+    chunked = (
+        b"POST /x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        + b"%x\r\n%b\r\n" % (len(piece), piece) * (size // len(piece))
+        + b"0\r\n\r\n"
+    )
+
+    async def main() -> None:
+        server = HttpServer(length, allocate, max_body=size)
+        port = await server.start("127.0.0.1", 0)
+        loop = asyncio.get_running_loop()
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                answer = await loop.run_in_executor(None, ask, sock, sized)
+                assert answer.startswith(b"HTTP/1.1 200")
+                gc.collect()
+                assert len(blocks) == 1 and blocks[0]() is None, "the idle connection keeps it"
+                tracemalloc.start()
+                try:
+                    answer = await loop.run_in_executor(None, ask, sock, chunked)
+                    gc.collect()
+                    held = tracemalloc.get_traced_memory()[0]
+                finally:
+                    tracemalloc.stop()
+                assert answer.startswith(b"HTTP/1.1 200")
+                assert held < size // 4, f"the idle connection keeps {held} bytes"
         finally:
             await server.stop()
 
