@@ -163,6 +163,7 @@ class HttpConnection(asyncio.BufferedProtocol):
     # -- message state ---------------------------------------------------------------
     def _reset_message(self) -> None:
         self._url = b""
+        self._path = self._query = ""  # (the URL's, parsed at the end of the headers)
         self._headers: dict[str, str] = {}
         self._header_names: dict[str, str] = {}
         self._header_bytes = 0
@@ -198,6 +199,12 @@ class HttpConnection(asyncio.BufferedProtocol):
 
     def on_headers_complete(self) -> None:
         self._method = self._parser.get_method().decode()
+        try:  # (at the headers: a bad URL is answered before any body is read)
+            url = httptools.parse_url(self._url)
+        except httptools.HttpParserInvalidURLError:
+            raise HttpError(400, "malformed HTTP request: invalid URL") from None
+        self._path = url.path.decode("latin-1")
+        self._query = (url.query or b"").decode("latin-1")
         self._keep_alive = self._parser.should_keep_alive()
         self._http10 = self._parser.get_http_version() == "1.0"
         upgrade = self._parser.should_upgrade()
@@ -265,11 +272,10 @@ class HttpConnection(asyncio.BufferedProtocol):
         self._reserved = 0
 
     def _queue_request(self, body: Any) -> None:
-        parsed = httptools.parse_url(self._url)
         request = HttpRequest(
             method=self._method,
-            path=parsed.path.decode("latin-1"),
-            query=(parsed.query or b"").decode("latin-1"),
+            path=self._path,
+            query=self._query,
             headers=self._headers,
             header_names=self._header_names,
             body=body,

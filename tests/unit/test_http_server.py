@@ -4,6 +4,7 @@ a chunked response whose stream fails after its head went out."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import socket
 import tracemalloc
@@ -12,7 +13,7 @@ from collections.abc import AsyncGenerator
 
 import numpy as np
 
-from dlserve.frontends.http_server import HttpRequest, HttpResponse, HttpServer
+from dlserve.frontends.http_server import DIRECT_BODY_MIN, HttpRequest, HttpResponse, HttpServer
 
 
 async def _failing_stream() -> AsyncGenerator[bytes, None]:
@@ -199,6 +200,44 @@ def test_an_idle_keep_alive_connection_keeps_no_body() -> None:
                     tracemalloc.stop()
                 assert answer.startswith(b"HTTP/1.1 200")
                 assert held < size // 4, f"the idle connection keeps {held} bytes"
+        finally:
+            await server.stop()
+
+    asyncio.run(main())
+
+
+def test_a_url_that_does_not_parse_is_answered_400_whatever_the_body() -> None:
+    """A request line the parser reads but whose URL does not parse (a port past 65535) is
+    answered 400 with a message, whether its body is small or large enough to be read
+    straight into a block; the connection closes and the server serves on."""
+
+    async def main() -> None:
+        server = HttpServer(_handler)
+        port = await server.start("127.0.0.1", 0)
+        loop = asyncio.get_running_loop()
+
+        def ask(request: bytes) -> bytes:
+            """The answer, read until the server closes (with a reset, if it closed with
+            some of the body unread)."""
+            answer = b""
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                with contextlib.suppress(OSError):  # (the reset may come while we send)
+                    sock.sendall(request)
+                with contextlib.suppress(ConnectionResetError):
+                    while chunk := sock.recv(65536):
+                        answer += chunk
+            return answer
+
+        try:
+            for size in (1 << 20, DIRECT_BODY_MIN, 100):
+                head = b"POST http://h:99999/x HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
+                answer = await loop.run_in_executor(None, ask, head % size + b"." * size)
+                assert answer.startswith(b"HTTP/1.1 400 "), (size, answer)
+                assert answer.endswith(b'{"error": "malformed HTTP request: invalid URL"}')
+            fine = await loop.run_in_executor(
+                None, ask, b"GET /x HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+            )
+            assert fine.startswith(b"HTTP/1.1 200")
         finally:
             await server.stop()
 
