@@ -215,9 +215,14 @@ class InferStream:
             self.queue.put_nowait(None)
 
     def release_traces(self) -> None:
-        """The call is over: the traces of answers never sent are let go."""
+        """The call is over: the traces of answers never sent are let go, those queued
+        and those still waiting for an earlier request's answer."""
+        entries: list[tuple[Answer, Trace | None] | None]
+        entries = [entry for place in self.in_order for entry in place.answers]
+        self.in_order.clear()
         while not self.queue.empty():
-            entry = self.queue.get_nowait()
+            entries.append(self.queue.get_nowait())
+        for entry in entries:
             if entry is not None and entry[1] is not None:
                 entry[1].release()
 

@@ -24,7 +24,7 @@ from tritonclient.utils import InferenceServerException
 import dlserve
 from dlserve.frontends import KServeGrpc, KServeHttp
 
-from ..conftest import EXAMPLES, MODELS, ServerHarness, frontend
+from ..conftest import EXAMPLES, MODELS, ServerHarness, frontend, wait_until
 
 REFERENCE_FILE = Path(__file__).parents[1] / "data" / "triton_reference" / "trace.json"
 REFERENCE = json.loads(REFERENCE_FILE.read_text())
@@ -41,7 +41,7 @@ def start(tmp_path: Path, **trace: object) -> tuple[ServerHarness, dlserve.Serve
     repo = tmp_path / "repo"
     for name in ("pipeline", "add_sub", "identity", "string_upper"):
         shutil.copytree(EXAMPLES / name, repo / name)
-    for name in ("bls_traced", "decoupled"):
+    for name in ("bls_traced", "decoupled", "async_overlap"):
         shutil.copytree(MODELS / name, repo / name)
     file = tmp_path / "trace.json"
     harness = ServerHarness()
@@ -177,6 +177,32 @@ def test_requests_on_a_grpc_stream_are_traced_like_unary_calls(traced):
         assert sorted(name for name, _ in trace["events"]) == sorted(unary["events"])
     first, second = (dict(t["events"]) for t in traces)
     assert first["GRPC_WAITREAD_END"] <= second["GRPC_WAITREAD_START"]
+
+
+def test_a_cancelled_stream_lets_go_of_the_trace_of_an_answer_waiting_its_turn(traced):
+    """An answer made while an earlier request's is not (answers go out in request order)
+    holds its trace until it is sent; the stream cancelled then lets the trace go, and it
+    is written, without the send it never had."""
+    server, urls, file = traced
+    tracer = server.engine.tracer
+
+    def waiting() -> bool:
+        quick = [t for t in list(tracer._open.values()) if t.request_id == "quick"]
+        return bool(quick) and "GRPC_SEND_START" in dict(quick[0].events)
+
+    with grpcclient.InferenceServerClient(urls["grpc"]) as client:
+        client.start_stream(callback=lambda result, error: None)
+        for request_id, delay_ms in (("slow", 2000), ("quick", 0)):  # (async_overlap sleeps)
+            tensor = grpcclient.InferInput("IN", [1], "INT32")
+            tensor.set_data_from_numpy(np.array([delay_ms], np.int32))
+            client.async_stream_infer("async_overlap", [tensor], request_id=request_id)
+        wait_until(waiting, timeout=10)
+        client.stop_stream(cancel_requests=True)
+    wait_until(lambda: not tracer._open, timeout=10)
+    traces = read_traces(glob.glob(f"{file}.*"))
+    (quick,) = [t for t in traces if t["request_id"] == "quick"]
+    names = {name for name, _ in quick["events"]}
+    assert "GRPC_SEND_START" in names and "GRPC_SEND_END" not in names
 
 
 def test_the_in_process_api_traces_without_frontend_events(traced):
