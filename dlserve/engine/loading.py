@@ -307,6 +307,12 @@ class Loader:
                 ensemble_steps.check_steps(self.models, self.repository, name, config)
             except TritonError as exc:  # (Triton's prefix for what it finds at this stage)
                 await self.unloader.unload_unused(steps)
+                if not self.explicit:  # it loads again once its steps serve, as Triton's does
+                    entry.waits_for = {
+                        key
+                        for step in ensemble.steps_of(config)
+                        if not self._serving(key := (step.namespace, step.model))
+                    }
                 raise load_errors.load_failed(name, exc) from None
             except BaseException:
                 await self.unloader.unload_unused(steps)

@@ -1319,3 +1319,23 @@ def test_stop_ends_a_load_that_never_finishes_at_the_exit_timeout(servers, make_
     assert not stopper.is_alive(), "stop() waited on the stuck load"
     loader.join(10)
     assert outcome and isinstance(outcome[0], dlserve.TritonError)
+
+
+def test_poll_mode_loads_an_ensemble_again_once_its_failed_step_is_fixed(servers, make_repo):
+    """As Triton's: an ensemble that failed to load because its step did not serve loads
+    once a poll brings the step (it stayed unavailable until its own files changed)."""
+    repo = make_repo("add_sub", "identity", "pipeline")
+    model = repo / "identity" / "1" / "model.py"
+    working = model.read_text()
+    model.write_text("raise RuntimeError('broken step')\n" + working)
+    polling = {"model_control_mode": ModelControlMode.POLL, "repository_poll_secs": 3600}
+    server = servers.start(repo, exit_on_error=False, **polling)
+    assert not server.model("pipeline").ready()
+    server.poll_model_repository()  # nothing changed: nothing loads
+    assert not server.model("pipeline").ready()
+    model.write_text(working)
+    server.poll_model_repository()
+    assert server.model("identity").ready() and server.model("pipeline").ready()
+    a = np.arange(16, dtype=np.float32)
+    (answer,) = server.model("pipeline").infer(inputs={"A": a, "B": a})
+    np.testing.assert_array_equal(answer.outputs["SUM"].as_numpy(), a * 2)
