@@ -145,7 +145,7 @@ class Loader:
         for result in results:
             if isinstance(result, BaseException):
                 raise result
-        await self.reload_waiting()
+        await self.ensembles_follow([source.key for source in sources])
 
     def _unchanged(self, source: ModelSource) -> bool:
         entry = self.models.get(source.key)
@@ -169,10 +169,31 @@ class Loader:
             return True
         return config != loaded.config
 
-    async def reload_waiting(self) -> None:
-        """Ensembles unloaded with their step models load again, as Triton's do, once
-        every step they lost is loaded again: by name, by a poll, or as another
-        ensemble's step."""
+    async def ensembles_follow(self, loaded: list[ModelKey]) -> None:
+        """After models ``loaded`` (load or reload), ensembles follow their steps, as
+        Triton's do: a loaded ensemble that a step's new version no longer fits (an input
+        or output renamed, say) is unloaded (it stayed READY, failing every request),
+        and ensembles waiting for their steps load again once every one serves."""
+        for user in list(self.models.values()):
+            version = user.latest_loaded()
+            if version is None or not version.is_ensemble or user.unloading is not None:
+                continue
+            steps = {(step.namespace, step.model) for step in ensemble.steps_of(version.config)}
+            if steps.isdisjoint(loaded):
+                continue
+            config = mc.ModelConfig()
+            config.CopyFrom(version.config)
+            try:
+                ensemble_steps.check_steps(self.models, self.repository, user.name, config)
+            except TritonError as exc:
+                log.warning("unloading ensemble '%s': %s", user.name, exc.message)
+                await self.unloader.unload_with_users(user)
+        await self._reload_waiting()
+
+    async def _reload_waiting(self) -> None:
+        """Ensembles unloaded with their step models (or, outside explicit mode, that
+        failed to load for want of them) load again, as Triton's do, once every step
+        they lost is loaded again: by name, by a poll, or as another ensemble's step."""
         for user in list(self.models.values()):
             # (not while it drains: its steps may still serve until they unload after it)
             if user.waits_for and not user.versions and user.unloading is None:

@@ -56,7 +56,7 @@ async def _poll_load(manager: ModelManager, source: str | ModelSource) -> None:
     log.info("model '%s' is new or changed; loading", source.name)
     failure = await manager.loader.load_in_turn(source)
     if failure is None:
-        await manager.loader.reload_waiting()
+        await manager.loader.ensembles_follow([source.key])
     elif source.key in manager.models:
         # A model that failed to load is tried again once it changes; one the
         # store failed to hand over, at the next poll.

@@ -1339,3 +1339,57 @@ def test_poll_mode_loads_an_ensemble_again_once_its_failed_step_is_fixed(servers
     a = np.arange(16, dtype=np.float32)
     (answer,) = server.model("pipeline").infer(inputs={"A": a, "B": a})
     np.testing.assert_array_equal(answer.outputs["SUM"].as_numpy(), a * 2)
+
+
+_SCALE_STEP = """
+name: "scale" backend: "python" max_batch_size: 0
+input [ { name: "X" data_type: TYPE_FP32 dims: [ 4 ] } ]
+output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 4 ] } ]
+"""
+_SCALE_PY = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor(
+            "OUT", pb_utils.get_input_tensor_by_name(r, "X").as_numpy() * 2)]) for r in requests]
+"""
+_SCALED = """
+name: "scaled" platform: "ensemble" max_batch_size: 0
+input [ { name: "X" data_type: TYPE_FP32 dims: [ 4 ] } ]
+output [ { name: "Y" data_type: TYPE_FP32 dims: [ 4 ] } ]
+ensemble_scheduling { step [ { model_name: "scale" model_version: -1
+  input_map { key: "X" value: "X" } output_map { key: "OUT" value: "Y" } } ] }
+"""
+
+
+def test_an_ensemble_a_reloaded_step_no_longer_fits_is_unloaded(servers, make_repo):
+    """As Triton 2.51 (side by side): a step reloaded with new code serves the ensemble
+    on; one reloaded with its output renamed unloads the ensemble (it stayed READY and
+    failed every request)."""
+    repo = make_repo(extra={
+        "scale": {"config.pbtxt": _SCALE_STEP, "1/model.py": _SCALE_PY},
+        "scaled": {"config.pbtxt": _SCALED, "1/.keep": ""},
+    })
+    server = servers.start(
+        repo, model_control_mode=ModelControlMode.EXPLICIT, startup_models=["scaled"]
+    )
+    x = np.ones(4, dtype=np.float32)
+
+    def scaled() -> list[float]:
+        (answer,) = server.model("scaled").infer(inputs={"X": x})
+        return answer.outputs["Y"].as_numpy().tolist()
+
+    assert scaled() == [2.0] * 4
+    code = repo / "scale" / "1" / "model.py"
+    code.write_text(_SCALE_PY.replace("* 2", "* 10"))
+    server.load("scale")
+    assert scaled() == [10.0] * 4  # the same ensemble, on the step's new version
+    config = repo / "scale" / "config.pbtxt"
+    config.write_text(_SCALE_STEP.replace('"OUT"', '"RENAMED"'))
+    code.write_text(_SCALE_PY.replace('"OUT"', '"RENAMED"'))
+    server.load("scale")
+    assert server.model("scale").ready() and not server.model("scaled").ready()
+    index = {row["name"]: row for row in server.engine.manager.index()}
+    assert index["scaled"]["state"] == "UNAVAILABLE" and index["scaled"]["reason"] == "unloaded"
