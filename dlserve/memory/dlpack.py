@@ -240,10 +240,17 @@ def export_host_array(
     kwargs: dict[str, Any] = {"copy": copy}
     if max_version is not None:
         kwargs["max_version"] = tuple(max_version)
-    if keep_alive is not None and array.flags.c_contiguous:
-        # numpy's capsule holds the array it exports: one whose base holds both.
+    legacy = max_version is None or tuple(max_version)[0] < 1
+    read_only = not array.flags.writeable
+    if keep_alive is not None and array.flags.c_contiguous or read_only and legacy:
+        # numpy's capsule holds the array it exports: one whose base holds both. A legacy
+        # capsule cannot say read-only, and numpy refuses to make one of read-only memory;
+        # Triton hands it out all the same (jax's arrays, np.frombuffer of bytes), as this does.
         address = array.__array_interface__["data"][0]
-        array = exposed(address, array.shape, array.dtype.str, (array, keep_alive), not array.flags.writeable)
+        array = exposed(
+            address, array.shape, array.dtype.str, (array, keep_alive), read_only and not legacy,
+            array.strides,
+        )
     capsule = array.__dlpack__(**kwargs)
     if data_type is DataType.BF16:
         _set_dtype_code(capsule, KDL_BFLOAT)
