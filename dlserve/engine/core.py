@@ -48,7 +48,7 @@ from dlserve.memory.arena import Arena, MemorySpace
 from dlserve.memory.dtypes import DataType
 from dlserve.memory.regions import SystemRegions
 from dlserve.memory.shm import SHM_DIR
-from dlserve.memory.tensor import Tensor
+from dlserve.memory.tensor import Tensor, allocation_size
 
 log = logging.getLogger("dlserve.engine")
 
@@ -519,9 +519,7 @@ class Engine:
             raise InvalidArgumentError("Server not started")
         if data_type is DataType.BYTES:
             raise InvalidArgumentError("BYTES tensors cannot be pre-allocated")
-        storage = data_type.storage_dtype
-        count = int(np.prod(shape, dtype=np.int64))
-        anchor = self.arena.allocate(count * storage.itemsize)
-        data = np.frombuffer(anchor, dtype=storage).reshape(shape)
+        anchor = self.arena.allocate(allocation_size(data_type, shape))
+        data = np.frombuffer(anchor, dtype=data_type.storage_dtype).reshape(shape)
         return Tensor(data_type, shape, data=data)
 

@@ -149,6 +149,16 @@ class HostMemoryAllocator(MemoryAllocator):
 default_memory_allocators: dict[MemoryType, MemoryAllocator] = {MemoryType.CPU: HostMemoryAllocator()}
 
 
+def allocation_size(data_type: DataType, shape: Sequence[int]) -> int:
+    """The bytes a new tensor of a fixed-size type and ``shape`` takes; a negative
+    dimension is refused before anything is allocated for it."""
+    if any(d < 0 for d in shape):
+        raise InvalidArgumentError(
+            f"cannot allocate a tensor of shape {list(shape)}: negative dimension"
+        )
+    return math.prod(shape) * data_type.itemsize
+
+
 class ElementCountError(ValueError):
     """A BYTES tensor's encoded elements are not as many as its shape needs."""
 

@@ -13,9 +13,11 @@ from typing import Any
 
 import numpy as np
 
+from dlserve.errors import InvalidArgumentError
 from dlserve.memory.dlpack import is_capsule
 from dlserve.memory.dtypes import DataType, numpy_dtype
 from dlserve.memory.tensor import Tensor as _CoreTensor
+from dlserve.memory.tensor import allocation_size
 from dlserve.pb_utils import _runtime
 from dlserve.pb_utils.errors import TritonModelException
 
@@ -58,8 +60,11 @@ class Tensor:
         if data_type is DataType.BYTES:
             raise TritonModelException("Tensor.empty cannot allocate BYTES tensors")
         shape = tuple(int(d) for d in shape)
+        try:
+            nbytes = allocation_size(data_type, shape)
+        except InvalidArgumentError as exc:
+            raise TritonModelException(f"Tensor.empty('{name}'): {exc}") from None
         storage_type = data_type.storage_dtype
-        nbytes = int(np.prod(shape, dtype=np.int64)) * storage_type.itemsize
         runtime = _runtime.current()
         if runtime is None:
             data = np.empty(shape, dtype=storage_type)

@@ -201,6 +201,15 @@ def test_tensor_in_shared_memory_reaches_model_and_returns_without_copy(server):
     assert np.from_dlpack(out)[12345] == 12345.0
 
 
+@pytest.mark.parametrize("shape", [[-1], [3, -2]])
+def test_allocating_a_tensor_of_a_negative_shape_says_so_and_allocates_nothing(server, shape):
+    used = server.engine.arena.bytes_in_use
+    with pytest.raises(dlserve.InvalidArgumentError) as raised:
+        server.allocate_tensor(shape, np.float32)
+    assert raised.value.message == f"cannot allocate a tensor of shape {shape}: negative dimension"
+    assert server.engine.arena.bytes_in_use == used
+
+
 def test_output_allocated_in_shared_memory_by_the_model(server):
     response = infer_one(server, "shm_output", inputs={"N": np.array([100_000], dtype=np.int64)})
     out = np.from_dlpack(response.outputs["OUTPUT0"])

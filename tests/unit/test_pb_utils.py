@@ -12,6 +12,8 @@ import logging
 import os
 import re
 import sys
+import types
+import uuid
 from pathlib import Path
 
 import ml_dtypes
@@ -22,7 +24,9 @@ import tritonclient.utils as tc
 import dlserve
 import dlserve.pb_utils
 import triton_python_backend_utils as pb_utils
+from dlserve.memory.arena import Arena, MemorySpace
 from dlserve.memory.dtypes import DataType
+from dlserve.pb_utils import _runtime
 
 INTROSPECTION = json.loads(
     (Path(__file__).parent.parent / "data" / "triton_reference" / "pb_utils_introspection.json").read_text()
@@ -244,6 +248,23 @@ def test_tensor_empty_outside_a_worker_is_a_plain_array():
     assert view.dtype == np.dtype(ml_dtypes.bfloat16) and view.shape == (4,)
     with pytest.raises(pb_utils.TritonModelException, match="cannot allocate BYTES"):
         pb_utils.Tensor.empty("S", [1], np.object_)
+
+
+@pytest.mark.parametrize("shape", [[-1], [3, -2]])
+def test_tensor_empty_of_a_negative_shape_says_so_and_allocates_nothing(shape):
+    arena = Arena(MemorySpace(), f"dlserve_{os.getpid()}_unit{uuid.uuid4().hex[:8]}", 1 << 20, 1 << 20)
+    try:
+        for runtime in (None, types.SimpleNamespace(arena=arena)):  # outside a worker, and in one
+            _runtime.install(runtime)
+            with pytest.raises(pb_utils.TritonModelException) as raised:
+                pb_utils.Tensor.empty("OUT", shape, np.float32)
+            assert str(raised.value) == (
+                f"Tensor.empty('OUT'): cannot allocate a tensor of shape {shape}: negative dimension"
+            )
+        assert arena.bytes_in_use == 0
+    finally:
+        _runtime.install(None)
+        arena.close()
 
 
 # -- helpers -------------------------------------------------------------------------------
