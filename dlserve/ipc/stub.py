@@ -336,7 +336,7 @@ class Worker:
         if buffers:
             destinations = {}
             for buffer in buffers:
-                name, tensor = self.peer.import_(buffer)
+                name, tensor = self.peer.import_(buffer, shared=True)
                 destinations[name] = tensor.storage()
         exchange = self.runtime.exchange(handle, requested, destinations, self.decoupled)
         return InferenceRequest._received(
@@ -528,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
         growth_size=args.arena_growth_bytes,
         on_retire=lambda name: channel.send(Kind.RETIRE, 0, [name]),
     )
-    peer = Peer(space, arena, channel.queue_releases)
+    peer = Peer(space, arena, channel.queue_releases, copy_on_write=True)
     runtime = WorkerRuntime(channel, peer, arena)
     _runtime.install(runtime)
     os.register_at_fork(after_in_child=_runtime.forked)

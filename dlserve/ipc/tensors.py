@@ -20,10 +20,19 @@ lease it granted us) and finds its own anchor by address. So the identity model'
 output is its input, returned by reference, with no copy and no new lease.
 
 Bigger tensors that are not in shared memory yet are copied once into the sender's arena.
+
+What a model writes into memory it was sent or has sent stays its own, as in Triton
+(whose stub copies inputs in, and outputs out at send). A worker's peer imports
+references as private views (copy-on-write: reads share the pages, a write copies the
+page it touches); one it sends back is referred to as before unless the model wrote to
+it, and then copied. A block of its own that a model sends by reference
+(``pb_utils.Tensor.empty``, seen through a view of its own) turns copy-on-write for the
+model at the send, so a buffer refilled between sends reaches each receiver as sent.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import threading
@@ -35,7 +44,7 @@ import numpy as np
 from dlserve.errors import InternalError, InvalidArgumentError
 from dlserve.memory.arena import ALIGNMENT, Anchor, Arena, MemorySpace
 from dlserve.memory.dtypes import DataType
-from dlserve.memory.shm import is_client_object
+from dlserve.memory.shm import is_client_object, written
 from dlserve.memory.tensor import Tensor
 
 INLINE_MAX = 4096
@@ -107,7 +116,8 @@ class Peer:
     """Our side of the shared-memory bookkeeping with one other process.
 
     ``send_releases`` is called (from any thread) with lease ids to hand back to the
-    peer; the channel decides when and how to ship them.
+    peer; the channel decides when and how to ship them. ``copy_on_write``: references
+    are imported as private views (a worker's, whose model may write into its inputs).
     """
 
     def __init__(
@@ -115,10 +125,12 @@ class Peer:
         space: MemorySpace,
         arena: Arena,
         send_releases: Callable[[list[int]], None],
+        copy_on_write: bool = False,
     ) -> None:
         self.space = space
         self.arena = arena
         self._send_releases = send_releases
+        self._copy_on_write = copy_on_write
         self._leases = itertools.count(1)
         self._granted: dict[int, Anchor] = {}  # lease id -> anchor we keep for the peer
         self._slab = InlineSlab()
@@ -136,11 +148,16 @@ class Peer:
         if nbytes <= INLINE_MAX and not by_reference:
             return (name, int(tensor.data_type), tensor.shape, data.tobytes())
         found = self.space.locate(data)
+        if found is not None and getattr(found[0], "private", False):  # (a view, copy-on-write)
+            if written(data.__array_interface__["data"][0], nbytes):
+                found = None  # what the model wrote is its own: copied
         if found is None:
             anchor = self.arena.copy(data)
             offset = anchor.offset
         else:
             anchor, offset = found
+            if getattr(anchor, "private", True) is False:  # (a shared view: Tensor.empty's)
+                self.space.make_private(anchor)  # what the model writes next is not sent
         if getattr(anchor, "origin", None) is self:
             lease = 0
         else:
@@ -172,11 +189,13 @@ class Peer:
         return len(self._granted)
 
     # -- receiving ------------------------------------------------------------------
-    def import_(self, wire: WireTensor) -> tuple[str, Tensor]:
+    def import_(self, wire: WireTensor, shared: bool = False) -> tuple[str, Tensor]:
+        """``shared``: memory the peer reads what we write into (an output's
+        destination), never a private view."""
         name, dtype, shape, ref = wire
         if type(ref) is bytes:
             return name, _tensor(name, dtype, shape, self._slab.copy(ref))
-        raw, _ = self._import_ref(ref)
+        raw, _ = self._import_ref(ref, shared)
         return name, _tensor(name, dtype, shape, raw)
 
     def import_many(self, wires: list[WireTensor]) -> list[tuple[str, Tensor]]:
@@ -194,7 +213,7 @@ class Peer:
         if leases and not self.closed:
             self._send_releases(leases)
 
-    def _import_ref(self, ref: tuple[str, int, int, int]) -> tuple[np.ndarray, int]:
+    def _import_ref(self, ref: tuple[str, int, int, int], shared: bool) -> tuple[np.ndarray, int]:
         segment_name, offset, nbytes, lease = ref
         segment = self.space.segment(segment_name)
         if is_client_object(segment_name) and segment.current_size() < offset + nbytes:
@@ -203,7 +222,11 @@ class Peer:
                 "a shared memory region the request uses was shrunk by its owner; register it again"
             )
         if lease:
-            anchor = self.space.anchor(segment, offset, nbytes, lambda: self._returned(lease))
+            returned = functools.partial(self._returned, lease)
+            if self._copy_on_write and not shared:
+                anchor = self.space.view(segment, offset, nbytes, True, returned)
+            else:
+                anchor = self.space.anchor(segment, offset, nbytes, returned)
             anchor.origin = self
             return np.frombuffer(anchor, dtype=np.uint8), nbytes
         # Memory we hold for the peer already: find our anchor by address.

@@ -9,7 +9,8 @@ does not pin memory for good.
 :class:`MemorySpace` is the process's view of all segments, its own and its peers',
 and of every live *anchor* (see :mod:`dlserve.memory.shm`). It answers "does this
 numpy array live in shared memory, and which anchor keeps it alive?" — the question
-behind every zero-copy hand-off.
+behind every zero-copy hand-off. It keeps track of *views* too (see
+:meth:`dlserve.memory.shm.Segment.view`): anchors through mappings of their own.
 """
 
 from __future__ import annotations
@@ -89,6 +90,8 @@ class MemorySpace:
         self._by_start: dict[int, Segment] = {}
         # segment name -> {anchor id: (offset, nbytes, weakref)}
         self._anchors: dict[str, dict[int, tuple[int, int, weakref.ref[Any]]]] = {}
+        self._view_starts: list[int] = []  # sorted addresses of live views
+        self._views: dict[int, tuple[int, weakref.ref[Any]]] = {}  # address -> (nbytes, weakref)
 
     # -- segments -----------------------------------------------------------------
     def add_segment(self, segment: Segment) -> None:
@@ -151,6 +154,39 @@ class MemorySpace:
         table[key] = (offset, nbytes, weakref.ref(obj, died))
         return obj
 
+    def view(
+        self,
+        segment: Segment,
+        offset: int,
+        nbytes: int,
+        private: bool,
+        on_death: Callable[[], None] | None = None,
+    ) -> Anchor:
+        """A tracked view of a segment's bytes through a mapping of its own, shared or
+        private (``view.private`` says which); ``on_death`` runs when its last view dies."""
+        obj = segment.view(offset, nbytes, private)
+        obj.segment = segment
+        obj.offset = offset
+        obj.private = private
+        address = ctypes.addressof(obj)
+
+        def died(_ref: Any) -> None:
+            with self._lock:
+                del self._views[address]
+                self._view_starts.remove(address)
+            if on_death is not None:
+                on_death()
+
+        with self._lock:
+            bisect.insort(self._view_starts, address)
+            self._views[address] = (nbytes, weakref.ref(obj, died))
+        return obj
+
+    def make_private(self, view: Anchor) -> None:
+        """Turn a shared view copy-on-write (see Segment.make_private)."""
+        view.segment.make_private(view)
+        view.private = True
+
     def locate(self, array: np.ndarray) -> tuple[Anchor, int] | None:
         """The live anchor holding ``array``'s bytes and the array's offset in its segment.
 
@@ -167,14 +203,26 @@ class MemorySpace:
             return base, base.offset + (address - ctypes.addressof(base))
         with self._lock:
             i = bisect.bisect_right(self._starts, address) - 1
-            if i < 0:
-                return None
-            seg = self._by_start[self._starts[i]]
+            seg = self._by_start[self._starts[i]] if i >= 0 else None
+        if seg is None or address - seg.address + array.nbytes > seg.size:
+            return self._in_view(address, array.nbytes)
         offset = address - seg.address
-        if offset + array.nbytes > seg.size:
-            return None
         anchor = self.find(seg, offset, array.nbytes)
         return None if anchor is None else (anchor, offset)
+
+    def _in_view(self, address: int, nbytes: int) -> tuple[Anchor, int] | None:
+        """The live view holding ``[address, address + nbytes)``, and that range's
+        offset in the view's segment."""
+        with self._lock:
+            i = bisect.bisect_right(self._view_starts, address) - 1
+            if i < 0:
+                return None
+            start = self._view_starts[i]
+            size, ref = self._views[start]
+        view = ref()
+        if view is None or address + nbytes > start + size:
+            return None
+        return view, view.offset + (address - start)
 
     def find(self, segment: Segment, offset: int, nbytes: int) -> Anchor | None:
         """A live anchor of ``segment`` that covers ``[offset, offset + nbytes)``."""
@@ -239,6 +287,16 @@ class Arena:
         return self.space.anchor(
             heap.segment, offset, nbytes, lambda: self._free(heap, offset, size)
         )
+
+    def allocate_apart(self, nbytes: int) -> Anchor:
+        """A new block seen through a shared view of its own, for memory its user fills and
+        may go on writing after sending it (pb_utils.Tensor.empty): a send by reference
+        turns the view copy-on-write (dlserve.ipc.tensors), so the receiver keeps what was
+        sent. The block is freed when the view dies."""
+        block = self.allocate(nbytes)
+        view = self.space.view(block.segment, block.offset, nbytes, private=False)
+        view.block = block
+        return view
 
     def copy(self, data: np.ndarray) -> Anchor:
         """A new block holding a copy of ``data``'s bytes (C order)."""

@@ -21,6 +21,12 @@ clean-up: the kernel frees it once the last process that has it open or mapped l
 go, crashes included. ``DLSERVE_SHM=memfd`` makes every segment a memfd (nothing of
 dlserve's in ``/dev/shm`` at all). A client's object that a region is registered on is
 held open the same way (``<key>%<pid>.<fd>.<inode>``, :meth:`Segment.pin`).
+
+A *view* (:meth:`Segment.view`) is an anchor through a mapping of its own: private, it
+is copy-on-write (reads share the object's pages; a write copies the page it touches,
+for that view alone), which is how a worker sees memory it does not own, so that a
+model writing into its inputs changes them for itself only, as in Triton, where the
+stub has inputs copied into its own memory.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ import os
 import re
 import weakref
 from typing import Any
+
+import numpy as np
 
 from dlserve.errors import InvalidArgumentError, UnavailableError
 
@@ -93,11 +101,43 @@ def _anchor_type(nbytes: int) -> type[ctypes.Array[Any]]:
     return ctypes.c_char * nbytes  # ctypes caches array types per length
 
 
+_libc_mmap = ctypes.CDLL(None, use_errno=True).mmap
+_libc_mmap.restype = ctypes.c_void_p
+_libc_mmap.argtypes = [
+    ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long
+]
+_MAP_FIXED = 0x10
+# /proc/self/pagemap: a page mapped or swapped, and whether it is the object's own page
+_PAGE_TOUCHED = np.uint64(0b11 << 62)
+_PAGE_OF_FILE = np.uint64(1 << 61)
+
+
+def written(address: int, nbytes: int) -> bool:
+    """Whether this process wrote to any page of ``[address, address + nbytes)`` of a
+    private view: a page written there is anonymous memory, no longer the object's own
+    (/proc/self/pagemap tells them apart). True where that cannot be read."""
+    page = mmap.PAGESIZE
+    first, end = address // page, (address + nbytes + page - 1) // page
+    try:
+        fd = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            raw = os.pread(fd, 8 * (end - first), 8 * first)
+        finally:
+            os.close(fd)
+    except OSError:
+        return True
+    if len(raw) != 8 * (end - first):
+        return True
+    entries = np.frombuffer(raw, dtype=np.uint64)
+    return bool(np.any(((entries & _PAGE_TOUCHED) != 0) & ((entries & _PAGE_OF_FILE) == 0)))
+
+
 class Segment:
     """One mapped shared-memory object; the same class serves owner and peers."""
 
     __slots__ = (
-        "name", "size", "owned", "inode", "_mm", "_skip", "address", "_memfd", "__weakref__"
+        "name", "size", "owned", "inode", "_mm", "_skip", "_start", "address", "_memfd", "_fd",
+        "__weakref__",
     )  # fmt: skip
 
     def __init__(
@@ -108,8 +148,10 @@ class Segment:
         skip: int = 0,
         inode: int = 0,
         memfd: int | None = None,
+        start: int = 0,
     ) -> None:
-        """Wrap ``mm``; the segment's byte 0 is byte ``skip`` of the mapping.
+        """Wrap ``mm``, a mapping of the object from its byte ``start``; the segment's
+        byte 0 is byte ``skip`` of the mapping.
 
         ``skip`` exists because mappings start on a page boundary while a client's
         registered region may start anywhere inside its shared-memory object.
@@ -120,7 +162,9 @@ class Segment:
         self.inode = inode  # tells a re-created object of the same name from the old one
         self._mm = mm
         self._skip = skip
+        self._start = start
         self._memfd = memfd  # the owner's descriptor of a memfd segment, open until unlink
+        self._fd: int | None = None  # for views (see view), opened at the first
         probe = ctypes.c_char.from_buffer(mm, skip)
         self.address = ctypes.addressof(probe)
         del probe  # a lingering export would pin the mapping forever
@@ -193,7 +237,7 @@ class Segment:
             mm = mmap.mmap(fd, length + (offset - start), flags=mmap.MAP_SHARED, offset=start)
         finally:
             os.close(fd)
-        return cls(name, mm, owned=False, skip=offset - start, inode=stat.st_ino)
+        return cls(name, mm, owned=False, skip=offset - start, inode=stat.st_ino, start=start)
 
     @classmethod
     def pin(cls, key: str) -> Segment:
@@ -223,6 +267,44 @@ class Segment:
                 f"range [{offset}, {offset + nbytes}) is outside a {self.size}-byte region"
             )
         return _anchor_type(nbytes).from_buffer(self._mm, offset + self._skip)
+
+    def view(self, offset: int, nbytes: int, private: bool) -> ctypes.Array[Any]:
+        """A new view object over ``[offset, offset + nbytes)`` through a mapping of its
+        own, shared or private (see the module's docstring), unmapped when the view dies."""
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.size:
+            raise InvalidArgumentError(
+                f"range [{offset}, {offset + nbytes}) is outside a {self.size}-byte region"
+            )
+        position = self._start + self._skip + offset  # in the object
+        start = position - position % mmap.ALLOCATIONGRANULARITY
+        # (a private view is not pre-faulted: that would copy every page)
+        flags = mmap.MAP_PRIVATE if private else mmap.MAP_SHARED | mmap.MAP_POPULATE
+        length = position - start + max(nbytes, 1)
+        mm = mmap.mmap(self._descriptor(), length, flags=flags, offset=start)
+        view = _anchor_type(nbytes).from_buffer(mm, position - start)
+        view.mapping = (ctypes.addressof(view) - (position - start), len(mm), start)
+        return view
+
+    def make_private(self, view: ctypes.Array[Any]) -> None:
+        """Turn a shared view copy-on-write where it is: arrays over it keep their
+        addresses, and what is written through them from now on stays this process's own."""
+        address, length, start = view.mapping
+        flags = mmap.MAP_PRIVATE | _MAP_FIXED
+        prot = mmap.PROT_READ | mmap.PROT_WRITE
+        if _libc_mmap(address, length, prot, flags, self._descriptor(), start) != address:
+            error = ctypes.get_errno()
+            raise UnavailableError(f"cannot remap shared memory: {os.strerror(error)}")
+
+    def _descriptor(self) -> int:
+        """A descriptor of the object, for views: opened once, closed with the segment."""
+        if self._fd is None:
+            fd = os.dup(self._memfd) if self._memfd is not None else _open(self.name)
+            if self.inode and os.fstat(fd).st_ino != self.inode:
+                os.close(fd)
+                raise UnavailableError(f"shared memory segment {self.name} is gone")
+            self._fd = fd
+            weakref.finalize(self, os.close, fd)
+        return self._fd
 
     def current_size(self) -> int:
         """The object's size now (its owner may have shrunk it since it was mapped)."""

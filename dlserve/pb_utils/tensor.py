@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from dlserve.errors import InvalidArgumentError
+from dlserve.ipc.tensors import INLINE_MAX
 from dlserve.memory.dlpack import is_capsule
 from dlserve.memory.dtypes import DataType, numpy_dtype
 from dlserve.memory.tensor import Tensor as _CoreTensor
@@ -53,7 +54,9 @@ class Tensor:
     def empty(cls, name: str, shape: Sequence[int], dtype: Any) -> Tensor:
         """A new output tensor allocated in shared memory; fill ``as_numpy()`` in place.
 
-        Returning it sends it by reference: the server never copies its bytes.
+        Returning it sends it by reference: the server never copies its bytes. What the
+        model writes into it after sending it (refilling it for the next response) is the
+        model's own: the response keeps what was sent.
         Outside a worker process (e.g. unit tests) it is an ordinary numpy array.
         """
         data_type = dtype if isinstance(dtype, DataType) else DataType.from_numpy(dtype)
@@ -69,7 +72,9 @@ class Tensor:
         if runtime is None:
             data = np.empty(shape, dtype=storage_type)
         else:
-            anchor = runtime.arena.allocate(nbytes)
+            arena = runtime.arena
+            small = nbytes <= INLINE_MAX  # (copied when it is sent anyway)
+            anchor = arena.allocate(nbytes) if small else arena.allocate_apart(nbytes)
             data = np.frombuffer(anchor, dtype=storage_type).reshape(shape)
         return cls(name, _CoreTensor(data_type, shape, data=data))
 

@@ -11,6 +11,7 @@ import gc
 import glob
 import marshal
 import os
+import re
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from dlserve.errors import InternalError
 from dlserve.ipc.protocol import HEADER, MAX_FRAME, FrameBuffer, Kind, decode, encode
 from dlserve.ipc.tensors import INLINE_MAX, Peer
 from dlserve.memory.arena import Arena, MemorySpace
+from dlserve.memory.dlpack import exposed
 from dlserve.memory.dtypes import DataType
 from dlserve.memory.tensor import Tensor
 
@@ -140,7 +142,8 @@ def sides() -> Iterator[tuple[Side, Side]]:
         space = MemorySpace()
         arena = Arena(space, f"{prefix}_{role}", initial_size=1 << 20, growth_size=1 << 20)
         sent: list[list[int]] = []
-        made.append(Side(space, arena, Peer(space, arena, sent.append), sent))
+        peer = Peer(space, arena, sent.append, copy_on_write=role == "w")  # (as a worker's)
+        made.append(Side(space, arena, peer, sent))
     yield made[0], made[1]
     for side in made:
         side.peer.close()
@@ -156,6 +159,13 @@ def sides() -> Iterator[tuple[Side, Side]]:
 
 def leases_sent(side: Side) -> list[int]:
     return [lease for call in side.sent for lease in call]
+
+
+def mappings(segment: str) -> int:
+    """How many mappings of a segment (in /dev/shm, or a memfd) this process has."""
+    name = re.escape(segment.split("@")[0])
+    with open("/proc/self/maps") as maps:
+        return sum(bool(re.search(rf"[/:]{name}( \(deleted\))?$", line.rstrip())) for line in maps)
 
 
 @pytest.mark.parametrize(
@@ -213,11 +223,11 @@ def test_large_tensor_travels_by_reference_with_a_lease(sides):
     assert view.dtype == np.float32 and view.shape == arr.shape
     assert view.tolist() == arr.tolist()
     assert view.flags.writeable
-    # It is the server's block, mapped by the worker: writes show on both sides.
+    # It is the server's block, mapped by the worker copy-on-write: a write stays the worker's.
     view[0] = -1.0
     held = server.space.find(server.space.segment(segment), offset, nbytes)
     assert held is not None
-    assert np.frombuffer(held, dtype=np.float32)[0] == -1.0
+    assert np.frombuffer(held, dtype=np.float32)[0] == 0.0 and view[0] == -1.0
 
 
 def test_releasing_the_importers_views_returns_the_lease(sides):
@@ -324,6 +334,72 @@ def test_worker_output_in_its_own_arena(sides):
     del got
     assert server.sent == [[lease]]
     worker.peer.release([lease])
+    assert worker.arena.bytes_in_use == 0
+
+
+def test_what_a_worker_writes_into_what_it_received_is_its_own(sides):
+    server, worker = sides
+    arr = np.arange(8192, dtype=np.float32)  # 32 KiB: eight pages
+    wire = server.peer.export("IN", Tensor.from_numpy(arr))
+    segment, offset, nbytes, lease = wire[3]
+    _, first = worker.peer.import_(wire)
+    _, second = worker.peer.import_(wire)  # (as an ensemble's second step, or a BLS callee)
+    a = first.as_numpy()
+    a[:1024] += 1000  # the first page only
+    assert second.as_numpy().tolist() == arr.tolist()
+    held = server.space.find(server.space.segment(segment), offset, nbytes)
+    assert np.frombuffer(held, np.float32).tolist() == arr.tolist()
+    assert mappings(segment) == 4  # the server's, the worker's, and its two views
+
+    # Sent back, what it wrote is copied; what it did not write is referred to, as before.
+    changed = worker.peer.export("OUT", Tensor.from_numpy(a))
+    assert changed[3][0].startswith(worker.arena.prefix) and changed[3][3] >= 1
+    _, got = server.peer.import_(changed)
+    assert got.as_numpy().tolist() == (arr + np.repeat([1000, 0], [1024, 7168])).tolist()
+    untouched = worker.peer.export("OUT", Tensor.from_numpy(a[2048:]))
+    assert untouched[3] == (segment, offset + 8192, nbytes - 8192, 0)
+    # A view the producer's array does not lead back to (as one through DLPack) too.
+    alias = exposed(ptr(a) + 8192, (6144,), "<f4", a)
+    assert worker.peer.export("OUT", Tensor.from_numpy(alias))[3] == untouched[3]
+
+    del first, second, a, alias, got, held
+    assert mappings(segment) == 2  # the views are unmapped
+    server.peer.release(leases_sent(worker))
+    worker.peer.release(leases_sent(server))
+    assert server.peer.lease_count == worker.peer.lease_count == 0
+    assert server.arena.bytes_in_use == worker.arena.bytes_in_use == 0
+
+
+def test_an_output_destination_is_written_where_the_server_reads_it(sides):
+    server, worker = sides
+    anchor = server.arena.allocate(16384)
+    destination = Tensor(DataType.UINT8, (16384,), data=np.frombuffer(anchor, np.uint8))
+    wire = server.peer.export("OUT", destination, by_reference=True)
+    _, imported = worker.peer.import_(wire, shared=True)
+    placed = Tensor.from_numpy(np.full(4096, 7.0, np.float32)).write_into(imported.storage())
+    assert worker.peer.export("OUT", placed, by_reference=True)[3] == (*wire[3][:3], 0)
+    assert set(np.frombuffer(anchor, np.float32).tolist()) == {7.0}
+
+
+def test_a_block_a_worker_sent_is_sent_as_it_was_whatever_it_writes_next(sides):
+    """pb_utils.Tensor.empty: one buffer refilled between a decoupled model's sends."""
+    server, worker = sides
+    view = worker.arena.allocate_apart(16384)
+    buffer = np.frombuffer(view, np.float32)
+    buffer[:] = 1.0
+    used = worker.arena.bytes_in_use
+    first = worker.peer.export("OUT", Tensor.from_numpy(buffer))
+    assert first[3][:2] == (view.segment.name, view.offset)  # by reference, not copied
+    assert worker.arena.bytes_in_use == used
+    buffer[:] = 2.0
+    second = worker.peer.export("OUT", Tensor.from_numpy(buffer))
+    assert second[3][:2] != first[3][:2]  # a copy
+    got = [server.peer.import_(wire)[1].as_numpy() for wire in (first, second)]
+    assert [set(values.tolist()) for values in got] == [{1.0}, {2.0}]
+
+    del view, buffer, got
+    server.peer.release(leases_sent(worker))
+    worker.peer.release(leases_sent(server))
     assert worker.arena.bytes_in_use == 0
 
 

@@ -7,7 +7,8 @@
   cancelling after the first response; "ignore_cancel": the callee goes on regardless); "first_only" (the same with 8 KiB responses,
   leaving the loop after the first); "missing_input"; "bytes_name" (the model
   name given as bytes, as a model reading it from a BYTES input passes it);
-  "empty_name" (no model name at all).
+  "empty_name" (no model name at all); "check_input" ("exec", and INFO says whether
+  INPUT0 is as it was before the call: "input_kept").
 
 INFO is a JSON object saying what happened (e.g. whether the output came back
 in the very memory of the input, i.e. without a copy).
@@ -16,7 +17,17 @@ in the very memory of the input, i.e. without a copy).
 import json
 
 import numpy as np
+
 import triton_python_backend_utils as pb_utils
+from dlserve.pb_utils import _runtime
+
+
+def shared_place(array):
+    """Which shared memory an array is a view of: (segment, offset), or None. (The worker
+    sees each tensor it receives through a copy-on-write mapping of its own: two tensors
+    in the same memory have different addresses here.)"""
+    found = _runtime.current().arena.space.locate(array)
+    return None if found is None else (found[0].segment.name, found[1])
 
 
 def reply(output, info):
@@ -83,6 +94,7 @@ class TritonPythonModel:
                 first = float(pb_utils.get_output_tensor_by_name(response, "BIG").as_numpy()[0])
                 break
             return reply(None, {"first": first})
+        before = x.as_numpy().copy() if mode == "check_input" else None
         inputs = [] if mode == "missing_input" else [x]
         call = pb_utils.InferenceRequest(
             model_name={"bytes_name": target.encode(), "empty_name": ""}.get(mode, target),
@@ -94,5 +106,8 @@ class TritonPythonModel:
         if answer.has_error():
             return pb_utils.InferenceResponse(error=answer.error())
         out = pb_utils.get_output_tensor_by_name(answer, "OUTPUT0").as_numpy()
-        same = out.__array_interface__["data"][0] == x.as_numpy().__array_interface__["data"][0]
-        return reply(out, {"same_memory": bool(same), "via": target})
+        same = shared_place(out) is not None and shared_place(out) == shared_place(x.as_numpy())
+        info = {"same_memory": bool(same), "via": target}
+        if mode == "check_input":
+            info["input_kept"] = bool(np.array_equal(x.as_numpy(), before))
+        return reply(out, info)
