@@ -521,6 +521,8 @@ def decode_body(request: HttpRequest) -> Any:
         raise HttpError(400, f"cannot decode {encoding} body: {exc}") from None
     if len(out) > limit or decompressor.unconsumed_tail:
         raise HttpError(413, f"decompressed body exceeds the maximum of {limit} bytes")
+    if not decompressor.eof:  # (cut short: the checksum at its end was never checked)
+        raise HttpError(400, f"cannot decode {encoding} body: it ends before its compressed data")
     return out
 
 
