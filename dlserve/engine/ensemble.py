@@ -335,6 +335,8 @@ class _Run:
             target = self.held.get(index)
             if target is None or target.state not in ("READY", "UNLOADING"):  # (gone regardless)
                 target = model.resources.host.model(step.model, step.version, step.namespace)
+            else:
+                call.to_kept_version = True
             if target.decoupled:
                 if not model.decoupled:
                     raise UnsupportedError(

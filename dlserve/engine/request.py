@@ -104,6 +104,8 @@ class Request:
     trace_context: tuple[str, str] | None = None
     # (instance, handle) a rescheduled request keeps for its next execute on that instance
     resumes: tuple[Any, int] | None = None
+    # an ensemble's step, sent to the version its request keeps (Scheduler.keep_for_ensemble)
+    to_kept_version: bool = False
 
     @property
     def label(self) -> str:

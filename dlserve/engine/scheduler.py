@@ -114,7 +114,8 @@ class Scheduler:
     def keep_for_ensemble(self) -> None:
         """An ensemble request that will send this version a step later keeps it, as
         Triton's ensembles keep their steps' models from the request's start: an unload
-        drains until it lets go, and meanwhile the version takes its requests."""
+        drains until it lets go, and meanwhile the version takes its step calls (those
+        marked ``to_kept_version``; others' are refused as the version unloads)."""
         self.ensemble_holds += 1
         self._idle.clear()
 
@@ -151,7 +152,7 @@ class Scheduler:
         request.owner = self
         self.unfinished += 1
         self._idle.clear()
-        kept = self.ensemble_holds and self.model.state == "UNLOADING"
+        kept = request.to_kept_version and self.model.state == "UNLOADING"
         if self.model.state != "READY" and not kept:
             self._fail(
                 request,

@@ -15,6 +15,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+import dlserve
 from dlserve import ModelControlMode
 from dlserve.frontends import KServeGrpc, KServeHttp
 
@@ -110,6 +111,9 @@ def test_a_load_after_an_unload_that_still_drains_is_not_undone(servers, make_re
         wait_until(lambda: server.engine.model("slow").instances[0].in_flight == 1)
         client.unload_model("fast")  # at once: the ensemble's request still runs
         assert not client.is_model_ready("ens")  # it goes too: no new requests meanwhile
+        # 'fast' takes the ensemble's step call, no one else's
+        with pytest.raises(dlserve.UnavailableError, match="is not ready"):
+            list(server.model("fast", 1).infer(inputs={"X": X}))
         client.load_model("fast")  # waits for the unload to end
         in_flight.join()
         # The ensemble's request in flight runs its later step on the 'fast' it started
