@@ -106,7 +106,10 @@ class _InOrder:
             self._pending.append(response)
             if len(self._pending) > 1:
                 return  # the thread handing out the ones before takes it too
-        self._pool.submit(self._run)
+        try:
+            self._pool.submit(self._run)
+        except RuntimeError:  # (shut down: a response after stop()'s deadline) handed out here
+            self._run()
 
     def _run(self) -> None:
         while True:

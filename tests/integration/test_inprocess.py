@@ -5,6 +5,7 @@ statistics."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
 import queue
@@ -301,6 +302,21 @@ class ConfigSizedAllocator(dlserve.MemoryAllocator):
             raise TimeoutError("the server did not answer model.config()")
         self.given.append(np.zeros(size, dtype=np.uint8))
         return dlserve.MemoryBuffer.from_dlpack(self.given[-1])
+
+
+def test_responses_after_the_allocator_threads_stopped_are_still_handed_out():
+    """A response that comes after stop() shut the allocator threads down (its deadline
+    passed) is handed out on the thread that brings it, in order: it was lost."""
+    from dlserve.engine.request import Response
+    from dlserve.engine.server import _InOrder
+
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    pool.shutdown()
+    seen: list[str] = []
+    deliver = _InOrder(pool, lambda response: seen.append(response.request_id))
+    for request_id in ("a", "b"):
+        deliver(Response("m", 1, request_id))
+    assert seen == ["a", "b"]
 
 
 @pytest.mark.parametrize("asynchronous", [False, True])
