@@ -9,6 +9,7 @@ it sends a final error for the request instead of leaving the client hanging.
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING, Any
 
 from dlserve.errors import TritonError
@@ -33,6 +34,7 @@ class Exchange:
         "responses",
         "cancelled",
         "rescheduled",
+        "lock",
         "__weakref__",
     )
 
@@ -54,6 +56,9 @@ class Exchange:
         # Rescheduled, its next execute to come: letting go of it now abandons nothing (the
         # next execute gets this exchange again while its sender lives, as in Triton).
         self.rescheduled = False
+        # Held through a send: the checks, the counts and the sending are one step for the
+        # model's threads. Re-entrant: a finalizer may send in the middle of a send.
+        self.lock = threading.RLock()
 
     def __del__(self) -> None:
         if not self.closed and not self.rescheduled:
@@ -81,7 +86,6 @@ class InferenceResponseSender:
     def send(self, response: InferenceResponse | None = None, flags: int = 0) -> None:
         from dlserve.pb_utils.inference import InferenceResponse
 
-        exchange = self._exchange
         if flags not in (0, RESPONSE_COMPLETE_FINAL):
             raise TritonModelException(
                 f"send flags must be 0 or TRITONSERVER_RESPONSE_COMPLETE_FINAL, got {flags!r}"
@@ -96,6 +100,11 @@ class InferenceResponseSender:
                 "send needs a response, or flags=TRITONSERVER_RESPONSE_COMPLETE_FINAL to close "
                 "the request without one"
             )
+        with self._exchange.lock:
+            self._send(response, final)
+
+    def _send(self, response: InferenceResponse | None, final: bool) -> None:
+        exchange = self._exchange
         if exchange.closed:
             raise _closed_error()
         if not exchange.decoupled:
@@ -111,9 +120,10 @@ class InferenceResponseSender:
         runtime = _runtime.current()
         if runtime is None:
             raise TritonModelException("responses can only be sent inside a dlserve worker")
-        # Counted (and closed) before it goes, so that another thread's send sees it; a
-        # response that could not go (no shared memory for its outputs, say) is taken
-        # back, so that the model can still answer the request, with an error perhaps.
+        # Counted (and closed) before it goes, so that a send re-entering on this thread
+        # sees it; a response that could not go (no shared memory for its outputs, say)
+        # is taken back, so that the model can still answer the request, with an error
+        # perhaps.
         if response is not None:
             exchange.responses += 1
         if final:

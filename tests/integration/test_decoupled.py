@@ -394,3 +394,72 @@ def test_a_final_response_that_could_not_be_sent_leaves_the_request_open(servers
     assert answer.error is not None and answer.final
     message = answer.error.message
     assert "could not send:" in message and "failed to allocate" in message, message
+
+
+RACING_MODEL = '''
+import sys
+import threading
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+def response(values):
+    return pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array(values, np.int32))])
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.rounds = []  # per request: 10 * finals that went + responses that went
+
+    def execute(self, requests):
+        (request,) = requests
+        sender = request.get_response_sender()
+        if pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()[0] < 0:
+            sender.send(response(self.rounds), flags=FINAL)
+            return None
+        start = threading.Barrier(4)
+        went = []
+
+        def send(i):  # thread 0 a response, the others each a final one
+            start.wait()
+            try:
+                sender.send(response([i]), flags=FINAL if i else 0)
+                went.append(10 if i else 1)
+            except pb_utils.TritonModelException:
+                pass
+
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)  # (threads switch between any two bytecodes, about)
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        sys.setswitchinterval(interval)
+        self.rounds.append(sum(went))
+        return None
+'''
+
+
+def test_threads_racing_to_send_the_final_response(servers, make_repo):
+    """Threads sending for one request at once: one final goes, the others raise (as
+    Triton's), and a response that went did so before the final. The sender checked and
+    counted apart from sending: two finals could pass the check, or a response counted
+    before a final went after it (the server dropped it), and the model was told neither."""
+    config = (
+        'backend: "python"\ninput [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]\n'
+        'output [ { name: "OUT" data_type: TYPE_INT32 dims: [ -1 ] } ]\n'
+        "model_transaction_policy { decoupled: true }\n"
+    )
+    repo = make_repo(extra={"racing": {"config.pbtxt": config, "1/model.py": RACING_MODEL}})
+    model = servers.start(repo).model("racing")
+    received = []
+    for _ in range(100):
+        answers = list(model.infer(inputs={"IN": np.array([0], np.int32)}, timeout=30))
+        assert answers[-1].final and sum(a.final for a in answers) == 1
+        received.append(10 + len(answers) - 1)
+    (report,) = model.infer(inputs={"IN": np.array([-1], np.int32)}, timeout=30)
+    assert np.from_dlpack(report.outputs["OUT"]).tolist() == received
