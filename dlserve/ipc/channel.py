@@ -363,7 +363,7 @@ class WorkerChannel:
         slot = _Slot()
         with self._cond:
             self._slots[corr] = slot
-        self.send(kind, corr, body)
+        self._send_awaited(kind, corr, body, self._slots)
         self._wait(lambda: slot.done)
         if not slot.ok:
             raise _raise_error(slot.body)
@@ -377,8 +377,20 @@ class WorkerChannel:
             if self._closed:
                 raise EOFError("server closed the channel")
             self._streams[corr] = stream
-        self.send(kind, corr, body)
+        self._send_awaited(kind, corr, body, self._streams)
         return corr
+
+    def _send_awaited(self, kind: int, corr: int, body: Any, waiting: dict[int, Any]) -> None:
+        """Send a request whose answers ``waiting`` awaits under ``corr``; if it could not
+        go, nothing awaits them (and a socket that failed is a server gone: EOFError)."""
+        try:
+            self.send(kind, corr, body)
+        except BaseException as exc:
+            with self._cond:
+                waiting.pop(corr, None)
+            if isinstance(exc, OSError):
+                raise EOFError("server closed the channel") from exc
+            raise
 
     def wait_stream(self, stream: Stream) -> None:
         """Block until ``stream`` has a message or the channel closed."""
