@@ -72,6 +72,10 @@ class ModelManager:
             concurrent_loads=concurrent_loads,
         )
         self._poll_task: asyncio.Task[None] | None = None
+        # One poll at a time (the startup load is the first), as Triton's poll mutex: a poll
+        # that forgot a model whose folder went, while another's load of it still ran,
+        # left that load's worker running outside the table, past the server's stop.
+        self._polling = asyncio.Lock()
 
     # -- the repository index ------------------------------------------------------
     def index(self, ready_only: bool = False) -> list[dict[str, Any]]:
@@ -128,8 +132,10 @@ class ModelManager:
             wanted = [s if isinstance(s, ModelSource) else k[1] for k, s in sorted(self.repository.scan().items())]
         # Ensembles after the models they run: loading one checks what its steps are.
         results = []
-        for group in ensembles_last(self.repository, wanted):
-            results += await asyncio.gather(*(self.loader.load_in_turn(what) for what in group))
+        async with self._polling:
+            for group in ensembles_last(self.repository, wanted):
+                loads = (self.loader.load_in_turn(what) for what in group)
+                results += await asyncio.gather(*loads)
         errors = [failure.message for failure in results if failure is not None]
         if self.control_mode is ModelControlMode.POLL and poll_interval > 0:  # (0: never, as Triton)
             polling = repository_polling.poll_forever(self, poll_interval)
@@ -242,5 +248,7 @@ class ModelManager:
 
     # -- poll mode --------------------------------------------------------------------
     async def poll(self) -> None:
-        """Load new models, reload changed ones, unload removed ones."""
-        await repository_polling.poll(self)
+        """Load new models, reload changed ones, unload removed ones (after any poll
+        still running)."""
+        async with self._polling:
+            await repository_polling.poll(self)

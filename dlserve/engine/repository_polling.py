@@ -69,7 +69,7 @@ async def poll_forever(manager: ModelManager, interval: float) -> None:
     while True:
         await asyncio.sleep(interval)
         try:
-            await poll(manager)
+            await manager.poll()
         except ObjectStoreError as exc:  # the store is down: nothing is unloaded for it
             log.warning("repository poll skipped: %s", exc.message)
         except Exception:  # noqa: BLE001 - a poll must never kill the loop

@@ -829,6 +829,44 @@ def test_poll_mode_loads_the_models_it_finds_side_by_side(servers, make_repo, tm
     assert states() == {"first": "READY", "identity": "READY", "second": "READY"}
 
 
+def test_a_model_removed_while_a_poll_loads_it_is_unloaded_by_the_next_poll(
+    servers, make_repo, tmp_path
+):
+    """As in Triton (one poll at a time): a poll that finds the folder gone while an
+    earlier poll still loads the model waits for that load, then unloads the model and
+    drops it from the index. It forgot the model at once: the load went on to start a
+    worker nobody knew of, left running past the server's stop."""
+    repo = make_repo("identity")
+    server = servers.start(repo, model_control_mode=ModelControlMode.POLL, repository_poll_secs=3600)
+    started, go = tmp_path / "started", tmp_path / "go"
+    waits = (
+        "    def initialize(self, args):\n"
+        "        import os, time\n"
+        f"        open({str(started)!r}, 'w').write(str(os.getpid()))\n"
+        f"        while not os.path.exists({str(go)!r}):\n"
+        "            time.sleep(0.02)\n\n"
+    )
+    shutil.copytree(MODELS / "identity", repo / "slow")
+    config = repo / "slow" / "config.pbtxt"
+    config.write_text(config.read_text().replace('name: "identity"', 'name: "slow"'))
+    model = repo / "slow" / "1" / "model.py"
+    model.write_text(model.read_text().replace("    def execute", waits + "    def execute"))
+    loading = threading.Thread(target=server.poll_model_repository)
+    loading.start()
+    wait_until(lambda: started.exists() and started.read_text() != "")
+    pid = int(started.read_text())
+    shutil.rmtree(repo / "slow")
+    removing = threading.Thread(target=server.poll_model_repository)
+    removing.start()
+    removing.join(0.5)
+    assert removing.is_alive()  # (it waits for the load)
+    go.touch()
+    loading.join(30)
+    removing.join(30)
+    assert [row["name"] for row in server.engine.manager.index()] == ["identity"]
+    wait_until(lambda: not pid_alive(pid), timeout=10)
+
+
 def test_poll_mode_with_no_poll_period_polls_no_more(servers, make_repo):
     """--repository-poll-secs 0 scans once, at startup, as in Triton (it spun a CPU)."""
     repo = make_repo("identity")
