@@ -20,7 +20,9 @@ Measured against Triton 2.51, and where dlserve differs on purpose:
 * As in Triton, a hit counts as a success with its lookup in ``cache_hit`` and the
   time before it as queue time, but not as an inference or an execution; a miss
   adds its lookup and insertion to ``cache_miss``. Identical requests arriving
-  together all run. A hit's response has no parameters (Triton keeps none either).
+  together all run, but only the first response into the cache counts a miss (the
+  others find their entry there: Triton counts them as neither, side by side). A
+  hit's response has no parameters (Triton keeps none either).
 
 Cached outputs are read-only copies that every hit shares: answering from the
 cache copies nothing, except into a client's shared-memory region when the request
@@ -134,8 +136,11 @@ class ResponseCache:
         self.lookup_ns += time.monotonic_ns() - start
         return entry
 
-    def put(self, key: bytes, response: Response, generation: int) -> None:
-        """Keep a successful response's outputs (copied, read-only) under ``key``."""
+    def put(self, key: bytes, response: Response, generation: int) -> bool:
+        """Keep a successful response's outputs (copied, read-only) under ``key``; False
+        when an entry was there already (an identical request's, answered first)."""
+        if key in self._entries:
+            return False
         start = time.monotonic_ns()
         outputs = []
         for name, tensor in response.outputs.items():
@@ -152,7 +157,7 @@ class ResponseCache:
                 entry.nbytes,
                 self.capacity,
             )
-        elif key not in self._entries:
+        else:
             while self.used + entry.nbytes > self.capacity:
                 _, evicted = self._entries.popitem(last=False)
                 self.used -= evicted.nbytes
@@ -160,6 +165,7 @@ class ResponseCache:
             self._entries[key] = entry
             self.used += entry.nbytes
         self.insertion_ns += time.monotonic_ns() - start
+        return True
 
     def forget(self, generation: int) -> None:
         """Drop the entries of one load of a model (it is unloaded)."""
@@ -183,9 +189,11 @@ def answer(cache: ResponseCache, model: ModelVersion, request: Request) -> Respo
 
         def remember(response: Response) -> None:
             began = time.monotonic_ns()
+            missed = True
             if response.final and response.error is None and not response.flags_only:
-                cache.put(key, response, model.generation)
-            stats["cache_miss"].add(lookup_ns + time.monotonic_ns() - began)
+                missed = cache.put(key, response, model.generation)
+            if missed:
+                stats["cache_miss"].add(lookup_ns + time.monotonic_ns() - began)
             deliver(response)
 
         lookup_ns = time.monotonic_ns() - start

@@ -143,6 +143,33 @@ def test_metrics(servers, make_repo):
     assert 'nv_inference_count{model="cached",version="1"} 1' in text
 
 
+def test_identical_requests_that_miss_together_count_one_miss_as_triton_does(servers, make_repo):
+    """Side by side with Triton 2.51: identical requests that all miss all run, but only
+    the response that went into the cache counts a miss (in the statistics and in
+    nv_cache_num_misses_per_model); the others' found their entry there. dlserve
+    counted a miss for each."""
+    server = servers.start(make_repo("cached"), cache_config=CACHE)
+    answered: list[object] = []
+
+    def submit_two(engine) -> None:  # (both looked up before either runs)
+        for name in ("a", "b"):
+            inputs = {"INPUT0": Tensor.from_numpy(X.copy())}
+            engine.submit(Request("cached", inputs, on_response=answered.append, request_id=name))
+
+    server._call_sync(submit_two)
+    wait_until(lambda: len(answered) == 2)
+    assert executed(infer(server, X)) == 1  # a hit on the first one's response
+    stats = inference_stats(server)
+    assert stats["inference_count"] == 2 and stats["execution_count"] == 2
+    inference = stats["inference_stats"]
+    assert inference["success"]["count"] == 3
+    assert inference["cache_hit"]["count"] == 1
+    assert inference["cache_miss"]["count"] == 1
+    text = server.metrics()
+    assert 'nv_cache_num_misses_per_model{model="cached",version="1"} 1' in text
+    assert "nv_cache_num_lookups 3" in text and "nv_cache_num_misses 2" in text  # the cache's own
+
+
 @pytest.mark.parametrize(
     ("extra", "unsupported"),
     [
