@@ -13,7 +13,8 @@ statistics apply to the requests an ensemble sends them. A decoupled step (a mod
 streams) makes the ensemble decoupled (Triton's rule, set at load): each of its responses
 flows on through the steps that read it and becomes one response of the ensemble; the
 last one is final (or, when the stream's end comes after it, a flag-only final follows),
-as Triton does.
+as Triton does. As in Triton, no step (nor the ensemble's outputs) may read tensors from
+two decoupled steps' responses, or from one and from elsewhere (check_origins).
 """
 
 from __future__ import annotations
@@ -154,6 +155,34 @@ def check_step(config: mc.ModelConfig, model_name: str, step: Step, step_config:
             for own, tensor in mapping.items():
                 if tensor == declared.name:
                     _agree(model_name, config, declared, step.model, step_config, own_tensors[own])
+
+
+def check_origins(config: mc.ModelConfig, model_name: str, decoupled: set[int]) -> None:
+    """Triton 2.51's rule for the decoupled steps (the indices in ``decoupled``), measured
+    side by side: what a step reads, and the ensemble's outputs, come from one decoupled
+    step's responses (directly or through plain steps) or from none; the ensemble's
+    inputs count as none. Each response runs the steps after it on its own, with nothing
+    to pair it with from elsewhere (a step reading two streams, or a stream and a plain
+    step's output, waited forever). Triton's words, which name the ensemble."""
+    origin: dict[str, int | None] = {t.name: None for t in config.input}
+
+    def one_origin(tensors: list[str]) -> int | None:
+        found = {origin[t] for t in tensors}
+        if len(found) > 1:
+            raise InvalidArgumentError(
+                f"in ensemble {model_name}, step of model '{model_name}' receives inputs "
+                "originated from different decoupled models"
+            )
+        return found.pop()
+
+    steps = steps_of(config)
+    left = list(range(len(steps)))
+    while runnable := [i for i in left if set(steps[i].inputs.values()) <= origin.keys()]:
+        for i in runnable:
+            made = i if i in decoupled else one_origin(list(steps[i].inputs.values()))
+            origin.update(dict.fromkeys(steps[i].outputs.values(), made))
+            left.remove(i)
+    one_origin([t.name for t in config.output])
 
 
 def _agree(

@@ -82,8 +82,8 @@ def check_steps(models: ModelTable, repository: Repository, name: str, config: m
     makes a streaming ensemble, whatever its config said (Triton's rule). A step not
     loaded yet (a remote or nested ensemble's, loading beside it) is judged by its
     config.pbtxt, for decoupling only."""
-    decoupled = False
-    for step in ensemble.steps_of(config):
+    decoupled: set[int] = set()  # the steps that are
+    for index, step in enumerate(ensemble.steps_of(config)):
         key = (step.namespace, step.model)
         entry = models.get(key)
         model = entry.latest_loaded() if entry is not None else None
@@ -94,7 +94,8 @@ def check_steps(models: ModelTable, repository: Repository, name: str, config: m
                 raise InvalidArgumentError(unavailable_steps(name, step.model))
             with contextlib.suppress(TritonError):
                 listed = repository.read_config(source)
-                decoupled |= bool(listed and listed.model_transaction_policy.decoupled)
+                if listed and listed.model_transaction_policy.decoupled:
+                    decoupled.add(index)
             continue
         if step.version >= 0:
             model = entry.versions.get(step.version)
@@ -104,7 +105,9 @@ def check_steps(models: ModelTable, repository: Repository, name: str, config: m
                     f"{step.version} is not loaded."
                 )
         ensemble.check_step(config, name, step, model.config)
-        decoupled |= model.decoupled
+        if model.decoupled:
+            decoupled.add(index)
+    ensemble.check_origins(config, name, decoupled)
     if decoupled:
         config.model_transaction_policy.decoupled = True
         cfg.check_response_cache(config, name)

@@ -306,6 +306,104 @@ ensemble_scheduling {
 """
 
 
+ADD_INT = {
+    "config.pbtxt": """
+name: "add_int"
+backend: "python"
+max_batch_size: 0
+input [
+  { name: "X" data_type: TYPE_INT32 dims: [ 1 ] },
+  { name: "Y" data_type: TYPE_INT32 dims: [ 1 ] }
+]
+output [ { name: "SUM" data_type: TYPE_INT32 dims: [ 1 ] } ]
+""",
+    "1/model.py": """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [
+            pb_utils.InferenceResponse([pb_utils.Tensor("SUM", sum(
+                pb_utils.get_input_tensor_by_name(r, n).as_numpy() for n in "XY"))])
+            for r in requests
+        ]
+""",
+}
+
+
+def streaming_ensemble(name: str, steps: list[tuple[str, dict[str, str], dict[str, str]]]) -> str:
+    """A decoupled ensemble of these steps (model, input_map, output_map) over INT32
+    tensors: IN (the stream's values) and K ([1]) in, as used; OUT and OUT2 out, as made."""
+    read = {t for _, inputs, _ in steps for t in inputs.values()}
+    made = {t for _, _, outputs in steps for t in outputs.values()}
+    tensors = [
+        ("input", "IN", "-1"), ("input", "K", "1"), ("output", "OUT", "1"), ("output", "OUT2", "1")
+    ]
+    declared = "".join(
+        f'{kind} [ {{ name: "{tensor}" data_type: TYPE_INT32 dims: [ {dims} ] }} ]\n'
+        for kind, tensor, dims in tensors
+        if tensor in (read if kind == "input" else made)
+    )
+
+    def maps(kind: str, mapping: dict[str, str]) -> str:
+        return " ".join(f'{kind} {{ key: "{k}" value: "{v}" }}' for k, v in mapping.items())
+
+    listed = ", ".join(
+        f'{{ model_name: "{model}" model_version: -1 {maps("input_map", inputs)} '
+        f'{maps("output_map", outputs)} }}'
+        for model, inputs, outputs in steps
+    )
+    return (
+        f'name: "{name}" platform: "ensemble" model_transaction_policy {{ decoupled: true }}\n'
+        f"{declared}ensemble_scheduling {{ step [ {listed} ] }}\n"
+    )
+
+
+STREAM = ("decoupled", {"IN": "IN"}, {"OUT": "value"})
+
+
+@pytest.mark.parametrize(
+    "name, steps",
+    [
+        # a stream and a plain step beside it: each response waited for the plain
+        # step's output, which only the request's first branch had (the stream hung)
+        ("beside_a_plain_step", [STREAM, ("double", {"IN": "K"}, {"OUT": "twice"}),
+                                 ("add_int", {"X": "value", "Y": "twice"}, {"SUM": "OUT"})]),
+        # two streams into one step: neither stream's responses saw the other's (hung)
+        ("two_streams", [STREAM, ("decoupled", {"IN": "IN"}, {"OUT": "other"}),
+                         ("add_int", {"X": "value", "Y": "other"}, {"SUM": "OUT"})]),
+        ("beside_an_input", [STREAM, ("add_int", {"X": "value", "Y": "K"}, {"SUM": "OUT"})]),
+        ("outputs_apart", [("decoupled", {"IN": "IN"}, {"OUT": "OUT"}),
+                           ("double", {"IN": "K"}, {"OUT": "OUT2"})]),
+    ],
+)
+def test_a_step_reads_one_stream_or_none_as_in_triton(make_repo, servers, name, steps):
+    """Triton 2.51 (side by side) refuses at load, in these words, an ensemble where a
+    step, or the ensemble's outputs, read a decoupled step's responses and anything not
+    made from them: another stream, another step's output, an ensemble input. A stream
+    through plain steps that read it twice is fine."""
+    merged = streaming_ensemble("merged", [
+        STREAM, ("double", {"IN": "value"}, {"OUT": "twice"}),
+        ("add_int", {"X": "value", "Y": "twice"}, {"SUM": "OUT"}),
+    ])
+    repo = make_repo("decoupled", "double", extra={
+        "add_int": ADD_INT,
+        "merged": {"config.pbtxt": merged, "1/.keep": ""},
+        name: {"config.pbtxt": streaming_ensemble(name, steps), "1/.keep": ""},
+    })
+    server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT)
+    with pytest.raises(dlserve.InvalidArgumentError) as info:
+        server.load(name)
+    assert str(info.value) == (
+        f"load failed for model '{name}': in ensemble {name}, step of model '{name}' receives "
+        "inputs originated from different decoupled models\n"
+    )
+    server.load("merged")
+    responses = server.model("merged").infer(inputs={"IN": np.array([1, 2], np.int32)})
+    assert [outputs(r)["OUT"] for r in responses if r.outputs] == [[3], [6]]
+
+
 def stats_of(server: dlserve.Server, model: str) -> dict:
     return server.model(model).statistics()["model_stats"][0]
 
