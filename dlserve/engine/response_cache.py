@@ -79,6 +79,14 @@ def cache_size(cache_config: dict[str, dict[str, object]]) -> int | None:
     return int(text)
 
 
+class _HitTensor(Tensor):
+    """An output answered from the cache: its memory is the entry's, which every hit
+    shares, so a legacy DLPack capsule (which cannot say read-only) gets a copy."""
+
+    __slots__ = ()
+    shares_read_only = False
+
+
 @dataclasses.dataclass(frozen=True)
 class _Entry:
     outputs: tuple[tuple[str, DataType, tuple[int, ...], np.ndarray], ...]  # read-only storage
@@ -203,9 +211,9 @@ def answer(cache: ResponseCache, model: ModelVersion, request: Request) -> Respo
     buffers = request.output_buffers or {}
     for name, data_type, shape, data in entry.outputs:
         if data_type is DataType.BYTES:
-            tensor = Tensor(data_type, shape, data=data)
+            tensor: Tensor = _HitTensor(data_type, shape, data=data)
         else:
-            tensor = Tensor(data_type, shape, data=data.reshape(shape))
+            tensor = _HitTensor(data_type, shape, data=data.reshape(shape))
         buffer = buffers.get(name)
         if buffer is not None:
             try:

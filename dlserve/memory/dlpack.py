@@ -228,9 +228,15 @@ def export_host_array(
     dl_device: tuple[int, int] | None = None,
     copy: bool | None = None,
     keep_alive: Any = None,
+    share_read_only: bool = True,
 ) -> Any:
     """``__dlpack__`` for a host tensor whose bits are in ``array`` (BF16 as uint16).
-    The capsule holds ``keep_alive`` too, for as long as it (or what imported it) lives."""
+    The capsule holds ``keep_alive`` too, for as long as it (or what imported it) lives.
+
+    A legacy capsule cannot say read-only: read-only memory goes in one as it is (as
+    Triton hands out a model's: jax's arrays, np.frombuffer of bytes), but for memory
+    others read that must not change (``share_read_only`` False: a response-cache
+    entry), which goes as a copy."""
     if data_type is DataType.BYTES:
         raise BufferError(STRING_EXPORT_REFUSED)
     if stream is not None and stream != -1:
@@ -242,10 +248,11 @@ def export_host_array(
         kwargs["max_version"] = tuple(max_version)
     legacy = max_version is None or tuple(max_version)[0] < 1
     read_only = not array.flags.writeable
+    if read_only and legacy and not share_read_only:
+        array, read_only = np.array(array), False  # a copy of its own
     if keep_alive is not None and array.flags.c_contiguous or read_only and legacy:
-        # numpy's capsule holds the array it exports: one whose base holds both. A legacy
-        # capsule cannot say read-only, and numpy refuses to make one of read-only memory;
-        # Triton hands it out all the same (jax's arrays, np.frombuffer of bytes), as this does.
+        # numpy's capsule holds the array it exports: one whose base holds both (and
+        # numpy refuses a legacy capsule of read-only memory).
         address = array.__array_interface__["data"][0]
         array = exposed(
             address, array.shape, array.dtype.str, (array, keep_alive), read_only and not legacy,

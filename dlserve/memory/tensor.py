@@ -17,7 +17,7 @@ import dataclasses
 import enum
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -171,6 +171,8 @@ class Tensor:
     """A typed n-d array; see the module docstring for how its bytes are held."""
 
     __slots__ = ("data_type", "shape", "_data", "_objects")
+    # Whether a legacy DLPack capsule may hand out its read-only memory (export_host_array)
+    shares_read_only: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -414,6 +416,7 @@ class Tensor:
             self.storage() if self.data_type is DataType.BYTES else self._shaped(),
             self.data_type,
             keep_alive=keep_alive,
+            share_read_only=self.shares_read_only,
             **protocol,
         )
 

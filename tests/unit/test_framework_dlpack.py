@@ -207,7 +207,8 @@ def test_read_only_arrays_export_the_read_only_flag(producer):
 def test_read_only_arrays_export_legacy_capsules_too(producer):
     """A legacy capsule (``to_dlpack()``, what TensorFlow and ``torch.utils.dlpack`` take)
     cannot say read-only; Triton exports read-only memory in one all the same (an array
-    over ``bytes``, a jax array), the memory itself, not a copy."""
+    over ``bytes``, a jax array), the memory itself, not a copy (but for a response-cache
+    hit's: test_response_cache)."""
     source = np.frombuffer(np.arange(8, dtype=np.float32).tobytes(), dtype=np.float32)
     assert not source.flags.writeable
     tensor = produce(producer, source)
