@@ -249,10 +249,17 @@ class Loader:
             for replaced in old.values():
                 self.unloader.retire(entry, replaced)
 
+    def _refuse_if_stopping(self, name: str) -> None:
+        if self.stopping:
+            raise UnavailableError(f"model '{name}' not started: the server is stopping")
+
     async def _load_versions(
         self, source: ModelSource, override: str | None, entry: ModelEntry
     ) -> dict[int, ModelVersion]:
         name = source.name
+        # (a load that outlives its client may get here after the stop unloaded the model:
+        # no worker starts then, auto-complete's neither)
+        self._refuse_if_stopping(name)
         entry.tried, entry.failed = [], {}
         if override is not None:
             config = config_forms.parse_json(override, name)
@@ -369,8 +376,7 @@ class Loader:
         """Start every version's instances, side by side as Triton does; all or none of
         them: if any fails, those that started stop again, and the failures (by version)
         are returned."""
-        if self.stopping:
-            raise UnavailableError(f"model '{name}' not started: the server is stopping")
+        self._refuse_if_stopping(name)
         models = {
             version: ModelVersion(
                 name, version, config, source.path, self.resources, source.namespace, backend_file,

@@ -1431,3 +1431,22 @@ def test_an_ensemble_a_reloaded_step_no_longer_fits_is_unloaded(servers, make_re
     assert server.model("scale").ready() and not server.model("scaled").ready()
     index = {row["name"]: row for row in server.engine.manager.index()}
     assert index["scaled"]["state"] == "UNAVAILABLE" and index["scaled"]["reason"] == "unloaded"
+
+
+def test_a_load_that_reaches_the_engine_after_stop_began_starts_no_worker(
+    servers, make_repo, tmp_path
+):
+    """A load that outlives its client (it is shielded) may come after the stop unloaded
+    the model: it starts nothing then, not even auto-complete's worker (which did start)."""
+    marker = tmp_path / "auto_completed"
+    model = (MODELS / "auto_complete" / "1" / "model.py").read_text().replace(
+        "        config = auto_complete_model_config.as_dict()\n",
+        f"        open({str(marker)!r}, 'w').close()\n"
+        "        config = auto_complete_model_config.as_dict()\n",
+    )
+    repo = make_repo(extra={"late": {"config.pbtxt": 'backend: "python"\n', "1/model.py": model}})
+    server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT)
+    server.engine.manager.loader.stopping = True  # (what stop() sets first)
+    with pytest.raises(dlserve.UnavailableError, match="the server is stopping"):
+        server.load("late")
+    assert not marker.exists()
