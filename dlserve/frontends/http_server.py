@@ -522,7 +522,9 @@ def decode_body(request: HttpRequest) -> Any:
     if len(out) > limit or decompressor.unconsumed_tail:
         raise HttpError(413, f"decompressed body exceeds the maximum of {limit} bytes")
     if not decompressor.eof:  # (cut short: the checksum at its end was never checked)
-        raise HttpError(400, f"cannot decode {encoding} body: it ends before its compressed data")
+        raise HttpError(
+            400, f"cannot decode {encoding} body: it ends before its compressed data does"
+        )
     return out
 
 

@@ -1454,7 +1454,7 @@ def test_compression_on_the_wire(port):
     for encoding, compress in (("gzip", gzip.compress), ("deflate", zlib.compress)):
         reply = request(port, "POST", "/v2/models/identity/infer", compress(whole)[:-4],
                         {"Content-Encoding": encoding})
-        assert_error(reply, 400, "ends before its compressed data")
+        assert_error(reply, 400, "ends before its compressed data does")
     assert_serving(port)
 
 
