@@ -119,7 +119,7 @@ class HttpError(Exception):
 
 
 def error_body(message: str) -> bytes:
-    return json.dumps({"error": message}).encode()
+    return json.dumps({"error": message}, separators=(",", ":")).encode()  # (as the others)
 
 
 def _request_parser(protocol: Any) -> httptools.HttpRequestParser:

@@ -1455,6 +1455,7 @@ def test_compression_on_the_wire(port):
         reply = request(port, "POST", "/v2/models/identity/infer", compress(whole)[:-4],
                         {"Content-Encoding": encoding})
         assert_error(reply, 400, "ends before its compressed data does")
+        assert reply.body.startswith(b'{"error":"cannot decode')  # (compact, as every answer)
     assert_serving(port)
 
 

@@ -233,7 +233,7 @@ def test_a_url_that_does_not_parse_is_answered_400_whatever_the_body() -> None:
                 head = b"POST http://h:99999/x HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
                 answer = await loop.run_in_executor(None, ask, head % size + b"." * size)
                 assert answer.startswith(b"HTTP/1.1 400 "), (size, answer)
-                assert answer.endswith(b'{"error": "malformed HTTP request: invalid URL"}')
+                assert answer.endswith(b'{"error":"malformed HTTP request: invalid URL"}')
             fine = await loop.run_in_executor(
                 None, ask, b"GET /x HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
             )
