@@ -197,7 +197,8 @@ class CustomMetrics:
             if not family.values:  # (Triton shows no family without metrics)
                 continue
             kind = family.kind.name.lower()
-            lines.append(f"# HELP {family.name} {family.description}")
+            if family.description:  # (as Triton's prometheus-cpp: no HELP line without one)
+                lines.append(f"# HELP {family.name} {family.description}")
             lines.append(f"# TYPE {family.name} {kind}")
             for key, value in family.values.items():
                 if isinstance(value, Histogram):  # (in Triton's order: count, sum, buckets)

@@ -577,6 +577,19 @@ def test_application_metrics_on_the_endpoint_and_in_server_metrics(server, port)
     assert "app_test_" not in text, text
 
 
+def test_a_family_without_a_description_has_no_help_line_as_in_triton(server, port):
+    """Triton 2.51, measured side by side with a pb_utils family of description "": its
+    prometheus-cpp writes no HELP line at all, not an empty one."""
+    family = dlserve.MetricFamily(dlserve.MetricKind.GAUGE, "app_test_helpless", "")
+    metric = dlserve.Metric(family)
+    metric.set_value(3)
+    text = scrape(port)[0]
+    assert "# HELP app_test_helpless" not in text
+    assert "\n# TYPE app_test_helpless gauge\napp_test_helpless 3\n" in text
+    assert "# HELP app_test_helpless" not in server.metrics()
+    del metric, family
+
+
 @pytest.mark.parametrize(
     "make,error,message",
     [
