@@ -118,6 +118,7 @@ class MemorySpace:
             seg = self._segments.pop(name, None)
             if seg is None:
                 return
+            seg.drop_spares()
             self._starts.remove(seg.address)
             del self._by_start[seg.address]
             self._anchors.pop(name, None)

@@ -19,7 +19,7 @@ from dlserve.frontends import KServeHttp
 
 from ..conftest import serve
 
-LOADED = ["mutate_input", "mutate_twice", "bls", "identity", "refill"]
+LOADED = ["mutate_input", "mutate_twice", "bls", "identity", "refill", "negate"]
 X = np.arange(1 << 14, dtype=np.float32)  # 64 KiB
 
 
@@ -63,6 +63,36 @@ def test_a_client_s_shared_memory_is_not_written_by_the_model(client):
         np.testing.assert_array_equal(shm.get_contents_as_numpy(region, np.float32, X.shape), X)
         written = shm.get_contents_as_numpy(region, np.float32, X.shape, offset=X.nbytes)
         np.testing.assert_array_equal(written, X + 1000)
+    finally:
+        client.unregister_system_shared_memory()
+        shm.destroy_shared_memory_region(region)
+
+
+def test_a_region_read_again_shows_what_its_owner_wrote_since(client):
+    """A worker keeps the mapping of a big input no page of which it wrote, for the next
+    request over the same range: that one must still show what the client wrote since,
+    and a mapping the model wrote into is never handed out again."""
+    n = 1 << 18  # 1 MiB of FP32: big enough for the worker to keep its mapping
+    key = f"/in_place_{uuid.uuid4().hex[:8]}"
+    region = shm.create_shared_memory_region("in_place_big", key, 4 * n)
+    x = httpclient.InferInput("INPUT0", [n], "FP32")
+    x.set_shared_memory("in_place_big", 4 * n)
+
+    def answer(model: str, values: np.ndarray) -> np.ndarray:
+        shm.set_shared_memory_region(region, [values])
+        return client.infer(model, [x]).as_numpy("OUTPUT0")
+
+    try:
+        client.register_system_shared_memory("in_place_big", key, 4 * n)
+        for step in range(3):  # (the second and third read the first one's mapping)
+            values = np.full(n, step + 1, dtype=np.float32)
+            np.testing.assert_array_equal(answer("negate", values), -values)
+        for step in range(3):  # each written into: none is kept
+            values = np.full(n, 10 * step, dtype=np.float32)
+            np.testing.assert_array_equal(answer("mutate_input", values), values + 1000)
+        values = np.arange(n, dtype=np.float32)
+        np.testing.assert_array_equal(answer("negate", values), -values)
+        assert client.is_server_live()
     finally:
         client.unregister_system_shared_memory()
         shm.destroy_shared_memory_region(region)

@@ -21,7 +21,7 @@ import pytest
 
 from dlserve.errors import InvalidArgumentError, UnavailableError
 from dlserve.memory.arena import ALIGNMENT, Arena, MemorySpace
-from dlserve.memory.shm import SHM_DIR, Segment, shm_path
+from dlserve.memory.shm import SHM_DIR, SPARE_MIN, Segment, shm_path
 
 PAGE = mmap.PAGESIZE
 
@@ -541,6 +541,82 @@ def test_forget_segments_by_prefix(segment, prefix):
         assert space.find(other, 0, 8) is keep
     finally:
         other.unlink()
+
+
+# -- private views: kept mappings ---------------------------------------------------------
+def _present_pages(array: np.ndarray) -> int:
+    """How many pages of ``array`` this process's page table maps now (no fault needed)."""
+    first = address(array) // PAGE
+    count = (array.nbytes + PAGE - 1) // PAGE
+    with open("/proc/self/pagemap", "rb") as pagemap:
+        pagemap.seek(8 * first)
+        entries = np.frombuffer(pagemap.read(8 * count), dtype=np.uint64)
+    return int(np.count_nonzero(entries >> np.uint64(63)))
+
+
+def _mappings_of(segment: Segment) -> int:
+    with open("/proc/self/maps") as maps:
+        return sum(line.rstrip().endswith(shm_path(segment.name)) for line in maps)
+
+
+@pytest.fixture
+def big_segment(prefix: str) -> Iterator[Segment]:
+    seg = Segment.create(f"{prefix}_big", 2 * SPARE_MIN)
+    yield seg
+    seg.unlink()
+
+
+def test_a_private_view_read_again_skips_the_page_faults_and_sees_new_writes(big_segment):
+    """The mapping of a private view nobody wrote is kept for the next view of its range:
+    its pages are mapped already, and they still show what the owner writes there."""
+    owner = u8(big_segment.anchor(0, big_segment.size))
+    owner[:] = 1
+    view = u8(big_segment.view(0, SPARE_MIN, private=True))
+    assert _present_pages(view) == 0  # a new mapping: every first read faults
+    assert int(view.sum()) == SPARE_MIN
+    del view
+    owner[:] = 2
+    again = u8(big_segment.view(0, SPARE_MIN, private=True))
+    assert _present_pages(again) == SPARE_MIN // PAGE
+    assert int(again.sum()) == 2 * SPARE_MIN
+
+
+def test_a_private_view_written_into_is_not_kept(big_segment):
+    owner = u8(big_segment.anchor(0, big_segment.size))
+    owner[:] = 1
+    view = u8(big_segment.view(0, SPARE_MIN, private=True))
+    view[7] = 99
+    del view
+    again = u8(big_segment.view(0, SPARE_MIN, private=True))
+    assert _present_pages(again) == 0  # (a new mapping)
+    assert again[7] == 1 and owner[7] == 1
+
+
+def test_small_views_and_other_ranges_get_new_mappings(big_segment):
+    for offset, nbytes in ((0, PAGE), (0, SPARE_MIN)):
+        view = u8(big_segment.view(offset, nbytes, private=True))
+        int(view.sum())
+        del view
+    small = u8(big_segment.view(0, PAGE, private=True))
+    other = u8(big_segment.view(SPARE_MIN, SPARE_MIN, private=True))
+    assert _present_pages(small) == 0 and _present_pages(other) == 0
+
+
+def test_forgetting_a_segment_unmaps_the_mappings_it_kept(big_segment):
+    space = MemorySpace()
+    space.add_segment(big_segment)
+    views = [u8(space.view(big_segment, o, SPARE_MIN, True)) for o in (0, SPARE_MIN)]
+    for view in views:
+        int(view.sum())
+    before = _mappings_of(big_segment)
+    del view, views
+    assert _mappings_of(big_segment) == before  # kept, for the next views of those ranges
+    space.forget_segment(big_segment.name)
+    assert _mappings_of(big_segment) == before - 2
+    late = u8(big_segment.view(0, SPARE_MIN, private=True))  # still works, just not kept
+    int(late.sum())
+    del late
+    assert _mappings_of(big_segment) == before - 2
 
 
 # -- memfd segments (where /dev/shm cannot hold one) -------------------------------------
