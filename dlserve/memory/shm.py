@@ -123,7 +123,9 @@ _PAGE_OF_FILE = np.uint64(1 << 61)
 # Below this a new mapping costs less than finding a spare one clean (see the module's docstring).
 SPARE_MIN = 256 << 10
 _SPARES_PER_SEGMENT = 4
-_spares_lock = threading.Lock()
+# Views die on any thread, in a garbage collection too, which allocating an object may
+# start: nothing is allocated while it is held, and it is re-entrant all the same.
+_spares_lock = threading.RLock()
 _pagemap: tuple[int, int] = (0, -1)  # (pid, descriptor): opened once per process
 
 
@@ -314,11 +316,12 @@ class Segment:
         return view
 
     def _take_spare(self, start: int, length: int) -> mmap.mmap | None:
+        key = (start, length)
         with _spares_lock:
-            for index, (key, mm) in enumerate(self._spares or ()):
-                if key == (start, length):
-                    del self._spares[index]  # type: ignore[union-attr]
-                    return mm
+            for entry in self._spares or ():
+                if entry[0] == key:
+                    self._spares.remove(entry)  # type: ignore[union-attr]
+                    return entry[1]
         return None
 
     def _keep_spare(self, mm: mmap.mmap, mapping: tuple[int, int, int]) -> None:
@@ -327,13 +330,14 @@ class Segment:
         address, length, start = mapping
         if self._spares is None or written(address, length):
             return
+        entry = ((start, length), mm)  # (made before the lock: see _spares_lock)
         with _spares_lock:
             if self._spares is None:
                 return
-            self._spares.append(((start, length), mm))
-            evicted = self._spares.pop(0)[1] if len(self._spares) > _SPARES_PER_SEGMENT else None
+            self._spares.append(entry)
+            evicted = self._spares.pop(0) if len(self._spares) > _SPARES_PER_SEGMENT else None
         if evicted is not None:
-            evicted.close()
+            evicted[1].close()
 
     def drop_spares(self) -> None:
         """Unmap the mappings kept for reuse, and keep none from now on: the segment is
