@@ -2262,6 +2262,53 @@ def test_oversize_chunked_body_is_413_and_closes(main):
     assert_serving(main.small_port)
 
 
+_PIECE = b"a" * (1 << 16)
+
+
+@pytest.mark.parametrize(
+    "path, headers, body, status, message",
+    [
+        (
+            "/v2/models/identity/infer",
+            {"Content-Length": str(16 * SMALL_MAX)},
+            _PIECE * (16 * SMALL_MAX // len(_PIECE)),
+            413,
+            f"exceeds the maximum of {SMALL_MAX} bytes",
+        ),
+        (
+            "/v2/models/identity/infer",
+            {"Transfer-Encoding": "chunked"},
+            b"%x\r\n%b\r\n" % (len(_PIECE), _PIECE) * (16 * SMALL_MAX // len(_PIECE)),
+            413,
+            "exceeds the maximum",
+        ),
+        (
+            "http://h:99999/v2/models/identity/infer",
+            {"Content-Length": str(16 * SMALL_MAX)},
+            _PIECE * (16 * SMALL_MAX // len(_PIECE)),
+            400,
+            "invalid URL",
+        ),
+    ],
+    ids=["content-length", "chunked", "bad-url"],
+)
+def test_a_client_that_sends_its_whole_refused_body_first_reads_the_answer(
+    main, path, headers, body, status, message
+):
+    """A request refused before its body is read: the server reads and drops the rest of
+    it instead of closing with it unread, which reset the connection under a client that
+    writes its whole request before reading (http.client, this one); then FIN."""
+    with socket.create_connection(("127.0.0.1", main.small_port), timeout=10) as sock:
+        sock.sendall(http_request("POST", path, headers=headers, content_length=False) + body)
+        received = b""
+        while chunk := sock.recv(1 << 16):
+            received += chunk
+    (reply,) = parse_responses(received)
+    assert_error(reply, status, message)
+    assert reply.headers.get("connection") == "close"
+    assert_serving(main.small_port)
+
+
 def test_chunked_request_within_the_limit(port):
     body = json_infer([identity_input((3.0, 4.0))]).encode()
     chunked = (

@@ -4,7 +4,6 @@ a chunked response whose stream fails after its head went out."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import socket
 import tracemalloc
@@ -13,6 +12,7 @@ from collections.abc import AsyncGenerator
 
 import numpy as np
 
+from dlserve.frontends import http_server
 from dlserve.frontends.http_server import DIRECT_BODY_MIN, HttpRequest, HttpResponse, HttpServer
 
 
@@ -217,16 +217,11 @@ def test_a_url_that_does_not_parse_is_answered_400_whatever_the_body() -> None:
         loop = asyncio.get_running_loop()
 
         def ask(request: bytes) -> bytes:
-            """The answer, read until the server closes (with a reset, if it closed with
-            some of the body unread)."""
-            answer = b""
+            """The answer, read until the server closes (the body it refused, read and
+            dropped: no reset)."""
             with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-                with contextlib.suppress(OSError):  # (the reset may come while we send)
-                    sock.sendall(request)
-                with contextlib.suppress(ConnectionResetError):
-                    while chunk := sock.recv(65536):
-                        answer += chunk
-            return answer
+                sock.sendall(request)
+                return _read_until_closed(sock)
 
         try:
             for size in (1 << 20, DIRECT_BODY_MIN, 100):
@@ -240,5 +235,45 @@ def test_a_url_that_does_not_parse_is_answered_400_whatever_the_body() -> None:
             assert fine.startswith(b"HTTP/1.1 200")
         finally:
             await server.stop()
+
+    asyncio.run(main())
+
+
+def test_a_lingering_connection_closes_when_its_client_does_or_the_server_stops(
+    monkeypatch,
+) -> None:
+    """After a refusal the connection drops what its client still sends (no reset under a
+    client still writing) and is gone once the client closes; the server's stop closes a
+    lingering one at once, however long it would linger."""
+    monkeypatch.setattr(http_server, "LINGER_SECONDS", 600.0)
+    monkeypatch.setattr(http_server, "LINGER_IDLE_SECONDS", 600.0)
+    head = b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (4 << 20)
+
+    def refused(sock: socket.socket) -> bytes:
+        sock.sendall(head)
+        answer = _read_until_closed(sock)  # (the answer, then FIN)
+        sock.sendall(b"." * (4 << 20))  # dropped, not reset
+        return answer
+
+    async def gone(server: HttpServer) -> None:
+        for _ in range(500):
+            if not server.connections:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("the lingering connection stayed")
+
+    async def main() -> None:
+        server = HttpServer(_handler, max_body=1024)
+        port = await server.start("127.0.0.1", 0)
+        loop = asyncio.get_running_loop()
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            answer = await loop.run_in_executor(None, refused, sock)
+            assert answer.startswith(b"HTTP/1.1 413 ") and len(server.connections) == 1
+        await gone(server)
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            answer = await loop.run_in_executor(None, refused, sock)
+            assert answer.startswith(b"HTTP/1.1 413 ") and len(server.connections) == 1
+            await asyncio.wait_for(server.stop(), 10)
+            await gone(server)
 
     asyncio.run(main())
