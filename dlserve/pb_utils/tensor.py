@@ -8,6 +8,7 @@ else is copied once into the worker's arena when the response leaves.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -59,10 +60,15 @@ class Tensor:
         model's own: the response keeps what was sent.
         Outside a worker process (e.g. unit tests) it is an ordinary numpy array.
         """
-        data_type = dtype if isinstance(dtype, DataType) else DataType.from_numpy(dtype)
+        data_type = _empty_data_type(name, dtype)
         if data_type is DataType.BYTES:
             raise TritonModelException("Tensor.empty cannot allocate BYTES tensors")
-        shape = tuple(int(d) for d in shape)
+        try:
+            shape = tuple(operator.index(d) for d in shape)
+        except TypeError:
+            raise TritonModelException(
+                f"Tensor.empty('{name}'): shape must be a sequence of ints, got {shape!r}"
+            ) from None
         try:
             nbytes = allocation_size(data_type, shape)
         except InvalidArgumentError as exc:
@@ -134,6 +140,27 @@ class Tensor:
             f"pb_utils.Tensor(name={self._name!r}, dtype={self._tensor.data_type.wire_name}, "
             f"shape={list(self._tensor.shape)})"
         )
+
+
+def _empty_data_type(name: str, dtype: Any) -> DataType:
+    """``Tensor.empty``'s ``dtype``: a numpy dtype (or what ``numpy.dtype`` reads as one, but
+    ``None``, its float64 default) or a Triton data type number, as ``triton_dtype()`` returns."""
+    data_type = None
+    try:
+        if isinstance(dtype, int) and not isinstance(dtype, bool):
+            data_type = DataType(dtype)
+        elif dtype is not None:
+            data_type = DataType.from_numpy(dtype)
+    except (TypeError, ValueError):
+        pass
+    if data_type is None or data_type is DataType.INVALID:
+        named = isinstance(dtype, str)
+        hint = " (config.pbtxt names: pb_utils.triton_string_to_numpy)" if named else ""
+        raise TritonModelException(
+            f"Tensor.empty('{name}'): dtype must be a numpy dtype such as numpy.float32 or a "
+            f"Triton data type number such as triton_dtype() returns, got {dtype!r}{hint}"
+        )
+    return data_type
 
 
 def numpy_type_of(data_type: int) -> Any:

@@ -267,6 +267,48 @@ def test_tensor_empty_of_a_negative_shape_says_so_and_allocates_nothing(shape):
         arena.close()
 
 
+def test_tensor_empty_takes_a_triton_data_type_number():
+    like = pb_utils.Tensor("X", np.zeros(2, np.int16))
+    t = pb_utils.Tensor.empty("OUT", like.shape(), like.triton_dtype())
+    assert t.as_numpy().dtype == np.int16 and t.shape() == [2]
+
+
+DTYPE_ACCEPTED = "dtype must be a numpy dtype such as numpy.float32 or a Triton data type number"
+
+
+@pytest.mark.parametrize(
+    "shape, dtype, message",
+    [
+        ([2], "TYPE_FP32", f"{DTYPE_ACCEPTED} such as triton_dtype() returns, got 'TYPE_FP32' "
+         "(config.pbtxt names: pb_utils.triton_string_to_numpy)"),
+        ([2], "FP32", f"{DTYPE_ACCEPTED} such as triton_dtype() returns, got 'FP32' "
+         "(config.pbtxt names: pb_utils.triton_string_to_numpy)"),
+        ([2], None, f"{DTYPE_ACCEPTED} such as triton_dtype() returns, got None"),
+        ([2], 99, f"{DTYPE_ACCEPTED} such as triton_dtype() returns, got 99"),
+        ([2], 0, f"{DTYPE_ACCEPTED} such as triton_dtype() returns, got 0"),
+        ([2], np.complex64, f"{DTYPE_ACCEPTED} such as triton_dtype() returns, "
+         "got <class 'numpy.complex64'>"),
+        ([2], object(), DTYPE_ACCEPTED),
+        (None, np.float32, "shape must be a sequence of ints, got None"),
+        (4, np.float32, "shape must be a sequence of ints, got 4"),
+        ([2.5], np.float32, "shape must be a sequence of ints, got [2.5]"),
+        (["2"], np.float32, "shape must be a sequence of ints, got ['2']"),
+    ],
+)
+def test_tensor_empty_of_a_wrong_dtype_or_shape_says_what_it_takes(shape, dtype, message):
+    arena = Arena(MemorySpace(), f"dlserve_{os.getpid()}_unit{uuid.uuid4().hex[:8]}", 1 << 20, 1 << 20)
+    try:
+        for runtime in (None, types.SimpleNamespace(arena=arena)):  # outside a worker, and in one
+            _runtime.install(runtime)
+            with pytest.raises(pb_utils.TritonModelException) as raised:
+                pb_utils.Tensor.empty("OUT", shape, dtype)
+            assert str(raised.value).startswith(f"Tensor.empty('OUT'): {message}")
+        assert arena.bytes_in_use == 0
+    finally:
+        _runtime.install(None)
+        arena.close()
+
+
 # -- helpers -------------------------------------------------------------------------------
 
 
