@@ -310,16 +310,25 @@ class Server:
         return self._engine_or_raise()
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+        return self._submit(coro).result()
 
     def _run_waking(self, coro: Coroutine[Any, Any, T]) -> T:
         """``_run`` for a long wait: the caller's thread wakes every 0.1 s, so that the
         main thread's signal handlers run even when the kernel handed the signal to
         another thread (a thread blocked in one wait would see it only when it ends)."""
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        future = self._submit(coro)
         while not concurrent.futures.wait([future], timeout=0.1).done:
             pass
         return future.result()
+
+    def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Schedule ``coro`` on the loop; a server not started (or stopped) closes it
+        unrun as it refuses, so that it is not left "never awaited"."""
+        try:
+            return asyncio.run_coroutine_threadsafe(coro, self.loop)
+        except BaseException:
+            coro.close()
+            raise
 
     def _call_sync(self, fn: Any) -> Any:
         """Run ``fn(engine)`` on the loop and return its result (or raise its error)."""

@@ -30,6 +30,7 @@ import socket
 import subprocess
 import time
 import types
+import warnings
 import zlib
 from multiprocessing import resource_tracker
 from pathlib import Path
@@ -45,7 +46,7 @@ from tritonclient.utils import InferenceServerException
 
 import dlserve
 from dlserve import ModelControlMode
-from dlserve.frontends import KServeGrpc, KServeHttp
+from dlserve.frontends import KServeGrpc, KServeHttp, Metrics
 from dlserve.memory.dtypes import DataType, numpy_dtype
 
 from ..conftest import MODELS, ServerHarness, wait_until
@@ -2688,3 +2689,27 @@ def test_server_stop_while_the_http_service_runs(harness, tmp_path_factory):
     service.stop()
     with pytest.raises(ConnectionRefusedError):
         request(port, "GET", "/v2/health/live")
+
+
+@pytest.mark.parametrize("service_class", [KServeHttp, KServeGrpc, Metrics])
+def test_a_service_on_a_stopped_or_unstarted_server_is_refused_and_holds_nothing(
+    harness, tmp_path, service_class
+):
+    """As any call on a server not running: tritonserver's InvalidArgumentError, with no
+    "coroutine ... was never awaited" warning (the service's start used to leave one),
+    and no port held."""
+    stopped = harness.start(tmp_path)
+    harness.stop(stopped)
+    for server in (stopped, dlserve.Server(dlserve.Options(model_repository=str(tmp_path)))):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        service = service_class(server, service_class.Options(address="127.0.0.1", port=port))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with pytest.raises(dlserve.InvalidArgumentError, match="^Server not started$"):
+                service.start()
+            gc.collect()
+        assert [str(w.message) for w in caught] == []
+        socket.create_server(("127.0.0.1", port)).close()
+        service.stop()  # a no-op
