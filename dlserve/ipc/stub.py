@@ -386,13 +386,14 @@ class Worker:
                     exchange.closed = True
                     replies.append(((), (int(ErrorCode.INTERNAL), _not_a_response(response)), "{}"))
                 continue
-            if exchange.responses or exchange.closed:
-                raise self._failed(
-                    requests,
-                    "a request was answered both through its response sender and in the list "
-                    "execute returned",
-                )
-            exchange.closed = True
+            with exchange.lock:  # (a send another thread has begun ends first: it counts)
+                if exchange.responses or exchange.closed:
+                    raise self._failed(
+                        requests,
+                        "a request was answered both through its response sender and in the "
+                        "list execute returned",
+                    )
+                exchange.closed = True
             replies.append(encode_response(self.peer, response, exchange.requested, exchange.destinations))
 
     @staticmethod

@@ -19,7 +19,7 @@ import dlserve
 from dlserve.frontends import KServeGrpc
 from dlserve.frontends.grpc_stream import STREAM_BACKLOG
 
-from ..conftest import frontend, serve
+from ..conftest import frontend, serve, wait_until
 
 MODELS = ["decoupled", "default_sender", "async_overlap", "add_sub", "gather"]
 
@@ -205,6 +205,22 @@ def test_default_mode_execute_raising_after_a_response_answers_with_that_respons
     assert response.final and response.error is None
     np.testing.assert_array_equal(np.from_dlpack(response.outputs["OUT"]), [2, 4])
     assert any("Non-decoupled model cannot send more than one response" in r.getMessage() for r in caplog.records)
+    for instance in server.engine.instances():
+        assert not instance._held, instance.name
+
+
+def test_default_mode_execute_returning_a_response_its_sender_is_sending_is_refused(server, caplog):
+    """The sender sends from another thread while execute returns an answer too: the send
+    in progress finishes first and is the answer; execute's fails with the error that says
+    why (its check used to pass in the middle of the send: then one answer was dropped and
+    nobody told)."""
+    both = "answered both through its response sender and in the list execute returned"
+    with caplog.at_level(logging.ERROR, logger="dlserve"):
+        (response,) = sender_mode(server, "racing_return")
+        assert response.final and response.error is None
+        np.testing.assert_array_equal(np.from_dlpack(response.outputs["OUT"]), [2, 4])
+        # (logged when the execute's reply comes, just after the sender's answer)
+        wait_until(lambda: any(both in r.getMessage() for r in caplog.records))
     for instance in server.engine.instances():
         assert not instance._held, instance.name
 

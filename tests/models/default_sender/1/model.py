@@ -2,6 +2,8 @@
 as Triton allows since 24.06; "mode" picks how (see below)."""
 
 import json
+import sys
+import threading
 import time
 
 import numpy as np
@@ -50,6 +52,8 @@ class TritonPythonModel:
             elif mode == "last_errors":
                 note = pb_utils.Tensor("INFO", np.array([json.dumps(self.last).encode()], np.object_))
                 sender.send(pb_utils.InferenceResponse([note]), flags=FINAL)
+            elif mode == "racing_return":
+                return [self.racing_return(sender, data)]
             elif mode == "send_then_raise":
                 sender.send(response)  # not final: the server holds it for its final
                 try:
@@ -58,3 +62,29 @@ class TritonPythonModel:
                     raise RuntimeError(f"failed after sending a response: {exc}") from None
             # mode "silent": returns None without answering
         return None
+
+    def racing_return(self, sender, data):
+        """Answers through the sender on another thread, paused (a profile hook) at the
+        first call inside its send, and in the list execute returns meanwhile: one answer
+        goes, and the other must not be lost without a word."""
+        paused = threading.Event()
+
+        def pause_in_send(frame, event, arg):
+            caller = frame.f_back
+            if event == "call" and caller is not None and caller.f_code.co_name == "_send":
+                sys.setprofile(None)
+                paused.set()
+                time.sleep(0.3)
+
+        def send():
+            response = pb_utils.InferenceResponse([pb_utils.Tensor("OUT", data * 2)])
+            sys.setprofile(pause_in_send)
+            try:
+                sender.send(response, flags=FINAL)
+            finally:
+                sys.setprofile(None)
+
+        threading.Thread(target=send).start()
+        if not paused.wait(10):
+            raise RuntimeError("the sender's send never paused")
+        return pb_utils.InferenceResponse([pb_utils.Tensor("OUT", data * 3)])
