@@ -118,10 +118,10 @@ class MemorySpace:
             seg = self._segments.pop(name, None)
             if seg is None:
                 return
-            seg.drop_spares()
             self._starts.remove(seg.address)
             del self._by_start[seg.address]
             self._anchors.pop(name, None)
+        seg.drop_spares()
 
     def forget_segments(self, prefix: str) -> list[str]:
         """Forget every segment whose name starts with ``prefix``; their names."""

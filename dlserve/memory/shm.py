@@ -43,7 +43,6 @@ import logging
 import mmap
 import os
 import re
-import threading
 import weakref
 from typing import Any
 
@@ -123,9 +122,9 @@ _PAGE_OF_FILE = np.uint64(1 << 61)
 # Below this a new mapping costs less than finding a spare one clean (see the module's docstring).
 SPARE_MIN = 256 << 10
 _SPARES_PER_SEGMENT = 4
-# Views die on any thread, in a garbage collection too, which allocating an object may
-# start: nothing is allocated while it is held, and it is re-entrant all the same.
-_spares_lock = threading.RLock()
+# (No lock guards a segment's kept mappings: views die on any thread, inside a garbage
+# collection too, and a lock taken there could wait on its own thread or on one waiting
+# for MemorySpace's. Each step is one dict operation, which the GIL keeps whole.)
 _pagemap: tuple[int, int] = (0, -1)  # (pid, descriptor): opened once per process
 
 
@@ -189,7 +188,7 @@ class Segment:
         self._fd: int | None = None  # for views (see view), opened at the first
         # clean private mappings for reuse, by (start, length) in the object; None once
         # the segment is forgotten (see the module's docstring)
-        self._spares: list[tuple[tuple[int, int], mmap.mmap]] | None = []
+        self._spares: dict[tuple[int, int], mmap.mmap] | None = {}
         probe = ctypes.c_char.from_buffer(mm, skip)
         self.address = ctypes.addressof(probe)
         del probe  # a lingering export would pin the mapping forever
@@ -316,36 +315,26 @@ class Segment:
         return view
 
     def _take_spare(self, start: int, length: int) -> mmap.mmap | None:
-        key = (start, length)
-        with _spares_lock:
-            for entry in self._spares or ():
-                if entry[0] == key:
-                    self._spares.remove(entry)  # type: ignore[union-attr]
-                    return entry[1]
-        return None
+        spares = self._spares
+        return None if spares is None else spares.pop((start, length), None)
 
     def _keep_spare(self, mm: mmap.mmap, mapping: tuple[int, int, int]) -> None:
         """A private view died: keep its mapping for the next view of its range if no
         page of it was written (and the segment is still in use), else let it go."""
         address, length, start = mapping
-        if self._spares is None or written(address, length):
+        spares = self._spares
+        if spares is None or written(address, length):
             return
-        entry = ((start, length), mm)  # (made before the lock: see _spares_lock)
-        with _spares_lock:
-            if self._spares is None:
-                return
-            self._spares.append(entry)
-            evicted = self._spares.pop(0) if len(self._spares) > _SPARES_PER_SEGMENT else None
-        if evicted is not None:
-            evicted[1].close()
+        if len(spares) >= _SPARES_PER_SEGMENT:
+            spares.clear()  # (the ranges in use have changed: start again)
+        spares.setdefault((start, length), mm)
 
     def drop_spares(self) -> None:
-        """Unmap the mappings kept for reuse, and keep none from now on: the segment is
-        forgotten, and a mapping of it would keep its memory from being freed."""
-        with _spares_lock:
-            spares, self._spares = self._spares, None
-        for _, mm in spares or ():
-            mm.close()
+        """Let go of the mappings kept for reuse, and keep none from now on: the segment
+        is forgotten, and a mapping of it would keep its memory from being freed. (Each
+        is unmapped once the last export of it goes: the view that died last may not have
+        let go of its own yet.)"""
+        self._spares = None
 
     def make_private(self, view: ctypes.Array[Any]) -> None:
         """Turn a shared view copy-on-write where it is: arrays over it keep their
