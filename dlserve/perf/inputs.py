@@ -160,38 +160,72 @@ def generated_tensor(
     return rng.integers(0, 100, size=shape).astype(dtype)
 
 
+def _file_shape(value: Any, where: str) -> list[int]:
+    if not isinstance(value, list) or not all(type(d) is int and d >= 0 for d in value):
+        raise UsageError(
+            f"{where}: 'shape' must be a list of non-negative integers, got {json.dumps(value)}"
+        )
+    return value
+
+
+def _b64_content(tensor: TensorInfo, value: Any, where: str) -> Any:
+    if not isinstance(value, str):
+        raise UsageError(f"{where}: 'b64' must be a base64 string, got {json.dumps(value)}")
+    try:
+        raw = base64.b64decode(value)
+    except ValueError as exc:  # (binascii.Error: bad padding)
+        raise UsageError(f"{where}: 'b64' is not base64: {exc}") from None
+    if tensor.datatype == "BYTES":
+        return [raw]
+    dtype = numpy_type(tensor.datatype)
+    if len(raw) % dtype.itemsize:
+        raise UsageError(f"{where}: 'b64' holds {len(raw)} bytes, not whole {tensor.datatype} "
+                         f"elements of {dtype.itemsize} bytes each")
+    return np.frombuffer(raw, dtype=dtype).copy()
+
+
+def _bytes_elements(content: Any, where: str) -> np.ndarray:
+    """BYTES content, flat: strings (UTF-8 encoded) or the bytes of a 'b64'."""
+    try:
+        flat = np.asarray(content, dtype=np.object_).reshape(-1)
+    except ValueError as exc:
+        raise UsageError(f"{where}: {exc}") from None
+    array = np.empty(flat.size, dtype=np.object_)
+    for i, item in enumerate(flat):
+        if isinstance(item, str):
+            array[i] = item.encode()
+        elif isinstance(item, bytes):
+            array[i] = item
+        else:
+            raise UsageError(f"{where}: BYTES elements are strings, got {json.dumps(item)}")
+    return array
+
+
 def _step_tensor(tensor: TensorInfo, value: Any, default_shape: list[int] | None, where: str) -> np.ndarray:
     shape = None
+    at = f"{where}: input '{tensor.name}'"
     if isinstance(value, dict):
         if "shape" in value:
-            shape = [int(d) for d in value["shape"]]
+            shape = _file_shape(value["shape"], at)
         if "b64" in value:
-            raw = base64.b64decode(value["b64"])
-            if tensor.datatype == "BYTES":
-                content: Any = [raw]
-            else:
-                array = np.frombuffer(raw, dtype=numpy_type(tensor.datatype)).copy()
-                content = array
+            content: Any = _b64_content(tensor, value["b64"], at)
         elif "content" in value:
             content = value["content"]
         else:
-            raise UsageError(f"{where}: input '{tensor.name}' needs 'content' or 'b64'")
+            raise UsageError(f"{at} needs 'content' or 'b64'")
     else:
         content = value
     if shape is None:
         shape = default_shape
     if tensor.datatype == "BYTES":
-        flat = np.asarray(content, dtype=np.object_).reshape(-1)
-        array = np.empty(flat.size, dtype=np.object_)
-        for i, item in enumerate(flat):
-            array[i] = item.encode() if isinstance(item, str) else bytes(item)
+        array = _bytes_elements(content, at)
     elif isinstance(content, np.ndarray):
         array = content.reshape(-1)
     else:
         try:
             array = np.asarray(content, dtype=numpy_type(tensor.datatype)).reshape(-1)
-        except (TypeError, ValueError) as exc:
-            raise UsageError(f"{where}: input '{tensor.name}': {exc}") from None
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise UsageError(f"{at}: {exc}") from None
     if shape is None:
         if any(d < 0 for d in tensor.dims):
             raise UsageError(

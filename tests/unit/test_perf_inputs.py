@@ -131,11 +131,37 @@ def test_json_batched_cycles_steps(tmp_path):
         ({"data": [{"INPUT0": [1.0] * 16, "INPUT1": [1.0] * 16, "EXTRA": [1]}]}, "has no input(s) EXTRA"),
         ({"data": [{"INPUT0": {"shape": [16]}, "INPUT1": [1.0] * 16}]}, "needs 'content' or 'b64'"),
         ({"data": [{"INPUT0": ["x"] * 16, "INPUT1": [1.0] * 16}]}, "input 'INPUT0'"),
+        # (each of these ended the command with a Python traceback)
+        ({"data": [{"INPUT0": {"content": [1.0] * 16, "shape": ["x"]}, "INPUT1": [1.0] * 16}]},
+         "'shape' must be a list of non-negative integers, got [\"x\"]"),
+        ({"data": [{"INPUT0": {"content": [1.0] * 16, "shape": 16}, "INPUT1": [1.0] * 16}]},
+         "'shape' must be a list of non-negative integers, got 16"),
+        ({"data": [{"INPUT0": {"b64": "AAAA"}, "INPUT1": [1.0] * 16}]},
+         "'b64' holds 3 bytes, not whole FP32 elements of 4 bytes each"),
+        ({"data": [{"INPUT0": {"b64": 5}, "INPUT1": [1.0] * 16}]},
+         "'b64' must be a base64 string, got 5"),
+        ({"data": [{"INPUT0": {"b64": "AAAAA"}, "INPUT1": [1.0] * 16}]}, "'b64' is not base64"),
     ],
 )
 def test_bad_json_data(tmp_path, document, message):
     with pytest.raises(UsageError) as exc:
         make_requests(ADD_SUB, 1, {}, write(tmp_path, document))
+    assert message in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    ("info", "values", "message"),
+    [
+        (BATCHED, [{"content": [2**40] * 4, "shape": [2, 2]}], "out of bounds for int32"),
+        (STRINGS, [{"content": [1.5], "shape": [1]}], "BYTES elements are strings, got 1.5"),
+        (STRINGS, [{"content": [3], "shape": [1]}], "BYTES elements are strings, got 3"),
+        (STRINGS, [{"content": [["a", "b"], ["c"]], "shape": [3]}], "input 'INPUT0'"),
+    ],
+)
+def test_json_values_the_datatype_cannot_hold(tmp_path, info, values, message):
+    document = {"data": [{"INPUT0": value} for value in values]}
+    with pytest.raises(UsageError) as exc:  # (a traceback before; BYTES 3 was sent as 3 zero bytes)
+        make_requests(info, 1, {}, write(tmp_path, document))
     assert message in str(exc.value)
 
 
