@@ -77,6 +77,7 @@ class Settings:
     ssl_grpc_cert_chain: str = ""
     measurement_interval_ms: int = 5000
     count_windows: int = 0  # count_windows mode: a window ends once this many requests ended
+    request_count: int = 0  # --request-count: one window of exactly this many requests, all sent
     stability_percentage: float = 10.0
     max_trials: int = 10
     percentile: int = -1
@@ -168,6 +169,12 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     else:
         mode, (start, end, step) = "concurrency", args.concurrency_range or (1, 1, 1)
     unbounded = mode == "concurrency" and end == 0
+    if args.request_count and intervals is None:  # (perf_analyzer's rules, in its words)
+        kind = "concurrency" if mode == "concurrency" else "request-rate"
+        if args.request_count < start:
+            raise UsageError(f"request-count can not be less than {kind}")
+        if end != start or args.periodic_concurrency_range is not None:
+            raise UsageError(f"request-count not supported with multiple {kind} values in one run")
     if unbounded and not args.latency_threshold:
         raise UsageError("--concurrency-range with end 0 needs --latency-threshold (where to stop)")
     if args.binary_search and (intervals is not None or unbounded or end <= start):
@@ -293,6 +300,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         count_windows=args.request_count or (
             args.measurement_request_count if args.measurement_mode == "count_windows" else 0
         ),
+        request_count=args.request_count,
         stability_percentage=args.stability_percentage,
         max_trials=args.max_trials,
         percentile=args.percentile,

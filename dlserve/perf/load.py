@@ -158,6 +158,7 @@ class LoadGenerator:
         self._in_flight: set[asyncio.Task[None]] = set()  # request-rate mode's requests
         self._slot_freed = asyncio.Event()
         self._next = 0  # payload index, shared so slots spread over the payloads
+        self.budget: int | None = None  # --request-count's: requests left to send (None: no end)
         self._rng = random.Random(0)  # which live sequence a request-rate request goes to
 
     # -- set-up ---------------------------------------------------------------------------
@@ -207,7 +208,7 @@ class LoadGenerator:
         infer = slot.infer
         now = _now
         try:
-            while not worker.stop:
+            while not worker.stop and self._spend():
                 payload, ends = source.next()
                 start = now()
                 timings = await infer(payload)
@@ -260,6 +261,8 @@ class LoadGenerator:
         while True:
             now = _now()
             while due <= now:
+                if not self._spend():
+                    return
                 late = await self._freed(lambda: bool(idle))
                 sequence = -1
                 if self._live:
@@ -282,6 +285,15 @@ class LoadGenerator:
                 due += gap()
                 now = _now()
             await asyncio.sleep((due - now) / 1e9)
+
+    def _spend(self) -> bool:
+        """Whether one more request may go out (counted off the budget, if any)."""
+        if self.budget is None:
+            return True
+        if self.budget == 0:
+            return False
+        self.budget -= 1
+        return True
 
     async def _pick_sequence(self) -> tuple[int, bool]:
         """The live sequence the next request goes to (at random; with

@@ -191,7 +191,8 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     measure.add_argument("-s", "--stability-percentage", type=positive_float, default=10.0, metavar="PCT",
                          help="the last 3 windows must agree within this percentage (default: 10)")
     measure.add_argument("--request-count", type=int_at_least(0), default=0, metavar="N",
-                         help="count_windows mode with windows of N requests (perf_analyzer's; 0: off)")
+                         help="send exactly N requests and measure them as one window, with no "
+                         "stability check: one level only (default: 0, windows until stable)")
     measure.add_argument("--binary-search", action="store_true",
                          help="search START:END for the highest level within --latency-threshold by "
                          "halving the range (STEP: the precision) instead of trying every level")

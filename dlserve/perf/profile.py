@@ -166,12 +166,17 @@ class Profiler:
         label = "concurrency" if mode == "concurrency" else "request rate"
         shown = report.level_label(mode, value)
         report.print_out(report.level_header(mode, value) + "\n", self.progress)
-        await group.set_level(mode, value)
-        self._check(group)
+        counted = settings.request_count > 0  # (its one window holds every request: it opens first)
+        if not counted:
+            await group.set_level(mode, value)
+            self._check(group)
         await group.collect()  # what ended before this level's load was set
         if self.metrics is not None:
             self.metrics.take()
         before = await self._stats()
+        if counted:
+            await group.set_level(mode, value)
+            self._check(group)
         windows: list[Window] = []
         stable = False
         interval = settings.measurement_interval_ms / 1000
@@ -207,7 +212,8 @@ class Profiler:
                 latencies = client.latencies_ns
                 avg, std = (latencies.mean() / 1000, latencies.std() / 1000) if client.count else (0, 0)
                 report.print_out(report.pass_text(trial, window.throughput, avg, std) + "\n", self.progress)
-            stable = is_stable(windows, settings.stability_percentage, settings.percentile, settings.throughput_only)
+            stable = counted or is_stable(windows, settings.stability_percentage,
+                                          settings.percentile, settings.throughput_only)
             if stable:
                 break
         if self.export is not None:

@@ -53,16 +53,19 @@ def settings_text(settings: Any, server_stats: bool) -> str:
     else:
         lines.append("  Service Kind: TRITON")  # (perf_analyzer's line, which scripts match whole)
         lines.append(f"  Server: {PROTOCOL_NAMES[settings.protocol]} {settings.url}")
-    if settings.count_windows:  # (perf_analyzer's lines)
-        lines.append('  Using "count_windows" mode for stabilization')
-        lines.append(f"  Minimum number of samples in each window: {settings.count_windows}")
+    if settings.request_count:  # (perf_analyzer's line: one window, nothing to stabilize)
+        lines.append(f"  Sending {settings.request_count} benchmark requests")
     else:
-        lines.append('  Using "time_windows" mode for stabilization')
-    metric = "average latency" if settings.percentile < 0 else f"p{settings.percentile}latency"
-    if settings.throughput_only:
-        lines.append("  Stabilizing using average throughput")
-    else:
-        lines.append(f"  Stabilizing using {metric} and throughput")
+        if settings.count_windows:  # (perf_analyzer's lines)
+            lines.append('  Using "count_windows" mode for stabilization')
+            lines.append(f"  Minimum number of samples in each window: {settings.count_windows}")
+        else:
+            lines.append('  Using "time_windows" mode for stabilization')
+        metric = "average latency" if settings.percentile < 0 else f"p{settings.percentile}latency"
+        if settings.throughput_only:
+            lines.append("  Stabilizing using average throughput")
+        else:
+            lines.append(f"  Stabilizing using {metric} and throughput")
     if not settings.count_windows:
         lines.append(f"  Measurement window: {settings.measurement_interval_ms} msec")
     if settings.periodic_range:

@@ -62,7 +62,9 @@ class LocalLoad:
     async def start(self) -> None:
         await self.generator.start()
 
-    async def set_level(self, mode: str, value: float, distribution: str) -> None:
+    async def set_level(self, mode: str, value: float, distribution: str,
+                        budget: int | None) -> None:
+        self.generator.budget = budget
         if mode == "concurrency":
             await self.generator.set_concurrency(int(value))
         else:
@@ -115,8 +117,9 @@ class RemoteLoad:
     async def start(self) -> None:
         await self._ask("start")
 
-    async def set_level(self, mode: str, value: float, distribution: str) -> None:
-        await self._ask("level", (mode, value, distribution))
+    async def set_level(self, mode: str, value: float, distribution: str,
+                        budget: int | None) -> None:
+        await self._ask("level", (mode, value, distribution, budget))
 
     async def warmup(self, requests: int, concurrency: int) -> None:
         await self._ask("warmup", (requests, concurrency), timeout=600)
@@ -175,7 +178,7 @@ async def _serve(conn: Any, settings: Any, info: Any, requests: list, streams: l
                     await generator.start()
                     started = True
                 elif command == "level":
-                    mode, level, distribution = argument
+                    mode, level, distribution, generator.budget = argument
                     if mode == "concurrency":
                         await generator.set_concurrency(int(level))
                     else:
@@ -231,9 +234,14 @@ class LoadGroup:
 
     async def set_level(self, mode: str, value: float) -> None:
         shares = split(value, len(self.loads), integer=mode == "concurrency")
+        budgets: list[int | None] = [None] * len(shares)
+        total = self.settings.request_count
+        if total:  # (in proportion to each load's share; the remainder to the first, the largest)
+            budgets = [int(total * share // sum(shares)) for share in shares]
+            budgets[0] += total - sum(budgets)
         await asyncio.gather(*(
-            load.set_level(mode, share, self.settings.distribution)
-            for load, share in zip(self.loads, shares)
+            load.set_level(mode, share, self.settings.distribution, budget)
+            for load, share, budget in zip(self.loads, shares, budgets)
         ))
 
     async def warmup(self, requests: int, concurrency: int) -> None:

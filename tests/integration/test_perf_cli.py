@@ -311,9 +311,34 @@ def test_binary_search_halves_the_range_towards_the_latency_limit(server, tmp_pa
     assert measured == expected and within <= set(measured), (measured, within)
 
 
-def test_request_count_makes_count_windows(server, tmp_path):
-    result = perf("-m", "add_sub", *url(server, "http"), "-s", "1000", "-r", "3", "--request-count", "60")
-    assert "Minimum number of samples in each window: 60" in result.stdout
+@pytest.mark.parametrize(("load", "processes"), [
+    (["--concurrency-range", "2"], "1"),
+    (["--concurrency-range", "3"], "2"),
+    (["--request-rate-range", "300"], "2"),
+])
+def test_request_count_sends_exactly_so_many_requests_in_one_window(server, tmp_path, load,
+                                                                    processes):
+    """As perf_analyzer's --request-count: N requests in all, measured as one window, with
+    no stability check (it made windows of N until 3 agreed: 3 to 10 times N)."""
+    out = tmp_path / "out.json"
+    result = perf("-m", "add_sub", *url(server, "http"), "-s", "0.001", "--request-count", "300",
+                  *load, "--processes", processes, "--json", str(out))
+    assert "  Sending 300 benchmark requests" in result.stdout
+    assert "Stabilizing" not in result.stdout
+    (level,) = json.loads(out.read_text())["results"]
+    assert level["stable"] and level["windows"] == 1
+    assert level["request_count"] == level["server"]["success_count"] == 300
+
+
+@pytest.mark.parametrize(("load", "message"), [
+    (["--concurrency-range", "1:2"], "not supported with multiple concurrency values"),
+    (["--request-rate-range", "1:2"], "not supported with multiple request-rate values"),
+    (["--concurrency-range", "8"], "request-count can not be less than concurrency"),
+    (["--request-rate-range", "8"], "request-count can not be less than request-rate"),
+])
+def test_request_count_takes_one_level_of_at_most_as_many(server, load, message):
+    result = perf("-m", "add_sub", *url(server, "http"), "--request-count", "5", *load, expect=99)
+    assert message in result.stderr
 
 
 @pytest.mark.parametrize("transport", ["h2", "grpcio"])
