@@ -519,6 +519,15 @@ def test_no_server():
     assert "cannot reach the server" in result.stderr
 
 
+def test_http_at_the_grpc_port_says_so(server):
+    """A common slip (-u at port 8001 without -i grpc): it printed the gRPC server's binary
+    HTTP/2 frames as the reason."""
+    result = perf("-m", "add_sub", "-u", f"127.0.0.1:{server['ports']['grpc']}", *QUICK, expect=99)
+    message = result.stderr.strip().splitlines()[-1]
+    assert message.endswith("does not answer HTTP/1.1 (a gRPC port? use -i grpc)")
+    assert message.isprintable()
+
+
 # -- in-process ----------------------------------------------------------------------------------
 def test_inprocess(tmp_path):
     repo = tmp_path / "repo"

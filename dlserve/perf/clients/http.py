@@ -59,6 +59,10 @@ class HttpControl(ControlClient):
             except (OSError, http.client.HTTPException) as exc:
                 self._conn.close()
                 self._conn = None
+                if isinstance(exc, http.client.BadStatusLine) and not isinstance(exc, OSError):
+                    # (its "status line" is whatever came back: a gRPC port's HTTP/2 frames)
+                    raise ServerError(f"the server at {self.url} does not answer HTTP/1.1 "
+                                      "(a gRPC port? use -i grpc)") from None
                 if attempt:
                     raise ServerError(f"cannot reach the server at {self.url}: {exc}") from None
         if response.status == 404 and path.endswith("/config"):
