@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import multiprocessing
+import os
 import signal
 import sys
 import time
@@ -310,8 +312,16 @@ def benchmark(settings: Settings, server: Any = None,
             metrics.start()
         loop = new_event_loop()
         task = loop.create_task(profiler.run())
+
+        def interrupted() -> None:
+            """The first Ctrl-C: the run stops and cleans up (shm, workers), which waits on the
+            server; a second ends the command at once, as perf_analyzer's does."""
+            task.cancel()
+            loop.remove_signal_handler(signal.SIGINT)
+            signal.signal(signal.SIGINT, _exit_at_once)
+
         try:
-            loop.add_signal_handler(signal.SIGINT, task.cancel)  # so the run cleans up (shm, workers)
+            loop.add_signal_handler(signal.SIGINT, interrupted)
         except (NotImplementedError, RuntimeError, ValueError):
             pass
         try:
@@ -326,6 +336,15 @@ def benchmark(settings: Settings, server: Any = None,
         if metrics is not None:
             metrics.stop()
         control.close()
+
+
+def _exit_at_once(signum: int, frame: Any) -> None:
+    print("dlserve perf: interrupted again: exiting without cleaning up", file=sys.stderr)
+    sys.stderr.flush()
+    sys.stdout.flush()
+    for worker in multiprocessing.active_children():  # (--processes': they wait on the server too)
+        worker.kill()
+    os._exit(130)  # (the resource tracker still unlinks the shm segments)
 
 
 def _metrics_collector(settings: Settings, server: Any) -> MetricsCollector | None:

@@ -14,6 +14,7 @@ import csv
 import glob
 import http.client
 import json
+import os
 import shutil
 import signal
 import socket
@@ -95,7 +96,7 @@ def run_server(work: Path, repo: Path, *extra: str) -> Iterator[dict[str, Any]]:
             assert proc.poll() is None, f"dlserve serve exited {proc.returncode}:\n{log_path.read_text()}"
             assert time.monotonic() < deadline, f"not ready in 60 s:\n{log_path.read_text()}"
             time.sleep(0.1)
-        yield {"ports": ports, "work": work, "repo": repo}
+        yield {"ports": ports, "work": work, "repo": repo, "pid": proc.pid}
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -474,6 +475,49 @@ def test_grpc_over_mutual_tls(tmp_path, transport):
 
 
 # -- failures -----------------------------------------------------------------------------------
+def test_a_second_ctrl_c_ends_the_run_at_once_when_the_server_hangs(tmp_path):
+    """As perf_analyzer: the first Ctrl-C cleans up, which waits on the server; the second
+    exits now (it was ignored: with the server stopped, the run took about a minute to end)."""
+    repo = tmp_path / "repo"
+    shutil.copytree(MODELS / "add_sub", repo / "add_sub")
+    served = run_server(tmp_path, repo)
+    server = next(served)
+    never_stable = ["-p", "300", "-s", "0.001", "-r", "1000"]
+    run = subprocess.Popen([DLSERVE, "perf", "-m", "add_sub", *url(server, "http"), *never_stable,
+                            "--shared-memory", "system"], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while b'"success":{"count":0' in stats_of(server, "add_sub"):  # (until it is measuring)
+            assert time.monotonic() < deadline and run.poll() is None
+            time.sleep(0.1)
+        os.kill(server["pid"], signal.SIGSTOP)
+        time.sleep(0.5)  # (a window ends: its statistics read waits on the server)
+        run.send_signal(signal.SIGINT)
+        time.sleep(1)
+        run.send_signal(signal.SIGINT)
+        _, stderr = run.communicate(timeout=5)
+        assert run.returncode == 130 and "interrupted again" in stderr, stderr
+    finally:
+        os.kill(server["pid"], signal.SIGCONT)
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+        deadline = time.monotonic() + 10  # (its answers to the stopped time first)
+        while not ready(server["ports"]["http"]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        served.close()
+
+
+def stats_of(server, model: str) -> bytes:
+    conn = http.client.HTTPConnection("127.0.0.1", server["ports"]["http"], timeout=5)
+    try:
+        conn.request("GET", f"/v2/models/{model}/stats")
+        return conn.getresponse().read().replace(b" ", b"")
+    finally:
+        conn.close()
+
+
 def test_unknown_model(server):
     result = perf("-m", "nope", *url(server, "http"), *QUICK, expect=99)
     assert "nope" in result.stderr and "Traceback" not in result.stderr
