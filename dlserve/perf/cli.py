@@ -47,7 +47,7 @@ class Settings:
     distribution: str = "constant"
     request_intervals_us: list[float] | None = None  # --request-intervals: the gaps, in turn
     shapes: dict[str, list[int]] = dataclasses.field(default_factory=dict)
-    input_data: str = "random"
+    input_data: str | list[str] = "random"  # zero, random, or JSON files (their data in turn)
     string_length: int = 128
     string_data: str | None = None
     json_inputs: bool = False  # --input-tensor-format json (HTTP)
@@ -229,12 +229,19 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     reserved = sorted(set(parameters) & RESERVED_PARAMETERS)
     if reserved:
         raise UsageError(f"--request-parameter: {', '.join(reserved)} is set by dlserve perf itself")
-    input_data = args.input_data
-    if input_data not in ("zero", "random"):
-        if os.path.isdir(input_data):
-            raise UsageError(f"--input-data: '{input_data}' is a directory; give a JSON file, zero or random")
-        if not os.path.isfile(input_data):
-            raise UsageError(f"--input-data: expected zero, random or a JSON file; '{input_data}' does not exist")
+    given = args.input_data or ["random"]
+    # JSON files, every one in turn, win over zero and random (perf_analyzer's rule)
+    files = [path for path in given if path not in ("zero", "random")]
+    input_data = files or given[-1]
+    for path in files:
+        if os.path.isdir(path):
+            raise UsageError(
+                f"--input-data: '{path}' is a directory; give a JSON file, zero or random"
+            )
+        if not os.path.isfile(path):
+            raise UsageError(
+                f"--input-data: expected zero, random or a JSON file; '{path}' does not exist"
+            )
     if args.plot_file:
         try:
             import matplotlib  # noqa: F401

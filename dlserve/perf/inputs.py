@@ -14,7 +14,8 @@
   order. Content may be flat or nested; BYTES content is a list of strings. A step
   without ``shape`` uses the model's dims (with ``--shape`` for variable ones). Requests
   cycle through the steps; with ``-b B`` a request takes B consecutive steps. The other
-  keys of the file (``validation_data``, ``parameters``) are ignored.
+  keys of the file (``validation_data``, ``parameters``) are ignored. With several files,
+  their steps follow each other, file after file.
 
 BYTES elements in the zero and random modes are ``--string-data`` when given, else random
 printable strings of ``--string-length`` characters, as perf_analyzer's are.
@@ -298,7 +299,7 @@ def make_requests(
     info: ModelInfo,
     batch_size: int,
     shapes: dict[str, list[int]],
-    input_data: str,
+    input_data: str | list[str],
     string_length: int = 128,
     string_data: str | None = None,
     seed: int | None = None,
@@ -319,7 +320,8 @@ def make_requests(
         for name in shapes:
             if name not in names:
                 raise UsageError(f"--shape: model '{info.name}' has no input '{name}'")
-        steps = load_json_steps(input_data, info, shapes)
+        paths = [input_data] if isinstance(input_data, str) else input_data
+        steps = [step for path in paths for step in load_json_steps(path, info, shapes)]
     return _batched(info, steps, batch_size)
 
 

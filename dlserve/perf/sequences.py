@@ -43,20 +43,28 @@ class Step:
         return {"sequence_id": self.sequence_id, "sequence_start": self.start, "sequence_end": self.end}
 
 
-def stream_lengths(input_data: str) -> list[int] | None:
-    """The lengths of a JSON data file's streams (one stream when it has none); None for
-    generated data. The file was checked by :func:`dlserve.perf.inputs.load_json_steps`."""
+def stream_lengths(input_data: str | list[str]) -> list[int] | None:
+    """The lengths of the JSON data files' streams, file after file (one stream for a file
+    without any); None for generated data. The files were checked by
+    :func:`dlserve.perf.inputs.load_json_steps`."""
     if input_data in ("zero", "random"):
         return None
-    with open(input_data, encoding="utf-8") as f:
+    paths = [input_data] if isinstance(input_data, str) else input_data
+    return [length for path in paths for length in _file_streams(path)]
+
+
+def _file_streams(path: str) -> list[int]:
+    with open(path, encoding="utf-8") as f:
         data = json.load(f)["data"]
     if all(isinstance(entry, list) for entry in data):
         lengths = [len(entry) for entry in data]
         if not all(lengths):
-            raise UsageError(f"--input-data {input_data}: a stream has no steps")
+            raise UsageError(f"--input-data {path}: a stream has no steps")
         return lengths
     if any(isinstance(entry, list) for entry in data):
-        raise UsageError(f"--input-data {input_data}: either every entry of 'data' is a stream (a list) or none is")
+        raise UsageError(
+            f"--input-data {path}: either every entry of 'data' is a stream (a list) or none is"
+        )
     return [len(data)]
 
 

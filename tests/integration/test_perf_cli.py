@@ -378,6 +378,18 @@ def test_json_input_data_and_percentile(server, tmp_path):
     assert "p75 latency" in out.read_text().splitlines()[0]
 
 
+def test_several_json_input_files_are_each_used(server, tmp_path):
+    """As perf_analyzer appends the data of every --input-data file (only the last was used)."""
+    first, second, export = tmp_path / "1.json", tmp_path / "2.json", tmp_path / "export.json"
+    first.write_text(json.dumps({"data": [{"INPUT0": {"content": [1.0] * 8, "shape": [8]}}]}))
+    second.write_text(json.dumps({"data": [{"INPUT0": {"content": [2.0] * 4, "shape": [4]}}]}))
+    perf("-m", "identity", *url(server, "http"), *QUICK, "--input-data", str(first),
+         "--input-data", str(second), "--profile-export-file", str(export))
+    (experiment,) = json.loads(export.read_text())["experiments"]
+    sent = {tuple(request["request_inputs"]["INPUT0"]) for request in experiment["requests"]}
+    assert sent == {(1.0,) * 8, (2.0,) * 4}
+
+
 def test_bytes_model_with_string_length(server, tmp_path):
     out = tmp_path / "out.json"
     perf("-m", "bytes_model", "-x", "1", *url(server, "http"), *QUICK, "--shape", "INPUT0:4", "--string-length", "16",

@@ -182,6 +182,16 @@ def test_model_is_required(capsys):
     assert "-m/--model-name" in err
 
 
+def test_input_data_files_are_all_kept(tmp_path):
+    first, second = tmp_path / "1.json", tmp_path / "2.json"
+    first.write_text("{}")
+    second.write_text("{}")
+    given = ["--input-data", str(first), "--input-data", str(second)]
+    assert settings("-m", "m", *given).input_data == [str(first), str(second)]
+    assert settings("-m", "m", "--input-data", "zero", *given[:2]).input_data == [str(first)]
+    assert settings("-m", "m", "--input-data", "zero").input_data == "zero"
+
+
 def test_input_data_directory_is_refused(capsys, tmp_path):
     err = usage_error(capsys, "-m", "m", "--input-data", str(tmp_path))
     assert "is a directory" in err

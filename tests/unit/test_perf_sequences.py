@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 
 import pytest
 
 from dlserve.perf.cli import Settings
 from dlserve.perf.flags import parse_header, parse_id_range, parse_request_parameter
-from dlserve.perf.sequences import SequenceMaker
+from dlserve.perf.sequences import SequenceMaker, stream_lengths
 
 
 def maker(streams: list[int] | None = None, part: int = 0, parts: int = 1, **changes: object) -> SequenceMaker:
@@ -57,6 +58,14 @@ def test_lengths_vary_by_the_percentage():
     lengths = {len(varied.new()) for _ in range(200)}
     assert lengths <= set(range(16, 25)) and len(lengths) > 3
     assert {len(maker(sequence_length=20, sequence_length_variation=0).new()) for _ in range(5)} == {20}
+
+
+def test_the_streams_of_several_files_follow_each_other(tmp_path):
+    flat, streams = tmp_path / "flat.json", tmp_path / "streams.json"
+    flat.write_text(json.dumps({"data": [{"INPUT": [1]}] * 3}))
+    streams.write_text(json.dumps({"data": [[{"INPUT": [1]}] * 2, [{"INPUT": [1]}] * 4]}))
+    assert stream_lengths([str(flat), str(streams)]) == [3, 2, 4]
+    assert stream_lengths(str(streams)) == [2, 4] and stream_lengths("zero") is None
 
 
 def test_streams_are_taken_whole_in_turn_unless_a_length_is_given():
