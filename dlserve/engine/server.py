@@ -279,6 +279,24 @@ async def _all(coroutines: list[Coroutine[Any, Any, None]]) -> None:
             raise outcome
 
 
+async def _cancel_the_rest() -> None:
+    """Cancel every other task on the loop and wait until they have ended (as asyncio.run
+    does before it closes its loop)."""
+    tasks = asyncio.all_tasks() - {asyncio.current_task()}
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _result(future: concurrent.futures.Future[T]) -> T:
+    """A call's result on the loop; one the server's stop cancelled raises as a call
+    on a stopped server does."""
+    try:
+        return future.result()
+    except concurrent.futures.CancelledError:
+        raise InvalidArgumentError("Server not started") from None
+
+
 class Server:
     """An in-process dlserve server: ``Server(Options(model_repository=...)).start()``."""
 
@@ -291,6 +309,10 @@ class Server:
         self._cpu = prometheus.CpuSampler()  # CPU use between calls of metrics()
         self._loading = False  # start() is loading the models
         self._allocating: concurrent.futures.ThreadPoolExecutor | None = None  # (_delivery)
+        # Handing work to the loop, against a stop ending the loop (see _shutdown); and
+        # one stop at a time.
+        self._handing = threading.Lock()
+        self._stopping = threading.Lock()
 
     # -- plumbing -----------------------------------------------------------------------
     def _engine_or_raise(self) -> Engine:
@@ -310,7 +332,7 @@ class Server:
         return self._engine_or_raise()
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return self._submit(coro).result()
+        return _result(self._submit(coro))
 
     def _run_waking(self, coro: Coroutine[Any, Any, T]) -> T:
         """``_run`` for a long wait: the caller's thread wakes every 0.1 s, so that the
@@ -319,13 +341,14 @@ class Server:
         future = self._submit(coro)
         while not concurrent.futures.wait([future], timeout=0.1).done:
             pass
-        return future.result()
+        return _result(future)
 
     def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        """Schedule ``coro`` on the loop; a server not started (or stopped) closes it
-        unrun as it refuses, so that it is not left "never awaited"."""
+        """Schedule ``coro`` on the loop; a server not started (or stopped, or ending its
+        loop) closes it unrun as it refuses, so that it is not left "never awaited"."""
         try:
-            return asyncio.run_coroutine_threadsafe(coro, self.loop)
+            with self._handing:
+                return asyncio.run_coroutine_threadsafe(coro, self.loop)
         except BaseException:
             coro.close()
             raise
@@ -340,7 +363,8 @@ class Server:
         return self._run(call())
 
     def _on_loop(self, fn: Any, *args: Any) -> None:
-        self.loop.call_soon_threadsafe(fn, *args)
+        with self._handing:
+            self.loop.call_soon_threadsafe(fn, *args)
 
     def _delivery(
         self, deliver: Callable[[Response], None], allocator: MemoryAllocator | None
@@ -410,40 +434,53 @@ class Server:
         ``wait_for_sequences``: first let the sequences open now end (their END, or their
         idle time), taking their next requests meanwhile and refusing others, as
         tritonserver does when it exits (``dlserve serve`` does so on SIGTERM); all within
-        the same ``exit_timeout``."""
+        the same ``exit_timeout``.
+
+        A stop() racing another (from another thread) returns once that one is done."""
         self._engine_or_raise()
         if not self._shutdown(wait_for_sequences):
             raise InternalError("Exit timeout expired. Exiting immediately.")
 
     def _shutdown(self, wait_for_sequences: bool = False) -> bool:
-        engine, loop, thread = self._engine, self._loop, self._thread
-        if engine is None or loop is None:
-            return True
-        # One budget for the whole shutdown: the services drain, then the engine.
-        deadline = time.monotonic() + engine.settings.exit_timeout
-        # As Triton's exiting server: the network's requests in flight finish, new ones
-        # (on a gRPC stream or a keep-alive connection still open) are refused.
-        self._run(engine.begin_stop(deadline))
-        if wait_for_sequences:  # (the services take their requests, on new connections too)
-            self._run_waking(engine.sequences_ended(deadline))
-        # No new requests from the network then: every service stops accepting at
-        # once, then each drains what it has in flight.
-        stopping = [c for service in list(self._services) if (c := service._stopping(deadline)) is not None]
-        if stopping:
-            self._run(_all(stopping))
-        try:
-            return asyncio.run_coroutine_threadsafe(engine.stop(deadline), loop).result()
-        finally:
-            if self._allocating is not None:
-                # The last responses go out while the loop still runs (their allocator may
-                # call the server).
-                self._allocating.shutdown()
-            loop.call_soon_threadsafe(loop.stop)
-            if thread is not None:
-                thread.join()
-            loop.close()
-            self._engine = self._loop = self._thread = self._allocating = None
-            _LIVE_SERVERS.discard(self)
+        with self._stopping:
+            engine, loop, thread = self._engine, self._loop, self._thread
+            if engine is None or loop is None:
+                return True
+            # One budget for the whole shutdown: the services drain, then the engine.
+            deadline = time.monotonic() + engine.settings.exit_timeout
+            # As Triton's exiting server: the network's requests in flight finish, new ones
+            # (on a gRPC stream or a keep-alive connection still open) are refused.
+            self._run(engine.begin_stop(deadline))
+            if wait_for_sequences:  # (the services take their requests, on new connections too)
+                self._run_waking(engine.sequences_ended(deadline))
+            # No new requests from the network then: every service stops accepting at
+            # once, then each drains what it has in flight.
+            stopping = [
+                c
+                for service in list(self._services)
+                if (c := service._stopping(deadline)) is not None
+            ]
+            if stopping:
+                self._run(_all(stopping))
+            try:
+                return asyncio.run_coroutine_threadsafe(engine.stop(deadline), loop).result()
+            finally:
+                if self._allocating is not None:
+                    # The last responses go out while the loop still runs (their allocator may
+                    # call the server).
+                    self._allocating.shutdown()
+                # An API call racing the stop is refused from now on ("Server not started");
+                # what one handed the loop before runs, or is cancelled, before the loop stops:
+                # a call handed to a stopped loop would wait forever.
+                with self._handing:
+                    self._loop = None
+                asyncio.run_coroutine_threadsafe(_cancel_the_rest(), loop).result()
+                loop.call_soon_threadsafe(loop.stop)
+                if thread is not None:
+                    thread.join()
+                loop.close()
+                self._engine = self._thread = self._allocating = None
+                _LIVE_SERVERS.discard(self)
 
     def _attach(self, service: Any) -> None:
         self._services.append(service)

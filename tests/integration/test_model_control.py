@@ -15,12 +15,15 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+import uvloop
 
 import dlserve
 from dlserve import ModelControlMode
+from dlserve.engine import server as inprocess
 
 from ..conftest import MODELS, pid_alive, wait_until, worker_processes
 from .test_metrics import families, value
@@ -1044,6 +1047,93 @@ def test_an_in_process_request_while_stop_drains_is_unavailable(servers, make_re
                 server.model(name).infer(inputs={"INPUT0": X1})
         assert held.answer().error is None
         stopping.result(timeout=30)
+
+
+class Attempt:
+    """``call()`` on a thread of its own (a daemon: one that hangs holds nothing up)."""
+
+    def __init__(self, call: Any) -> None:
+        self._outcome = "hung"
+        self._thread = threading.Thread(target=self._run, args=(call,), daemon=True)
+        self._thread.start()
+
+    def _run(self, call: Any) -> None:
+        try:
+            call()
+            self._outcome = "returned"
+        except Exception as exc:  # noqa: BLE001 - the outcome
+            self._outcome = f"{type(exc).__name__}: {exc}"
+
+    def outcome(self, timeout: float = 10) -> str:
+        """"returned", the error it raised ("Type: message"), or "hung"."""
+        self._thread.join(timeout)
+        return self._outcome
+
+
+def test_calls_racing_the_end_of_a_stop_raise_as_on_a_stopped_server(
+    servers, make_repo, monkeypatch
+):
+    """A call from another thread while stop() ends the engine's loop (made here as the
+    stopped loop closes: before, then after) raises "Server not started": handed to the
+    stopped loop, it waited forever; to the closed one, it raised the loop's RuntimeError.
+    So does an infer validated before the stop and queued after it (it waited forever)."""
+    outcomes: list[str] = []
+
+    class ClosingLoop(uvloop.Loop):
+        def close(self) -> None:
+            closing.set()
+            racing = (infer, Attempt(server.ready), Attempt(server.models))
+            outcomes.extend(call.outcome() for call in racing)
+            super().close()
+            outcomes.append(Attempt(server.ready).outcome())
+
+    monkeypatch.setattr(inprocess, "_new_event_loop", ClosingLoop)
+    server = servers.start(make_repo("identity"))
+    engine, validated, closing = server.engine, threading.Event(), threading.Event()
+    prepare = engine.prepare
+
+    def prepare_then_wait(request: Any, model: Any = None) -> Any:
+        chosen = prepare(request, model)
+        validated.set()
+        closing.wait(30)
+        return chosen
+
+    monkeypatch.setattr(engine, "prepare", prepare_then_wait)
+    infer = Attempt(lambda: list(server.model("identity").infer(inputs={"INPUT0": X1})))
+    assert validated.wait(30)
+    servers.stop(server)
+    assert outcomes == ["InvalidArgumentError: Server not started"] * 4
+
+
+def test_a_stop_racing_another_waits_for_it(servers, make_repo, tmp_path, monkeypatch, caplog):
+    """Two threads stopping the server: the second returns once the first's stop is done,
+    without stopping anything itself (it ran a stop of its own at the same time: the
+    engine's twice, and at their ends the second could wait forever on the loop the first
+    ended, or raise the closed loop's RuntimeError)."""
+    server = servers.start(make_repo("faulty"))
+    held = HeldRequest(server, tmp_path / "release")  # (the first stop waits for it)
+    engine, checked = server.engine, threading.Event()
+    engine_or_raise = server._engine_or_raise
+
+    def check() -> Any:  # (what stop() does first)
+        checked.set()
+        return engine_or_raise()
+
+    def stop_then_ask() -> None:
+        server.stop()
+        server.ready()  # (raises: the server was stopped)
+
+    with caplog.at_level(logging.INFO, logger="dlserve.engine"):
+        first = Attempt(lambda: servers.stop(server))
+        wait_until(lambda: not engine.live)
+        monkeypatch.setattr(server, "_engine_or_raise", check)
+        second = Attempt(stop_then_ask)
+        assert checked.wait(30)  # (the second stop found the server started)
+        assert held.answer().error is None
+        assert first.outcome(30) == "returned"
+        assert second.outcome(30) == "InvalidArgumentError: Server not started"
+    said = [r.getMessage() for r in caplog.records]
+    assert said.count("Waiting for in-flight requests to complete.") == 1
 
 
 HANGING_FINALIZE = """
