@@ -279,13 +279,18 @@ async def _all(coroutines: list[Coroutine[Any, Any, None]]) -> None:
             raise outcome
 
 
-async def _cancel_the_rest() -> None:
+async def _cancel_the_rest(within: float = 5.0) -> None:
     """Cancel every other task on the loop and wait until they have ended (as asyncio.run
-    does before it closes its loop)."""
+    does before it closes its loop), but no longer than ``within`` seconds: a task that
+    swallows its cancellation must not hold the stop forever."""
     tasks = asyncio.all_tasks() - {asyncio.current_task()}
     for task in tasks:
         task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    if tasks:
+        done, _ = await asyncio.wait(tasks, timeout=within)
+        for task in done:  # (what they raised is of no use now: retrieved, not logged)
+            if not task.cancelled():
+                task.exception()
 
 
 def _result(future: concurrent.futures.Future[T]) -> T:
