@@ -17,6 +17,7 @@ import pytest
 import tritonclient.http as httpclient
 
 import dlserve
+from dlserve.memory.shm import BACKING_VARIABLE
 
 from ..conftest import pid_alive, wait_until
 from .test_cli import Serve
@@ -67,9 +68,10 @@ def private_dev_shm_works() -> bool:
 @pytest.mark.skipif(
     not private_dev_shm_works(), reason="needs unshare and mount (root) for a private /dev/shm"
 )
-def test_serves_with_a_64_mib_dev_shm_as_docker_gives(tmp_path: Path, make_repo):
+def test_serves_with_a_64_mib_dev_shm_as_docker_gives(tmp_path: Path, make_repo, monkeypatch):
     """Docker's default --shm-size is 64 MiB: the server's own arena takes it all,
     and every worker, every BLS call and a 16 MiB request still go through."""
+    monkeypatch.delenv(BACKING_VARIABLE, raising=False)  # (/dev/shm first: what this is about)
     repo = make_repo("identity", "bls", "add_sub")
     mount = 'mount -t tmpfs -o size=64m tmpfs /dev/shm && exec "$0" "$@"'
     server = Serve(
@@ -153,9 +155,10 @@ class TritonPythonModel:
 """
 
 
-def test_the_python_backend_settings_size_a_workers_segments(servers, make_repo):
+def test_the_python_backend_settings_size_a_workers_segments(servers, make_repo, monkeypatch):
     """shm-default-byte-size is a worker's first segment, shm-growth-byte-size each one it
     adds when an output does not fit (or the output's size, when bigger)."""
+    monkeypatch.delenv(BACKING_VARIABLE, raising=False)  # (counted in /dev/shm)
     repo = make_repo(extra={"scale": {"config.pbtxt": SCALE_CONFIG, "1/model.py": SCALE_MODEL}})
     server = servers.start(repo, backend_configuration={
         "python": {"shm-default-byte-size": str(MIB), "shm-growth-byte-size": str(3 * MIB)}
