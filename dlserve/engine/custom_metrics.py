@@ -14,12 +14,14 @@ server's own ``nv_*`` metrics.
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 import enum
 import math
 import re
 import threading
 import weakref
+from collections.abc import Hashable
 from typing import Any
 
 from dlserve.errors import InvalidArgumentError, NotFoundError
@@ -53,7 +55,8 @@ class Family:
     description: str
     kind: MetricKind
     values: dict[Labels, Any] = dataclasses.field(default_factory=dict)
-    holders: int = 0  # the models' MetricFamily objects of this name still alive
+    # the models' MetricFamily objects of this name still alive, per worker process
+    holders: collections.Counter[Hashable] = dataclasses.field(default_factory=collections.Counter)
 
 
 def check_buckets(buckets: Any) -> list[float]:
@@ -84,7 +87,8 @@ class CustomMetrics:
         if shared is not None:
             _model_registries.add(self)
 
-    def declare(self, name: str, description: str, kind: int) -> None:
+    def declare(self, name: str, description: str, kind: int, holder: Hashable = None) -> None:
+        """A MetricFamily object made (by ``holder``: a model's worker process)."""
         if not _NAME.match(name):
             raise InvalidArgumentError(f"invalid metric family name '{name}' (Prometheus names)")
         if name.startswith(RESERVED_PREFIXES):
@@ -108,19 +112,26 @@ class CustomMetrics:
                 raise InvalidArgumentError(
                     f"metric family '{name}' already exists as a {family.kind.name}, not a {kind.name}"
                 )
-            family.holders += 1
+            family.holders[holder] += 1
 
-    def release(self, name: str) -> None:
+    def release(self, name: str, holder: Hashable = None) -> None:
         """A model let one of its MetricFamily objects go. With the last one, the family's
         metrics go too, as in Triton (its name and description stay; a family declared
-        again starts its metrics at zero). A worker that ends never releases: a model's
-        metrics outlive its unload and reload, as Triton's do."""
+        again starts its metrics at zero)."""
         with self._lock:
             family = self.families.get(name)
-            if family is not None and family.holders > 0:
-                family.holders -= 1
-                if family.holders == 0:
+            if family is not None and family.holders[holder] > 0:
+                family.holders[holder] -= 1
+                if not +family.holders:  # (+: the counts above zero)
                     family.values.clear()
+
+    def forget(self, holder: Hashable) -> None:
+        """A worker ended: its objects no longer hold their families, but their metrics
+        stay, as Triton's outlive a model's unload and reload (a worker's teardown is not
+        the model letting go); the next model to let go of the family clears them."""
+        with self._lock:
+            for family in self.families.values():
+                del family.holders[holder]
 
     def _family(self, name: str) -> Family:
         family = self.families.get(name)

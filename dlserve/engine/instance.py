@@ -163,6 +163,8 @@ class ModelInstance:
             on_message=self._on_worker_message,
             on_exit=lambda description: self._on_worker_exit(worker, description),
             on_segments_gone=resources.host.segments_gone,
+            # (its objects hold their families no more; their metrics stay)
+            on_end=lambda: resources.custom_metrics.forget(worker),
             environment=self.model.environment,
             poll_us=resources.busy_poll_us,
         )
@@ -234,7 +236,7 @@ class ModelInstance:
                 if op == "create":
                     metrics.create(name, labels, value)
                 elif op == "release":
-                    metrics.release(name)
+                    metrics.release(name, self._worker)
                 else:
                     metrics.update(op, name, labels, value)
             except TritonError as exc:
@@ -244,7 +246,10 @@ class ModelInstance:
             if channel is None:
                 return
             try:
-                result = metrics.declare(*body) if kind == Kind.METRIC_FAMILY else metrics.value(*body)
+                if kind == Kind.METRIC_FAMILY:
+                    result = metrics.declare(*body, holder=self._worker)
+                else:
+                    result = metrics.value(*body)
             except TritonError as exc:
                 channel.reply_error(corr, exc)
             else:

@@ -143,7 +143,8 @@ class WorkerOutput:
 
 
 class WorkerProcess:
-    """One running worker; ``on_exit(description)`` fires once when it dies unexpectedly."""
+    """One running worker; ``on_exit(description)`` fires once when it dies unexpectedly,
+    ``on_end()`` once when it has ended, for whatever reason."""
 
     def __init__(
         self,
@@ -159,6 +160,7 @@ class WorkerProcess:
         poll_us: int = 0,
         arena_growth_bytes: int | None = None,
         on_segments_gone: Callable[[list[str]], None] = lambda names: None,
+        on_end: Callable[[], None] = lambda: None,
     ) -> None:
         """``on_segments_gone(names)``: segments of the worker's that it unlinked (or
         that went with it), which other processes may have mapped."""
@@ -171,6 +173,7 @@ class WorkerProcess:
         self._on_message = on_message
         self._on_exit = on_exit
         self._on_segments_gone = on_segments_gone
+        self._on_end = on_end
         self._environment = environment
         self._poll_us = poll_us  # the most either end polls before it sleeps (ipc.polling)
         self._board: PollerBoard | None = None  # the server loop's (ipc.polling)
@@ -312,6 +315,7 @@ class WorkerProcess:
             self._on_segments_gone(gone)
         self._free_board_slot()
         self._exited.set()
+        self._on_end()
         if not self._stopping:
             log.error("%s%s", self.exit_description, self.last_words())
             self._on_exit(self.exit_description)

@@ -104,6 +104,9 @@ class TritonPythonModel:
             )
             self.open.Metric(labels={}, buckets=[]).observe(3.0)
             return self._values(0.0, 0.0)
+        if op == "drop_counters":  # the model lets go of its counter family
+            del self.counter, self.other, self.counters
+            return self._values(0.0, 0.0)
         if op == "drop_family":  # a family the model lets go of takes its metrics along
             dropped = pb_utils.MetricFamily(
                 name="dlserve_test_dropped", description="let go", kind=pb_utils.MetricFamily.COUNTER
@@ -518,6 +521,27 @@ def test_a_model_s_metrics_outlive_its_unload_and_reload_as_in_triton(servers, t
         server.unload("metrics_model", wait_until_unloaded=True)
         assert f"{line} {expected}" in server.metrics()
         server.load("metrics_model")
+
+
+def test_a_reloaded_model_letting_go_of_a_family_takes_its_metrics_along(servers, tmp_path):
+    """The unloaded worker's objects held the family no more once it ended (its metrics
+    stay, as above): the reloaded model letting go of its own clears them, as in Triton.
+    They used to count as holding it for good, and the metrics stayed."""
+    (tmp_path / "metrics_model" / "1").mkdir(parents=True)
+    (tmp_path / "metrics_model" / "config.pbtxt").write_text(METRICS_CONFIG)
+    (tmp_path / "metrics_model" / "1" / "model.py").write_text(METRICS_MODEL)
+    server = servers.start(
+        tmp_path, model_control_mode=dlserve.ModelControlMode.EXPLICIT, startup_models=["metrics_model"]
+    )
+    line = 'dlserve_test_requests{kind="plain",model="metrics_model"}'
+    assert infer(server, "metrics_model", {"INPUT0": np.array([2.0, 0.0])}).error is None
+    server.unload("metrics_model", wait_until_unloaded=True)
+    server.load("metrics_model")
+    assert f"{line} 2" in server.metrics()
+    response = infer(server, "metrics_model", {"INPUT0": np.array([0.0])}, parameters={"op": "drop_counters"})
+    assert response.error is None, response.error
+    assert "dlserve_test_requests{" not in server.metrics()
+    assert 'dlserve_test_level{model="metrics_model"}' in server.metrics()  # (still held)
 
 
 def test_without_a_loaded_model_there_are_no_inference_families_as_in_triton(servers, make_repo):
