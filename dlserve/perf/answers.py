@@ -1,11 +1,13 @@
-"""The output tensors of the answers the clients kept for ``--profile-export-file``, each
-as ``{name: (datatype, raw bytes)}`` -- the bytes as they travel (little-endian; BYTES
-length-prefixed), which is what perf_analyzer's export renders from.
+"""The output tensors of the answers the clients kept for ``--profile-export-file`` (and for
+``validation_data``'s check, :class:`Validator`), each as ``{name: (datatype, raw bytes)}``
+-- the bytes as they travel (little-endian; BYTES length-prefixed), which is what
+perf_analyzer's export renders from.
 
 The clients keep their answers undecoded (HTTP: the Inference-Header-Content-Length and
 the body; gRPC: the response message; in-process: already as above), so decoding costs
 nothing while the load runs: it happens here, once, after the run. An output whose data
-went to shared memory is not in its answer, and is left out.
+went to shared memory is not in its answer, and is left out. With ``validation_data`` each
+answer is decoded as it arrives, to be checked.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from dlserve.perf.clients.base import DataPlane, RequestError
 from dlserve.perf.inputs import numpy_type, raw_bytes
 
 Outputs = dict[str, tuple[str, bytes]]
@@ -85,3 +88,42 @@ def _values_bytes(datatype: str, values: Any) -> bytes:
     if datatype in ("FP16", "BF16"):
         return b""
     return raw_bytes(np.asarray(values, dtype=numpy_type(datatype)).reshape(-1), datatype)
+
+
+class Validator:
+    """Checks each request's outputs against ``validation_data``, as perf_analyzer does:
+    the bytes of every output the step names must be those expected, exactly (BYTES: as
+    they travel, length-prefixed). Checked: the request's last answer with outputs; an
+    output sent to shared memory is read from its area (it can be larger than the output:
+    what it holds beyond the expected bytes is not looked at)."""
+
+    def __init__(self, expected: list[dict[str, bytes]], decode: Callable[[Any], Outputs],
+                 plane: DataPlane) -> None:
+        self.expected = expected  # per distinct request, as the requests are
+        self.decode = decode
+        self.plane = plane
+
+    def check(self, answers: list[tuple[int, Any]], index: int) -> None:
+        """Raise :class:`RequestError` (perf_analyzer's words first) if request ``index``'s
+        ``answers`` are not what its data expects."""
+        expected = self.expected[index]
+        if not expected:
+            return
+        outputs: Outputs = {}
+        for _, answer in reversed(answers):
+            outputs = self.decode(answer) if answer is not None else {}
+            if outputs:
+                break
+        for name, want in expected.items():
+            got = outputs[name][1] if name in outputs else None
+            if got is None:
+                got = self.plane.output_area(index, name)
+                if got is not None and len(got) > len(want):
+                    got = got[: len(want)]
+            where = f"output '{name}', data index {index}"
+            if got is None or len(got) != len(want):
+                size = "no such output" if got is None else f"{len(got)} bytes"
+                raise RequestError(f"Output size doesn't match expected size ({where}: "
+                                   f"{size}, expected {len(want)} bytes)")
+            if got != want:
+                raise RequestError(f"Output doesn't match expected output ({where})")

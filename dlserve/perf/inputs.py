@@ -13,9 +13,22 @@
   Each entry of ``data`` is one step; a list of lists (streams) is read as its steps in
   order. Content may be flat or nested; BYTES content is a list of strings. A step
   without ``shape`` uses the model's dims (with ``--shape`` for variable ones). Requests
-  cycle through the steps; with ``-b B`` a request takes B consecutive steps. The other
-  keys of the file (``validation_data``, ``parameters``) are ignored. With several files,
-  their steps follow each other, file after file.
+  cycle through the steps; with ``-b B`` a request takes B consecutive steps. With several
+  files, their steps follow each other, file after file. Other keys (``parameters``) are
+  ignored.
+
+  ``validation_data``, beside ``data`` and shaped as it (a step, or a stream of steps, for
+  each of its entries), holds each step's expected outputs, in the same forms as inputs::
+
+      "validation_data": [{"OUTPUT0": [2, 4, 6, 8], "OUTPUT1": {"b64": "..."}}, ...]
+
+  As in perf_analyzer, each step names every output of the model, and each answer's
+  outputs must equal them byte for byte (floats exactly; a batch: its steps' outputs one
+  after the other), else the run fails with "Output doesn't match expected output" (or
+  "Output size doesn't match expected size"). Unlike perf_analyzer, it also works with
+  ``-b`` above 1, with ``--shared-memory system`` (outputs are read from their area, which
+  each distinct request then has of its own), and for a variable-shaped output (the
+  content, or the ``shape`` given, sets its size).
 
 BYTES elements in the zero and random modes are ``--string-data`` when given, else random
 printable strings of ``--string-length`` characters, as perf_analyzer's are.
@@ -202,9 +215,10 @@ def _bytes_elements(content: Any, where: str) -> np.ndarray:
     return array
 
 
-def _step_tensor(tensor: TensorInfo, value: Any, default_shape: list[int] | None, where: str) -> np.ndarray:
+def _step_tensor(tensor: TensorInfo, value: Any, default_shape: list[int] | None, where: str,
+                 kind: str = "input") -> np.ndarray:
     shape = None
-    at = f"{where}: input '{tensor.name}'"
+    at = f"{where}: {kind} '{tensor.name}'"
     if isinstance(value, dict):
         if "shape" in value:
             shape = _file_shape(value["shape"], at)
@@ -228,21 +242,23 @@ def _step_tensor(tensor: TensorInfo, value: Any, default_shape: list[int] | None
         except (TypeError, ValueError, OverflowError) as exc:
             raise UsageError(f"{at}: {exc}") from None
     if shape is None:
-        if any(d < 0 for d in tensor.dims):
+        if kind == "output" and any(d < 0 for d in tensor.dims):
+            shape = [array.size]  # (an expected output's size is its content's)
+        elif any(d < 0 for d in tensor.dims):
             raise UsageError(
                 f"{where}: input '{tensor.name}' has a variable shape {tensor.dims}: give a 'shape' "
                 f"in the file or --shape {tensor.name}:..."
             )
-        shape = list(tensor.dims)
+        else:
+            shape = list(tensor.dims)
     if math.prod(shape) != array.size:
         raise UsageError(
-            f"{where}: input '{tensor.name}' has {array.size} elements, its shape {shape} needs {math.prod(shape)}"
+            f"{at} has {array.size} elements, its shape {shape} needs {math.prod(shape)}"
         )
     return array.reshape(shape)
 
 
-def load_json_steps(path: str, info: ModelInfo, shapes: dict[str, list[int]]) -> list[dict[str, np.ndarray]]:
-    """The steps of a perf_analyzer JSON data file, one dict of batch-1 tensors each."""
+def _read_json(path: str) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as f:
             document = json.load(f)
@@ -251,37 +267,85 @@ def load_json_steps(path: str, info: ModelInfo, shapes: dict[str, list[int]]) ->
     data = document.get("data") if isinstance(document, dict) else None
     if not isinstance(data, list) or not data:
         raise UsageError(f"--input-data {path}: expected {{\"data\": [{{...}}, ...]}} with at least one entry")
-    steps: list[dict[str, Any]] = []
-    for entry in data:
-        if isinstance(entry, list):  # a stream (sequence models): its steps in order
+    return document
+
+
+def _flat(entries: list[Any]) -> list[Any]:
+    """The steps of ``data`` (or ``validation_data``): a stream (a list) is its steps in order."""
+    steps: list[Any] = []
+    for entry in entries:
+        if isinstance(entry, list):
             steps.extend(entry)
         else:
             steps.append(entry)
-    out = []
-    for index, step in enumerate(steps):
-        where = f"--input-data {path}: step {index}"
-        if not isinstance(step, dict):
-            raise UsageError(f"{where}: expected an object of input name -> data")
-        tensors = {}
-        for tensor in info.inputs:
-            if tensor.name not in step:
-                raise UsageError(f"{where}: no data for input '{tensor.name}'")
-            tensors[tensor.name] = _step_tensor(tensor, step[tensor.name], shapes.get(tensor.name), where)
-        unknown = set(step) - {t.name for t in info.inputs}
-        if unknown:
-            raise UsageError(f"{where}: model '{info.name}' has no input(s) {', '.join(sorted(unknown))}")
-        out.append(tensors)
+    return steps
+
+
+def _step_tensors(step: Any, model: str, tensors: list[TensorInfo], shapes: dict[str, list[int]],
+                  where: str, kind: str) -> dict[str, np.ndarray]:
+    if not isinstance(step, dict):
+        raise UsageError(f"{where}: expected an object of {kind} name -> data")
+    out = {}
+    for tensor in tensors:
+        if tensor.name not in step:
+            raise UsageError(f"{where}: no data for {kind} '{tensor.name}'")
+        value, shape = step[tensor.name], shapes.get(tensor.name)
+        out[tensor.name] = _step_tensor(tensor, value, shape, where, kind)
+    unknown = set(step) - {t.name for t in tensors}
+    if unknown:
+        raise UsageError(f"{where}: model '{model}' has no {kind}(s) {', '.join(sorted(unknown))}")
     return out
 
 
+def load_json_steps(path: str, info: ModelInfo,
+                    shapes: dict[str, list[int]]) -> list[dict[str, np.ndarray]]:
+    """The steps of a perf_analyzer JSON data file, one dict of batch-1 tensors each."""
+    steps = _flat(_read_json(path)["data"])
+    return [
+        _step_tensors(step, info.name, info.inputs, shapes, f"--input-data {path}: step {i}",
+                      "input")
+        for i, step in enumerate(steps)
+    ]
+
+
+def load_validation(path: str, info: ModelInfo) -> list[dict[str, bytes]]:
+    """The expected outputs of each step of a JSON data file (their bytes on the wire);
+    nothing for each step of a file without ``validation_data``."""
+    document = _read_json(path)
+    data, expected = document["data"], document.get("validation_data")
+    if expected is None:
+        return [{} for _ in _flat(data)]
+    aligned = isinstance(expected, list) and len(expected) == len(data) and all(
+        isinstance(v, list) == isinstance(d, list) and (not isinstance(d, list) or len(v) == len(d))
+        for d, v in zip(data, expected)
+    )
+    if not aligned:  # (perf_analyzer's words)
+        raise UsageError(
+            f"--input-data {path}: The 'validation_data' field doesn't align with 'data' field"
+        )
+    types = {t.name: t.datatype for t in info.outputs}
+    out = []
+    for index, step in enumerate(_flat(expected)):
+        where = f"--input-data {path}: validation_data step {index}"
+        tensors = _step_tensors(step, info.name, info.outputs, {}, where, "output")
+        out.append({name: raw_bytes(array, types[name]) for name, array in tensors.items()})
+    return out
+
+
+def _batch_steps(info: ModelInfo, count: int, batch_size: int) -> list[list[int]]:
+    """The steps of each request: with batching, request k takes steps kB .. kB+B-1 (cyclic)."""
+    if info.max_batch_size == 0:
+        return [[index] for index in range(count)]
+    requests = count // math.gcd(count, batch_size)
+    return [[(k * batch_size + j) % count for j in range(batch_size)] for k in range(requests)]
+
+
 def _batched(info: ModelInfo, steps: list[dict[str, np.ndarray]], batch_size: int) -> list[dict[str, np.ndarray]]:
-    """Requests from steps: with batching, request k stacks steps kB .. kB+B-1 (cyclic)."""
     if info.max_batch_size == 0:
         return steps
-    count = len(steps) // math.gcd(len(steps), batch_size)
     requests = []
-    for k in range(count):
-        chosen = [steps[(k * batch_size + j) % len(steps)] for j in range(batch_size)]
+    for indices in _batch_steps(info, len(steps), batch_size):
+        chosen = [steps[index] for index in indices]
         request = {}
         for tensor in info.inputs:
             parts = [step[tensor.name] for step in chosen]
@@ -323,6 +387,25 @@ def make_requests(
         paths = [input_data] if isinstance(input_data, str) else input_data
         steps = [step for path in paths for step in load_json_steps(path, info, shapes)]
     return _batched(info, steps, batch_size)
+
+
+def expected_outputs(info: ModelInfo, batch_size: int,
+                     input_data: str | list[str]) -> list[dict[str, bytes]] | None:
+    """Each distinct request's expected outputs (as :func:`make_requests` orders them): the
+    bytes of its steps' ``validation_data``, one step after the other; None when no file has
+    any. The steps of a file without it expect nothing."""
+    if input_data in ("zero", "random"):
+        return None
+    paths = [input_data] if isinstance(input_data, str) else input_data
+    steps = [step for path in paths for step in load_validation(path, info)]
+    if not any(steps):
+        return None
+    requests = []
+    for indices in _batch_steps(info, len(steps), batch_size):
+        chosen = [steps[index] for index in indices]
+        requests.append({name: b"".join(step[name] for step in chosen)
+                         for name in chosen[0] if all(name in step for step in chosen)})
+    return requests
 
 
 def raw_bytes(array: np.ndarray, datatype: str) -> bytes:

@@ -14,7 +14,8 @@ Every answered request appends its latency (ns, from send to response) to the cu
 exactly the requests that ended in it. Per request the hot path costs two clock reads,
 the slot's send/receive, and a list append. With ``--profile-export-file`` each request
 is also logged (sent and answer times, sequence, data, the answers undecoded) for
-:mod:`dlserve.perf.export`.
+:mod:`dlserve.perf.export`. With ``validation_data`` each request's answer is checked as it
+ends (:class:`dlserve.perf.answers.Validator`); a mismatch ends the run.
 
 What each request carries comes from a source: the distinct requests in turn
 (:class:`_Cycle`), or for a sequence model the steps of one sequence after another
@@ -34,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from dlserve.perf.answers import Validator
 from dlserve.perf.clients import DataPlane, Slot
 from dlserve.perf.export import Logged, RequestLog, clock_offset
 from dlserve.perf.measure import ClientWindow
@@ -138,9 +140,13 @@ class LoadGenerator:
 
     def __init__(self, plane: DataPlane, max_threads: int = 16, sequences: SequenceMaker | None = None,
                  num_sequences: int = 4, serial_sequences: bool = False,
-                 intervals_us: list[float] | None = None, log: bool = False) -> None:
+                 intervals_us: list[float] | None = None, log: bool = False,
+                 validator: Validator | None = None) -> None:
         self.plane = plane
         self.log = log  # --profile-export-file: log every request
+        self.validator = validator  # validation_data's: check every answer
+        # slots keep their answers, requests say their data
+        self.track = log or validator is not None
         self.clock_ns = clock_offset()
         self.max_threads = max_threads
         self.intervals_us = intervals_us  # --request-intervals: the gaps at the whole run's rate
@@ -178,7 +184,7 @@ class LoadGenerator:
 
     async def _open_slot(self) -> Slot:
         slot = await self.plane.open_slot()
-        if self.log:
+        if self.track:
             slot.captured = []  # (it keeps each request's answers from now on)
         self._slots.append(slot)
         return slot
@@ -212,7 +218,8 @@ class LoadGenerator:
                 payload, ends = source.next()
                 start = now()
                 timings = await infer(payload)
-                self.record(start, now(), timings, slot, ends, source.where() if self.log else None)
+                where = source.where() if self.track else None
+                self.record(start, now(), timings, slot, ends, where)
             if self.error is None:
                 await self._finish(slot, source)
         except asyncio.CancelledError:
@@ -274,7 +281,7 @@ class LoadGenerator:
                 slot = idle.pop()
                 source = self._live[sequence] if sequence >= 0 else cycle
                 payload, ends = source.next()
-                where = source.where() if self.log else None
+                where = source.where() if self.track else None
                 task = loop.create_task(self._one(slot, payload, ends, sequence, where))
                 if sequence >= 0:
                     self._live[sequence].in_flight.add(task)
@@ -311,10 +318,10 @@ class LoadGenerator:
         start = _now()
         try:
             timings = await slot.infer(payload)
+            self.record(start, _now(), timings, slot, ends, where)
         except Exception as exc:  # noqa: BLE001 - any client failure ends the run with its reason
             self._fail(exc)
             return
-        self.record(start, _now(), timings, slot, ends, where)
         self._busy.discard(sequence)
         self._idle.append(slot)
         self._slot_freed.set()
@@ -322,7 +329,10 @@ class LoadGenerator:
     def record(self, start: int, end: int, timings: tuple[int, int], slot: Slot, ends: bool,
                where: tuple[int, int] | None) -> None:
         """A request answered, into the current window: its latency, its send and receive
-        times, its responses, whether it ended a sequence, and (with a log) itself."""
+        times, its responses, whether it ended a sequence, and (with a log) itself; with
+        validation data, its answer checked first (a mismatch raises RequestError)."""
+        if where is not None and self.validator is not None:
+            self.validator.check(slot.captured or [], where[0])
         recorder = self.recorder
         recorder.latencies.append(end - start)
         recorder.send += timings[0]
@@ -341,7 +351,7 @@ class LoadGenerator:
         slot.on_answer = on_answer
         start = _now()
         timings = await slot.infer(payload)
-        self.record(start, _now(), timings, slot, ends, source.where() if self.log else None)
+        self.record(start, _now(), timings, slot, ends, source.where() if self.track else None)
         slot.on_answer = None
         self._idle.append(slot)
 
@@ -393,6 +403,8 @@ class LoadGenerator:
                 while left[0] > 0 and self.error is None:
                     left[0] -= 1
                     await slot.infer(source.next()[0])
+                    if self.validator is not None:
+                        self.validator.check(slot.captured or [], source.where()[0])
                 if self.error is None:
                     await self._finish(slot, source)
             except Exception as exc:  # noqa: BLE001

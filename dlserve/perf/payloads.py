@@ -23,19 +23,23 @@ from dlserve.perf.shm import Layout, ShmRef
 
 @dataclasses.dataclass
 class ShmPlan:
-    """Where each request's inputs and each output live in the client's region."""
+    """Where each request's inputs and each output live in the client's region: the output
+    areas are shared by every request, or (``separate``) each request has its own."""
 
     layout: Layout
     inputs: list[dict[str, tuple[int, int]]]  # per request: name -> (offset, size)
-    outputs: dict[str, tuple[int, int]]
+    outputs: list[dict[str, tuple[int, int]]]  # one set, or one per request
 
-    def refs(self, region: str) -> tuple[list[dict[str, ShmRef]], dict[str, ShmRef]]:
+    def refs(self, region: str) -> tuple[list[dict[str, ShmRef]], list[dict[str, ShmRef]]]:
         inputs = [{n: ShmRef(region, o, s) for n, (o, s) in req.items()} for req in self.inputs]
-        outputs = {n: ShmRef(region, o, s) for n, (o, s) in self.outputs.items()}
+        outputs = [{n: ShmRef(region, o, s) for n, (o, s) in req.items()} for req in self.outputs]
         return inputs, outputs
 
 
-def plan_shm(requests: list[dict[str, np.ndarray]], info: ModelInfo, output_size: int) -> ShmPlan:
+def plan_shm(requests: list[dict[str, np.ndarray]], info: ModelInfo, output_size: int,
+             separate: bool = False) -> ShmPlan:
+    """``separate``: each request's outputs get areas of their own, so that what one
+    request's answer left there can be read while others are on the way."""
     layout = Layout()
     types = {t.name: t.datatype for t in info.inputs}
     inputs = [
@@ -44,7 +48,10 @@ def plan_shm(requests: list[dict[str, np.ndarray]], info: ModelInfo, output_size
     ]
     batching = info.max_batch_size > 0 and requests and requests[0]
     batch = next(iter(requests[0].values())).shape[0] if batching else 1
-    outputs = {t.name: layout.add_area(_output_bytes(t, batch, output_size)) for t in info.outputs}
+    outputs = [
+        {t.name: layout.add_area(_output_bytes(t, batch, output_size)) for t in info.outputs}
+        for _ in range(len(requests) if separate else 1)
+    ]
     return ShmPlan(layout, inputs, outputs)
 
 

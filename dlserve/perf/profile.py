@@ -32,7 +32,7 @@ from dlserve.perf.clients import ControlClient, RequestError, ServerError, contr
 from dlserve.perf.export import ProfileExport
 from dlserve.perf.flags import FAILED, UNSTABLE, UsageError
 from dlserve.perf.gpu_metrics import MetricsCollector, http_fetcher
-from dlserve.perf.inputs import ModelInfo, make_requests
+from dlserve.perf.inputs import ModelInfo, expected_outputs, make_requests
 from dlserve.perf.measure import LevelResult, ServerStats, Window, is_stable, summarize
 from dlserve.perf.sequences import check_id_range, stream_lengths
 from dlserve.perf.workers import LoadGroup, new_event_loop, split
@@ -69,8 +69,10 @@ def binary_levels(settings: Settings) -> Generator[float, bool, None]:
 class Profiler:
     def __init__(self, settings: Settings, info: ModelInfo, requests: list, control: ControlClient,
                  server_stats: bool, streams: list[int] | None = None, export: ProfileExport | None = None,
-                 metrics: MetricsCollector | None = None) -> None:
+                 metrics: MetricsCollector | None = None,
+                 expected: list[dict[str, bytes]] | None = None) -> None:
         self.settings = settings
+        self.expected = expected  # validation_data's outputs, per request (None: not checked)
         self.metrics = metrics  # --collect-metrics': its reads go to the window they fall in
         self.export = export  # --profile-export-file's: every level's windows go there
         self.info = info
@@ -99,7 +101,8 @@ class Profiler:
 
     async def run(self) -> list[LevelResult]:
         settings = self.settings
-        group = LoadGroup(settings, self.info, self.requests, self.control, self.streams)
+        group = LoadGroup(settings, self.info, self.requests, self.control, self.streams,
+                          self.expected)
         try:
             self.progress.update("dlserve perf: connecting and encoding requests", force=True)
             try:
@@ -299,6 +302,10 @@ def benchmark(settings: Settings, server: Any = None,
             info, settings.batch_size, settings.shapes, settings.input_data,
             settings.string_length, settings.string_data,
         )
+        expected = expected_outputs(info, settings.batch_size, settings.input_data)
+        if expected is not None and settings.shared_memory == "cuda":
+            raise UsageError("validation_data cannot be checked with --shared-memory cuda "
+                             "(the outputs stay on the device); use system or none")
         streams = None
         if info.sequence:
             settings, streams = _for_sequences(settings), stream_lengths(settings.input_data)
@@ -307,7 +314,8 @@ def benchmark(settings: Settings, server: Any = None,
         if export is not None:
             export.model(info, requests)
         metrics = _metrics_collector(settings, server)
-        profiler = Profiler(settings, info, requests, control, server_stats, streams, export, metrics)
+        profiler = Profiler(settings, info, requests, control, server_stats, streams, export, metrics,
+                            expected)
         if metrics is not None:
             metrics.start()
         loop = new_event_loop()

@@ -2,7 +2,8 @@
 
 One segment per process holds every distinct request's inputs and one area per output
 (``--output-shared-memory-size`` bytes; like perf_analyzer, all requests in flight share
-the output areas — their contents are not read). The segment is registered as ONE region
+the output areas — their contents are not read, except with ``validation_data``, where
+each distinct request has areas of its own). The segment is registered as ONE region
 and tensors are addressed inside it with ``shared_memory_offset``.
 
 System memory is a POSIX segment (``/dev/shm``); CUDA memory is a cupy allocation whose
@@ -83,6 +84,10 @@ class SystemRegion:
         self._shm = shared_memory.SharedMemory(name=self.name, create=True, size=self.byte_size)
         for offset, data in layout.blobs:
             self._shm.buf[offset : offset + len(data)] = data
+
+    def read(self, offset: int, size: int) -> bytes:
+        assert self._shm is not None
+        return bytes(self._shm.buf[offset : offset + size])
 
     def close(self) -> None:
         shm, self._shm = self._shm, None

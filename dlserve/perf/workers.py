@@ -14,6 +14,7 @@ import multiprocessing
 import signal
 from typing import Any
 
+from dlserve.perf.answers import Validator, decoder
 from dlserve.perf.clients import ControlClient, control_client, data_plane
 from dlserve.perf.load import LoadGenerator
 from dlserve.perf.measure import ClientWindow
@@ -30,14 +31,21 @@ def split(total: float, parts: int, integer: bool) -> list[float]:
 
 
 def make_generator(settings: Any, info: Any, requests: list, control: ControlClient,
-                   streams: list[int] | None, part: int, parts: int) -> LoadGenerator:
+                   streams: list[int] | None, part: int, parts: int,
+                   expected: list[dict[str, bytes]] | None = None) -> LoadGenerator:
     """Process ``part`` of ``parts``'s generator (its own sequence IDs, its share of
-    --num-of-sequences)."""
+    --num-of-sequences); ``expected``: validation_data's outputs, per request."""
     maker = SequenceMaker(settings, streams, part, parts, seed=part) if info.sequence else None
+    plane = data_plane(settings, info, requests, control)
+    validator = None
+    if expected is not None:
+        plane.separate_outputs = True
+        validator = Validator(expected, decoder(settings.protocol, settings.streaming), plane)
     return LoadGenerator(
-        data_plane(settings, info, requests, control), settings.max_threads, maker,
+        plane, settings.max_threads, maker,
         int(split(settings.num_sequences, parts, integer=True)[part]), settings.serial_sequences,
         settings.request_intervals_us, log=settings.profile_export_file is not None,
+        validator=validator,
     )
 
 
@@ -86,11 +94,12 @@ class LocalLoad:
 class RemoteLoad:
     """A worker process running a :class:`LoadGenerator`; commands over a pipe."""
 
-    def __init__(self, settings: Any, info: Any, requests: list, streams: list[int] | None, part: int) -> None:
+    def __init__(self, settings: Any, info: Any, requests: list, streams: list[int] | None, part: int,
+                 expected: list[dict[str, bytes]] | None) -> None:
         context = multiprocessing.get_context("spawn")
         self.conn, child = context.Pipe()
         self.process = context.Process(
-            target=worker_main, args=(child, settings, info, requests, streams, part),
+            target=worker_main, args=(child, settings, info, requests, streams, part, expected),
             daemon=True, name="dlserve-perf-worker",
         )
         self.process.start()
@@ -143,20 +152,23 @@ class RemoteLoad:
         self.conn.close()
 
 
-def worker_main(conn: Any, settings: Any, info: Any, requests: list, streams: list[int] | None, part: int) -> None:
+def worker_main(conn: Any, settings: Any, info: Any, requests: list, streams: list[int] | None, part: int,
+                expected: list[dict[str, bytes]] | None) -> None:
     """Entry point of a worker process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the coordinator decides when to stop
     loop = new_event_loop()
     try:
-        loop.run_until_complete(_serve(conn, settings, info, requests, streams, part))
+        loop.run_until_complete(_serve(conn, settings, info, requests, streams, part, expected))
     finally:
         loop.close()
         conn.close()
 
 
-async def _serve(conn: Any, settings: Any, info: Any, requests: list, streams: list[int] | None, part: int) -> None:
+async def _serve(conn: Any, settings: Any, info: Any, requests: list, streams: list[int] | None, part: int,
+                 expected: list[dict[str, bytes]] | None) -> None:
     control = control_client(settings)
-    generator = make_generator(settings, info, requests, control, streams, part, settings.processes)
+    generator = make_generator(settings, info, requests, control, streams, part, settings.processes,
+                               expected)
     loop = asyncio.get_running_loop()
     commands: asyncio.Queue[Any] = asyncio.Queue()
 
@@ -215,12 +227,20 @@ class LoadGroup:
     """The loads of this run (one local, or N remote), driven together."""
 
     def __init__(self, settings: Any, info: Any, requests: list, control: ControlClient,
-                 streams: list[int] | None = None) -> None:
+                 streams: list[int] | None = None,
+                 expected: list[dict[str, bytes]] | None = None) -> None:
         self.settings = settings
         if settings.processes == 1:
-            self.loads: list[Any] = [LocalLoad(make_generator(settings, info, requests, control, streams, 0, 1))]
+            self.loads: list[Any] = [
+                LocalLoad(
+                    make_generator(settings, info, requests, control, streams, 0, 1, expected)
+                )
+            ]
         else:
-            self.loads = [RemoteLoad(settings, info, requests, streams, k) for k in range(settings.processes)]
+            self.loads = [
+                RemoteLoad(settings, info, requests, streams, k, expected)
+                for k in range(settings.processes)
+            ]
 
     @property
     def error(self) -> str | None:

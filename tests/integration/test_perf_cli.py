@@ -416,6 +416,41 @@ def test_batches(server, tmp_path):
     assert level["server"]["inference_count"] == pytest.approx(3 * level["server"]["success_count"], abs=6)
 
 
+def validation_files(tmp_path: Path) -> tuple[str, str]:
+    """add_sub data with its expected outputs, and the same with one value off in step 1."""
+    a, b = [float(i) for i in range(16)], [0.5] * 16
+    data = [{"INPUT0": a, "INPUT1": b}, {"INPUT0": b, "INPUT1": a}]
+    plus, minus = [x + y for x, y in zip(a, b)], [x - y for x, y in zip(a, b)]
+    right = [{"OUTPUT0": plus, "OUTPUT1": minus}, {"OUTPUT0": plus, "OUTPUT1": [-x for x in minus]}]
+    wrong = [right[0], {"OUTPUT0": plus[:-1] + [99.0], "OUTPUT1": right[1]["OUTPUT1"]}]
+    paths = []
+    for name, expected in (("right", right), ("wrong", wrong)):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"data": data, "validation_data": expected}))
+        paths.append(str(path))
+    return paths[0], paths[1]
+
+
+@pytest.mark.parametrize("extra", [
+    ["-i", "http"], ["-i", "grpc"], ["-i", "grpc", "--streaming"],
+    # (the outputs read from the client's region, two requests on the way at once)
+    ["-i", "http", "--shared-memory", "system", "--concurrency-range", "2"],
+    ["-i", "grpc", "--shared-memory", "system"],
+])
+def test_validation_data_checks_every_answer(server, tmp_path, extra):
+    """perf_analyzer's validation_data: a run whose answers are those expected goes on; one
+    whose answer differs (by one value) fails with perf_analyzer's message and exit status."""
+    right, wrong = validation_files(tmp_path)
+    where = ["-u", f"127.0.0.1:{server['ports'][extra[1]]}", *extra]
+    before = set(no_client_segments())
+    perf("-m", "add_sub", *where, *QUICK, "--input-data", right)
+    result = perf("-m", "add_sub", *where, *QUICK, "--input-data", wrong, expect=99)
+    assert ("dlserve perf: a request failed: Output doesn't match expected output "
+            "(output 'OUTPUT0', data index 1)") in result.stderr, result.stderr
+    if "--shared-memory" in extra:
+        assert set(no_client_segments()) == before, "the client's segment was left behind"
+
+
 def test_plot(server, tmp_path):
     pytest.importorskip("matplotlib")
     plot = tmp_path / "sweep.png"
@@ -596,6 +631,17 @@ def test_inprocess(tmp_path):
     assert [r["Concurrency"] for r in sorted(rows, key=lambda r: r["Concurrency"])] == ["1", "2"]
     for row in rows:
         check_server_columns(row)
+
+
+def test_inprocess_validation_data(tmp_path):
+    repo = tmp_path / "repo"
+    shutil.copytree(MODELS / "add_sub", repo / "add_sub")
+    right, wrong = validation_files(tmp_path)
+    where = ["-i", "inprocess", "--model-repository", str(repo), "--shared-memory", "system",
+             *QUICK]
+    perf("-m", "add_sub", *where, "--input-data", right)
+    result = perf("-m", "add_sub", *where, "--input-data", wrong, expect=99)
+    assert "Output doesn't match expected output (output 'OUTPUT0', data index 1)" in result.stderr
 
 
 def test_inprocess_loads_the_composing_models_too(tmp_path):

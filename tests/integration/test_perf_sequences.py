@@ -215,3 +215,21 @@ def test_inprocess(tmp_path):
 def test_what_cannot_work_with_sequences(server, args, message):
     result = perf("-m", "steps", *url(server, "http"), *QUICK, *args, expect=99)
     assert message in result.stderr
+
+
+def test_validation_data_of_each_streams_steps(server, tmp_path):
+    """validation_data shaped as the streams: each step's answer is checked against its own
+    (the model answers each step's INPUT), two sequences on the way at once."""
+    data = [[{"INPUT": [10 * s + i]} for i in range(3)] for s in range(2)]
+    right = [[{"OUTPUT": step["INPUT"]} for step in stream] for stream in data]
+    wrong = [right[0], [right[1][0], {"OUTPUT": [99]}, right[1][2]]]
+    paths = []
+    for name, expected in (("right", right), ("wrong", wrong)):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps({"data": data, "validation_data": expected}))
+    where = [*url(server, "grpc"), *QUICK, "--concurrency-range", "2"]
+    _, sequences = run(server, *where, "--input-data", str(paths[0]))
+    assert len(sequences) >= 2
+    result = perf("-m", "steps", *where, "--input-data", str(paths[1]), expect=99)
+    # (the second stream's second step: the fifth of the file)
+    assert "Output doesn't match expected output (output 'OUTPUT', data index 4)" in result.stderr

@@ -250,8 +250,15 @@ def test_grpc_request():
 def test_shared_memory_plan():
     requests = make_requests(ADD_SUB, 1, {}, "zero")
     plan = plan_shm(requests, ADD_SUB, 100)
-    inputs, outputs = plan.refs("region")
+    inputs, (outputs,) = plan.refs("region")
     assert inputs[0]["INPUT0"] == ShmRef("region", 0, 64) and inputs[0]["INPUT1"] == ShmRef("region", 64, 64)
     # fixed-shape outputs take their own size (FP32 [16]), not the 100 given (perf_analyzer's)
     assert outputs["OUTPUT0"] == ShmRef("region", 128, 64) and outputs["OUTPUT1"] == ShmRef("region", 192, 64)
     assert plan.layout.size == 256 and all(o % 64 == 0 for o, _ in plan.layout.blobs)
+
+
+def test_shared_memory_plan_with_outputs_of_each_request():
+    """validation_data's: each request's outputs can be read while others are on the way."""
+    requests = make_requests(ADD_SUB, 1, {}, "zero") * 2
+    _, outputs = plan_shm(requests, ADD_SUB, 100, separate=True).refs("region")
+    assert [o["OUTPUT0"].offset for o in outputs] == [256, 384]

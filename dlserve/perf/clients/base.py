@@ -94,17 +94,34 @@ class DataPlane:
         self.region: SystemRegion | CudaRegion | None = None
         self._registered = False
         self.shm_inputs: list[dict[str, ShmRef]] | None = None
-        self.shm_outputs: dict[str, ShmRef] | None = None
+        self.shm_outputs: list[dict[str, ShmRef]] | None = None  # one set, or one per request
+        self.separate_outputs = False  # (validation_data's: each request's outputs can be read)
 
     def shared_memory(self) -> None:
         """With --shared-memory: make and register this process's region; keep the refs."""
         if self.settings.shared_memory == "none":
             return
-        plan: ShmPlan = plan_shm(self.requests, self.info, self.settings.output_shm_size)
+        plan: ShmPlan = plan_shm(self.requests, self.info, self.settings.output_shm_size,
+                                 self.separate_outputs)
         self.region = make_region(self.settings.shared_memory, plan.layout)
         self.control.register(self.region)
         self._registered = True
         self.shm_inputs, self.shm_outputs = plan.refs(self.region.name)
+
+    def output_refs(self, index: int) -> dict[str, ShmRef] | None:
+        """Where request ``index``'s outputs go in shared memory (None: in the answer)."""
+        if self.shm_outputs is None:
+            return None
+        return self.shm_outputs[index if self.separate_outputs else 0]
+
+    def output_area(self, index: int, name: str) -> bytes | None:
+        """What request ``index``'s last answer left in output ``name``'s area (system
+        shared memory; None when it is not there)."""
+        refs = self.output_refs(index)
+        if refs is None or not isinstance(self.region, SystemRegion):
+            return None
+        ref = refs[name]
+        return self.region.read(ref.offset, ref.byte_size)
 
     def parameters(self, extra: dict[str, object] | None) -> dict[str, object]:
         """A request's parameters: ``--request-parameter``'s, then ``extra``."""

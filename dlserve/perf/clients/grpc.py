@@ -248,7 +248,7 @@ class GrpcDataPlane(DataPlane):
     def encode(self, index: int, extra: dict[str, object] | None = None) -> bytes:
         request = grpc_request(
             self.info, self.settings.version, self.requests[index],
-            None if self.shm_inputs is None else self.shm_inputs[index], self.shm_outputs,
+            None if self.shm_inputs is None else self.shm_inputs[index], self.output_refs(index),
             {**self._flags, **self.parameters(extra)},
         )
         return request if self.h2 is None else grpc_message(request, self.encoding)

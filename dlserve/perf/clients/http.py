@@ -250,7 +250,7 @@ class HttpDataPlane(DataPlane):
         settings = self.settings
         return http_request(
             settings.url, self.info, settings.version, self.requests[index],
-            None if self.shm_inputs is None else self.shm_inputs[index], self.shm_outputs,
+            None if self.shm_inputs is None else self.shm_inputs[index], self.output_refs(index),
             self.parameters(extra), json_inputs=settings.json_inputs, json_outputs=settings.json_outputs,
             headers=settings.http_headers,
         )
