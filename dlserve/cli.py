@@ -535,7 +535,10 @@ def serve(args: argparse.Namespace) -> int:
         server.stop()
         return 1
     print("dlserve: ready" if server.ready() else "dlserve: started (some models are not ready)", flush=True)
-    stop.wait()
+    # Woken every 0.1 s: the kernel may hand the signal to another thread (it does after a
+    # SIGSTOP), and its handler then runs on this one only once this one runs Python again.
+    while not stop.wait(0.1):
+        pass
     try:
         server.stop(wait_for_sequences=True)  # open sequences may end; then the services drain
     except dlserve.InternalError as exc:

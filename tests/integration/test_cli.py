@@ -10,6 +10,7 @@ segment and no worker process (workers carry ``--segment-prefix dlserve_<pid>_..
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import glob
 import http.client
 import json
@@ -75,6 +76,14 @@ def add_sub_body() -> dict:
     }
 
 
+def signal_thread(pid: int, thread: int, sig: int) -> None:
+    """``sig`` to one thread of process ``pid`` (tgkill), which must not block it."""
+    blocked = Path(f"/proc/{pid}/task/{thread}/status").read_text().split("SigBlk:")[1].split()[0]
+    assert not int(blocked, 16) >> (sig - 1) & 1, f"thread {thread} blocks signal {sig}"
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.tgkill(pid, thread, sig) == 0, os.strerror(ctypes.get_errno())
+
+
 def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run(
         [DLSERVE, *args], capture_output=True, text=True, timeout=timeout, check=False
@@ -129,11 +138,19 @@ class Serve:
             time.sleep(0.05)
         return self
 
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> tuple[int, float]:
+    def stop(
+        self, sig: int = signal.SIGTERM, timeout: float = 30, other_thread: bool = False
+    ) -> tuple[int, float]:
         """Send ``sig``; return (exit status, seconds it took to exit). A server still
-        running after ``timeout`` fails the test with every thread's stack (SIGUSR1)."""
+        running after ``timeout`` fails the test with every thread's stack (SIGUSR1).
+        ``other_thread``: to a thread other than the main one, as the kernel may hand a
+        process's signal to any thread that does not block it."""
         start = time.monotonic()
-        self.proc.send_signal(sig)
+        if other_thread:
+            thread = next(t.id for t in psutil.Process(self.pid).threads() if t.id != self.pid)
+            signal_thread(self.pid, thread, sig)
+        else:
+            self.proc.send_signal(sig)
         try:
             code = self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -604,6 +621,19 @@ def test_a_signal_to_the_process_group_still_finalizes_the_models(serve, make_re
     assert marker.read_text() == "finalized", process.output()
     assert "KeyboardInterrupt" not in process.stderr, process.output()
     assert "killed by" not in process.stderr, process.output()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_another_thread_takes_still_stops_the_server(serve, make_repo, sig):
+    """The kernel hands a process's signal to any thread not blocking it; after a SIGSTOP
+    and SIGCONT, often not to the main one. Its handler runs on the main thread all the
+    same (it waited for the stop without waking: the server never exited, logging nothing)."""
+    process = serve("--model-repository", str(make_repo("add_sub"))).wait_started()
+    code, _ = process.stop(sig, timeout=15, other_thread=True)
+    assert code == 0, process.output()
+    assert f"Signal ({sig}) received." in process.stdout
+    assert "Waiting for in-flight requests to complete." in process.stderr, process.output()
+    process.assert_clean()
 
 
 def test_trace_config_writes_tritons_trace_file(serve, make_repo, tmp_path):
