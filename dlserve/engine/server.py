@@ -314,10 +314,13 @@ class Server:
         self._cpu = prometheus.CpuSampler()  # CPU use between calls of metrics()
         self._loading = False  # start() is loading the models
         self._allocating: concurrent.futures.ThreadPoolExecutor | None = None  # (_delivery)
-        # Handing work to the loop, against a stop ending the loop (see _shutdown); and
-        # one stop at a time.
-        self._handing = threading.Lock()
+        # Handing work to the loop, against a stop ending the loop (see _shutdown): re-entrant,
+        # for a signal handler's call on a thread handing work already. And one stop at a
+        # time; which thread runs it; which threads are the allocators' (it waits for them).
+        self._handing = threading.RLock()
         self._stopping = threading.Lock()
+        self._stopper: int | None = None
+        self._thread_role = threading.local()
 
     # -- plumbing -----------------------------------------------------------------------
     def _engine_or_raise(self) -> Engine:
@@ -401,7 +404,7 @@ class Server:
         engine = Engine(settings)
         self._engine, self._loop, self._thread = engine, loop, thread
         self._allocating = concurrent.futures.ThreadPoolExecutor(
-            thread_name_prefix="dlserve-allocator"
+            thread_name_prefix="dlserve-allocator", initializer=self._mark_allocator
         )
         _LIVE_SERVERS.add(self)
         try:
@@ -441,51 +444,73 @@ class Server:
         tritonserver does when it exits (``dlserve serve`` does so on SIGTERM); all within
         the same ``exit_timeout``.
 
-        A stop() racing another (from another thread) returns once that one is done."""
+        A stop() racing another (from another thread) returns once that one is done. One
+        that cannot wait returns at once, the stop going on: one made inside the stop
+        running on its own thread (a signal handler's), and one made by an output
+        allocator, whose thread the stop waits for (it starts the stop on a thread of its
+        own if none runs)."""
         self._engine_or_raise()
         if not self._shutdown(wait_for_sequences):
             raise InternalError("Exit timeout expired. Exiting immediately.")
 
+    def _mark_allocator(self) -> None:
+        self._thread_role.allocator = True
+
     def _shutdown(self, wait_for_sequences: bool = False) -> bool:
+        if self._stopper == threading.get_ident():
+            return True
+        if getattr(self._thread_role, "allocator", False):
+            if not self._stopping.locked():
+                threading.Thread(
+                    target=self._shutdown, args=(wait_for_sequences,), name="dlserve-stop"
+                ).start()
+            return True
         with self._stopping:
-            engine, loop, thread = self._engine, self._loop, self._thread
-            if engine is None or loop is None:
-                return True
-            # One budget for the whole shutdown: the services drain, then the engine.
-            deadline = time.monotonic() + engine.settings.exit_timeout
-            # As Triton's exiting server: the network's requests in flight finish, new ones
-            # (on a gRPC stream or a keep-alive connection still open) are refused.
-            self._run(engine.begin_stop(deadline))
-            if wait_for_sequences:  # (the services take their requests, on new connections too)
-                self._run_waking(engine.sequences_ended(deadline))
-            # No new requests from the network then: every service stops accepting at
-            # once, then each drains what it has in flight.
-            stopping = [
-                c
-                for service in list(self._services)
-                if (c := service._stopping(deadline)) is not None
-            ]
-            if stopping:
-                self._run(_all(stopping))
+            self._stopper = threading.get_ident()
             try:
-                return asyncio.run_coroutine_threadsafe(engine.stop(deadline), loop).result()
+                return self._shutdown_now(wait_for_sequences)
             finally:
-                if self._allocating is not None:
-                    # The last responses go out while the loop still runs (their allocator may
-                    # call the server).
-                    self._allocating.shutdown()
-                # An API call racing the stop is refused from now on ("Server not started");
-                # what one handed the loop before runs, or is cancelled, before the loop stops:
-                # a call handed to a stopped loop would wait forever.
-                with self._handing:
-                    self._loop = None
-                asyncio.run_coroutine_threadsafe(_cancel_the_rest(), loop).result()
-                loop.call_soon_threadsafe(loop.stop)
-                if thread is not None:
-                    thread.join()
-                loop.close()
-                self._engine = self._thread = self._allocating = None
-                _LIVE_SERVERS.discard(self)
+                self._stopper = None
+
+    def _shutdown_now(self, wait_for_sequences: bool) -> bool:
+        engine, loop, thread = self._engine, self._loop, self._thread
+        if engine is None or loop is None:
+            return True
+        # One budget for the whole shutdown: the services drain, then the engine.
+        deadline = time.monotonic() + engine.settings.exit_timeout
+        # As Triton's exiting server: the network's requests in flight finish, new ones
+        # (on a gRPC stream or a keep-alive connection still open) are refused.
+        self._run(engine.begin_stop(deadline))
+        if wait_for_sequences:  # (the services take their requests, on new connections too)
+            self._run_waking(engine.sequences_ended(deadline))
+        # No new requests from the network then: every service stops accepting at
+        # once, then each drains what it has in flight.
+        stopping = [
+            c
+            for service in list(self._services)
+            if (c := service._stopping(deadline)) is not None
+        ]
+        if stopping:
+            self._run(_all(stopping))
+        try:
+            return asyncio.run_coroutine_threadsafe(engine.stop(deadline), loop).result()
+        finally:
+            if self._allocating is not None:
+                # The last responses go out while the loop still runs (their allocator may
+                # call the server).
+                self._allocating.shutdown()
+            # An API call racing the stop is refused from now on ("Server not started");
+            # what one handed the loop before runs, or is cancelled, before the loop stops:
+            # a call handed to a stopped loop would wait forever.
+            with self._handing:
+                self._loop = None
+            asyncio.run_coroutine_threadsafe(_cancel_the_rest(), loop).result()
+            loop.call_soon_threadsafe(loop.stop)
+            if thread is not None:
+                thread.join()
+            loop.close()
+            self._engine = self._thread = self._allocating = None
+            _LIVE_SERVERS.discard(self)
 
     def _attach(self, service: Any) -> None:
         self._services.append(service)
@@ -589,6 +614,8 @@ _LIVE_SERVERS: weakref.WeakSet[Server] = weakref.WeakSet()
 
 
 @atexit.register
-def _kill_live_servers() -> None:
+def kill_live_servers() -> None:
+    """End the workers and unlink the segments of every in-process server not stopped: at
+    interpreter exit, and for a command leaving at once (``os._exit`` skips atexit)."""
     for server in list(_LIVE_SERVERS):
         server._kill()

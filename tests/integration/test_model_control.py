@@ -24,6 +24,7 @@ import uvloop
 import dlserve
 from dlserve import ModelControlMode
 from dlserve.engine import server as inprocess
+from dlserve.memory.tensor import HostMemoryAllocator
 
 from ..conftest import MODELS, pid_alive, wait_until, worker_processes
 from .test_metrics import families, value
@@ -1134,6 +1135,69 @@ def test_a_stop_racing_another_waits_for_it(servers, make_repo, tmp_path, monkey
         assert second.outcome(30) == "InvalidArgumentError: Server not started"
     said = [r.getMessage() for r in caplog.records]
     assert said.count("Waiting for in-flight requests to complete.") == 1
+
+
+def test_a_stop_made_inside_the_stop_on_its_own_thread_returns_at_once(servers, make_repo):
+    """As a signal handler's stop() does when its signal lands on the thread already in
+    stop() (a second SIGTERM): it returns at once, and the stop it interrupted ends the
+    server. It waited for the lock its own thread held, forever."""
+    server = servers.start(make_repo("faulty"))
+    inner: list[str] = []
+
+    class Reentering:  # a service whose stopping calls stop() again, on the stopping thread
+        def _stopping(self, deadline: float) -> None:
+            inner.append(_outcome(server.stop))
+
+    server._attach(Reentering())
+    outer = Attempt(lambda: servers.stop(server))
+    assert outer.outcome(30) == "returned"
+    assert inner == ["returned"]
+
+
+def _outcome(call: Any) -> str:
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - the outcome
+        return f"{type(exc).__name__}: {exc}"
+    return "returned"
+
+
+class StoppingAllocator(dlserve.MemoryAllocator):
+    """Stops the server from the allocator's thread, then gives host memory."""
+
+    def __init__(self, server: dlserve.Server, first: threading.Event | None = None) -> None:
+        self.server, self.first, self.outcome = server, first, "not called"
+
+    def allocate(self, size: int, memory_type: Any, memory_type_id: int, tensor_name: str) -> Any:
+        if self.first is not None:
+            wait_until(lambda: not self.server.engine.live)  # (the other stop has begun)
+        self.outcome = _outcome(self.server.stop)
+        return HostMemoryAllocator().allocate(size, memory_type, memory_type_id, tensor_name)
+
+
+@pytest.mark.parametrize("other_stop", [True, False], ids=["beside-another-stop", "alone"])
+def test_a_stop_from_an_output_allocator_returns_and_the_server_stops(
+    servers, make_repo, other_stop
+):
+    """An allocator's stop() cannot wait for the stop, which waits for the allocator's
+    thread: it returns at once, the stop going on (started on a thread of its own when
+    none runs). Beside another thread's stop, both waited for each other forever."""
+    server = servers.start(make_repo("faulty"))
+    allocator = StoppingAllocator(server, threading.Event() if other_stop else None)
+    call = server.model("faulty").infer(
+        inputs={"INPUT0": X1}, parameters={"mode": "sleep:0.3"}, output_memory_allocator=allocator
+    )
+    outer = Attempt(lambda: servers.stop(server)) if other_stop else None
+    responses = list(call)
+    assert [r.error for r in responses] == [None]
+    assert allocator.outcome == "returned"
+    if outer is not None:
+        assert outer.outcome(30) == "returned"
+    else:
+        wait_until(lambda: server._loop is None, 30)
+        servers.servers.remove(server)
+    with pytest.raises(dlserve.InvalidArgumentError, match="Server not started"):
+        server.ready()
 
 
 HANGING_FINALIZE = """
