@@ -64,7 +64,7 @@ class Tensor:
         if data_type is DataType.BYTES:
             raise TritonModelException("Tensor.empty cannot allocate BYTES tensors")
         try:
-            shape = tuple(operator.index(d) for d in shape)
+            shape = tuple(_dimension(d) for d in shape)
         except TypeError:
             raise TritonModelException(
                 f"Tensor.empty('{name}'): shape must be a sequence of ints, got {shape!r}"
@@ -140,6 +140,13 @@ class Tensor:
             f"pb_utils.Tensor(name={self._name!r}, dtype={self._tensor.data_type.wire_name}, "
             f"shape={list(self._tensor.shape)})"
         )
+
+
+def _dimension(value: Any) -> int:
+    """An int, or a float that is one (``np.ceil``'s, ``/``'s), as ``int()`` took them."""
+    if isinstance(value, (float, np.floating)) and float(value).is_integer():
+        return int(value)
+    return operator.index(value)
 
 
 def _empty_data_type(name: str, dtype: Any) -> DataType:

@@ -276,6 +276,11 @@ def test_tensor_empty_takes_a_triton_data_type_number():
 DTYPE_ACCEPTED = "dtype must be a numpy dtype such as numpy.float32 or a Triton data type number"
 
 
+def test_tensor_empty_takes_whole_float_dimensions():
+    """As int() took them (a shape computed with np.ceil or /); 2.5 is refused (below)."""
+    assert pb_utils.Tensor.empty("OUT", [2.0, np.float64(3)], np.float32).shape() == [2, 3]
+
+
 @pytest.mark.parametrize(
     "shape, dtype, message",
     [
