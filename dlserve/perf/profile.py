@@ -352,7 +352,10 @@ def _exit_at_once(signum: int, frame: Any) -> None:
     sys.stdout.flush()
     for worker in multiprocessing.active_children():  # (--processes': they wait on the server too)
         worker.kill()
-    os._exit(130)  # (the resource tracker still unlinks the shm segments)
+    inprocess = sys.modules.get("dlserve.engine.server")  # (loaded if -i inprocess runs one)
+    if inprocess is not None:
+        inprocess.kill_live_servers()  # its workers and segments (os._exit skips atexit)
+    os._exit(130)  # (the resource tracker still unlinks the client's shm segments)
 
 
 def _metrics_collector(settings: Settings, server: Any) -> MetricsCollector | None:
