@@ -20,6 +20,7 @@ import shutil
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -504,15 +505,20 @@ def test_a_family_the_model_lets_go_of_leaves_with_its_metrics_as_in_triton(serv
     assert 'dlserve_test_requests{kind="plain",model="metrics_model"}' in text  # (the others stay)
 
 
-def test_a_model_s_metrics_outlive_its_unload_and_reload_as_in_triton(servers, tmp_path):
-    """Upstream custom_metrics_reload_test, as Triton 2.51 passes it: the worker's own
-    end (its objects torn down after finalize) is not the model letting its families go."""
+def explicit_metrics_server(servers: Any, tmp_path: Path) -> dlserve.Server:
+    """A server in explicit mode with metrics_model loaded, which the test may reload."""
     (tmp_path / "metrics_model" / "1").mkdir(parents=True)
     (tmp_path / "metrics_model" / "config.pbtxt").write_text(METRICS_CONFIG)
     (tmp_path / "metrics_model" / "1" / "model.py").write_text(METRICS_MODEL)
-    server = servers.start(
+    return servers.start(
         tmp_path, model_control_mode=dlserve.ModelControlMode.EXPLICIT, startup_models=["metrics_model"]
     )
+
+
+def test_a_model_s_metrics_outlive_its_unload_and_reload_as_in_triton(servers, tmp_path):
+    """Upstream custom_metrics_reload_test, as Triton 2.51 passes it: the worker's own
+    end (its objects torn down after finalize) is not the model letting its families go."""
+    server = explicit_metrics_server(servers, tmp_path)
     line = 'dlserve_test_requests{kind="plain",model="metrics_model"}'
     for expected in (2, 4):
         response = infer(server, "metrics_model", {"INPUT0": np.array([2.0, 0.0])})
@@ -527,12 +533,7 @@ def test_a_reloaded_model_letting_go_of_a_family_takes_its_metrics_along(servers
     """The unloaded worker's objects held the family no more once it ended (its metrics
     stay, as above): the reloaded model letting go of its own clears them, as in Triton.
     They used to count as holding it for good, and the metrics stayed."""
-    (tmp_path / "metrics_model" / "1").mkdir(parents=True)
-    (tmp_path / "metrics_model" / "config.pbtxt").write_text(METRICS_CONFIG)
-    (tmp_path / "metrics_model" / "1" / "model.py").write_text(METRICS_MODEL)
-    server = servers.start(
-        tmp_path, model_control_mode=dlserve.ModelControlMode.EXPLICIT, startup_models=["metrics_model"]
-    )
+    server = explicit_metrics_server(servers, tmp_path)
     line = 'dlserve_test_requests{kind="plain",model="metrics_model"}'
     assert infer(server, "metrics_model", {"INPUT0": np.array([2.0, 0.0])}).error is None
     server.unload("metrics_model", wait_until_unloaded=True)
