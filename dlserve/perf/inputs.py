@@ -12,10 +12,11 @@
 
   Each entry of ``data`` is one step; a list of lists (streams) is read as its steps in
   order. Content may be flat or nested; BYTES content is a list of strings. A step
-  without ``shape`` uses the model's dims (with ``--shape`` for variable ones). Requests
-  cycle through the steps; with ``-b B`` a request takes B consecutive steps. With several
-  files, their steps follow each other, file after file. Other keys (``parameters``) are
-  ignored.
+  without ``shape`` uses the model's dims (with ``--shape`` for variable ones). A step may
+  leave out an input the model's config marks ``optional``: its requests go without it
+  (with ``-b`` above 1, every step must give the same inputs). Requests cycle through the
+  steps; with ``-b B`` a request takes B consecutive steps. With several files, their
+  steps follow each other, file after file. Other keys (``parameters``) are ignored.
 
   ``validation_data``, beside ``data`` and shaped as it (a step, or a stream of steps, for
   each of its entries), holds each step's expected outputs, in the same forms as inputs::
@@ -65,6 +66,7 @@ class TensorInfo:
     name: str
     datatype: str
     dims: list[int]  # without the batch dimension
+    optional: bool = False  # an input the config marks optional: data may leave it out
 
 
 @dataclasses.dataclass
@@ -83,6 +85,7 @@ class ModelInfo:
         max_batch = int(config.get("max_batch_size", 0) or 0)
         policy = config.get("model_transaction_policy") or {}
         versions = metadata.get("versions") or []
+        optional = {entry.get("name") for entry in config.get("input", []) if entry.get("optional")}
 
         def tensors(entries: list[dict[str, Any]]) -> list[TensorInfo]:
             out = []
@@ -90,7 +93,8 @@ class ModelInfo:
                 dims = [int(d) for d in entry.get("shape", [])]
                 if max_batch > 0 and dims:
                     dims = dims[1:]  # the -1 batch dimension
-                out.append(TensorInfo(entry["name"], entry["datatype"], dims))
+                out.append(TensorInfo(entry["name"], entry["datatype"], dims,
+                                      entry["name"] in optional))
             return out
 
         return cls(
@@ -288,6 +292,8 @@ def _step_tensors(step: Any, model: str, tensors: list[TensorInfo], shapes: dict
     out = {}
     for tensor in tensors:
         if tensor.name not in step:
+            if tensor.optional:  # (sent without it, as perf_analyzer does)
+                continue
             raise UsageError(f"{where}: no data for {kind} '{tensor.name}'")
         value, shape = step[tensor.name], shapes.get(tensor.name)
         out[tensor.name] = _step_tensor(tensor, value, shape, where, kind)
@@ -343,11 +349,19 @@ def _batch_steps(info: ModelInfo, count: int, batch_size: int) -> list[list[int]
 def _batched(info: ModelInfo, steps: list[dict[str, np.ndarray]], batch_size: int) -> list[dict[str, np.ndarray]]:
     if info.max_batch_size == 0:
         return steps
+    if batch_size > 1 and len({frozenset(step) for step in steps}) > 1:  # (perf_analyzer's words)
+        raise UsageError(
+            "--input-data: For batch sizes larger than 1, the same set of inputs must be specified "
+            "for each batch. You cannot use different set of optional inputs for each individual "
+            "batch."
+        )
     requests = []
     for indices in _batch_steps(info, len(steps), batch_size):
         chosen = [steps[index] for index in indices]
         request = {}
         for tensor in info.inputs:
+            if tensor.name not in chosen[0]:
+                continue
             parts = [step[tensor.name] for step in chosen]
             if len({p.shape for p in parts}) != 1:
                 raise UsageError(

@@ -121,6 +121,25 @@ def test_json_batched_cycles_steps(tmp_path):
     assert [r["INPUT0"][:, 0, 0].tolist() for r in requests] == [[0, 1], [2, 0], [1, 2]]
 
 
+def test_json_optional_inputs_may_be_left_out(tmp_path):
+    """As perf_analyzer: a step may leave out an input the config marks optional (its
+    requests go without it); with -b above 1 every step must give the same inputs."""
+    info = ModelInfo.from_json(
+        {"name": "opt", "inputs": [{"name": "A", "datatype": "INT32", "shape": [-1, 2]},
+                                   {"name": "B", "datatype": "INT32", "shape": [-1, 1]}],
+         "outputs": []},
+        {"max_batch_size": 4, "input": [{"name": "A"}, {"name": "B", "optional": True}]},
+    )
+    assert [t.optional for t in info.inputs] == [False, True]
+    path = write(tmp_path, {"data": [{"A": [1, 2]}, {"A": [3, 4], "B": [5]}]})
+    first, second = make_requests(info, 1, {}, path)
+    assert list(first) == ["A"] and list(second) == ["A", "B"] and second["B"].shape == (1, 1)
+    with pytest.raises(UsageError, match="the same set of inputs must be specified for each batch"):
+        make_requests(info, 2, {}, path)
+    (request,) = make_requests(info, 2, {}, write(tmp_path, {"data": [{"A": [1, 2]}]}))
+    assert list(request) == ["A"] and request["A"].shape == (2, 2)
+
+
 @pytest.mark.parametrize(
     ("document", "message"),
     [

@@ -1,0 +1,59 @@
+"""``dlserve perf --input-data`` against a real ``dlserve serve``, checked against what
+perf_analyzer does with the same data: JSON steps that leave out optional inputs.
+
+What the server got is read back from ``--profile-export-file``: generate_echo answers
+``inputs_seen``, each input it was given with its shape and values.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ..conftest import MODELS
+from .test_perf_cli import QUICK, perf, run_server, url
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    work = tmp_path_factory.mktemp("perf_input_data")
+    repo = work / "repo"
+    shutil.copytree(MODELS / "generate_echo", repo / "generate_echo")
+    yield from run_server(work, repo)
+
+
+def inputs_seen(export: Path) -> list[dict[str, Any]]:
+    """What generate_echo was given, each distinct request once (in the order first seen)."""
+    (experiment,) = json.loads(export.read_text())["experiments"]
+    seen = []
+    for request in experiment["requests"]:
+        (answer,) = request["response_outputs"]
+        inputs = json.loads(answer["inputs_seen"])
+        if inputs not in seen:
+            seen.append(inputs)
+    return seen
+
+
+def test_json_steps_may_leave_out_optional_inputs(server, tmp_path):
+    """As perf_analyzer: a step without an input the config marks optional is sent without
+    it (it was refused: "no data for input 'int_in'"); a required one is still needed."""
+    data, export = tmp_path / "data.json", tmp_path / "export.json"
+    data.write_text(json.dumps({"data": [
+        {"text_input": ["a"]},
+        {"text_input": ["b"], "int_in": [7]},
+    ]}))
+    perf("-m", "generate_echo", *url(server, "http"), *QUICK, "--input-data", str(data),
+         "--profile-export-file", str(export))
+    assert inputs_seen(export) == [
+        {"text_input": {"dtype": "object", "shape": [1], "values": ["a"]}},
+        {"text_input": {"dtype": "object", "shape": [1], "values": ["b"]},
+         "int_in": {"dtype": "int32", "shape": [1], "values": [7]}},
+    ]
+    data.write_text(json.dumps({"data": [{"int_in": [7]}]}))
+    result = perf("-m", "generate_echo", *url(server, "http"), *QUICK, "--input-data", str(data),
+                  expect=99)
+    assert "step 0: no data for input 'text_input'" in result.stderr
