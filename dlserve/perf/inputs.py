@@ -12,11 +12,13 @@
 
   Each entry of ``data`` is one step; a list of lists (streams) is read as its steps in
   order. Content may be flat or nested; BYTES content is a list of strings. A step
-  without ``shape`` uses the model's dims (with ``--shape`` for variable ones). A step may
-  leave out an input the model's config marks ``optional``: its requests go without it
-  (with ``-b`` above 1, every step must give the same inputs). Requests cycle through the
-  steps; with ``-b B`` a request takes B consecutive steps. With several files, their
-  steps follow each other, file after file. Other keys (``parameters``) are ignored.
+  without ``shape`` uses the model's dims, with ``--shape`` for variable ones; a step's
+  ``shape`` must agree with those (so where ``--shape`` is given, be it), as perf_analyzer
+  checks. A step may leave out an input the model's config marks ``optional``: its
+  requests go without it (with ``-b`` above 1, every step must give the same inputs).
+  Requests cycle through the steps; with ``-b B`` a request takes B consecutive steps.
+  With several files, their steps follow each other, file after file. Other keys
+  (``parameters``) are ignored.
 
   ``validation_data``, beside ``data`` and shaped as it (a step, or a stream of steps, for
   each of its entries), holds each step's expected outputs, in the same forms as inputs::
@@ -123,8 +125,13 @@ def check_batch(info: ModelInfo, batch_size: int) -> None:
         )
 
 
-def resolve_shapes(info: ModelInfo, shapes: dict[str, list[int]]) -> dict[str, list[int]]:
-    """Each input's dims (no batch dimension): the model's, with ``--shape`` for variable ones."""
+def _fits(shape: list[int], dims: list[int]) -> bool:
+    return len(shape) == len(dims) and all(d < 0 or d == s for d, s in zip(dims, shape))
+
+
+def _given_shapes(info: ModelInfo, shapes: dict[str, list[int]]) -> dict[str, list[int]]:
+    """Each input's dims (no batch dimension): the model's, with ``--shape`` for variable
+    ones (-1 stays where none is given)."""
     names = {t.name for t in info.inputs}
     for name in shapes:
         if name not in names:
@@ -132,19 +139,24 @@ def resolve_shapes(info: ModelInfo, shapes: dict[str, list[int]]) -> dict[str, l
     out = {}
     for tensor in info.inputs:
         given = shapes.get(tensor.name)
-        if given is None:
-            if any(d < 0 for d in tensor.dims):
-                raise UsageError(
-                    f"input '{tensor.name}' has a variable shape {tensor.dims}: give it with "
-                    f"--shape {tensor.name}:" + ",".join("1" if d < 0 else str(d) for d in tensor.dims)
-                )
-            out[tensor.name] = list(tensor.dims)
-            continue
-        if len(given) != len(tensor.dims) or any(d >= 0 and d != g for d, g in zip(tensor.dims, given)):
+        if given is not None and not _fits(given, tensor.dims):
             raise UsageError(
                 f"--shape {tensor.name}:{','.join(map(str, given))} does not fit the model's dims {tensor.dims}"
             )
-        out[tensor.name] = list(given)
+        out[tensor.name] = list(tensor.dims if given is None else given)
+    return out
+
+
+def resolve_shapes(info: ModelInfo, shapes: dict[str, list[int]]) -> dict[str, list[int]]:
+    """Each input's dims (no batch dimension): the model's, with ``--shape`` for variable
+    ones, which each need one."""
+    out = _given_shapes(info, shapes)
+    for tensor in info.inputs:
+        if any(d < 0 for d in out[tensor.name]):
+            raise UsageError(
+                f"input '{tensor.name}' has a variable shape {tensor.dims}: give it with "
+                f"--shape {tensor.name}:" + ",".join("1" if d < 0 else str(d) for d in tensor.dims)
+            )
     return out
 
 
@@ -234,6 +246,9 @@ def _step_tensor(tensor: TensorInfo, value: Any, default_shape: list[int] | None
             raise UsageError(f"{at} needs 'content' or 'b64'")
     else:
         content = value
+    if shape is not None and default_shape is not None and not _fits(shape, default_shape):
+        source = "--shape" if default_shape != tensor.dims else "the model's input shape"
+        raise UsageError(f"{at}: its shape {shape} is incompatible with {source} {default_shape}")
     if shape is None:
         shape = default_shape
     if tensor.datatype == "BYTES":
@@ -245,16 +260,13 @@ def _step_tensor(tensor: TensorInfo, value: Any, default_shape: list[int] | None
             array = np.asarray(content, dtype=numpy_type(tensor.datatype)).reshape(-1)
         except (TypeError, ValueError, OverflowError) as exc:
             raise UsageError(f"{at}: {exc}") from None
-    if shape is None:
-        if kind == "output" and any(d < 0 for d in tensor.dims):
-            shape = [array.size]  # (an expected output's size is its content's)
-        elif any(d < 0 for d in tensor.dims):
-            raise UsageError(
-                f"{where}: input '{tensor.name}' has a variable shape {tensor.dims}: give a 'shape' "
-                f"in the file or --shape {tensor.name}:..."
-            )
-        else:
-            shape = list(tensor.dims)
+    if shape is None:  # an expected output's: its content's size where it varies
+        shape = [array.size] if any(d < 0 for d in tensor.dims) else list(tensor.dims)
+    elif any(d < 0 for d in shape):
+        raise UsageError(
+            f"{where}: input '{tensor.name}' has a variable shape {tensor.dims}: give a 'shape' "
+            f"in the file or --shape {tensor.name}:..."
+        )
     if math.prod(shape) != array.size:
         raise UsageError(
             f"{at} has {array.size} elements, its shape {shape} needs {math.prod(shape)}"
@@ -307,8 +319,9 @@ def load_json_steps(path: str, info: ModelInfo,
                     shapes: dict[str, list[int]]) -> list[dict[str, np.ndarray]]:
     """The steps of a perf_analyzer JSON data file, one dict of batch-1 tensors each."""
     steps = _flat(_read_json(path)["data"])
+    dims = _given_shapes(info, shapes)
     return [
-        _step_tensors(step, info.name, info.inputs, shapes, f"--input-data {path}: step {i}",
+        _step_tensors(step, info.name, info.inputs, dims, f"--input-data {path}: step {i}",
                       "input")
         for i, step in enumerate(steps)
     ]
@@ -394,10 +407,6 @@ def make_requests(
         }
         steps = [step]
     else:
-        names = {t.name for t in info.inputs}
-        for name in shapes:
-            if name not in names:
-                raise UsageError(f"--shape: model '{info.name}' has no input '{name}'")
         paths = [input_data] if isinstance(input_data, str) else input_data
         steps = [step for path in paths for step in load_json_steps(path, info, shapes)]
     return _batched(info, steps, batch_size)

@@ -190,14 +190,13 @@ def test_grpc_through_grpcio(server, tmp_path):
 
 
 @pytest.mark.parametrize("extra", [["-i", "grpc"], ["-i", "grpc", "--grpc-transport", "grpcio"], ["-i", "http"]])
-def test_a_refused_request_ends_the_run_with_the_servers_message(server, tmp_path, extra):
-    data = tmp_path / "data.json"
-    data.write_text(json.dumps({"data": [{"INPUT0": {"content": [1.0] * 3, "shape": [3]},
-                                          "INPUT1": {"content": [1.0] * 3, "shape": [3]}}]}))
+def test_a_refused_request_ends_the_run_with_the_servers_message(server, extra):
+    # (a priority below 0: a JSON data file's wrong shape is refused before sending, as
+    # perf_analyzer refuses it)
     protocol = extra[1]
     result = perf("-m", "add_sub", "-u", f"127.0.0.1:{server['ports'][protocol]}", *extra, *QUICK,
-                  "--input-data", str(data), expect=99)
-    assert "a request failed" in result.stderr and "Expected [16], got [3]" in result.stderr, result.stderr
+                  "--request-parameter", "priority:-1:int", expect=99)
+    assert "a request failed" in result.stderr and "'priority'" in result.stderr, result.stderr
 
 
 def test_grpc_streaming(server, tmp_path):

@@ -1,5 +1,6 @@
 """``dlserve perf --input-data`` against a real ``dlserve serve``, checked against what
-perf_analyzer does with the same data: JSON steps that leave out optional inputs.
+perf_analyzer does with the same data: JSON steps that leave out optional inputs, and
+JSON shapes against ``--shape``.
 
 What the server got is read back from ``--profile-export-file``: generate_echo answers
 ``inputs_seen``, each input it was given with its shape and values.
@@ -57,3 +58,20 @@ def test_json_steps_may_leave_out_optional_inputs(server, tmp_path):
     result = perf("-m", "generate_echo", *url(server, "http"), *QUICK, "--input-data", str(data),
                   expect=99)
     assert "step 0: no data for input 'text_input'" in result.stderr
+
+
+def test_a_json_shape_must_agree_with_the_shape_option(server, tmp_path):
+    """As perf_analyzer: a step's shape for a variable input must be the --shape given for it
+    (the step's won, unchecked); without --shape, the step's is used."""
+    data, export = tmp_path / "data.json", tmp_path / "export.json"
+    data.write_text(json.dumps({"data": [
+        {"text_input": ["a"], "vec": {"content": [1, 2, 3], "shape": [3]}},
+    ]}))
+    where = ["-m", "generate_echo", *url(server, "grpc"), *QUICK, "--input-data", str(data)]
+    result = perf(*where, "--shape", "vec:2", expect=99)
+    assert "step 0: input 'vec': its shape [3] is incompatible with --shape [2]" in result.stderr
+    for extra in ([], ["--shape", "vec:3"]):
+        export.unlink(missing_ok=True)
+        perf(*where, *extra, "--profile-export-file", str(export))
+        (seen,) = inputs_seen(export)
+        assert seen["vec"] == {"dtype": "int64", "shape": [3], "values": [1, 2, 3]}

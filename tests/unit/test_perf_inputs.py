@@ -107,11 +107,31 @@ def test_json_data(tmp_path):
 def test_json_bytes_and_shapes(tmp_path):
     path = write(tmp_path, {"data": [[  # a stream: its steps in order
         {"INPUT0": {"content": ["a", "bb", "ccc"], "shape": [3]}},
-        {"INPUT0": ["x"]},
+        {"INPUT0": {"content": ["x"], "shape": [1]}},
     ]]})
-    first, second = make_requests(STRINGS, 1, {"INPUT0": [1]}, path)
+    first, second = make_requests(STRINGS, 1, {}, path)
     assert list(first["INPUT0"]) == [b"a", b"bb", b"ccc"] and first["INPUT0"].shape == (3,)
     assert list(second["INPUT0"]) == [b"x"]
+
+
+@pytest.mark.parametrize(
+    ("info", "shapes", "value", "message"),
+    [
+        (STRINGS, {"INPUT0": [1]}, {"content": ["a", "b", "c"], "shape": [3]},
+         "its shape [3] is incompatible with --shape [1]"),
+        (IDENTITY, {"INPUT0": [4]}, {"content": [1.0] * 6, "shape": [2, 3]},
+         "its shape [2, 3] is incompatible with --shape [4]"),
+        (BATCHED, {}, {"content": [1, 2, 3, 4], "shape": [4]},
+         "its shape [4] is incompatible with the model's input shape [2, 2]"),
+        (IDENTITY, {"INPUT0": [4]}, [1.0] * 6, "has 6 elements, its shape [4] needs 4"),
+    ],
+)
+def test_json_shapes_must_agree_with_the_shape_option(tmp_path, info, shapes, value, message):
+    """As perf_analyzer: a step's shape is checked against the model's dims, with --shape
+    for variable ones (a step's shape won over --shape, unchecked)."""
+    with pytest.raises(UsageError) as exc:
+        make_requests(info, 1, shapes, write(tmp_path, {"data": [{"INPUT0": value}]}))
+    assert message in str(exc.value)
 
 
 def test_json_batched_cycles_steps(tmp_path):
