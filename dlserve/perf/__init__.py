@@ -7,6 +7,7 @@ Modules (each small, each testable alone):
 * :mod:`.flags`     -- the flags' value parsers, and UsageError for values that cannot work.
 * :mod:`.sequences` -- sequence models: IDs, lengths and START/END of each request.
 * :mod:`.inputs`    -- model metadata -> tensors: zero / random / perf_analyzer JSON data.
+* :mod:`.input_dir` -- ``--input-data DIRECTORY``: perf_analyzer's data directory.
 * :mod:`.payloads`  -- requests encoded once, up front: HTTP bytes, gRPC bytes, in-process.
 * :mod:`.shm`       -- client shared memory (system; CUDA through cupy when present).
 * :mod:`.clients`   -- control plane (metadata, statistics, shm registration) and the

@@ -234,14 +234,12 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     files = [path for path in given if path not in ("zero", "random")]
     input_data = files or given[-1]
     for path in files:
-        if os.path.isdir(path):
-            raise UsageError(
-                f"--input-data: '{path}' is a directory; give a JSON file, zero or random"
-            )
-        if not os.path.isfile(path):
-            raise UsageError(
-                f"--input-data: expected zero, random or a JSON file; '{path}' does not exist"
-            )
+        if not os.path.isfile(path) and not os.path.isdir(path):
+            raise UsageError(f"--input-data: expected zero, random, a JSON file or a directory; "
+                             f"'{path}' does not exist")
+        if os.path.isdir(path) and len(given) > 1:  # (perf_analyzer refuses it with zero or random)
+            raise UsageError(f"--input-data: '{path}' is a directory, which must be the only "
+                             "--input-data")
     if args.plot_file:
         try:
             import matplotlib  # noqa: F401

@@ -33,6 +33,9 @@
   each distinct request then has of its own), and for a variable-shaped output (the
   content, or the ``shape`` given, sets its size).
 
+* ``DIRECTORY`` -- perf_analyzer's data directory, one file per input, the same data sent
+  with every request: see :mod:`dlserve.perf.input_dir`. It is the only data of a run.
+
 BYTES elements in the zero and random modes are ``--string-data`` when given, else random
 printable strings of ``--string-length`` characters, as perf_analyzer's are.
 """
@@ -43,6 +46,7 @@ import base64
 import dataclasses
 import json
 import math
+import os
 import string
 from typing import Any
 
@@ -386,6 +390,14 @@ def _batched(info: ModelInfo, steps: list[dict[str, np.ndarray]], batch_size: in
     return requests
 
 
+def data_directory(input_data: str | list[str]) -> str | None:
+    """The directory ``--input-data`` names, if it names one (it then names nothing else)."""
+    if input_data in ("zero", "random"):
+        return None
+    paths = [input_data] if isinstance(input_data, str) else input_data
+    return paths[0] if len(paths) == 1 and os.path.isdir(paths[0]) else None
+
+
 def make_requests(
     info: ModelInfo,
     batch_size: int,
@@ -398,6 +410,7 @@ def make_requests(
     """The distinct requests to cycle through: input name -> array (with the batch dim
     when the model batches)."""
     check_batch(info, batch_size)
+    directory = data_directory(input_data)
     if input_data in ("zero", "random"):
         dims = resolve_shapes(info, shapes)
         rng = np.random.default_rng(seed)
@@ -406,6 +419,10 @@ def make_requests(
             for t in info.inputs
         }
         steps = [step]
+    elif directory is not None:
+        from dlserve.perf.input_dir import read_directory  # (it imports this module)
+
+        steps = [read_directory(directory, info, resolve_shapes(info, shapes))]
     else:
         paths = [input_data] if isinstance(input_data, str) else input_data
         steps = [step for path in paths for step in load_json_steps(path, info, shapes)]
@@ -417,7 +434,7 @@ def expected_outputs(info: ModelInfo, batch_size: int,
     """Each distinct request's expected outputs (as :func:`make_requests` orders them): the
     bytes of its steps' ``validation_data``, one step after the other; None when no file has
     any. The steps of a file without it expect nothing."""
-    if input_data in ("zero", "random"):
+    if input_data in ("zero", "random") or data_directory(input_data) is not None:
         return None
     paths = [input_data] if isinstance(input_data, str) else input_data
     steps = [step for path in paths for step in load_validation(path, info)]

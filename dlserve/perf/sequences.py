@@ -10,7 +10,8 @@ request names its sequence (``sequence_id``), the first says ``sequence_start``,
 * A sequence is ``--sequence-length`` requests (20), give or take
   ``--sequence-length-variation`` percent (20) at random. With a JSON data file and no
   ``--sequence-length``, a sequence is one stream of the file, whole; streams are taken
-  in turn (a file without streams is one stream).
+  in turn (a file without streams is one stream). A data directory's one step is sent
+  in sequences of ``--sequence-length``, as generated data is.
 * Concurrency N keeps N sequences going, each slot sending one sequence's requests one
   after the other; request rate R spreads its requests over ``--num-of-sequences`` live
   sequences (one picked at random per request; with ``--serial-sequences`` only one
@@ -25,6 +26,7 @@ import random
 from typing import Any
 
 from dlserve.perf.flags import UsageError
+from dlserve.perf.inputs import data_directory
 
 DEFAULT_LENGTH = 20
 
@@ -45,9 +47,10 @@ class Step:
 
 def stream_lengths(input_data: str | list[str]) -> list[int] | None:
     """The lengths of the JSON data files' streams, file after file (one stream for a file
-    without any); None for generated data. The files were checked by
+    without any); None for generated data and a data directory's (its one step is every
+    request's, as perf_analyzer sends it). The files were checked by
     :func:`dlserve.perf.inputs.load_json_steps`."""
-    if input_data in ("zero", "random"):
+    if input_data in ("zero", "random") or data_directory(input_data) is not None:
         return None
     paths = [input_data] if isinstance(input_data, str) else input_data
     return [length for path in paths for length in _file_streams(path)]

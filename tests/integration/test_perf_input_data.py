@@ -1,6 +1,6 @@
 """``dlserve perf --input-data`` against a real ``dlserve serve``, checked against what
-perf_analyzer does with the same data: JSON steps that leave out optional inputs, and
-JSON shapes against ``--shape``.
+perf_analyzer does with the same data: data directories, JSON steps that leave out
+optional inputs, and JSON shapes against ``--shape``.
 
 What the server got is read back from ``--profile-export-file``: generate_echo answers
 ``inputs_seen``, each input it was given with its shape and values.
@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from ..conftest import MODELS
@@ -37,6 +38,54 @@ def inputs_seen(export: Path) -> list[dict[str, Any]]:
         if inputs not in seen:
             seen.append(inputs)
     return seen
+
+
+def echo_directory(folder: Path) -> Path:
+    """A data directory for generate_echo: every input's file, and one named after an output
+    (allowed; perf_analyzer does not read it)."""
+    folder.mkdir()
+    (folder / "text_input").write_bytes(b"hello\n")
+    (folder / "int_in").write_bytes(np.array([5], dtype=np.int32).tobytes())
+    (folder / "fp_in").write_bytes(np.array([0.5, 1.5, 2.5], dtype=np.float32).tobytes())
+    (folder / "bool_in").write_bytes(b"\x01")
+    (folder / "vec").write_bytes(np.array([3, 4], dtype=np.int64).tobytes())
+    (folder / "text_output").write_bytes(b"not read")
+    return folder
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_a_data_directory_is_sent_with_every_request(server, tmp_path, protocol):
+    """perf_analyzer's --input-data DIRECTORY (it was refused: "is a directory")."""
+    folder, export = echo_directory(tmp_path / "data"), tmp_path / "export.json"
+    perf("-m", "generate_echo", *url(server, protocol), *QUICK, "--input-data", str(folder),
+         "--shape", "vec:2", "--profile-export-file", str(export))
+    assert inputs_seen(export) == [{
+        "text_input": {"dtype": "object", "shape": [1], "values": ["hello"]},
+        "int_in": {"dtype": "int32", "shape": [1], "values": [5]},
+        "fp_in": {"dtype": "float32", "shape": [3], "values": [0.5, 1.5, 2.5]},
+        "bool_in": {"dtype": "bool", "shape": [1], "values": [True]},
+        "vec": {"dtype": "int64", "shape": [2], "values": [3, 4]},
+    }]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [  # perf_analyzer's errors
+        ("fp_in", "failed to open file '{folder}/fp_in'"),
+        ("vec", "provided data for input vec has byte size 8, expect 16"),
+        ("README", "Provided data file 'README' does not correspond to a valid model input or "
+                   "output"),
+    ],
+)
+def test_a_data_directory_without_the_right_files_is_refused(server, tmp_path, change, message):
+    folder = echo_directory(tmp_path / "data")
+    if change == "fp_in":
+        (folder / "fp_in").unlink()
+    else:
+        (folder / change).write_bytes(b"\0" * 8)
+    result = perf("-m", "generate_echo", *url(server, "http"), *QUICK, "--input-data",
+                  str(folder), "--shape", "vec:2", expect=99)
+    assert message.format(folder=folder) in result.stderr
 
 
 def test_json_steps_may_leave_out_optional_inputs(server, tmp_path):

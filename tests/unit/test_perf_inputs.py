@@ -1,4 +1,5 @@
-"""``dlserve perf`` input data: zero / random / perf_analyzer JSON (BYTES, shapes, batches),
+"""``dlserve perf`` input data: zero / random / perf_analyzer JSON (BYTES, shapes, batches)
+and data directories,
 and the requests encoded once (HTTP bytes, gRPC bytes, shared-memory plan)."""
 
 from __future__ import annotations
@@ -11,7 +12,13 @@ import pytest
 
 from dlserve.frontends.proto import grpc_service_pb2 as pb
 from dlserve.perf.flags import UsageError
-from dlserve.perf.inputs import ModelInfo, make_requests, raw_bytes, resolve_shapes
+from dlserve.perf.inputs import (
+    ModelInfo,
+    expected_outputs,
+    make_requests,
+    raw_bytes,
+    resolve_shapes,
+)
 from dlserve.perf.payloads import grpc_request, http_request, model_path, plan_shm
 from dlserve.perf.shm import ShmRef
 
@@ -214,6 +221,58 @@ def test_json_not_json(tmp_path):
 def test_json_variable_shape_needs_a_shape(tmp_path):
     with pytest.raises(UsageError, match="variable shape"):
         make_requests(IDENTITY, 1, {}, write(tmp_path, {"data": [{"INPUT0": [1.0, 2.0]}]}))
+
+
+DIRECTORY_MODEL = ModelInfo.from_json(
+    {"name": "dir", "inputs": [{"name": "A", "datatype": "FP32", "shape": [-1, 2, 2]},
+                               {"name": "S", "datatype": "BYTES", "shape": [-1, -1]},
+                               {"name": "B", "datatype": "INT32", "shape": [-1, 2]}],
+     "outputs": [{"name": "OUT", "datatype": "FP32", "shape": [-1, 1]}]},
+    {"max_batch_size": 4, "input": [{"name": "B", "optional": True}]},
+)
+
+
+def data_directory(tmp_path, **files: bytes) -> str:
+    folder = tmp_path / "data"
+    folder.mkdir(parents=True)
+    defaults = {"A": np.arange(4, dtype=np.float32).tobytes(), "S": b"x\r\n\nzzz",
+                "B": np.array([7, 8], dtype=np.int32).tobytes(), "OUT": b"not read"}
+    for name, content in {**defaults, **files}.items():
+        if content is not None:
+            (folder / name).write_bytes(content)
+    return str(folder)
+
+
+def test_data_directory(tmp_path):
+    """perf_analyzer's data directory: a file per input, raw (row-major, little-endian) or
+    for BYTES one element a line (split at \\n only: \\r and empty lines stay); its one step
+    sent in every request (-b: B copies). Files named after outputs are not read."""
+    path = data_directory(tmp_path)
+    (request,) = make_requests(DIRECTORY_MODEL, 2, {"S": [3]}, path)
+    assert request["A"].dtype == np.float32 and request["A"].tolist() == [[[0, 1], [2, 3]]] * 2
+    assert request["S"].tolist() == [[b"x\r", b"", b"zzz"]] * 2
+    assert request["B"].dtype == np.int32 and request["B"].tolist() == [[7, 8]] * 2
+    assert expected_outputs(DIRECTORY_MODEL, 2, path) is None
+    with pytest.raises(UsageError, match="input 'S' has a variable shape"):
+        make_requests(DIRECTORY_MODEL, 1, {}, path)  # (perf_analyzer: "provide shapes")
+
+
+@pytest.mark.parametrize(
+    ("files", "message"),
+    [  # perf_analyzer's errors
+        ({"B": None}, "failed to open file '{path}/B'"),  # (an optional input's too)
+        ({"A": b"\0" * 12}, "provided data for input A has byte size 12, expect 16"),
+        ({"S": b"x\ny\n"}, "provided data for input S has 2 elements, expect 3"),
+        ({"A": b""}, "file '{path}/A' is empty"),
+        ({"README": b"hi"},
+         "Provided data file 'README' does not correspond to a valid model input or output"),
+    ],
+)
+def test_data_directory_errors(tmp_path, files, message):
+    path = data_directory(tmp_path, **files)
+    with pytest.raises(UsageError) as exc:
+        make_requests(DIRECTORY_MODEL, 1, {"S": [3]}, path)
+    assert message.format(path=path) in str(exc.value)
 
 
 # -- encoded requests --------------------------------------------------------------------------

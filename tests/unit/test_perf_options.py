@@ -192,9 +192,12 @@ def test_input_data_files_are_all_kept(tmp_path):
     assert settings("-m", "m", "--input-data", "zero").input_data == "zero"
 
 
-def test_input_data_directory_is_refused(capsys, tmp_path):
-    err = usage_error(capsys, "-m", "m", "--input-data", str(tmp_path))
-    assert "is a directory" in err
+def test_input_data_directory_is_the_only_input_data(capsys, tmp_path):
+    """perf_analyzer's data directory (it was refused); alone, as perf_analyzer refuses it
+    with zero or random (and reads it as JSON after a JSON file)."""
+    assert settings("-m", "m", "--input-data", str(tmp_path)).input_data == [str(tmp_path)]
+    err = usage_error(capsys, "-m", "m", "--input-data", str(tmp_path), "--input-data", "zero")
+    assert f"'{tmp_path}' is a directory, which must be the only --input-data" in err
 
 
 def test_cuda_shared_memory_without_cuda_is_a_clear_error(capsys, monkeypatch):

@@ -66,6 +66,8 @@ def test_the_streams_of_several_files_follow_each_other(tmp_path):
     streams.write_text(json.dumps({"data": [[{"INPUT": [1]}] * 2, [{"INPUT": [1]}] * 4]}))
     assert stream_lengths([str(flat), str(streams)]) == [3, 2, 4]
     assert stream_lengths(str(streams)) == [2, 4] and stream_lengths("zero") is None
+    # a data directory's one step: sequences of --sequence-length, as perf_analyzer's
+    assert stream_lengths([str(tmp_path)]) is None
 
 
 def test_streams_are_taken_whole_in_turn_unless_a_length_is_given():
