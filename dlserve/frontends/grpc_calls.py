@@ -2,7 +2,7 @@
 
 A :class:`CallContext` is also what the call's handler gets as its context: the part
 of grpc's servicer context the servicer uses (``invocation_metadata()``,
-``await abort(code, details)``, ``set_compression(name)``).
+``await abort(code, details)``, ``set_compression(name)``), and ``on_server_stop(hook)``.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ class CallContext:
         "connection", "stream_id", "method", "metadata", "encoding", "accepts", "compression",
         "window", "outbox", "started", "finished", "remote_closed", "task", "messages",
         "prefix", "flag", "body", "filled", "received", "held", "timer", "expired",
-        "started_ns", "after_send", "sender",
+        "started_ns", "after_send", "sender", "stop_hook",
     )  # fmt: skip
 
     def __init__(self, connection: Connection, stream_id: int) -> None:
@@ -155,6 +155,7 @@ class CallContext:
         # called with True once the answer is handed to the connection (False: it never was)
         self.after_send: Callable[[bool], None] | None = None
         self.sender: asyncio.Future[None] | None = None  # waits until the outbox is empty
+        self.stop_hook: Callable[[], None] | None = None  # (see on_server_stop)
 
     # -- requests in ----------------------------------------------------------------------
     def read_headers(self, headers: list[tuple[str, str]]) -> tuple[str, float | None]:
@@ -299,6 +300,20 @@ class CallContext:
         usable = [codec for codec in (name, *_CODECS) if codec in self.accepts]
         if usable:
             self.compression = usable[0]
+
+    def on_server_stop(self, hook: Callable[[], None]) -> None:
+        """Have ``hook`` called when the server begins to stop (now if it has): a call
+        its client keeps open (ModelStreamInfer) ends once it has nothing in flight,
+        rather than holding the stop until the grace period runs out."""
+        if self.connection.server.stopping:
+            hook()
+        else:
+            self.stop_hook = hook
+
+    def server_stopping(self) -> None:
+        hook, self.stop_hook = self.stop_hook, None
+        if hook is not None:
+            hook()
 
     # -- answers ---------------------------------------------------------------------------
     def send_message(self, payload: bytes | list[bytes | memoryview], last: bool = False) -> None:

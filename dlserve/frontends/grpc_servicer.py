@@ -485,6 +485,7 @@ class InferenceServicer:
         if self.compression is not None:
             context.set_compression(self.compression)
         stream = InferStream(self, context)
+        context.on_server_stop(stream.stop)
         reader = asyncio.get_running_loop().create_task(stream.read(request_iterator))
         try:
             while True:

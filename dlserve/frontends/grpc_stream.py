@@ -7,6 +7,11 @@ requests by order. Each request on the stream is answered with a ``ModelStreamIn
 ``error_message`` and the stream stays open, unless the call's metadata holds
 ``triton_grpc_error: true``: then, as in Triton, the first error ends the call with its
 gRPC status and message.
+
+When the server stops, a stream ends with UNAVAILABLE (:data:`SHUTTING_DOWN`) as soon as no
+request of it is in flight, after the answers to those that were: an open stream would
+otherwise hold the stop until the exit timeout. Meanwhile it still reads its client's
+requests, which the stopping engine refuses, each answered on the stream.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
+
+import grpc
 
 from dlserve.engine.request import Request, Response
 from dlserve.engine.tracing import Trace
@@ -43,6 +50,7 @@ log = logging.getLogger("dlserve.frontends.grpc")
 # before it reads no more of the client's requests (see InferStream).
 STREAM_BACKLOG = 128
 ERRORS_END_CALL = "triton_grpc_error"  # the metadata key that makes the first error end the call
+SHUTTING_DOWN = "The server is shutting down"  # how a stream open at the server's stop ends
 
 
 @dataclasses.dataclass(eq=False)  # (each place is itself, whatever it holds)
@@ -76,6 +84,7 @@ class InferStream:
         self.pending: set[Request] = set()
         self.room = asyncio.Event()  # set when an answer leaves the queue
         self.reading = True
+        self.stopping = False  # the server's stop has begun (see stop)
         self.failure: Abort | None = None
         self.errors_end_call = any(  # (only "true" as written, as Triton reads it)
             key.lower() == ERRORS_END_CALL and value == "true"
@@ -96,8 +105,24 @@ class InferStream:
             self.queue.put_nowait(None)
         finally:
             self.reading = False
-            if not self.pending:
-                self.queue.put_nowait(None)
+            self._end_if_done()
+
+    def stop(self) -> None:
+        """The server's stop has begun (``context.on_server_stop``): the call ends once
+        no request of it is in flight."""
+        self.stopping = True
+        self._end_if_done()
+
+    def _end_if_done(self) -> None:
+        """End the call after what is queued if it has nothing in flight and its client
+        sent all it will (OK) or the server is stopping (UNAVAILABLE)."""
+        if self.pending or self.failure is not None:
+            return
+        if self.reading:
+            if not self.stopping:
+                return
+            self.failure = Abort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
+        self.queue.put_nowait(None)
 
     def submit(self, inbound: InferCall) -> None:
         received = time.monotonic_ns()
@@ -189,8 +214,7 @@ class InferStream:
         if response.flags_only and not empty_final:
             # Only clients that asked for it get a final with nothing in it.
             self._send(place, None, response.final)
-            if not self.reading and not self.pending:
-                self.queue.put_nowait(None)
+            self._end_if_done()
             return
         error = response.error.message if response.error is not None else ""
         item: Answer | None = None
@@ -211,8 +235,7 @@ class InferStream:
             trace.record("GRPC_SEND_START")
             trace.hold()  # until the answer is sent
         self._send(place, (item, trace), response.final)
-        if not self.reading and not self.pending:
-            self.queue.put_nowait(None)
+        self._end_if_done()
 
     def release_traces(self) -> None:
         """The call is over: the traces of answers never sent are let go, those queued
@@ -232,4 +255,4 @@ class InferStream:
             self.servicer.engine.cancel(request)
 
 
-__all__ = ["STREAM_BACKLOG", "InferStream"]
+__all__ = ["SHUTTING_DOWN", "STREAM_BACKLOG", "InferStream"]

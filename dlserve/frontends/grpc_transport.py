@@ -14,7 +14,7 @@ What a gRPC server owes its clients, and where it is done:
   bounded and reopened as its messages are read: :data:`STREAM_WINDOW`; sends wait for
   the peer's windows; a peer is not read while what we write it piles up unread),
   CONTINUATION, padding, RST_STREAM, GOAWAY on stop (calls in flight get the grace
-  period, then are cancelled).
+  period, then are cancelled; a stream ends once it has nothing in flight).
 * gRPC over HTTP/2 (one call per stream, in :mod:`dlserve.frontends.grpc_calls`):
   length-prefixed messages split across DATA frames or sharing one, ``grpc-timeout``
   (the call is cancelled and answered DEADLINE_EXCEEDED), ``grpc-encoding`` and
@@ -685,6 +685,7 @@ class GrpcTransport:
         self.connections: set[Connection] = set()
         self._server: asyncio.AbstractServer | None = None
         self._idle: asyncio.Event | None = None
+        self.stopping = False
 
     async def listen(
         self, host: str, port: int, tls: ssl.SSLContext | None, reuse_port: bool
@@ -705,13 +706,18 @@ class GrpcTransport:
             self._idle.set()
 
     async def stop(self, grace: float | None) -> None:
-        """Refuse new calls (GOAWAY), give those in flight ``grace`` seconds, cancel the rest."""
+        """Refuse new calls (GOAWAY), give those in flight ``grace`` seconds, cancel the rest.
+        Calls kept open by their clients are told (CallContext.on_server_stop): a stream
+        with nothing in flight ends now rather than holding the stop for all of ``grace``."""
         server, self._server = self._server, None
         if server is None:
             return
         server.close()
+        self.stopping = True
         for connection in list(self.connections):
             connection.go_away()
+            for call in list(connection.calls.values()):
+                call.server_stopping()
         if grace and any(c.calls for c in self.connections):
             self._idle = asyncio.Event()
             try:

@@ -476,6 +476,50 @@ def test_a_grpc_stream_open_at_shutdown_gets_no_new_requests_run(serve, make_rep
     process.assert_clean()
 
 
+def test_grpc_streams_open_at_shutdown_end_once_nothing_of_them_is_in_flight(serve, make_repo):
+    """A tritonclient stream left open (start_stream, its requests answered) does not hold the
+    exit until --exit-timeout-secs runs out: after SIGTERM it ends at once, its callback
+    getting UNAVAILABLE; a stream with a request executing gets the answer, then the same."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    process = serve(
+        "--model-repository", str(make_repo("faulty")), "--exit-timeout-secs", "20"
+    ).wait_started()
+    url = f"127.0.0.1:{process.ports['grpc']}"
+    idle: queue.Queue = queue.Queue()
+    busy: queue.Queue = queue.Queue()
+    value = grpcclient.InferInput("INPUT0", [1], "FP32")
+    value.set_data_from_numpy(np.array([1.0], np.float32))
+
+    def into(answers: queue.Queue):
+        return lambda result, error: answers.put((time.monotonic(), result, error))
+
+    first, second = (grpcclient.InferenceServerClient(url) for _ in range(2))
+    with first, second:
+        first.start_stream(callback=into(idle))
+        first.async_stream_infer("faulty", [value], request_id="answered")
+        assert idle.get(timeout=30)[2] is None  # the stream is open, nothing of it in flight
+        second.start_stream(callback=into(busy))
+        sleep = {"mode": "sleep:4"}
+        second.async_stream_infer("faulty", [value], request_id="in flight", parameters=sleep)
+        time.sleep(0.5)  # (in the model by now)
+        code, took = process.stop(signal.SIGTERM)
+        idle_end, _, idle_error = idle.get(timeout=5)
+        (answered_at, answer, _), (_, _, busy_error) = busy.get(timeout=5), busy.get(timeout=5)
+        first.stop_stream()
+        second.stop_stream()
+    assert code == 0, process.output()  # (not 1: no request was dropped at the exit timeout)
+    assert took < 10, f"exit took {took:.1f} s"
+    assert idle_end < answered_at  # the idle stream ended without waiting for the other's request
+    assert answer.get_response().id == "in flight"
+    for error in (idle_error, busy_error):
+        assert error.status() == "StatusCode.UNAVAILABLE"
+        assert error.message() == "The server is shutting down"
+    process.assert_clean()
+
+
 def test_a_sequence_open_at_shutdown_may_finish(serve, make_repo):
     """As Triton 2.51 (side by side): after SIGTERM an open sequence counts as in flight: its
     next requests, on a new connection too, are answered until its END, a new sequence is

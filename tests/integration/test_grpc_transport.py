@@ -1042,6 +1042,51 @@ def test_stop_cancels_calls_after_the_grace(server):
         service.stop()
 
 
+def test_stop_ends_a_stream_once_nothing_of_it_is_in_flight(server):
+    """A ModelStreamInfer call its client keeps open does not hold the stop for the whole
+    grace: one with nothing in flight ends at once, one with a request executing gets its
+    answer first; each ends with UNAVAILABLE, after the GOAWAY."""
+    service = KServeGrpc(server, KServeGrpc.Options(address="127.0.0.1", port=0))
+    service.start()
+    try:
+        with H2Client(service.port) as client:
+            client.handshake()
+            wait_until_faulty_is_idle(client)
+            idle, busy = client.new_stream(), client.new_stream()
+            for stream, request in ((idle, add_sub_request(id="idle")), (busy, sleep_request(1))):
+                client.send(HEADERS, END_HEADERS, stream, client.header_block(STREAM_INFER))
+                client.send(DATA, 0, stream, prefixed(request))
+            answers = {idle: Answer(), busy: Answer()}
+            while not answers[idle].data:  # (the idle stream's one request is answered)
+                f = client.recv()
+                if f.kind == DATA:
+                    answers[f.stream].data += f.payload
+            started = time.monotonic()
+            stopper = threading.Thread(target=service.stop, args=(time.monotonic() + 30,))
+            stopper.start()
+            frames = client.wait_closed(timeout=10)
+            stopper.join(timeout=10)
+            assert not stopper.is_alive()
+            assert time.monotonic() - started < 10  # the busy stream's second, not the grace
+            assert frames[0].kind == GOAWAY, frames
+            ends = {}
+            for f in frames:
+                if f.kind == DATA:
+                    assert f.stream not in ends, "an answer after the end of its stream"
+                    answers[f.stream].data += f.payload
+                elif f.kind == HEADERS and f.flags & END_STREAM:
+                    ends[f.stream] = dict(client.decoder.decode(f.payload, raw=False))
+            assert list(ends) == [idle, busy]  # the idle one did not wait for the busy one
+            for stream, trailers in ends.items():
+                answers[stream].trailers = trailers
+                assert answers[stream].status == grpc.StatusCode.UNAVAILABLE.value[0]
+                assert answers[stream].message == "The server is shutting down"
+            (reply,) = answers[busy].messages()  # its request was answered
+            assert not pb.ModelStreamInferResponse.FromString(reply).error_message
+    finally:
+        service.stop()
+
+
 # -- what a hostile or broken client gets ---------------------------------------------------------
 def test_streams_above_the_advertised_limit_are_refused(port):
     with H2Client(port) as client:
