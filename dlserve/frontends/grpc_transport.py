@@ -83,6 +83,7 @@ from dlserve.frontends.http2 import (
     HPACKError,
     frame,
 )
+from dlserve.frontends.lingering import Lingering, linger
 
 log = logging.getLogger("dlserve.frontends.grpc")
 
@@ -139,6 +140,7 @@ class Connection(asyncio.Protocol):
         self.headers_of: tuple[int, int, bytearray] | None = None
         self.going_away = False
         self.closed = False
+        self.lingering: Lingering | None = None  # (see _fail)
         self.ping_strikes = 0
         self.last_ping_received = 0.0
         self.ping_sent_at: float | None = None
@@ -174,6 +176,8 @@ class Connection(asyncio.Protocol):
         self.server.connections.discard(self)
         for timer in self.timers.values():
             timer.cancel()
+        if self.lingering is not None:
+            self.lingering.cancel()
         for call in list(self.calls.values()):
             self._drop(call)
 
@@ -224,19 +228,27 @@ class Connection(asyncio.Protocol):
             payload = U32.pack(self.last_stream) + U32.pack(code) + debug
             self._out(frame(GOAWAY, 0, 0, payload))
 
-    def close(self) -> None:
+    def close(self, lingering: bool = False) -> None:
+        """Drop the calls, send what is queued and close (``lingering``: see _fail)."""
         self.closed = True
         for call in list(self.calls.values()):
             self._drop(call)
+        for timer in self.timers.values():
+            timer.cancel()  # (a keepalive ping's would reset a lingering connection)
         if self.transport is not None:
             self._send_out()
-            self.transport.close()
+            if lingering:
+                self.lingering = linger(self.transport)
+            else:
+                self.transport.close()
 
     def _out(self, data: bytes | memoryview) -> None:
         """Queue bytes for the socket, sent at the end of this turn of the event loop:
         the answers of calls that complete together (16 streams share perf_analyzer's
         one connection) leave in one system call, which on loopback also pays for the
-        receiver's side of TCP."""
+        receiver's side of TCP. Nothing more goes out once the connection is closed."""
+        if self.closed:
+            return
         self.outgoing.append(data)
         if not self.send_pending:
             self.send_pending = True
@@ -255,14 +267,20 @@ class Connection(asyncio.Protocol):
             self.transport.writelines(outgoing)
 
     def _fail(self, code: int, debug: str) -> None:
-        """A connection error (RFC 9113 §5.4.1): GOAWAY and close."""
+        """A connection error (RFC 9113 §5.4.1): GOAWAY and close. The client may still
+        be sending (the rest of what held the bad frame, a request's DATA): a lingering
+        close, so that its kernel gets a FIN after the GOAWAY, not a reset that may lose it."""
         log.info("gRPC connection error: %s", debug)
         self.going_away = False
         self.go_away(code, debug.encode())
-        self.close()
+        self.close(lingering=True)
 
     # -- frames in -------------------------------------------------------------------------
     def data_received(self, data: bytes) -> None:
+        if self.closed:  # (lingering after a connection error: dropped unread)
+            if self.lingering is not None:
+                self.lingering.received(len(data))
+            return
         if self.buffer:
             self.buffer += data
             data = self.buffer  # type: ignore[assignment]

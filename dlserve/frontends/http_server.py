@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import httptools
 import numpy as np
 
+from dlserve.frontends.lingering import Lingering, linger
 from dlserve.ipc.polling import PollWindow, loop_poller
 
 if TYPE_CHECKING:
@@ -43,11 +44,6 @@ DIRECT_BODY_MIN = 64 * 1024  # bodies at least this big are read straight into s
 MAX_HEADER_BYTES = 64 * 1024
 _SCRATCH = 64 * 1024
 _COALESCE_MAX = 64 * 1024  # response parts up to this size are copied into one write
-# Lingering close (see HttpConnection._linger): what a refused client still sends is read and
-# dropped for at most this long, this long without a byte, and this many bytes.
-LINGER_SECONDS = 5.0
-LINGER_IDLE_SECONDS = 1.0
-LINGER_BYTES = 64 << 20
 REASONS = {
     200: "OK",
     400: "Bad Request",
@@ -154,9 +150,7 @@ class HttpConnection(asyncio.BufferedProtocol):
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         self._broken = False  # a parse error was queued; ignore whatever follows
-        self._linger_timer: asyncio.TimerHandle | None = None  # (while lingering: its close)
-        self._linger_bytes = 0
-        self._linger_until = 0.0
+        self._lingering: Lingering | None = None  # (see _linger)
         self._writable = asyncio.Event()
         self._writable.set()
         # After answering a keep-alive client, the loop polls for its next request
@@ -339,9 +333,8 @@ class HttpConnection(asyncio.BufferedProtocol):
             self._idle_since = 0.0
             self._poller.done(self)
         if self._broken:
-            if self._linger_timer is not None:  # dropped unread (see _linger)
-                self._linger_bytes += nbytes
-                self._linger_later()
+            if self._lingering is not None:  # dropped unread (see _linger)
+                self._lingering.received(nbytes)
             return
         if self._direct is not None:
             self._filled += nbytes
@@ -377,8 +370,8 @@ class HttpConnection(asyncio.BufferedProtocol):
         self._poller.done(self)
         self.server.connections.discard(self)
         self._writable.set()
-        if self._linger_timer is not None:
-            self._linger_timer.cancel()
+        if self._lingering is not None:
+            self._lingering.cancel()
         # Drop a half-received body now (it may be a 64 MiB shared-memory block) rather
         # than when the garbage collector breaks the parser <-> connection cycle.
         self._drop_body()
@@ -410,37 +403,11 @@ class HttpConnection(asyncio.BufferedProtocol):
 
     def _linger(self) -> None:
         """Close after answering a request whose client may still be sending (a body
-        refused at its headers or midway, a stream out of sync), as nginx's lingering
-        close does. Closing a socket with unread bytes makes the kernel send a reset: a
-        client that writes its whole request before reading fails on the write, and one
-        whose answer is still in flight (or whose stack drops what it holds) loses it. So
-        the answer is followed by a FIN, and what the client still sends is read and
-        dropped, within bounds, before the close."""
-        transport = self.transport
-        if transport is None:
-            return
-        if not transport.can_write_eof():  # (TLS: its close sends close_notify first)
-            transport.close()
-            return
-        transport.write_eof()
-        self._drop_body()
-        self._linger_until = asyncio.get_running_loop().time() + LINGER_SECONDS
-        self._linger_later()
-        transport.resume_reading()
-
-    def _linger_later(self) -> None:
-        """(Re)arm the lingering connection's close: after a pause in what it sends, or at
-        once past its bounds. The server's stop closes it at once too."""
-        if self._linger_timer is not None:
-            self._linger_timer.cancel()
-        transport = self.transport
-        assert transport is not None
-        loop = asyncio.get_running_loop()
-        wait = min(LINGER_IDLE_SECONDS, self._linger_until - loop.time())
-        if wait <= 0 or self._linger_bytes > LINGER_BYTES:
-            transport.close()
-        else:
-            self._linger_timer = loop.call_later(wait, transport.close)
+        refused at its headers or midway, a stream out of sync) without a reset
+        (:mod:`dlserve.frontends.lingering`). The server's stop closes it at once."""
+        if self.transport is not None:
+            self._drop_body()
+            self._lingering = linger(self.transport)
 
     def _serve_soon(self) -> None:
         if not self._busy:

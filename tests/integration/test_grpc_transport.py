@@ -1191,6 +1191,26 @@ def test_a_malformed_frame_ends_the_connection_with_goaway(port, bad):
         assert stub.ServerLive(pb.ServerLiveRequest(), timeout=5).live
 
 
+def test_a_connection_error_goes_away_without_a_reset_under_a_client_still_sending(port):
+    """Closing a socket with unread bytes makes the kernel reset the connection (and drop
+    what it had still to send): after a bad frame the client still sending must get the
+    GOAWAY and then EOF, not ECONNRESET. What it sends meanwhile is read and dropped."""
+    with H2Client(port) as client:
+        client.handshake()
+        bad = frame(WINDOW_UPDATE, 0, 0, b"\x00\x00\x01")  # 3 bytes, not 4
+        client.sock.sendall(bad + frame(PING, 0, 0, b"8 bytes.") * (4 << 20 >> 4))  # (4 MiB)
+        received = client.buffer
+        while chunk := client.sock.recv(1 << 16):  # (ConnectionResetError fails the test)
+            received += chunk
+    frames = []
+    while received:
+        length = int.from_bytes(received[:3], "big")
+        frames.append(Frame(received[3], received[4], 0, received[9 : 9 + length]))
+        received = received[9 + length :]
+    assert [f.kind for f in frames] == [GOAWAY], frames  # (no PING answered after the error)
+    assert struct.unpack_from(">II", frames[0].payload) == (0, PROTOCOL_ERROR)
+
+
 def test_an_answer_stuck_behind_flow_control_is_dropped_at_its_deadline(port):
     with H2Client(port, settings={INITIAL_WINDOW_SIZE: 0}) as client:
         client.handshake()

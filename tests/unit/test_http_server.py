@@ -12,7 +12,7 @@ from collections.abc import AsyncGenerator
 
 import numpy as np
 
-from dlserve.frontends import http_server
+from dlserve.frontends import lingering
 from dlserve.frontends.http_server import DIRECT_BODY_MIN, HttpRequest, HttpResponse, HttpServer
 
 
@@ -245,8 +245,8 @@ def test_a_lingering_connection_closes_when_its_client_does_or_the_server_stops(
     """After a refusal the connection drops what its client still sends (no reset under a
     client still writing) and is gone once the client closes; the server's stop closes a
     lingering one at once, however long it would linger."""
-    monkeypatch.setattr(http_server, "LINGER_SECONDS", 600.0)
-    monkeypatch.setattr(http_server, "LINGER_IDLE_SECONDS", 600.0)
+    monkeypatch.setattr(lingering, "LINGER_SECONDS", 600.0)
+    monkeypatch.setattr(lingering, "LINGER_IDLE_SECONDS", 600.0)
     head = b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (4 << 20)
 
     def refused(sock: socket.socket) -> bytes:
