@@ -151,12 +151,13 @@ def _dimension(value: Any) -> int:
 
 def _empty_data_type(name: str, dtype: Any) -> DataType:
     """``Tensor.empty``'s ``dtype``: a numpy dtype (or what ``numpy.dtype`` reads as one, but
-    ``None``, its float64 default) or a Triton data type number, as ``triton_dtype()`` returns."""
+    ``None``, its float64 default, and a numpy number, which it reads as the number's own
+    type) or a Triton data type number, as ``triton_dtype()`` returns (a numpy integer too)."""
     data_type = None
     try:
-        if isinstance(dtype, int) and not isinstance(dtype, bool):
-            data_type = DataType(dtype)
-        elif dtype is not None:
+        if isinstance(dtype, (int, np.integer)) and not isinstance(dtype, bool):
+            data_type = DataType(int(dtype))
+        elif dtype is not None and not isinstance(dtype, (np.number, np.bool_)):
             data_type = DataType.from_numpy(dtype)
     except (TypeError, ValueError):
         pass

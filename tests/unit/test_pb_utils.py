@@ -271,6 +271,9 @@ def test_tensor_empty_takes_a_triton_data_type_number():
     like = pb_utils.Tensor("X", np.zeros(2, np.int16))
     t = pb_utils.Tensor.empty("OUT", like.shape(), like.triton_dtype())
     assert t.as_numpy().dtype == np.int16 and t.shape() == [2]
+    # A numpy integer is a number too (it was read as a numpy dtype: its own type, INT64)
+    assert pb_utils.Tensor.empty("OUT", [2], np.int64(11)).triton_dtype() == 11  # (FP32)
+    assert pb_utils.Tensor.empty("OUT", [2], np.uint8(12)).as_numpy().dtype == np.float64
 
 
 DTYPE_ACCEPTED = "dtype must be a numpy dtype such as numpy.float32 or a Triton data type number"
@@ -291,6 +294,10 @@ def test_tensor_empty_takes_whole_float_dimensions():
         ([2], None, f"{DTYPE_ACCEPTED} such as triton_dtype() returns, got None"),
         ([2], 99, f"{DTYPE_ACCEPTED} such as triton_dtype() returns, got 99"),
         ([2], 0, f"{DTYPE_ACCEPTED} such as triton_dtype() returns, got 0"),
+        ([2], np.int64(99), f"{DTYPE_ACCEPTED} such as triton_dtype() returns, got np.int64(99)"),
+        ([2], np.bool_(True), f"{DTYPE_ACCEPTED} such as triton_dtype() returns, got np.True_"),
+        ([2], np.float32(11), f"{DTYPE_ACCEPTED} such as triton_dtype() returns, "
+         "got np.float32(11.0)"),
         ([2], np.complex64, f"{DTYPE_ACCEPTED} such as triton_dtype() returns, "
          "got <class 'numpy.complex64'>"),
         ([2], object(), DTYPE_ACCEPTED),
