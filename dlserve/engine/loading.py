@@ -384,9 +384,14 @@ class Loader:
             )
             for version in versions
         }
-        results = await asyncio.gather(
-            *(self._start_version(model) for model in models.values()), return_exceptions=True
-        )
+        try:
+            results = await asyncio.gather(
+                *(self._start_version(model) for model in models.values()), return_exceptions=True
+            )
+        except BaseException:  # cancelled: the instances (and versions) that started end too
+            for model in models.values():
+                model.abandon()
+            raise
         errors = {version: result for version, result in zip(models, results) if result is not None}
         if not errors:
             return models, {}

@@ -270,6 +270,10 @@ class ModelVersion:
             self._adding = added
             try:
                 results = await asyncio.gather(*(instance.start() for instance in added), return_exceptions=True)
+            except BaseException:  # cancelled: the added instances that started end too
+                for instance in added:
+                    instance.kill()
+                raise
             finally:
                 self._adding = []
             errors = [r for r in results if isinstance(r, BaseException)]
@@ -364,12 +368,24 @@ class ModelVersion:
         self.scheduler.close()
         self.stats.ended = True
         self.state, self.reason = "UNAVAILABLE", "unloaded"
-        upload, self._upload = self._upload, None
-        if upload is not None:
-            upload.release()
+        self._release_upload()
         if served:
             log.info("successfully unloaded '%s' version %d", self.name, self.version)
         return drained and all(ended)
+
+    def abandon(self) -> None:
+        """Its load was cancelled (a poll the server's stop cancelled, say): the workers
+        that started end at once, and what it holds goes, as an unload's would."""
+        self.kill()
+        self._leave_limiter()
+        self.scheduler.close()
+        self.state, self.reason = "UNAVAILABLE", "load cancelled"
+        self._release_upload()
+
+    def _release_upload(self) -> None:
+        upload, self._upload = self._upload, None
+        if upload is not None:
+            upload.release()
 
     def kill(self) -> None:
         for instance in [*self.all_instances, *self._adding]:

@@ -24,6 +24,7 @@ import uvloop
 import dlserve
 from dlserve import ModelControlMode
 from dlserve.engine import server as inprocess
+from dlserve.engine.model import ModelVersion
 from dlserve.memory.tensor import HostMemoryAllocator
 
 from ..conftest import MODELS, pid_alive, wait_until, worker_processes
@@ -1452,6 +1453,89 @@ class TritonPythonModel:
     server.load("slow")
     assert server.model("slow").ready()
     assert len(worker_processes(prefix)) == 1
+
+
+SECOND_INSTANCE_WAITS = """
+import os
+import time
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        go = os.path.join(args["model_repository"], "GO")
+        while args["model_instance_name"].endswith("_1") and not os.path.exists(go):
+            time.sleep(0.02)
+
+    def execute(self, requests):
+        return []
+"""
+
+
+def _instances_config(count: int) -> str:
+    return f'backend: "python"\ninstance_group [ {{ count: {count} kind: KIND_CPU }} ]\n'
+
+
+def _ready_while_loading(server: dlserve.Server) -> int:
+    """The READY instances of the versions the loads in flight start or add to."""
+    return sum(
+        instance.ready
+        for version in server.engine.manager.loader.starting
+        if isinstance(version, ModelVersion)
+        for instance in [*version.instances, *version._adding]
+    )
+
+
+def test_a_load_cancelled_while_one_instance_initializes_ends_those_that_started(
+    servers, make_repo
+):
+    """Cancelled while its second instance initializes, a load ends the first one's worker
+    too: it had started, and ran on outside the index, past the server's stop."""
+    two = {"config.pbtxt": _instances_config(2), "1/model.py": SECOND_INSTANCE_WAITS}
+    repo = make_repo(extra={"two": two})
+    server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT)
+    prefix = server.engine.segment_prefix
+    load = asyncio.run_coroutine_threadsafe(server.engine.load("two"), server.loop)
+    wait_until(lambda: _ready_while_loading(server) == 1)
+    load.cancel()
+    wait_until(lambda: not worker_processes(prefix), timeout=5)
+    assert [row["name"] for row in server.engine.manager.index()] == ["two"]  # (not loaded)
+    (repo / "two" / "GO").touch()
+    server.load("two")
+    assert server.model("two").ready() and len(worker_processes(prefix)) == 2
+
+
+def test_a_stop_during_a_polls_load_ends_the_instances_that_started(servers, make_repo, tmp_path):
+    """The stop cancels the poll loading a model whose second instance initializes: the
+    first one's worker, started already, ends with the server (it ran on after stop())."""
+    repo = make_repo("identity")
+    server = servers.start(repo, model_control_mode=ModelControlMode.POLL, repository_poll_secs=0.1)
+    new = tmp_path / "two"
+    (new / "1").mkdir(parents=True)
+    (new / "config.pbtxt").write_text(_instances_config(2))
+    (new / "1" / "model.py").write_text(SECOND_INSTANCE_WAITS)
+    new.rename(repo / "two")  # (whole, for the poll)
+    wait_until(lambda: _ready_while_loading(server) == 1)
+    servers.stop(server)  # (it checks that no worker of the server is left)
+
+
+def test_a_cancelled_instance_group_update_ends_the_instances_it_started(servers, make_repo):
+    """An update in place from one instance to three, cancelled while the third initializes:
+    the second's worker ends (it ran on, in no instance list), the first serves on."""
+    grow = {"config.pbtxt": _instances_config(1), "1/model.py": SECOND_INSTANCE_WAITS}
+    repo = make_repo(extra={"grow": grow})
+    server = servers.start(
+        repo, model_control_mode=ModelControlMode.EXPLICIT, startup_models=["grow"]
+    )
+    prefix = server.engine.segment_prefix
+    serving = worker_processes(prefix)
+    (repo / "grow" / "config.pbtxt").write_text(_instances_config(3))
+    load = asyncio.run_coroutine_threadsafe(server.engine.load("grow"), server.loop)
+    wait_until(lambda: _ready_while_loading(server) == 2)  # (the one serving, one added)
+    load.cancel()
+    wait_until(lambda: worker_processes(prefix) == serving, timeout=5)
+    assert server.model("grow").ready()
+    stats = server.model("grow").statistics()["model_stats"][0]
+    assert [instance["name"] for instance in stats["instances"]] == ["grow_0_0"]
 
 
 HANGS_IN_INITIALIZE = """
