@@ -455,7 +455,15 @@ class Engine:
         Triton's: a request that continues an open sequence excepted, until it ends)."""
         if not self.live:
             raise UnavailableError(_STOPPING)
-        model = model or self.model(request.model_name, request.model_version)
+        if model is None:
+            try:
+                model = self.model(request.model_name, request.model_version)
+            except (NotFoundError, UnavailableError):
+                if self.live:
+                    raise
+                # The stop began since the check above (on a caller's thread): its unload,
+                # not the request, is why the model is gone.
+                raise UnavailableError(_STOPPING) from None
         validate_request(request, model.signature)
         if not self.accepting and not model.scheduler.continues(request):
             raise UnavailableError(_STOPPING)

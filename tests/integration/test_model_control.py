@@ -1051,6 +1051,29 @@ def test_an_in_process_request_while_stop_drains_is_unavailable(servers, make_re
         stopping.result(timeout=30)
 
 
+def test_an_in_process_request_racing_the_start_of_stop_is_unavailable(servers, make_repo):
+    """A request that found the server live just before stop() began, and looked its model
+    up once the stop was unloading it, was refused NOT_FOUND ("has no available versions"):
+    as every request the stop refuses, it is UNAVAILABLE, in Triton's words."""
+    server = servers.start(make_repo("identity"))
+    entry = server.engine.manager.models[("", "identity")]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        stopping: list[concurrent.futures.Future[None]] = []
+
+        class NameLookedUpAsTheStopBegins(str):
+            def __hash__(self) -> int:  # (the engine's model lookup: the stop starts now)
+                if not stopping:
+                    stopping.append(pool.submit(servers.stop, server))
+                    wait_until(lambda: entry.versions.get(1) is None or not entry.versions[1].ready)
+                return str.__hash__(self)
+
+        model = server.model(NameLookedUpAsTheStopBegins("identity"))
+        with pytest.raises(dlserve.UnavailableError, match="^Server is stopping, scheduler"):
+            model.infer(inputs={"INPUT0": X1})
+        assert stopping
+        stopping[0].result(timeout=30)
+
+
 class Attempt:
     """``call()`` on a thread of its own (a daemon: one that hangs holds nothing up)."""
 
