@@ -119,7 +119,7 @@ class Service:
         if self._running:
             raise AlreadyExistsError("server is already running.")
         try:
-            self.port = self.server._run(self._start())
+            self.port = self.server._run(self._start_with_the_server())
         except OSError as exc:
             where = f"{self.options.address}:{self.options.port}"
             if exc.errno == errno.EADDRINUSE:  # (tritonserver's words, which scripts grep)
@@ -130,8 +130,18 @@ class Service:
             else:
                 message = f"{type(self).__name__} cannot listen on {where}: {exc.strerror or exc}"
             raise UnavailableError(message) from None
+
+    async def _start_with_the_server(self) -> int:
+        """Start, attached to the server (on its loop) so that its stop stops this too. Once
+        the stop began (its services already taken), the service is closed again and
+        refused: it was left out, its port bound until the loop closed."""
+        port = await self._start()
+        if not self.server.engine.accepting:
+            await self._stop(0.0)
+            raise UnavailableError(f"{type(self).__name__} not started: the server is stopping")
         self._running = True
         self.server._attach(self)
+        return port
 
     def stop(self, deadline: float | None = None) -> None:
         """Stop accepting; let requests in flight finish until ``deadline``

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import base64
+import concurrent.futures
 import contextlib
 import gc
 import gzip
@@ -61,6 +62,7 @@ from .http_helpers import (
     request,
     split_binary_response,
 )
+from .test_model_control import HeldRequest
 
 REFERENCE = Path(__file__).parent.parent / "data" / "triton_reference"
 TRITON_CASES = {
@@ -2713,3 +2715,31 @@ def test_a_service_on_a_stopped_or_unstarted_server_is_refused_and_holds_nothing
         assert [str(w.message) for w in caught] == []
         socket.create_server(("127.0.0.1", port)).close()
         service.stop()  # a no-op
+
+
+@pytest.mark.parametrize("service_class", [KServeHttp, KServeGrpc, Metrics])
+def test_a_service_started_while_the_server_stops_is_refused_and_holds_no_port(
+    harness, tmp_path, service_class
+):
+    """While stop() lets a request in flight finish, a service started was left out of the
+    stop: neither drained nor stopped, its port bound until the loop closed. It is refused,
+    UNAVAILABLE, and holds nothing."""
+    repo = tmp_path / "repo"
+    shutil.copytree(MODELS / "faulty", repo / "faulty")
+    server = harness.start(repo)
+    held = HeldRequest(server, tmp_path / "release")
+    engine = server.engine
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        stopping = pool.submit(harness.stop, server)
+        wait_until(lambda: not engine.accepting)
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        service = service_class(server, service_class.Options(address="127.0.0.1", port=port))
+        refused = f"^{service_class.__name__} not started: the server is stopping$"
+        with pytest.raises(dlserve.UnavailableError, match=refused):
+            service.start()
+        socket.create_server(("127.0.0.1", port)).close()  # (while the stop still waits)
+        assert held.answer().error is None
+        stopping.result(timeout=30)
+    service.stop()  # a no-op
