@@ -26,7 +26,14 @@ from typing import TYPE_CHECKING, Any
 from dlserve.engine import warmup
 from dlserve.engine.backends import code_paths
 from dlserve.engine.calls import ModelCalls
-from dlserve.engine.request import STREAMING, Request, Response, parameters_json, reshaped
+from dlserve.engine.request import (
+    STREAMING,
+    Request,
+    Response,
+    parameters_json,
+    reshaped,
+    shape_text,
+)
 from dlserve.errors import ErrorCode, InternalError, TritonError, UnavailableError
 from dlserve.ipc.channel import WorkerGoneError
 from dlserve.ipc.protocol import STREAMED, Kind, Message
@@ -582,11 +589,19 @@ class ModelInstance:
         peer = self._worker.peer if self._worker is not None else None
         if peer is None:
             raise UnavailableError(f"model instance '{self.name}' went away")
+        batching = model.config.max_batch_size > 0
         for wire in outputs_wire:
             name, tensor = peer.import_(wire)
-            shape = model.output_reshape.get(name)
-            if shape is not None:
-                tensor = reshaped(tensor, shape, model.config.max_batch_size > 0)
+            spec = model.signature.outputs.get(name)
+            if spec is not None and spec.reshape is not None:
+                try:
+                    tensor = reshaped(tensor, spec.reshape, spec.dims, batching)
+                except ValueError:  # (the model's fault: said as such, not logged as ours)
+                    raise InternalError(
+                        f"output '{name}' of model '{model.name}' has shape "
+                        f"{shape_text(tensor.shape)}, which does not fit its reshape "
+                        f"{shape_text(spec.reshape)} (dims {shape_text(spec.dims)})"
+                    ) from None
             response.outputs[name] = tensor
         return response
 

@@ -93,9 +93,6 @@ class ModelVersion:
         self.signature = Signature(config)
         self.decoupled = bool(config.model_transaction_policy.decoupled)
         self.output_names = self.signature.output_names
-        self.output_reshape: dict[str, list[int]] = {
-            o.name: list(o.dims) for o in self.signature.outputs.values() if o.reshape is not None
-        }
         self.instances: list[ModelInstance] = []  # those the schedulers give work to
         # Instances an instance_group update removed, until they are stopped (see
         # update_instances): each with the task that retires it.

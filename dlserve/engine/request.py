@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -272,7 +273,7 @@ def validate_request(request: Request, signature: Signature) -> int:
             )
         _check_byte_size(request.label, input_name, name, tensor)
         if spec.reshape is not None:
-            inputs[input_name] = reshaped(tensor, list(spec.reshape), batching)
+            inputs[input_name] = reshaped(tensor, spec.dims, spec.reshape, batching)
     if request.requested_outputs is not None:
         for output_name in request.requested_outputs:
             if output_name not in signature.outputs:
@@ -316,10 +317,17 @@ def string_count_error(label: str, name: str, model: str, expected: int, count: 
     )
 
 
-def reshaped(tensor: Tensor, shape: list[int], batching: bool) -> Tensor:
-    """The same bytes under a config ``reshape`` (``-1`` filled in from the element count)."""
-    target = ([tensor.shape[0]] if batching and tensor.shape else []) + shape
-    if -1 in target:
-        known = int(np.prod([d for d in target if d != -1], dtype=np.int64)) or 1
-        target = [tensor.element_count // known if d == -1 else d for d in target]
+def reshaped(
+    tensor: Tensor, dims: tuple[int, ...], shape: tuple[int, ...], batching: bool
+) -> Tensor:
+    """The same bytes under a config ``reshape``, from ``dims`` to ``shape`` (an input's
+    dims to its reshape; an output's reshape to its dims), as Triton does it: the sizes of
+    the tensor's dimensions where ``dims`` has -1 fill the -1 of ``shape``, in order (config
+    validation makes them as many). Raises ValueError when the elements do not fit (a
+    model's output that is not of its reshape)."""
+    batch = list(tensor.shape[:1]) if batching else []
+    sizes = iter([size for dim, size in zip(dims, tensor.shape[len(batch) :]) if dim == -1])
+    target = batch + [next(sizes, -1) if dim == -1 else dim for dim in shape]
+    if -1 in target or math.prod(target) != tensor.element_count:
+        raise ValueError(f"shape {shape_text(tensor.shape)} cannot become {shape_text(target)}")
     return tensor.reshape(target)
