@@ -31,10 +31,14 @@ else
 endif
 	touch $@
 
+$(VENV)/.installed-examples: pyproject.toml $(VENV)/.installed
+	$(BIN)/python -m pip install -q -e '.[examples]'
+	touch $@
+
 serve: $(VENV)/.installed
 	$(BIN)/dlserve serve $(ARGS)
 
-examples: $(VENV)/.installed
+examples: $(VENV)/.installed-examples
 	$(BIN)/python examples/run_examples.py
 
 test: $(VENV)/.installed-test

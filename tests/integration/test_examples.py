@@ -8,10 +8,13 @@ then prove, through their ZERO_COPY output, that they used the request's memory.
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import glob
 import importlib
+import importlib.metadata
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -487,3 +490,47 @@ def test_run_examples_fails_when_an_example_fails(tmp_path, no_frameworks):
     assert outcomes["identity"].startswith("FAILED: AssertionError"), output
     assert outcomes["add_sub"] == "ok" and outcomes["string_upper"] == "ok", output
     assert outcomes["pytorch_add_sub"].startswith("skipped"), output
+
+
+# -- make examples ------------------------------------------------------------------------
+def third_party_imports(scripts: list[Path]) -> set[str]:
+    """The top-level modules these scripts import that neither Python nor examples/ provides."""
+    found = set()
+    for script in scripts:
+        for node in ast.walk(ast.parse(script.read_text())):
+            if isinstance(node, ast.Import):
+                found.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found.add(node.module.split(".")[0])
+    local = {path.stem for path in CLIENTS.glob("*.py")}
+    return found - local - set(sys.stdlib_module_names) - {"dlserve"}
+
+
+def distribution_name(requirement: str) -> str:
+    name = re.match(r"[A-Za-z0-9._-]+", requirement).group()
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def test_make_examples_installs_what_the_clients_import(tmp_path):
+    # On a fresh machine `make examples` installed dlserve alone, and every client failed
+    # to import tritonclient.
+    tomllib = pytest.importorskip("tomllib")
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    plan = subprocess.run(
+        ["make", "-n", "examples", f"VENV={tmp_path / 'venv'}"],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    ).stdout
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    requirements = list(project["dependencies"])
+    for extras in re.findall(r"pip install .*\.\[([\w,-]+)\]", plan):
+        for extra in extras.split(","):
+            requirements += project["optional-dependencies"][extra]
+    installed = {distribution_name(requirement) for requirement in requirements}
+    providers = importlib.metadata.packages_distributions()
+    missing = sorted(
+        module
+        for module in third_party_imports([RUN_EXAMPLES, *CLIENTS.glob("*.py")])
+        if not installed & {distribution_name(d) for d in providers.get(module, [module])}
+    )
+    assert not missing, f"make examples does not install {missing}:\n{plan}"
