@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -87,6 +88,37 @@ def test_the_image_runs_as_a_user_and_stops_in_order():
     assert found["STOPSIGNAL"] == "SIGTERM"
     # Exec form under tini: signals reach dlserve, and orphans are reaped.
     assert json.loads(found["ENTRYPOINT"]) == ["tini", "--", "dlserve", "serve"]
+
+
+def test_the_images_wheel_holds_every_module_of_the_package(tmp_path):
+    # The build stage makes its wheel from the files it copies: c_python_backend_utils.py
+    # was not among them, so `import c_python_backend_utils` failed in the image.
+    tomllib = pytest.importorskip("tomllib")
+    pytest.importorskip("setuptools", minversion="77")  # pyproject's build requirement
+    text = DOCKERFILE.read_text().replace("\\\n", " ")
+    build_stage = text.split("\nFROM ", 2)[1]
+    source = tmp_path / "src"
+    source.mkdir()
+    for line in build_stage.splitlines():
+        if line.startswith("COPY ") and "--from" not in line:
+            *paths, destination = line.split()[1:]
+            for path in paths:
+                origin = DEPLOY.parent / path
+                if origin.is_dir():
+                    ignore = shutil.ignore_patterns("__pycache__")
+                    shutil.copytree(origin, source / destination, ignore=ignore)
+                else:
+                    shutil.copy(origin, source / destination)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+         "--no-index", "--wheel-dir", str(tmp_path / "wheels"), str(source)],
+        check=True, capture_output=True,
+    )
+    (wheel,) = (tmp_path / "wheels").glob("*.whl")
+    modules = {name.split("/")[0].removesuffix(".py") for name in zipfile.ZipFile(wheel).namelist()}
+    setuptools = tomllib.loads((DEPLOY.parent / "pyproject.toml").read_text())["tool"]["setuptools"]
+    expected = {"dlserve", *setuptools["py-modules"]}
+    assert expected <= modules, sorted(expected - modules)
 
 
 def test_the_manifests_are_valid_kubernetes():
