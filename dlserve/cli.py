@@ -58,13 +58,16 @@ def _port(text: str) -> int:
 VERTEX_MODE = os.environ.get("AIP_MODE") == "PREDICTION"
 
 
+_EVERY_INTERFACE = "(default: 0.0.0.0, every interface)"
+
+
 def _hosted_flags(
     serve: argparse.ArgumentParser, title: str, name: str, allow: bool, help_text: str, port_variable: str
 ) -> Any:
     """A managed-hosting protocol's --allow-NAME, --NAME-address and --NAME-port."""
     group = serve.add_argument_group(title)
     _bool_flag(group, f"--allow-{name}", allow, help_text)
-    group.add_argument(f"--{name}-address", default="0.0.0.0")
+    group.add_argument(f"--{name}-address", default="0.0.0.0", help=_EVERY_INTERFACE)
     group.add_argument(f"--{name}-port", type=_port, default=None, help=f"(default: {port_variable}, else 8080)")
     return group
 
@@ -163,8 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     http = serve.add_argument_group("HTTP")
     _bool_flag(http, "--allow-http", not VERTEX_MODE, "serve KServe v2 HTTP/REST")
-    http.add_argument("--http-address", default="0.0.0.0")
-    http.add_argument("--http-port", type=_port, default=8000)
+    http.add_argument("--http-address", default="0.0.0.0", help=_EVERY_INTERFACE)
+    http.add_argument("--http-port", type=_port, default=8000, help="(default: 8000)")
     _bool_flag(http, "--reuse-http-port", False, "SO_REUSEPORT on the HTTP socket")
     http.add_argument("--http-thread-count", type=int, default=8, help="accepted for compatibility")
     http.add_argument("--http-max-input-size", type=int, default=1 << 26, metavar="BYTES",
@@ -176,8 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     grpc = serve.add_argument_group("gRPC")
     _bool_flag(grpc, "--allow-grpc", not VERTEX_MODE, "serve KServe v2 gRPC")
-    grpc.add_argument("--grpc-address", default="0.0.0.0")
-    grpc.add_argument("--grpc-port", type=_port, default=8001)
+    grpc.add_argument("--grpc-address", default="0.0.0.0", help=_EVERY_INTERFACE)
+    grpc.add_argument("--grpc-port", type=_port, default=8001, help="(default: 8001)")
     _bool_flag(grpc, "--reuse-grpc-port", False, "SO_REUSEPORT on the gRPC socket")
     grpc.add_argument("--grpc-infer-thread-count", type=int, default=2, help="accepted for compatibility")
     grpc.add_argument("--grpc-header-forward-pattern", default="", metavar="REGEX")
@@ -209,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     _bool_flag(metrics, "--allow-cpu-metrics", True, "include CPU utilisation and memory")
     _bool_flag(metrics, "--allow-gpu-metrics", True, "include GPU metrics (nvidia-ml-py, where a GPU exists)")
     metrics.add_argument("--metrics-address", default=None, help="(default: --http-address)")
-    metrics.add_argument("--metrics-port", type=_port, default=8002)
+    metrics.add_argument("--metrics-port", type=_port, default=8002, help="(default: 8002)")
     metrics.add_argument("--metrics-interval-ms", type=float, default=2000.0, metavar="MS",
                          help="how often nv_cpu_* are refreshed (default: 2000)")
     metrics.add_argument("--metrics-config", action="append", default=[], metavar="KEY=VALUE",

@@ -220,6 +220,22 @@ def test_help():
     assert bare.returncode == 2 and "serve" in bare.stdout
 
 
+def test_help_gives_the_default_addresses_and_ports():
+    # The first flags a new user looks up; their help said nothing of the defaults.
+    serve_help = " ".join(run_cli("serve", "--help").stdout.split())
+    for flag, default in [
+        ("--http-address HTTP_ADDRESS", "0.0.0.0, every interface"),
+        ("--http-port HTTP_PORT", "8000"),
+        ("--grpc-address GRPC_ADDRESS", "0.0.0.0, every interface"),
+        ("--grpc-port GRPC_PORT", "8001"),
+        ("--metrics-address METRICS_ADDRESS", "--http-address"),
+        ("--metrics-port METRICS_PORT", "8002"),
+        ("--sagemaker-address SAGEMAKER_ADDRESS", "0.0.0.0, every interface"),
+        ("--vertex-ai-address VERTEX_AI_ADDRESS", "0.0.0.0, every interface"),
+    ]:
+        assert f"{flag} (default: {default})" in serve_help, flag
+
+
 @pytest.mark.parametrize(
     "args,message",
     [
