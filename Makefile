@@ -2,7 +2,8 @@
 #   make serve      serve the bundled example models (HTTP 8000, gRPC 8001, metrics 8002)
 #   make test       run the test suite (.ci/run calls this)
 #   make examples   run the example clients through the in-process API
-# FRAMEWORKS=0 skips installing torch, jax and tensorflow (their tests then skip).
+# FRAMEWORKS=0 skips installing torch, jax and tensorflow (their tests then skip, and
+# make serve's framework examples fail to load).
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -31,11 +32,20 @@ else
 endif
 	touch $@
 
+# What the bundled framework examples import, for make serve (make test installs them
+# together with the test extra, in one resolution).
+$(VENV)/.installed-frameworks: pyproject.toml $(VENV)/.installed
+ifeq ($(FRAMEWORKS),1)
+	$(BIN)/python -m pip install -q "$(TORCH_PIN)"
+	$(BIN)/python -m pip install -q -e '.[torch,jax,tensorflow]'
+endif
+	touch $@
+
 $(VENV)/.installed-examples: pyproject.toml $(VENV)/.installed
 	$(BIN)/python -m pip install -q -e '.[examples]'
 	touch $@
 
-serve: $(VENV)/.installed
+serve: $(VENV)/.installed-frameworks
 	$(BIN)/dlserve serve $(ARGS)
 
 examples: $(VENV)/.installed-examples
