@@ -388,14 +388,17 @@ class Loader:
             results = await asyncio.gather(
                 *(self._start_version(model) for model in models.values()), return_exceptions=True
             )
-        except BaseException:  # cancelled: the instances (and versions) that started end too
+            errors = {
+                version: result for version, result in zip(models, results) if result is not None
+            }
+            if errors:  # all or none: those that started stop again
+                await asyncio.gather(*(m.unload(time.monotonic() + 1.0) for m in models.values()))
+        except BaseException:  # cancelled (starting them, or stopping them): the started ones end
             for model in models.values():
                 model.abandon()
             raise
-        errors = {version: result for version, result in zip(models, results) if result is not None}
         if not errors:
             return models, {}
-        await asyncio.gather(*(m.unload(time.monotonic() + 1.0) for m in models.values()))
         for error in errors.values():
             if not isinstance(error, TritonError):  # (a bug, or a cancellation)
                 raise error

@@ -267,15 +267,16 @@ class ModelVersion:
             self._adding = added
             try:
                 results = await asyncio.gather(*(instance.start() for instance in added), return_exceptions=True)
-            except BaseException:  # cancelled: the added instances that started end too
+                errors = [r for r in results if isinstance(r, BaseException)]
+                if errors:
+                    await asyncio.gather(*(i.stop(time.monotonic() + 5.0) for i in added))
+            except BaseException:  # cancelled (starting them, or stopping them): those started end
                 for instance in added:
                     instance.kill()
                 raise
             finally:
                 self._adding = []
-            errors = [r for r in results if isinstance(r, BaseException)]
             if errors:
-                await asyncio.gather(*(i.stop(time.monotonic() + 5.0) for i in added))
                 raise errors[0]
         except BaseException:
             if limiter is not None:

@@ -1561,6 +1561,89 @@ def test_a_cancelled_instance_group_update_ends_the_instances_it_started(servers
     assert [instance["name"] for instance in stats["instances"]] == ["grow_0_0"]
 
 
+FAILS_ONCE_ANOTHER_STARTED = """
+import json
+import os
+import time
+
+
+class TritonPythonModel:
+    # The instance 'fails' names (version:index) raises once the one 'hangs' names has
+    # started; that one's finalize then hangs.
+    def initialize(self, args):
+        roles = json.loads(args["model_config"])["parameters"]
+        index = args["model_instance_name"].rsplit("_", 1)[1]
+        me = f"{args['model_version']}:{index}"
+        self.folder = args["model_repository"]
+        self.hangs = me == roles["hangs"]["string_value"]
+        started = os.path.join(self.folder, "STARTED")
+        if me == roles["fails"]["string_value"]:
+            while not os.path.exists(started):
+                time.sleep(0.02)
+            raise RuntimeError("it fails")
+        if self.hangs:
+            open(started, "w").close()
+
+    def finalize(self):
+        if self.hangs:
+            open(os.path.join(self.folder, "FINALIZING"), "w").close()
+            time.sleep(60)
+
+    def execute(self, requests):
+        return []
+"""
+
+
+def _roles(fails: str, hangs: str) -> str:
+    return "".join(
+        f'parameters {{ key: "{role}" value: {{ string_value: "{who}" }} }}\n'
+        for role, who in {"fails": fails, "hangs": hangs}.items()
+    )
+
+
+def test_a_stop_while_a_polls_failed_load_stops_its_other_version_ends_it(
+    servers, make_repo, tmp_path
+):
+    """Version 2 fails to start; the stop cancels the poll while version 1, started, is
+    being stopped again (its finalize hangs): its worker ends with the server (it ran on,
+    in no index, past stop())."""
+    repo = make_repo("identity")
+    server = servers.start(repo, model_control_mode=ModelControlMode.POLL, repository_poll_secs=0.1)
+    new = tmp_path / "pair"
+    config = _instances_config(1) + "version_policy: { all {} }\n" + _roles("2:0", "1:0")
+    for version in ("1", "2"):
+        (new / version).mkdir(parents=True)
+        (new / version / "model.py").write_text(FAILS_ONCE_ANOTHER_STARTED)
+    (new / "config.pbtxt").write_text(config)
+    new.rename(repo / "pair")  # (whole, for the poll)
+    wait_until(lambda: (repo / "pair" / "FINALIZING").exists())
+    servers.stop(server)  # (it checks that no worker of the server is left)
+
+
+def test_an_instance_group_update_cancelled_while_a_failed_start_stops_the_others_ends_them(
+    servers, make_repo
+):
+    """An update in place from one instance to three whose third fails, cancelled while the
+    second, started, is being stopped again (its finalize hangs): the second's worker ends
+    (it ran on, in no instance list), the first serves on."""
+    roles = _roles("1:2", "1:1")
+    grow = {"config.pbtxt": _instances_config(1) + roles, "1/model.py": FAILS_ONCE_ANOTHER_STARTED}
+    repo = make_repo(extra={"grow": grow})
+    server = servers.start(
+        repo, model_control_mode=ModelControlMode.EXPLICIT, startup_models=["grow"]
+    )
+    prefix = server.engine.segment_prefix
+    serving = worker_processes(prefix)
+    (repo / "grow" / "config.pbtxt").write_text(_instances_config(3) + roles)
+    load = asyncio.run_coroutine_threadsafe(server.engine.load("grow"), server.loop)
+    wait_until(lambda: (repo / "grow" / "FINALIZING").exists())
+    load.cancel()
+    wait_until(lambda: worker_processes(prefix) == serving, timeout=5)
+    assert server.model("grow").ready()
+    stats = server.model("grow").statistics()["model_stats"][0]
+    assert [instance["name"] for instance in stats["instances"]] == ["grow_0_0"]
+
+
 HANGS_IN_INITIALIZE = """
 import time
 
