@@ -464,7 +464,13 @@ class ModelInstance:
                 self._streaming[handle] = request
             return STREAMING
         request.cancel_hook = None
-        response = self._response(request, reply)
+        try:
+            response = self._response(request, reply)
+        except TritonError as exc:  # (this request's alone: an output its reshape cannot take)
+            self._discard(reply)  # the worker's memory goes back at once
+            model = self.model
+            response = Response(model.name, model.version, request.request_id)
+            response.error = self._unreadable(exc, "response")
         if response is None:
             # Rescheduled: a response sender the model kept answers it still, meanwhile
             # too (as in Triton), and sees a cancellation; its next execute here goes by

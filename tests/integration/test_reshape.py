@@ -13,9 +13,11 @@ from tritonclient.utils import InferenceServerException
 
 from dlserve.frontends import KServeGrpc, KServeHttp
 
-from ..conftest import frontend, serve
+from ..conftest import MODELS, frontend, serve, wait_until
 
 MODEL = "reshape_variable"
+BATCHED = "reshape_variable_batched"  # (its requests wait for a second one, 5 s at most)
+BATCHING = "dynamic_batching { max_queue_delay_microseconds: 5000000 preferred_batch_size: 2 }\n"
 
 
 @pytest.fixture(scope="module")
@@ -24,6 +26,19 @@ def urls(tmp_path_factory: pytest.TempPathFactory):
         for http_port in frontend(KServeHttp, server):
             for grpc_port in frontend(KServeGrpc, server):
                 yield {"http": f"127.0.0.1:{http_port}", "grpc": f"127.0.0.1:{grpc_port}"}
+
+
+@pytest.fixture
+def batched_urls(servers, make_repo):
+    """A server (HTTP only) with the model under a dynamic batcher."""
+    files = {
+        "config.pbtxt": (MODELS / MODEL / "config.pbtxt").read_text() + BATCHING,
+        "1/model.py": (MODELS / MODEL / "1" / "model.py").read_text(),
+    }
+    server = servers.start(make_repo(extra={BATCHED: files}))
+    wait_until(lambda: server.model(BATCHED).ready())
+    for http_port in frontend(KServeHttp, server):
+        yield {"http": f"127.0.0.1:{http_port}"}
 
 
 def infer(urls: dict[str, str], protocol: str, x: np.ndarray, **kwargs):
@@ -56,3 +71,28 @@ def test_an_output_its_reshape_cannot_take_fails_as_the_models_error(urls, proto
         "reshape [-1,2,-1,1] (dims [-1,2,-1])"
     )
     assert infer(urls, protocol, x).as_numpy("OUTPUT0").shape == x.shape  # (still serving)
+
+
+def test_an_output_its_reshape_cannot_take_fails_only_its_request_of_a_batch(batched_urls):
+    """Batched with one whose output its reshape cannot take, a request gets its answer
+    (it got the other's error: the whole batch failed)."""
+    x = np.arange(3000, dtype=np.int32).reshape(1, 30, 2, 50)  # (outputs in shared memory)
+    tensor = httpclient.InferInput("INPUT0", list(x.shape), "INT32")
+    tensor.set_data_from_numpy(x)
+    with httpclient.InferenceServerClient(batched_urls["http"], concurrency=2) as client:
+        good, bad = (
+            client.async_infer(BATCHED, [tensor], parameters=parameters)
+            for parameters in (None, {"flatten": True})
+        )
+        np.testing.assert_array_equal(good.get_result().as_numpy("OUTPUT0"), x)
+        with pytest.raises(InferenceServerException) as caught:
+            bad.get_result()
+        (stats,) = client.get_inference_statistics(BATCHED)["model_stats"]
+    assert caught.value.status() == "500"
+    assert caught.value.message() == (
+        f"output 'OUTPUT0' of model '{BATCHED}' has shape [1,3000], which does not fit its "
+        "reshape [-1,2,-1,1] (dims [-1,2,-1])"
+    )
+    batches = [(b["batch_size"], b["compute_infer"]["count"]) for b in stats["batch_stats"]]
+    assert batches == [(2, 1)]
+    assert stats["inference_stats"]["success"]["count"] == 2  # (a model's error, as Triton counts)
