@@ -47,7 +47,7 @@ from dlserve.ipc.tensors import INLINE_MAX
 from dlserve.memory.arena import Arena, MemorySpace
 from dlserve.memory.dtypes import DataType
 from dlserve.memory.regions import SystemRegions
-from dlserve.memory.shm import SHM_DIR
+from dlserve.memory.shm import SHM_DIR, abandoned, hold_prefix
 from dlserve.memory.tensor import Tensor, allocation_size
 
 log = logging.getLogger("dlserve.engine")
@@ -114,49 +114,29 @@ def gpu_count() -> int:
         return 0
 
 
-# The segment prefixes of the engines running in this process (tests run several).
-_PREFIXES_IN_USE: set[str] = set()
-
-
 def remove_stale_segments() -> None:
     """Unlink segments left by dlserve servers that died without cleaning up (SIGKILL,
-    OOM): those of processes that are gone, and those of an earlier server that had this
-    process's pid that no engine here made (a restarted container's server often gets
-    its predecessor's pid, with /dev/shm kept, as a pod's memory-backed volume is)."""
-    pattern = re.compile(re.escape(SEGMENT_NAMESPACE) + r"(\d+)_")
-    for path in glob.glob(os.path.join(SHM_DIR, SEGMENT_NAMESPACE + "*")):
-        name = os.path.basename(path)
-        match = pattern.match(name)
-        if match is None:
-            continue
-        pid = int(match.group(1))
-        if pid == os.getpid():
-            stale = not name.startswith(tuple(_PREFIXES_IN_USE))
-        else:
-            stale = not _process_exists(pid)
-        if stale:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-
-
-def _process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's live server
-    return True
+    OOM, a container restarted with its pod's /dev/shm kept): those whose lock nobody
+    holds any more (:func:`dlserve.memory.shm.hold_prefix`). Not by the pid in their
+    name: a server sharing /dev/shm from another PID namespace (another container, with
+    ``--ipc=host`` or in the same pod) has a pid this process cannot see, or its own."""
+    pattern = re.compile(re.escape(SEGMENT_NAMESPACE) + r"\d+_[0-9a-f]{8}")
+    prefixes = {
+        match.group(0)
+        for path in glob.glob(os.path.join(SHM_DIR, SEGMENT_NAMESPACE + "*"))
+        if (match := pattern.match(os.path.basename(path)))
+    }
+    for prefix in prefixes:
+        if abandoned(prefix):
+            unlink_segments(prefix)
 
 
 class Engine:
     def __init__(self, settings: EngineSettings) -> None:
         self.settings = settings
         self.space = MemorySpace()
-        # pid first so remove_stale_segments can tell a dead server's leftovers.
         self.segment_prefix = f"{SEGMENT_NAMESPACE}{os.getpid()}_{uuid.uuid4().hex[:8]}"
+        self._prefix_lock: int | None = None  # held while its segments may exist
         self.arena: Arena | None = None
         self.environments = Environments()  # EXECUTION_ENV_PATH environments, shared by models
         self.manager: ModelManager | None = None
@@ -192,7 +172,7 @@ class Engine:
         for setting in s.without_effect:
             log.warning("%s has no effect in dlserve", setting)
         remove_stale_segments()
-        _PREFIXES_IN_USE.add(self.segment_prefix)
+        self._prefix_lock = hold_prefix(self.segment_prefix)
         loop = asyncio.get_running_loop()
 
         def retired(name: str) -> None:  # (its last block may die on any thread)
@@ -328,7 +308,9 @@ class Engine:
         if self.arena is not None:
             self.arena.close()
         unlink_segments(self.segment_prefix)
-        _PREFIXES_IN_USE.discard(self.segment_prefix)
+        if self._prefix_lock is not None:
+            os.close(self._prefix_lock)
+            self._prefix_lock = None
         self.environments.close()
 
     # -- health and metadata -------------------------------------------------------------

@@ -39,6 +39,7 @@ the next view of the same range, until the segment is forgotten.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import logging
 import mmap
 import os
@@ -56,6 +57,7 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
 # name%pid.fd.inode for a client's object in /dev/shm (see Segment.pin).
 _HELD_NAME = re.compile(r"^([A-Za-z0-9_.\-]{1,200})([@%])(\d+)\.(\d+)\.(\d+)$")
 BACKING_VARIABLE = "DLSERVE_SHM"  # "memfd": every segment is one; otherwise /dev/shm first
+_LOCK_SUFFIX = "_lock"  # see hold_prefix
 
 log = logging.getLogger("dlserve.memory")
 _told_fallback = False  # the first memfd a full /dev/shm causes is logged, once per process
@@ -67,6 +69,46 @@ def shm_path(name: str) -> str:
     if not _NAME_RE.match(bare) or bare in (".", ".."):
         raise InvalidArgumentError(f"invalid shared memory key '{name}'")
     return os.path.join(SHM_DIR, bare)
+
+
+def hold_prefix(prefix: str) -> int | None:
+    """Mark the /dev/shm segments named ``prefix...`` as a live process's: it holds a lock
+    on the empty file ``<prefix>_lock`` (flock: the kernel lets go when the process ends,
+    crashes included), which any process sharing /dev/shm can test, whatever PID
+    namespace it is in. The descriptor to close after unlinking them; None with nothing
+    of dlserve's in /dev/shm (``DLSERVE_SHM=memfd``) or no room there for the file."""
+    if os.environ.get(BACKING_VARIABLE) == "memfd":
+        return None
+    making = shm_path("." + prefix + _LOCK_SUFFIX)  # (a name no sweep reads, until held)
+    try:
+        fd = os.open(making, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        os.rename(making, shm_path(prefix + _LOCK_SUFFIX))
+    except OSError:
+        os.close(fd)
+        os.unlink(making)
+        return None
+    return fd
+
+
+def abandoned(prefix: str) -> bool:
+    """Whether the segments named ``prefix...`` are a dead process's: their lock
+    (:func:`hold_prefix`) is there and nobody holds it. Without one nothing tells whose
+    they are, and they are left alone."""
+    try:
+        fd = os.open(shm_path(prefix + _LOCK_SUFFIX), os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:  # held
+        return False
+    finally:
+        os.close(fd)
 
 
 def is_client_object(name: str) -> bool:

@@ -17,6 +17,7 @@ import pytest
 
 import dlserve
 from dlserve.frontends import Metrics
+from dlserve.memory.shm import hold_prefix
 
 from ..conftest import pid_alive, wait_until, worker_processes
 from .test_metrics import scrape, value
@@ -370,25 +371,41 @@ def test_what_a_model_starts_can_be_terminated(servers, make_repo):
 
 def test_a_server_killed_outright_leaves_segments_the_next_one_removes(servers, make_repo):
     """A server SIGKILLed (or OOM-killed) cannot unlink its segments; the next server to
-    start does: those of a process that is gone, and those of an earlier server that had
-    its very pid (a restarted container's often has), but never a running engine's."""
+    start does, whatever pid they name (a restarted container's server often has its
+    predecessor's): nobody holds their lock any more. A live server's stay, though its
+    pid is gone here or is this very one: another container's, sharing /dev/shm
+    (``--ipc=host``, a pod's memory volume) from a PID namespace of its own."""
     gone = subprocess.Popen(["true"])
     gone.wait()
-    leftovers = [f"/dev/shm/dlserve_{gone.pid}_0badc0de_s_0", f"/dev/shm/dlserve_{os.getpid()}_0badc0de_s_0"]
-    running = servers.start(make_repo("faulty"))
-    for path in leftovers:
-        with open(path, "wb") as segment:
+    left: dict[str, int | None] = {}  # segment -> the descriptor holding its lock (None: killed)
+    for pid, tag, alive in [
+        (gone.pid, "0badc0de", False), (os.getpid(), "0badc0d1", False),
+        (gone.pid, "0a11fe00", True), (os.getpid(), "0a11fe01", True),
+    ]:
+        prefix = f"dlserve_{pid}_{tag}"
+        lock = hold_prefix(prefix)
+        assert lock is not None
+        with open(f"/dev/shm/{prefix}_s_0", "wb") as segment:
             segment.write(b"left behind")
+        if not alive:  # as a SIGKILL leaves them: the lock file, no holder
+            os.close(lock)
+        left[f"/dev/shm/{prefix}_s_0"] = lock if alive else None
     try:
+        running = servers.start(make_repo("faulty"))
         fresh = servers.start(make_repo("faulty"))
-        assert not [path for path in leftovers if os.path.exists(path)]
+        assert sorted(path for path in left if os.path.exists(path)) == sorted(
+            path for path, lock in left.items() if lock is not None
+        )
+        assert not [p for p in glob.glob("/dev/shm/dlserve_*_0badc0d*")]  # their locks too
         for server in (running, fresh):  # the running engines' own segments stay
             assert glob.glob(f"/dev/shm/{server.engine.segment_prefix}_s*")
             assert list(server.model("faulty").infer(inputs={"INPUT0": X}))[0].error is None
     finally:
-        for path in leftovers:
-            if os.path.exists(path):
-                os.unlink(path)
+        for path, lock in left.items():
+            if lock is not None:
+                os.close(lock)
+            for leftover in glob.glob(path[: -len("_s_0")] + "*"):
+                os.unlink(leftover)
 
 
 BASE_EXCEPTION_MODEL = '''
