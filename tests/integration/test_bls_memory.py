@@ -6,9 +6,11 @@ goes, and a response iterator resumes, or is dropped, as Triton's does.
 
 from __future__ import annotations
 
+import glob
 import json
 
 import numpy as np
+import pytest
 
 import dlserve
 
@@ -161,6 +163,52 @@ def test_a_long_execute_gives_back_each_calls_memory_as_it_goes(servers, make_re
     said = ask(server, "long_caller", 30)
     assert said["said"] == ["ok"]
     assert said["grew"] <= 1  # (one more segment may come; 30 × 4 MiB would be ~8)
+
+
+RAISING_CALLER = COMMON + '''
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            n = int(pb_utils.get_input_tensor_by_name(request, "N").as_numpy()[0])
+            data = np.full(1 << 18, n, np.float32)  # 1 MiB of its own arena, for each call
+            answer = pb_utils.InferenceRequest(
+                model_name="faulty", inputs=[pb_utils.Tensor("INPUT0", data)],
+                requested_output_names=["OUTPUT0"], parameters={"mode": "raise"},
+            ).exec()
+            if answer.has_error():  # raised, not returned
+                raise pb_utils.TritonModelException(answer.error().message())
+        return []
+'''
+
+
+def arena_metric(server: dlserve.Server, name: str) -> int:
+    prefix = f"dlserve_shm_arena_{name} "
+    (line,) = [line for line in server.metrics().splitlines() if line.startswith(prefix)]
+    return int(float(line.split()[1]))
+
+
+def test_failing_calls_of_a_caller_that_raises_give_all_their_memory_back(servers, make_repo):
+    """Triton's issue 7481 (shared memory leaking in BLS, where callers raise the callee's
+    error rather than return it): 40 calls of 1 MiB from the caller's arena to a callee
+    that raises, each caller raising in turn, leave no block held anywhere: the caller's
+    arena did not grow, no worker holds a lease, and the server's arena, as its metrics
+    say, has nothing in use."""
+    raiser = {"config.pbtxt": CONFIG, "1/model.py": RAISING_CALLER}
+    repo = make_repo("faulty", extra={"raiser": raiser})
+    server = servers.start(repo)
+    held = server.allocate_tensor([1 << 18], np.float32)  # the metrics follow the arena
+    assert arena_metric(server, "used_bytes") >= 1 << 20
+    del held
+    assert arena_metric(server, "used_bytes") == 0
+    segments = sorted(glob.glob(f"/dev/shm/{server.engine.segment_prefix}_w*"))
+    for n in range(40):
+        with pytest.raises(dlserve.InternalError, match="ValueError: boom"):
+            list(server.model("raiser").infer(inputs={"N": np.array([n], np.int32)}))
+    assert sorted(glob.glob(f"/dev/shm/{server.engine.segment_prefix}_w*")) == segments
+    assert all(i.worker.peer.lease_count == 0 for i in server.engine.instances())
+    assert arena_metric(server, "used_bytes") == 0
+    assert arena_metric(server, "reserved_bytes") == server.options.shm_arena_size
 
 
 def test_a_response_iterator_resumes_a_loop_left_early_as_triton_s_does(servers, make_repo):

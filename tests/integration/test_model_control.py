@@ -89,6 +89,9 @@ def test_explicit_mode_load_and_unload(servers, make_repo):
     assert list(server.model("add_sub").infer(inputs={"INPUT0": a, "INPUT1": a}))[0].error is None
     server.unload("add_sub")
     assert not server.model("add_sub").ready()
+    # As Triton (its issue 7588): an unloaded model was asked away, so the server, with
+    # strict readiness too, is ready; only models that should serve count.
+    assert server.ready()
     with pytest.raises(dlserve.NotFoundError):
         server.model("add_sub").infer(inputs={"INPUT0": a, "INPUT1": a})
     server.load("add_sub")  # a second load works
@@ -950,6 +953,26 @@ def test_unload_waits_for_in_flight_requests(servers, make_repo):
     assert results and results[0].error is None  # finished, not cut off
 
 
+def test_unloading_a_decoupled_model_ends_a_stream_it_never_finished(servers, make_repo):
+    """Triton's issue 7626 (a model stuck UNLOADING after streaming, finalize never
+    called): a stream whose model keeps its sender and never sends the final is ended
+    with an error at the unload's deadline, and the model is unloaded."""
+    server = servers.start(
+        make_repo("decoupled"), model_control_mode=ModelControlMode.EXPLICIT,
+        startup_models=["decoupled"], exit_timeout=1,
+    )
+    stream = server.model("decoupled").infer(
+        inputs={"IN": np.array([7], np.int32)}, parameters={"mode": "never_final"},
+        raise_on_error=False,
+    )
+    first = next(stream)
+    assert first.error is None and not first.final
+    server.unload("decoupled")
+    (last,) = list(stream)
+    assert last.final and "unloaded before it sent the final response" in last.error.message
+    assert rows(server)["decoupled:1"] == {"state": "UNAVAILABLE", "reason": "unloaded"}
+
+
 class HeldRequest:
     """A request to the ``faulty`` test model that its execute holds until released."""
 
@@ -1420,7 +1443,9 @@ class TritonPythonModel:
     server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT)
 
     def load_watching() -> tuple[set[tuple[tuple[str, int], str]], set[bool]]:
-        """Load 'slow'; the (model, state) pairs and server readiness seen meanwhile."""
+        """Load 'slow'; the (model, state) pairs and server readiness seen meanwhile.
+        The server stays live throughout: liveness probes (Triton's issue 7014: a pod
+        restarted for probing readiness) must not fail while a model loads."""
         thread = threading.Thread(target=server.load, args=("slow",))
         thread.start()
         states: set[tuple[tuple[str, int], str]] = set()
@@ -1428,6 +1453,7 @@ class TritonPythonModel:
         while thread.is_alive():
             states.update((key, m.state) for key, m in server.models().items() if key[0] == "slow")
             server_ready.add(server.ready())
+            assert server.live()
             time.sleep(0.05)
         thread.join()
         return states, server_ready

@@ -383,6 +383,56 @@ def test_a_response_sender_outlives_its_requests_reschedule(server, delay_ms):
     assert responses[-1].final and len(responses) == 3
 
 
+ASYNC_ITERATIVE = """
+import asyncio
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.runs = {}
+        self.ticker = None
+
+    async def tick(self):
+        while True:
+            await asyncio.sleep(0.01)
+
+    async def execute(self, requests):
+        if self.ticker is None:  # a task of its own, left running (as the issue's model)
+            self.ticker = asyncio.get_running_loop().create_task(self.tick())
+        await asyncio.sleep(0)
+        for request in requests:
+            key = request.correlation_id()
+            self.runs[key] = self.runs.get(key, 0) + 1
+            steps = int(pb_utils.get_input_tensor_by_name(request, "STEPS").as_numpy()[0, 0])
+            sender = request.get_response_sender()
+            runs = np.array([[self.runs[key]]], np.int32)
+            sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("RUNS", runs)]))
+            if self.runs[key] < steps:
+                request.set_release_flags(pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE)
+            else:
+                del self.runs[key]
+                sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+"""
+
+
+def test_an_async_decoupled_model_runs_an_iterative_sequence_to_its_end(servers, make_repo):
+    """Triton's issue 8843: an iterative sequence whose model's execute is ``async def``
+    (decoupled, a task of its own running) was force-ended after its first step; here it
+    runs every step, one response each, then the final."""
+    config = (MODELS / "iterative" / "config.pbtxt").read_text()
+    config += "model_transaction_policy { decoupled: true }\n"
+    model = {"config.pbtxt": config, "1/model.py": ASYNC_ITERATIVE}
+    repo = make_repo(extra={"async_iterative": model})
+    server = servers.start(repo)
+    responses = list(server.model("async_iterative").infer(inputs={"STEPS": value(4)}))
+    assert [int(r.outputs["RUNS"].as_numpy()[0, 0]) for r in responses if r.outputs] == [1, 2, 3, 4]
+    assert responses[-1].final and len(responses) == 5
+
+
 def test_a_rescheduled_request_answered_all_the_same_fails_as_in_triton(server):
     (response,) = server.model("iterative").infer(inputs={"STEPS": value(-1)}, raise_on_error=False)
     assert isinstance(response.error, dlserve.InternalError)

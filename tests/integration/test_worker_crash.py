@@ -91,6 +91,35 @@ def test_kill_from_outside_fails_the_request_at_once(server):
     wait_until(lambda: server.model("faulty").ready())
 
 
+def test_every_request_queued_or_executing_fails_at_once_when_the_worker_is_killed(server):
+    """Triton's issues 8448 and 5381 (a stub OOM-killed or a zombie under high concurrency,
+    and the server hangs): with one request executing and more queued behind it, a
+    SIGKILL answers every one of them at once, and the restarted worker serves."""
+    pid = worker_pid(server)
+
+    async def flood() -> list[BaseException | None]:
+        async def one() -> BaseException | None:
+            try:
+                async for _ in server.model("faulty").async_infer(
+                    inputs={"INPUT0": X}, parameters={"mode": "sleep:30"}
+                ):
+                    pass
+            except dlserve.TritonError as exc:
+                return exc
+            return None
+
+        calls = [asyncio.ensure_future(one()) for _ in range(12)]
+        await asyncio.sleep(0.5)  # the first executes, the others wait for the instance
+        os.kill(pid, signal.SIGKILL)
+        return await asyncio.wait_for(asyncio.gather(*calls), 10)  # not the 30 s executes
+
+    outcomes = asyncio.run(flood())
+    assert all(isinstance(outcome, dlserve.TritonError) for outcome in outcomes), outcomes
+    assert "was killed by SIGKILL" in str(outcomes[0])
+    wait_until(lambda: server.model("faulty").ready())
+    assert worker_pid(server) != pid
+
+
 @pytest.fixture
 def metrics_port(server):
     service = Metrics(server, Metrics.Options(address="127.0.0.1", port=0))
