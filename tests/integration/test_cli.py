@@ -475,7 +475,9 @@ def test_a_grpc_stream_open_at_shutdown_gets_no_new_requests_run(serve, make_rep
 
     with grpcclient.InferenceServerClient(f"127.0.0.1:{process.ports['grpc']}") as client:
         client.start_stream(callback=lambda result, error: answers.put((result, error)))
-        client.async_stream_infer("faulty", [tensor(1.0)], request_id="in flight", parameters={"mode": "sleep:2"})
+        # Long enough that "late" is sent while it runs, on a loaded machine too: a stream
+        # with nothing in flight at the stop ends (UNAVAILABLE) and takes no more requests.
+        client.async_stream_infer("faulty", [tensor(1.0)], request_id="in flight", parameters={"mode": "sleep:4"})
         time.sleep(0.5)  # (in the model by now)
         process.proc.send_signal(signal.SIGINT)
         time.sleep(0.5)
