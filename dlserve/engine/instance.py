@@ -572,11 +572,12 @@ class ModelInstance:
     def _unreadable(self, exc: Exception, what: str) -> TritonError:
         """The error for requests whose answer from the worker could not be read: a
         TritonError as it is (e.g. outputs in memory that cannot be mapped), anything
-        else logged as the bug it is. Without its traceback: its frames hold the memory
-        just given back."""
+        else logged as the bug it is. Without its traceback or the exception it was raised
+        in the handling of: their frames hold the memory just given back."""
         if not isinstance(exc, TritonError):
             log.exception("reading the model's %s from '%s' failed", what, self.name)
             exc = InternalError(f"reading the model's {what} failed: {exc}")
+        exc.__context__ = exc.__cause__ = None
         return exc.with_traceback(None)
 
     def _response(self, request: Request, reply: Any) -> Response | None:

@@ -11,6 +11,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+import dlserve
 from dlserve.frontends import KServeGrpc, KServeHttp
 
 from ..conftest import MODELS, frontend, serve, wait_until
@@ -96,3 +97,15 @@ def test_an_output_its_reshape_cannot_take_fails_only_its_request_of_a_batch(bat
     batches = [(b["batch_size"], b["compute_infer"]["count"]) for b in stats["batch_stats"]]
     assert batches == [(2, 1)]
     assert stats["inference_stats"]["success"]["count"] == 2  # (a model's error, as Triton counts)
+
+
+def test_a_refused_output_gives_the_workers_memory_back(servers, make_repo):
+    """The worker's memory of a response refused for an output its reshape cannot take goes
+    back at once: the server holds none of it (and the error holds no view of it)."""
+    server = servers.start(make_repo(MODEL))
+    x = np.zeros((1, 30, 2, 50), np.int32)  # (its flattened copy in the worker's arena)
+    for _ in range(20):
+        with pytest.raises(dlserve.InternalError, match="which does not fit its reshape") as caught:
+            list(server.model(MODEL).infer(inputs={"INPUT0": x}, parameters={"flatten": True}))
+        assert caught.value.__context__ is None and caught.value.__traceback__ is not None
+    assert all(i.worker.peer.lease_count == 0 for i in server.engine.instances())

@@ -16,7 +16,7 @@ class TritonPythonModel:
             x = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
             seen = np.tile(np.array(x.shape, dtype=np.int64), (x.shape[0], 1))
             if json.loads(request.parameters()).get("flatten"):
-                x = x.reshape(x.shape[0], -1)
+                x = x.reshape(x.shape[0], -1).copy()  # (its own memory, not the input's)
             responses.append(pb_utils.InferenceResponse(
                 [pb_utils.Tensor("OUTPUT0", x), pb_utils.Tensor("SEEN_SHAPE", seen)]))
         return responses
