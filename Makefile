@@ -23,35 +23,43 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q -e .
 	touch $@
 
-$(VENV)/.installed-test: pyproject.toml $(VENV)/.installed
+# Each stamp names what it installed, so that a run with the other FRAMEWORKS setting
+# installs what it needs rather than finding a stamp made without it.
 ifeq ($(FRAMEWORKS),1)
+SERVE_NEEDS := $(VENV)/.installed-frameworks
+TEST_NEEDS := $(VENV)/.installed-test
+else
+SERVE_NEEDS := $(VENV)/.installed
+TEST_NEEDS := $(VENV)/.installed-test-noframeworks
+endif
+
+$(VENV)/.installed-test: pyproject.toml $(VENV)/.installed
 	$(BIN)/python -m pip install -q "$(TORCH_PIN)"
 	$(BIN)/python -m pip install -q -e '.[test,torch,jax,tensorflow]'
-else
+	touch $@
+
+$(VENV)/.installed-test-noframeworks: pyproject.toml $(VENV)/.installed
 	$(BIN)/python -m pip install -q -e '.[test]'
-endif
 	touch $@
 
 # What the bundled framework examples import, for make serve (make test installs them
 # together with the test extra, in one resolution).
 $(VENV)/.installed-frameworks: pyproject.toml $(VENV)/.installed
-ifeq ($(FRAMEWORKS),1)
 	$(BIN)/python -m pip install -q "$(TORCH_PIN)"
 	$(BIN)/python -m pip install -q -e '.[torch,jax,tensorflow]'
-endif
 	touch $@
 
 $(VENV)/.installed-examples: pyproject.toml $(VENV)/.installed
 	$(BIN)/python -m pip install -q -e '.[examples]'
 	touch $@
 
-serve: $(VENV)/.installed-frameworks
+serve: $(SERVE_NEEDS)
 	$(BIN)/dlserve serve $(ARGS)
 
 examples: $(VENV)/.installed-examples
 	$(BIN)/python examples/run_examples.py
 
-test: $(VENV)/.installed-test
+test: $(TEST_NEEDS)
 	VENV=$(abspath $(VENV)) scripts/setup_perf_analyzer.sh
 	VENV=$(abspath $(VENV)) scripts/setup_azurite.sh
 	$(BIN)/python -m pytest
