@@ -390,12 +390,22 @@ def _batched(info: ModelInfo, steps: list[dict[str, np.ndarray]], batch_size: in
     return requests
 
 
+def _named_paths(input_data: str | list[str]) -> list[str]:
+    if input_data in ("zero", "random"):
+        return []
+    return [input_data] if isinstance(input_data, str) else list(input_data)
+
+
 def data_directory(input_data: str | list[str]) -> str | None:
     """The directory ``--input-data`` names, if it names one (it then names nothing else)."""
-    if input_data in ("zero", "random"):
-        return None
-    paths = [input_data] if isinstance(input_data, str) else input_data
+    paths = _named_paths(input_data)
     return paths[0] if len(paths) == 1 and os.path.isdir(paths[0]) else None
+
+
+def json_files(input_data: str | list[str]) -> list[str]:
+    """The JSON data files ``--input-data`` names, in turn (none for generated data or a
+    data directory)."""
+    return [] if data_directory(input_data) is not None else _named_paths(input_data)
 
 
 def make_requests(
@@ -424,8 +434,9 @@ def make_requests(
 
         steps = [read_directory(directory, info, resolve_shapes(info, shapes))]
     else:
-        paths = [input_data] if isinstance(input_data, str) else input_data
-        steps = [step for path in paths for step in load_json_steps(path, info, shapes)]
+        steps = [
+            step for path in json_files(input_data) for step in load_json_steps(path, info, shapes)
+        ]
     return _batched(info, steps, batch_size)
 
 
@@ -434,10 +445,7 @@ def expected_outputs(info: ModelInfo, batch_size: int,
     """Each distinct request's expected outputs (as :func:`make_requests` orders them): the
     bytes of its steps' ``validation_data``, one step after the other; None when no file has
     any. The steps of a file without it expect nothing."""
-    if input_data in ("zero", "random") or data_directory(input_data) is not None:
-        return None
-    paths = [input_data] if isinstance(input_data, str) else input_data
-    steps = [step for path in paths for step in load_validation(path, info)]
+    steps = [step for path in json_files(input_data) for step in load_validation(path, info)]
     if not any(steps):
         return None
     requests = []

@@ -26,7 +26,7 @@ import random
 from typing import Any
 
 from dlserve.perf.flags import UsageError
-from dlserve.perf.inputs import data_directory
+from dlserve.perf.inputs import json_files
 
 DEFAULT_LENGTH = 20
 
@@ -50,9 +50,9 @@ def stream_lengths(input_data: str | list[str]) -> list[int] | None:
     without any); None for generated data and a data directory's (its one step is every
     request's, as perf_analyzer sends it). The files were checked by
     :func:`dlserve.perf.inputs.load_json_steps`."""
-    if input_data in ("zero", "random") or data_directory(input_data) is not None:
+    paths = json_files(input_data)
+    if not paths:
         return None
-    paths = [input_data] if isinstance(input_data, str) else input_data
     return [length for path in paths for length in _file_streams(path)]
 
 
