@@ -117,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "model has it")
     models.add_argument("--model-load-retry-count", type=int, default=0, metavar="N",
                         help="start a model that failed to start up to N more times (default: 0)")
+    models.add_argument("--model-load-timeout-secs", type=float, default=0.0, metavar="SECONDS",
+                        help="end an instance whose worker takes longer to start (initialize, "
+                        "warmup, auto_complete_config) and fail its load with where the model's "
+                        "code was (default: 0, no limit)")
     models.add_argument("--model-load-thread-count", type=int, default=4, metavar="N",
                         help="load up to N models at once at startup and on repository scans "
                         "(default: 4)")
@@ -457,6 +461,7 @@ def serve(args: argparse.Namespace) -> int:
             "--metrics-config", args.metrics_config, "<setting>=<value>", "KEY=VALUE", named=False
         ),
         model_load_retry_count=args.model_load_retry_count,
+        model_load_timeout=args.model_load_timeout_secs,
         model_load_thread_count=args.model_load_thread_count,
         model_namespacing=args.model_namespacing,
         busy_poll_us=args.busy_poll_us,

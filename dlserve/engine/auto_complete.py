@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from pathlib import Path
@@ -44,13 +45,18 @@ async def run_auto_complete(
     await worker.start()
     starting.add(worker)
     try:
-        result = await worker.request(
-            Kind.AUTO_COMPLETE,
-            {
-                **code_paths(code_file, model_path),
-                "config": json.dumps(config_forms.to_json(config)),
-            },
+        result = await asyncio.wait_for(
+            worker.request(
+                Kind.AUTO_COMPLETE,
+                {
+                    **code_paths(code_file, model_path),
+                    "config": json.dumps(config_forms.to_json(config)),
+                },
+            ),
+            resources.load_timeout or None,
         )
+    except asyncio.TimeoutError:
+        raise await worker.end_stuck(f"auto_complete_config of model '{name}'", resources.load_timeout) from None
     except WorkerGoneError:  # it died before it could answer: how, and its last output
         reason = await worker.death_reason()
         raise InternalError(f"auto_complete_config of model '{name}' failed: {reason}") from None

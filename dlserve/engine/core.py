@@ -91,6 +91,7 @@ class EngineSettings:
     model_config_name: str = ""
     backend_directory: str = DEFAULT_BACKEND_DIRECTORY  # where Python-based backends are
     model_load_retry_count: int = 0
+    model_load_timeout: float = 0.0  # seconds an instance may take to start; 0: no limit
     model_load_thread_count: int = 4  # models loaded at once at startup and by repository polling
     model_namespacing: bool = False  # each repository a namespace: a name may be in several
     response_cache_bytes: int | None = None  # --cache-config local,size=<bytes>; None: no cache
@@ -190,6 +191,7 @@ class Engine:
             worker_arena_bytes=s.worker_arena_bytes,
             worker_arena_growth_bytes=s.worker_arena_growth_bytes,
             busy_poll_us=s.busy_poll_us,
+            load_timeout=s.model_load_timeout,
             custom_metrics=self.custom_metrics,
             host=self,
             environments=self.environments,

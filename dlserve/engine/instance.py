@@ -178,7 +178,11 @@ class ModelInstance:
         self._worker = worker
         await worker.start()  # (a cancelled one ends its process itself)
         try:
-            await self._initialize(worker)
+            await asyncio.wait_for(self._initialize(worker), resources.load_timeout or None)
+        except asyncio.TimeoutError:
+            error = await worker.end_stuck(f"loading model instance '{self.name}'", resources.load_timeout)
+            self._log.error("ERROR: Failed to create instance: %s", error.message)
+            raise error from None
         except BaseException as exc:
             if not isinstance(exc, TritonError):  # (a model's error stopped it already)
                 worker.kill()

@@ -82,6 +82,9 @@ class Options:
     server's arena for request inputs; ``repository_poll_secs`` sets the POLL period;
     ``busy_poll_us`` is the most the server and the models' workers poll for an
     expected message before they sleep (:mod:`dlserve.ipc.polling`; 0 = never);
+    ``model_load_timeout`` is how many seconds an instance may take to start (its
+    worker's ``initialize`` and warmup), after which it is ended and its load fails
+    with where the model's code was (0 = no limit, as in Triton);
     ``trace`` holds tritonserver's ``--trace-config`` settings (:mod:`dlserve.engine.tracing`).
     """
 
@@ -125,6 +128,7 @@ class Options:
     shm_arena_size: int = 64 * _MIB
     repository_poll_secs: float = 15.0
     busy_poll_us: int = 1000
+    model_load_timeout: float = 0.0
     trace: TraceSettings = dataclasses.field(default_factory=TraceSettings)
 
     def _without_effect(self) -> list[str]:
@@ -191,6 +195,8 @@ class Options:
             raise InvalidArgumentError("model_load_thread_count must be >= 1")
         if not 0 <= self.busy_poll_us <= 10_000:
             raise InvalidArgumentError("busy_poll_us must be between 0 and 10000")
+        if not self.model_load_timeout >= 0:  # (NaN too)
+            raise InvalidArgumentError("model_load_timeout must be >= 0")
         self.trace.values()  # raises on a bad setting
         return EngineSettings(
             model_repositories=repositories,
@@ -209,6 +215,7 @@ class Options:
             model_config_name=self.model_config_name,
             backend_directory=str(self.backend_directory),
             model_load_retry_count=int(self.model_load_retry_count),
+            model_load_timeout=float(self.model_load_timeout),
             model_load_thread_count=int(self.model_load_thread_count),
             model_namespacing=bool(self.model_namespacing),
             response_cache_bytes=cache_size(self.cache_config),

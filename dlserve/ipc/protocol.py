@@ -20,12 +20,18 @@ from __future__ import annotations
 
 import enum
 import marshal
+import signal
 import struct
 from typing import Any
 
 HEADER = struct.Struct("<I")
 MARSHAL_VERSION = 4
 MAX_FRAME = 1 << 30
+# On this signal a worker writes every Python thread's stack to its stderr (faulthandler,
+# from its C handler: it works while the model holds the GIL in native code). The server
+# sends it to a worker that does not finish loading in time. A real-time signal, which
+# no library uses by convention as they use SIGUSR1.
+STACKS_SIGNAL = signal.SIGRTMIN + 7
 
 
 class Kind(enum.IntEnum):

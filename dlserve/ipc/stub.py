@@ -33,7 +33,7 @@ from typing import Any
 from dlserve.errors import ErrorCode, TritonError
 from dlserve.ipc.channel import WorkerChannel
 from dlserve.ipc.polling import join_board
-from dlserve.ipc.protocol import STREAMED, Kind
+from dlserve.ipc.protocol import STACKS_SIGNAL, STREAMED, Kind
 from dlserve.ipc.runtime import WorkerRuntime, current_handles, encode_response
 from dlserve.ipc.tensors import Peer
 from dlserve.memory.arena import Arena, MemorySpace
@@ -504,6 +504,7 @@ def main(argv: list[str] | None = None) -> int:
     # A crash in native code (an extension's segfault) prints the Python stack first: the
     # server passes the worker's last output on with the news of its death.
     faulthandler.enable()
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)
     # Ctrl-C in a terminal, or a supervisor's SIGTERM to the whole process group, reaches
     # the workers too: the server shuts down in order (the model's finalize included); a
     # worker stopped by the signal would crash instead. (The server ends its workers

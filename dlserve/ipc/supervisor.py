@@ -30,16 +30,18 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from dlserve.errors import TritonError
+from dlserve.errors import InternalError, TritonError
 from dlserve.ipc.channel import ServerChannel, WorkerGoneError
 from dlserve.ipc.environments import SERVER_PYTHON, ExecutionEnvironment
 from dlserve.ipc.polling import PollerBoard, loop_poller
-from dlserve.ipc.protocol import Kind, Message
+from dlserve.ipc.protocol import STACKS_SIGNAL, Kind, Message
 from dlserve.ipc.tensors import Peer
 from dlserve.memory.arena import Arena, MemorySpace
 from dlserve.memory.shm import SHM_DIR
 
 log = logging.getLogger("dlserve.worker")
+
+_IPC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "")  # (a worker's own code)
 
 EXIT_GRACE_S = 2.0
 # A worker that closed its channel has this long to exit before it is ended (one that
@@ -79,13 +81,14 @@ class WorkerOutput:
     may hold the pipe open long after.
     """
 
-    KEEP_BYTES = 4096
+    KEEP_BYTES = 16384  # (room for a stack dump: end_stuck)
     LINES = 30
 
     def __init__(self, fd: int) -> None:
         self._fd = fd
         self._wake_read, self._wake = os.pipe()  # written by close()
         self._tail = bytearray()
+        self.received = 0  # bytes copied so far
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._copy, name="worker-stderr", daemon=True)
         try:
@@ -116,6 +119,7 @@ class WorkerOutput:
                 with self._lock:
                     self._tail += chunk
                     del self._tail[: -self.KEEP_BYTES]
+                    self.received += len(chunk)
                 view = memoryview(chunk)
                 with contextlib.suppress(OSError):  # the server's own stderr may be gone
                     while view:
@@ -140,6 +144,13 @@ class WorkerOutput:
         with self._lock:
             text = self._tail.decode(errors="replace")
         return "\n".join(text.strip().splitlines()[-self.LINES :])
+
+    def since(self, mark: int) -> str:
+        """What the worker wrote after :attr:`received` was ``mark`` (of it, what is kept)."""
+        with self._lock:
+            return self._tail[len(self._tail) - min(self.received - mark, len(self._tail)) :].decode(
+                errors="replace"
+            )
 
 
 class WorkerProcess:
@@ -377,6 +388,39 @@ class WorkerProcess:
                 self.process.kill()
             await self._exited.wait()
             return False
+
+    async def end_stuck(self, what: str, timeout: float) -> InternalError:
+        """End a worker that did not finish ``what`` within ``timeout`` seconds; the error
+        says where the model's code was: the stack of the thread that runs it, from
+        faulthandler's dump of every thread (the whole dump reaches the server's log
+        with the rest of the worker's stderr)."""
+        output, process = self._output, self.process
+        stacks = ""
+        if output is not None and process is not None and process.poll() is None:
+            mark = output.received
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, STACKS_SIGNAL)
+            # Written at once from a signal handler, copied by the output's thread: done
+            # when nothing more came for a moment (a worker stuck too deep to dump: 1 s).
+            seen, deadline = mark, time.monotonic() + 1.0
+            while time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+                if output.received == seen != mark:
+                    break
+                seen = output.received
+            stacks = output.since(mark).strip()
+        self._stopping = True
+        if process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+            await self._exited.wait()
+        message = f"{what} did not finish within {timeout:g} s (the model load timeout), so its worker was ended"
+        if stacks:  # the last block is the oldest thread's, the one that runs the model's code
+            frames = stacks.split("\n\n")[-1].splitlines()[1:]
+            # (the worker's own frames under it say nothing to the model's author)
+            ours = next((i for i, frame in enumerate(frames) if _IPC_DIR in frame), len(frames))
+            message += "; it was at (most recent call first):\n" + "\n".join(frames[: ours or len(frames)])
+        return InternalError(message)
 
     def kill(self) -> None:
         """Hard stop (used when the event loop is going away)."""

@@ -884,6 +884,29 @@ def test_model_config_name_load_retry_count_and_response_cache(serve, make_repo)
     process.assert_clean()
 
 
+def test_model_load_timeout_ends_a_stuck_load_and_logs_every_thread(serve, make_repo):
+    stuck = "import time\n\nclass TritonPythonModel:\n    def initialize(self, args):\n        time.sleep(3600)\n"
+    repo = make_repo("add_sub", extra={"stuck": {"config.pbtxt": 'backend: "python"\n', "1/model.py": stuck}})
+    process = serve(
+        "--model-repository", str(repo), "--exit-on-error=false", "--model-load-timeout-secs", "1.5",
+    ).wait_started()
+    port = process.ports["http"]
+    status, body = request(port, "/v2/repository/index", "POST")
+    assert status == 200
+    reasons = {entry["name"]: (entry["state"], entry.get("reason", "")) for entry in json.loads(body)}
+    state, reason = reasons["stuck"]
+    assert state == "UNAVAILABLE" and reasons["add_sub"][0] == "READY"
+    assert "loading model instance 'stuck_0' did not finish within 1.5 s (the model load timeout)" in reason
+    assert re.search(r'File ".*/stuck/1/model\.py", line 5 in initialize', reason), reason
+    # The server's log has the worker's whole dump: every thread, the worker's own frames too.
+    assert "(most recent call first)" in process.stderr and "dlserve/ipc/stub.py" in process.stderr
+    assert request(port, "/v2/models/add_sub/infer", "POST", add_sub_body())[0] == 200
+    assert len(process.workers()) == 1
+    code, _ = process.stop()
+    assert code == 0, process.output()
+    process.assert_clean()
+
+
 def test_without_a_repository_it_serves_the_bundled_examples(serve, tmp_path):
     # Hide torch/jax/tensorflow (workers included) so their examples fail fast; serving
     # the examples must go on without them.

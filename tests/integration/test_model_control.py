@@ -1729,6 +1729,74 @@ def test_stop_ends_a_load_that_never_finishes_at_the_exit_timeout(servers, make_
     assert outcome and isinstance(outcome[0], dlserve.TritonError)
 
 
+SPINS_IN_AUTO_COMPLETE = """
+class TritonPythonModel:
+    @staticmethod
+    def auto_complete_config(config):
+        while True:  # holds the GIL: the stacks still come (faulthandler dumps from C)
+            pass
+
+    def execute(self, requests):
+        return []
+"""
+
+HANGS_IN_WARMUP = """
+import threading
+
+class TritonPythonModel:
+    def execute(self, requests):
+        threading.Event().wait()
+"""
+_WARMUP = 'model_warmup [ { name: "w" batch_size: 1 inputs { key: "X" value { data_type: TYPE_FP32 dims: [ 1 ] zero_data: true } } } ]'
+
+
+@pytest.mark.parametrize(
+    ("model", "config", "options", "what", "where"),
+    [
+        (HANGS_IN_INITIALIZE, "", {}, "loading model instance 'stuck_0'", "in initialize"),
+        (HANGS_IN_INITIALIZE, "", {"model_load_retry_count": 1}, "loading model instance 'stuck_0'",
+         "in initialize"),
+        (SPINS_IN_AUTO_COMPLETE, "", {}, "auto_complete_config of model 'stuck'", "in auto_complete_config"),
+        (HANGS_IN_WARMUP, _WARMUP, {}, "loading model instance 'stuck_0'", "in execute"),
+    ],
+    ids=["initialize", "initialize-with-retries", "auto-complete", "warmup"],
+)
+def test_a_load_that_outlasts_the_model_load_timeout_fails_saying_where_the_model_was(
+    servers, make_repo, model, config, options, what, where
+):
+    """``model_load_timeout`` (``--model-load-timeout-secs``) ends a worker stuck in
+    starting, and the load's error shows the model's stack at that moment: the
+    answer to "why is my model stuck loading" (Triton has no such limit)."""
+    config = 'backend: "python"\ninput [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]\n' + config
+    repo = make_repo("identity", extra={"stuck": {"config.pbtxt": config, "1/model.py": model}})
+    server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT, startup_models=["identity"],
+                           model_load_timeout=1, **options)
+    prefix = server.engine.segment_prefix
+    started = time.monotonic()
+    with pytest.raises(dlserve.InvalidArgumentError) as failure:
+        server.load("stuck")
+    took = time.monotonic() - started
+    message = failure.value.message
+    assert f"{what} did not finish within 1 s (the model load timeout), so its worker was ended" in message
+    # Innermost first (a library's frames above the model's), down to the model's own
+    # entry point: none of the worker's frames under it.
+    frames = message.split("it was at (most recent call first):\n", 1)[1].rstrip().rstrip(";").splitlines()
+    assert re.fullmatch(r'  File ".*/stuck/1/model\.py", line \d+ ' + where, frames[-1]), message
+    assert not any("dlserve/ipc" in frame for frame in frames), message
+    assert took < 1 + 20 * (1 + options.get("model_load_retry_count", 0))
+    assert not server.model("stuck").ready()
+    assert len(worker_processes(prefix)) == 1  # identity's; the stuck ones are gone
+    x = np.ones(1, dtype=np.float32)
+    (answer,) = server.model("identity").infer(inputs={"INPUT0": x})  # the server serves on
+    np.testing.assert_array_equal(answer.outputs["OUTPUT0"].as_numpy(), x)
+
+
+@pytest.mark.parametrize("timeout", [-1, float("nan")])
+def test_a_negative_model_load_timeout_is_refused(servers, make_repo, timeout):
+    with pytest.raises(dlserve.InvalidArgumentError, match="model_load_timeout must be >= 0"):
+        servers.start(make_repo("identity"), model_load_timeout=timeout)
+
+
 def test_poll_mode_loads_an_ensemble_again_once_its_failed_step_is_fixed(servers, make_repo):
     """As Triton's: an ensemble that failed to load because its step did not serve loads
     once a poll brings the step (it stayed unavailable until its own files changed)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import resource
 import threading
+import time
 
 import pytest
 
@@ -61,3 +62,30 @@ def test_descriptors_beyond_select_s_limit_work():
         for fd in fillers:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_since_gives_what_came_after_a_mark_as_far_as_it_is_kept():
+    read, write = os.pipe()
+    output = WorkerOutput(read)
+    try:
+        os.write(write, b"before\n")
+        wait_for_bytes(output, 7)
+        mark = output.received
+        os.write(write, b"after 1\nafter 2\n")
+        wait_for_bytes(output, 7 + 16)
+        assert output.since(mark) == "after 1\nafter 2\n"
+        assert output.since(output.received) == ""
+        flood = b"x" * (WorkerOutput.KEEP_BYTES + 100)
+        os.write(write, flood)
+        wait_for_bytes(output, 7 + 16 + len(flood))
+        assert output.since(mark) == "x" * WorkerOutput.KEEP_BYTES  # the tail kept, not more
+    finally:
+        os.close(write)
+        output.close(wait=5)
+
+
+def wait_for_bytes(output: WorkerOutput, count: int) -> None:
+    deadline = time.monotonic() + 10
+    while output.received < count:
+        assert time.monotonic() < deadline, f"{output.received} of {count} bytes copied"
+        time.sleep(0.01)
