@@ -11,7 +11,10 @@
                 {"INPUT0": {"b64": "<base64 of the raw little-endian tensor>"}, ...}]}
 
   Each entry of ``data`` is one step; a list of lists (streams) is read as its steps in
-  order. Content may be flat or nested; BYTES content is a list of strings. A step
+  order. Content may be flat or nested; BYTES content is a list of strings; as in
+  perf_analyzer, floats are written as floats (1.0, not 1), integers as integers and BOOL
+  as true/false, else the file is refused (FP16 and BF16, which perf_analyzer takes only
+  as b64, take floats here). A step
   without ``shape`` uses the model's dims, with ``--shape`` for variable ones; a step's
   ``shape`` must agree with those (so where ``--shape`` is given, be it), as perf_analyzer
   checks. A step may leave out an input the model's config marks ``optional``: its
@@ -260,6 +263,7 @@ def _step_tensor(tensor: TensorInfo, value: Any, default_shape: list[int] | None
     elif isinstance(content, np.ndarray):
         array = content.reshape(-1)
     else:
+        _check_json_values(content, tensor.datatype, at)
         try:
             array = np.asarray(content, dtype=numpy_type(tensor.datatype)).reshape(-1)
         except (TypeError, ValueError, OverflowError) as exc:
@@ -276,6 +280,38 @@ def _step_tensor(tensor: TensorInfo, value: Any, default_shape: list[int] | None
             f"{at} has {array.size} elements, its shape {shape} needs {math.prod(shape)}"
         )
     return array.reshape(shape)
+
+
+# perf_analyzer's names for the types, in its message for content of the wrong kind
+_C_TYPES = {"BOOL": "bool", "FP64": "fp64", "FP32": "float", "FP16": "float", "BF16": "float"} | {
+    f"{kind}INT{bits}": f"{kind.lower()}int{bits}_t" for kind in ("", "U") for bits in (8, 16, 32, 64)
+}
+
+
+def _check_json_values(content: Any, datatype: str, at: str) -> None:
+    """Refuse JSON values of the wrong kind for ``datatype``, as perf_analyzer does, so
+    that a data file means the same to both: BOOL takes true/false, integers take
+    integers (not 1.0, true or "1"; unsigned ones not below 0), floats take numbers
+    written as floats (1.0, not 1). numpy would convert them all, 1.5 to 1 included.
+    (perf_analyzer refuses FP16 and BF16 content altogether; here they take floats.)"""
+    values = content if isinstance(content, list) else [content]
+    while any(isinstance(v, list) for v in values):  # (nested content)
+        values = [x for v in values for x in (v if isinstance(v, list) else [v])]
+    if datatype == "BOOL":
+        fits, hint = (lambda v: isinstance(v, bool)), "true or false"
+    elif datatype in ("FP16", "FP32", "FP64", "BF16"):
+        fits = lambda v: isinstance(v, float)  # noqa: E731
+        hint = "a number with a decimal point or an exponent (1.0, not 1)"
+    elif datatype.startswith("U"):
+        fits, hint = (lambda v: type(v) is int and v >= 0), "a whole number of 0 or more"
+    else:
+        fits, hint = (lambda v: type(v) is int), "a whole number"
+    for value in values:
+        if not fits(value):
+            raise UsageError(
+                f"{at}: unable to find {_C_TYPES[datatype]} data in json: {json.dumps(value)} is "
+                f"not {hint}"
+            )
 
 
 def _read_json(path: str) -> dict[str, Any]:

@@ -99,7 +99,7 @@ def write(tmp_path, document) -> str:
 
 
 def test_json_data(tmp_path):
-    a = list(range(16))
+    a = [float(x) for x in range(16)]  # (FP32 content is written as floats: 0.0, not 0)
     b64 = base64.b64encode(np.arange(16, dtype=np.float32).tobytes()).decode()
     path = write(tmp_path, {"data": [
         {"INPUT0": a, "INPUT1": {"content": [a[:8], a[8:]], "shape": [16]}},  # nested content
@@ -107,7 +107,7 @@ def test_json_data(tmp_path):
     ]})
     requests = make_requests(ADD_SUB, 1, {}, path)
     assert len(requests) == 2
-    assert requests[0]["INPUT1"].tolist() == [float(x) for x in a]
+    assert requests[0]["INPUT1"].tolist() == a
     assert requests[1]["INPUT0"].tolist() == list(np.arange(16, dtype=np.float32))
 
 
@@ -139,6 +139,43 @@ def test_json_shapes_must_agree_with_the_shape_option(tmp_path, info, shapes, va
     with pytest.raises(UsageError) as exc:
         make_requests(info, 1, shapes, write(tmp_path, {"data": [{"INPUT0": value}]}))
     assert message in str(exc.value)
+
+
+def _typed(datatype: str) -> ModelInfo:
+    return ModelInfo.from_json(
+        {"name": "typed", "inputs": [{"name": "X", "datatype": datatype, "shape": [1]}], "outputs": []},
+        {"max_batch_size": 0},
+    )
+
+
+@pytest.mark.parametrize(
+    ("datatype", "good", "bad", "message"),
+    [
+        ("FP32", 1.5, 1, "unable to find float data in json: 1 is not a number with a decimal point"),
+        ("FP32", 1e3, True, "unable to find float data in json: true is not"),
+        ("FP64", -2.0, -2, "unable to find fp64 data in json: -2 is not"),
+        ("FP16", 0.5, "0.5", 'unable to find float data in json: "0.5" is not'),
+        ("INT32", -7, 1.5, "unable to find int32_t data in json: 1.5 is not a whole number"),
+        ("INT64", 3, True, "unable to find int64_t data in json: true is not a whole number"),
+        ("INT8", 1, 1e3, "unable to find int8_t data in json: 1000.0 is not a whole number"),
+        ("UINT8", 255, -1, "unable to find uint8_t data in json: -1 is not a whole number of 0 or more"),
+        ("UINT64", 0, "1", 'unable to find uint64_t data in json: "1" is not'),
+        ("BOOL", False, 1, "unable to find bool data in json: 1 is not true or false"),
+        ("INT16", 2, None, "unable to find int16_t data in json: null is not"),
+    ],
+)
+def test_json_values_of_the_wrong_kind_are_refused_as_perf_analyzer_refuses_them(
+    tmp_path, datatype, good, bad, message
+):
+    """numpy would turn 1.5 into 1 for INT32 and "1" into 1: perf_analyzer refuses
+    them (and integers for floats), so a data file means the same to both."""
+    info = _typed(datatype)
+    (request,) = make_requests(info, 1, {}, write(tmp_path, {"data": [{"X": [good]}]}))
+    assert request["X"].tolist() == [good]
+    for content in ([bad], {"content": [[bad]], "shape": [1]}):  # flat and nested
+        with pytest.raises(UsageError) as exc:
+            make_requests(info, 1, {}, write(tmp_path, {"data": [{"X": content}]}))
+        assert f"step 0: input 'X': {message}" in str(exc.value)
 
 
 def test_json_batched_cycles_steps(tmp_path):
