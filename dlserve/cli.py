@@ -487,11 +487,19 @@ def serve(args: argparse.Namespace) -> int:
         if server.loading:  # out of a start still loading models: it shuts down what it began
             raise _StopWhileStarting
 
+    def on_stacks_signal(_signum: int, _frame: Any) -> None:
+        try:  # (no lock taken here: this handler may interrupt code holding one)
+            server.loop.call_soon_threadsafe(server.engine.dump_worker_stacks)
+        except (dlserve.TritonError, RuntimeError):  # not started, or stopped: no workers
+            pass
+
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
-    # `kill -USR1 <pid>` writes every thread's Python stack to stderr: what a server that
-    # seems stuck is doing, without stopping it.
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # `kill -USR1 <pid>` writes every thread's Python stack to stderr, the server's at once
+    # (from faulthandler's C handler, whatever its threads hold), then each worker's: what
+    # a server or a model that seems stuck is doing, without stopping anything.
+    signal.signal(signal.SIGUSR1, on_stacks_signal)
+    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=True)
     try:
         server.start()
     except _StopWhileStarting:

@@ -156,6 +156,7 @@ class Engine:
         # while those in flight (and the BLS calls they make) still finish.
         self.accepting = True
         self._shutdown_log: ShutdownLog | None = None
+        self._stack_dump: asyncio.Future[None] | None = None  # (dump_worker_stacks)
 
     def _knows(self, name: str) -> bool:
         """Whether a model of this name is loaded (whose trace settings can be had)."""
@@ -297,6 +298,27 @@ class Engine:
             for version in entry.versions.values()
             for instance in version.all_instances
         ]
+
+    def dump_worker_stacks(self) -> None:
+        """Every worker's Python stacks on the server's stderr, one worker after the
+        other, each under a line that names it: what the models are doing (``kill -USR1``
+        of ``dlserve serve``), loads still starting included. Called on the loop; a dump
+        asked for while one is being written is that one."""
+        if self._stack_dump is None or self._stack_dump.done():
+            self._stack_dump = asyncio.ensure_future(self._dump_worker_stacks())
+
+    async def _dump_worker_stacks(self) -> None:
+        workers = [instance.worker for instance in self.instances()]
+        for starting in list(self.manager.loader.starting) if self.manager is not None else []:
+            if isinstance(starting, ModelVersion):
+                workers += [instance.worker for instance in starting.all_instances]
+            else:  # (an auto_complete_config's worker)
+                workers.append(starting)
+        for worker in workers:
+            if worker is not None and worker.alive:
+                with contextlib.suppress(OSError):  # (the server's stderr may be gone)
+                    os.write(2, f"Python stacks of '{worker.instance_name}' (pid {worker.pid}):\n".encode())
+                await worker.dump_stacks()
 
     def segments_gone(self, names: list[str]) -> None:
         """Segments that were unlinked (a client's unregistered region, one the server's

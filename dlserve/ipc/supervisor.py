@@ -389,30 +389,34 @@ class WorkerProcess:
             await self._exited.wait()
             return False
 
+    async def dump_stacks(self) -> str:
+        """Have the worker write every Python thread's stack to its stderr (which the
+        server's passes on); returns the dump once it is written ("" from a worker gone)."""
+        output, process = self._output, self.process
+        if output is None or process is None or process.poll() is not None:
+            return ""
+        mark = output.received
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, STACKS_SIGNAL)
+        # Written at once from a signal handler, copied by the output's thread: done when
+        # nothing more came for a moment (a worker stuck too deep to dump: 1 s).
+        seen, deadline = mark, time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            if output.received == seen != mark:
+                break
+            seen = output.received
+        return output.since(mark).strip()
+
     async def end_stuck(self, what: str, timeout: float) -> InternalError:
         """End a worker that did not finish ``what`` within ``timeout`` seconds; the error
-        says where the model's code was: the stack of the thread that runs it, from
-        faulthandler's dump of every thread (the whole dump reaches the server's log
-        with the rest of the worker's stderr)."""
-        output, process = self._output, self.process
-        stacks = ""
-        if output is not None and process is not None and process.poll() is None:
-            mark = output.received
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(process.pid, STACKS_SIGNAL)
-            # Written at once from a signal handler, copied by the output's thread: done
-            # when nothing more came for a moment (a worker stuck too deep to dump: 1 s).
-            seen, deadline = mark, time.monotonic() + 1.0
-            while time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-                if output.received == seen != mark:
-                    break
-                seen = output.received
-            stacks = output.since(mark).strip()
+        says where the model's code was: the stack of the thread that runs it, from the
+        worker's dump of every thread (:meth:`dump_stacks`)."""
+        stacks = await self.dump_stacks()
         self._stopping = True
-        if process is not None:
+        if self.process is not None:
             with contextlib.suppress(ProcessLookupError):
-                process.kill()
+                self.process.kill()
             await self._exited.wait()
         message = f"{what} did not finish within {timeout:g} s (the model load timeout), so its worker was ended"
         if stacks:  # the last block is the oldest thread's, the one that runs the model's code

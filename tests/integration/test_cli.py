@@ -1129,20 +1129,64 @@ def test_a_workers_stderr_reaches_the_servers(serve, make_repo):
     process.assert_clean()
 
 
-def test_sigusr1_writes_every_threads_stack_and_the_server_serves_on(make_repo, tmp_path):
-    process = Serve(tmp_path, ["--model-repository", str(make_repo("identity"))]).wait_started()
+WAITS_FOR_GO = """
+import os
+import time
+
+import triton_python_backend_utils as pb_utils
+
+HERE = os.path.dirname(__file__)
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        open(os.path.join(HERE, "EXECUTING"), "w").close()
+        while not os.path.exists(os.path.join(HERE, "GO")):
+            time.sleep(0.01)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", r.inputs()[0].as_numpy())]) for r in requests]
+"""
+
+
+def test_sigusr1_writes_every_threads_stack_the_workers_too_and_the_server_serves_on(
+    make_repo, tmp_path
+):
+    """``kill -USR1``: the server's threads at once, then each worker's under a line that
+    names it, so that a request that never answers shows where its model's code is."""
+    config = 'backend: "python"\ninput [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]\n' \
+        'output [ { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
+    repo = make_repo("identity", extra={"waits": {"config.pbtxt": config, "1/model.py": WAITS_FOR_GO}})
+    process = Serve(tmp_path, ["--model-repository", str(repo)]).wait_started()
+    port = process.ports["http"]
     try:
-        process.proc.send_signal(signal.SIGUSR1)
-        deadline = time.monotonic() + 10
-        while " in <module>" not in process.stderr.split("Current thread")[-1]:  # (written last)
+        body = {"inputs": [{"name": "X", "datatype": "FP32", "shape": [1], "data": [2.0]}]}
+        answer: list[tuple[int, bytes]] = []
+        client = threading.Thread(
+            target=lambda: answer.append(request(port, "/v2/models/waits/infer", "POST", body))
+        )
+        client.start()
+        deadline = time.monotonic() + 20
+        while not (repo / "waits" / "1" / "EXECUTING").exists():
             assert time.monotonic() < deadline, process.output()
             time.sleep(0.05)
-        dump = process.stderr.split("Started Metrics Service")[-1]
-        assert dump.count("Thread 0x") >= 2, dump  # the main thread and the engine loop's, at least
-        assert "dlserve/cli.py" in dump and " in serve\n" in dump, dump  # (the main thread, serving)
-        assert request(process.ports["http"], "/v2/health/ready")[0] == 200
+        process.proc.send_signal(signal.SIGUSR1)
+        pattern = re.compile(r"Python stacks of 'waits_0' \(pid \d+\):\n(.*?)\n\n(?!Thread|Current)", re.S)
+        while not (found := pattern.search(process.stderr + "\n\n")):
+            assert time.monotonic() < deadline, process.output()
+            time.sleep(0.05)
+        server_dump, worker_dump = process.stderr.split("Python stacks of")[0], found.group(1)
+        # The server's own threads first: the main one serving, the engine loop's beside it.
+        assert server_dump.count("Thread 0x") >= 2 and "dlserve/cli.py" in server_dump, server_dump
+        # The stuck model's frame heads its worker's main thread, the last block.
+        main_thread = worker_dump.split("\n\n")[-1].splitlines()
+        assert re.fullmatch(r'  File ".*/waits/1/model\.py", line 1[34] in execute', main_thread[1]), worker_dump
+        assert "Python stacks of 'identity_0'" in process.stderr  # every worker, the idle ones too
+        assert request(port, "/v2/health/ready")[0] == 200
+        (repo / "waits" / "1" / "GO").touch()
+        client.join(20)
+        assert answer and answer[0][0] == 200 and json.loads(answer[0][1])["outputs"][0]["data"] == [2.0]
         code, _ = process.stop()
         assert code == 0, process.output()
+        process.assert_clean()
     finally:
         process.kill()
 
