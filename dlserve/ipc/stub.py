@@ -534,7 +534,12 @@ def main(argv: list[str] | None = None) -> int:
     runtime = WorkerRuntime(channel, peer, arena)
     _runtime.install(runtime)
     os.register_at_fork(after_in_child=_runtime.forked)
-    logging.getLogger().addHandler(ServerLogHandler())  # the model's logging, into the server's
+    # The model's Python logging, where it configured none, into the server's log: as
+    # Python's own last resort, for WARNING and above. A model that configures its logging
+    # (logging.basicConfig(level=logging.INFO), say) gets what it asked for, as in Triton:
+    # a handler on the root logger would have made basicConfig do nothing.
+    logging.lastResort = ServerLogHandler()
+    logging.lastResort.setLevel(logging.WARNING)
     threading.Thread(
         target=_watch_parent, args=(os.getppid(), arena), name="parent-watch", daemon=True
     ).start()

@@ -3,7 +3,8 @@
 Inside a worker the line is queued to the server (no reply is awaited) with the model
 file and line that logged it, and logged there under ``dlserve.model.<name>``; outside
 one it goes to Python logging. A model's plain Python ``logging`` records take the same
-way (:class:`ServerLogHandler`, on the worker's root logger; Triton leaves them on the
+way where the model configured no logging of its own (:class:`ServerLogHandler`, the
+worker's ``logging.lastResort``: WARNING and above, as Python's; Triton leaves them on the
 model process's stderr as plain Python output).
 """
 

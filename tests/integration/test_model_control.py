@@ -1297,6 +1297,43 @@ def test_model_logs_reach_the_server_log(servers, make_repo, caplog):
     assert "Traceback" in error and "ZeroDivisionError: division by zero" in error
 
 
+CONFIGURES_ITS_LOGGING = """
+import logging
+
+logging.basicConfig(level=logging.INFO, format="%(levelname)s|%(name)s|%(message)s")
+log = logging.getLogger("configured")
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        log.info("info it asked for")
+        log.debug("debug it did not")
+        logging.getLogger("configured.child").warning("a warning, its way")
+
+    def execute(self, requests):
+        return []
+"""
+
+
+def test_a_model_that_configures_its_logging_gets_what_it_configured(servers, make_repo, capfd):
+    """As in Triton (and plain Python): basicConfig(level=INFO) in model.py shows its INFO
+    records, on the worker's stderr (which the server passes on) in its own format. A
+    handler of dlserve's on the worker's root logger made basicConfig do nothing: they
+    were dropped."""
+    model = {"config.pbtxt": 'backend: "python"\n', "1/model.py": CONFIGURES_ITS_LOGGING}
+    repo = make_repo(extra={"configured": model})
+    servers.start(repo)
+    deadline = time.monotonic() + 10
+    err = ""
+    while "a warning, its way" not in err:
+        assert time.monotonic() < deadline, err
+        time.sleep(0.05)
+        err += capfd.readouterr().err
+    assert "INFO|configured|info it asked for" in err
+    assert "WARNING|configured.child|a warning, its way" in err
+    assert "debug it did not" not in err
+
+
 LOGGER_MISUSE_PY = """
 import numpy as np
 import triton_python_backend_utils as pb_utils
