@@ -118,9 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--model-load-retry-count", type=int, default=0, metavar="N",
                         help="start a model that failed to start up to N more times (default: 0)")
     models.add_argument("--model-load-timeout-secs", type=float, default=0.0, metavar="SECONDS",
-                        help="end an instance whose worker takes longer to start (initialize, "
-                        "warmup, auto_complete_config) and fail its load with where the model's "
-                        "code was (default: 0, no limit)")
+                        help="end an instance whose worker takes longer to start (model.py's "
+                        "import, initialize, warmup) or to run auto_complete_config, and fail its "
+                        "load with where the model's code was (default: 0, no limit)")
     models.add_argument("--model-load-thread-count", type=int, default=4, metavar="N",
                         help="load up to N models at once at startup and on repository scans "
                         "(default: 4)")

@@ -56,7 +56,9 @@ async def run_auto_complete(
             resources.load_timeout or None,
         )
     except asyncio.TimeoutError:
-        raise await worker.end_stuck(f"auto_complete_config of model '{name}'", resources.load_timeout) from None
+        what, code_dirs = f"auto_complete_config of model '{name}'", [str(model_path.parent.parent)]
+        code_dirs.append(str(code_file.parent))
+        raise await worker.end_stuck(what, resources.load_timeout, code_dirs) from None
     except WorkerGoneError:  # it died before it could answer: how, and its last output
         reason = await worker.death_reason()
         raise InternalError(f"auto_complete_config of model '{name}' failed: {reason}") from None

@@ -316,8 +316,9 @@ class Engine:
                 workers.append(starting)
         for worker in workers:
             if worker is not None and worker.alive:
+                title = f"Python stacks of '{worker.instance_name}' (pid {worker.pid}):\n"
                 with contextlib.suppress(OSError):  # (the server's stderr may be gone)
-                    os.write(2, f"Python stacks of '{worker.instance_name}' (pid {worker.pid}):\n".encode())
+                    os.write(2, title.encode())
                 await worker.dump_stacks()
 
     def segments_gone(self, names: list[str]) -> None:

@@ -180,8 +180,14 @@ class ModelInstance:
         try:
             await asyncio.wait_for(self._initialize(worker), resources.load_timeout or None)
         except asyncio.TimeoutError:
-            error = await worker.end_stuck(f"loading model instance '{self.name}'", resources.load_timeout)
+            model = self.model
+            error = await worker.end_stuck(
+                f"loading model instance '{self.name}'",
+                resources.load_timeout,
+                [str(model.model_dir), str(model.code_file.parent)],
+            )
             self._log.error("ERROR: Failed to create instance: %s", error.message)
+            self._set_state(InstanceState.RESTARTING if self.restarts else InstanceState.STARTING)
             raise error from None
         except BaseException as exc:
             if not isinstance(exc, TritonError):  # (a model's error stopped it already)

@@ -83,7 +83,8 @@ class Options:
     ``busy_poll_us`` is the most the server and the models' workers poll for an
     expected message before they sleep (:mod:`dlserve.ipc.polling`; 0 = never);
     ``model_load_timeout`` is how many seconds an instance may take to start (its
-    worker's ``initialize`` and warmup), after which it is ended and its load fails
+    worker's start, the import of model.py, ``initialize``, warmup) or a model's
+    ``auto_complete_config`` to run, after which its worker is ended and the load fails
     with where the model's code was (0 = no limit, as in Triton);
     ``trace`` holds tritonserver's ``--trace-config`` settings (:mod:`dlserve.engine.tracing`).
     """

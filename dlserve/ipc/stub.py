@@ -505,6 +505,7 @@ def main(argv: list[str] | None = None) -> int:
     # server passes the worker's last output on with the news of its death.
     faulthandler.enable()
     faulthandler.register(STACKS_SIGNAL, all_threads=True)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {STACKS_SIGNAL})  # (blocked by the server)
     # Ctrl-C in a terminal, or a supervisor's SIGTERM to the whole process group, reaches
     # the workers too: the server shuts down in order (the model's finalize included); a
     # worker stopped by the signal would crash instead. (The server ends its workers

@@ -35,13 +35,12 @@ from dlserve.ipc.channel import ServerChannel, WorkerGoneError
 from dlserve.ipc.environments import SERVER_PYTHON, ExecutionEnvironment
 from dlserve.ipc.polling import PollerBoard, loop_poller
 from dlserve.ipc.protocol import STACKS_SIGNAL, Kind, Message
+from dlserve.ipc.stacks import DUMP_END, model_frames
 from dlserve.ipc.tensors import Peer
 from dlserve.memory.arena import Arena, MemorySpace
 from dlserve.memory.shm import SHM_DIR
 
 log = logging.getLogger("dlserve.worker")
-
-_IPC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "")  # (a worker's own code)
 
 EXIT_GRACE_S = 2.0
 # A worker that closed its channel has this long to exit before it is ended (one that
@@ -148,9 +147,8 @@ class WorkerOutput:
     def since(self, mark: int) -> str:
         """What the worker wrote after :attr:`received` was ``mark`` (of it, what is kept)."""
         with self._lock:
-            return self._tail[len(self._tail) - min(self.received - mark, len(self._tail)) :].decode(
-                errors="replace"
-            )
+            kept = min(self.received - mark, len(self._tail))
+            return self._tail[len(self._tail) - kept :].decode(errors="replace")
 
 
 class WorkerProcess:
@@ -218,6 +216,9 @@ class WorkerProcess:
             polling = ["--poll-board", str(board.fileno()), "--poll-slot", str(self._board_slot)]
             fds.append(board.fileno())
         output, stderr = os.pipe()
+        # Blocked until the worker has its handler (dump_stacks): a worker asked for its
+        # stacks as it starts would otherwise die of the signal's default action.
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {STACKS_SIGNAL})
         try:
             self.process = subprocess.Popen(
                 [
@@ -246,6 +247,7 @@ class WorkerProcess:
             os.close(output)
             raise
         finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             theirs.close()
             os.close(stderr)
         try:
@@ -398,32 +400,35 @@ class WorkerProcess:
         mark = output.received
         with contextlib.suppress(ProcessLookupError):
             os.kill(process.pid, STACKS_SIGNAL)
-        # Written at once from a signal handler, copied by the output's thread: done when
-        # nothing more came for a moment (a worker stuck too deep to dump: 1 s).
-        seen, deadline = mark, time.monotonic() + 1.0
-        while time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-            if output.received == seen != mark:
-                break
-            seen = output.received
-        return output.since(mark).strip()
+        # Written at once from a signal handler, copied by the output's thread, ended by
+        # the main thread's outermost frame (a worker stuck too deep to dump: 1 s).
+        deadline = time.monotonic() + 1.0
+        while DUMP_END not in output.since(mark) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        return output.since(mark)
 
-    async def end_stuck(self, what: str, timeout: float) -> InternalError:
+    async def end_stuck(self, what: str, timeout: float, code_dirs: list[str]) -> InternalError:
         """End a worker that did not finish ``what`` within ``timeout`` seconds; the error
-        says where the model's code was: the stack of the thread that runs it, from the
-        worker's dump of every thread (:meth:`dump_stacks`)."""
-        stacks = await self.dump_stacks()
-        self._stopping = True
-        if self.process is not None:
-            with contextlib.suppress(ProcessLookupError):
-                self.process.kill()
-            await self._exited.wait()
-        message = f"{what} did not finish within {timeout:g} s (the model load timeout), so its worker was ended"
-        if stacks:  # the last block is the oldest thread's, the one that runs the model's code
-            frames = stacks.split("\n\n")[-1].splitlines()[1:]
-            # (the worker's own frames under it say nothing to the model's author)
-            ours = next((i for i, frame in enumerate(frames) if _IPC_DIR in frame), len(frames))
-            message += "; it was at (most recent call first):\n" + "\n".join(frames[: ours or len(frames)])
+        says where the model's code (under ``code_dirs``) was, from the worker's dump of
+        every thread (:meth:`dump_stacks`). A worker that died meanwhile: how it died."""
+        if self.process is not None and self.process.poll() is not None:
+            return InternalError(await self.death_reason())
+        try:
+            frames = model_frames(await self.dump_stacks(), code_dirs)
+        finally:  # (cancelled too: a stuck worker is not left running)
+            self._stopping = True
+            if self.process is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    self.process.kill()
+        await self._exited.wait()
+        message = (
+            f"{what} did not finish within {timeout:g} s (the model load timeout), so its "
+            "worker was ended; "
+        )
+        if frames:
+            message += "it was at (most recent call first):\n" + "\n".join(frames)
+        else:  # (an async hook awaiting something is on no thread's stack)
+            message += "no thread was in the model's code (every thread's stack is in the log)"
         return InternalError(message)
 
     def kill(self) -> None:

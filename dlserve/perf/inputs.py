@@ -283,8 +283,23 @@ def _step_tensor(tensor: TensorInfo, value: Any, default_shape: list[int] | None
 
 
 # perf_analyzer's names for the types, in its message for content of the wrong kind
-_C_TYPES = {"BOOL": "bool", "FP64": "fp64", "FP32": "float", "FP16": "float", "BF16": "float"} | {
-    f"{kind}INT{bits}": f"{kind.lower()}int{bits}_t" for kind in ("", "U") for bits in (8, 16, 32, 64)
+_C_TYPES = {"BOOL": "bool", "FP64": "fp64", "FP32": "float", "FP16": "float", "BF16": "float"}
+_C_TYPES.update(
+    {f"{sign}INT{bits}": f"{sign.lower()}int{bits}_t" for sign in ("", "U") for bits in (8, 16, 32, 64)}
+)
+# What each kind of type takes, and how the refusal says it
+_FLOAT = (
+    lambda v: isinstance(v, float),
+    "a number written with a decimal point or an exponent (1.0, not 1)",
+)
+_KINDS = {
+    "BOOL": (lambda v: isinstance(v, bool), "true or false"),
+    "INT": (lambda v: type(v) is int, "an integer written without a decimal point or an exponent"),
+    "UINT": (
+        lambda v: type(v) is int and v >= 0,
+        "an integer of 0 or more written without a decimal point or an exponent",
+    ),
+    "FP16": _FLOAT, "FP32": _FLOAT, "FP64": _FLOAT, "BF16": _FLOAT,
 }
 
 
@@ -297,20 +312,12 @@ def _check_json_values(content: Any, datatype: str, at: str) -> None:
     values = content if isinstance(content, list) else [content]
     while any(isinstance(v, list) for v in values):  # (nested content)
         values = [x for v in values for x in (v if isinstance(v, list) else [v])]
-    if datatype == "BOOL":
-        fits, hint = (lambda v: isinstance(v, bool)), "true or false"
-    elif datatype in ("FP16", "FP32", "FP64", "BF16"):
-        fits = lambda v: isinstance(v, float)  # noqa: E731
-        hint = "a number with a decimal point or an exponent (1.0, not 1)"
-    elif datatype.startswith("U"):
-        fits, hint = (lambda v: type(v) is int and v >= 0), "a whole number of 0 or more"
-    else:
-        fits, hint = (lambda v: type(v) is int), "a whole number"
+    fits, takes = _KINDS.get(datatype) or _KINDS[datatype.rstrip("0123456789")]
     for value in values:
         if not fits(value):
             raise UsageError(
-                f"{at}: unable to find {_C_TYPES[datatype]} data in json: {json.dumps(value)} is "
-                f"not {hint}"
+                f"{at}: unable to find {_C_TYPES[datatype]} data in json: {json.dumps(value)} "
+                f"is not {takes}"
             )
 
 

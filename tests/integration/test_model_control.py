@@ -1786,6 +1786,28 @@ class TritonPythonModel:
 """
 _WARMUP = 'model_warmup [ { name: "w" batch_size: 1 inputs { key: "X" value { data_type: TYPE_FP32 dims: [ 1 ] zero_data: true } } } ]'
 
+ASYNC_BLOCKS_IN_INITIALIZE = """
+import time
+
+class TritonPythonModel:
+    async def initialize(self, args):  # (run on the worker's loop for the model)
+        time.sleep(3600)
+
+    async def execute(self, requests):
+        return []
+"""
+
+ASYNC_AWAITS_IN_INITIALIZE = """
+import asyncio
+
+class TritonPythonModel:
+    async def initialize(self, args):  # (suspended: on no thread's stack)
+        await asyncio.sleep(3600)
+
+    async def execute(self, requests):
+        return []
+"""
+
 
 @pytest.mark.parametrize(
     ("model", "config", "options", "what", "where"),
@@ -1795,8 +1817,10 @@ _WARMUP = 'model_warmup [ { name: "w" batch_size: 1 inputs { key: "X" value { da
          "in initialize"),
         (SPINS_IN_AUTO_COMPLETE, "", {}, "auto_complete_config of model 'stuck'", "in auto_complete_config"),
         (HANGS_IN_WARMUP, _WARMUP, {}, "loading model instance 'stuck_0'", "in execute"),
+        (ASYNC_BLOCKS_IN_INITIALIZE, "", {}, "loading model instance 'stuck_0'", "in initialize"),
+        (ASYNC_AWAITS_IN_INITIALIZE, "", {}, "loading model instance 'stuck_0'", None),
     ],
-    ids=["initialize", "initialize-with-retries", "auto-complete", "warmup"],
+    ids=["initialize", "initialize-with-retries", "auto-complete", "warmup", "async-blocks", "async-awaits"],
 )
 def test_a_load_that_outlasts_the_model_load_timeout_fails_saying_where_the_model_was(
     servers, make_repo, model, config, options, what, where
@@ -1815,17 +1839,41 @@ def test_a_load_that_outlasts_the_model_load_timeout_fails_saying_where_the_mode
     took = time.monotonic() - started
     message = failure.value.message
     assert f"{what} did not finish within 1 s (the model load timeout), so its worker was ended" in message
-    # Innermost first (a library's frames above the model's), down to the model's own
-    # entry point: none of the worker's frames under it.
-    frames = message.split("it was at (most recent call first):\n", 1)[1].rstrip().rstrip(";").splitlines()
-    assert re.fullmatch(r'  File ".*/stuck/1/model\.py", line \d+ ' + where, frames[-1]), message
-    assert not any("dlserve/ipc" in frame for frame in frames), message
+    if where is None:  # an async hook awaiting something is on no thread's stack
+        assert "no thread was in the model's code (every thread's stack is in the log)" in message
+    else:
+        # Innermost first (a library's frames above the model's), down to the model's own
+        # entry point: none of the worker's frames under it.
+        frames = message.split("it was at (most recent call first):\n", 1)[1].rstrip().rstrip(";").splitlines()
+        assert re.fullmatch(r'  File ".*/stuck/1/model\.py", line \d+ ' + where, frames[-1]), message
+        assert not any("dlserve/ipc" in frame for frame in frames), message
     assert took < 1 + 20 * (1 + options.get("model_load_retry_count", 0))
     assert not server.model("stuck").ready()
     assert len(worker_processes(prefix)) == 1  # identity's; the stuck ones are gone
     x = np.ones(1, dtype=np.float32)
     (answer,) = server.model("identity").infer(inputs={"INPUT0": x})  # the server serves on
     np.testing.assert_array_equal(answer.outputs["OUTPUT0"].as_numpy(), x)
+
+
+def test_asking_workers_for_their_stacks_as_they_start_does_not_kill_them(servers, make_repo):
+    """A worker learns to dump its stacks (STACKS_SIGNAL) only once its Python runs: the
+    signal stays blocked until then, else its default action ended a starting worker."""
+    server = servers.start(make_repo("identity"), model_control_mode=ModelControlMode.EXPLICIT)
+    asking = threading.Event()
+
+    def ask() -> None:
+        while not asking.wait(0.005):
+            server.loop.call_soon_threadsafe(server.engine.dump_worker_stacks)
+
+    asker = threading.Thread(target=ask)
+    asker.start()
+    try:
+        for _ in range(3):
+            server.load("identity")  # (raised "killed by signal 41" before)
+            server.unload("identity", wait_until_unloaded=True)
+    finally:
+        asking.set()
+        asker.join()
 
 
 @pytest.mark.parametrize("timeout", [-1, float("nan")])
