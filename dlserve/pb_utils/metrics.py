@@ -81,11 +81,14 @@ class Metric:
         if runtime is not None:
             runtime.notify(Kind.METRIC, ("create", family.name, self._labels, list(buckets or [])))
 
-    @property
-    def _family(self) -> MetricFamily:
+    def _family(self, operation: str) -> MetricFamily:
         family = self._family_ref()
         if family is None:  # (Triton's words)
-            raise TritonModelException("Invalid metric operation as the corresponding 'MetricFamily' has been deleted.")
+            raise TritonModelException(
+                f"Failed to {operation} metric value: Invalid metric operation as the "
+                "corresponding 'MetricFamily' has been deleted. The 'MetricFamily' object should "
+                "be deleted AFTER its corresponding 'Metric' objects have been deleted."
+            )
         return family
 
     def _send(self, op: str, value: float) -> None:
@@ -93,7 +96,7 @@ class Metric:
             self._runtime.notify(Kind.METRIC, (op, self._name, self._labels, float(value)))
 
     def increment(self, value: float) -> None:
-        kind = self._family.kind
+        kind = self._family("increment").kind
         if kind is MetricKind.HISTOGRAM:
             raise TritonModelException("histogram metrics are updated with observe()")
         if kind is MetricKind.COUNTER and value < 0:
@@ -102,18 +105,18 @@ class Metric:
         self._send("increment", value)
 
     def set(self, value: float) -> None:
-        if self._family.kind is not MetricKind.GAUGE:
+        if self._family("set").kind is not MetricKind.GAUGE:
             raise TritonModelException("only gauge metrics can be set")
         self._local_value = float(value)
         self._send("set", value)
 
     def observe(self, value: float) -> None:
-        if self._family.kind is not MetricKind.HISTOGRAM:
+        if self._family("observe").kind is not MetricKind.HISTOGRAM:
             raise TritonModelException("only histogram metrics can observe()")
         self._send("observe", value)
 
     def value(self) -> float:
-        if self._family.kind is MetricKind.HISTOGRAM:
+        if self._family("get").kind is MetricKind.HISTOGRAM:
             raise TritonModelException("a histogram metric has no single value")
         if self._runtime is None:
             return self._local_value

@@ -753,9 +753,20 @@ def test_a_metric_whose_family_is_gone_refuses_every_operation():
     metric.set(3.0)
     assert metric.value() == 3.0
     del family
-    for operation in (lambda: metric.increment(1.0), lambda: metric.set(1.0), metric.value):
-        with pytest.raises(pb_utils.TritonModelException, match="^Invalid metric operation as the corresponding 'MetricFamily' has been deleted.$"):
+    gone = (
+        "Invalid metric operation as the corresponding 'MetricFamily' has been deleted. The "
+        "'MetricFamily' object should be deleted AFTER its corresponding 'Metric' objects have "
+        "been deleted."
+    )
+    for verb, operation in (
+        ("increment", lambda: metric.increment(1.0)),
+        ("set", lambda: metric.set(1.0)),
+        ("observe", lambda: metric.observe(1.0)),
+        ("get", metric.value),
+    ):  # (Triton 2.51's words, side by side)
+        with pytest.raises(pb_utils.TritonModelException) as raised:
             operation()
+        assert str(raised.value) == f"Failed to {verb} metric value: {gone}"
 
 
 def test_arguments_triton_checks_first_are_checked_first_in_its_words():
