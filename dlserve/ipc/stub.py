@@ -20,7 +20,6 @@ import faulthandler
 import importlib.util
 import inspect
 import json
-import logging
 import os
 import signal
 import socket
@@ -40,7 +39,7 @@ from dlserve.memory.arena import Arena, MemorySpace
 from dlserve.pb_utils import _runtime
 from dlserve.pb_utils.helpers import using_decoupled_model_transaction_policy
 from dlserve.pb_utils.inference import InferenceRequest, InferenceResponse
-from dlserve.pb_utils.logger import ServerLogHandler
+from dlserve.pb_utils.logger import route_model_logging
 from dlserve.pb_utils.model_config import ModelConfig
 from dlserve.pb_utils.tensor import Tensor
 
@@ -535,12 +534,7 @@ def main(argv: list[str] | None = None) -> int:
     runtime = WorkerRuntime(channel, peer, arena)
     _runtime.install(runtime)
     os.register_at_fork(after_in_child=_runtime.forked)
-    # The model's Python logging, where it configured none, into the server's log: as
-    # Python's own last resort, for WARNING and above. A model that configures its logging
-    # (logging.basicConfig(level=logging.INFO), say) gets what it asked for, as in Triton:
-    # a handler on the root logger would have made basicConfig do nothing.
-    logging.lastResort = ServerLogHandler()
-    logging.lastResort.setLevel(logging.WARNING)
+    route_model_logging()
     threading.Thread(
         target=_watch_parent, args=(os.getppid(), arena), name="parent-watch", daemon=True
     ).start()

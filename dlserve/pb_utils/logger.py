@@ -3,14 +3,14 @@
 Inside a worker the line is queued to the server (no reply is awaited) with the model
 file and line that logged it, and logged there under ``dlserve.model.<name>``; outside
 one it goes to Python logging. A model's plain Python ``logging`` records take the same
-way where the model configured no logging of its own (:class:`ServerLogHandler`, the
-worker's ``logging.lastResort``: WARNING and above, as Python's; Triton leaves them on the
-model process's stderr as plain Python output).
+way unless the model calls ``logging.basicConfig`` (:func:`route_model_logging`; Triton
+leaves them on the model process's stderr as plain Python output).
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import os
 import sys
@@ -117,3 +117,23 @@ class ServerLogHandler(logging.Handler):
             pass  # the server is gone (the worker is ending)
         except Exception:  # noqa: BLE001 - logging must never raise into the model
             self.handleError(record)
+
+
+def route_model_logging() -> None:
+    """In a worker: the model's Python logging into the server's log (a
+    :class:`ServerLogHandler` on the root logger), unless the model configures its own
+    with ``logging.basicConfig``, which then does what it does in Triton and plain Python
+    (the handler made it a no-op, and a model's ``basicConfig(level=logging.INFO)`` lost
+    its INFO records). Module-level ``logging.warning()`` & co. keep the handler: they call
+    ``basicConfig()`` only on a root logger without handlers."""
+    handler = ServerLogHandler()
+    root = logging.getLogger()
+    root.addHandler(handler)
+    configure = logging.basicConfig
+
+    @functools.wraps(configure)
+    def basic_config(**kwargs: Any) -> None:
+        root.removeHandler(handler)
+        configure(**kwargs)
+
+    logging.basicConfig = basic_config

@@ -1317,7 +1317,7 @@ class TritonPythonModel:
 
 def test_a_model_that_configures_its_logging_gets_what_it_configured(servers, make_repo, capfd):
     """As in Triton (and plain Python): basicConfig(level=INFO) in model.py shows its INFO
-    records, on the worker's stderr (which the server passes on) in its own format. A
+    records, on the worker's stderr (which the server passes on) in its own format. The
     handler of dlserve's on the worker's root logger made basicConfig do nothing: they
     were dropped."""
     model = {"config.pbtxt": 'backend: "python"\n', "1/model.py": CONFIGURES_ITS_LOGGING}
@@ -1332,6 +1332,35 @@ def test_a_model_that_configures_its_logging_gets_what_it_configured(servers, ma
     assert "INFO|configured|info it asked for" in err
     assert "WARNING|configured.child|a warning, its way" in err
     assert "debug it did not" not in err
+
+
+LOGS_WITH_THE_MODULE_FUNCTIONS = """
+import logging
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        logging.warning("first, through the root logger")  # (calls basicConfig() if no handler)
+        logging.getLogger("mine").error("then through its own")
+
+    def execute(self, requests):
+        return []
+"""
+
+
+def test_module_level_logging_calls_keep_the_model_s_records_in_the_server_log(
+    servers, make_repo, caplog
+):
+    model = {"config.pbtxt": 'backend: "python"\n', "1/model.py": LOGS_WITH_THE_MODULE_FUNCTIONS}
+    with caplog.at_level(logging.DEBUG, logger="dlserve.model.plain"):
+        servers.start(make_repo(extra={"plain": model}))
+        deadline = time.monotonic() + 5
+        while len([r for r in caplog.records if r.name == "dlserve.model.plain"]) < 2:
+            assert time.monotonic() < deadline, caplog.records
+            time.sleep(0.02)
+    lines = {r.getMessage(): r.levelno for r in caplog.records if r.name == "dlserve.model.plain"}
+    assert lines == {"root: first, through the root logger": logging.WARNING,
+                     "mine: then through its own": logging.ERROR}
 
 
 LOGGER_MISUSE_PY = """
