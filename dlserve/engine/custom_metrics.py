@@ -109,9 +109,7 @@ class CustomMetrics:
             if family is None:
                 family = self.families[name] = Family(name, description, kind)
             elif family.kind is not kind:  # (another description: the first one stays, as in Triton)
-                raise InvalidArgumentError(
-                    f"metric family '{name}' already exists as a {family.kind.name}, not a {kind.name}"
-                )
+                raise InvalidArgumentError("Family name already exists with different type")
             family.holders[holder] += 1
 
     def release(self, name: str, holder: Hashable = None) -> None:

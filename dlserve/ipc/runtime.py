@@ -84,8 +84,11 @@ def _error_response(message: str, code: int = int(ErrorCode.INTERNAL)) -> Infere
 class WorkerRuntime:
     """What pb_utils reaches through :mod:`dlserve.pb_utils._runtime` in a worker."""
 
-    def __init__(self, channel: WorkerChannel, peer: Peer, arena: Arena) -> None:
+    def __init__(
+        self, channel: WorkerChannel, peer: Peer, arena: Arena, instance_name: str
+    ) -> None:
         self.channel = channel
+        self.instance_name = instance_name
         self.peer = peer
         self.arena = arena
         # The model's own event loop (``async def execute``); the main thread always

@@ -531,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
         on_retire=lambda name: channel.send(Kind.RETIRE, 0, [name]),
     )
     peer = Peer(space, arena, channel.queue_releases, copy_on_write=True)
-    runtime = WorkerRuntime(channel, peer, arena)
+    runtime = WorkerRuntime(channel, peer, arena, args.instance_name)
     _runtime.install(runtime)
     os.register_at_fork(after_in_child=_runtime.forked)
     route_model_logging()

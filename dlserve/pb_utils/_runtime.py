@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
 class Runtime(Protocol):
     arena: Arena
+    instance_name: str  # the model instance the worker hosts, as Triton names it ("m_0_0")
 
     def log(self, level: int, message: str, filename: str, line: int) -> None:
         """Queue a log line to the server; ``filename`` and ``line``: the model's code that logged it."""
@@ -66,6 +67,16 @@ def current() -> Runtime | None:
 def install(runtime: Runtime | None) -> None:
     global _current
     _current = runtime
+
+
+def failure(operation: str, reason: str) -> TritonModelException:
+    """Triton's error for a pb_utils call its backend refused: the call's words, then the
+    reason under the name of the model instance that asked (outside a worker, no name)."""
+    runtime = current()
+    if runtime is not None:
+        model = runtime.instance_name
+        reason = f"Failed to process the request for model '{model}', message: {reason}"
+    return TritonModelException(f"{operation}: {reason}")
 
 
 class ForkedChild:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from dlserve.errors import ErrorCode
 
 
@@ -39,3 +41,11 @@ class TritonError(Exception):
 
 class TritonModelException(Exception):
     """Raised by models (and by pb_utils) for errors in initialize/execute/finalize."""
+
+
+def incompatible_arguments(function: str, signature: str, *args: Any) -> TypeError:
+    """The TypeError of Triton's bindings (pybind11) for arguments they do not take."""
+    return TypeError(
+        f"{function}(): incompatible function arguments. The following argument types are "
+        f"supported:\n    1. ({signature}) -> None\n\nInvoked with: {', '.join(map(repr, args))}"
+    )

@@ -17,6 +17,7 @@ import sys
 from typing import Any
 
 from dlserve.pb_utils import _runtime
+from dlserve.pb_utils.errors import incompatible_arguments
 from dlserve.pb_utils.inference import binding_text
 
 
@@ -45,7 +46,8 @@ class Logger:
     @staticmethod
     def log(message: str, level: LogLevel = LogLevel.INFO) -> None:
         if not isinstance(level, LogLevel):
-            raise _incompatible("log", "message: str, level: LogLevel = <LogLevel.INFO: 0>", message, level)
+            signature = "message: str, level: LogLevel = <LogLevel.INFO: 0>"
+            raise incompatible_arguments("log", signature, message, level)
         _log_from_caller(_text("log", message, level), level)
 
     @staticmethod
@@ -71,16 +73,8 @@ def _text(function: str, message: Any, *rest: Any) -> str:
     text = binding_text(message)
     if text is None:
         signature = "message: str" + (", level: LogLevel = <LogLevel.INFO: 0>" if rest else "")
-        raise _incompatible(function, signature, message, *rest)
+        raise incompatible_arguments(function, signature, message, *rest)
     return text
-
-
-def _incompatible(function: str, signature: str, *args: Any) -> TypeError:
-    """Triton's TypeError for arguments its Logger does not take (its words)."""
-    return TypeError(
-        f"{function}(): incompatible function arguments. The following argument types are supported:\n"
-        f"    1. ({signature}) -> None\n\nInvoked with: {', '.join(map(repr, args))}"
-    )
 
 
 def _log_from_caller(message: str, level: LogLevel) -> None:

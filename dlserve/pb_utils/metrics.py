@@ -3,6 +3,7 @@
 Declaring a family and reading a value wait for the server (so a conflict or a
 missing metric raises here); updates are sent without waiting. Outside a worker
 the metrics live in this process, so model code can be unit-tested unchanged.
+Misuse raises what Triton 2.51 raises, in its words (compared side by side).
 """
 
 from __future__ import annotations
@@ -10,14 +11,17 @@ from __future__ import annotations
 import enum
 import re
 import weakref
+from typing import Any
 
 from dlserve.engine.custom_metrics import check_buckets, label_key
 from dlserve.errors import TritonError
 from dlserve.ipc.protocol import Kind
 from dlserve.pb_utils import _runtime
-from dlserve.pb_utils.errors import TritonModelException
+from dlserve.pb_utils.errors import TritonModelException, incompatible_arguments
 
 _NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
+_CREATE_FAMILY = "Error when creating MetricFamily"
+_CREATE_METRIC = "Error when creating Metric"
 
 
 class MetricKind(enum.IntEnum):
@@ -32,17 +36,24 @@ class MetricFamily:
     HISTOGRAM = MetricKind.HISTOGRAM
 
     def __init__(self, name: str, description: str, kind: int) -> None:  # (kind required, as in Triton)
-        if not isinstance(name, str) or not _NAME.match(name):
-            raise TritonModelException(f"invalid metric family name {name!r}")
-        try:
-            self.kind = MetricKind(kind)
-        except ValueError:
-            raise TritonModelException(f"invalid metric kind {kind!r}") from None
+        if not isinstance(name, str) or kind not in list(MetricKind):
+            raise TypeError(  # (pybind11's, for Triton's constructor)
+                "__init__(): incompatible constructor arguments. The following argument types are "
+                "supported:\n    1. c_python_backend_utils.MetricFamily(name: str, "
+                "description: str, kind: c_python_backend_utils.MetricKind)\n\nInvoked with: "
+                + ", ".join(map(repr, (name, description, kind)))
+            )
+        if not _NAME.match(name):
+            raise _runtime.failure(_CREATE_FAMILY, "Invalid metric name")
+        self.kind = MetricKind(kind)
         self.name = name
         self.description = str(description)
         runtime = _runtime.current()
         if runtime is not None:
-            runtime.request(Kind.METRIC_FAMILY, (name, self.description, int(self.kind)))
+            try:
+                runtime.request(Kind.METRIC_FAMILY, (name, self.description, int(self.kind)))
+            except TritonModelException as exc:
+                raise _runtime.failure(_CREATE_FAMILY, str(exc)) from None
             # Once the model lets go of the family, its metrics leave the server's metrics, as
             # in Triton (the worker's own exit is no letting go: see CustomMetrics.release).
             weakref.finalize(self, runtime.release_metric_family, name).atexit = False
@@ -53,23 +64,26 @@ class MetricFamily:
 
 class Metric:
     def __init__(self, family: MetricFamily, labels: dict[str, str], buckets: list[float] | None) -> None:
-        if not isinstance(labels, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in labels.items()
-        ):
-            raise TritonModelException("metric labels must be a dict of str to str")
+        # (Triton's stub checks the buckets are there; its server, the rest)
+        if family.kind is MetricKind.HISTOGRAM and buckets is None:
+            raise TritonModelException("Failed to create metric. Missing required buckets.")
+        if family.kind is not MetricKind.HISTOGRAM and buckets is not None:
+            raise TritonModelException("Failed to create metric. Unexpected buckets found.")
+        if not isinstance(labels, dict) or not all(isinstance(k, str) for k in labels):
+            raise _runtime.failure(_CREATE_METRIC, "metric labels must be a dict of str to str")
+        if not all(isinstance(v, str) for v in labels.values()):
+            raise _runtime.failure(_CREATE_METRIC, "attempt to access JSON non-string as string")
+        # Refused here, as Triton refuses them, not later by the server.
         try:
-            label_key(labels)  # (refused here, as Triton refuses it, not later by the server)
-        except TritonError as exc:
-            raise TritonModelException(exc.message) from None
-        if family.kind is MetricKind.HISTOGRAM:
-            if buckets is None:
-                raise TritonModelException("a histogram metric needs buckets")
+            label_key(labels)
+        except TritonError:
+            raise _runtime.failure(_CREATE_METRIC, "Invalid label name") from None
+        if buckets is not None:
             try:
                 check_buckets(buckets)
-            except TritonError as exc:
-                raise TritonModelException(exc.message) from None
-        elif buckets is not None:
-            raise TritonModelException("only histogram metrics take buckets")
+            except TritonError:
+                reason = "Bucket Boundaries must be strictly sorted"
+                raise _runtime.failure(_CREATE_METRIC, reason) from None
         # Weakly, as Triton's metric holds its family: once the model lets the family go,
         # its metrics refuse every operation.
         self._family_ref = weakref.ref(family)
@@ -91,34 +105,58 @@ class Metric:
             )
         return family
 
+    def _kind(self, operation: str, method: str, *supporting: MetricKind) -> MetricKind:
+        """The metric's kind, where it supports the operation (refused as Triton's server does)."""
+        kind = self._family(operation).kind
+        if kind not in supporting:
+            reason = f"TRITONSERVER_METRIC_KIND_{kind.name} does not support {method}"
+            raise _failed(operation, reason)
+        return kind
+
+    def _number(self, function: str, value: Any) -> float:
+        """The value as Triton's bindings take a float: a number, not a string, say."""
+        if not (hasattr(value, "__float__") or hasattr(value, "__index__")):
+            signature = "self: c_python_backend_utils.Metric, arg0: float"
+            raise incompatible_arguments(function, signature, self, value)
+        return float(value)
+
     def _send(self, op: str, value: float) -> None:
         if self._runtime is not None:
-            self._runtime.notify(Kind.METRIC, (op, self._name, self._labels, float(value)))
+            self._runtime.notify(Kind.METRIC, (op, self._name, self._labels, value))
 
     def increment(self, value: float) -> None:
-        kind = self._family("increment").kind
-        if kind is MetricKind.HISTOGRAM:
-            raise TritonModelException("histogram metrics are updated with observe()")
+        value = self._number("increment", value)
+        kind = self._kind("increment", "Increment", MetricKind.COUNTER, MetricKind.GAUGE)
         if kind is MetricKind.COUNTER and value < 0:
-            raise TritonModelException("a counter cannot be incremented by a negative value")
+            raise _failed(
+                "increment",
+                "TRITONSERVER_METRIC_KIND_COUNTER can only be incremented monotonically by "
+                "non-negative values.",
+            )
         self._local_value += value
         self._send("increment", value)
 
     def set(self, value: float) -> None:
-        if self._family("set").kind is not MetricKind.GAUGE:
-            raise TritonModelException("only gauge metrics can be set")
-        self._local_value = float(value)
+        value = self._number("set", value)
+        self._kind("set", "Set", MetricKind.GAUGE)
+        self._local_value = value
         self._send("set", value)
 
     def observe(self, value: float) -> None:
-        if self._family("observe").kind is not MetricKind.HISTOGRAM:
-            raise TritonModelException("only histogram metrics can observe()")
+        value = self._number("observe", value)
+        self._kind("observe", "Observe", MetricKind.HISTOGRAM)
         self._send("observe", value)
 
     def value(self) -> float:
-        if self._family("get").kind is MetricKind.HISTOGRAM:
-            raise TritonModelException("a histogram metric has no single value")
+        self._kind("get", "Value", MetricKind.COUNTER, MetricKind.GAUGE)
         if self._runtime is None:
             return self._local_value
-        return float(self._runtime.request(Kind.METRIC_VALUE, (self._name, self._labels)))
+        try:
+            return float(self._runtime.request(Kind.METRIC_VALUE, (self._name, self._labels)))
+        except TritonModelException as exc:
+            raise _failed("get", str(exc)) from None
+
+
+def _failed(operation: str, reason: str) -> TritonModelException:
+    return _runtime.failure(f"Failed to {operation} metric value", reason)
 

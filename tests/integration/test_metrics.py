@@ -160,7 +160,16 @@ ERRORS = {
     "unsorted_buckets": lambda m: m.histograms.Metric(labels={"model": "x"}, buckets=[5.0, 1.0]),
     "repeated_bucket": lambda m: m.histograms.Metric(labels={"model": "x"}, buckets=[1.0, 1.0, 2.0]),
     "no_kind": lambda m: pb_utils.MetricFamily(name="dlserve_test_kindless", description="no kind"),
+    "bad_kind": lambda m: pb_utils.MetricFamily("dlserve_test_kindless", "bad kind", 7),
+    "bad_family_name": lambda m: pb_utils.MetricFamily("dlserve test", "x", m.counters.COUNTER),
     "bad_label_name": lambda m: m.counters.Metric(labels={"bad-label": "v"}),
+    "label_not_text": lambda m: m.counters.Metric(labels={"model": 1}),
+    "counter_buckets": lambda m: m.counters.Metric(labels={"model": "x"}, buckets=[1.0]),
+    "increment_histogram": lambda m: m.histogram.increment(1.0),
+    "set_histogram": lambda m: m.histogram.set(1.0),
+    "observe_counter": lambda m: m.counter.observe(1.0),
+    "histogram_value": lambda m: m.histogram.value(),
+    "set_text": lambda m: m.gauge.set("1.5"),
     "app_owned": lambda m: pb_utils.MetricFamily(
         name="dlserve_test_app_owned", description="the application's", kind=pb_utils.MetricFamily.COUNTER
     ),
@@ -447,25 +456,62 @@ def test_custom_metrics_through_the_model_and_metrics(server, port):
     }, samples
 
 
+# Triton 2.51's words, side by side (its backend names the model instance that asked)
+ASKED = "Failed to process the request for model 'metrics_model_0', message: "
+FAMILY = f"Error when creating MetricFamily: {ASKED}"
+METRIC = f"Error when creating Metric: {ASKED}"
+UNSORTED = f"{METRIC}Bucket Boundaries must be strictly sorted"
+
+
+def refused(operation: str, kind: str, method: str) -> str:
+    reason = f"TRITONSERVER_METRIC_KIND_{kind} does not support {method}"
+    return f"Failed to {operation} metric value: {ASKED}{reason}"
+
+
 @pytest.mark.parametrize(
     "op,message",
     [
-        ("negative_increment", "a counter cannot be incremented by a negative value"),
-        ("set_counter", "only gauge metrics can be set"),
-        ("observe_gauge", "only histogram metrics can observe()"),
-        ("histogram_without_buckets", "a histogram metric needs buckets"),
         (
-            "redeclare_other_kind",
-            "metric family 'dlserve_test_requests' already exists as a COUNTER, not a GAUGE",
+            "negative_increment",
+            f"Failed to increment metric value: {ASKED}TRITONSERVER_METRIC_KIND_COUNTER can only "
+            "be incremented monotonically by non-negative values.",
         ),
-        ("reserved_name", "metric family name 'nv_inference_custom_thing' is reserved"),
-        ("unsorted_buckets", "histogram buckets must be strictly increasing, got [5.0, 1.0]"),
-        ("repeated_bucket", "histogram buckets must be strictly increasing, got [1.0, 1.0, 2.0]"),
+        ("set_counter", refused("set", "COUNTER", "Set")),
+        ("observe_gauge", refused("observe", "GAUGE", "Observe")),
+        ("observe_counter", refused("observe", "COUNTER", "Observe")),
+        ("increment_histogram", refused("increment", "HISTOGRAM", "Increment")),
+        ("set_histogram", refused("set", "HISTOGRAM", "Set")),
+        ("histogram_value", refused("get", "HISTOGRAM", "Value")),
+        ("histogram_without_buckets", "Failed to create metric. Missing required buckets."),
+        ("counter_buckets", "Failed to create metric. Unexpected buckets found."),
+        ("redeclare_other_kind", f"{FAMILY}Family name already exists with different type"),
+        ("bad_family_name", f"{FAMILY}Invalid metric name"),
+        (  # (a refusal of dlserve's own, in its words under Triton's)
+            "reserved_name",
+            f"{FAMILY}metric family name 'nv_inference_custom_thing' is reserved",
+        ),
+        ("unsorted_buckets", UNSORTED),
+        ("repeated_bucket", UNSORTED),
+        ("bad_label_name", f"{METRIC}Invalid label name"),
+        ("label_not_text", f"{METRIC}attempt to access JSON non-string as string"),
         ("no_kind", "TypeError: MetricFamily.__init__() missing 1 required positional argument: 'kind'"),
-        ("bad_label_name", "invalid metric label name 'bad-label'"),
+        (
+            "bad_kind",
+            "TypeError: __init__(): incompatible constructor arguments. The following argument "
+            "types are supported:\n    1. c_python_backend_utils.MetricFamily(name: str, "
+            "description: str, kind: c_python_backend_utils.MetricKind)\n\nInvoked with: "
+            "'dlserve_test_kindless', 'bad kind', 7",
+        ),
+        (
+            "set_text",
+            "TypeError: set(): incompatible function arguments. The following argument types are "
+            "supported:\n    1. (self: c_python_backend_utils.Metric, arg0: float) -> None\n\n"
+            "Invoked with: <",
+        ),
     ],
 )
 def test_metric_misuse_raises_triton_model_exception_in_the_model(server, port, op, message):
+    """As Triton 2.51 raises them, compared side by side."""
     before = scrape(port)[0]
     response = infer(server, "metrics_model", {"INPUT0": np.array([1.0])}, parameters={"op": op})
     assert response.error is not None
@@ -587,7 +633,7 @@ def test_application_metrics_on_the_endpoint_and_in_server_metrics(server, port)
     # a second family object of the name shares it; another kind is refused
     again = dlserve.MetricFamily(dlserve.MetricKind.COUNTER, "app_test_requests", "Reworded")
     assert dlserve.Metric(again, labels={"outcome": "ok"}).value == 3.5
-    with pytest.raises(dlserve.InvalidArgumentError, match="already exists as a COUNTER, not a GAUGE"):
+    with pytest.raises(dlserve.InvalidArgumentError, match="already exists with different type"):
         dlserve.MetricFamily(dlserve.MetricKind.GAUGE, "app_test_requests", "x")
     # a model's family name is the model's
     infer(server, "metrics_model", {"INPUT0": np.array([1.0])})

@@ -769,6 +769,40 @@ def test_a_metric_whose_family_is_gone_refuses_every_operation():
         assert str(raised.value) == f"Failed to {verb} metric value: {gone}"
 
 
+def test_metric_misuse_outside_a_worker_is_refused_in_tritons_words():
+    """As in a worker (tests/integration/test_metrics.py, Triton 2.51 side by side), less the
+    model instance the refusal names there: outside a worker there is none."""
+    counters = pb_utils.MetricFamily("misuse_counter", "c", pb_utils.MetricFamily.COUNTER)
+    histograms = pb_utils.MetricFamily("misuse_histogram", "h", pb_utils.MetricFamily.HISTOGRAM)
+    counter = counters.Metric()
+    for make, message in (
+        (
+            lambda: counter.increment(-1),
+            "Failed to increment metric value: TRITONSERVER_METRIC_KIND_COUNTER can only be "
+            "incremented monotonically by non-negative values.",
+        ),
+        (
+            lambda: counter.set(1),
+            "Failed to set metric value: TRITONSERVER_METRIC_KIND_COUNTER does not support Set",
+        ),
+        (lambda: histograms.Metric(), "Failed to create metric. Missing required buckets."),
+        (
+            lambda: histograms.Metric(buckets=[2.0, 1.0]),
+            "Error when creating Metric: Bucket Boundaries must be strictly sorted",
+        ),
+        (
+            lambda: pb_utils.MetricFamily("bad name", "x", pb_utils.MetricFamily.GAUGE),
+            "Error when creating MetricFamily: Invalid metric name",
+        ),
+    ):
+        with pytest.raises(pb_utils.TritonModelException) as raised:
+            make()
+        assert str(raised.value) == message
+    with pytest.raises(TypeError, match=r"^increment\(\): incompatible function arguments"):
+        counter.increment("1")
+    assert counter.value() == 0.0
+
+
 def test_arguments_triton_checks_first_are_checked_first_in_its_words():
     """As Triton's QA argument_validation model checks them."""
     with pytest.raises(pb_utils.TritonModelException, match="^Input tensor for request with id '' and model name 'm' should not be empty.$"):
