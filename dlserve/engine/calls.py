@@ -23,7 +23,7 @@ from dlserve.engine.request import (
     Request,
     Response,
     parameters_json,
-    parse_version,
+    stol,
     validate_request,
 )
 from dlserve.errors import (
@@ -280,8 +280,8 @@ class ModelCalls:
                 # (vLLM's backend does when its engine is unhealthy), the request asking
                 # for it finishing first.
                 await self.host.unload(name, bool(arguments[1]), wait=False)
-            elif operation == "ready":  # ("" is the server's choice; "-1" is refused, as by Triton)
-                result = await self.host.model_ready(name, parse_version(arguments[1]))
+            elif operation == "ready":
+                result = await self.host.model_ready(name, _readiness_version(arguments[1]))
             else:
                 raise UnsupportedError(f"unknown model control operation '{operation}'")
         except TritonError as exc:
@@ -298,3 +298,18 @@ class ModelCalls:
             channel.reply(corr, result)
         else:
             channel.reply_error(corr, error)
+
+
+def _readiness_version(text: str) -> int:
+    """``is_model_ready``'s version as Triton's Python backend reads it: "" is the server's
+    choice, else ``std::stol``'s number, which may not be negative (in its words)."""
+    if not text:
+        return -1
+    value = stol(text)
+    if value is None or value < 0:
+        details = " (details: stol)" if value is None else ""
+        raise InvalidArgumentError(
+            f"failed to get model version from specified version string '{text}'{details}, "
+            "version should be an integral value > 0"
+        )
+    return value

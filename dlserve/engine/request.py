@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -134,6 +135,17 @@ def parse_version(version: str | int | None) -> int:
     if value < 0:
         raise InvalidArgumentError(f"invalid model version '{version}'")
     return value
+
+
+_STOL = re.compile(r"\s*([+-]?\d+)")
+
+
+def stol(text: str) -> int | None:
+    """C++'s ``std::stol``, as Triton reads version strings: leading whitespace, a sign and
+    digits, the rest ignored ("1.5" is 1); None where it throws (no number, out of range)."""
+    match = _STOL.match(text)
+    value = int(match.group(1)) if match else None
+    return value if value is not None and -(1 << 63) <= value < (1 << 63) else None
 
 
 def shape_text(shape: Any) -> str:

@@ -14,14 +14,13 @@ gRPC frontend translates them (its error texts included), with no servicer in it
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 from google.protobuf.message import DecodeError, Message
 
-from dlserve.engine.request import Response
+from dlserve.engine.request import Response, stol
 from dlserve.errors import InvalidArgumentError
 from dlserve.frontends.dataplane import InputSpec, OutputSpec
 from dlserve.frontends.proto import grpc_service_pb2 as pb
@@ -31,7 +30,6 @@ from dlserve.memory.dtypes import DataType
 EMPTY_FINAL = "triton_enable_empty_final_response"
 TRITON_PARAMETERS = (EMPTY_FINAL,)
 FINAL_RESPONSE = "triton_final_response"
-_STOL = re.compile(r"\s*([+-]?\d+)")
 _INT64_MAX = (1 << 63) - 1
 
 
@@ -121,9 +119,8 @@ def parse_version(text: str) -> int:
     """Triton's GetModelVersionFromString: "" is -1 (policy), else a non-negative integer."""
     if not text:
         return -1
-    match = _STOL.match(text)
-    value = int(match.group(1)) if match else None
-    if value is None or not -(1 << 63) <= value <= _INT64_MAX:
+    value = stol(text)
+    if value is None:
         raise InvalidArgumentError(
             f"failed to get model version from specified version string '{text}' (details: stol), "
             "version should be an integral value > 0"

@@ -6,18 +6,27 @@ from dlserve.ipc.protocol import Kind
 from dlserve.pb_utils import _runtime
 from dlserve.pb_utils.errors import TritonModelException
 
+_FAILED = {  # (Triton's words for each call the server refuses)
+    "load": "Failed to load model",
+    "unload": "Failed to unload model",
+    "ready": "Failed to check model readiness",
+}
+
 
 def _call(operation: str, *arguments: object) -> object:
     runtime = _runtime.current()
     if runtime is None:
         raise TritonModelException(f"{operation} is only available inside a dlserve worker")
-    return runtime.request(Kind.MODEL_CONTROL, (operation, arguments))
+    try:
+        return runtime.request(Kind.MODEL_CONTROL, (operation, arguments))
+    except TritonModelException as exc:
+        raise _runtime.failure(_FAILED[operation], str(exc)) from None
 
 
 def load_model(model_name: str, config: str = "", files: dict[str, bytes] | None = None) -> None:
     """Load (or reload) ``model_name``; ``config`` is a JSON model config overriding
     config.pbtxt and ``files`` maps ``"file:<version>/<name>"`` to the file's bytes."""
-    if not isinstance(model_name, str) or not model_name:
+    if not isinstance(model_name, str):
         raise TritonModelException("load_model needs a model name")
     if not isinstance(config, str):
         raise TritonModelException("load_model config must be a JSON string")
@@ -30,7 +39,7 @@ def load_model(model_name: str, config: str = "", files: dict[str, bytes] | None
 
 
 def unload_model(model_name: str, unload_dependents: bool = False) -> None:
-    if not isinstance(model_name, str) or not model_name:
+    if not isinstance(model_name, str):
         raise TritonModelException("unload_model needs a model name")
     _call("unload", model_name, bool(unload_dependents))
 

@@ -294,6 +294,10 @@ def test_bls_stream_left_early_gives_back_what_it_never_read(server):
 
 
 # -- model control from a model ----------------------------------------------------------------
+# Triton's backend names the model instance that asked
+ASKED = "Failed to process the request for model 'model_control_0', message: "
+
+
 def control(server, **parameters):
     (response,) = server.model("model_control").infer(
         inputs={"INPUT0": np.zeros(1, np.float32)}, parameters=parameters
@@ -314,15 +318,32 @@ def test_model_loading_api_in_explicit_mode(make_repo, servers):
     assert control(srv, op="ready", target="identity", version="1") == {"ready": True}
     assert control(srv, op="ready", target="identity", version="7") == {"ready": False}
     # As Triton 2.51 answers them (measured side by side): no name is not ready, and a
-    # version must be a number >= 0.
+    # version is read as C's stol reads it ("1.5" is 1), a number >= 0.
     assert control(srv, op="ready", target="") == {"ready": False}
-    assert "invalid model version '-1'" in control(srv, op="ready", target="identity", version="-1")["error"]
+    assert control(srv, op="ready", target="identity", version="1.5") == {"ready": True}
+    assert control(srv, op="ready", target="identity", version="-1")["error"] == (
+        f"Failed to check model readiness: {ASKED}failed to get model version from specified "
+        "version string '-1', version should be an integral value > 0"
+    )
+    assert control(srv, op="ready", target="identity", version="x")["error"] == (
+        f"Failed to check model readiness: {ASKED}failed to get model version from specified "
+        "version string 'x' (details: stol), version should be an integral value > 0"
+    )
     assert srv.model("identity").ready()
     assert control(srv, op="unload", target="identity") == {"ok": True}
     assert control(srv, op="ready", target="identity") == {"ready": False}
-    outcome = control(srv, op="load", target="no_such_model")
-    assert "no_such_model" in outcome["error"]
-    assert "cannot load itself" in control(srv, op="load", target="model_control")["error"]
+    assert control(srv, op="load", target="no_such_model")["error"] == (
+        f"Failed to load model: {ASKED}failed to load 'no_such_model', failed to poll from model "
+        "repository"
+    )
+    # dlserve's reasons where Triton's say less, under Triton's words
+    assert control(srv, op="load_config", target="identity", config="{bad")["error"].startswith(
+        f"Failed to load model: {ASKED}failed to load model 'identity': Invalid config override: "
+    )
+    assert control(srv, op="load", target="model_control")["error"] == (
+        f"Failed to load model: {ASKED}model 'model_control' cannot load itself: its own load "
+        "would wait for the very call asking for it"
+    )
     # A model may unload itself (vLLM's backend does when its engine is unhealthy): as
     # Triton's, the unload returns once it began, the request asking for it is answered,
     # then the model goes.
@@ -335,8 +356,14 @@ def test_model_loading_api_in_explicit_mode(make_repo, servers):
 def test_model_loading_api_needs_explicit_mode(make_repo, servers):
     srv = servers.start(make_repo("model_control", "identity"))
     srv.model("model_control")
-    outcome = control(srv, op="load", target="identity")
-    assert "EXPLICIT" in outcome["error"]
+    # Triton 2.51's words (side by side), dlserve's advice after them
+    polling = "explicit model load / unload is not allowed if polling is enabled"
+    assert control(srv, op="load", target="identity")["error"].startswith(
+        f"Failed to load model: {ASKED}{polling} ("
+    )
+    assert control(srv, op="unload", target="identity")["error"].startswith(
+        f"Failed to unload model: {ASKED}{polling} ("
+    )
 
 
 FORKING_MODEL = """
