@@ -56,8 +56,8 @@ async def run_auto_complete(
             resources.load_timeout or None,
         )
     except asyncio.TimeoutError:
-        what, code_dirs = f"auto_complete_config of model '{name}'", [str(model_path.parent.parent)]
-        code_dirs.append(str(code_file.parent))
+        code_dirs = [str(model_path.parent.parent), str(code_file.parent)]
+        what = f"auto_complete_config of model '{name}'"
         raise await worker.end_stuck(what, resources.load_timeout, code_dirs) from None
     except WorkerGoneError:  # it died before it could answer: how, and its last output
         reason = await worker.death_reason()

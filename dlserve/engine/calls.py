@@ -23,8 +23,8 @@ from dlserve.engine.request import (
     Request,
     Response,
     parameters_json,
-    stol,
     validate_request,
+    version_from_string,
 )
 from dlserve.errors import (
     ErrorCode,
@@ -43,6 +43,12 @@ if TYPE_CHECKING:
     from dlserve.ipc.supervisor import WorkerProcess
 
 log = logging.getLogger("dlserve.engine")
+
+# pb_utils.is_model_ready's words for a negative version (Triton's Python backend)
+_NEGATIVE_VERSION = (
+    "failed to get model version from specified version string '{text}', "
+    "version should be an integral value > 0"
+)
 
 
 class Host(Protocol):
@@ -281,7 +287,9 @@ class ModelCalls:
                 # for it finishing first.
                 await self.host.unload(name, bool(arguments[1]), wait=False)
             elif operation == "ready":
-                result = await self.host.model_ready(name, _readiness_version(arguments[1]))
+                # (Triton's Python backend: "" is the server's choice; a negative one refused)
+                version = version_from_string(arguments[1], _NEGATIVE_VERSION)
+                result = await self.host.model_ready(name, version)
             else:
                 raise UnsupportedError(f"unknown model control operation '{operation}'")
         except TritonError as exc:
@@ -299,17 +307,3 @@ class ModelCalls:
         else:
             channel.reply_error(corr, error)
 
-
-def _readiness_version(text: str) -> int:
-    """``is_model_ready``'s version as Triton's Python backend reads it: "" is the server's
-    choice, else ``std::stol``'s number, which may not be negative (in its words)."""
-    if not text:
-        return -1
-    value = stol(text)
-    if value is None or value < 0:
-        details = " (details: stol)" if value is None else ""
-        raise InvalidArgumentError(
-            f"failed to get model version from specified version string '{text}'{details}, "
-            "version should be an integral value > 0"
-        )
-    return value

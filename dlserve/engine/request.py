@@ -137,7 +137,7 @@ def parse_version(version: str | int | None) -> int:
     return value
 
 
-_STOL = re.compile(r"\s*([+-]?\d+)")
+_STOL = re.compile(r"[ \t\n\v\f\r]*([+-]?[0-9]+)")  # (ASCII only, as C's isspace and isdigit)
 
 
 def stol(text: str) -> int | None:
@@ -146,6 +146,23 @@ def stol(text: str) -> int | None:
     match = _STOL.match(text)
     value = int(match.group(1)) if match else None
     return value if value is not None and -(1 << 63) <= value < (1 << 63) else None
+
+
+def version_from_string(text: str, negative: str) -> int:
+    """A version string as Triton reads one: "" is -1 (the version policy's choice), else
+    ``std::stol``'s number, refused in Triton's words where there is none, or where it is
+    negative in ``negative``'s (``{text}`` in it: the string; the words differ by caller)."""
+    if not text:
+        return -1
+    value = stol(text)
+    if value is None:
+        raise InvalidArgumentError(
+            f"failed to get model version from specified version string '{text}' (details: stol), "
+            "version should be an integral value > 0"
+        )
+    if value < 0:
+        raise InvalidArgumentError(negative.format(text=text))
+    return value
 
 
 def shape_text(shape: Any) -> str:

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from google.protobuf.message import DecodeError, Message
 
-from dlserve.engine.request import Response, stol
+from dlserve.engine.request import Response, version_from_string
 from dlserve.errors import InvalidArgumentError
 from dlserve.frontends.dataplane import InputSpec, OutputSpec
 from dlserve.frontends.proto import grpc_service_pb2 as pb
@@ -117,19 +117,9 @@ def _set_parameters(target: Any, values: dict[str, Any]) -> None:
 
 def parse_version(text: str) -> int:
     """Triton's GetModelVersionFromString: "" is -1 (policy), else a non-negative integer."""
-    if not text:
-        return -1
-    value = stol(text)
-    if value is None:
-        raise InvalidArgumentError(
-            f"failed to get model version from specified version string '{text}' (details: stol), "
-            "version should be an integral value > 0"
-        )
-    if value < 0:
-        raise InvalidArgumentError(
-            f"invalid model version specified '{text}' , version should be an integral value > 0"
-        )
-    return value
+    return version_from_string(
+        text, "invalid model version specified '{text}' , version should be an integral value > 0"
+    )
 
 
 # -- typed contents --------------------------------------------------------------------------------

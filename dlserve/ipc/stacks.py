@@ -2,10 +2,12 @@
 
 The dump lists every thread, newest first, each under a ``Thread 0x... (most recent call
 first):`` header (``Current thread`` for the one the signal interrupted), one ``  File
-"...", line N in function`` line per frame, innermost first. The worker's main thread is
-the oldest, so its outermost frame, runpy's, ends the dump (past 100 threads faulthandler
-stops with ``...`` instead). The server's log gets all of it; an error message gets the
-frames of the thread that is in the model's code.
+"...", line N in function`` line per frame, innermost first, its paths in ASCII (others
+as backslash escapes). The worker's main thread is the oldest, so its outermost frame
+ends the dump: runpy's, or the ``-c`` bootstrap's of a worker in an execution
+environment. Past 100 threads faulthandler stops with a ``...`` line instead, the oldest
+left out. The server's log gets all of it; an error message gets the frames of the
+thread that is in the model's code.
 """
 
 from __future__ import annotations
@@ -13,11 +15,15 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-# The outermost frame of the worker's main thread (``python -m dlserve.ipc.stub``): the
-# last line of a whole dump.
-DUMP_END = " in _run_module_as_main"
+# The outermost frame of the worker's main thread (``python -m dlserve.ipc.stub``, or
+# ``python -c <bootstrap>``): the last line of a whole dump.
+DUMP_END = re.compile(r' in _run_module_as_main$|^  File "<string>", line \d+ in <module>$', re.M)
+THREADS_LEFT_OUT = re.compile(r"^\.\.\.$", re.M)  # (past 100 threads)
 SHOWN_FRAMES = 20  # an error shows at most this many, the innermost and the outermost half
-_HEADER = re.compile(r"^(?:Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):$", re.M)
+# (newer Pythons write the thread's name between its id and the parenthesis)
+_HEADER = re.compile(
+    r"^(?:Current thread|Thread) 0x[0-9a-f]+\b[^\n]*\(most recent call first\):$", re.M
+)
 _FRAME = re.compile(r'^  File "(?P<path>[^"]*)", line \d+ in ')
 
 
@@ -34,7 +40,9 @@ def model_frames(dump: str, code_dirs: Iterable[str]) -> list[str]:
     """The frames, innermost first, of the oldest thread that is in the model's code (a
     file under one of ``code_dirs``), down to the model's outermost frame: the worker's
     own frames below it tell the model's author nothing. [] when no thread is."""
-    prefixes = tuple(d.rstrip("/") + "/" for d in code_dirs)
+    prefixes = tuple(
+        (d.rstrip("/") + "/").encode("ascii", "backslashreplace").decode() for d in code_dirs
+    )
 
     def in_model(line: str) -> bool:
         match = _FRAME.match(line)
@@ -51,4 +59,4 @@ def model_frames(dump: str, code_dirs: Iterable[str]) -> list[str]:
     return []
 
 
-__all__ = ["DUMP_END", "SHOWN_FRAMES", "model_frames"]
+__all__ = ["DUMP_END", "SHOWN_FRAMES", "THREADS_LEFT_OUT", "model_frames"]

@@ -35,7 +35,7 @@ from dlserve.ipc.channel import ServerChannel, WorkerGoneError
 from dlserve.ipc.environments import SERVER_PYTHON, ExecutionEnvironment
 from dlserve.ipc.polling import PollerBoard, loop_poller
 from dlserve.ipc.protocol import STACKS_SIGNAL, Kind, Message
-from dlserve.ipc.stacks import DUMP_END, model_frames
+from dlserve.ipc.stacks import DUMP_END, THREADS_LEFT_OUT, model_frames
 from dlserve.ipc.tensors import Peer
 from dlserve.memory.arena import Arena, MemorySpace
 from dlserve.memory.shm import SHM_DIR
@@ -403,7 +403,7 @@ class WorkerProcess:
         # Written at once from a signal handler, copied by the output's thread, ended by
         # the main thread's outermost frame (a worker stuck too deep to dump: 1 s).
         deadline = time.monotonic() + 1.0
-        while DUMP_END not in output.since(mark) and time.monotonic() < deadline:
+        while not DUMP_END.search(output.since(mark)) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         return output.since(mark)
 
@@ -414,7 +414,7 @@ class WorkerProcess:
         if self.process is not None and self.process.poll() is not None:
             return InternalError(await self.death_reason())
         try:
-            frames = model_frames(await self.dump_stacks(), code_dirs)
+            dump = await self.dump_stacks()
         finally:  # (cancelled too: a stuck worker is not left running)
             self._stopping = True
             if self.process is not None:
@@ -425,10 +425,15 @@ class WorkerProcess:
             f"{what} did not finish within {timeout:g} s (the model load timeout), so its "
             "worker was ended; "
         )
-        if frames:
+        frames = model_frames(dump, code_dirs)
+        if THREADS_LEFT_OUT.search(dump):  # (what is there may be a thread of the model's)
+            message += "it has over 100 threads, and its stacks in the log leave out the oldest"
+        elif frames:
             message += "it was at (most recent call first):\n" + "\n".join(frames)
-        else:  # (an async hook awaiting something is on no thread's stack)
+        elif dump.strip():  # (an async hook awaiting something is on no thread's stack)
             message += "no thread was in the model's code (every thread's stack is in the log)"
+        else:
+            message += "it wrote no stacks (its Python still starting, or stuck below it)"
         return InternalError(message)
 
     def kill(self) -> None:

@@ -85,6 +85,9 @@ class ForkedChild:
     the replies go to the worker), so whatever needs the server fails at once instead
     of waiting forever, and its log lines go to its stderr (which reaches the server's)."""
 
+    def __init__(self, instance_name: str) -> None:
+        self.instance_name = instance_name  # (for the errors of calls that need no server)
+
     def log(self, level: int, message: str, filename: str, line: int) -> None:
         print(f"{filename}:{line}] {message}", file=sys.stderr, flush=True)
 
@@ -98,4 +101,5 @@ class ForkedChild:
 
 def forked() -> None:
     """In a child the worker forked (``os.register_at_fork``)."""
-    install(ForkedChild())
+    parent = current()
+    install(ForkedChild(parent.instance_name if parent is not None else ""))

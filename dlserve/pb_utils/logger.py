@@ -3,7 +3,7 @@
 Inside a worker the line is queued to the server (no reply is awaited) with the model
 file and line that logged it, and logged there under ``dlserve.model.<name>``; outside
 one it goes to Python logging. A model's plain Python ``logging`` records take the same
-way unless the model calls ``logging.basicConfig`` (:func:`route_model_logging`; Triton
+way where the model configures no logging of its own (:func:`route_model_logging`; Triton
 leaves them on the model process's stderr as plain Python output).
 """
 
@@ -114,20 +114,21 @@ class ServerLogHandler(logging.Handler):
 
 
 def route_model_logging() -> None:
-    """In a worker: the model's Python logging into the server's log (a
-    :class:`ServerLogHandler` on the root logger), unless the model configures its own
-    with ``logging.basicConfig``, which then does what it does in Triton and plain Python
-    (the handler made it a no-op, and a model's ``basicConfig(level=logging.INFO)`` lost
-    its INFO records). Module-level ``logging.warning()`` & co. keep the handler: they call
-    ``basicConfig()`` only on a root logger without handlers."""
+    """In a worker: the model's Python logging into the server's log, where the model
+    configures none of its own, as Python's last resort does (WARNING and above, only for
+    records no handler takes). So what the model configures works as in Triton and plain
+    Python: ``basicConfig(level=logging.INFO)``, guarded by a check for root handlers or
+    not, and ``dictConfig``. The one change: the ``basicConfig()`` that ``logging.warning()``
+    and its siblings call on a root logger without handlers is not made, so that their
+    records too reach the server's log rather than plain stderr."""
     handler = ServerLogHandler()
-    root = logging.getLogger()
-    root.addHandler(handler)
+    handler.setLevel(logging.WARNING)
+    logging.lastResort = handler
     configure = logging.basicConfig
 
     @functools.wraps(configure)
     def basic_config(**kwargs: Any) -> None:
-        root.removeHandler(handler)
-        configure(**kwargs)
+        if kwargs or sys._getframe(1).f_globals.get("__name__") != "logging":
+            configure(**kwargs)
 
     logging.basicConfig = basic_config

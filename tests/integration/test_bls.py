@@ -320,6 +320,9 @@ def test_model_loading_api_in_explicit_mode(make_repo, servers):
     # As Triton 2.51 answers them (measured side by side): no name is not ready, and a
     # version is read as C's stol reads it ("1.5" is 1), a number >= 0.
     assert control(srv, op="ready", target="") == {"ready": False}
+    assert control(srv, op="load", target="")["error"] == (  # (dlserve's reason: Triton's untried)
+        f"Failed to load model: {ASKED}model name '' is empty or has surrounding spaces"
+    )
     assert control(srv, op="ready", target="identity", version="1.5") == {"ready": True}
     assert control(srv, op="ready", target="identity", version="-1")["error"] == (
         f"Failed to check model readiness: {ASKED}failed to get model version from specified "

@@ -1299,8 +1299,21 @@ def test_model_logs_reach_the_server_log(servers, make_repo, caplog):
 
 CONFIGURES_ITS_LOGGING = """
 import logging
+import logging.config
 
-logging.basicConfig(level=logging.INFO, format="%(levelname)s|%(name)s|%(message)s")
+FORMAT = "%(levelname)s|%(name)s|%(message)s"
+HOW = "{how}"
+if HOW == "basicConfig":
+    logging.basicConfig(level=logging.INFO, format=FORMAT)
+elif HOW == "guarded":  # (configure only where nothing is configured)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format=FORMAT)
+else:  # a handler of its own on its logger (records propagate to the root: none there)
+    logging.config.dictConfig({
+        "version": 1, "formatters": {"f": {"format": FORMAT}},
+        "handlers": {"h": {"class": "logging.StreamHandler", "formatter": "f"}},
+        "loggers": {"configured": {"handlers": ["h"], "level": "INFO"}},
+    })
 log = logging.getLogger("configured")
 
 
@@ -1315,12 +1328,16 @@ class TritonPythonModel:
 """
 
 
-def test_a_model_that_configures_its_logging_gets_what_it_configured(servers, make_repo, capfd):
-    """As in Triton (and plain Python): basicConfig(level=INFO) in model.py shows its INFO
-    records, on the worker's stderr (which the server passes on) in its own format. The
-    handler of dlserve's on the worker's root logger made basicConfig do nothing: they
-    were dropped."""
-    model = {"config.pbtxt": 'backend: "python"\n', "1/model.py": CONFIGURES_ITS_LOGGING}
+@pytest.mark.parametrize("how", ["basicConfig", "guarded", "dictConfig"])
+def test_a_model_that_configures_its_logging_gets_what_it_configured(
+    servers, make_repo, capfd, caplog, how
+):
+    """As in Triton (and plain Python): a model's own logging configuration shows its INFO
+    records, on the worker's stderr (which the server passes on) in its own format, once
+    each. A handler of dlserve's on the worker's root logger made basicConfig do nothing
+    (they were dropped), or logged them twice."""
+    code = CONFIGURES_ITS_LOGGING.replace("{how}", how)
+    model = {"config.pbtxt": 'backend: "python"\n', "1/model.py": code}
     repo = make_repo(extra={"configured": model})
     servers.start(repo)
     deadline = time.monotonic() + 10
@@ -1329,9 +1346,10 @@ def test_a_model_that_configures_its_logging_gets_what_it_configured(servers, ma
         assert time.monotonic() < deadline, err
         time.sleep(0.05)
         err += capfd.readouterr().err
-    assert "INFO|configured|info it asked for" in err
-    assert "WARNING|configured.child|a warning, its way" in err
+    assert err.count("INFO|configured|info it asked for") == 1
+    assert err.count("WARNING|configured.child|a warning, its way") == 1
     assert "debug it did not" not in err
+    assert not [r for r in caplog.records if r.name.startswith("dlserve.model")]  # (not twice)
 
 
 LOGS_WITH_THE_MODULE_FUNCTIONS = """

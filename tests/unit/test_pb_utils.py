@@ -829,3 +829,18 @@ def test_metric_values_are_written_as_triton_writes_them():
     }
     for value, written in cases.items():
         assert sample("m", (("a", "b"),), value) == f'm{{a="b"}} {written}'
+
+
+def test_a_process_the_model_forked_names_its_instance_in_errors_that_need_no_server():
+    _runtime.install(types.SimpleNamespace(instance_name="m_0"))
+    try:
+        _runtime.forked()
+        error = _runtime.failure("Failed to set metric value", "the reason")
+        assert str(error) == (
+            "Failed to set metric value: Failed to process the request for model 'm_0', "
+            "message: the reason"
+        )
+        with pytest.raises(pb_utils.TritonModelException, match="cannot reach the server"):
+            _runtime.current().request  # noqa: B018 - what needs the server still refuses
+    finally:
+        _runtime.install(None)

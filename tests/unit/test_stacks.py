@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dlserve.ipc.stacks import SHOWN_FRAMES, model_frames
+from dlserve.ipc.stacks import DUMP_END, SHOWN_FRAMES, THREADS_LEFT_OUT, model_frames
 
 MODEL = "/repo/m"
 
@@ -23,7 +23,8 @@ def dump(*threads: list[str]) -> str:
     blocks = []
     for index, frames in enumerate(threads):
         header = "Current thread" if index == len(threads) - 1 else "Thread"
-        blocks.append(f"{header} 0x00007f{index:010x} (most recent call first):\n" + "\n".join(frames))
+        title = f"{header} 0x00007f{index:010x} (most recent call first):"
+        blocks.append(title + "\n" + "\n".join(frames))
     return "\n\n".join(blocks) + "\n"
 
 
@@ -74,3 +75,34 @@ def test_what_the_model_printed_and_a_front_cut_off_do_not_confuse_it():
     # A dump longer than what was kept: its front (the main thread's header here) is gone.
     cut = "\n".join(main) + "\n"
     assert model_frames(cut, [MODEL]) == main[:1]
+
+
+def test_a_model_under_a_non_ascii_path_is_found_as_faulthandler_writes_its_path():
+    folder = "/repö/m€"
+    escaped = "/rep\\xf6/m\\u20ac"  # (faulthandler's ASCII)
+    main = [frame(f"{escaped}/1/model.py", 5, "initialize"), *WORKER_MAIN]
+    assert model_frames(dump(main), [folder]) == main[:1]
+
+
+def test_a_header_with_the_thread_s_name_still_splits_the_threads():
+    helper = frame(f"{MODEL}/1/model.py", 30, "background")
+    main = frame(f"{MODEL}/1/model.py", 5, "initialize")
+    text = (
+        f"Thread 0x00007f0000000001 [helper] (most recent call first):\n{helper}\n\n"
+        f"Current thread 0x00007f0000000002 [MainThread] (most recent call first):\n{main}\n"
+        + "\n".join(WORKER_MAIN)
+    )
+    assert model_frames(text, [MODEL]) == [main]
+
+
+def test_the_end_of_a_dump_and_threads_left_out_are_seen():
+    whole = dump([frame(f"{MODEL}/1/model.py", 5, "initialize"), *WORKER_MAIN])
+    assert DUMP_END.search(whole) and not THREADS_LEFT_OUT.search(whole)
+    # A worker of an execution environment starts from a -c bootstrap.
+    bootstrap = dump(
+        [frame("/site/dlserve/ipc/stub.py", 190, "serve"), frame("<string>", 4, "<module>")]
+    )
+    assert DUMP_END.search(bootstrap)
+    assert not DUMP_END.search(whole.split("<frozen runpy>")[0])  # (cut before its end)
+    cut = dump(*[[frame("/py/threading.py", 331, "wait")]] * 3) + "...\n"
+    assert THREADS_LEFT_OUT.search(cut) and not DUMP_END.search(cut)
