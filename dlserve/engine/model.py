@@ -50,7 +50,7 @@ class EngineResources:
     worker_arena_bytes: int  # a worker's first shared-memory segment
     worker_arena_growth_bytes: int  # each segment it adds when that is full
     busy_poll_us: int  # see dlserve.ipc.polling
-    load_timeout: float  # seconds an instance may take to start (initialize, warmup); 0: no limit
+    load_timeout: float  # seconds a worker may take to start an instance; 0: no limit
     custom_metrics: CustomMetrics
     host: Host  # the engine, for the calls models make (BLS, model control)
     environments: Environments  # EXECUTION_ENV_PATH environments, unpacked once

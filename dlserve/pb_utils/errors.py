@@ -43,9 +43,15 @@ class TritonModelException(Exception):
     """Raised by models (and by pb_utils) for errors in initialize/execute/finalize."""
 
 
-def incompatible_arguments(function: str, signature: str, *args: Any) -> TypeError:
-    """The TypeError of Triton's bindings (pybind11) for arguments they do not take."""
+def incompatible_arguments(
+    function: str, signature: str, *args: Any, constructor: str | None = None
+) -> TypeError:
+    """The TypeError of Triton's bindings (pybind11) for arguments they do not take: a
+    function's, or the ``constructor`` (its class's name) of a class."""
+    kind, overload = ("function", f"({signature}) -> None") if constructor is None else (
+        "constructor", f"{constructor}({signature})"
+    )
     return TypeError(
-        f"{function}(): incompatible function arguments. The following argument types are "
-        f"supported:\n    1. ({signature}) -> None\n\nInvoked with: {', '.join(map(repr, args))}"
+        f"{function}(): incompatible {kind} arguments. The following argument types are "
+        f"supported:\n    1. {overload}\n\nInvoked with: {', '.join(map(repr, args))}"
     )

@@ -37,11 +37,10 @@ class MetricFamily:
 
     def __init__(self, name: str, description: str, kind: int) -> None:  # (kind required, as in Triton)
         if not isinstance(name, str) or kind not in list(MetricKind):
-            raise TypeError(  # (pybind11's, for Triton's constructor)
-                "__init__(): incompatible constructor arguments. The following argument types are "
-                "supported:\n    1. c_python_backend_utils.MetricFamily(name: str, "
-                "description: str, kind: c_python_backend_utils.MetricKind)\n\nInvoked with: "
-                + ", ".join(map(repr, (name, description, kind)))
+            signature = "name: str, description: str, kind: c_python_backend_utils.MetricKind"
+            raise incompatible_arguments(
+                "__init__", signature, name, description, kind,
+                constructor="c_python_backend_utils.MetricFamily",
             )
         if not _NAME.match(name):
             raise _runtime.failure(_CREATE_FAMILY, "Invalid metric name")
