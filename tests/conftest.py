@@ -75,7 +75,7 @@ def pid_alive(pid: int) -> bool:
     try:  # a zombie is dead for our purposes, but it means nobody reaped it
         with open(f"/proc/{pid}/stat") as f:
             return f.read().split()[2] != "Z"
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # (reaped between the two looks)
         return False
 
 
