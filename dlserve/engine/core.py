@@ -44,11 +44,13 @@ from dlserve.ipc.environments import Environments
 from dlserve.ipc.polling import close_loop_poller, loop_poller
 from dlserve.ipc.supervisor import unlink_segments
 from dlserve.ipc.tensors import INLINE_MAX
+from dlserve.memory import cuda
 from dlserve.memory.arena import Arena, MemorySpace
+from dlserve.memory.cuda_regions import CudaRegions
 from dlserve.memory.dtypes import DataType
 from dlserve.memory.regions import SystemRegions
 from dlserve.memory.shm import SHM_DIR, abandoned, hold_prefix
-from dlserve.memory.tensor import Tensor, allocation_size
+from dlserve.memory.tensor import MemoryType, Tensor, allocation_size
 
 log = logging.getLogger("dlserve.engine")
 
@@ -103,18 +105,6 @@ class EngineSettings:
     metrics: MetricsSettings = dataclasses.field(default_factory=MetricsSettings)
 
 
-def gpu_count() -> int:
-    """CUDA devices visible to this process (0 without cupy or a driver)."""
-    try:
-        import cupy
-    except ImportError:
-        return 0
-    try:
-        return int(cupy.cuda.runtime.getDeviceCount()) if cupy.is_available() else 0
-    except Exception:  # noqa: BLE001 - any CUDA failure means "no GPU"
-        return 0
-
-
 def remove_stale_segments() -> None:
     """Unlink segments left by dlserve servers that died without cleaning up (SIGKILL,
     OOM, a container restarted with its pod's /dev/shm kept): those whose lock nobody
@@ -146,6 +136,7 @@ class Engine:
         self.regions = SystemRegions(
             self.space, SEGMENT_NAMESPACE, on_forget=lambda name: self.segments_gone([name])
         )
+        self.cuda_regions = CudaRegions()
         self.tracer = Tracer(settings.trace, self._knows)
         size = settings.response_cache_bytes
         self.response_cache = ResponseCache(size) if size else None
@@ -184,7 +175,7 @@ class Engine:
         self.arena = Arena(
             self.space, f"{self.segment_prefix}_s", s.arena_bytes, s.arena_bytes, on_retire=retired
         )
-        self.gpu_count = gpu_count()
+        self.gpu_count = cuda.device_count()
         resources = EngineResources(
             space=self.space,
             arena=self.arena,
@@ -330,6 +321,7 @@ class Engine:
 
     def _release_memory(self) -> None:
         self.regions.unregister(force=True)
+        self.cuda_regions.unregister()
         if self.arena is not None:
             self.arena.close()
         unlink_segments(self.segment_prefix)
@@ -519,7 +511,11 @@ class Engine:
             request.owner.cancel(request)
 
     def share(self, tensor: Tensor) -> Tensor:
-        """The tensor in shared memory: itself if already there, else a copy in the arena."""
+        """The tensor in shared memory: itself if already there, else a copy in the arena
+        (a GPU tensor's: straight from the device)."""
+        if tensor.memory_type is MemoryType.GPU and tensor.size > INLINE_MAX and self.arena is not None:
+            placed = self.allocate(list(tensor.shape), tensor.data_type)
+            return tensor.write_into(placed.storage().reshape(-1).view(np.uint8))
         data = tensor.storage()
         if data.nbytes <= INLINE_MAX or self.arena is None or self.space.locate(data) is not None:
             return tensor  # tiny tensors travel inline to workers anyway

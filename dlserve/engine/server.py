@@ -33,7 +33,9 @@ from dlserve.engine.server_requests import (
     AsyncResponseIterator,
     InferenceRequest,
     InferenceResponse,
+    Placement,
     ResponseIterator,
+    output_placement,
     to_engine_request,
 )
 from dlserve.errors import (
@@ -43,7 +45,7 @@ from dlserve.errors import (
     UnsupportedError,
 )
 from dlserve.memory.dtypes import DataType
-from dlserve.memory.tensor import MemoryAllocator, Tensor
+from dlserve.memory.tensor import Tensor
 
 T = TypeVar("T")
 log = logging.getLogger("dlserve.engine")
@@ -70,14 +72,14 @@ class ModelTxnPropertyFlag(enum.IntEnum):
     DECOUPLED = 2
 
 
-def _public(server: Server, response: Response, allocator: MemoryAllocator | None) -> InferenceResponse:
+def _public(server: Server, response: Response, placement: Placement | None) -> InferenceResponse:
     """The engine's response as the API gives it (to the iterator and a response_queue),
-    its outputs copied into memory from ``allocator`` if the request gave one."""
+    its outputs placed where the request asked (:func:`output_placement`)."""
     outputs, error = response.outputs, response.error
-    if allocator is not None and outputs:
+    if placement is not None and outputs:
         try:
-            outputs = {name: tensor.allocated_by(allocator, name) for name, tensor in outputs.items()}
-        except Exception as exc:  # noqa: BLE001 - the caller's allocator failed: this response did
+            outputs = {name: placement(name, tensor) for name, tensor in outputs.items()}
+        except Exception as exc:  # noqa: BLE001 - the caller's allocator (or the GPU) failed: this response did
             outputs, error = {}, InternalError(f"output memory allocator failed: {exc}")
     return InferenceResponse(
         model=Model(server, response.model_name, response.model_version),
@@ -172,15 +174,15 @@ class Model:
         # does: a queue shared by several requests must not mix up their iterators.
         users = self._users_queue(request, queue.SimpleQueue, "queue.SimpleQueue")
         responses: queue.SimpleQueue[InferenceResponse] = queue.SimpleQueue()
-        server, allocator = self._server, request.output_memory_allocator
+        server, placement = self._server, output_placement(request)
 
         def deliver(response: Response) -> None:
-            public = _public(server, response, allocator)
+            public = _public(server, response, placement)
             responses.put(public)
             if users is not None:
                 users.put(public)
 
-        engine_request = self._start(request, server._delivery(deliver, allocator))
+        engine_request = self._start(request, server._delivery(deliver, placement))
         return ResponseIterator(self._server, self, engine_request, raise_on_error, responses)
 
     @staticmethod
@@ -203,7 +205,7 @@ class Model:
         request = inference_request or self.create_request(**kwargs)
         users = self._users_queue(request, asyncio.Queue, "asyncio.Queue")
         responses: asyncio.Queue[InferenceResponse] = asyncio.Queue()
-        server, allocator = self._server, request.output_memory_allocator
+        server, placement = self._server, output_placement(request)
 
         def hand_out(public: InferenceResponse) -> None:
             responses.put_nowait(public)
@@ -213,7 +215,7 @@ class Model:
         def deliver(response: Response) -> None:
             if not loop.is_closed():
                 try:
-                    loop.call_soon_threadsafe(hand_out, _public(server, response, allocator))
+                    loop.call_soon_threadsafe(hand_out, _public(server, response, placement))
                     return
                 except RuntimeError:
                     if not loop.is_closed():
@@ -224,7 +226,7 @@ class Model:
                 log.debug("async_infer's event loop closed: the responses of request '%s' "
                           "to '%s' were dropped", response.request_id, response.model_name)
 
-        engine_request = self._start(request, server._delivery(deliver, allocator))
+        engine_request = self._start(request, server._delivery(deliver, placement))
         return AsyncResponseIterator(self._server, self, engine_request, raise_on_error, responses)
 
     def metadata(self) -> dict[str, Any]:
@@ -375,14 +377,14 @@ class Server:
             self.loop.call_soon_threadsafe(fn, *args)
 
     def _delivery(
-        self, deliver: Callable[[Response], None], allocator: MemoryAllocator | None
+        self, deliver: Callable[[Response], None], placement: Placement | None
     ) -> Callable[[Response], None]:
         """What the engine hands a request's responses to: ``deliver``, on the engine's
-        loop; where an output allocator (which ``deliver`` calls) is given, ``deliver`` in
-        order on threads of the server's own, as Triton calls allocators on its threads: the
-        user's allocator may call the server (``model.config()`` to size its buffers), and
-        that waits for the loop."""
-        if allocator is None:
+        loop; where outputs are placed (by an output allocator, which ``deliver`` calls, or
+        by a copy to a GPU), ``deliver`` in order on threads of the server's own, as Triton
+        calls allocators on its threads: the user's allocator may call the server
+        (``model.config()`` to size its buffers), and that waits for the loop."""
+        if placement is None:
             return deliver
         if self._allocating is None:
             raise InvalidArgumentError("Server not started")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import queue
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from dlserve.engine.core import Engine
@@ -75,10 +75,7 @@ def to_engine_request(request: InferenceRequest, deliver: Any) -> Request:
             raise InvalidArgumentError(
                 f"Unsupported Value. Can't convert {type(value)} to Request Parameter ('{key}')"
             )
-    if not is_host_memory(request.output_memory_type):
-        raise InvalidArgumentError(
-            f"output memory type {request.output_memory_type!r} is not supported without CUDA"
-        )
+    is_host_memory(request.output_memory_type)  # (InvalidArgumentError for what names no memory)
     return Request(
         model_name=request.model.name,
         model_version=request.model.version,
@@ -92,6 +89,21 @@ def to_engine_request(request: InferenceRequest, deliver: Any) -> Request:
         parameters=dict(request.parameters),
         requested_outputs=list(request.requested_output_names or ()) or None,
     )
+
+
+Placement = Callable[[str, Tensor], Tensor]
+
+
+def output_placement(request: InferenceRequest) -> Placement | None:
+    """Where each output of ``request``'s responses goes: into its allocator's memory,
+    onto the GPU its ``output_memory_type`` names, or (None) left where it is."""
+    allocator = request.output_memory_allocator
+    if allocator is not None:
+        return lambda name, tensor: tensor.allocated_by(allocator, name)
+    where = request.output_memory_type
+    if not is_host_memory(where):
+        return lambda name, tensor: tensor.to_device(where)
+    return None
 
 
 class _Iterator:

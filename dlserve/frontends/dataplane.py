@@ -31,9 +31,10 @@ from dlserve.engine.request import (
     string_count_error,
 )
 from dlserve.engine.tracing import Trace
-from dlserve.errors import InvalidArgumentError, NotFoundError, UnsupportedError
+from dlserve.errors import AlreadyExistsError, InvalidArgumentError
 from dlserve.frontends import classification
 from dlserve.memory.dtypes import DataType
+from dlserve.memory.regions import output_too_small
 from dlserve.memory.tensor import Tensor
 
 # Request parameters Triton consumes itself instead of passing to the model. Its
@@ -126,8 +127,14 @@ class DataPlane:
                 "'--allow-client-shm=true' to enable."
             )
 
+    def _check_name_free(self, name: str) -> None:
+        """System and CUDA regions share one name space, as in Triton."""
+        if name in self.engine.regions or name in self.engine.cuda_regions:
+            raise AlreadyExistsError(f"shared memory region '{name}' already in manager")
+
     def register_system_shm(self, name: str, key: str, offset: int, byte_size: int) -> None:
         self._check_shm_allowed()
+        self._check_name_free(name)
         self.engine.regions.register(name, key, offset, byte_size)
 
     def unregister_system_shm(self, name: str | None = None) -> None:
@@ -141,18 +148,14 @@ class DataPlane:
     def register_cuda_shm(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
         """``raw_handle``: the 64-byte cudaIpcMemHandle."""
         self._check_shm_allowed()
-        raise UnsupportedError(
-            "CUDA shared memory is not available: this server has no CUDA device "
-            "(use system shared memory)"
-        )
+        self._check_name_free(name)
+        self.engine.cuda_regions.register(name, raw_handle, device_id, byte_size)
 
     def unregister_cuda_shm(self, name: str | None = None) -> None:
-        """Nothing to do: no CUDA region can be registered here (see register_cuda_shm)."""
+        self.engine.cuda_regions.unregister(name or None)
 
     def cuda_shm_status(self, name: str | None = None) -> list[dict[str, Any]]:
-        if name:
-            raise NotFoundError(f"Unable to find cuda shared memory region: '{name}'")
-        return []
+        return self.engine.cuda_regions.status(name or None)
 
     # -- inference --------------------------------------------------------------------------
     def input_tensor(self, spec: InputSpec, label: str, model_name: str) -> Tensor:
@@ -172,8 +175,7 @@ class DataPlane:
         count = math.prod(shape)
         if spec.shm is not None:
             self._check_shm_allowed()
-            raw = self.engine.regions.view(spec.shm.region, spec.shm.offset, spec.shm.byte_size)
-            return _from_bytes(spec.name, model_name, data_type, shape, count, raw, label)
+            return _from_bytes(spec.name, model_name, data_type, shape, count, self._shm_input(spec.shm), label)
         if spec.raw is not None:
             raw = spec.raw if isinstance(spec.raw, np.ndarray) else np.frombuffer(spec.raw, dtype=np.uint8)
             return _from_bytes(spec.name, model_name, data_type, shape, count, raw, label)
@@ -246,15 +248,51 @@ class DataPlane:
             request.requested_outputs = [o.name for o in outputs]
             buffers = {}
             for output in outputs:
-                if output.shm is not None:
-                    self._check_shm_allowed()
-                    buffers[output.name] = self.engine.regions.view(
-                        output.shm.region, output.shm.offset, output.shm.byte_size
-                    )
+                ref = output.shm
+                if ref is None:
+                    continue
+                self._check_shm_allowed()
+                if ref.region in self.engine.cuda_regions:  # (copied there by finished())
+                    self.engine.cuda_regions.check(ref.region, ref.offset, ref.byte_size)
+                else:
+                    buffers[output.name] = self.engine.regions.view(ref.region, ref.offset, ref.byte_size)
             request.output_buffers = buffers or None
         return request
 
-    def classified(self, response: Response, outputs: Iterable[OutputSpec]) -> Response:
+    def _shm_input(self, ref: ShmRef) -> np.ndarray:
+        """An input's bytes in a client's region: a view of a system region's, or a copy
+        of a CUDA region's in the server's shared memory (once, on its way to the model)."""
+        if ref.region not in self.engine.cuda_regions:
+            return self.engine.regions.view(ref.region, ref.offset, ref.byte_size)
+        self.engine.cuda_regions.check(ref.region, ref.offset, ref.byte_size)
+        host = self.engine.allocate([ref.byte_size], DataType.UINT8).storage()
+        self.engine.cuda_regions.read(ref.region, ref.offset, host)
+        return host
+
+    def finished(self, response: Response, outputs: Iterable[OutputSpec]) -> Response:
+        """``response`` (a successful one) as its client gets it: each output asked for as
+        a classification replaced by its top entries, and those bound for a CUDA region
+        copied there; raises TritonError where one does not fit its region, or the region
+        went away."""
+        outputs = list(outputs)
+        response = self._classified(response, outputs)
+        to_cuda = [
+            spec for spec in outputs
+            if spec.shm is not None and spec.shm.region in self.engine.cuda_regions
+        ]
+        for spec in to_cuda:
+            tensor = response.outputs.get(spec.name)
+            if tensor is None:
+                continue
+            ref = spec.shm
+            assert ref is not None
+            if tensor.size > ref.byte_size:
+                raise InvalidArgumentError(output_too_small(spec.name, ref.byte_size, tensor.size))
+            data = tensor.storage().reshape(-1).view(np.uint8)
+            self.engine.cuda_regions.write(ref.region, ref.offset, data)
+        return response
+
+    def _classified(self, response: Response, outputs: list[OutputSpec]) -> Response:
         """``response`` with each output asked for as a classification replaced by its
         top entries (``classification.top_k``); the response itself when none was."""
         counts = {spec.name: spec.class_count for spec in outputs if spec.class_count}

@@ -468,7 +468,7 @@ class InferenceServicer:
             # garbage collector happens to run.
             raise TritonError.from_code(response.error.code, response.error.message)
         if specs:
-            response = self.dataplane.classified(response, specs.values())
+            response = self.dataplane.finished(response, specs.values())
         if self.compression is not None:
             context.set_compression(self.compression)
         encoded = encode_response(response, specs)

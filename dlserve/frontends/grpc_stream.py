@@ -221,8 +221,10 @@ class InferStream:
         if not error and not response.flags_only:
             try:
                 if specs:
-                    response = self.servicer.dataplane.classified(response, specs.values())
+                    response = self.servicer.dataplane.finished(response, specs.values())
                 item = encode_stream_response(encode_response(response, specs, response.final))
+            except TritonError as exc:  # (an output that does not fit its CUDA region)
+                error = exc.message
             except Exception as exc:  # noqa: BLE001 - one bad response must not end the stream
                 log.exception("encoding a stream response failed")
                 error = f"{type(exc).__name__}: {exc}"

@@ -321,7 +321,7 @@ class KServeHttpApi:
         response = await self.dataplane.infer(engine_request, traced)
         if response.error is not None:
             return error_response(response.error)
-        response = self.dataplane.classified(response, outputs or [])
+        response = self.dataplane.finished(response, outputs or [])
         return _encode_response(response, outputs or [], binary_default)
 
 

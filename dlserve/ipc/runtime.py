@@ -24,6 +24,7 @@ from dlserve.ipc.channel import Stream, WorkerChannel
 from dlserve.ipc.protocol import Kind
 from dlserve.ipc.tensors import Peer
 from dlserve.memory.arena import Arena
+from dlserve.memory.regions import output_too_small
 from dlserve.memory.tensor import DestinationTooSmall
 from dlserve.pb_utils.errors import TritonError as ModelError
 from dlserve.pb_utils.errors import TritonModelException
@@ -68,10 +69,7 @@ def encode_response(
                 placed = tensor._tensor.write_into(destination)
             except DestinationTooSmall as small:
                 out.revoke()
-                message = (  # (Triton's words)
-                    f"shared memory size specified with the request for output '{name}' "
-                    f"({small.holds} bytes) should be at least {small.needed} bytes to hold the results"
-                )
+                message = output_too_small(name, small.holds, small.needed)
                 return ((), (int(ErrorCode.INVALID_ARG), message), response.parameters())
             out.add(name, placed, by_reference=True)
     return (out.wires, None, response.parameters())

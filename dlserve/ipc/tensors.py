@@ -45,7 +45,7 @@ from dlserve.errors import InternalError, InvalidArgumentError
 from dlserve.memory.arena import ALIGNMENT, Anchor, Arena, MemorySpace
 from dlserve.memory.dtypes import DataType
 from dlserve.memory.shm import is_client_object, written
-from dlserve.memory.tensor import Tensor
+from dlserve.memory.tensor import MemoryType, Tensor
 
 INLINE_MAX = 4096
 _DATA_TYPES = list(DataType)  # index = enum value; faster than DataType(value)
@@ -141,8 +141,16 @@ class Peer:
         """Describe ``tensor`` to the peer, copying it into our arena only if needed.
 
         ``by_reference`` forces a reference even for a tiny tensor: for memory the
-        peer must write into, or must recognise as memory it handed out.
+        peer must write into, or must recognise as memory it handed out. A GPU
+        tensor's bytes are copied once, from the device straight into our arena.
         """
+        if tensor.memory_type is MemoryType.GPU and (tensor.size > INLINE_MAX or by_reference):
+            anchor = self.arena.allocate(tensor.size)
+            tensor.write_into(np.frombuffer(anchor, dtype=np.uint8))
+            lease = next(self._leases)
+            self._granted[lease] = anchor
+            ref = (anchor.segment.name, anchor.offset, tensor.size, lease)
+            return (name, int(tensor.data_type), tensor.shape, ref)
         data = tensor.storage()
         nbytes = data.nbytes
         if nbytes <= INLINE_MAX and not by_reference:

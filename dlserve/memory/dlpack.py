@@ -123,7 +123,7 @@ def capsule_dtype(capsule: Any) -> tuple[int, int, int]:
     return int(dtype.code), int(dtype.bits), int(dtype.lanes)
 
 
-def _set_dtype_code(capsule: Any, code: int) -> None:
+def set_dtype_code(capsule: Any, code: int) -> None:
     _tensor_struct(capsule)[0].dtype.code = code
 
 
@@ -178,7 +178,7 @@ def host_array_from_dlpack(obj: Any) -> tuple[np.ndarray, DataType]:
     if data_type is None:
         raise BufferError(f"DLPack dtype (code {code}, {bits} bits) has no Triton data type")
     if data_type is DataType.BF16:
-        _set_dtype_code(capsule, KDL_UINT)
+        set_dtype_code(capsule, KDL_UINT)
     handed_legacy = capsule is obj and bool(_api.PyCapsule_IsValid(capsule, LEGACY_NAME))
     array = np.from_dlpack(CapsuleHolder(capsule))
     if handed_legacy and not array.flags.writeable and array.size:
@@ -260,5 +260,5 @@ def export_host_array(
         )
     capsule = array.__dlpack__(**kwargs)
     if data_type is DataType.BF16:
-        _set_dtype_code(capsule, KDL_BFLOAT)
+        set_dtype_code(capsule, KDL_BFLOAT)
     return capsule

@@ -44,6 +44,26 @@ from dlserve.memory.arena import Anchor, MemorySpace
 from dlserve.memory.shm import Segment, shm_path
 
 
+def check_reference(name: str, offset: int, byte_size: int, region_size: int) -> None:
+    """Raise unless ``[offset, offset + byte_size)`` lies inside a region of ``region_size``
+    bytes (an empty reference at its end too, as Triton refuses it)."""
+    outside = offset < 0 or offset >= region_size
+    if outside or byte_size < 0 or offset + byte_size > region_size:
+        what = "offset" if outside else "offset + byte size"
+        raise InvalidArgumentError(  # (Triton's words, then the numbers)
+            f"Invalid {what} for shared memory region: '{name}': [{offset}, "
+            f"{offset + byte_size}) is outside its {region_size} bytes"
+        )
+
+
+def output_too_small(name: str, holds: int, needed: int) -> str:
+    """Triton's words for an output bigger than the shared memory its request gave it."""
+    return (
+        f"shared memory size specified with the request for output '{name}' "
+        f"({holds} bytes) should be at least {needed} bytes to hold the results"
+    )
+
+
 @dataclasses.dataclass
 class Region:
     name: str
@@ -76,6 +96,9 @@ class SystemRegions:
         self._lock = threading.RLock()
         self._regions: dict[str, Region] = {}
         self._objects: dict[tuple[str, int], Segment] = {}  # (key, inode) -> its mapping
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._regions
 
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
         # A key that cannot be opened is Triton's INTERNAL, said before anything else (it
@@ -167,13 +190,7 @@ class SystemRegions:
             region = self._regions.get(name)
         if region is None:
             raise NotFoundError(f"Unable to find shared memory region: '{name}'")  # (Triton's 404)
-        outside = offset < 0 or offset >= region.byte_size  # (an empty reference too, as Triton)
-        if outside or byte_size < 0 or offset + byte_size > region.byte_size:
-            what = "offset" if outside else "offset + byte size"
-            raise InvalidArgumentError(  # (Triton's words, then the numbers)
-                f"Invalid {what} for shared memory region: '{name}': [{offset}, "
-                f"{offset + byte_size}) is outside its {region.byte_size} bytes"
-            )
+        check_reference(name, offset, byte_size, region.byte_size)
         # Only the bytes this reference touches must still exist (Triton serves what lies
         # inside a shrunk object too); touching the rest would be a SIGBUS.
         if region.segment.current_size() < region.offset + offset + byte_size:

@@ -1,4 +1,4 @@
-"""``dlserve.Tensor``: a typed n-d array in host (usually shared) memory.
+"""``dlserve.Tensor``: a typed n-d array in host (usually shared) memory or on a GPU.
 
 The bytes live in a C-contiguous numpy *storage* array: the tensor's own dtype for
 fixed-size types, ``uint16`` bits for BF16, and Triton's length-prefixed encoding
@@ -7,7 +7,10 @@ objects and encodes them only when the bytes must be shared; one read from share
 memory decodes only when the objects are asked for. Nothing here copies unless a
 conversion needs it, and every hand-off (numpy, DLPack) is a view.
 
-GPU tensors are not implemented yet: every GPU request fails with a clear error.
+A GPU tensor holds a device array (cupy's, over the producer's memory: see
+:mod:`dlserve.memory.cuda`). Where its bytes must reach host memory (another process,
+the network) they are copied once, straight to where they go (:meth:`Tensor.write_into`);
+:meth:`Tensor.storage` keeps one host copy for the code that reads bytes.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from dlserve.errors import InvalidArgumentError, UnsupportedError
-from dlserve.memory import bytes_codec
+from dlserve.memory import bytes_codec, cuda
 from dlserve.memory.copying import copy_bytes
 from dlserve.memory.dlpack import (
     HOST_DEVICES,
@@ -96,7 +99,10 @@ class MemoryBuffer:
         """The memory of a C-contiguous host array that speaks DLPack (numpy, torch...,
         or a raw capsule). Its ``owner`` is the array imported from it, which keeps the
         memory alive and knows whether it may be written."""
-        storage = Tensor.from_dlpack(owner).storage()
+        tensor = Tensor.from_dlpack(owner)
+        if tensor.memory_type is MemoryType.GPU:
+            return tensor.memory_buffer
+        storage = tensor.storage()
         address = int(storage.__array_interface__["data"][0])
         return MemoryBuffer(address, MemoryType.CPU, 0, storage.nbytes, storage)
 
@@ -104,7 +110,7 @@ class MemoryBuffer:
         """The buffer as a flat uint8 array that keeps ``owner`` alive: writable, or
         with ``writable=False`` read-only where the owner's memory is."""
         if self.memory_type is MemoryType.GPU:
-            raise UnsupportedError("GPU memory buffers are not supported without CUDA")
+            raise UnsupportedError("a GPU memory buffer has no host view (Tensor.to_host() copies one)")
         read_only = isinstance(self.owner, np.ndarray) and not self.owner.flags.writeable
         if read_only and writable:
             raise InvalidArgumentError("the memory buffer is read-only")
@@ -170,7 +176,7 @@ class ElementCountError(ValueError):
 class Tensor:
     """A typed n-d array; see the module docstring for how its bytes are held."""
 
-    __slots__ = ("data_type", "shape", "_data", "_objects")
+    __slots__ = ("data_type", "shape", "_data", "_objects", "_device")
     # Whether a legacy DLPack capsule may hand out its read-only memory (export_host_array)
     shares_read_only: ClassVar[bool] = True
 
@@ -181,10 +187,11 @@ class Tensor:
         data: np.ndarray | MemoryBuffer | None = None,
         objects: np.ndarray | None = None,
         memory_buffer: MemoryBuffer | None = None,
+        device_array: Any = None,
     ) -> None:
         """``data``: the storage array, or (as tritonserver's ``Tensor(data_type, shape,
         memory_buffer)``, positionally or by that name) a :class:`MemoryBuffer` holding
-        the bytes."""
+        the bytes; ``device_array``: a GPU tensor's (see :mod:`dlserve.memory.cuda`)."""
         self.data_type = data_type if type(data_type) is DataType else DataType(data_type)
         self.shape: tuple[int, ...] = shape if type(shape) is tuple else tuple(int(d) for d in shape)
         if memory_buffer is not None:
@@ -195,8 +202,9 @@ class Tensor:
             raise InvalidArgumentError(f"a Tensor's memory must be a MemoryBuffer, not {type(data).__name__}")
         self._data = data
         self._objects = objects
-        if data is None and objects is None:
-            raise ValueError("a Tensor needs either storage data or BYTES objects")
+        self._device = device_array
+        if data is None and objects is None and device_array is None:
+            raise ValueError("a Tensor needs storage data, BYTES objects or a device array")
 
     # -- construction ---------------------------------------------------------------
     @classmethod
@@ -218,10 +226,15 @@ class Tensor:
             device_type, _ = device_of(obj)
         except TypeError as exc:  # (tritonserver: InvalidArgumentError)
             raise InvalidArgumentError(str(exc)) from None
+        if device_type == DLDeviceType.kDLCUDA:
+            array, data_type = cuda.import_device_array(obj)
+            if not array.flags.c_contiguous:
+                raise InvalidArgumentError(NOT_CONTIGUOUS)
+            return cls(data_type, array.shape, device_array=array)
         if device_type not in HOST_DEVICES:
             raise UnsupportedError(
-                f"tensors on DLPack device {DLDeviceType(device_type).name} are not "
-                "supported by this build (GPU tensors need CUDA)"
+                f"tensors on DLPack device {_device_name(device_type)} are not supported "
+                "(host memory and CUDA are)"
             )
         try:
             array, data_type = host_array_from_dlpack(obj)
@@ -282,7 +295,12 @@ class Tensor:
         return math.prod(self.shape)
 
     def storage(self) -> np.ndarray:
-        """The bytes as a C-contiguous array (BYTES: encoded, flat uint8)."""
+        """The bytes as a C-contiguous array (BYTES: encoded, flat uint8); a GPU
+        tensor's copied to host memory once."""
+        if self._data is None and self._device is not None:
+            host = np.empty(self._device.shape, dtype=self.data_type.storage_dtype)
+            cuda.copy_to_host(self._device, host)
+            self._data = host
         if self._data is None:
             assert self._objects is not None
             self._data = bytes_codec.serialize_bytes(self._objects)
@@ -298,21 +316,24 @@ class Tensor:
                 raise ElementCountError(count, self.element_count, self.shape)
             return
         expected = self.element_count * self.data_type.itemsize
-        if self.storage().nbytes != expected:
+        if self.size != expected:
             raise ValueError(
                 f"byte size mismatch: shape {list(self.shape)} of {self.data_type.name} "
-                f"needs {expected} bytes, got {self.storage().nbytes}"
+                f"needs {expected} bytes, got {self.size}"
             )
 
     def write_into(self, buffer: np.ndarray) -> Tensor:
         """This tensor's bytes placed at the start of ``buffer`` (a uint8 view of shared
-        memory): copied there unless already there. Raises DestinationTooSmall if it is."""
-        data = self.storage()
-        if data.nbytes > buffer.nbytes:
-            raise DestinationTooSmall(data.nbytes, buffer.nbytes)
-        target = buffer[: data.nbytes]
-        if target.__array_interface__["data"][0] != data.__array_interface__["data"][0]:
-            copy_bytes(target, data.reshape(-1).view(np.uint8))
+        memory): copied there unless already there (a GPU tensor's: straight from the
+        device). Raises DestinationTooSmall if it is."""
+        nbytes = self.size
+        if nbytes > buffer.nbytes:
+            raise DestinationTooSmall(nbytes, buffer.nbytes)
+        target = buffer[:nbytes]
+        if self._device is not None and self._data is None:
+            cuda.copy_to_host(self._device, target)
+        elif target.__array_interface__["data"][0] != self.data_ptr:
+            copy_bytes(target, self.storage().reshape(-1).view(np.uint8))
         if self.data_type is DataType.BYTES:
             return Tensor(self.data_type, self.shape, data=target)
         view = target.view(self.data_type.storage_dtype).reshape(self.shape)
@@ -328,6 +349,8 @@ class Tensor:
     def reshape(self, shape: Sequence[int]) -> Tensor:
         """The same bytes under another shape with as many elements."""
         shape = tuple(int(d) for d in shape)
+        if self._device is not None:
+            return Tensor(self.data_type, shape, device_array=self._device.reshape(shape))
         if self.data_type is DataType.BYTES:
             objects = None if self._objects is None else self._objects.reshape(shape)
             return Tensor(self.data_type, shape, data=self._data, objects=objects)
@@ -336,28 +359,34 @@ class Tensor:
     @property
     def size(self) -> int:
         """Size of the tensor's bytes (BYTES: of its encoding)."""
+        if self._device is not None:
+            return int(self._device.nbytes)
         return int(self.storage().nbytes)
 
     @property
     def data_ptr(self) -> int:
+        if self._device is not None:
+            return cuda.address_of(self._device)
         return int(self.storage().__array_interface__["data"][0])
 
     @property
     def memory_type(self) -> MemoryType:
-        return MemoryType.CPU
+        return MemoryType.CPU if self._device is None else MemoryType.GPU
 
     @property
     def memory_type_id(self) -> int:
-        return 0
+        return 0 if self._device is None else cuda.device_of_array(self._device)
 
     @property
     def memory_buffer(self) -> MemoryBuffer:
-        data = self.storage()
-        return MemoryBuffer(self.data_ptr, self.memory_type, self.memory_type_id, data.nbytes, data)
+        owner = self.storage() if self._device is None else self._device
+        return MemoryBuffer(self.data_ptr, self.memory_type, self.memory_type_id, self.size, owner)
 
     # -- views ----------------------------------------------------------------------
     def as_numpy(self) -> np.ndarray:
         """A numpy view (BYTES: object array of bytes; BF16: ``ml_dtypes.bfloat16``)."""
+        if self._device is not None:
+            raise InvalidArgumentError("the tensor is in GPU memory: to_host() gives a copy in host memory")
         if self.data_type is DataType.BYTES:
             return self.to_bytes_array()
         data = self._shaped()
@@ -411,7 +440,9 @@ class Tensor:
 
     def export_dlpack(self, keep_alive: Any = None, **protocol: Any) -> Any:
         """``__dlpack__`` (its keywords in ``protocol``), whose capsule also holds
-        ``keep_alive`` while it lives."""
+        ``keep_alive`` while it lives (a GPU tensor's holds its device array)."""
+        if self._device is not None:
+            return cuda.export_device_array(self._device, self.data_type, **protocol)
         return export_host_array(
             self.storage() if self.data_type is DataType.BYTES else self._shaped(),
             self.data_type,
@@ -421,16 +452,46 @@ class Tensor:
         )
 
     def __dlpack_device__(self) -> tuple[int, int]:
+        if self._device is not None:
+            return (int(DLDeviceType.kDLCUDA), self.memory_type_id)
         return (int(DLDeviceType.kDLCPU), 0)
 
     def to_host(self) -> Tensor:
-        return self
+        """This tensor in host memory: itself, or a GPU tensor's copy."""
+        if self._device is None:
+            return self
+        return Tensor(self.data_type, self.shape, data=self.storage())
 
     def to_device(self, device: Any) -> Tensor:
-        """Only host memory (see :func:`is_host_memory`) is available without CUDA."""
+        """This tensor in host memory or on a GPU (any form :func:`is_host_memory`
+        takes; ``"gpu"`` and ``"cuda"`` alone mean GPU 0): itself if it is there already,
+        else a copy."""
         if is_host_memory(device):
+            return self.to_host()
+        index = _device_index(device)
+        if self._device is not None and self.memory_type_id == index:
             return self
-        raise UnsupportedError(f"moving a tensor to {device!r} needs CUDA, which is not available")
+        if self.data_type is DataType.BYTES:
+            raise InvalidArgumentError("BYTES tensors cannot be moved to a GPU")
+        return Tensor(self.data_type, self.shape, device_array=cuda.to_device(self.storage(), index))
 
     def __repr__(self) -> str:
         return f"Tensor(data_type={self.data_type.name}, shape={list(self.shape)})"
+
+
+def _device_index(where: Any) -> int:
+    """The GPU a device form that names one means (``"cuda:1"``, ``(MemoryType.GPU, 1)``,
+    ``(DLDeviceType.kDLCUDA, 1)``); 0 where it names no index."""
+    if isinstance(where, tuple):
+        return int(where[1])
+    if isinstance(where, str):
+        index = where.partition(":")[2]
+        return int(index) if index else 0
+    return 0
+
+
+def _device_name(device_type: int) -> str:
+    try:
+        return DLDeviceType(device_type).name
+    except ValueError:
+        return f"type {device_type}"

@@ -1,7 +1,8 @@
 """``pb_utils.Tensor``: Triton's model-side tensor, over a :class:`dlserve.memory.Tensor`.
 
 Request inputs are views of shared memory; ``as_numpy()`` and DLPack exports
-alias them. Outputs made from an array that already lives in shared memory (an
+alias them. A tensor made from a CUDA DLPack object (torch, cupy, jax on a GPU) stays
+on its GPU until its response leaves, when its bytes are copied once into host memory. Outputs made from an array that already lives in shared memory (an
 input, or a block from :meth:`Tensor.empty`) are sent back by reference; anything
 else is copied once into the worker's arena when the response leaves.
 """
@@ -18,8 +19,8 @@ from dlserve.errors import InvalidArgumentError
 from dlserve.ipc.tensors import INLINE_MAX
 from dlserve.memory.dlpack import is_capsule
 from dlserve.memory.dtypes import DataType, numpy_dtype
+from dlserve.memory.tensor import MemoryType, allocation_size
 from dlserve.memory.tensor import Tensor as _CoreTensor
-from dlserve.memory.tensor import allocation_size
 from dlserve.pb_utils import _runtime
 from dlserve.pb_utils.errors import TritonModelException
 
@@ -106,9 +107,11 @@ class Tensor:
         return int(self._tensor.data_type)
 
     def is_cpu(self) -> bool:
-        return True
+        return self._tensor.memory_type is not MemoryType.GPU
 
     def as_numpy(self) -> np.ndarray:
+        if not self.is_cpu():  # (Triton's words)
+            raise TritonModelException("Tensor is stored in GPU and cannot be converted to NumPy.")
         if self._tensor.data_type is DataType.BF16:  # (Triton's words: its QA's identity_bf16 expects it)
             raise TritonModelException(
                 "Tensor dtype is BF16 and cannot be converted to NumPy. Use to_dlpack() and from_dlpack() instead."

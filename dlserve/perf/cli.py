@@ -213,7 +213,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     if args.shared_memory == "cuda":
         if protocol == "inprocess":
             raise UsageError("--shared-memory cuda is not supported with -i inprocess")
-        from dlserve.perf.shm import cuda_problem
+        from dlserve.memory.cuda import cuda_problem
 
         problem = cuda_problem()
         if problem:

@@ -50,26 +50,6 @@ class Layout:
         return offset, nbytes
 
 
-def cuda_problem() -> str | None:
-    """Why CUDA shared memory cannot be used here, or None when it can."""
-    try:
-        import cupy
-    except ImportError:
-        return (
-            "cupy is not installed (pip install 'dlserve[gpu-cuda12]' or 'dlserve[gpu-cuda13]') "
-            "and no other CUDA binding is used"
-        )
-    except Exception as exc:  # noqa: BLE001 - a broken CUDA install raises anything
-        return f"cupy does not import: {exc}"
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:  # noqa: BLE001
-        return f"no CUDA device: {exc}"
-    if count < 1:
-        return "no CUDA device"
-    return None
-
-
 class SystemRegion:
     """A POSIX shared-memory segment filled with a :class:`Layout`'s blobs."""
 

@@ -933,10 +933,14 @@ def test_log_setting_sent_without_a_value(server, client, stub, key, code, messa
     assert client.get_log_settings(as_json=True)["settings"] == before
 
 
-def test_trace_settings_and_cuda_shared_memory(client):
+def test_trace_settings_are_off_by_default(client):
     # Tracing is off by default, as in Triton (test_trace.py covers it turned on).
     settings = client.get_trace_settings(as_json=True)["settings"]
     assert settings["trace_level"]["value"] == ["OFF"] and settings["trace_rate"]["value"] == ["1000"]
+
+
+@pytest.mark.skipif(dlserve.memory.cuda.device_count() > 0, reason="CUDA is here (tests/gpu)")
+def test_cuda_shared_memory_without_cuda_is_unimplemented(client):
     assert len(client.get_cuda_shared_memory_status().regions) == 0
     with pytest.raises(InferenceServerException) as info:
         client.register_cuda_shared_memory("gpu", b"\x00" * 64, 0, 64)

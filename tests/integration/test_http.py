@@ -278,7 +278,7 @@ def test_server_metadata_lists_the_http_extensions_it_implements(client):
     for name in ("binary_tensor_data", "system_shared_memory", "logging", "trace"):
         assert name in extensions
     # CUDA shared memory only where a GPU is (tests/gpu checks it is listed there)
-    assert ("cuda_shared_memory" in extensions) == (dlserve.engine.core.gpu_count() > 0)
+    assert ("cuda_shared_memory" in extensions) == (dlserve.memory.cuda.device_count() > 0)
 
 
 def test_model_metadata_matches_triton(client, port):
@@ -782,7 +782,8 @@ def test_client_shared_memory_can_be_disabled(main, regions):
         small.close()
 
 
-def test_cuda_shared_memory_gives_a_clear_error(client, port):
+@pytest.mark.skipif(dlserve.memory.cuda.device_count() > 0, reason="CUDA is here (tests/gpu)")
+def test_cuda_shared_memory_without_cuda_gives_a_clear_error(client, port):
     # tritonclient expects the handle base64-encoded, as cuda_shared_memory.get_raw_handle gives it
     handle = base64.b64encode(b"\0" * 64)
     error = client_error(client.register_cuda_shared_memory, "cuda_r", handle, 0, 64)

@@ -200,13 +200,26 @@ def test_from_object_torch_tensors():
         Tensor.from_object(torch.zeros(2, dtype=torch.complex64))
 
 
-def test_from_dlpack_of_a_gpu_device_is_unsupported():
+NO_CUDA = dlserve.memory.cuda.cuda_problem() is not None
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="this machine has CUDA (tests/gpu covers GPU tensors)")
+def test_from_dlpack_of_a_cuda_tensor_without_cuda_says_what_is_missing():
     class OnGpu(Producer):
         def __dlpack_device__(self):
             return (int(DLDeviceType.kDLCUDA), 0)
 
-    with pytest.raises(UnsupportedError, match="kDLCUDA"):
+    with pytest.raises(UnsupportedError, match="GPU tensors need CUDA: "):
         Tensor.from_object(OnGpu(np.zeros(2)))
+
+
+def test_from_dlpack_of_another_device_is_unsupported():
+    class OnRocm(Producer):
+        def __dlpack_device__(self):
+            return (int(DLDeviceType.kDLROCM), 0)
+
+    with pytest.raises(UnsupportedError, match="kDLROCM are not supported"):
+        Tensor.from_object(OnRocm(np.zeros(2)))
 
 
 # -- BYTES ---------------------------------------------------------------------------------
@@ -306,7 +319,7 @@ def test_check_size_bytes_counts_elements():
 
 
 def test_tensor_needs_data_or_objects():
-    with pytest.raises(ValueError, match="needs either storage data or BYTES objects"):
+    with pytest.raises(ValueError, match="needs storage data, BYTES objects or a device array"):
         Tensor(DataType.FP32, [1])
 
 
@@ -410,9 +423,10 @@ def test_to_device_cpu_returns_self(device):
 
 
 @pytest.mark.parametrize("device", ["gpu", "cuda", "cuda:0", MemoryType.GPU, (MemoryType.GPU, 0)], ids=str)
-def test_to_device_gpu_is_unsupported(device):
+@pytest.mark.skipif(not NO_CUDA, reason="this machine has CUDA (tests/gpu covers GPU tensors)")
+def test_to_device_gpu_without_cuda_says_what_is_missing(device):
     t = Tensor.from_numpy(np.zeros(2, dtype=np.float32))
-    with pytest.raises(UnsupportedError, match="needs CUDA"):
+    with pytest.raises(UnsupportedError, match="GPU tensors need CUDA: "):
         t.to_device(device)
 
 

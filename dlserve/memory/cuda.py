@@ -1,0 +1,166 @@
+"""Everything dlserve asks of CUDA, through cupy: the probe, device arrays, copies, IPC.
+
+cupy is optional (the ``gpu-cuda12``/``gpu-cuda13`` extras, or a preinstalled build):
+:func:`cuda_problem` says why CUDA cannot be used, and every other function here
+is called only where it can (a tensor already on a GPU, a server with a device).
+This is the only module that imports cupy, so the rest of dlserve speaks of device
+arrays (cupy's, imported without a copy from any DLPack producer) and pointers.
+
+Stream order follows DLPack: an import asks its producer for a capsule on cupy's
+current stream, so the producer's pending work is ordered before anything done
+with the array here; copies to and from host memory are synchronous.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+
+from dlserve.errors import InvalidArgumentError, UnsupportedError
+from dlserve.memory.dlpack import CapsuleHolder, capsule_dtype, is_capsule, set_dtype_code
+from dlserve.memory.dtypes import FROM_DLPACK_TYPE, KDL_BFLOAT, KDL_UINT, DataType
+
+IPC_HANDLE_SIZE = 64  # sizeof(cudaIpcMemHandle_t)
+_HOST_TO_DEVICE = 1  # cudaMemcpyKind
+_DEVICE_TO_HOST = 2
+_LEGACY_DEFAULT_STREAM = 1  # what DLPack's stream argument calls CUDA's legacy default stream
+
+
+def cuda_problem() -> str | None:
+    """Why CUDA cannot be used in this process, or None when it can."""
+    try:
+        import cupy
+    except ImportError:
+        return "cupy is not installed (pip install 'dlserve[gpu-cuda12]' or 'dlserve[gpu-cuda13]')"
+    except Exception as exc:  # noqa: BLE001 - a broken CUDA install raises anything
+        return f"cupy does not import: {exc}"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # noqa: BLE001 - no driver, no device: CUDA's own words
+        return f"no CUDA device: {exc}"
+    return None if count > 0 else "no CUDA device"
+
+
+@functools.cache
+def device_count() -> int:
+    """CUDA devices visible to this process (0 without cupy or a driver)."""
+    if cuda_problem() is not None:
+        return 0
+    import cupy
+
+    return int(cupy.cuda.runtime.getDeviceCount())
+
+
+def _cupy() -> Any:
+    problem = cuda_problem()
+    if problem is not None:
+        raise UnsupportedError(f"GPU tensors need CUDA: {problem}")
+    import cupy
+
+    return cupy
+
+
+def import_device_array(obj: Any) -> tuple[Any, DataType]:
+    """A CUDA DLPack object (or capsule) as a cupy array over the same memory, and its
+    Triton data type (BF16, which cupy lacks, comes as ``uint16`` bits)."""
+    cupy = _cupy()
+    if is_capsule(obj):
+        capsule = obj
+    else:
+        stream = cupy.cuda.get_current_stream().ptr or _LEGACY_DEFAULT_STREAM
+        try:
+            capsule = obj.__dlpack__(stream=stream, max_version=(1, 0))
+        except TypeError:  # a producer that predates max_version
+            capsule = obj.__dlpack__(stream=stream)
+    code, bits, lanes = capsule_dtype(capsule)
+    data_type = FROM_DLPACK_TYPE.get((code, bits)) if lanes == 1 else None
+    if data_type is None:
+        raise InvalidArgumentError(f"DLPack dtype (code {code}, {bits} bits, {lanes} lanes) has no Triton data type")
+    if data_type is DataType.BF16:
+        set_dtype_code(capsule, KDL_UINT)
+    try:
+        array = cupy.from_dlpack(CapsuleHolder(capsule))
+    except (BufferError, TypeError, ValueError) as exc:
+        raise InvalidArgumentError(f"cannot import DLPack tensor: {exc}") from None
+    return array, data_type
+
+
+def export_device_array(array: Any, data_type: DataType, **protocol: Any) -> Any:
+    """``__dlpack__`` of a device array (the protocol's keywords that were given)."""
+    capsule = array.__dlpack__(**{k: v for k, v in protocol.items() if v is not None})
+    if data_type is DataType.BF16:
+        set_dtype_code(capsule, KDL_BFLOAT)
+    return capsule
+
+
+def copy_to_host(array: Any, out: np.ndarray) -> None:
+    """The device array's bytes into ``out`` (contiguous host memory of its size)."""
+    flat = array.reshape(-1).view(np.uint8)
+    flat.get(out=out.reshape(-1).view(np.uint8))
+
+
+def to_device(host: np.ndarray, device_id: int) -> Any:
+    """A new device array on ``device_id`` holding a copy of ``host``."""
+    cupy = _cupy()
+    if not 0 <= device_id < device_count():
+        raise InvalidArgumentError(f"GPU {device_id} does not exist (this machine has {device_count()})")
+    with cupy.cuda.Device(device_id):
+        return cupy.asarray(host)
+
+
+def device_of_array(array: Any) -> int:
+    return int(array.device.id)
+
+
+def address_of(array: Any) -> int:
+    return int(array.data.ptr)
+
+
+class IpcMemory:
+    """Device memory another process shared through a ``cudaIpcMemHandle`` (a client's
+    CUDA shared-memory region), opened once and read or written by byte range."""
+
+    def __init__(self, raw_handle: bytes, device_id: int) -> None:
+        cupy = _cupy()
+        if len(raw_handle) != IPC_HANDLE_SIZE:
+            raise InvalidArgumentError(
+                f"a CUDA IPC handle is {IPC_HANDLE_SIZE} bytes, got {len(raw_handle)}"
+            )
+        if not 0 <= device_id < device_count():
+            raise InvalidArgumentError(
+                f"GPU {device_id} does not exist (this machine has {device_count()})"
+            )
+        self.device_id = device_id
+        self._runtime = cupy.cuda.runtime
+        self._device = cupy.cuda.Device(device_id)
+        with self._device:
+            try:
+                self.address: int | None = int(self._runtime.ipcOpenMemHandle(bytes(raw_handle)))
+            except cupy.cuda.runtime.CUDARuntimeError as exc:
+                raise InvalidArgumentError(f"failed to open CUDA IPC handle: {exc}") from None
+
+    def read(self, offset: int, out: np.ndarray) -> None:
+        """``out.nbytes`` bytes from ``offset`` into ``out`` (contiguous host memory)."""
+        self._copy(out.ctypes.data, self._at(offset), out.nbytes, _DEVICE_TO_HOST)
+
+    def write(self, offset: int, data: np.ndarray) -> None:
+        """``data`` (contiguous host memory) to ``offset``."""
+        self._copy(self._at(offset), data.ctypes.data, data.nbytes, _HOST_TO_DEVICE)
+
+    def _at(self, offset: int) -> int:
+        if self.address is None:
+            raise InvalidArgumentError("the CUDA shared memory region was closed")
+        return self.address + offset
+
+    def _copy(self, destination: int, source: int, nbytes: int, kind: int) -> None:
+        if nbytes:
+            with self._device:
+                self._runtime.memcpy(destination, source, nbytes, kind)
+
+    def close(self) -> None:
+        if self.address is not None:
+            address, self.address = self.address, None
+            with self._device:
+                self._runtime.ipcCloseMemHandle(address)
