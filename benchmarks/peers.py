@@ -56,7 +56,10 @@ MLSERVER_BIN = ANCHORS / "venv-mlserver" / "bin" / "mlserver"
 PERF_ANALYZER = ANCHORS / "pa" / "perf_analyzer"
 PA_SH = REFERENCE / "pa.sh"
 LOADGEN = REFERENCE / "loadgen.py"
+# (beside this Python, as a virtual environment installs it; else the one on PATH)
 DLSERVE_BIN = Path(sys.executable).parent / "dlserve"
+if not DLSERVE_BIN.exists() and shutil.which("dlserve"):
+    DLSERVE_BIN = Path(shutil.which("dlserve") or "dlserve")
 SHM = "/dev/shm"
 
 

@@ -1,0 +1,94 @@
+"""CUDA shared memory against system shared memory, on a machine with a GPU.
+
+The example identity model over gRPC (tritonclient), its input and output both in client
+system shared memory, then both in client CUDA shared memory, at 4 KiB, 1 MiB and 64 MiB;
+the median of 15 requests after 3 warm-ups. dlserve copies a CUDA region's input to host
+memory once on its way to the model and the output back once (inputs reach a Python model in
+host memory, as Triton's default ``FORCE_CPU_ONLY_INPUT_TENSORS`` gives them), so the CUDA
+case costs those two copies over the system one. Run: ``python benchmarks/gpu_bench.py``;
+skips (exit 0) without CUDA. No Triton runs here: the numbers are dlserve's alone.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import peers  # noqa: E402
+
+SIZES = {"4 KiB": 1 << 12, "1 MiB": 1 << 20, "64 MiB": 1 << 26}
+WARMUP, TIMED = 3, 15
+
+
+def main() -> int:
+    from dlserve.memory.cuda import cuda_problem
+
+    problem = cuda_problem()
+    if problem is not None:
+        print(f"gpu_bench: skipped ({problem})")
+        return 0
+    import tritonclient.grpc as grpcclient
+    import tritonclient.utils.cuda_shared_memory as cudashm
+    import tritonclient.utils.shared_memory as sysshm
+
+    rows = []
+    with peers.repository([peers.EXAMPLES / "identity"]) as repo:
+        with peers.dlserve(repo, ["identity"]) as server:
+            client = grpcclient.InferenceServerClient(server.url("grpc"))
+            for label, nbytes in SIZES.items():
+                data = np.arange(nbytes // 4, dtype=np.float32)
+                times = {}
+                for kind in ("system", "cuda"):
+                    if kind == "system":
+                        key = f"/gpu_bench_{nbytes}"
+                        handle = sysshm.create_shared_memory_region(f"in_{nbytes}", key, 2 * nbytes)
+                        sysshm.set_shared_memory_region(handle, [data])
+                        client.register_system_shared_memory(f"r_{nbytes}", key, 2 * nbytes)
+                    else:
+                        handle = cudashm.create_shared_memory_region(f"in_{nbytes}", 2 * nbytes, 0)
+                        cudashm.set_shared_memory_region(handle, [data])
+                        client.register_cuda_shared_memory(
+                            f"r_{nbytes}", cudashm.get_raw_handle(handle), 0, 2 * nbytes
+                        )
+                    try:
+                        times[kind] = _time(client, grpcclient, f"r_{nbytes}", data.size, nbytes)
+                        module = sysshm if kind == "system" else cudashm  # (the output follows the input)
+                        got = module.get_contents_as_numpy(handle, np.float32, [2 * data.size])
+                        assert np.array_equal(got[data.size :], data), f"{kind} {label}: wrong output"
+                    finally:
+                        if kind == "system":
+                            client.unregister_system_shared_memory(f"r_{nbytes}")
+                            sysshm.destroy_shared_memory_region(handle)
+                        else:
+                            client.unregister_cuda_shared_memory(f"r_{nbytes}")
+                            cudashm.destroy_shared_memory_region(handle)
+                rows.append((label, times["system"], times["cuda"]))
+    print("identity over gRPC, input and output in client shared memory (median ms of 15)")
+    print(f"{'size':>8} {'system shm':>11} {'CUDA shm':>9} {'CUDA/system':>12}")
+    for label, system, cuda in rows:
+        print(f"{label:>8} {system:11.3f} {cuda:9.3f} {cuda / system:12.2f}")
+    return 0
+
+
+def _time(client, grpcclient, region: str, count: int, nbytes: int) -> float:
+    """Median milliseconds of one request whose input is at 0 and output at ``nbytes``."""
+    given = grpcclient.InferInput("INPUT0", [count], "FP32")
+    given.set_shared_memory(region, nbytes, offset=0)
+    wanted = grpcclient.InferRequestedOutput("OUTPUT0")
+    wanted.set_shared_memory(region, nbytes, offset=nbytes)
+    samples = []
+    for index in range(WARMUP + TIMED):
+        started = time.perf_counter()
+        client.infer("identity", [given], outputs=[wanted])
+        if index >= WARMUP:
+            samples.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(samples)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
