@@ -2,15 +2,18 @@
 
 The example identity model over gRPC (tritonclient), its input and output both in client
 system shared memory, then both in client CUDA shared memory, at 4 KiB, 1 MiB and 64 MiB;
-the median of 15 requests after 3 warm-ups. dlserve copies a CUDA region's input to host
-memory once on its way to the model and the output back once (inputs reach a Python model in
-host memory, as Triton's default ``FORCE_CPU_ONLY_INPUT_TENSORS`` gives them), so the CUDA
-case costs those two copies over the system one. Run: ``python benchmarks/gpu_bench.py``;
-skips (exit 0) without CUDA. No Triton runs here: the numbers are dlserve's alone.
+the median of 15 requests after 3 warm-ups. With CUDA regions the worker copies the input
+from the client's device memory to host memory once (inputs reach a Python model in host
+memory, as Triton's default ``FORCE_CPU_ONLY_INPUT_TENSORS`` gives them) and the output
+back once. ``identity_gpu`` is the same model with ``FORCE_CPU_ONLY_INPUT_TENSORS: "no"``:
+its input is the worker's view of the client's region and its output one device-to-device
+copy into the output region. Run: ``python benchmarks/gpu_bench.py``; skips (exit 0)
+without CUDA. No Triton runs here: the numbers are dlserve's alone.
 """
 
 from __future__ import annotations
 
+import shutil
 import statistics
 import sys
 import time
@@ -21,6 +24,20 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peers  # noqa: E402
 
+# identity_gpu's model: its input as its output, wherever the input is (DLPack, no copy)
+PASS_THROUGH = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [
+            pb_utils.InferenceResponse(
+                [pb_utils.Tensor.from_dlpack("OUTPUT0", pb_utils.get_input_tensor_by_name(r, "INPUT0"))]
+            )
+            for r in requests
+        ]
+"""
 SIZES = {"4 KiB": 1 << 12, "1 MiB": 1 << 20, "64 MiB": 1 << 26}
 WARMUP, TIMED = 3, 15
 
@@ -38,25 +55,33 @@ def main() -> int:
 
     rows = []
     with peers.repository([peers.EXAMPLES / "identity"]) as repo:
-        with peers.dlserve(repo, ["identity"]) as server:
+        shutil.copytree(repo / "identity", repo / "identity_gpu")
+        (repo / "identity_gpu" / "1" / "model.py").write_text(PASS_THROUGH)
+        config = repo / "identity_gpu" / "config.pbtxt"
+        config.write_text(
+            config.read_text().replace('name: "identity"', 'name: "identity_gpu"')
+            + 'parameters { key: "FORCE_CPU_ONLY_INPUT_TENSORS" value: { string_value: "no" } }\n'
+        )
+        with peers.dlserve(repo, ["identity", "identity_gpu"]) as server:
             client = grpcclient.InferenceServerClient(server.url("grpc"))
             for label, nbytes in SIZES.items():
                 data = np.arange(nbytes // 4, dtype=np.float32)
                 times = {}
-                for kind in ("system", "cuda"):
+                for kind in ("system", "cuda", "cuda_gpu_model"):
+                    model = "identity_gpu" if kind == "cuda_gpu_model" else "identity"
                     if kind == "system":
                         key = f"/gpu_bench_{nbytes}"
                         handle = sysshm.create_shared_memory_region(f"in_{nbytes}", key, 2 * nbytes)
                         sysshm.set_shared_memory_region(handle, [data])
                         client.register_system_shared_memory(f"r_{nbytes}", key, 2 * nbytes)
                     else:
-                        handle = cudashm.create_shared_memory_region(f"in_{nbytes}", 2 * nbytes, 0)
+                        handle = cudashm.create_shared_memory_region(f"{kind}_{nbytes}", 2 * nbytes, 0)
                         cudashm.set_shared_memory_region(handle, [data])
                         client.register_cuda_shared_memory(
                             f"r_{nbytes}", cudashm.get_raw_handle(handle), 0, 2 * nbytes
                         )
                     try:
-                        times[kind] = _time(client, grpcclient, f"r_{nbytes}", data.size, nbytes)
+                        times[kind] = _time(client, grpcclient, model, f"r_{nbytes}", data.size, nbytes)
                         module = sysshm if kind == "system" else cudashm  # (the output follows the input)
                         got = module.get_contents_as_numpy(handle, np.float32, [2 * data.size])
                         assert np.array_equal(got[data.size :], data), f"{kind} {label}: wrong output"
@@ -67,15 +92,15 @@ def main() -> int:
                         else:
                             client.unregister_cuda_shared_memory(f"r_{nbytes}")
                             cudashm.destroy_shared_memory_region(handle)
-                rows.append((label, times["system"], times["cuda"]))
+                rows.append((label, times["system"], times["cuda"], times["cuda_gpu_model"]))
     print("identity over gRPC, input and output in client shared memory (median ms of 15)")
-    print(f"{'size':>8} {'system shm':>11} {'CUDA shm':>9} {'CUDA/system':>12}")
-    for label, system, cuda in rows:
-        print(f"{label:>8} {system:11.3f} {cuda:9.3f} {cuda / system:12.2f}")
+    print(f"{'size':>8} {'system shm':>11} {'CUDA shm':>9} {'CUDA, GPU inputs':>17}")
+    for label, system, cuda, gpu in rows:
+        print(f"{label:>8} {system:11.3f} {cuda:9.3f} {gpu:17.3f}")
     return 0
 
 
-def _time(client, grpcclient, region: str, count: int, nbytes: int) -> float:
+def _time(client, grpcclient, model: str, region: str, count: int, nbytes: int) -> float:
     """Median milliseconds of one request whose input is at 0 and output at ``nbytes``."""
     given = grpcclient.InferInput("INPUT0", [count], "FP32")
     given.set_shared_memory(region, nbytes, offset=0)
@@ -84,7 +109,7 @@ def _time(client, grpcclient, region: str, count: int, nbytes: int) -> float:
     samples = []
     for index in range(WARMUP + TIMED):
         started = time.perf_counter()
-        client.infer("identity", [given], outputs=[wanted])
+        client.infer(model, [given], outputs=[wanted])
         if index >= WARMUP:
             samples.append((time.perf_counter() - started) * 1e3)
     return statistics.median(samples)

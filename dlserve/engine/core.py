@@ -136,7 +136,7 @@ class Engine:
         self.regions = SystemRegions(
             self.space, SEGMENT_NAMESPACE, on_forget=lambda name: self.segments_gone([name])
         )
-        self.cuda_regions = CudaRegions()
+        self.cuda_regions = CudaRegions(on_forget=self.segments_gone)
         self.tracer = Tracer(settings.trace, self._knows)
         size = settings.response_cache_bytes
         self.response_cache = ResponseCache(size) if size else None
@@ -188,6 +188,7 @@ class Engine:
             host=self,
             environments=self.environments,
             gpu_count=self.gpu_count,
+            cuda_regions=self.cuda_regions,
             backend_directory=s.backend_directory,
             response_cache=self.response_cache,
             rate_limiter=self.rate_limiter,

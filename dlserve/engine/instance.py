@@ -38,7 +38,6 @@ from dlserve.errors import ErrorCode, InternalError, TritonError, UnavailableErr
 from dlserve.ipc.channel import WorkerGoneError
 from dlserve.ipc.protocol import STREAMED, Kind, Message
 from dlserve.ipc.supervisor import WorkerProcess
-from dlserve.memory.dtypes import DataType
 from dlserve.memory.tensor import Tensor
 from dlserve.pb_utils.logger import PYTHON_LEVELS, LogLevel
 
@@ -167,6 +166,7 @@ class ModelInstance:
             arena_growth_bytes=resources.worker_arena_growth_bytes,
             space=resources.space,
             arena=resources.arena,
+            cuda=resources.cuda_regions,
             on_message=self._on_worker_message,
             on_exit=lambda description: self._on_worker_exit(worker, description),
             on_segments_gone=resources.host.segments_gone,
@@ -376,7 +376,7 @@ class ModelInstance:
                     model.output_names if r.requested_outputs is None else r.requested_outputs,
                     [out.add(name, tensor) for name, tensor in r.inputs.items()],
                     None if not r.output_buffers else [
-                        out.add(name, Tensor(DataType.UINT8, view.shape, data=view), by_reference=True)
+                        out.add(name, Tensor.of_bytes(view), by_reference=True)
                         for name, view in r.output_buffers.items()
                     ],
                     0 if r.trace is None else r.trace.for_worker(),  # for BLS calls, get_context()

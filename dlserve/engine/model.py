@@ -28,6 +28,7 @@ from dlserve.engine.statistics import ModelStatistics
 from dlserve.errors import TritonError
 from dlserve.ipc.environments import Environments, ExecutionEnvironment
 from dlserve.memory.arena import Arena, MemorySpace
+from dlserve.memory.cuda_regions import IpcTable
 from dlserve.memory.dtypes import DataType
 
 log = logging.getLogger("dlserve.engine")
@@ -55,6 +56,7 @@ class EngineResources:
     host: Host  # the engine, for the calls models make (BLS, model control)
     environments: Environments  # EXECUTION_ENV_PATH environments, unpacked once
     gpu_count: int = 0
+    cuda_regions: IpcTable | None = None  # clients' CUDA regions, which workers are referred into
     backend_directory: str = DEFAULT_BACKEND_DIRECTORY  # where Python-based backends are
     serial: int = 0
     response_cache: ResponseCache | None = None  # the server's, if it has one

@@ -175,7 +175,8 @@ class DataPlane:
         count = math.prod(shape)
         if spec.shm is not None:
             self._check_shm_allowed()
-            return _from_bytes(spec.name, model_name, data_type, shape, count, self._shm_input(spec.shm), label)
+            raw = self._shm_bytes(spec.shm)
+            return _from_bytes(spec.name, model_name, data_type, shape, count, raw, label)
         if spec.raw is not None:
             raw = spec.raw if isinstance(spec.raw, np.ndarray) else np.frombuffer(spec.raw, dtype=np.uint8)
             return _from_bytes(spec.name, model_name, data_type, shape, count, raw, label)
@@ -252,28 +253,22 @@ class DataPlane:
                 if ref is None:
                     continue
                 self._check_shm_allowed()
-                if ref.region in self.engine.cuda_regions:  # (copied there by finished())
-                    self.engine.cuda_regions.check(ref.region, ref.offset, ref.byte_size)
-                else:
-                    buffers[output.name] = self.engine.regions.view(ref.region, ref.offset, ref.byte_size)
+                buffers[output.name] = self._shm_bytes(ref)
             request.output_buffers = buffers or None
         return request
 
-    def _shm_input(self, ref: ShmRef) -> np.ndarray:
-        """An input's bytes in a client's region: a view of a system region's, or a copy
-        of a CUDA region's in the server's shared memory (once, on its way to the model)."""
-        if ref.region not in self.engine.cuda_regions:
-            return self.engine.regions.view(ref.region, ref.offset, ref.byte_size)
-        self.engine.cuda_regions.check(ref.region, ref.offset, ref.byte_size)
-        host = self.engine.allocate([ref.byte_size], DataType.UINT8).storage()
-        self.engine.cuda_regions.read(ref.region, ref.offset, host)
-        return host
+    def _shm_bytes(self, ref: ShmRef) -> Any:
+        """The bytes a reference names in a client's region: a view of a system region's
+        shared memory, or of a CUDA region's device memory (no copy either way)."""
+        if ref.region in self.engine.cuda_regions:
+            return self.engine.cuda_regions.region_view(ref.region, ref.offset, ref.byte_size)
+        return self.engine.regions.view(ref.region, ref.offset, ref.byte_size)
 
     def finished(self, response: Response, outputs: Iterable[OutputSpec]) -> Response:
         """``response`` (a successful one) as its client gets it: each output asked for as
-        a classification replaced by its top entries, and those bound for a CUDA region
-        copied there; raises TritonError where one does not fit its region, or the region
-        went away."""
+        a classification replaced by its top entries, and any bound for a CUDA region that
+        is not there yet (a worker writes its outputs there itself; a cached response does
+        not) copied there; raises TritonError where one does not fit, or the region went."""
         outputs = list(outputs)
         response = self._classified(response, outputs)
         to_cuda = [
@@ -288,8 +283,7 @@ class DataPlane:
             assert ref is not None
             if tensor.size > ref.byte_size:
                 raise InvalidArgumentError(output_too_small(spec.name, ref.byte_size, tensor.size))
-            data = tensor.storage().reshape(-1).view(np.uint8)
-            self.engine.cuda_regions.write(ref.region, ref.offset, data)
+            tensor.write_into(self.engine.cuda_regions.region_view(ref.region, ref.offset, ref.byte_size))
         return response
 
     def _classified(self, response: Response, outputs: list[OutputSpec]) -> Response:
@@ -386,18 +380,22 @@ def _from_bytes(
     data_type: DataType,
     shape: tuple[int, ...],
     count: int,
-    raw: np.ndarray,
+    raw: Any,
     label: str,
 ) -> Tensor:
+    """A tensor over ``raw``: host bytes, or a CUDA region's device bytes (a GPU tensor;
+    BYTES ones are copied to host, where they are decoded)."""
+    on_device = not isinstance(raw, np.ndarray)
     if data_type is DataType.BYTES:
-        return Tensor(data_type, shape, data=raw)
+        return Tensor(data_type, shape, data=raw.get() if on_device else raw)
     expected = count * data_type.itemsize
     if raw.nbytes != expected:
         raise InvalidArgumentError(
             f"{label}input byte size mismatch for input '{name}' for model '{model_name}'. "
             f"Expected {expected}, got {raw.nbytes}"
         )
-    return Tensor(data_type, shape, data=raw.view(data_type.storage_dtype).reshape(shape))
+    typed = raw.view(data_type.storage_dtype).reshape(shape)
+    return Tensor(data_type, shape, device_array=typed) if on_device else Tensor(data_type, shape, data=typed)
 
 
 def _unset(response: Response) -> None:  # pragma: no cover - replaced before submit

@@ -36,6 +36,8 @@ from dlserve.ipc.protocol import STACKS_SIGNAL, STREAMED, Kind
 from dlserve.ipc.runtime import WorkerRuntime, current_handles, encode_response
 from dlserve.ipc.tensors import Peer
 from dlserve.memory.arena import Arena, MemorySpace
+from dlserve.memory.cuda_regions import IpcImports
+from dlserve.memory.tensor import MemoryType
 from dlserve.pb_utils import _runtime
 from dlserve.pb_utils.helpers import using_decoupled_model_transaction_policy
 from dlserve.pb_utils.inference import InferenceRequest, InferenceResponse
@@ -100,6 +102,13 @@ def load_module(model_file: str, model_path: str) -> ModuleType:
     if not hasattr(module, "TritonPythonModel"):
         raise ModelFailure(f"{model_file} does not define class TritonPythonModel")
     return module
+
+
+def forces_cpu_inputs(config: dict[str, Any]) -> bool:
+    """Whether the model takes its inputs in host memory only: Triton's
+    ``FORCE_CPU_ONLY_INPUT_TENSORS`` parameter, "yes" unless it says no."""
+    value = config.get("parameters", {}).get("FORCE_CPU_ONLY_INPUT_TENSORS", {}).get("string_value", "yes")
+    return value.strip().lower() not in ("no", "false", "off", "0")
 
 
 def select_device(device_id: int) -> None:
@@ -201,6 +210,7 @@ class Worker:
                 elif kind == Kind.RETIRE:
                     for name in body:
                         self.peer.space.forget_segment(name)
+                    self.peer.forget_cuda(body)
                 elif kind == Kind.FINALIZE:
                     self._finalize()
                     self.channel.reply(corr, None)
@@ -243,6 +253,7 @@ class Worker:
         config = json.loads(args["model_config"])
         self.decoupled = using_decoupled_model_transaction_policy(config)
         self.sequence_batched = "sequence_batching" in config
+        self.peer.device_inputs = not forces_cpu_inputs(config)
         if args["model_instance_kind"] == "GPU":
             select_device(int(args["model_instance_device_id"]))
         module = load_module(body["model_file"], body["model_path"])
@@ -336,7 +347,8 @@ class Worker:
             destinations = {}
             for buffer in buffers:
                 name, tensor = self.peer.import_(buffer, shared=True)
-                destinations[name] = tensor.storage()
+                on_device = tensor.memory_type is MemoryType.GPU  # (a client's CUDA region)
+                destinations[name] = tensor.device_array if on_device else tensor.storage()
         exchange = self.runtime.exchange(handle, requested, destinations, self.decoupled)
         return InferenceRequest._received(
             inputs, requested, request_id, correlation_id, flags, timeout, parameters, exchange,
@@ -530,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
         growth_size=args.arena_growth_bytes,
         on_retire=lambda name: channel.send(Kind.RETIRE, 0, [name]),
     )
-    peer = Peer(space, arena, channel.queue_releases, copy_on_write=True)
+    peer = Peer(space, arena, channel.queue_releases, copy_on_write=True, cuda=IpcImports())
     runtime = WorkerRuntime(channel, peer, arena, args.instance_name)
     _runtime.install(runtime)
     os.register_at_fork(after_in_child=_runtime.forked)

@@ -38,6 +38,7 @@ from dlserve.ipc.protocol import STACKS_SIGNAL, Kind, Message
 from dlserve.ipc.stacks import DUMP_END, THREADS_LEFT_OUT, model_frames
 from dlserve.ipc.tensors import Peer
 from dlserve.memory.arena import Arena, MemorySpace
+from dlserve.memory.cuda_regions import IpcTable
 from dlserve.memory.shm import SHM_DIR
 
 log = logging.getLogger("dlserve.worker")
@@ -164,6 +165,7 @@ class WorkerProcess:
         space: MemorySpace,
         arena: Arena,
         on_message: Callable[[Message], None],
+        cuda: IpcTable | None = None,
         on_exit: Callable[[str], None],
         environment: ExecutionEnvironment | None = None,
         poll_us: int = 0,
@@ -179,6 +181,7 @@ class WorkerProcess:
         self._arena_growth_bytes = arena_growth_bytes or arena_bytes
         self._space = space
         self._arena = arena
+        self._cuda = cuda
         self._on_message = on_message
         self._on_exit = on_exit
         self._on_segments_gone = on_segments_gone
@@ -275,7 +278,7 @@ class WorkerProcess:
             self.process.kill()
             raise
         self.channel = channel
-        self.peer = Peer(self._space, self._arena, channel.queue_releases)
+        self.peer = Peer(self._space, self._arena, channel.queue_releases, cuda=self._cuda)
         channel.on_release = self.peer.release
         channel.on_retire = self._retired
 

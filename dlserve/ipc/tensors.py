@@ -43,6 +43,7 @@ import numpy as np
 
 from dlserve.errors import InternalError, InvalidArgumentError
 from dlserve.memory.arena import ALIGNMENT, Anchor, Arena, MemorySpace
+from dlserve.memory.cuda_regions import CudaRef, IpcTable, is_cuda_ref
 from dlserve.memory.dtypes import DataType
 from dlserve.memory.shm import is_client_object, written
 from dlserve.memory.tensor import MemoryType, Tensor
@@ -103,13 +104,17 @@ def _tensor(name: str, dtype: int, shape: tuple[int, ...], raw: np.ndarray) -> T
     data_type = _DATA_TYPES[dtype]
     if data_type is DataType.BYTES:
         return Tensor(data_type, shape, data=raw)
+    _check_size(name, data_type, shape, raw.nbytes)
+    return Tensor(data_type, shape, data=raw.view(data_type.storage_dtype).reshape(shape))
+
+
+def _check_size(name: str, data_type: DataType, shape: tuple[int, ...], nbytes: int) -> None:
     expected = math.prod(shape) * data_type.itemsize
-    if expected != raw.nbytes:
+    if expected != nbytes:
         raise InternalError(
-            f"tensor '{name}' has {raw.nbytes} bytes, but shape {list(shape)} of "
+            f"tensor '{name}' has {nbytes} bytes, but shape {list(shape)} of "
             f"{data_type.name} needs {expected}"
         )
-    return Tensor(data_type, shape, data=raw.view(data_type.storage_dtype).reshape(shape))
 
 
 class Peer:
@@ -126,8 +131,14 @@ class Peer:
         arena: Arena,
         send_releases: Callable[[list[int]], None],
         copy_on_write: bool = False,
+        cuda: IpcTable | None = None,
     ) -> None:
+        """``cuda``: the CUDA IPC mappings references may name (clients' CUDA regions)."""
         self.space = space
+        self.cuda = cuda
+        # Whether imported references into CUDA memory stay device tensors (a worker whose
+        # model takes GPU inputs: FORCE_CPU_ONLY_INPUT_TENSORS "no") or are copied to host.
+        self.device_inputs = True
         self.arena = arena
         self._send_releases = send_releases
         self._copy_on_write = copy_on_write
@@ -142,8 +153,13 @@ class Peer:
 
         ``by_reference`` forces a reference even for a tiny tensor: for memory the
         peer must write into, or must recognise as memory it handed out. A GPU
-        tensor's bytes are copied once, from the device straight into our arena.
+        tensor in a CUDA IPC mapping both know goes by reference; any other's bytes
+        are copied once, from the device straight into our arena.
         """
+        if tensor.memory_type is MemoryType.GPU and self.cuda is not None:
+            ref = self.cuda.locate(tensor.device_array)
+            if ref is not None:
+                return (name, int(tensor.data_type), tensor.shape, ref)
         if tensor.memory_type is MemoryType.GPU and (tensor.size > INLINE_MAX or by_reference):
             anchor = self.arena.allocate(tensor.size)
             tensor.write_into(np.frombuffer(anchor, dtype=np.uint8))
@@ -203,6 +219,8 @@ class Peer:
         name, dtype, shape, ref = wire
         if type(ref) is bytes:
             return name, _tensor(name, dtype, shape, self._slab.copy(ref))
+        if is_cuda_ref(ref):
+            return name, self._import_cuda(name, dtype, shape, ref, shared)
         raw, _ = self._import_ref(ref, shared)
         return name, _tensor(name, dtype, shape, raw)
 
@@ -244,6 +262,28 @@ class Peer:
         start = offset - held.offset
         return np.frombuffer(held, dtype=np.uint8)[start : start + nbytes], nbytes
 
+    def _import_cuda(
+        self, name: str, dtype: int, shape: tuple[int, ...], ref: CudaRef, shared: bool
+    ) -> Tensor:
+        """A reference into a CUDA mapping: a device tensor over it, or (an input of a
+        model that takes host inputs) its bytes copied once into our arena."""
+        if self.cuda is None:
+            raise InternalError(f"tensor '{name}' refers to CUDA memory, which is not shared here")
+        view = self.cuda.view(ref)
+        data_type = _DATA_TYPES[dtype]
+        if data_type is not DataType.BYTES:
+            _check_size(name, data_type, shape, int(view.nbytes))
+            view = view.view(data_type.storage_dtype).reshape(shape)
+        tensor = Tensor(data_type, shape, device_array=view)
+        if shared or self.device_inputs:
+            return tensor
+        return tensor.write_into(np.frombuffer(self.arena.allocate(tensor.size), dtype=np.uint8))
+
+    def forget_cuda(self, keys: list[str]) -> None:
+        """These CUDA mappings are gone (their regions unregistered): close ours."""
+        if self.cuda is not None:
+            self.cuda.forget(keys)
+
     def _returned(self, lease: int) -> None:
         if not self.closed:
             self._send_releases([lease])
@@ -251,7 +291,7 @@ class Peer:
 
 def _leases(wires: list[WireTensor]) -> list[int]:
     """The lease ids of wire tensors (inline ones and memory handed back have none)."""
-    return [wire[3][3] for wire in wires if type(wire[3]) is not bytes and wire[3][3]]
+    return [wire[3][3] for wire in wires if type(wire[3]) is not bytes and len(wire[3]) == 4 and wire[3][3]]
 
 
 class Exports:

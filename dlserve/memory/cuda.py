@@ -24,7 +24,7 @@ from dlserve.memory.dtypes import FROM_DLPACK_TYPE, KDL_BFLOAT, KDL_UINT, DataTy
 
 IPC_HANDLE_SIZE = 64  # sizeof(cudaIpcMemHandle_t)
 _HOST_TO_DEVICE = 1  # cudaMemcpyKind
-_DEVICE_TO_HOST = 2
+_DEVICE_TO_DEVICE = 3
 _LEGACY_DEFAULT_STREAM = 1  # what DLPack's stream argument calls CUDA's legacy default stream
 
 
@@ -77,7 +77,9 @@ def import_device_array(obj: Any) -> tuple[Any, DataType]:
     code, bits, lanes = capsule_dtype(capsule)
     data_type = FROM_DLPACK_TYPE.get((code, bits)) if lanes == 1 else None
     if data_type is None:
-        raise InvalidArgumentError(f"DLPack dtype (code {code}, {bits} bits, {lanes} lanes) has no Triton data type")
+        raise InvalidArgumentError(
+            f"DLPack dtype (code {code}, {bits} bits, {lanes} lanes) has no Triton data type"
+        )
     if data_type is DataType.BF16:
         set_dtype_code(capsule, KDL_UINT)
     try:
@@ -118,11 +120,33 @@ def address_of(array: Any) -> int:
     return int(array.data.ptr)
 
 
+def is_device_array(obj: Any) -> bool:
+    """Whether ``obj`` is device memory (a cupy array) rather than a numpy array."""
+    return hasattr(obj, "__cuda_array_interface__")
+
+
+def copy_into_device(destination: Any, source: Any) -> None:
+    """``source`` (host memory, contiguous, or a device array) into the device array
+    ``destination`` of at least its size, finished before this returns: another process
+    (a client reading its region) may look at it next."""
+    cupy = _cupy()
+    with cupy.cuda.Device(device_of_array(destination)):
+        if is_device_array(source):
+            nbytes = int(source.nbytes)
+            cupy.cuda.runtime.memcpy(address_of(destination), address_of(source), nbytes, _DEVICE_TO_DEVICE)
+        else:
+            nbytes = int(source.nbytes)
+            cupy.cuda.runtime.memcpy(address_of(destination), source.ctypes.data, nbytes, _HOST_TO_DEVICE)
+        cupy.cuda.runtime.deviceSynchronize()
+
+
 class IpcMemory:
     """Device memory another process shared through a ``cudaIpcMemHandle`` (a client's
-    CUDA shared-memory region), opened once and read or written by byte range."""
+    CUDA shared-memory region of ``size`` bytes), opened once and seen through
+    :meth:`view`. ``key`` names it to the processes that open the same handle (the
+    server and its workers)."""
 
-    def __init__(self, raw_handle: bytes, device_id: int) -> None:
+    def __init__(self, key: str, raw_handle: bytes, device_id: int, size: int) -> None:
         cupy = _cupy()
         if len(raw_handle) != IPC_HANDLE_SIZE:
             raise InvalidArgumentError(
@@ -132,35 +156,37 @@ class IpcMemory:
             raise InvalidArgumentError(
                 f"GPU {device_id} does not exist (this machine has {device_count()})"
             )
+        self.key = key
+        self.raw_handle = bytes(raw_handle)
         self.device_id = device_id
-        self._runtime = cupy.cuda.runtime
-        self._device = cupy.cuda.Device(device_id)
-        with self._device:
+        self.size = size
+        self._cupy = cupy
+        with cupy.cuda.Device(device_id):
             try:
-                self.address: int | None = int(self._runtime.ipcOpenMemHandle(bytes(raw_handle)))
+                self.address: int | None = int(cupy.cuda.runtime.ipcOpenMemHandle(self.raw_handle))
             except cupy.cuda.runtime.CUDARuntimeError as exc:
                 raise InvalidArgumentError(f"failed to open CUDA IPC handle: {exc}") from None
 
-    def read(self, offset: int, out: np.ndarray) -> None:
-        """``out.nbytes`` bytes from ``offset`` into ``out`` (contiguous host memory)."""
-        self._copy(out.ctypes.data, self._at(offset), out.nbytes, _DEVICE_TO_HOST)
-
-    def write(self, offset: int, data: np.ndarray) -> None:
-        """``data`` (contiguous host memory) to ``offset``."""
-        self._copy(self._at(offset), data.ctypes.data, data.nbytes, _HOST_TO_DEVICE)
-
-    def _at(self, offset: int) -> int:
+    def view(self, offset: int, nbytes: int) -> Any:
+        """``nbytes`` at ``offset`` as a uint8 device array, which keeps this mapping's
+        object alive (closing the mapping still ends it: see :meth:`close`)."""
         if self.address is None:
-            raise InvalidArgumentError("the CUDA shared memory region was closed")
-        return self.address + offset
+            raise InvalidArgumentError("the CUDA shared memory region was unregistered")
+        cupy = self._cupy
+        memory = cupy.cuda.UnownedMemory(self.address + offset, nbytes, self, self.device_id)
+        return cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(memory, 0))
 
-    def _copy(self, destination: int, source: int, nbytes: int, kind: int) -> None:
-        if nbytes:
-            with self._device:
-                self._runtime.memcpy(destination, source, nbytes, kind)
+    def offset_of(self, array: Any) -> int | None:
+        """Where the device array ``array`` starts in this memory, if it lies wholly in it."""
+        if self.address is None:
+            return None
+        offset = address_of(array) - self.address
+        return offset if 0 <= offset and offset + int(array.nbytes) <= self.size else None
 
     def close(self) -> None:
+        """Unmap. A view still alive then must not be touched: a region in use is the
+        client's to keep registered until its requests are answered, as in Triton."""
         if self.address is not None:
             address, self.address = self.address, None
-            with self._device:
-                self._runtime.ipcCloseMemHandle(address)
+            with self._cupy.cuda.Device(self.device_id):
+                self._cupy.cuda.runtime.ipcCloseMemHandle(address)

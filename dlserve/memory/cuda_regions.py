@@ -2,42 +2,99 @@
 
 A client allocates device memory, registers its ``cudaIpcMemHandle`` as ``(name,
 raw handle, device id, byte_size)``, and points inputs and outputs at ``(region,
-offset, size)``. The server opens the handle once, at registration, and closes it
+offset, size)``. The server opens the handle once, at registration, and so does each
+worker that is sent a reference into the region (:class:`IpcImports`); both close it
 when the region is unregistered (or the server stops).
 
-Inputs are copied from the region into host shared memory once, on their way to the
-model, and outputs from host memory into the region once, when the response is
-made: models see their inputs in host memory, as Triton's Python backend gives them by
-default (``FORCE_CPU_ONLY_INPUT_TENSORS``). Every reference is checked against the
-region's size, in the words of :func:`dlserve.memory.regions.check_reference`.
+Nothing here copies: an input in a region becomes a device array over the client's
+memory, which travels to the worker as a reference (:data:`CudaRef`) and reaches the
+model on the GPU when its config says ``FORCE_CPU_ONLY_INPUT_TENSORS: "no"``, or copied
+once into host memory by the worker otherwise (Triton's default). A worker writes an
+output bound for a region straight into it (from the device, or from host memory) and
+refers to it in its response. Every reference is checked against the region's size, in
+the words of :func:`dlserve.memory.regions.check_reference`.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 from typing import Any
 
-import numpy as np
-
-from dlserve.errors import (
-    AlreadyExistsError,
-    InvalidArgumentError,
-    NotFoundError,
-    UnsupportedError,
-)
+from dlserve.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError, UnsupportedError
 from dlserve.memory.cuda import IpcMemory, cuda_problem
 from dlserve.memory.regions import check_reference
 
+# A reference into a region on the wire: ("cuda", key, raw handle, device id, region
+# size, offset, nbytes); told from a host reference (4 items) by its length.
+CudaRef = tuple[str, str, bytes, int, int, int, int]
+CUDA_REF_LENGTH = 7
 
-class CudaRegions:
-    """The registry of client CUDA shared-memory regions of one server."""
+
+def is_cuda_ref(ref: Any) -> bool:
+    return type(ref) is tuple and len(ref) == CUDA_REF_LENGTH
+
+
+class IpcTable:
+    """The IPC mappings of one process by key, and the references into them."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._regions: dict[str, tuple[IpcMemory, int]] = {}  # name -> (memory, byte size)
+        self._memories: dict[str, IpcMemory] = {}
+
+    def locate(self, array: Any) -> CudaRef | None:
+        """A reference to the device array ``array``, if it lies in a mapping here."""
+        with self._lock:
+            memories = list(self._memories.values())
+        for memory in memories:
+            offset = memory.offset_of(array)
+            if offset is not None:
+                return ("cuda", memory.key, memory.raw_handle, memory.device_id, memory.size,
+                        offset, int(array.nbytes))
+        return None
+
+    def view(self, ref: CudaRef) -> Any:
+        """The device array a reference means (uint8)."""
+        _, key, raw_handle, device_id, size, offset, nbytes = ref
+        return self._memory(key, raw_handle, device_id, size).view(offset, nbytes)
+
+    def _memory(self, key: str, raw_handle: bytes, device_id: int, size: int) -> IpcMemory:
+        with self._lock:
+            memory = self._memories.get(key)
+        if memory is None:
+            raise InvalidArgumentError("the CUDA shared memory region was unregistered")
+        return memory
+
+    def forget(self, keys: list[str]) -> None:
+        with self._lock:
+            gone = [self._memories.pop(key) for key in keys if key in self._memories]
+        for memory in gone:
+            memory.close()
+
+
+class IpcImports(IpcTable):
+    """A worker's: a mapping is opened the first time a reference names it."""
+
+    def _memory(self, key: str, raw_handle: bytes, device_id: int, size: int) -> IpcMemory:
+        with self._lock:
+            memory = self._memories.get(key)
+            if memory is None:
+                memory = self._memories[key] = IpcMemory(key, raw_handle, device_id, size)
+        return memory
+
+
+class CudaRegions(IpcTable):
+    """The registry of client CUDA shared-memory regions of one server. ``on_forget(keys)``
+    is told of unregistered regions, so that workers close their mappings too."""
+
+    def __init__(self, on_forget: Any = lambda keys: None) -> None:
+        super().__init__()
+        self._names: dict[str, str] = {}  # region name -> key
+        self._keys = (f"cuda:{n}" for n in itertools.count())  # (no shared-memory key has a colon)
+        self._on_forget = on_forget
 
     def __contains__(self, name: object) -> bool:
-        return name in self._regions
+        return name in self._names
 
     def register(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
         problem = cuda_problem()
@@ -53,53 +110,41 @@ class CudaRegions:
                 f"failed to register CUDA shared memory region '{name}': byte_size must be > 0"
             )
         with self._lock:
-            if name in self._regions:
+            if name in self._names:
                 raise AlreadyExistsError(f"shared memory region '{name}' already in manager")
+            key = next(self._keys)
             try:
-                memory = IpcMemory(raw_handle, device_id)
+                memory = IpcMemory(key, raw_handle, device_id, byte_size)
             except InvalidArgumentError as exc:
                 raise InvalidArgumentError(
                     f"failed to register CUDA shared memory region '{name}': {exc}"
                 ) from None
-            self._regions[name] = (memory, byte_size)
+            self._names[name] = key
+            self._memories[key] = memory
 
     def unregister(self, name: str | None = None) -> None:
         """Forget one region (``name``) or all; unknown names are no error (as Triton)."""
         with self._lock:
-            names = list(self._regions) if name is None else [name]
-            removed = [self._regions.pop(n) for n in names if n in self._regions]
-        for memory, _ in removed:
-            memory.close()
+            names = list(self._names) if name is None else [name]
+            keys = [self._names.pop(n) for n in names if n in self._names]
+        self.forget(keys)
+        if keys:
+            self._on_forget(keys)
 
     def status(self, name: str | None = None) -> list[dict[str, Any]]:
         with self._lock:
-            if name is None:
-                found = sorted(self._regions.items())
-            elif name in self._regions:
-                found = [(name, self._regions[name])]
-            else:
+            if name is not None and name not in self._names:
                 raise NotFoundError(f"Unable to find cuda shared memory region: '{name}'")
-        return [
-            {"name": n, "device_id": memory.device_id, "byte_size": size} for n, (memory, size) in found
-        ]
+            names = sorted(self._names) if name is None else [name]
+            found = [(n, self._memories[self._names[n]]) for n in names]
+        return [{"name": n, "device_id": m.device_id, "byte_size": m.size} for n, m in found]
 
-    def check(self, name: str, offset: int, byte_size: int) -> None:
-        """Raise unless ``[offset, offset + byte_size)`` lies inside region ``name``."""
-        self._region(name, offset, byte_size)
-
-    def read(self, name: str, offset: int, out: np.ndarray) -> None:
-        """``out.nbytes`` bytes at ``offset`` of region ``name`` into ``out`` (host memory)."""
-        self._region(name, offset, out.nbytes).read(offset, out)
-
-    def write(self, name: str, offset: int, data: np.ndarray) -> None:
-        """``data`` (contiguous host memory) into region ``name`` at ``offset``."""
-        self._region(name, offset, data.nbytes).write(offset, data)
-
-    def _region(self, name: str, offset: int, byte_size: int) -> IpcMemory:
+    def region_view(self, name: str, offset: int, byte_size: int) -> Any:
+        """``byte_size`` bytes at ``offset`` inside region ``name``, as a uint8 device array."""
         with self._lock:
-            found = self._regions.get(name)
-        if found is None:
+            key = self._names.get(name)
+            memory = None if key is None else self._memories.get(key)
+        if memory is None:
             raise NotFoundError(f"Unable to find shared memory region: '{name}'")
-        memory, size = found
-        check_reference(name, offset, byte_size, size)
-        return memory
+        check_reference(name, offset, byte_size, memory.size)
+        return memory.view(offset, byte_size)

@@ -245,6 +245,13 @@ class Tensor:
         return cls(data_type, array.shape, data=array)
 
     @classmethod
+    def of_bytes(cls, view: Any) -> Tensor:
+        """A UINT8 tensor over a flat byte view, of host or of device memory."""
+        if cuda.is_device_array(view):
+            return cls(DataType.UINT8, view.shape, device_array=view)
+        return cls(DataType.UINT8, view.shape, data=view)
+
+    @classmethod
     def from_bytes_array(cls, values: Any) -> Tensor:
         """A BYTES tensor of these elements, held as ``bytes`` (str encoded as UTF-8, anything
         else as its ``str``), so that ``to_bytes_array`` gives bytes back, as tritonserver's."""
@@ -298,7 +305,7 @@ class Tensor:
         """The bytes as a C-contiguous array (BYTES: encoded, flat uint8); a GPU
         tensor's copied to host memory once."""
         if self._data is None and self._device is not None:
-            host = np.empty(self._device.shape, dtype=self.data_type.storage_dtype)
+            host = np.empty(self._device.shape, dtype=self._device.dtype)
             cuda.copy_to_host(self._device, host)
             self._data = host
         if self._data is None:
@@ -322,14 +329,16 @@ class Tensor:
                 f"needs {expected} bytes, got {self.size}"
             )
 
-    def write_into(self, buffer: np.ndarray) -> Tensor:
+    def write_into(self, buffer: Any) -> Tensor:
         """This tensor's bytes placed at the start of ``buffer`` (a uint8 view of shared
-        memory): copied there unless already there (a GPU tensor's: straight from the
-        device). Raises DestinationTooSmall if it is."""
+        memory, or of device memory): copied there unless already there, straight from
+        where they are (host or device). Raises DestinationTooSmall if it is too small."""
         nbytes = self.size
         if nbytes > buffer.nbytes:
-            raise DestinationTooSmall(nbytes, buffer.nbytes)
+            raise DestinationTooSmall(nbytes, int(buffer.nbytes))
         target = buffer[:nbytes]
+        if cuda.is_device_array(target):
+            return self._written_to_device(target)
         if self._device is not None and self._data is None:
             cuda.copy_to_host(self._device, target)
         elif target.__array_interface__["data"][0] != self.data_ptr:
@@ -338,6 +347,19 @@ class Tensor:
             return Tensor(self.data_type, self.shape, data=target)
         view = target.view(self.data_type.storage_dtype).reshape(self.shape)
         return Tensor(self.data_type, self.shape, data=view)
+
+    def _written_to_device(self, target: Any) -> Tensor:
+        source = self._device if self._device is not None else self.storage()
+        if self._device is None or cuda.address_of(target) != self.data_ptr:
+            cuda.copy_into_device(target, source.reshape(-1).view(np.uint8))
+        if self.data_type is not DataType.BYTES:
+            target = target.view(self.data_type.storage_dtype).reshape(self.shape)
+        return Tensor(self.data_type, self.shape, device_array=target)
+
+    @property
+    def device_array(self) -> Any:
+        """A GPU tensor's device array (cupy's); None for a host tensor."""
+        return self._device
 
     def allocated_by(self, allocator: MemoryAllocator, name: str) -> Tensor:
         """This tensor copied into memory ``allocator`` gives for the output ``name``."""

@@ -128,6 +128,49 @@ class TritonPythonModel:
 """
 
 
+# FORCE_CPU_ONLY_INPUT_TENSORS "no": an input in a client's CUDA region reaches the model on
+# the GPU, over the client's memory. Y is the input itself (sent back by reference), Z = X * 3
+# made with cupy; INFO says what the model saw, as GPU_MODEL's does.
+GPU_INPUTS_MODEL = """
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        import cupy
+
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X")
+            seen = {"input_is_cpu": x.is_cpu(), "device": list(x.__dlpack_device__()), "problems": []}
+            outputs = [pb_utils.Tensor.from_dlpack("Y", x)]
+            if x.is_cpu():
+                values = x.as_numpy()
+            else:
+                on_gpu = cupy.from_dlpack(x)
+                values = cupy.asnumpy(on_gpu)
+                outputs.append(pb_utils.Tensor.from_dlpack("Z", on_gpu * 3))
+            seen["values"] = values.tolist()
+            info = np.array([json.dumps(seen).encode()], dtype=np.object_)
+            outputs.append(pb_utils.Tensor("INFO", info))
+            responses.append(pb_utils.InferenceResponse(output_tensors=outputs))
+        return responses
+"""
+GPU_INPUTS_CONFIG = """
+backend: "python"
+input [ { name: "X" data_type: TYPE_FP32 dims: [ -1 ] } ]
+output [
+  { name: "Y" data_type: TYPE_FP32 dims: [ -1 ] },
+  { name: "Z" data_type: TYPE_FP32 dims: [ -1 ] },
+  { name: "INFO" data_type: TYPE_STRING dims: [ 1 ] }
+]
+parameters { key: "FORCE_CPU_ONLY_INPUT_TENSORS" value: { string_value: "no" } }
+"""
+
+
 def gpu_model_config(kind: str) -> str:
     group = "kind: KIND_GPU gpus: [ 0 ]" if kind == "GPU" else "kind: KIND_CPU"
     return (
@@ -153,6 +196,9 @@ def write_repo(repo: Path, kind_gpu: bool = True) -> Path:
         (repo / name / "1").mkdir(parents=True)
         (repo / name / "config.pbtxt").write_text(gpu_model_config(kind))
         (repo / name / "1" / "model.py").write_text(GPU_MODEL)
+    (repo / "gpu_inputs" / "1").mkdir(parents=True)
+    (repo / "gpu_inputs" / "config.pbtxt").write_text(GPU_INPUTS_CONFIG)
+    (repo / "gpu_inputs" / "1" / "model.py").write_text(GPU_INPUTS_MODEL)
     return repo
 
 
@@ -606,6 +652,43 @@ def test_a_kind_gpu_model_answers_into_a_cuda_region(
     np.testing.assert_array_equal(got[: len(X)], X * 2, err_msg="Y in the CUDA region")
     if info["torch"]:
         np.testing.assert_array_equal(got[len(X):], X + 1, err_msg="Z in the CUDA region")
+
+
+def test_a_model_taking_gpu_inputs_reads_and_answers_in_the_clients_regions(
+    client: Client, cudashm: Any, cuda_regions
+) -> None:
+    """FORCE_CPU_ONLY_INPUT_TENSORS "no": the input reaches the model on the GPU (the
+    worker's view of the client's region), the model returns it as it is into an output
+    region, and a GPU output made from it comes back over the wire."""
+    inputs = cuda_regions("gin", X.nbytes)
+    outputs = cuda_regions("gout", X.nbytes)
+    cudashm.set_shared_memory_region(inputs, [X])
+    x = client.fp32_input("X", [len(X)])
+    x.set_shared_memory("gin", X.nbytes)
+    y = client.output("Y")
+    y.set_shared_memory("gout", X.nbytes)
+    result = client.client.infer("gpu_inputs", [x], outputs=[y, client.output("Z"), client.output("INFO")])
+    info = read_info(result.as_numpy("INFO"))
+    assert info["input_is_cpu"] is False and info["device"] == [2, 0], info
+    assert info["values"] == X.tolist(), info
+    np.testing.assert_array_equal(cuda_floats(cudashm, outputs, len(X)), X, err_msg="Y in the region")
+    np.testing.assert_array_equal(result.as_numpy("Z"), X * 3, err_msg="Z over the wire")
+
+    # The same name registered again over other memory: the worker sees the new memory.
+    client.client.unregister_cuda_shared_memory("gin")
+    other = cuda_regions("gin", X.nbytes)
+    cudashm.set_shared_memory_region(other, [X + 100])
+    result = client.client.infer("gpu_inputs", [x], outputs=[client.output("INFO")])
+    assert read_info(result.as_numpy("INFO"))["values"] == (X + 100).tolist()
+
+
+def test_a_host_input_of_a_model_taking_gpu_inputs_stays_on_the_host(client: Client) -> None:
+    x = client.fp32_input("X", [len(X)])
+    x.set_data_from_numpy(X)
+    result = client.client.infer("gpu_inputs", [x], outputs=[client.output("Y"), client.output("INFO")])
+    info = read_info(result.as_numpy("INFO"))
+    assert info["input_is_cpu"] is True and info["values"] == X.tolist(), info
+    np.testing.assert_array_equal(result.as_numpy("Y"), X)
 
 
 def test_torch_in_the_model_matches_torch_here(client: Client) -> None:
