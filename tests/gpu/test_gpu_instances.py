@@ -73,3 +73,23 @@ def test_each_gpu_instance_runs_on_its_device(make_repo):
         assert "cuda_shared_memory" in server.metadata()["extensions"]  # (as Triton lists it)
     finally:
         harness.close()
+
+
+def test_gpu_metrics_describe_every_device(make_repo):
+    """nv_gpu_* gauges through NVML (nvidia-ml-py), one sample per device, labelled by UUID."""
+    pytest.importorskip("pynvml", reason="GPU metrics need nvidia-ml-py")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    harness = ServerHarness()
+    try:
+        server = harness.start(make_repo())
+        families = {f.name: f for f in text_string_to_metric_families(server.metrics())}
+        for name in ("nv_gpu_utilization", "nv_gpu_memory_total_bytes", "nv_gpu_memory_used_bytes",
+                     "nv_gpu_power_usage", "nv_gpu_power_limit"):
+            samples = families[name].samples
+            assert len(samples) == DEVICES, (name, samples)
+            assert all(s.labels["gpu_uuid"].startswith("GPU-") for s in samples), samples
+        assert all(s.value > 0 for s in families["nv_gpu_memory_total_bytes"].samples)
+        assert all(0 <= s.value <= 1 for s in families["nv_gpu_utilization"].samples)
+    finally:
+        harness.close()
