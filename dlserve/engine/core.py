@@ -512,11 +512,10 @@ class Engine:
             request.owner.cancel(request)
 
     def share(self, tensor: Tensor) -> Tensor:
-        """The tensor in shared memory: itself if already there, else a copy in the arena
-        (a GPU tensor's: straight from the device)."""
-        if tensor.memory_type is MemoryType.GPU and tensor.size > INLINE_MAX and self.arena is not None:
-            placed = self.allocate(list(tensor.shape), tensor.data_type)
-            return tensor.write_into(placed.storage().reshape(-1).view(np.uint8))
+        """The tensor in shared memory: itself if already there (or on a GPU: workers are
+        sent GPU tensors through device memory), else a copy in the arena."""
+        if tensor.memory_type is MemoryType.GPU:
+            return tensor
         data = tensor.storage()
         if data.nbytes <= INLINE_MAX or self.arena is None or self.space.locate(data) is not None:
             return tensor  # tiny tensors travel inline to workers anyway

@@ -96,14 +96,15 @@ Placement = Callable[[str, Tensor], Tensor]
 
 def output_placement(request: InferenceRequest) -> Placement | None:
     """Where each output of ``request``'s responses goes: into its allocator's memory,
-    onto the GPU its ``output_memory_type`` names, or (None) left where it is."""
+    into the memory its ``output_memory_type`` names (host, or a GPU), or (None) left
+    where the model made it."""
     allocator = request.output_memory_allocator
     if allocator is not None:
         return lambda name, tensor: tensor.allocated_by(allocator, name)
     where = request.output_memory_type
-    if not is_host_memory(where):
-        return lambda name, tensor: tensor.to_device(where)
-    return None
+    if where is None:
+        return None
+    return lambda name, tensor: tensor.to_device(where)
 
 
 class _Iterator:

@@ -35,7 +35,7 @@ from dlserve.errors import AlreadyExistsError, InvalidArgumentError
 from dlserve.frontends import classification
 from dlserve.memory.dtypes import DataType
 from dlserve.memory.regions import output_too_small
-from dlserve.memory.tensor import Tensor
+from dlserve.memory.tensor import MemoryType, Tensor
 
 # Request parameters Triton consumes itself instead of passing to the model. Its
 # documentation reserves "headers" and "binary_data_output" too, but Triton 2.51 hands
@@ -325,10 +325,11 @@ class DataPlane:
         if traced is not None and request.trace is not None:
             traced(request.trace)
         try:
-            return await future
+            response = await future
         except asyncio.CancelledError:
             self.engine.cancel(request)
             raise
+        return await _on_host(request, response)
 
     def stream(
         self, request: Request, traced: Callable[[Trace], None] | None = None
@@ -353,7 +354,7 @@ class DataPlane:
     ) -> AsyncGenerator[Response, None]:
         try:
             while True:
-                response = await responses.get()
+                response = await _on_host(request, await responses.get())
                 yield response
                 if response.final:
                     return
@@ -396,6 +397,21 @@ def _from_bytes(
         )
     typed = raw.view(data_type.storage_dtype).reshape(shape)
     return Tensor(data_type, shape, device_array=typed) if on_device else Tensor(data_type, shape, data=typed)
+
+
+async def _on_host(request: Request, response: Response) -> Response:
+    """``response`` with its GPU outputs (a model's torch or cupy tensors, sent by
+    reference through device memory) copied to host memory for the wire, on a thread of
+    their own rather than on the event loop; those bound for a client's CUDA region stay."""
+    bound = request.output_buffers or {}
+    moving = {
+        name: tensor for name, tensor in response.outputs.items()
+        if tensor.memory_type is MemoryType.GPU and name not in bound
+    }
+    if not moving:
+        return response
+    hosted = await asyncio.to_thread(lambda: {name: t.to_host() for name, t in moving.items()})
+    return dataclasses.replace(response, outputs={**response.outputs, **hosted})
 
 
 def _unset(response: Response) -> None:  # pragma: no cover - replaced before submit

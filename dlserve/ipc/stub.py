@@ -147,6 +147,7 @@ class Worker:
         self.instance_name = instance_name
         self.model: Any = None
         self.decoupled = False
+        self.host_inputs = True  # inputs in device memory copied to host (FORCE_CPU_ONLY_INPUT_TENSORS)
         self.sequence_batched = False
         self._loop = asyncio.new_event_loop()  # ``async def`` hooks of models with a sync execute
         self._model_loop: asyncio.AbstractEventLoop | None = None
@@ -253,7 +254,7 @@ class Worker:
         config = json.loads(args["model_config"])
         self.decoupled = using_decoupled_model_transaction_policy(config)
         self.sequence_batched = "sequence_batching" in config
-        self.peer.device_inputs = not forces_cpu_inputs(config)
+        self.host_inputs = forces_cpu_inputs(config)
         if args["model_instance_kind"] == "GPU":
             select_device(int(args["model_instance_device_id"]))
         module = load_module(body["model_file"], body["model_path"])
@@ -327,14 +328,14 @@ class Worker:
         """Each request's input tensors; a batch's inputs of one name are imported
         together (back to back in memory, see Peer.import_many)."""
         if len(body) == 1:
-            return [[Tensor(*self.peer.import_(wire)) for wire in body[0][7]]]
+            return [[Tensor(*self.peer.import_(wire, host=self.host_inputs)) for wire in body[0][7]]]
         by_name: dict[str, list[tuple[int, int, Any]]] = {}
         for index, request in enumerate(body):
             for position, wire in enumerate(request[7]):
                 by_name.setdefault(wire[0], []).append((index, position, wire))
         inputs: list[list[Any]] = [[None] * len(request[7]) for request in body]
         for group in by_name.values():
-            imported = self.peer.import_many([wire for _, _, wire in group])
+            imported = self.peer.import_many([wire for _, _, wire in group], host=self.host_inputs)
             for (index, position, _), (name, tensor) in zip(group, imported):
                 inputs[index][position] = Tensor(name, tensor)
         return inputs

@@ -43,7 +43,8 @@ import numpy as np
 
 from dlserve.errors import InternalError, InvalidArgumentError
 from dlserve.memory.arena import ALIGNMENT, Anchor, Arena, MemorySpace
-from dlserve.memory.cuda_regions import CudaRef, IpcTable, is_cuda_ref
+from dlserve.memory.cuda_pool import DevicePool
+from dlserve.memory.cuda_regions import CudaRef, IpcImports, IpcTable, is_cuda_ref
 from dlserve.memory.dtypes import DataType
 from dlserve.memory.shm import is_client_object, written
 from dlserve.memory.tensor import MemoryType, Tensor
@@ -133,12 +134,11 @@ class Peer:
         copy_on_write: bool = False,
         cuda: IpcTable | None = None,
     ) -> None:
-        """``cuda``: the CUDA IPC mappings references may name (clients' CUDA regions)."""
+        """``cuda``: the mappings of clients' CUDA regions that references may name."""
         self.space = space
         self.cuda = cuda
-        # Whether imported references into CUDA memory stay device tensors (a worker whose
-        # model takes GPU inputs: FORCE_CPU_ONLY_INPUT_TENSORS "no") or are copied to host.
-        self.device_inputs = True
+        self.pool = DevicePool()  # our GPU tensors for the peer (used only once one is sent)
+        self.pool_imports = IpcImports()  # the peer's (and others') pools, opened as named
         self.arena = arena
         self._send_releases = send_releases
         self._copy_on_write = copy_on_write
@@ -156,17 +156,8 @@ class Peer:
         tensor in a CUDA IPC mapping both know goes by reference; any other's bytes
         are copied once, from the device straight into our arena.
         """
-        if tensor.memory_type is MemoryType.GPU and self.cuda is not None:
-            ref = self.cuda.locate(tensor.device_array)
-            if ref is not None:
-                return (name, int(tensor.data_type), tensor.shape, ref)
-        if tensor.memory_type is MemoryType.GPU and (tensor.size > INLINE_MAX or by_reference):
-            anchor = self.arena.allocate(tensor.size)
-            tensor.write_into(np.frombuffer(anchor, dtype=np.uint8))
-            lease = next(self._leases)
-            self._granted[lease] = anchor
-            ref = (anchor.segment.name, anchor.offset, tensor.size, lease)
-            return (name, int(tensor.data_type), tensor.shape, ref)
+        if tensor.memory_type is MemoryType.GPU:
+            return (name, int(tensor.data_type), tensor.shape, self._device_ref(tensor))
         data = tensor.storage()
         nbytes = data.nbytes
         if nbytes <= INLINE_MAX and not by_reference:
@@ -188,6 +179,30 @@ class Peer:
             lease = next(self._leases)
             self._granted[lease] = anchor
         return (name, int(tensor.data_type), tensor.shape, (anchor.segment.name, offset, nbytes, lease))
+
+    def _device_ref(self, tensor: Tensor) -> CudaRef:
+        """A GPU tensor by reference, however small (so that it reaches the peer on its
+        GPU): into a client's CUDA region (it lives while registered), into device memory
+        of a pool (ours, or one we opened: held for the peer under a lease), or copied
+        once, device to device, into a new block of our pool."""
+        array = tensor.device_array
+        ref = self.cuda.locate(array) if self.cuda is not None else None
+        if ref is not None:
+            return ref
+        lease = next(self._leases)
+        ref = self.pool_imports.locate(array)
+        found = None if ref is not None else self.pool.locate(array)
+        if ref is not None:
+            self._granted[lease] = array
+            return ref[:-1] + (lease,)
+        if found is not None:
+            chunk, offset = found
+            self._granted[lease] = array
+            return ("cuda", chunk.key, chunk.raw_handle, chunk.device_id, chunk.size, offset,
+                    int(array.nbytes), lease)
+        block = self.pool.copy(array)
+        self._granted[lease] = block
+        return block.ref(lease)
 
     def exports(self) -> Exports:
         """Build one message's tensors with ``with peer.exports() as out: out.add(...)``."""
@@ -213,23 +228,24 @@ class Peer:
         return len(self._granted)
 
     # -- receiving ------------------------------------------------------------------
-    def import_(self, wire: WireTensor, shared: bool = False) -> tuple[str, Tensor]:
+    def import_(self, wire: WireTensor, shared: bool = False, host: bool = False) -> tuple[str, Tensor]:
         """``shared``: memory the peer reads what we write into (an output's
-        destination), never a private view."""
+        destination), never a private view. ``host``: a tensor in device memory is copied
+        into host memory (a model's input, unless it takes GPU inputs)."""
         name, dtype, shape, ref = wire
         if type(ref) is bytes:
             return name, _tensor(name, dtype, shape, self._slab.copy(ref))
         if is_cuda_ref(ref):
-            return name, self._import_cuda(name, dtype, shape, ref, shared)
+            return name, self._import_cuda(name, dtype, shape, ref, host and not shared)
         raw, _ = self._import_ref(ref, shared)
         return name, _tensor(name, dtype, shape, raw)
 
-    def import_many(self, wires: list[WireTensor]) -> list[tuple[str, Tensor]]:
+    def import_many(self, wires: list[WireTensor], host: bool = False) -> list[tuple[str, Tensor]]:
         """Import the same input of several requests of a batch. Inline ones are
         placed back to back, so :func:`pb_utils.join_inputs` can join them as one
-        view with no copy."""
+        view with no copy. ``host`` as for :meth:`import_`."""
         if len(wires) < 2 or any(type(wire[3]) is not bytes for wire in wires):
-            return [self.import_(wire) for wire in wires]
+            return [self.import_(wire, host=host) for wire in wires]
         raws = self._slab.copy_many([wire[3] for wire in wires])
         return [(w[0], _tensor(w[0], w[1], w[2], raw)) for w, raw in zip(wires, raws)]
 
@@ -263,19 +279,28 @@ class Peer:
         return np.frombuffer(held, dtype=np.uint8)[start : start + nbytes], nbytes
 
     def _import_cuda(
-        self, name: str, dtype: int, shape: tuple[int, ...], ref: CudaRef, shared: bool
+        self, name: str, dtype: int, shape: tuple[int, ...], ref: CudaRef, host: bool
     ) -> Tensor:
-        """A reference into a CUDA mapping: a device tensor over it, or (an input of a
-        model that takes host inputs) its bytes copied once into our arena."""
-        if self.cuda is None:
-            raise InternalError(f"tensor '{name}' refers to CUDA memory, which is not shared here")
-        view = self.cuda.view(ref)
+        """A reference into device memory: a device tensor over it (which gives the lease
+        back when it dies), or with ``host`` its bytes copied once into our arena."""
+        key, offset, nbytes, lease = ref[1], ref[5], ref[6], ref[7]
+        holder = _LeaseReturn(self, lease) if lease else None
+        if self.pool.owns(key):  # ours, handed back: the block is still held for the peer
+            view = self.pool.view_of(key, offset, nbytes, holder)
+            if view is None:
+                raise InternalError("worker referred to device memory that is no longer held")
+        elif key.startswith("pool:"):
+            view = self.pool_imports.view(ref, holder)
+        elif self.cuda is not None:
+            view = self.cuda.view(ref, holder)
+        else:
+            raise InternalError(f"tensor '{name}' refers to a CUDA region, which is not shared here")
         data_type = _DATA_TYPES[dtype]
         if data_type is not DataType.BYTES:
             _check_size(name, data_type, shape, int(view.nbytes))
             view = view.view(data_type.storage_dtype).reshape(shape)
         tensor = Tensor(data_type, shape, device_array=view)
-        if shared or self.device_inputs:
+        if not host:
             return tensor
         return tensor.write_into(np.frombuffer(self.arena.allocate(tensor.size), dtype=np.uint8))
 
@@ -289,9 +314,21 @@ class Peer:
             self._send_releases([lease])
 
 
+class _LeaseReturn:
+    """Held by the device arrays imported under a lease: gives it back when they die."""
+
+    __slots__ = ("peer", "lease")
+
+    def __init__(self, peer: Peer, lease: int) -> None:
+        self.peer, self.lease = peer, lease
+
+    def __del__(self) -> None:
+        self.peer._returned(self.lease)
+
+
 def _leases(wires: list[WireTensor]) -> list[int]:
     """The lease ids of wire tensors (inline ones and memory handed back have none)."""
-    return [wire[3][3] for wire in wires if type(wire[3]) is not bytes and len(wire[3]) == 4 and wire[3][3]]
+    return [wire[3][-1] for wire in wires if type(wire[3]) is not bytes and wire[3][-1]]
 
 
 class Exports:

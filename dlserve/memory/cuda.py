@@ -53,10 +53,10 @@ def device_count() -> int:
     return int(cupy.cuda.runtime.getDeviceCount())
 
 
-def _cupy() -> Any:
-    problem = cuda_problem()
-    if problem is not None:
-        raise UnsupportedError(f"GPU tensors need CUDA: {problem}")
+def cupy_module() -> Any:
+    """cupy, or UnsupportedError saying why CUDA cannot be used."""
+    if device_count() == 0:
+        raise UnsupportedError(f"GPU tensors need CUDA: {cuda_problem()}")
     import cupy
 
     return cupy
@@ -65,7 +65,7 @@ def _cupy() -> Any:
 def import_device_array(obj: Any) -> tuple[Any, DataType]:
     """A CUDA DLPack object (or capsule) as a cupy array over the same memory, and its
     Triton data type (BF16, which cupy lacks, comes as ``uint16`` bits)."""
-    cupy = _cupy()
+    cupy = cupy_module()
     if is_capsule(obj):
         capsule = obj
     else:
@@ -105,7 +105,7 @@ def copy_to_host(array: Any, out: np.ndarray) -> None:
 
 def to_device(host: np.ndarray, device_id: int) -> Any:
     """A new device array on ``device_id`` holding a copy of ``host``."""
-    cupy = _cupy()
+    cupy = cupy_module()
     if not 0 <= device_id < device_count():
         raise InvalidArgumentError(f"GPU {device_id} does not exist (this machine has {device_count()})")
     with cupy.cuda.Device(device_id):
@@ -120,6 +120,13 @@ def address_of(array: Any) -> int:
     return int(array.data.ptr)
 
 
+def device_view(address: int, nbytes: int, device_id: int, owner: Any) -> Any:
+    """A uint8 device array over ``nbytes`` at ``address``, which keeps ``owner`` alive."""
+    cupy = cupy_module()
+    memory = cupy.cuda.UnownedMemory(address, nbytes, owner, device_id)
+    return cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(memory, 0))
+
+
 def is_device_array(obj: Any) -> bool:
     """Whether ``obj`` is device memory (a cupy array) rather than a numpy array."""
     return hasattr(obj, "__cuda_array_interface__")
@@ -129,7 +136,7 @@ def copy_into_device(destination: Any, source: Any) -> None:
     """``source`` (host memory, contiguous, or a device array) into the device array
     ``destination`` of at least its size, finished before this returns: another process
     (a client reading its region) may look at it next."""
-    cupy = _cupy()
+    cupy = cupy_module()
     with cupy.cuda.Device(device_of_array(destination)):
         if is_device_array(source):
             nbytes = int(source.nbytes)
@@ -147,7 +154,7 @@ class IpcMemory:
     server and its workers)."""
 
     def __init__(self, key: str, raw_handle: bytes, device_id: int, size: int) -> None:
-        cupy = _cupy()
+        cupy = cupy_module()
         if len(raw_handle) != IPC_HANDLE_SIZE:
             raise InvalidArgumentError(
                 f"a CUDA IPC handle is {IPC_HANDLE_SIZE} bytes, got {len(raw_handle)}"
@@ -167,14 +174,13 @@ class IpcMemory:
             except cupy.cuda.runtime.CUDARuntimeError as exc:
                 raise InvalidArgumentError(f"failed to open CUDA IPC handle: {exc}") from None
 
-    def view(self, offset: int, nbytes: int) -> Any:
+    def view(self, offset: int, nbytes: int, holder: Any = None) -> Any:
         """``nbytes`` at ``offset`` as a uint8 device array, which keeps this mapping's
-        object alive (closing the mapping still ends it: see :meth:`close`)."""
+        object (and ``holder``) alive; closing the mapping still ends it (:meth:`close`)."""
         if self.address is None:
             raise InvalidArgumentError("the CUDA shared memory region was unregistered")
-        cupy = self._cupy
-        memory = cupy.cuda.UnownedMemory(self.address + offset, nbytes, self, self.device_id)
-        return cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(memory, 0))
+        owner = self if holder is None else (self, holder)
+        return device_view(self.address + offset, nbytes, self.device_id, owner)
 
     def offset_of(self, array: Any) -> int | None:
         """Where the device array ``array`` starts in this memory, if it lies wholly in it."""

@@ -25,10 +25,13 @@ from dlserve.errors import AlreadyExistsError, InvalidArgumentError, NotFoundErr
 from dlserve.memory.cuda import IpcMemory, cuda_problem
 from dlserve.memory.regions import check_reference
 
-# A reference into a region on the wire: ("cuda", key, raw handle, device id, region
-# size, offset, nbytes); told from a host reference (4 items) by its length.
-CudaRef = tuple[str, str, bytes, int, int, int, int]
-CUDA_REF_LENGTH = 7
+# A reference into device memory on the wire: ("cuda", key, raw handle, device id, size
+# of the memory the handle opens, offset, nbytes, lease); told from a host reference
+# (segment, offset, nbytes, lease) by its length. Keys: "cuda:N" for a client's region
+# (lease 0: it lives while registered), "pool:PID:N" for a chunk of a process's
+# DevicePool (dlserve.memory.cuda_pool).
+CudaRef = tuple[str, str, bytes, int, int, int, int, int]
+CUDA_REF_LENGTH = 8
 
 
 def is_cuda_ref(ref: Any) -> bool:
@@ -50,13 +53,13 @@ class IpcTable:
             offset = memory.offset_of(array)
             if offset is not None:
                 return ("cuda", memory.key, memory.raw_handle, memory.device_id, memory.size,
-                        offset, int(array.nbytes))
+                        offset, int(array.nbytes), 0)
         return None
 
-    def view(self, ref: CudaRef) -> Any:
-        """The device array a reference means (uint8)."""
-        _, key, raw_handle, device_id, size, offset, nbytes = ref
-        return self._memory(key, raw_handle, device_id, size).view(offset, nbytes)
+    def view(self, ref: CudaRef, holder: Any = None) -> Any:
+        """The device array a reference means (uint8), which keeps ``holder`` alive."""
+        _, key, raw_handle, device_id, size, offset, nbytes, _ = ref
+        return self._memory(key, raw_handle, device_id, size).view(offset, nbytes, holder)
 
     def _memory(self, key: str, raw_handle: bytes, device_id: int, size: int) -> IpcMemory:
         with self._lock:

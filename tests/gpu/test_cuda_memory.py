@@ -171,6 +171,50 @@ parameters { key: "FORCE_CPU_ONLY_INPUT_TENSORS" value: { string_value: "no" } }
 """
 
 
+# A BLS caller on the GPU: X (moved to the GPU if it came in host memory) goes to gpu_inputs
+# by BLS; INFO reports where the callee's Z came back (it is made on the GPU there).
+GPU_BLS_MODEL = """
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        import cupy
+
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X")
+            on_gpu = cupy.from_dlpack(x) if not x.is_cpu() else cupy.asarray(x.as_numpy())
+            call = pb_utils.InferenceRequest(
+                model_name="gpu_inputs",
+                inputs=[pb_utils.Tensor.from_dlpack("X", on_gpu)],
+                requested_output_names=["Z"],
+            )
+            answer = call.exec()
+            if answer.has_error():
+                raise pb_utils.TritonModelException(answer.error().message())
+            z = pb_utils.get_output_tensor_by_name(answer, "Z")
+            seen = {"z_is_cpu": z.is_cpu(), "z": cupy.asnumpy(cupy.from_dlpack(z)).tolist()}
+            info = np.array([json.dumps(seen).encode()], dtype=np.object_)
+            responses.append(pb_utils.InferenceResponse(
+                [pb_utils.Tensor.from_dlpack("Z", z), pb_utils.Tensor("INFO", info)]
+            ))
+        return responses
+"""
+GPU_BLS_CONFIG = """
+backend: "python"
+input [ { name: "X" data_type: TYPE_FP32 dims: [ -1 ] } ]
+output [
+  { name: "Z" data_type: TYPE_FP32 dims: [ -1 ] },
+  { name: "INFO" data_type: TYPE_STRING dims: [ 1 ] }
+]
+parameters { key: "FORCE_CPU_ONLY_INPUT_TENSORS" value: { string_value: "no" } }
+"""
+
+
 def gpu_model_config(kind: str) -> str:
     group = "kind: KIND_GPU gpus: [ 0 ]" if kind == "GPU" else "kind: KIND_CPU"
     return (
@@ -199,6 +243,9 @@ def write_repo(repo: Path, kind_gpu: bool = True) -> Path:
     (repo / "gpu_inputs" / "1").mkdir(parents=True)
     (repo / "gpu_inputs" / "config.pbtxt").write_text(GPU_INPUTS_CONFIG)
     (repo / "gpu_inputs" / "1" / "model.py").write_text(GPU_INPUTS_MODEL)
+    (repo / "gpu_bls" / "1").mkdir(parents=True)
+    (repo / "gpu_bls" / "config.pbtxt").write_text(GPU_BLS_CONFIG)
+    (repo / "gpu_bls" / "1" / "model.py").write_text(GPU_BLS_MODEL)
     return repo
 
 
@@ -691,6 +738,18 @@ def test_a_host_input_of_a_model_taking_gpu_inputs_stays_on_the_host(client: Cli
     np.testing.assert_array_equal(result.as_numpy("Y"), X)
 
 
+def test_bls_passes_gpu_tensors_on_the_gpu(client: Client) -> None:
+    """A GPU tensor sent by BLS reaches a callee that takes GPU inputs on the GPU, and the
+    callee's GPU output comes back to the caller on the GPU (through the workers' device
+    memory pools, never host memory)."""
+    x = client.fp32_input("X", [len(X)])
+    x.set_data_from_numpy(X)
+    result = client.client.infer("gpu_bls", [x])
+    info = read_info(result.as_numpy("INFO"))
+    assert info == {"z_is_cpu": False, "z": (X * 3).tolist()}, info
+    np.testing.assert_array_equal(result.as_numpy("Z"), X * 3)
+
+
 def test_torch_in_the_model_matches_torch_here(client: Client) -> None:
     """The model's process runs this Python: torch imports there exactly when it does here
     (else the tests above checked less than they could)."""
@@ -766,6 +825,37 @@ def test_inprocess_output_to_device_and_back(inprocess: Any) -> None:
         back = on_gpu.to_host()
         assert back.__dlpack_device__() == (1, 0), back.__dlpack_device__()
         np.testing.assert_array_equal(np.from_dlpack(back), expected, err_msg=f"{name} back")
+
+
+def test_inprocess_gpu_outputs_stay_on_the_gpu_and_give_their_memory_back(inprocess: Any) -> None:
+    """A model's GPU output reaches the in-process caller on the GPU (the worker's device
+    memory, by reference) unless it asks for host memory; after many requests with GPU
+    inputs and outputs, every lease and block of device memory is given back."""
+    import gc
+
+    import cupy
+
+    model = inprocess.server.model("gpu_inputs")
+    for round_ in range(200):
+        x = cupy.asarray(X + round_)
+        (response,) = model.infer(inputs={"X": x})
+        z = response.outputs["Z"]
+        assert z.memory_type == dlserve.MemoryType.GPU, z.memory_type
+        np.testing.assert_array_equal(cupy.asnumpy(cupy.from_dlpack(z)), (X + round_) * 3)
+        assert read_info(response.outputs["INFO"].to_bytes_array())["input_is_cpu"] is False
+    (response,) = model.infer(inputs={"X": cupy.asarray(X)}, output_memory_type="cpu")
+    assert response.outputs["Z"].memory_type == dlserve.MemoryType.CPU
+    np.testing.assert_array_equal(response.outputs["Z"].as_numpy(), X * 3)
+    del response, z, x
+    gc.collect()
+    model.infer(inputs={"X": X})  # (carries the last releases to the worker)
+    gc.collect()
+    peers = [i._worker.peer for i in inprocess.server._engine.model("gpu_inputs").instances]
+    deadline = time.monotonic() + 5
+    while any(p.lease_count for p in peers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [p.lease_count for p in peers] == [0] * len(peers), "leases the worker never gave back"
+    assert all(len(p.pool._blocks) == 0 for p in peers), "device memory still held for the worker"
 
 
 def test_tensor_from_a_cupy_array_is_gpu_memory() -> None:
