@@ -322,7 +322,7 @@ class Engine:
 
     def _release_memory(self) -> None:
         self.regions.unregister(force=True)
-        self.cuda_regions.unregister()
+        self.cuda_regions.unregister(force=True)
         if self.arena is not None:
             self.arena.close()
         unlink_segments(self.segment_prefix)

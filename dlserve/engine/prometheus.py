@@ -14,7 +14,9 @@ are present. The metrics port (:mod:`dlserve.frontends.metrics`) and
 
 from __future__ import annotations
 
+import functools
 import time
+from typing import Any
 
 from dlserve.engine.core import Engine
 from dlserve.engine.custom_metrics import APPLICATION, Labels, sample
@@ -253,15 +255,24 @@ class CpuSampler:
         return total, total - info.get("MemAvailable", info.get("MemFree", 0))
 
 
-def _gpu_lines() -> list[str]:
-    """nv_gpu_* gauges per GPU through NVML; nothing when there is no GPU or driver."""
+@functools.cache
+def _nvml() -> Any:
+    """pynvml, initialised once for the process; None without it, a driver or a GPU."""
     try:
         import pynvml
     except ImportError:
-        return []
+        return None
     try:
         pynvml.nvmlInit()
     except Exception:  # noqa: BLE001 - no driver / library: no GPU metrics
+        return None
+    return pynvml
+
+
+def _gpu_lines() -> list[str]:
+    """nv_gpu_* gauges per GPU through NVML; nothing when there is no GPU or driver."""
+    pynvml = _nvml()
+    if pynvml is None:
         return []
     lines: list[str] = []
     try:
@@ -299,8 +310,6 @@ def _gpu_lines() -> list[str]:
             lines += _family(name, "gauge", helps[name], samples)
     except Exception:  # noqa: BLE001 - a flaky driver must not break the scrape
         return lines
-    finally:
-        pynvml.nvmlShutdown()
     return lines
 
 

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 from dlserve.engine.core import Engine
 from dlserve.engine.request import Request
 from dlserve.errors import InvalidArgumentError, TritonError
+from dlserve.memory import cuda
+from dlserve.memory.dtypes import DataType
 from dlserve.memory.tensor import MemoryAllocator, Tensor, is_host_memory
 
 if TYPE_CHECKING:
@@ -75,7 +77,12 @@ def to_engine_request(request: InferenceRequest, deliver: Any) -> Request:
             raise InvalidArgumentError(
                 f"Unsupported Value. Can't convert {type(value)} to Request Parameter ('{key}')"
             )
-    is_host_memory(request.output_memory_type)  # (InvalidArgumentError for what names no memory)
+    if not is_host_memory(request.output_memory_type):  # (InvalidArgumentError for what names none)
+        problem = cuda.cuda_problem()
+        if problem is not None:
+            raise InvalidArgumentError(
+                f"output memory type {request.output_memory_type!r} needs CUDA: {problem}"
+            )
     return Request(
         model_name=request.model.name,
         model_version=request.model.version,
@@ -104,7 +111,14 @@ def output_placement(request: InferenceRequest) -> Placement | None:
     where = request.output_memory_type
     if where is None:
         return None
-    return lambda name, tensor: tensor.to_device(where)
+    on_host = is_host_memory(where)
+
+    def place(name: str, tensor: Tensor) -> Tensor:
+        if tensor.data_type is DataType.BYTES and not on_host:
+            return tensor  # (DLPack and GPUs know no strings: they stay in host memory)
+        return tensor.to_device(where)
+
+    return place
 
 
 class _Iterator:

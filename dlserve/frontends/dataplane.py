@@ -267,8 +267,8 @@ class DataPlane:
     def finished(self, response: Response, outputs: Iterable[OutputSpec]) -> Response:
         """``response`` (a successful one) as its client gets it: each output asked for as
         a classification replaced by its top entries, and any bound for a CUDA region that
-        is not there yet (a worker writes its outputs there itself; a cached response does
-        not) copied there; raises TritonError where one does not fit, or the region went."""
+        is not there yet (a worker writes its outputs there itself) copied there; raises
+        TritonError where one does not fit, or the region went."""
         outputs = list(outputs)
         response = self._classified(response, outputs)
         to_cuda = [

@@ -106,9 +106,15 @@ def load_module(model_file: str, model_path: str) -> ModuleType:
 
 def forces_cpu_inputs(config: dict[str, Any]) -> bool:
     """Whether the model takes its inputs in host memory only: Triton's
-    ``FORCE_CPU_ONLY_INPUT_TENSORS`` parameter, "yes" unless it says no."""
-    value = config.get("parameters", {}).get("FORCE_CPU_ONLY_INPUT_TENSORS", {}).get("string_value", "yes")
-    return value.strip().lower() not in ("no", "false", "off", "0")
+    ``FORCE_CPU_ONLY_INPUT_TENSORS`` parameter, "yes" (the default) or "no", as Triton
+    reads it; any other value fails the load."""
+    parameter = config.get("parameters", {}).get("FORCE_CPU_ONLY_INPUT_TENSORS", {})
+    value = parameter.get("string_value", "yes")
+    if value not in ("yes", "no"):
+        raise ValueError(
+            f"Incorrect value for FORCE_CPU_ONLY_INPUT_TENSORS: '{value}' (it takes 'yes' or 'no')"
+        )
+    return value == "yes"
 
 
 def select_device(device_id: int) -> None:

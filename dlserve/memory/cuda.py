@@ -13,7 +13,9 @@ with the array here; copies to and from host memory are synchronous.
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import logging
 from typing import Any
 
 import numpy as np
@@ -22,6 +24,7 @@ from dlserve.errors import InvalidArgumentError, UnsupportedError
 from dlserve.memory.dlpack import CapsuleHolder, capsule_dtype, is_capsule, set_dtype_code
 from dlserve.memory.dtypes import FROM_DLPACK_TYPE, KDL_BFLOAT, KDL_UINT, DataType
 
+log = logging.getLogger(__name__)
 IPC_HANDLE_SIZE = 64  # sizeof(cudaIpcMemHandle_t)
 _HOST_TO_DEVICE = 1  # cudaMemcpyKind
 _DEVICE_TO_DEVICE = 3
@@ -144,7 +147,9 @@ def copy_into_device(destination: Any, source: Any) -> None:
         else:
             nbytes = int(source.nbytes)
             cupy.cuda.runtime.memcpy(address_of(destination), source.ctypes.data, nbytes, _HOST_TO_DEVICE)
-        cupy.cuda.runtime.deviceSynchronize()
+        # The copy ran on the legacy default stream, which DLPack imports are ordered on
+        # (see the module docstring): wait for that stream only, not the whole device.
+        cupy.cuda.Stream.null.synchronize()
 
 
 class IpcMemory:
@@ -174,6 +179,23 @@ class IpcMemory:
             except cupy.cuda.runtime.CUDARuntimeError as exc:
                 raise InvalidArgumentError(f"failed to open CUDA IPC handle: {exc}") from None
 
+    def allocation_bytes(self) -> int | None:
+        """The bytes of the exporter's allocation from where the handle opens it (the
+        driver's ``cuMemGetAddressRange``; cupy does not offer it), or None where the
+        driver does not say."""
+        if self.address is None:
+            return None
+        try:
+            driver = ctypes.CDLL("libcuda.so.1")
+            base, size = ctypes.c_uint64(), ctypes.c_size_t()
+            with self._cupy.cuda.Device(self.device_id):
+                code = driver.cuMemGetAddressRange_v2(
+                    ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(self.address)
+                )
+        except (OSError, AttributeError):
+            return None
+        return int(base.value + size.value - self.address) if code == 0 else None
+
     def view(self, offset: int, nbytes: int, holder: Any = None) -> Any:
         """``nbytes`` at ``offset`` as a uint8 device array, which keeps this mapping's
         object (and ``holder``) alive; closing the mapping still ends it (:meth:`close`)."""
@@ -190,9 +212,12 @@ class IpcMemory:
         return offset if 0 <= offset and offset + int(array.nbytes) <= self.size else None
 
     def close(self) -> None:
-        """Unmap. A view still alive then must not be touched: a region in use is the
-        client's to keep registered until its requests are answered, as in Triton."""
+        """Unmap. No view may be touched afterwards: the server refuses to unregister a
+        region a request uses, as Triton does."""
         if self.address is not None:
             address, self.address = self.address, None
-            with self._cupy.cuda.Device(self.device_id):
-                self._cupy.cuda.runtime.ipcCloseMemHandle(address)
+            try:
+                with self._cupy.cuda.Device(self.device_id):
+                    self._cupy.cuda.runtime.ipcCloseMemHandle(address)
+            except Exception as exc:  # noqa: BLE001 - a broken context must not stop clean-up
+                log.warning("closing the CUDA IPC mapping '%s' failed: %s", self.key, exc)

@@ -17,11 +17,18 @@ the words of :func:`dlserve.memory.regions.check_reference`.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import threading
 from typing import Any
 
-from dlserve.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError, UnsupportedError
+from dlserve.errors import (
+    AlreadyExistsError,
+    InternalError,
+    InvalidArgumentError,
+    NotFoundError,
+    UnsupportedError,
+)
 from dlserve.memory.cuda import IpcMemory, cuda_problem
 from dlserve.memory.regions import check_reference
 
@@ -42,7 +49,8 @@ class IpcTable:
     """The IPC mappings of one process by key, and the references into them."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # Re-entrant: a view's death (counted by CudaRegions) may come inside a call.
+        self._lock = threading.RLock()
         self._memories: dict[str, IpcMemory] = {}
 
     def locate(self, array: Any) -> CudaRef | None:
@@ -86,13 +94,31 @@ class IpcImports(IpcTable):
         return memory
 
 
+class _Use:
+    """Held by a view of a region: the region is in use while any lives."""
+
+    __slots__ = ("regions", "key")
+
+    def __init__(self, regions: CudaRegions, key: str) -> None:
+        self.regions, self.key = regions, key
+        with regions._lock:
+            regions._users[key] = regions._users.get(key, 0) + 1
+
+    def __del__(self) -> None:
+        with self.regions._lock:
+            self.regions._users[self.key] -= 1
+
+
 class CudaRegions(IpcTable):
     """The registry of client CUDA shared-memory regions of one server. ``on_forget(keys)``
-    is told of unregistered regions, so that workers close their mappings too."""
+    is told of unregistered regions, so that workers close their mappings too. A region
+    is in use while a view of it lives (a request's input or output), and then cannot be
+    unregistered, as in Triton: its workers' mappings would go under the request."""
 
     def __init__(self, on_forget: Any = lambda keys: None) -> None:
         super().__init__()
         self._names: dict[str, str] = {}  # region name -> key
+        self._users: dict[str, int] = {}  # key -> views alive
         self._keys = (f"cuda:{n}" for n in itertools.count())  # (no shared-memory key has a colon)
         self._on_forget = on_forget
 
@@ -122,17 +148,35 @@ class CudaRegions(IpcTable):
                 raise InvalidArgumentError(
                     f"failed to register CUDA shared memory region '{name}': {exc}"
                 ) from None
+            allocated = memory.allocation_bytes()
+            if allocated is not None and byte_size > allocated:  # (a touch past it: a sticky CUDA error)
+                memory.close()
+                raise InvalidArgumentError(
+                    f"failed to register shared memory region '{name}': invalid args: byte_size "
+                    f"{byte_size} is more than the {allocated} bytes the handle's allocation holds"
+                )
             self._names[name] = key
             self._memories[key] = memory
 
-    def unregister(self, name: str | None = None) -> None:
-        """Forget one region (``name``) or all; unknown names are no error (as Triton)."""
+    def unregister(self, name: str | None = None, force: bool = False) -> None:
+        """Forget one region (``name``) or all; unknown names are no error (as Triton). A
+        region in use stays, in Triton's words; with ``force`` (the server stops) all go."""
+        if not force and any(self._users.values()):
+            gc.collect()  # a view only a reference cycle still holds is no use
         with self._lock:
-            names = list(self._names) if name is None else [name]
-            keys = [self._names.pop(n) for n in names if n in self._names]
+            names = sorted(self._names) if name is None else [name]
+            busy = [n for n in names if n in self._names and self._users.get(self._names[n]) and not force]
+            keys = [self._names.pop(n) for n in names if n in self._names and n not in busy]
         self.forget(keys)
         if keys:
             self._on_forget(keys)
+        if busy and name is not None:
+            raise InternalError(f"Cannot unregister shared memory region '{name}', it is currently in use.")
+        if busy:
+            raise InternalError(
+                "Failed to unregister the following cuda shared memory regions: "
+                + "".join(f"{n} ," for n in busy)
+            )
 
     def status(self, name: str | None = None) -> list[dict[str, Any]]:
         with self._lock:
@@ -150,4 +194,8 @@ class CudaRegions(IpcTable):
         if memory is None:
             raise NotFoundError(f"Unable to find shared memory region: '{name}'")
         check_reference(name, offset, byte_size, memory.size)
-        return memory.view(offset, byte_size)
+        return memory.view(offset, byte_size, _Use(self, memory.key))
+
+    def view(self, ref: CudaRef, holder: Any = None) -> Any:
+        """As :meth:`IpcTable.view`; the view keeps its region in use."""
+        return super().view(ref, (holder, _Use(self, ref[1])))

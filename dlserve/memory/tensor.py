@@ -96,9 +96,10 @@ class MemoryBuffer:
 
     @staticmethod
     def from_dlpack(owner: Any) -> MemoryBuffer:
-        """The memory of a C-contiguous host array that speaks DLPack (numpy, torch...,
-        or a raw capsule). Its ``owner`` is the array imported from it, which keeps the
-        memory alive and knows whether it may be written."""
+        """The memory of a C-contiguous array that speaks DLPack (numpy, torch, cupy...,
+        or a raw capsule), in host memory or on a GPU. Its ``owner`` is the array imported
+        from it, which keeps the memory alive (and, on the host, knows whether it may be
+        written)."""
         tensor = Tensor.from_dlpack(owner)
         if tensor.memory_type is MemoryType.GPU:
             return tensor.memory_buffer
@@ -147,7 +148,7 @@ class HostMemoryAllocator(MemoryAllocator):
         self, size: int, memory_type: MemoryType = MemoryType.CPU, memory_type_id: int = 0, tensor_name: str = ""
     ) -> MemoryBuffer:
         if not is_host_memory(memory_type):
-            raise UnsupportedError(f"memory type {memory_type!r} is not supported without CUDA")
+            raise UnsupportedError(f"the host memory allocator cannot allocate memory type {memory_type!r}")
         return MemoryBuffer.from_dlpack(np.empty(int(size), dtype=np.uint8))
 
 
@@ -316,9 +317,9 @@ class Tensor:
     def check_size(self) -> None:
         """Raise ValueError if the bytes held do not fit the shape (BYTES: the count)."""
         if self.data_type is DataType.BYTES:
-            if self._data is None:
+            if self._data is None and self._device is None:
                 return  # Python objects: nothing encoded to check
-            count = bytes_codec.count_elements(self._data)
+            count = bytes_codec.count_elements(self.storage())
             if count != self.element_count:
                 raise ElementCountError(count, self.element_count, self.shape)
             return
@@ -433,9 +434,8 @@ class Tensor:
         if self.data_type is not DataType.BYTES:
             raise InvalidArgumentError(f"tensor is {self.data_type.name}, not BYTES")
         if self._objects is None:
-            assert self._data is not None
             try:
-                decoded = bytes_codec.deserialize_bytes(self._data, self.element_count)
+                decoded = bytes_codec.deserialize_bytes(self.storage(), self.element_count)
             except ValueError as exc:
                 raise InvalidArgumentError(f"malformed BYTES tensor: {exc}") from None
             self._objects = decoded.reshape(self.shape)

@@ -55,8 +55,8 @@ MEMORY_GPU = MemoryType.TRITONSERVER_MEMORY_GPU
 class PreferredMemory:
     """Where a BLS call would like its outputs: ``PreferredMemory(TRITONSERVER_MEMORY_GPU, device_id=0)``.
 
-    A preference, as in Triton: outputs land in shared CPU memory when the
-    preferred device has no memory to offer (no CUDA here).
+    Taken as a preference only: outputs come where the callee made them (a GPU
+    tensor stays on its GPU, a host one in shared memory), whatever is preferred.
     """
 
     __slots__ = ("preferred_memory_type", "preferred_device_id")

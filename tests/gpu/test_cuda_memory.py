@@ -215,6 +215,31 @@ parameters { key: "FORCE_CPU_ONLY_INPUT_TENSORS" value: { string_value: "no" } }
 """
 
 
+# Holds its input for SLOW_SECONDS before answering it as Y: a request that keeps a region in use.
+SLOW_SECONDS = 1.5
+SLOW_MODEL = f"""
+import time
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        time.sleep({SLOW_SECONDS})
+        return [
+            pb_utils.InferenceResponse(
+                [pb_utils.Tensor("Y", pb_utils.get_input_tensor_by_name(r, "X").as_numpy())]
+            )
+            for r in requests
+        ]
+"""
+SLOW_CONFIG = """
+backend: "python"
+input [ { name: "X" data_type: TYPE_FP32 dims: [ -1 ] } ]
+output [ { name: "Y" data_type: TYPE_FP32 dims: [ -1 ] } ]
+"""
+
+
 def gpu_model_config(kind: str) -> str:
     group = "kind: KIND_GPU gpus: [ 0 ]" if kind == "GPU" else "kind: KIND_CPU"
     return (
@@ -246,6 +271,9 @@ def write_repo(repo: Path, kind_gpu: bool = True) -> Path:
     (repo / "gpu_bls" / "1").mkdir(parents=True)
     (repo / "gpu_bls" / "config.pbtxt").write_text(GPU_BLS_CONFIG)
     (repo / "gpu_bls" / "1" / "model.py").write_text(GPU_BLS_MODEL)
+    (repo / "slow" / "1").mkdir(parents=True)
+    (repo / "slow" / "config.pbtxt").write_text(SLOW_CONFIG)
+    (repo / "slow" / "1" / "model.py").write_text(SLOW_MODEL)
     return repo
 
 
@@ -362,6 +390,7 @@ class Client:
         import tritonclient.http as httpclient
 
         self.protocol = protocol
+        self.served = served
         if protocol == "http":
             self.module: Any = httpclient
             self.client: Any = httpclient.InferenceServerClient(
@@ -748,6 +777,41 @@ def test_bls_passes_gpu_tensors_on_the_gpu(client: Client) -> None:
     info = read_info(result.as_numpy("INFO"))
     assert info == {"z_is_cpu": False, "z": (X * 3).tolist()}, info
     np.testing.assert_array_equal(result.as_numpy("Z"), X * 3)
+
+
+def test_a_region_in_use_cannot_be_unregistered(client: Client, cudashm: Any, cuda_regions) -> None:
+    """As Triton: while a request holds a region, unregistering it is refused (its
+    workers' mappings would go from under the request); once answered, it goes."""
+    import concurrent.futures
+
+    region = cuda_regions("busy", X.nbytes)
+    cudashm.set_shared_memory_region(region, [X])
+    x = client.fp32_input("X", [len(X)])
+    x.set_shared_memory("busy", X.nbytes)
+    def infer_slowly() -> Any:  # (a client of its own: tritonclient's HTTP one is not thread-safe)
+        other = Client(client.protocol, client.served)
+        try:
+            return other.client.infer("slow", [x])
+        finally:
+            other.close()
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(infer_slowly)
+        time.sleep(SLOW_SECONDS / 3)
+        error = client_error(client.client.unregister_cuda_shared_memory, "busy")
+        assert "Cannot unregister shared memory region 'busy', it is currently in use." in str(error)
+        np.testing.assert_array_equal(pending.result(timeout=30).as_numpy("Y"), X)
+    client.client.unregister_cuda_shared_memory("busy")
+    assert client.cuda_status() == {}
+
+
+def test_a_region_larger_than_its_allocation_is_refused(client: Client, cudashm: Any, cuda_regions) -> None:
+    handle = cuda_regions("small_alloc", 4096, register=False)
+    error = client_error(
+        client.client.register_cuda_shared_memory, "small_alloc", cudashm.get_raw_handle(handle), 0, 1 << 20
+    )
+    assert "invalid args" in str(error) and "4096" in str(error), str(error)
+    assert client.cuda_status() == {}
 
 
 def test_torch_in_the_model_matches_torch_here(client: Client) -> None:

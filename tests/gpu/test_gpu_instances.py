@@ -80,6 +80,11 @@ def test_gpu_metrics_describe_every_device(make_repo):
     pytest.importorskip("pynvml", reason="GPU metrics need nvidia-ml-py")
     from prometheus_client.parser import text_string_to_metric_families
 
+    from dlserve.engine import prometheus
+
+    # NVML keeps descriptors open for the process (an eventfd, the device files) from its
+    # first queries on: make them before the harness counts the process's descriptors.
+    assert prometheus._gpu_lines(), "NVML gave no GPU metrics"
     harness = ServerHarness()
     try:
         server = harness.start(make_repo())

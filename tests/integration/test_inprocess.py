@@ -120,6 +120,14 @@ def test_output_memory_type_takes_tritonservers_host_forms(server, where):
     assert infer_one(server, "add_sub", inputs={"INPUT0": a, "INPUT1": a}, output_memory_type=where).error is None
 
 
+@pytest.mark.skipif(dlserve.memory.cuda.device_count() > 0, reason="CUDA is here (tests/gpu)")
+@pytest.mark.parametrize("where", ["gpu", "cuda:1", dlserve.MemoryType.GPU], ids=str)
+def test_a_gpu_output_memory_type_without_cuda_is_refused_before_the_model_runs(server, where):
+    a = np.arange(16, dtype=np.float32)
+    with pytest.raises(dlserve.InvalidArgumentError, match="needs CUDA: "):
+        server.model("add_sub").infer(inputs={"INPUT0": a, "INPUT1": a}, output_memory_type=where)
+
+
 def test_add_sub(server):
     a = np.arange(16, dtype=np.float32)
     b = np.full(16, 2.0, dtype=np.float32)

@@ -2020,3 +2020,23 @@ def test_a_load_that_reaches_the_engine_after_stop_began_starts_no_worker(
     with pytest.raises(dlserve.UnavailableError, match="the server is stopping"):
         server.load("late")
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("value", ["No", "false", ""])
+def test_force_cpu_only_input_tensors_takes_yes_or_no(servers, make_repo, value):
+    """As Triton's Python backend: FORCE_CPU_ONLY_INPUT_TENSORS is "yes" or "no"; any other
+    value fails the load, naming the parameter and the value (a typo is not read as yes)."""
+    repo = make_repo("add_sub")
+    config = repo / "add_sub" / "config.pbtxt"
+    config.write_text(
+        config.read_text()
+        + f'parameters {{ key: "FORCE_CPU_ONLY_INPUT_TENSORS" value: {{ string_value: "{value}" }} }}\n'
+    )
+    server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT)
+    with pytest.raises(dlserve.TritonError, match=f"Incorrect value for FORCE_CPU_ONLY_INPUT_TENSORS: '{value}'"):
+        server.load("add_sub")
+    config.write_text(config.read_text().replace(f'string_value: "{value}"', 'string_value: "no"'))
+    server.load("add_sub")  # "no" on a machine without CUDA: host inputs stay host inputs
+    a = np.arange(16, dtype=np.float32)
+    (response,) = server.model("add_sub").infer(inputs={"INPUT0": a, "INPUT1": a})
+    np.testing.assert_array_equal(response.outputs["OUTPUT0"].as_numpy(), a + a)
