@@ -93,11 +93,55 @@ def main() -> int:
                             client.unregister_cuda_shared_memory(f"r_{nbytes}")
                             cudashm.destroy_shared_memory_region(handle)
                 rows.append((label, times["system"], times["cuda"], times["cuda_gpu_model"]))
+        in_process = _in_process(repo)
     print("identity over gRPC, input and output in client shared memory (median ms of 15)")
     print(f"{'size':>8} {'system shm':>11} {'CUDA shm':>9} {'CUDA, GPU inputs':>17}")
     for label, system, cuda, gpu in rows:
         print(f"{label:>8} {system:11.3f} {cuda:9.3f} {gpu:17.3f}")
+    print()
+    print("in-process API, identity (median ms of 15): a numpy input (copied once into shared")
+    print("memory) against a cupy input to identity_gpu (copied once device to device into the")
+    print("server's device pool; the output comes back on the GPU by reference)")
+    print(f"{'size':>8} {'numpy, host':>12} {'cupy, GPU':>10}")
+    for label, host, device in in_process:
+        print(f"{label:>8} {host:12.3f} {device:10.3f}")
     return 0
+
+
+def _in_process(repo: Path) -> list[tuple[str, float, float]]:
+    """The in-process rows: (size, numpy through identity, cupy through identity_gpu)."""
+    import cupy
+
+    import dlserve
+
+    options = dlserve.Options(
+        model_repository=str(repo),
+        model_control_mode=dlserve.ModelControlMode.EXPLICIT,
+        startup_models=["identity", "identity_gpu"],
+    )
+    server = dlserve.Server(options).start(wait_until_ready=True)
+    rows = []
+    try:
+        for label, nbytes in SIZES.items():
+            host = np.arange(nbytes // 4, dtype=np.float32)
+            device = cupy.asarray(host)
+            medians = []
+            for model, given in (("identity", host), ("identity_gpu", device)):
+                samples = []
+                for index in range(WARMUP + TIMED):
+                    started = time.perf_counter()
+                    (response,) = server.model(model).infer(inputs={"INPUT0": given})
+                    output = response.outputs["OUTPUT0"]
+                    if index >= WARMUP:
+                        samples.append((time.perf_counter() - started) * 1e3)
+                    del response
+                assert output.memory_type == (dlserve.MemoryType.CPU if given is host else dlserve.MemoryType.GPU)
+                assert np.array_equal(output.to_host().as_numpy(), host), f"{model} {label}: wrong output"
+                medians.append(statistics.median(samples))
+            rows.append((label, medians[0], medians[1]))
+    finally:
+        server.stop()
+    return rows
 
 
 def _time(client, grpcclient, model: str, region: str, count: int, nbytes: int) -> float:

@@ -33,6 +33,7 @@ from dlserve.engine.request import (
 from dlserve.engine.tracing import Trace
 from dlserve.errors import AlreadyExistsError, InvalidArgumentError
 from dlserve.frontends import classification
+from dlserve.memory import cuda
 from dlserve.memory.dtypes import DataType
 from dlserve.memory.regions import output_too_small
 from dlserve.memory.tensor import MemoryType, Tensor
@@ -394,6 +395,11 @@ def _from_bytes(
         raise InvalidArgumentError(
             f"{label}input byte size mismatch for input '{name}' for model '{model_name}'. "
             f"Expected {expected}, got {raw.nbytes}"
+        )
+    if on_device and cuda.address_of(raw) % data_type.itemsize:  # (a GPU kernel would fault on it)
+        raise InvalidArgumentError(
+            f"{label}input '{name}' in CUDA shared memory is not aligned to its {data_type.name} "
+            f"elements ({data_type.itemsize} bytes): give it an offset that is a multiple of that"
         )
     typed = raw.view(data_type.storage_dtype).reshape(shape)
     return Tensor(data_type, shape, device_array=typed) if on_device else Tensor(data_type, shape, data=typed)

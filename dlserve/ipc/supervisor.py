@@ -278,7 +278,9 @@ class WorkerProcess:
             self.process.kill()
             raise
         self.channel = channel
-        self.peer = Peer(self._space, self._arena, channel.queue_releases, cuda=self._cuda)
+        self.peer = Peer(
+            self._space, self._arena, channel.queue_releases, cuda=self._cuda, settle_device=True
+        )
         channel.on_release = self.peer.release
         channel.on_retire = self._retired
 

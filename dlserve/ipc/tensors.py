@@ -42,8 +42,9 @@ from typing import Any
 import numpy as np
 
 from dlserve.errors import InternalError, InvalidArgumentError
+from dlserve.memory import cuda
 from dlserve.memory.arena import ALIGNMENT, Anchor, Arena, MemorySpace
-from dlserve.memory.cuda_pool import DevicePool
+from dlserve.memory.cuda_pool import process_pool
 from dlserve.memory.cuda_regions import CudaRef, IpcImports, IpcTable, is_cuda_ref
 from dlserve.memory.dtypes import DataType
 from dlserve.memory.shm import is_client_object, written
@@ -133,12 +134,16 @@ class Peer:
         send_releases: Callable[[list[int]], None],
         copy_on_write: bool = False,
         cuda: IpcTable | None = None,
+        settle_device: bool = False,
     ) -> None:
         """``cuda``: the mappings of clients' CUDA regions that references may name."""
         self.space = space
         self.cuda = cuda
-        self.pool = DevicePool()  # our GPU tensors for the peer (used only once one is sent)
-        self.pool_imports = IpcImports()  # the peer's (and others') pools, opened as named
+        self.pool = process_pool()  # our GPU tensors for peers (allocated once one is sent)
+        self.pool_imports = IpcImports()  # the peer's pool (and others'), opened as named
+        # Whether device memory imported from the peer's pool is copied into ours at once (the
+        # server's peers: what the server holds must not depend on a worker staying alive).
+        self._settle = settle_device
         self.arena = arena
         self._send_releases = send_releases
         self._copy_on_write = copy_on_write
@@ -157,7 +162,9 @@ class Peer:
         are copied once, from the device straight into our arena.
         """
         if tensor.memory_type is MemoryType.GPU:
-            return (name, int(tensor.data_type), tensor.shape, self._device_ref(tensor))
+            ref = self._device_ref(tensor)
+            if ref is not None:
+                return (name, int(tensor.data_type), tensor.shape, ref)
         data = tensor.storage()
         nbytes = data.nbytes
         if nbytes <= INLINE_MAX and not by_reference:
@@ -180,26 +187,31 @@ class Peer:
             self._granted[lease] = anchor
         return (name, int(tensor.data_type), tensor.shape, (anchor.segment.name, offset, nbytes, lease))
 
-    def _device_ref(self, tensor: Tensor) -> CudaRef:
+    def _device_ref(self, tensor: Tensor) -> CudaRef | None:
         """A GPU tensor by reference, however small (so that it reaches the peer on its
-        GPU): into a client's CUDA region (it lives while registered), into device memory
-        of a pool (ours, or one we opened: held for the peer under a lease), or copied
-        once, device to device, into a new block of our pool."""
+        GPU): into a client's CUDA region (the server keeps it in use while its request
+        runs), or held for the peer under a lease where it is already (our pool, one we
+        opened), or copied once, device to device, into a new block of our pool. None for
+        an empty one, which travels as any empty tensor does. Work queued on the default
+        stream is finished first: the peer's reads are not ordered after it."""
         array = tensor.device_array
+        if not array.nbytes:
+            return None
         ref = self.cuda.locate(array) if self.cuda is not None else None
         if ref is not None:
+            cuda.synchronize_default_stream(cuda.device_of_array(array))
             return ref
         lease = next(self._leases)
         ref = self.pool_imports.locate(array)
         found = None if ref is not None else self.pool.locate(array)
+        if ref is None and found is not None:
+            chunk, offset = found
+            ref = ("cuda", chunk.key, chunk.raw_handle, chunk.device_id, chunk.size, offset,
+                   int(array.nbytes), 0)
         if ref is not None:
+            cuda.synchronize_default_stream(cuda.device_of_array(array))
             self._granted[lease] = array
             return ref[:-1] + (lease,)
-        if found is not None:
-            chunk, offset = found
-            self._granted[lease] = array
-            return ("cuda", chunk.key, chunk.raw_handle, chunk.device_id, chunk.size, offset,
-                    int(array.nbytes), lease)
         block = self.pool.copy(array)
         self._granted[lease] = block
         return block.ref(lease)
@@ -219,9 +231,12 @@ class Peer:
             granted.pop(lease, None)
 
     def close(self) -> None:
-        """The peer is gone: drop every hold we kept for it and stop sending releases."""
+        """The peer is gone: drop every hold we kept for it, stop sending releases, and
+        close our mappings of its device memory (a settling peer holds no view of it)."""
         self.closed = True
         self._granted.clear()
+        if self._settle:
+            self.pool_imports.forget(self.pool_imports.keys())
 
     @property
     def lease_count(self) -> int:
@@ -291,6 +306,8 @@ class Peer:
                 raise InternalError("worker referred to device memory that is no longer held")
         elif key.startswith("pool:"):
             view = self.pool_imports.view(ref, holder)
+            if self._settle:  # copied into our own pool: the peer's block goes back at once
+                view = self.pool.copy(view).view()
         elif self.cuda is not None:
             view = self.cuda.view(ref, holder)
         else:
@@ -323,6 +340,10 @@ class _LeaseReturn:
         self.peer, self.lease = peer, lease
 
     def __del__(self) -> None:
+        try:  # (kernels reading the memory may still be queued: the peer may reuse it next)
+            cuda.synchronize_default_stream()
+        except Exception:  # noqa: BLE001 - a finalizer: the context may be gone at exit
+            pass
         self.peer._returned(self.lease)
 
 

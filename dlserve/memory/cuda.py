@@ -123,6 +123,17 @@ def address_of(array: Any) -> int:
     return int(array.data.ptr)
 
 
+def synchronize_default_stream(device_id: int | None = None) -> None:
+    """Wait for the work queued on the legacy default stream (of ``device_id``, or the
+    current device), where DLPack imports order a producer's work (module docstring)."""
+    cupy = cupy_module()
+    if device_id is None:
+        cupy.cuda.Stream.null.synchronize()
+        return
+    with cupy.cuda.Device(device_id):
+        cupy.cuda.Stream.null.synchronize()
+
+
 def device_view(address: int, nbytes: int, device_id: int, owner: Any) -> Any:
     """A uint8 device array over ``nbytes`` at ``address``, which keeps ``owner`` alive."""
     cupy = cupy_module()

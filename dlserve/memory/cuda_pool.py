@@ -10,7 +10,9 @@ blocks are (:mod:`dlserve.ipc.tensors`), and freed when the lease comes back.
 
 Chunks are plain ``cudaMalloc`` allocations (not cupy's memory pool, whose blocks share
 allocations with other arrays), carved into 512-byte aligned blocks first fit; a chunk
-is added when none has room, and never returned while the process lives.
+is added when none has room (each twice the last, from 32 MiB, or the tensor's size), and
+kept while the process lives. There is one pool per process (:func:`process_pool`),
+shared by all its peers.
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ import threading
 import weakref
 from typing import Any
 
+from dlserve.errors import UnavailableError
 from dlserve.memory import cuda
 
 ALIGNMENT = 512
-CHUNK_BYTES = 256 << 20
+FIRST_CHUNK_BYTES = 32 << 20
+LAST_CHUNK_BYTES = 1 << 30  # (chunks stop doubling here)
 
 
 class _Chunk:
@@ -33,8 +37,17 @@ class _Chunk:
     def __init__(self, key: str, device_id: int, size: int) -> None:
         cupy = cuda.cupy_module()
         with cupy.cuda.Device(device_id):
-            self.address = int(cupy.cuda.runtime.malloc(size))
-            self.raw_handle = bytes(cupy.cuda.runtime.ipcGetMemHandle(self.address))
+            try:
+                self.address = int(cupy.cuda.runtime.malloc(size))
+            except cupy.cuda.runtime.CUDARuntimeError as exc:
+                raise UnavailableError(
+                    f"no GPU memory for a {size}-byte transfer chunk on GPU {device_id}: {exc}"
+                ) from None
+            try:
+                self.raw_handle = bytes(cupy.cuda.runtime.ipcGetMemHandle(self.address))
+            except cupy.cuda.runtime.CUDARuntimeError as exc:
+                cupy.cuda.runtime.free(self.address)
+                raise UnavailableError(f"cannot share GPU memory with other processes: {exc}") from None
         self.key, self.device_id, self.size = key, device_id, size
         self._free: list[tuple[int, int]] = [(0, size)]  # (offset, size), by offset
 
@@ -120,7 +133,9 @@ class DevicePool:
         """A device array over ``nbytes`` at ``offset`` of our chunk ``key`` (memory a peer
         hands back), keeping the live block it lies in (and ``holder``) alive; None if no
         live block holds it."""
-        for (block_key, start), block in list(self._blocks.items()):
+        with self._lock:
+            blocks = list(self._blocks.items())
+        for (block_key, start), block in blocks:
             if block_key == key and start <= offset and offset + nbytes <= start + block.nbytes:
                 chunk = block.chunk
                 return cuda.device_view(chunk.address + offset, nbytes, chunk.device_id, (block, holder))
@@ -137,7 +152,9 @@ class DevicePool:
                     if offset is not None:
                         break
             else:
-                size = max(CHUNK_BYTES, -(-nbytes // ALIGNMENT) * ALIGNMENT)
+                mine = [c.size for c in self._chunks if c.device_id == device_id]
+                grown = min(2 * mine[-1], LAST_CHUNK_BYTES) if mine else FIRST_CHUNK_BYTES
+                size = max(grown, -(-nbytes // ALIGNMENT) * ALIGNMENT)
                 chunk = _Chunk(f"{self.prefix}{next(self._serials)}", device_id, size)
                 self._chunks.append(chunk)
                 offset = chunk.take(nbytes)
@@ -148,3 +165,16 @@ class DevicePool:
 
     def _give(self, chunk: _Chunk, offset: int, nbytes: int) -> None:
         self._given.append((chunk, offset, nbytes))  # (atomic: no lock, see __init__)
+
+
+_process_pool: DevicePool | None = None
+_process_pool_lock = threading.Lock()
+
+
+def process_pool() -> DevicePool:
+    """This process's pool (made at first use; its chunks are allocated only when needed)."""
+    global _process_pool
+    with _process_pool_lock:
+        if _process_pool is None or not _process_pool.owns(f"pool:{os.getpid()}:"):
+            _process_pool = DevicePool()  # (anew in a forked child: the parent's is not its own)
+        return _process_pool

@@ -76,6 +76,10 @@ class IpcTable:
             raise InvalidArgumentError("the CUDA shared memory region was unregistered")
         return memory
 
+    def keys(self) -> list[str]:
+        with self._lock:
+            return list(self._memories)
+
     def forget(self, keys: list[str]) -> None:
         with self._lock:
             gone = [self._memories.pop(key) for key in keys if key in self._memories]

@@ -93,6 +93,11 @@ def join_inputs(
         tensor = get_input_tensor_by_name(request, name)
         if tensor is None:
             raise TritonModelException(f"request {index} of the batch has no input '{name}'")
+        if not tensor.is_cpu():
+            raise TritonModelException(
+                f"join_inputs joins host inputs; input '{name}' of request {index} is on a GPU "
+                "(join GPU inputs with your framework, e.g. torch.cat of torch.from_dlpack(...))"
+            )
         array = tensor._tensor.as_numpy()  # (BF16 too, which pb_utils' as_numpy refuses)
         if array.ndim == 0:
             raise TritonModelException(f"input '{name}' has no batch dimension to join along")

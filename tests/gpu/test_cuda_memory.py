@@ -814,6 +814,16 @@ def test_a_region_larger_than_its_allocation_is_refused(client: Client, cudashm:
     assert client.cuda_status() == {}
 
 
+def test_an_input_not_aligned_to_its_elements_is_refused(client: Client, cudashm: Any, cuda_regions) -> None:
+    """A GPU kernel faults on a misaligned FP32 array (a sticky error that ends the
+    worker's CUDA context): such a reference is refused with a clear error instead."""
+    cuda_regions("odd", X.nbytes + 4)
+    x = client.fp32_input("X", [len(X)])
+    x.set_shared_memory("odd", X.nbytes, offset=2)
+    error = client_error(client.client.infer, "gpu_inputs", [x])
+    assert client.invalid_argument() in str(error) and "not aligned" in str(error), str(error)
+
+
 def test_torch_in_the_model_matches_torch_here(client: Client) -> None:
     """The model's process runs this Python: torch imports there exactly when it does here
     (else the tests above checked less than they could)."""
@@ -907,6 +917,9 @@ def test_inprocess_gpu_outputs_stay_on_the_gpu_and_give_their_memory_back(inproc
         assert z.memory_type == dlserve.MemoryType.GPU, z.memory_type
         np.testing.assert_array_equal(cupy.asnumpy(cupy.from_dlpack(z)), (X + round_) * 3)
         assert read_info(response.outputs["INFO"].to_bytes_array())["input_is_cpu"] is False
+    # An empty GPU tensor travels as any empty tensor does (no device memory to share).
+    (response,) = model.infer(inputs={"X": cupy.zeros(0, dtype=cupy.float32)})
+    assert response.outputs["Y"].shape == (0,), response.outputs["Y"]
     (response,) = model.infer(inputs={"X": cupy.asarray(X)}, output_memory_type="cpu")
     assert response.outputs["Z"].memory_type == dlserve.MemoryType.CPU
     np.testing.assert_array_equal(response.outputs["Z"].as_numpy(), X * 3)
