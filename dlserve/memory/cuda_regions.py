@@ -24,13 +24,12 @@ from typing import Any
 
 from dlserve.errors import (
     AlreadyExistsError,
-    InternalError,
     InvalidArgumentError,
     NotFoundError,
     UnsupportedError,
 )
 from dlserve.memory.cuda import IpcMemory, cuda_problem
-from dlserve.memory.regions import check_reference
+from dlserve.memory.regions import check_reference, refuse_busy
 
 # A reference into device memory on the wire: ("cuda", key, raw handle, device id, size
 # of the memory the handle opens, offset, nbytes, lease); told from a host reference
@@ -174,13 +173,7 @@ class CudaRegions(IpcTable):
         self.forget(keys)
         if keys:
             self._on_forget(keys)
-        if busy and name is not None:
-            raise InternalError(f"Cannot unregister shared memory region '{name}', it is currently in use.")
-        if busy:
-            raise InternalError(
-                "Failed to unregister the following cuda shared memory regions: "
-                + "".join(f"{n} ," for n in busy)
-            )
+        refuse_busy(name, busy, "cuda")
 
     def status(self, name: str | None = None) -> list[dict[str, Any]]:
         with self._lock:

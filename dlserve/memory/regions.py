@@ -56,6 +56,18 @@ def check_reference(name: str, offset: int, byte_size: int, region_size: int) ->
         )
 
 
+def refuse_busy(name: str | None, busy: list[str], kind: str) -> None:
+    """Triton's error for an unregister of regions (``kind``: "system" or "cuda") that
+    requests still use: ``name``'s, or each one's of an unregister-all (``name`` None)."""
+    if busy and name is not None:
+        raise InternalError(f"Cannot unregister shared memory region '{name}', it is currently in use.")
+    if busy:
+        raise InternalError(
+            f"Failed to unregister the following {kind} shared memory regions: "
+            + "".join(f"{n} ," for n in busy)
+        )
+
+
 def output_too_small(name: str, holds: int, needed: int) -> str:
     """Triton's words for an output bigger than the shared memory its request gave it."""
     return (
@@ -167,13 +179,7 @@ class SystemRegions:
             in_use = {id(region.segment) for region in self._regions.values()}
             for segment in {id(r.segment): r.segment for r in removed if id(r.segment) not in in_use}.values():
                 self._forget(segment)
-        if busy and name is not None:
-            raise InternalError(f"Cannot unregister shared memory region '{name}', it is currently in use.")
-        if busy:
-            raise InternalError(
-                "Failed to unregister the following system shared memory regions: "
-                + "".join(f"{n} ," for n in busy)
-            )
+        refuse_busy(name, busy, "system")
 
     def status(self, name: str | None = None) -> list[dict[str, Any]]:
         with self._lock:

@@ -31,22 +31,11 @@ import numpy as np
 import pytest
 
 import dlserve
+from dlserve.memory.cuda import device_count
 
 from ..conftest import EXAMPLES, ServerHarness, describe_fds, open_fds, worker_processes
 
-
-def cuda_devices() -> int:
-    try:
-        import cupy
-    except ImportError:
-        return 0
-    try:
-        return int(cupy.cuda.runtime.getDeviceCount()) if cupy.is_available() else 0
-    except Exception:  # noqa: BLE001 - any CUDA failure means no GPU
-        return 0
-
-
-DEVICES = cuda_devices()
+DEVICES = device_count()
 pytestmark = pytest.mark.skipif(DEVICES == 0, reason="needs CUDA (cupy and a GPU)")
 
 PROTOCOLS = ["http", "grpc"]
