@@ -127,10 +127,12 @@ class ModelCalls:
         worker = self.instance.worker
         if worker is None or worker.peer is None:
             return
+        imported = 0
         try:
             inputs = {}
             for wire in inputs_wire:
                 name, tensor = worker.peer.import_(wire)
+                imported += 1
                 if name in inputs:
                     raise InvalidArgumentError(f"input '{name}' already exists in request")
                 inputs[name] = tensor
@@ -174,6 +176,7 @@ class ModelCalls:
             # Triton's prefix and code (INTERNAL, whatever the reason) for a BLS request the
             # server refused; the callee's own errors keep theirs.
             message = f"Model {model_name} - Error when running inference: {reason}"
+            worker.peer.discard(inputs_wire[imported:])  # (those never imported go back now)
             self._send(corr, ((), (int(ErrorCode.INTERNAL), message), "{}"), True)
             return
         self._calls[corr] = request

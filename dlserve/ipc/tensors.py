@@ -158,8 +158,8 @@ class Peer:
 
         ``by_reference`` forces a reference even for a tiny tensor: for memory the
         peer must write into, or must recognise as memory it handed out. A GPU
-        tensor in a CUDA IPC mapping both know goes by reference; any other's bytes
-        are copied once, from the device straight into our arena.
+        tensor goes by reference into device memory (see :meth:`_device_ref`); an
+        empty one as any empty tensor.
         """
         if tensor.memory_type is MemoryType.GPU:
             ref = self._device_ref(tensor)
@@ -297,9 +297,10 @@ class Peer:
         self, name: str, dtype: int, shape: tuple[int, ...], ref: CudaRef, host: bool
     ) -> Tensor:
         """A reference into device memory: a device tensor over it (which gives the lease
-        back when it dies), or with ``host`` its bytes copied once into our arena."""
+        back when it dies; a settling peer's is a copy in its own pool, and the lease goes
+        back at once), or with ``host`` its bytes copied once into our arena."""
         key, offset, nbytes, lease = ref[1], ref[5], ref[6], ref[7]
-        holder = _LeaseReturn(self, lease) if lease else None
+        holder = _LeaseReturn(self, lease, ref[3]) if lease else None
         if self.pool.owns(key):  # ours, handed back: the block is still held for the peer
             view = self.pool.view_of(key, offset, nbytes, holder)
             if view is None:
@@ -334,14 +335,14 @@ class Peer:
 class _LeaseReturn:
     """Held by the device arrays imported under a lease: gives it back when they die."""
 
-    __slots__ = ("peer", "lease")
+    __slots__ = ("peer", "lease", "device_id")
 
-    def __init__(self, peer: Peer, lease: int) -> None:
-        self.peer, self.lease = peer, lease
+    def __init__(self, peer: Peer, lease: int, device_id: int) -> None:
+        self.peer, self.lease, self.device_id = peer, lease, device_id
 
     def __del__(self) -> None:
         try:  # (kernels reading the memory may still be queued: the peer may reuse it next)
-            cuda.synchronize_default_stream()
+            cuda.synchronize_default_stream(self.device_id)
         except Exception:  # noqa: BLE001 - a finalizer: the context may be gone at exit
             pass
         self.peer._returned(self.lease)

@@ -10,8 +10,9 @@ blocks are (:mod:`dlserve.ipc.tensors`), and freed when the lease comes back.
 
 Chunks are plain ``cudaMalloc`` allocations (not cupy's memory pool, whose blocks share
 allocations with other arrays), carved into 512-byte aligned blocks first fit; a chunk
-is added when none has room (each twice the last, from 32 MiB, or the tensor's size), and
-kept while the process lives. There is one pool per process (:func:`process_pool`),
+is added when none has room (each twice the last, from 32 MiB up to 1 GiB, or the tensor's
+size; the tensor's size alone where the device has no room for more), and kept while the
+process lives. There is one pool per process (:func:`process_pool`),
 shared by all its peers.
 """
 
@@ -154,8 +155,14 @@ class DevicePool:
             else:
                 mine = [c.size for c in self._chunks if c.device_id == device_id]
                 grown = min(2 * mine[-1], LAST_CHUNK_BYTES) if mine else FIRST_CHUNK_BYTES
-                size = max(grown, -(-nbytes // ALIGNMENT) * ALIGNMENT)
-                chunk = _Chunk(f"{self.prefix}{next(self._serials)}", device_id, size)
+                needed = max(ALIGNMENT, -(-nbytes // ALIGNMENT) * ALIGNMENT)
+                key = f"{self.prefix}{next(self._serials)}"
+                try:
+                    chunk = _Chunk(key, device_id, max(grown, needed))
+                except UnavailableError:
+                    if grown <= needed:
+                        raise
+                    chunk = _Chunk(key, device_id, needed)  # (a nearly full device)
                 self._chunks.append(chunk)
                 offset = chunk.take(nbytes)
                 assert offset is not None

@@ -87,7 +87,8 @@ class IpcTable:
 
 
 class IpcImports(IpcTable):
-    """A worker's: a mapping is opened the first time a reference names it."""
+    """A mapping is opened the first time a reference names it (a worker's view of
+    clients' regions; every peer's view of the other side's device pool)."""
 
     def _memory(self, key: str, raw_handle: bytes, device_id: int, size: int) -> IpcMemory:
         with self._lock:

@@ -1,7 +1,7 @@
 """The parts of dlserve's GPU memory handling that need no GPU: the device pool's free list
 (first fit, merged on free), how references into device memory are told from host ones and
-give their leases back, and the FORCE_CPU_ONLY_INPUT_TENSORS reading. (tests/gpu runs the
-rest on a GPU.)"""
+which lease ids they carry, and the FORCE_CPU_ONLY_INPUT_TENSORS reading. (tests/gpu runs
+the rest on a GPU.)"""
 
 from __future__ import annotations
 
