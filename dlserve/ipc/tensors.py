@@ -45,7 +45,7 @@ from dlserve.errors import InternalError, InvalidArgumentError
 from dlserve.memory import cuda
 from dlserve.memory.arena import ALIGNMENT, Anchor, Arena, MemorySpace
 from dlserve.memory.cuda_pool import process_pool
-from dlserve.memory.cuda_regions import CudaRef, IpcImports, IpcTable, is_cuda_ref
+from dlserve.memory.cuda_regions import CudaRef, IpcImports, IpcTable, device_ref, is_cuda_ref
 from dlserve.memory.dtypes import DataType
 from dlserve.memory.shm import is_client_object, written
 from dlserve.memory.tensor import MemoryType, Tensor
@@ -206,8 +206,7 @@ class Peer:
         found = None if ref is not None else self.pool.locate(array)
         if ref is None and found is not None:
             chunk, offset = found
-            ref = ("cuda", chunk.key, chunk.raw_handle, chunk.device_id, chunk.size, offset,
-                   int(array.nbytes), 0)
+            ref = device_ref(chunk, offset, int(array.nbytes), 0)
         if ref is not None:
             cuda.synchronize_default_stream(cuda.device_of_array(array))
             self._granted[lease] = array

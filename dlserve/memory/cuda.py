@@ -109,10 +109,14 @@ def copy_to_host(array: Any, out: np.ndarray) -> None:
 def to_device(host: np.ndarray, device_id: int) -> Any:
     """A new device array on ``device_id`` holding a copy of ``host``."""
     cupy = cupy_module()
-    if not 0 <= device_id < device_count():
-        raise InvalidArgumentError(f"GPU {device_id} does not exist (this machine has {device_count()})")
+    _check_device(device_id)
     with cupy.cuda.Device(device_id):
         return cupy.asarray(host)
+
+
+def _check_device(device_id: int) -> None:
+    if not 0 <= device_id < device_count():
+        raise InvalidArgumentError(f"GPU {device_id} does not exist (this machine has {device_count()})")
 
 
 def device_of_array(array: Any) -> int:
@@ -175,10 +179,7 @@ class IpcMemory:
             raise InvalidArgumentError(
                 f"a CUDA IPC handle is {IPC_HANDLE_SIZE} bytes, got {len(raw_handle)}"
             )
-        if not 0 <= device_id < device_count():
-            raise InvalidArgumentError(
-                f"GPU {device_id} does not exist (this machine has {device_count()})"
-            )
+        _check_device(device_id)
         self.key = key
         self.raw_handle = bytes(raw_handle)
         self.device_id = device_id

@@ -26,6 +26,7 @@ from typing import Any
 
 from dlserve.errors import UnavailableError
 from dlserve.memory import cuda
+from dlserve.memory.cuda_regions import CudaRef, device_ref
 
 ALIGNMENT = 512
 FIRST_CHUNK_BYTES = 32 << 20
@@ -85,11 +86,9 @@ class PoolBlock:
         """The block as a uint8 device array that keeps this block alive."""
         return cuda.device_view(self.chunk.address + self.offset, self.nbytes, self.chunk.device_id, self)
 
-    def ref(self, lease: int) -> tuple[str, str, bytes, int, int, int, int, int]:
-        """The block as a reference a peer imports (see dlserve.memory.cuda_regions.CudaRef)."""
-        chunk = self.chunk
-        return ("cuda", chunk.key, chunk.raw_handle, chunk.device_id, chunk.size, self.offset,
-                self.nbytes, lease)
+    def ref(self, lease: int) -> CudaRef:
+        """The block as a reference a peer imports."""
+        return device_ref(self.chunk, self.offset, self.nbytes, lease)
 
     def __del__(self) -> None:
         self.pool._give(self.chunk, self.offset, self.nbytes)

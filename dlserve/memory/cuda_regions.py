@@ -44,6 +44,14 @@ def is_cuda_ref(ref: Any) -> bool:
     return type(ref) is tuple and len(ref) == CUDA_REF_LENGTH
 
 
+def device_ref(memory: Any, offset: int, nbytes: int, lease: int) -> CudaRef:
+    """A reference to ``nbytes`` at ``offset`` of ``memory``: an IPC mapping or a pool
+    chunk (anything with the ``key``, ``raw_handle``, ``device_id`` and ``size`` a peer
+    opens it by)."""
+    return ("cuda", memory.key, memory.raw_handle, memory.device_id, memory.size, offset,
+            nbytes, lease)
+
+
 class IpcTable:
     """The IPC mappings of one process by key, and the references into them."""
 
@@ -59,8 +67,7 @@ class IpcTable:
         for memory in memories:
             offset = memory.offset_of(array)
             if offset is not None:
-                return ("cuda", memory.key, memory.raw_handle, memory.device_id, memory.size,
-                        offset, int(array.nbytes), 0)
+                return device_ref(memory, offset, int(array.nbytes), 0)
         return None
 
     def view(self, ref: CudaRef, holder: Any = None) -> Any:
