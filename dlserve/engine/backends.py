@@ -11,12 +11,14 @@ shows it.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dlserve.errors import InvalidArgumentError, UnsupportedError
 
 if TYPE_CHECKING:  # (the command line imports this module before the engine)
+    from dlserve.engine.model import ModelVersion
     from dlserve.engine.proto import model_config_pb2 as mc
 
 PYTHON_BACKEND = "python"
@@ -65,4 +67,28 @@ def code_paths(code_file: Path, model_path: Path) -> dict[str, str]:
     return {"model_file": str(code_file), "model_path": str(model_path)}
 
 
-__all__ = ["BACKEND_RUNTIME", "DEFAULT_BACKEND_DIRECTORY", "PYTHON_BACKEND", "backend_model_file", "code_paths"]
+def init_message(model: ModelVersion, kind: str, instance_name: str, device_id: int) -> dict[str, Any]:
+    """A worker's INIT message for an instance of ``model``: the code to import and
+    exactly the ``args`` keys Triton passes to ``initialize``."""
+    return {
+        **code_paths(model.code_file, model.model_file),
+        "args": {
+            "model_config": json.dumps(model.config_json, separators=(",", ":")),
+            "model_instance_kind": kind,
+            "model_instance_name": instance_name,
+            "model_instance_device_id": str(device_id),
+            "model_repository": str(model.model_dir),
+            "model_version": str(model.version),
+            "model_name": model.name,
+        },
+    }
+
+
+__all__ = [
+    "BACKEND_RUNTIME",
+    "DEFAULT_BACKEND_DIRECTORY",
+    "PYTHON_BACKEND",
+    "backend_model_file",
+    "code_paths",
+    "init_message",
+]

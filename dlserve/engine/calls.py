@@ -19,6 +19,7 @@ import json
 import logging
 from typing import TYPE_CHECKING, Any, Protocol
 
+from dlserve.engine import inline_offers
 from dlserve.engine.request import (
     Request,
     Response,
@@ -27,14 +28,13 @@ from dlserve.engine.request import (
     version_from_string,
 )
 from dlserve.errors import (
-    ErrorCode,
     InvalidArgumentError,
     NotFoundError,
     TritonError,
     UnavailableError,
     UnsupportedError,
 )
-from dlserve.ipc.protocol import Kind
+from dlserve.ipc.protocol import Kind, refused_call
 
 if TYPE_CHECKING:
     from dlserve.engine.instance import ModelInstance
@@ -94,6 +94,13 @@ class ModelCalls:
             request = self._calls.get(body)
             if request is not None and request.owner is not None:
                 request.owner.cancel(request, answer=False)
+        elif kind == Kind.INLINE:
+            self._offer_inline(corr, *body)
+        elif kind == Kind.INLINE_DONE:
+            name, version, record = body
+            target = self._loaded(name, version)
+            if target is not None:
+                inline_offers.record(target, record)
         else:
             # The reply goes to the worker that asked: a restarted worker numbers its
             # calls afresh, so a late reply must not reach its successor.
@@ -173,14 +180,24 @@ class ModelCalls:
                     request.trace = parent.child(model_name, request_id)
         except Exception as exc:  # noqa: BLE001 - refused in the response, never left waiting
             reason = exc.message if isinstance(exc, TritonError) else str(exc)
-            # Triton's prefix and code (INTERNAL, whatever the reason) for a BLS request the
-            # server refused; the callee's own errors keep theirs.
-            message = f"Model {model_name} - Error when running inference: {reason}"
             worker.peer.discard(inputs_wire[imported:])  # (those never imported go back now)
-            self._send(corr, ((), (int(ErrorCode.INTERNAL), message), "{}"), True)
+            self._send(corr, ((), refused_call(model_name, reason), "{}"), True)
             return
         self._calls[corr] = request
         self.host.enqueue(target, request, sample=False)
+
+    # -- inline BLS (dlserve.engine.inline_offers) ---------------------------------------
+    def _offer_inline(self, corr: int, name: str, version: int) -> None:
+        offer = inline_offers.offer(name, self._loaded(name, version), self.instance)
+        channel = self.instance.channel
+        if channel is not None:
+            channel.reply(corr, offer)
+
+    def _loaded(self, name: str, version: int) -> ModelVersion | None:
+        try:
+            return self.host.model(name, version)
+        except TritonError:
+            return None
 
     def _chain(self, handles: list[int] | None) -> tuple[str, ...]:
         """The models waiting on a call: those waiting on the requests it is made

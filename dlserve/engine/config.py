@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from dlserve.engine.backends import BACKEND_RUNTIME, PYTHON_BACKEND
+from dlserve.engine.inline_offers import inline_allowed
 from dlserve.engine.proto import model_config_pb2 as mc
 from dlserve.engine.sequence import ControlInput
 from dlserve.errors import InvalidArgumentError, UnsupportedError
@@ -200,6 +201,10 @@ def validate(config: mc.ModelConfig, model_name: str, gpu_count: int = 0) -> Non
             f"Incorrect value for FORCE_CPU_ONLY_INPUT_TENSORS: '{force_cpu.string_value}' "
             "(it takes 'yes' or 'no')"
         )
+    try:
+        inline_allowed(config)
+    except ValueError as exc:
+        raise InvalidArgumentError(f"model '{model_name}': {exc}") from None
     concurrency = parameters.get("ASYNC_EXECUTE_CONCURRENCY")
     if concurrency is not None and not (
         concurrency.string_value.isdigit() and int(concurrency.string_value) >= 1

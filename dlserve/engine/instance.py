@@ -24,15 +24,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from dlserve.engine import warmup
-from dlserve.engine.backends import code_paths
+from dlserve.engine.backends import init_message
 from dlserve.engine.calls import ModelCalls
 from dlserve.engine.request import (
     STREAMING,
     Request,
     Response,
+    output_as_declared,
     parameters_json,
-    reshaped,
-    shape_text,
 )
 from dlserve.errors import ErrorCode, InternalError, TritonError, UnavailableError
 from dlserve.ipc.channel import WorkerGoneError
@@ -143,18 +142,6 @@ class ModelInstance:
     def pid(self) -> int | None:
         return None if self._worker is None else self._worker.pid
 
-    def initialize_args(self) -> dict[str, str]:
-        """Exactly the keys Triton passes to ``initialize``."""
-        return {
-            "model_config": json.dumps(self.model.config_json, separators=(",", ":")),
-            "model_instance_kind": self.kind,
-            "model_instance_name": self.name,
-            "model_instance_device_id": str(self.device_id),
-            "model_repository": str(self.model.model_dir),
-            "model_version": str(self.model.version),
-            "model_name": self.model.name,
-        }
-
     async def start(self) -> None:
         """Spawn the worker, run ``initialize`` and the model's warmup; raises with the
         model's error. A start that does not finish (cancelled, say) leaves no worker."""
@@ -198,11 +185,7 @@ class ModelInstance:
         """``initialize`` and the warmup in a started worker, which a failure stops."""
         try:
             reply = await worker.request(
-                Kind.INIT,
-                {
-                    **code_paths(self.model.code_file, self.model.model_file),
-                    "args": self.initialize_args(),
-                },
+                Kind.INIT, init_message(self.model, self.kind, self.name, self.device_id)
             )
             if not worker.alive:  # it died right after answering, before it was READY
                 raise WorkerGoneError("worker process is not running")
@@ -243,7 +226,7 @@ class ModelInstance:
         metrics = self.model.resources.custom_metrics
         if kind == Kind.RESPONSE:
             self._streamed(*body)
-        elif kind in (Kind.BLS, Kind.BLS_CANCEL, Kind.MODEL_CONTROL):
+        elif kind in (Kind.BLS, Kind.BLS_CANCEL, Kind.MODEL_CONTROL, Kind.INLINE, Kind.INLINE_DONE):
             self.calls.handle(kind, corr, body)
         elif kind == Kind.LOG:
             self._model_log_line(body)
@@ -606,20 +589,10 @@ class ModelInstance:
         peer = self._worker.peer if self._worker is not None else None
         if peer is None:
             raise UnavailableError(f"model instance '{self.name}' went away")
-        batching = model.config.max_batch_size > 0
+        signature = model.signature
         for wire in outputs_wire:
             name, tensor = peer.import_(wire)
-            spec = model.signature.outputs.get(name)
-            if spec is not None and spec.reshape is not None:
-                try:
-                    tensor = reshaped(tensor, spec.reshape, spec.dims, batching)
-                except ValueError:  # (the model's fault: said as such, not logged as ours)
-                    raise InternalError(
-                        f"output '{name}' of model '{model.name}' has shape "
-                        f"{shape_text(tensor.shape)}, which does not fit its reshape "
-                        f"{shape_text(spec.reshape)} (dims {shape_text(spec.dims)})"
-                    ) from None
-            response.outputs[name] = tensor
+            response.outputs[name] = output_as_declared(signature, name, tensor)
         return response
 
     def forget_segments(self, names: list[str]) -> None:

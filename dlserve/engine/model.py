@@ -7,11 +7,12 @@ import dataclasses
 import itertools
 import logging
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
 from dlserve.engine import config as cfg
-from dlserve.engine import config_forms, ensemble, warmup
+from dlserve.engine import config_forms, ensemble, inline_offers, warmup
 from dlserve.engine.backends import DEFAULT_BACKEND_DIRECTORY
 from dlserve.engine.batcher import DynamicBatcher
 from dlserve.engine.calls import Host
@@ -62,6 +63,9 @@ class EngineResources:
     response_cache: ResponseCache | None = None  # the server's, if it has one
     rate_limiter: RateLimiter | None = None  # with --rate-limit=execution_count
     latency_summaries: bool = False  # statistics keep the samples of --metrics-config summary_latencies
+    # Per model name, the instances whose workers were told they may run it themselves
+    # (dlserve.engine.inline_offers), until a version of it loads or unloads.
+    inline_callers: dict[str, weakref.WeakSet[ModelInstance]] = dataclasses.field(default_factory=dict)
 
     def next_serial(self) -> int:
         self.serial += 1
@@ -214,6 +218,7 @@ class ModelVersion:
             self.state, self.reason = "UNAVAILABLE", str(errors[0])
             raise errors[0]
         self.state, self.reason = "READY", ""
+        inline_offers.drop(self)  # (callers running an older version go to the server again)
 
     def _new_instance(self, name: str, kind: str, device: int, group: mc.ModelInstanceGroup) -> ModelInstance:
         instance = ModelInstance(
@@ -340,6 +345,7 @@ class ModelVersion:
     def begin_unload(self) -> None:
         """Take no more requests (the rest is :meth:`unload`'s)."""
         self.state = "UNLOADING"
+        inline_offers.drop(self)
 
     async def unload(self, deadline: float) -> bool:
         """Stop taking requests, let in-flight ones finish and stop the workers, all by

@@ -20,7 +20,7 @@ import numpy as np
 
 from dlserve.engine.proto import model_config_pb2 as mc
 from dlserve.engine.tracing import Trace
-from dlserve.errors import InvalidArgumentError, TritonError
+from dlserve.errors import InternalError, InvalidArgumentError, TritonError
 from dlserve.memory.bytes_codec import TruncatedElement
 from dlserve.memory.dtypes import DataType
 from dlserve.memory.tensor import ElementCountError, Tensor
@@ -344,6 +344,31 @@ def string_count_error(label: str, name: str, model: str, expected: int, count: 
         f"{label}unexpected number of string elements {expected + 1} for inference input '{name}' "
         f"for model '{model}', expecting {expected}"
     )
+
+
+def reschedule_refused(model_name: str) -> InvalidArgumentError:
+    """A model asked to run a request again (TRITONSERVER_REQUEST_RELEASE_RESCHEDULE)
+    where only an iterative sequence may."""
+    return InvalidArgumentError(
+        f"model '{model_name}' rescheduled a request, which needs "
+        "sequence_batching { iterative_sequence: true }"
+    )
+
+
+def output_as_declared(signature: Signature, name: str, tensor: Tensor) -> Tensor:
+    """A model's output under its config's dims where the config reshapes it (the
+    model made it in the reshape's shape); raises InternalError, naming the model's
+    fault, when it does not fit."""
+    spec = signature.outputs.get(name)
+    if spec is None or spec.reshape is None:
+        return tensor
+    try:
+        return reshaped(tensor, spec.reshape, spec.dims, signature.max_batch_size > 0)
+    except ValueError:  # (the model's fault: said as such, not logged as ours)
+        raise InternalError(
+            f"output '{name}' of model '{signature.name}' has shape {shape_text(tensor.shape)}, "
+            f"which does not fit its reshape {shape_text(spec.reshape)} (dims {shape_text(spec.dims)})"
+        ) from None
 
 
 def reshaped(

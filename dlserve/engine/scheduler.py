@@ -29,7 +29,7 @@ import time
 from typing import TYPE_CHECKING
 
 from dlserve.engine import response_cache
-from dlserve.engine.request import STREAMING, Request, Response
+from dlserve.engine.request import STREAMING, Request, Response, reschedule_refused
 from dlserve.errors import (
     CancelledError,
     InternalError,
@@ -322,14 +322,7 @@ class Scheduler:
 
     def _reschedule(self, request: Request) -> None:
         """The model asked to run ``request`` again (TRITONSERVER_REQUEST_RELEASE_RESCHEDULE)."""
-        self._fail(
-            request,
-            InvalidArgumentError(
-                f"model '{self.model.name}' rescheduled a request, which needs "
-                "sequence_batching { iterative_sequence: true }"
-            ),
-            "BACKEND",
-        )
+        self._fail(request, reschedule_refused(self.model.name), "BACKEND")
 
     # -- responses ----------------------------------------------------------------------
     def stream_response(self, request: Request, response: Response) -> None:

@@ -24,6 +24,8 @@ import signal
 import struct
 from typing import Any
 
+from dlserve.errors import ErrorCode
+
 HEADER = struct.Struct("<I")
 MARSHAL_VERSION = 4
 MAX_FRAME = 1 << 30
@@ -46,6 +48,7 @@ class Kind(enum.IntEnum):
     IS_READY = 14
     CANCEL = 15  # no reply; body: list of request handles the server cancelled
     BLS_RESPONSE = 16  # no reply; corr: the BLS call's; body: (response, final)
+    INLINE_DROP = 17  # no reply; body: names of models whose inline copies must go (ipc.inline)
     # either direction, no reply
     RELEASE = 20  # body: list of lease ids the sender no longer uses
     RETIRE = 21  # body: list of segment names the sender has unlinked
@@ -58,6 +61,8 @@ class Kind(enum.IntEnum):
     BLS = 35  # answered by BLS_RESPONSE messages with the same corr; body: see ipc.bls
     BLS_CANCEL = 36  # no reply; body: corr of the BLS call to cancel
     MODEL_CONTROL = 37  # reply; body: (operation, arguments)
+    INLINE = 38  # reply: what a BLS caller needs to run the model itself, or None; body: (name, version)
+    INLINE_DONE = 39  # no reply; body: an inline call for the callee's statistics (ipc.inline)
 
 
 Message = tuple[int, int, Any]
@@ -65,6 +70,13 @@ Message = tuple[int, int, Any]
 # In an EXECUTE reply, in place of a request's response: the request is answered
 # through RESPONSE messages (its response sender), before or after the reply.
 STREAMED = 0
+
+
+def refused_call(model_name: str, reason: str) -> tuple[int, str]:
+    """The error of a BLS call refused before its model saw it (by the server, or by an
+    inline caller's own checks): Triton's code (INTERNAL, whatever the reason) and
+    prefix. The callee's own errors keep theirs."""
+    return int(ErrorCode.INTERNAL), f"Model {model_name} - Error when running inference: {reason}"
 
 
 def encode(kind: int, corr: int, body: Any) -> bytes:

@@ -21,6 +21,8 @@ from typing import Any
 
 from dlserve.errors import ErrorCode, TritonError
 from dlserve.ipc.channel import Stream, WorkerChannel
+from dlserve.ipc.inline import InlineCalls
+from dlserve.ipc.model_code import ABANDONED
 from dlserve.ipc.protocol import Kind
 from dlserve.ipc.tensors import Peer
 from dlserve.memory.arena import Arena
@@ -37,13 +39,6 @@ from dlserve.pb_utils.tensor import Tensor
 current_handles: contextvars.ContextVar[tuple[int, ...] | None] = contextvars.ContextVar(
     "dlserve_current_handles", default=None
 )
-
-ABANDONED = (
-    "the model let go of the request without sending its final response: execute "
-    "returned None (or the response sender was dropped) before a send with "
-    "flags=TRITONSERVER_RESPONSE_COMPLETE_FINAL"
-)
-
 
 def encode_response(
     peer: Peer,
@@ -99,6 +94,7 @@ class WorkerRuntime:
         self.bls_allowed = True
         self.finalized = False  # (the model's finalize returned: the worker is ending)
         self._pid = os.getpid()
+        self.inline = InlineCalls(self)  # models run here on their BLS callers' threads
         channel.on_cancel = self._cancelled
         channel.on_bls_response = self._received
         channel.on_release = peer.release
@@ -238,6 +234,9 @@ class WorkerRuntime:
 
     def infer(self, request: InferenceRequest, decoupled: bool) -> Any:
         self._check_bls_allowed()
+        answered = self.inline.call(request, decoupled)
+        if answered is not None:
+            return answered
         iterator = ResponseIterator(self, Stream())
         iterator.corr = self._start(request, decoupled, iterator.stream)
         return iterator if decoupled else iterator.single()
@@ -247,6 +246,9 @@ class WorkerRuntime:
         (so a model that then reads them with a plain ``for`` does not hold up its loop
         waiting for a stream that has not begun)."""
         self._check_bls_allowed()
+        answered = self.inline.call(request, decoupled)
+        if answered is not None:
+            return answered
         loop = asyncio.get_running_loop()
         if loop is not self.loop:
             # A loop of the model's own making: nobody is sure to read the channel

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import faulthandler
-import importlib.util
 import inspect
 import json
 import os
@@ -25,12 +24,18 @@ import signal
 import socket
 import sys
 import threading
-import traceback
-from types import ModuleType
 from typing import Any
 
 from dlserve.errors import ErrorCode, TritonError
 from dlserve.ipc.channel import WorkerChannel
+from dlserve.ipc.model_code import (
+    ANSWERED_TWICE,
+    ModelFailure,
+    describe_exception,
+    load_module,
+    not_a_response,
+    response_list_problem,
+)
 from dlserve.ipc.polling import join_board
 from dlserve.ipc.protocol import STACKS_SIGNAL, STREAMED, Kind
 from dlserve.ipc.runtime import WorkerRuntime, current_handles, encode_response
@@ -40,68 +45,10 @@ from dlserve.memory.cuda_regions import IpcImports
 from dlserve.memory.tensor import MemoryType
 from dlserve.pb_utils import _runtime
 from dlserve.pb_utils.helpers import using_decoupled_model_transaction_policy
-from dlserve.pb_utils.inference import InferenceRequest, InferenceResponse
+from dlserve.pb_utils.inference import InferenceRequest
 from dlserve.pb_utils.logger import route_model_logging
 from dlserve.pb_utils.model_config import ModelConfig
 from dlserve.pb_utils.tensor import Tensor
-
-
-class ModelFailure(Exception):
-    """Fails every request of one execute call (Triton's batch-level error)."""
-
-    def __init__(self, message: str, code: ErrorCode = ErrorCode.INTERNAL) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def describe_exception(exc: BaseException) -> str:
-    """``Type: message`` and where in the model it happened, innermost frame first
-    (Triton's layout), without dlserve's own frames or the import machinery's."""
-    frames = [
-        frame
-        for frame in traceback.extract_tb(exc.__traceback__)
-        if not frame.filename.startswith((_PACKAGE_DIR, "<frozen "))
-    ]
-    where = "".join(f"  {f.filename}({f.lineno}): {f.name}\n" for f in reversed(frames))
-    head = f"{type(exc).__name__}: {str(exc) or '<EMPTY MESSAGE>'}"  # Triton's words for ''
-    return f"{head}\n\nAt:\n{where}" if where else head
-
-
-def load_module(model_file: str, model_path: str) -> ModuleType:
-    """Import the model's code as Triton does. Its own ``model.py`` (``model_file`` is
-    ``model_path``) is imported with its version folder and model folder on
-    ``sys.path``, as module ``model`` of a package that is its version folder
-    (``1.model``), so that its relative imports (``from . import helper``) find the files
-    beside it. A Python-based backend's file is imported as top-level module ``model``
-    with the backend's folder on ``sys.path``. ``pb_utils.get_model_dir()`` answers
-    ``model_path``'s folder either way."""
-    model_file, model_path = os.path.abspath(model_file), os.path.abspath(model_path)
-    _runtime.model_dir = os.path.dirname(model_path)
-    stem = os.path.splitext(os.path.basename(model_file))[0]
-    code_dir = os.path.dirname(model_file)
-    if model_file == model_path:
-        search = (os.path.dirname(code_dir), code_dir)
-        package = ModuleType(os.path.basename(code_dir))
-        package.__path__ = [code_dir]
-        sys.modules[package.__name__] = package
-        module_name = f"{package.__name__}.{stem}"
-    else:
-        search, module_name = (code_dir,), stem
-    for path in search:
-        if path not in sys.path:
-            sys.path.insert(0, path)
-    spec = importlib.util.spec_from_file_location(module_name, model_file)
-    if spec is None or spec.loader is None:
-        raise ModelFailure(f"cannot import {model_file}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = sys.modules["model"] = module
-    spec.loader.exec_module(module)
-    if not hasattr(module, "TritonPythonModel"):
-        raise ModelFailure(f"{model_file} does not define class TritonPythonModel")
-    return module
 
 
 def forces_cpu_inputs(config: dict[str, Any]) -> bool:
@@ -214,6 +161,8 @@ class Worker:
                     self.channel.reply(corr, self._auto_complete(body))
                 elif kind == Kind.IS_READY:
                     self.channel.reply(corr, self._is_ready())
+                elif kind == Kind.INLINE_DROP:
+                    self.runtime.inline.drop(body)
                 elif kind == Kind.RETIRE:
                     for name in body:
                         self.peer.space.forget_segment(name)
@@ -287,8 +236,11 @@ class Worker:
     def _finalize(self) -> None:
         self.runtime.bls_allowed = False  # (the worker ends after it)
         finalize = getattr(self.model, "finalize", None)
-        if finalize is not None:
-            self._run(finalize())
+        try:
+            if finalize is not None:
+                self._run(finalize())
+        finally:
+            self.runtime.inline.close()  # (the models it ran for its BLS calls, after it)
         self.runtime.finalized = True
 
     # -- execute ------------------------------------------------------------------------
@@ -402,15 +354,11 @@ class Worker:
                     # Triton skips it (a cancelled request has its answer; another never
                     # gets one): this request alone is answered, with Triton's words.
                     exchange.closed = True
-                    replies.append(((), (int(ErrorCode.INTERNAL), _not_a_response(response)), "{}"))
+                    replies.append(((), (int(ErrorCode.INTERNAL), not_a_response(response)), "{}"))
                 continue
             with exchange.lock:  # (a send another thread has begun ends first: it counts)
                 if exchange.responses or exchange.closed:
-                    raise self._failed(
-                        requests,
-                        "a request was answered both through its response sender and in the "
-                        "list execute returned",
-                    )
+                    raise self._failed(requests, ANSWERED_TWICE)
                 exchange.closed = True
             replies.append(encode_response(self.peer, response, exchange.requested, exchange.destinations))
 
@@ -427,37 +375,9 @@ class Worker:
         return self.sequence_batched and not request.correlation_id()
 
     def _check_responses(self, responses: Any, requests: list[InferenceRequest]) -> None:
-        expected = len(requests)
-        if not isinstance(responses, list):
-            raise self._failed(
-                requests, f"Expected a list in the execute return, found type '{type(responses)}'."
-            )
-        if len(responses) != expected:
-            raise self._failed(
-                requests,
-                "Number of InferenceResponse objects do not match the number of "
-                f"InferenceRequest objects. InferenceRequest(s) size is:{expected}, "
-                f"and InferenceResponse(s) size is:{len(responses)}\n",
-            )
-        for response, request in zip(responses, requests):
-            if response is None:
-                continue  # (answered by the sender, rescheduled, or alone: see _replies)
-            if request.rescheduled():  # (Triton's words, its typo included)
-                raise self._failed(
-                    requests,
-                    "Expected a None object in the execute function return list for reschduled "
-                    f"request, found type '{type(response)}'.",
-                )
-            if not isinstance(response, InferenceResponse):
-                raise self._failed(requests, _not_a_response(response))
-
-
-def _not_a_response(element: Any) -> str:
-    """What an element of execute's list that is no response gets (Triton 2.51's words)."""
-    return (
-        "Expected an 'InferenceResponse' object in the execute function return list, "
-        f"found type '{type(element)}'."
-    )
+        problem = response_list_problem(responses, requests)
+        if problem is not None:
+            raise self._failed(requests, problem)
 
 
 def _watch_parent(parent: int, arena: Arena) -> None:

@@ -8,6 +8,7 @@ runtime and those objects fall back to local behaviour or say they need a worker
 
 from __future__ import annotations
 
+import contextvars
 import sys
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -58,6 +59,11 @@ class Runtime(Protocol):
 
 _current: Runtime | None = None
 model_dir: str | None = None  # get_model_dir's answer in a worker: the model's version folder
+# While a model another runs inline (dlserve.ipc.inline) initializes, executes or
+# finalizes, on that thread: its own version folder.
+inline_model_dir: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "dlserve_inline_model_dir", default=None
+)
 
 
 def current() -> Runtime | None:

@@ -69,6 +69,9 @@ def get_model_dir() -> str:
     """The model's version folder, as Triton answers (where its ``model.py`` is, or, for
     a model of a Python-based backend, its data). A model imported outside a worker, by a
     unit test, gets its calling file's folder."""
+    inline = _runtime.inline_model_dir.get()
+    if inline is not None:
+        return inline
     if _runtime.model_dir is not None:
         return _runtime.model_dir
     return os.path.dirname(os.path.abspath(inspect.stack()[1].filename))

@@ -218,7 +218,7 @@ class InferenceRequest:
         exchange = self._exchange
         if exchange is None:
             return False
-        runtime = _runtime.current()
+        runtime = exchange.answered_by()
         return runtime is not None and runtime.is_cancelled(exchange)
 
     def exec(self, decoupled: bool = False) -> Any:

@@ -10,7 +10,7 @@ it sends a final error for the request instead of leaving the client hanging.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from dlserve.errors import TritonError
 from dlserve.pb_utils import _runtime
@@ -20,6 +20,16 @@ if TYPE_CHECKING:
     from dlserve.pb_utils.inference import InferenceResponse
 
 RESPONSE_COMPLETE_FINAL = 1
+
+
+class Answerer(Protocol):
+    """Where a received request's answers go (the worker's runtime is one)."""
+
+    def send_response(self, exchange: Exchange, response: InferenceResponse | None, final: bool) -> None: ...
+
+    def abandon(self, exchange: Exchange) -> None: ...
+
+    def is_cancelled(self, exchange: Exchange) -> bool: ...
 
 
 class Exchange:
@@ -35,6 +45,7 @@ class Exchange:
         "cancelled",
         "rescheduled",
         "lock",
+        "runtime",
         "__weakref__",
     )
 
@@ -59,10 +70,16 @@ class Exchange:
         # Held through a send: the checks, the counts and the sending are one step for the
         # model's threads. Re-entrant: a finalizer may send in the middle of a send.
         self.lock = threading.RLock()
+        # Where its answers go: the worker's runtime (the server), unless the request is
+        # an inline BLS call's (dlserve.ipc.inline), whose caller takes them itself.
+        self.runtime: Answerer | None = None
+
+    def answered_by(self) -> Answerer | None:
+        return self.runtime if self.runtime is not None else _runtime.current()
 
     def __del__(self) -> None:
         if not self.closed and not self.rescheduled:
-            runtime = _runtime.current()
+            runtime = self.answered_by()
             if runtime is not None:
                 runtime.abandon(self)
 
@@ -117,7 +134,7 @@ class InferenceResponseSender:
                     "Unable to send response. Non-decoupled model cannot send complete final "
                     "before sending a response."
                 )
-        runtime = _runtime.current()
+        runtime = exchange.answered_by()
         if runtime is None:
             raise TritonModelException("responses can only be sent inside a dlserve worker")
         # Counted (and closed) before it goes, so that a send re-entering on this thread
@@ -143,7 +160,7 @@ class InferenceResponseSender:
         """Whether the request was cancelled (its client went away, or a BLS caller
         cancelled it). Cheap, never a round trip: a flag the server sets, and while it
         is unset one non-blocking look at the channel when nothing else reads it."""
-        runtime = _runtime.current()
+        runtime = self._exchange.answered_by()
         return runtime is not None and runtime.is_cancelled(self._exchange)
 
     def __repr__(self) -> str:

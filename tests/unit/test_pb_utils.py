@@ -181,7 +181,7 @@ def test_tensor_rejects_bad_names_and_types():
 
 
 def test_an_exception_without_a_message_is_described_as_tritons_are():
-    from dlserve.ipc.stub import describe_exception
+    from dlserve.ipc.model_code import describe_exception
 
     def fail(exc: Exception) -> str:
         try:
