@@ -15,7 +15,8 @@
     and a memcpy of the same size for scale.
 (c) BLS overhead with no client in the way: examples/models bls_sync (one blocking
     BLS call to add_sub per request) against add_sub itself, both submitted on the
-    engine's loop, alternating, three rounds.
+    engine's loop, alternating, three rounds; then again with add_sub marked
+    ``INLINE_BLS: "yes"``, so bls_sync's worker runs it itself (README, Inline BLS).
 
 Prints a markdown report. Timings are wall-clock on whatever machine runs it; the
 ratios are what carry over.
@@ -110,7 +111,7 @@ def bench_execute_here(
     """The model's own ``execute()`` on one request, called directly in this process
     with no server or worker: the part of a round trip that is the model's, not ours."""
     import triton_python_backend_utils as pb_utils
-    from dlserve.ipc.stub import load_module
+    from dlserve.ipc.model_code import load_module
 
     model_file = str(model_dir / "1" / "model.py")
     model = load_module(model_file, model_file).TritonPythonModel()
@@ -178,12 +179,18 @@ def bench_identity(server: dlserve.Server, nbytes: int, n: int) -> dict[str, flo
 
 
 @contextlib.contextmanager
-def serving(models: Path, names: tuple[str, ...], **options: Any) -> Iterator[dlserve.Server]:
-    """A server over a temporary repository holding ``models/<name>`` for each name."""
+def serving(
+    models: Path, names: tuple[str, ...], inline: tuple[str, ...] = (), **options: Any
+) -> Iterator[dlserve.Server]:
+    """A server over a temporary repository holding ``models/<name>`` for each name;
+    those in ``inline`` with ``INLINE_BLS: "yes"`` (run by their BLS callers)."""
     repo = Path(tempfile.mkdtemp(prefix="dlserve-bench-"))
     try:
         for name in names:
             shutil.copytree(models / name, repo / name)
+            if name in inline:
+                with open(repo / name / "config.pbtxt", "a") as config:
+                    config.write('\nparameters { key: "INLINE_BLS" value: { string_value: "yes" } }\n')
         server = dlserve.Server(dlserve.Options(model_repository=str(repo), **options))
         server.start(wait_until_ready=True)
         try:
@@ -194,12 +201,14 @@ def serving(models: Path, names: tuple[str, ...], **options: Any) -> Iterator[dl
         shutil.rmtree(repo, ignore_errors=True)
 
 
-def bls_overhead(n: int, busy_poll_us: int, rounds: int = 3) -> dict[str, float]:
-    """Median over ``rounds`` of p50/p99 µs for add_sub and bls_sync, and of their difference."""
+def bls_overhead(n: int, busy_poll_us: int, rounds: int = 3, inline: bool = False) -> dict[str, float]:
+    """Median over ``rounds`` of p50/p99 µs for add_sub and bls_sync, and of their
+    difference; with ``inline``, add_sub runs in bls_sync's worker (INLINE_BLS)."""
     a = np.arange(4, dtype=np.float32)
     inputs = {"INPUT0": a, "INPUT1": a}
     runs: list[tuple[float, float, float, float]] = []
-    with serving(EXAMPLES, ("add_sub", "bls_sync"), busy_poll_us=busy_poll_us) as server:
+    marked = ("add_sub",) if inline else ()
+    with serving(EXAMPLES, ("add_sub", "bls_sync"), marked, busy_poll_us=busy_poll_us) as server:
         for _ in range(rounds):
             direct = summary_us(bench_on_loop(server, "add_sub", inputs, n))
             bls = summary_us(bench_on_loop(server, "bls_sync", inputs, n))
@@ -245,6 +254,7 @@ def main() -> int:
             size: bench_identity(server, size, n) for size, n in ((1 << 20, 500), (64 << 20, 30))
         }
     bls = bls_overhead(args.requests // 2, args.busy_poll_us)
+    bls_inline = bls_overhead(args.requests // 2, args.busy_poll_us, inline=True)
     triton = triton_add_sub(args.requests) if args.triton else None
 
     print("### (a) add_sub through a worker process\n")
@@ -283,6 +293,8 @@ def main() -> int:
     print(f"| add_sub | {bls['add_sub_p50']:.0f} | {bls['add_sub_p99']:.0f} |")
     print(f"| bls_sync (one BLS call to add_sub) | {bls['bls_p50']:.0f} | {bls['bls_p99']:.0f} |")
     print(f"| **BLS overhead: p50(bls_sync) − p50(add_sub)** | {bls['overhead_p50']:.0f} | |")
+    print(f"| bls_sync, add_sub with INLINE_BLS (run in bls_sync's worker) | {bls_inline['bls_p50']:.0f} | {bls_inline['bls_p99']:.0f} |")
+    print(f"| **inline BLS overhead: p50(bls_sync) − p50(add_sub)** | {bls_inline['overhead_p50']:.0f} | |")
     print(
         "\n"
         + json.dumps(
@@ -296,6 +308,7 @@ def main() -> int:
                 },
                 "identity": identity,
                 "bls": bls,
+                "bls_inline": bls_inline,
             }
         )
     )
