@@ -279,8 +279,16 @@ class Worker:
         return ModelFailure(self._failure(message))
 
     def _requests(self, body: list[Any]) -> list[InferenceRequest]:
-        inputs = self._inputs(body)
-        return [self._request(wire, tensors) for wire, tensors in zip(body, inputs)]
+        try:
+            inputs = self._inputs(body)
+            return [self._request(wire, tensors) for wire, tensors in zip(body, inputs)]
+        except BaseException:
+            # None of the execute reaches the model: every reference it carried goes back
+            # now, or the server would hold the memory (a client's region: "in use" for
+            # good). Lease ids are never reused, so one already imported, whose view
+            # releases it again when it dies, is harmlessly released twice.
+            self.peer.discard([w for r in body for w in (*r[7], *(r[8] or ()))])
+            raise
 
     def _inputs(self, body: list[Any]) -> list[list[Tensor]]:
         """Each request's input tensors; a batch's inputs of one name are imported

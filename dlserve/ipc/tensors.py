@@ -119,6 +119,12 @@ def _check_size(name: str, data_type: DataType, shape: tuple[int, ...], nbytes: 
         )
 
 
+def _shrunk() -> InvalidArgumentError:
+    return InvalidArgumentError(
+        "a shared memory region the request uses was shrunk by its owner; register it again"
+    )
+
+
 class Peer:
     """Our side of the shared-memory bookkeeping with one other process.
 
@@ -271,12 +277,16 @@ class Peer:
 
     def _import_ref(self, ref: tuple[str, int, int, int], shared: bool) -> tuple[np.ndarray, int]:
         segment_name, offset, nbytes, lease = ref
-        segment = self.space.segment(segment_name)
-        if is_client_object(segment_name) and segment.current_size() < offset + nbytes:
+        client_object = is_client_object(segment_name)
+        try:
+            segment = self.space.segment(segment_name)
+        except InvalidArgumentError:  # (emptied before this process first mapped it)
+            if not client_object:
+                raise
+            raise _shrunk() from None
+        if client_object and segment.current_size() < offset + nbytes:
             # A client's object, shrunk since its region was checked: touching it is a SIGBUS.
-            raise InvalidArgumentError(
-                "a shared memory region the request uses was shrunk by its owner; register it again"
-            )
+            raise _shrunk()
         if lease:
             returned = functools.partial(self._returned, lease)
             if self._copy_on_write and not shared:

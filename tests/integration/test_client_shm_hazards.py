@@ -8,8 +8,11 @@ where the client was promised, and no mapping outlives the region)."""
 
 from __future__ import annotations
 
+import json
 import os
 import threading
+import time
+import urllib.request
 import uuid
 
 import gevent
@@ -147,3 +150,37 @@ def test_a_region_in_use_cannot_be_unregistered(client, url, key):
     assert client.get_system_shared_memory_status() == []
     assert_serving(client)  # (and the harness checks that no descriptor or mapping is left)
 
+
+
+@pytest.mark.parametrize("use", ["input", "output"])
+def test_a_request_refused_by_its_worker_leaves_its_region_free(client, url, key, use):
+    """The region passes the server's check, the request waits behind a busy instance,
+    the client shrinks its object meanwhile and the worker refuses it: the request fails
+    and the region can be unregistered (the server held its reference for good)."""
+    make_object(key, np.ones(N, np.float32))
+    client.register_system_shared_memory("q", f"/{key}", N * 4)
+    body = {
+        "inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1], "data": [1]}],
+        "parameters": {"mode": "sleep:1.5"},
+    }
+    request = urllib.request.Request(f"http://{url}/v2/models/faulty/infer", data=json.dumps(body).encode())
+    busy = threading.Thread(target=lambda: urllib.request.urlopen(request, timeout=30).read())
+    busy.start()  # (its own client: tritonclient's is gevent's, one thread)
+    time.sleep(0.3)  # faulty's one instance sleeps now; the next request queues behind it
+    outputs = None
+    if use == "input":
+        tensor = input_in("q")
+    else:
+        tensor = httpclient.InferInput("INPUT0", [N], "FP32")
+        tensor.set_data_from_numpy(np.full(N, 2.0, np.float32))
+        outputs = [httpclient.InferRequestedOutput("OUTPUT0")]
+        outputs[0].set_shared_memory("q", N * 4)
+    shrink = threading.Timer(0.5, os.truncate, (f"/dev/shm/{key}", 0))
+    shrink.start()
+    with pytest.raises(InferenceServerException, match="shrunk by its owner"):
+        client.infer("faulty", [tensor], outputs=outputs)
+    busy.join()
+    shrink.join()
+    client.unregister_system_shared_memory("q")  # refused as "in use" before
+    assert client.get_system_shared_memory_status() == []
+    assert_serving(client)
