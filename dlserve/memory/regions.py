@@ -143,6 +143,10 @@ class SystemRegions:
                 raise InternalError(
                     f"Unable to open shared memory region: '{key}' (permission denied)"
                 ) from None
+            except OSError as exc:  # (a symbolic link, a directory: not a shared memory object)
+                raise InternalError(
+                    f"Unable to open shared memory region: '{key}' ({exc.strerror})"
+                ) from None
             if offset + byte_size > segment.size:
                 if not any(region.segment is segment for region in self._regions.values()):
                     self._forget(segment)  # let go of what no region holds
@@ -155,7 +159,7 @@ class SystemRegions:
 
     def _mapping(self, key: str, path: str) -> Segment:
         """The mapping of the object ``key`` names now (shared by its regions)."""
-        segment = self._objects.get((key, os.stat(path).st_ino))
+        segment = self._objects.get((key, os.stat(path, follow_symlinks=False).st_ino))
         if segment is None:
             segment = Segment.pin(key)
             self._space.add_segment(segment)

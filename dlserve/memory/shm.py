@@ -39,12 +39,14 @@ the next view of the same range, until the segment is forgotten.
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import logging
 import mmap
 import os
 import re
 import weakref
+from stat import S_ISREG
 from typing import Any
 
 import numpy as np
@@ -313,9 +315,13 @@ class Segment:
         or create another under the same key, and a region registered on it still
         means it, as in Triton, which maps a region once too."""
         bare = key[1:] if key.startswith("/") else key
-        fd = os.open(shm_path(key), os.O_RDWR | os.O_CLOEXEC)
+        # Not through a symbolic link (shm_open's O_NOFOLLOW): a link in /dev/shm would
+        # map any file the server may open.
+        fd = os.open(shm_path(key), os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
         try:
             stat = os.fstat(fd)
+            if not S_ISREG(stat.st_mode):
+                raise OSError(errno.EINVAL, "not a shared memory object")
             if stat.st_size == 0:
                 raise InvalidArgumentError(f"shared memory object '{key}' is empty")
             mm = mmap.mmap(fd, stat.st_size, flags=mmap.MAP_SHARED)

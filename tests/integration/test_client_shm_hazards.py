@@ -184,3 +184,22 @@ def test_a_request_refused_by_its_worker_leaves_its_region_free(client, url, key
     client.unregister_system_shared_memory("q")  # refused as "in use" before
     assert client.get_system_shared_memory_status() == []
     assert_serving(client)
+
+
+def test_a_key_that_is_a_link_or_a_folder_is_not_opened(client, key, tmp_path):
+    """As shm_open does (O_NOFOLLOW): a symbolic link in /dev/shm would otherwise map,
+    for anyone who can register a region, any file the server can open."""
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"SECRET!!" * 16)
+    os.symlink(secret, f"/dev/shm/{key}")
+    with pytest.raises(InferenceServerException, match=f"Unable to open shared memory region: '/{key}'"):
+        client.register_system_shared_memory("link", f"/{key}", 64)
+    os.unlink(f"/dev/shm/{key}")
+    os.mkdir(f"/dev/shm/{key}")
+    try:
+        with pytest.raises(InferenceServerException, match=f"Unable to open shared memory region: '/{key}'"):
+            client.register_system_shared_memory("folder", f"/{key}", 64)
+    finally:
+        os.rmdir(f"/dev/shm/{key}")
+    assert client.get_system_shared_memory_status() == []
+    assert_serving(client)
