@@ -72,7 +72,11 @@ class DynamicBatcher(Scheduler):
         self.delayed: list[collections.deque[Request]] = [collections.deque() for _ in range(levels)]
         self._ragged = {t.name for t in config.input if t.allow_ragged_batch}
         self._order = itertools.count()
-        self._deadlines: list[tuple[int, int, Request]] = []  # heap of (deadline_ns, order, request)
+        # Queued requests with a queue-policy timeout: a heap of (deadline_ns, order, id)
+        # and, by id, (order, request) until the request leaves its queue, so that one
+        # answered long before its deadline is not held (with its tensors) until then.
+        self._deadlines: list[tuple[int, int, int]] = []
+        self._timed: dict[int, tuple[int, Request, int]] = {}  # id -> (order, request, deadline)
         self._held: dict[int, tuple[Request, Response, str | None] | None] = {}
         self._next_to_deliver = 0
         self._order_of: dict[int, int] = {}  # id(request) -> arrival order, for preserve_ordering
@@ -105,7 +109,8 @@ class DynamicBatcher(Scheduler):
         self.queues[level].append(request)
         if timeout_us:
             deadline = request.arrival_ns + timeout_us * 1000
-            heapq.heappush(self._deadlines, (deadline, order, request))
+            heapq.heappush(self._deadlines, (deadline, order, id(request)))
+            self._timed[id(request)] = (order, request, deadline)
             self._arm(deadline)
 
     @property
@@ -122,6 +127,7 @@ class DynamicBatcher(Scheduler):
                 queue.remove(request)
             except ValueError:
                 continue
+            self._untime(request)
             return True
         return False
 
@@ -129,18 +135,30 @@ class DynamicBatcher(Scheduler):
         taken = [r for queue in self._queues() for r in queue]
         for queue in self._queues():
             queue.clear()
+        self._timed.clear()
+        self._deadlines.clear()
         return taken
+
+    def _untime(self, request: Request) -> None:
+        """``request`` left its queue: its deadline no longer applies (nor holds it)."""
+        if self._timed:
+            self._timed.pop(id(request), None)
+            if len(self._deadlines) > 2 * len(self._timed) + 1024:  # mostly gone: compact
+                self._deadlines = [(d, o, k) for k, (o, _, d) in self._timed.items()]
+                heapq.heapify(self._deadlines)
 
     # -- timers -------------------------------------------------------------------------
     def _expire(self, now: int) -> None:
         """Apply the queue policies' timeouts to requests that waited too long."""
         while self._deadlines and self._deadlines[0][0] <= now:
-            _, _, request = heapq.heappop(self._deadlines)
+            _, order, key = heapq.heappop(self._deadlines)
+            timed = self._timed.get(key)
+            if timed is None or timed[0] != order:
+                continue  # it left its queue already (an id may be another request's now)
+            request = timed[1]
+            del self._timed[key]
             level = self._level(request.priority)
-            try:
-                self.queues[level].remove(request)
-            except ValueError:
-                continue  # already running, cancelled or delayed
+            self.queues[level].remove(request)
             if self.policies[level].timeout_action == _DELAY:
                 self.delayed[level].append(request)
             else:
@@ -173,7 +191,9 @@ class DynamicBatcher(Scheduler):
         chosen = []
         for queue in self._queues():
             while queue and len(chosen) < count:
-                chosen.append(queue.popleft())
+                request = queue.popleft()
+                self._untime(request)
+                chosen.append(request)
         return chosen
 
     # -- responses ----------------------------------------------------------------------

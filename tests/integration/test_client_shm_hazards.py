@@ -23,6 +23,8 @@ from tritonclient.utils import InferenceServerException
 
 from dlserve.frontends import KServeHttp
 
+from ..conftest import MODELS
+
 N = 1 << 14  # FP32 values: 64 KiB, passed by reference (not inline)
 
 
@@ -203,3 +205,28 @@ def test_a_key_that_is_a_link_or_a_folder_is_not_opened(client, key, tmp_path):
         os.rmdir(f"/dev/shm/{key}")
     assert client.get_system_shared_memory_status() == []
     assert_serving(client)
+
+
+def test_an_answered_request_does_not_hold_its_region_until_its_queue_deadline(servers, make_repo, key):
+    """A queue policy's timeout applies while the request waits: once it ran, nothing
+    holds it (and the client's region it read) until the deadline, 60 s later."""
+    timed = (MODELS / "identity" / "config.pbtxt").read_text() + (
+        "dynamic_batching { default_queue_policy { default_timeout_microseconds: 60000000 } }\n"
+    )
+    repo = make_repo(
+        extra={"timed": {"config.pbtxt": timed, "1/model.py": (MODELS / "identity" / "1" / "model.py").read_text()}}
+    )
+    server = servers.start(repo)
+    service = KServeHttp(server, KServeHttp.Options(address="127.0.0.1", port=0, allow_client_shm=True))
+    service.start()
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{service.port}", network_timeout=60)
+    try:
+        make_object(key, np.full(N, 5.0, np.float32))
+        client.register_system_shared_memory("held", f"/{key}", N * 4)
+        for _ in range(3):
+            np.testing.assert_array_equal(client.infer("timed", [input_in("held")]).as_numpy("OUTPUT0"), 5.0)
+        client.unregister_system_shared_memory("held")  # "currently in use" for 60 s before
+        assert client.get_system_shared_memory_status() == []
+    finally:
+        client.close()
+        service.stop()
