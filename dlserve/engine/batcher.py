@@ -77,7 +77,9 @@ class DynamicBatcher(Scheduler):
         # answered long before its deadline is not held (with its tensors) until then.
         self._deadlines: list[tuple[int, int, int]] = []
         self._timed: dict[int, tuple[int, Request, int]] = {}  # id -> (order, request, deadline)
-        self._held: dict[int, tuple[Request, Response, str | None] | None] = {}
+        # preserve_ordering: per arrival order, responses waiting for the requests before
+        # (None: a cancelled request's place, answered already)
+        self._held: dict[int, list[tuple[Request, Response, str | None] | None]] = {}
         self._next_to_deliver = 0
         self._order_of: dict[int, int] = {}  # id(request) -> arrival order, for preserve_ordering
         # Triton's test hook: no batch until this many requests are queued, once.
@@ -203,21 +205,35 @@ class DynamicBatcher(Scheduler):
         super()._answer_from_cache(request, response)
 
     def _deliver(self, request: Request, response: Response, failure: str | None) -> None:
-        order = self._order_of.pop(id(request), None) if self.preserve_ordering else None
+        """With ``preserve_ordering``, every response of a request (a decoupled model's
+        many) waits until each request that came before it has had its final one."""
+        order = self._order_of.get(id(request)) if self.preserve_ordering else None
         if order is None:
             super()._deliver(request, response, failure)
             return
+        if response.final:
+            del self._order_of[id(request)]
+        held = self._held.setdefault(order, [])
         if request.cancelled:
             # A cancelled request is answered now, like every cancel; its place in
             # the order is kept, empty, for the requests after it.
             super()._deliver(request, response, failure)
-            self._held[order] = None
+            if response.final:
+                held.append(None)
         else:
-            self._held[order] = (request, response, failure)
-        while self._next_to_deliver in self._held:
-            held = self._held.pop(self._next_to_deliver)
-            if held is not None:
-                super()._deliver(*held)
+            held.append((request, response, failure))
+        while (held := self._held.get(self._next_to_deliver)) is not None:
+            ended = False
+            for entry in held:
+                if entry is None:
+                    ended = True
+                else:
+                    super()._deliver(*entry)
+                    ended = entry[1].final
+            held.clear()
+            if not ended:
+                return  # (its next responses go out as they come: it is first in line)
+            del self._held[self._next_to_deliver]
             self._next_to_deliver += 1
 
 

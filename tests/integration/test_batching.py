@@ -540,3 +540,56 @@ def test_a_batch_whose_reply_fails_partway_gives_back_the_memory_of_those_made(s
         fail_in_pairs()
     assert executions() - start < 8, "the requests were batched in pairs"  # (else this checks nothing)
     wait_until(lambda: free() == before, timeout=5)
+
+
+PRESERVED_CONFIG = """
+backend: "python"
+max_batch_size: 8
+model_transaction_policy { decoupled: true }
+input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+instance_group [ { kind: KIND_CPU count: 2 } ]
+dynamic_batching { preserve_ordering: true }
+"""
+PRESERVED_MODEL = '''
+import json, time
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            time.sleep(float(json.loads(request.parameters()).get("sleep", 0)))
+            tag = int(pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()[0, 0])
+            for step in (1, 2, 3):
+                out = np.array([[tag * 10 + step]], np.int32)
+                sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", out)]))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+'''
+
+
+def test_preserve_ordering_holds_every_response_of_a_decoupled_request(make_repo, servers):
+    """Each of a later request's responses waits for the earlier request's final one
+    (only its first did, and the others went ahead or were lost)."""
+    repo = make_repo(extra={"po": {"config.pbtxt": PRESERVED_CONFIG, "1/model.py": PRESERVED_MODEL}})
+    server = servers.start(repo)
+    model = server.model("po")
+    arrivals: list[int] = []
+
+    async def stream(tag: int, **kwargs: Any) -> list[int]:
+        got = []
+        async for response in model.async_infer(inputs={"IN": np.array([[tag]], np.int32)}, **kwargs):
+            if "OUT" in response.outputs:
+                got.append(int(np.from_dlpack(response.outputs["OUT"])[0, 0]))
+                arrivals.append(got[-1])
+        return got
+
+    async def both() -> list[list[int]]:
+        first = asyncio.ensure_future(stream(1, parameters={"sleep": 1.0}))
+        await asyncio.sleep(0.2)  # the first executes on one instance; the second takes the other
+        return await asyncio.gather(first, stream(2))
+
+    assert asyncio.run(both()) == [[11, 12, 13], [21, 22, 23]]
+    assert arrivals == [11, 12, 13, 21, 22, 23]
