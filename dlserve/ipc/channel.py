@@ -222,6 +222,10 @@ class WorkerChannel:
         self.on_bls_response: Callable[[Any], Any] = lambda body: body
         self.on_release: Callable[[list[int]], None] = lambda leases: None
         self._command_thread = 0  # the thread that takes the commands (next_command)
+        # Set while the command thread runs a command whose references it has imported
+        # (a sync execute): then any thread that reads may apply the releases, which
+        # the command thread, busy in the model, would not (see _apply_releases).
+        self.releases_anywhere = False
         self._frames = FrameBuffer()
         self._ready: collections.deque[Message] = collections.deque()
         self._corr = itertools.count(1)
@@ -254,7 +258,11 @@ class WorkerChannel:
 
     # -- receiving ----------------------------------------------------------------------
     def _read_message(self) -> Message:
-        """Read one message from the socket; only the thread in the reader role calls it."""
+        """Read one message from the socket; only the thread in the reader role calls it.
+        Releases queued meanwhile (views the model's threads let go) go first, so that an
+        idle worker does not hold them until its next message."""
+        if self._releases:
+            self.flush_releases()
         while not self._ready:
             window = self._read_window
             if window is not None and threading.active_count() <= self._quiet_threads:
@@ -304,9 +312,13 @@ class WorkerChannel:
             self._inbox.append(message)
 
     def _apply_releases(self) -> None:
-        """On the command thread (lock held): apply the RELEASE messages that no command
-        precedes. Also while it waits inside an execute (a BLS call): a long execute
-        making many calls would otherwise hold every block it ever sent until it ends."""
+        """(Lock held) Apply the RELEASE messages that no command precedes, on the
+        command thread (between commands, or while it waits inside an execute: a long
+        execute making many calls would otherwise hold every block it ever sent until it
+        ends), or on any thread while ``releases_anywhere`` (a sync execute waiting on
+        its own threads' BLS calls, or streaming from the main thread)."""
+        if not self.releases_anywhere and threading.get_ident() != self._command_thread:
+            return
         inbox = self._inbox
         while inbox and inbox[0][0] == Kind.RELEASE:
             self.on_release(inbox.popleft()[2])
@@ -320,11 +332,9 @@ class WorkerChannel:
 
     def _wait(self, ready: Callable[[], bool]) -> None:
         """Block until ``ready()``; read frames for everybody while no one else does."""
-        command_thread = threading.get_ident() == self._command_thread
         with self._cond:
             while True:
-                if command_thread:
-                    self._apply_releases()
+                self._apply_releases()
                 if ready():
                     return
                 if self._closed:
@@ -429,8 +439,7 @@ class WorkerChannel:
                 try:
                     while self._ready:
                         self._route(self._ready.popleft())
-                    if threading.get_ident() == self._command_thread:
-                        self._apply_releases()
+                    self._apply_releases()
                     if closed:
                         self._closed = True
                         self._close_streams()

@@ -16,6 +16,7 @@ import asyncio
 import contextvars
 import os
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -94,6 +95,7 @@ class WorkerRuntime:
         self.bls_allowed = True
         self.finalized = False  # (the model's finalize returned: the worker is ending)
         self._pid = os.getpid()
+        self._next_poll = 0.0  # (send_response)
         self.inline = InlineCalls(self)  # models run here on their BLS callers' threads
         channel.on_cancel = self._cancelled
         channel.on_bls_response = self._received
@@ -160,6 +162,13 @@ class WorkerRuntime:
         if response is not None:
             wire = encode_response(self.peer, response, exchange.requested, exchange.destinations)
         self.channel.send(Kind.RESPONSE, 0, (exchange.handle, wire, final))
+        now = time.monotonic()
+        if now >= self._next_poll:
+            # A model streaming from execute's own thread keeps anyone from reading: the
+            # server's releases of the responses it sent would wait in the socket until
+            # execute returned. A look every millisecond at most.
+            self._next_poll = now + 0.001
+            self.channel.poll()
 
     def abandon(self, exchange: Exchange) -> None:
         exchange.closed = True

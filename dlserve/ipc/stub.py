@@ -247,11 +247,13 @@ class Worker:
     def _execute(self, body: list[Any]) -> list[Any]:
         requests = self._requests(body)
         token = current_handles.set(tuple(wire[0] for wire in body))
+        self.channel.releases_anywhere = True  # (its references are imported: see there)
         try:
             result = self.model.execute(requests)
         except BaseException as exc:  # noqa: BLE001 - SystemExit too: an error, as in Triton
             raise self._failed(requests, describe_exception(exc)) from None
         finally:
+            self.channel.releases_anywhere = False
             current_handles.reset(token)
         wire = self._replies(result, requests)
         # Drop our views before replying so their releases ride on the reply.

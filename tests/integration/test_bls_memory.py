@@ -377,3 +377,85 @@ def test_a_bls_callers_worker_unmaps_a_gone_callees_segments(servers, make_repo)
         server.unload("big", wait_until_unloaded=True)
         wait_until(lambda: unlinked_mappings(pid) == 0, timeout=10)
         server.load("big")
+
+
+MAPPED = '''
+def shm_mapped_mib():
+    """Shared memory of dlserve's this worker maps now, MiB."""
+    total = 0
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if "/dev/shm/dlserve" in line:
+                low, high = (int(x, 16) for x in line.split()[0].split("-"))
+                total += high - low
+    return total >> 20
+'''
+POOL_CALLER = COMMON + MAPPED + '''
+
+def big_call(value):
+    data = np.full(1 << 20, value, np.float32)  # 4 MiB
+    answer = pb_utils.InferenceRequest(
+        model_name="identity", inputs=[pb_utils.Tensor("INPUT0", data)], requested_output_names=["OUTPUT0"]
+    ).exec()
+    return not answer.has_error()
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        import concurrent.futures
+
+        n = int(pb_utils.get_input_tensor_by_name(requests[0], "N").as_numpy()[0])
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:  # execute waits on the futures
+            ok = all(pool.map(big_call, range(n)))
+        info = json.dumps({"ok": ok, "mapped_mib": shm_mapped_mib()})
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("INFO", np.array([info], object))])]
+'''
+MAIN_THREAD_STREAMER = MAPPED + """
+import time
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            n = int(pb_utils.get_input_tensor_by_name(request, "N").as_numpy()[0])
+            sender = request.get_response_sender()
+            for i in range(n):  # from execute's own thread: nobody else reads the channel
+                sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.full(1 << 18, i, np.float32))]))
+                time.sleep(0.002)  # (the client keeps up)
+            mapped = np.array([shm_mapped_mib()], np.float32)
+            sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", mapped)]),
+                        flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+"""
+FP32_STREAMER_CONFIG = """
+backend: "python"
+model_transaction_policy { decoupled: true }
+input [ { name: "N" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUT" data_type: TYPE_FP32 dims: [ -1 ] } ]
+"""
+
+
+def test_calls_made_on_the_models_threads_give_their_memory_back_as_they_go(servers, make_repo):
+    """An execute that waits on a thread pool's BLS calls (not on the channel): the
+    server's releases are applied by the threads that read, not kept for the main
+    thread until execute ends (200 calls of 4 MiB mapped 832 MiB)."""
+    server = servers.start(repo_with(make_repo, "pool_caller", POOL_CALLER))
+    info = ask(server, "pool_caller", 100)
+    assert info["ok"] and info["mapped_mib"] <= 96
+
+
+def test_a_stream_sent_from_execute_gives_each_responses_memory_back(servers, make_repo):
+    """A decoupled model streaming 1 MiB responses from execute's own thread: the memory
+    of each response the client has read goes back while the stream goes on (it was all
+    held until execute returned)."""
+    repo = make_repo(extra={"streamer": {"config.pbtxt": FP32_STREAMER_CONFIG, "1/model.py": MAIN_THREAD_STREAMER}})
+    server = servers.start(repo)
+    last = None
+    for response in server.model("streamer").infer(inputs={"N": np.array([150], np.int32)}):
+        values = np.from_dlpack(response.outputs["OUT"])
+        if values.size == 1:
+            last = float(values[0])
+        del values, response
+    assert last is not None and last <= 64
