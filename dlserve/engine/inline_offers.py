@@ -17,6 +17,7 @@ unloads, and counts their calls in the model's statistics (``Kind.INLINE_DONE``)
 
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +28,8 @@ from dlserve.ipc.protocol import Kind
 if TYPE_CHECKING:
     from dlserve.engine.instance import ModelInstance
     from dlserve.engine.model import ModelVersion
+
+log = logging.getLogger("dlserve.engine")
 
 INLINE_PARAMETER = "INLINE_BLS"  # (named as dlserve's ASYNC_EXECUTE_CONCURRENCY is)
 
@@ -42,10 +45,9 @@ def inline_allowed(config: mc.ModelConfig) -> bool:
 
 
 def refusal(target: ModelVersion, caller: ModelVersion) -> str | None:
-    """Why ``caller``'s worker may not run ``target`` itself; None when it may."""
+    """Why ``caller``'s worker may not run ``target`` (a model that allows it) itself;
+    None when it may."""
     config = target.config
-    if not inline_allowed(config):
-        return f"{INLINE_PARAMETER} is not 'yes'"
     if target.is_ensemble or target.decoupled:
         return "an ensemble or a decoupled model"
     if config.HasField("sequence_batching") or target.cache is not None:
@@ -68,7 +70,11 @@ def offer(name: str, target: ModelVersion | None, caller: ModelInstance) -> dict
     model loads or unloads, so that it asks again then."""
     resources = caller.model.resources
     resources.inline_callers.setdefault(name, weakref.WeakSet()).add(caller)
-    if target is None or refusal(target, caller.model) is not None:
+    if target is None or not inline_allowed(target.config):
+        return None
+    reason = refusal(target, caller.model)
+    if reason is not None:
+        log.info("BLS calls of '%s' into '%s' go through the server: %s", caller.name, name, reason)
         return None
     message = init_message(target, "CPU", f"{target.name}_inline_{caller.name}", 0)
     return {**message, "name": target.name, "version": target.version}

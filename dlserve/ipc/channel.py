@@ -217,6 +217,7 @@ class WorkerChannel:
         self._slots: dict[int, _Slot] = {}
         self._streams: dict[int, Stream] = {}
         self.on_cancel: Callable[[list[int]], None] = lambda handles: None
+        self.on_inline_drop: Callable[[list[str]], None] = lambda names: None
         # What a BLS_RESPONSE becomes on arrival (the runtime maps its tensors then, before
         # a RELEASE behind it can drop memory it refers to), and how releases are applied.
         self.on_bls_response: Callable[[Any], Any] = lambda body: body
@@ -306,6 +307,11 @@ class WorkerChannel:
         elif kind == Kind.CANCEL:
             # Now, not in turn: the request it cancels may be executing this very moment.
             self.on_cancel(body)
+        elif kind == Kind.INLINE_DROP:
+            # Taken out of use now (an execute running may call the model again), and
+            # finalized in turn, as the command it also is.
+            self.on_inline_drop(body)
+            self._inbox.append(message)
         else:
             # RELEASE/RETIRE go through the inbox too, so they are applied in order
             # with the commands around them (a command may still use what they drop).

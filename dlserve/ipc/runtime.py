@@ -95,8 +95,10 @@ class WorkerRuntime:
         self.bls_allowed = True
         self.finalized = False  # (the model's finalize returned: the worker is ending)
         self._pid = os.getpid()
-        self._next_poll = 0.0  # (send_response)
+        self._next_poll = 0.0  # (look_at_channel)
+        self._no_bls = threading.local()  # (bls_refused_here)
         self.inline = InlineCalls(self)  # models run here on their BLS callers' threads
+        channel.on_inline_drop = self.inline.forget
         channel.on_cancel = self._cancelled
         channel.on_bls_response = self._received
         channel.on_release = peer.release
@@ -162,11 +164,15 @@ class WorkerRuntime:
         if response is not None:
             wire = encode_response(self.peer, response, exchange.requested, exchange.destinations)
         self.channel.send(Kind.RESPONSE, 0, (exchange.handle, wire, final))
+        # A model streaming from execute's own thread keeps anyone from reading: the
+        # server's releases of the responses it sent would wait until execute returned.
+        self.look_at_channel()
+
+    def look_at_channel(self) -> None:
+        """Route what the server has sent, without blocking, every millisecond at most:
+        for code that runs long on the thread that would otherwise read it."""
         now = time.monotonic()
         if now >= self._next_poll:
-            # A model streaming from execute's own thread keeps anyone from reading: the
-            # server's releases of the responses it sent would wait in the socket until
-            # execute returned. A look every millisecond at most.
             self._next_poll = now + 0.001
             self.channel.poll()
 
@@ -237,8 +243,13 @@ class WorkerRuntime:
             return _error_response(exc.message, int(exc.code)), final
         return InferenceResponse._received(outputs, None, parameters), final
 
+    def bls_refused_here(self, refused: bool) -> None:
+        """While True, BLS calls from this thread are refused (an inline instance's
+        initialize or finalize runs on it), as they are for the worker's own."""
+        self._no_bls.refused = refused
+
     def _check_bls_allowed(self) -> None:
-        if not self.bls_allowed:  # (Triton's words)
+        if not self.bls_allowed or getattr(self._no_bls, "refused", False):  # (Triton's words)
             raise TritonModelException("BLS is only supported during the 'execute' function.")
 
     def infer(self, request: InferenceRequest, decoupled: bool) -> Any:

@@ -162,7 +162,7 @@ class Worker:
                 elif kind == Kind.IS_READY:
                     self.channel.reply(corr, self._is_ready())
                 elif kind == Kind.INLINE_DROP:
-                    self.runtime.inline.drop(body)
+                    self.runtime.inline.finalize_dropped()
                 elif kind == Kind.RETIRE:
                     for name in body:
                         self.peer.space.forget_segment(name)

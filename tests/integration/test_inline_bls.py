@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +22,7 @@ from dlserve import ModelControlMode
 from ..conftest import wait_until
 
 CALLER = '''
-import json, os
+import json, os, time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
@@ -33,22 +35,32 @@ class TritonPythonModel:
             if asked.get("as_int32"):  # (an input the callee's config refuses)
                 data = inputs[0].as_numpy().astype(np.int32)
                 inputs = [pb_utils.Tensor("INPUT0", data)]
-            call = pb_utils.InferenceRequest(
-                model_name=asked.get("callee", "inline_callee"),
-                model_version=asked.get("version", -1),
-                inputs=inputs,
-                requested_output_names=["OUTPUT0", "PID"],
-                parameters={"sender": asked.get("sender", False)},
-            )
-            answer = call.exec()
-            info = {"pid": os.getpid()}
+            info = {"pid": os.getpid(), "calls": []}
             tensors = []
-            if answer.has_error():
-                info["error"] = [answer.error().code(), answer.error().message()]
-            else:
-                for tensor in answer.output_tensors():
-                    tensors.append(pb_utils.Tensor(tensor.name(), tensor.as_numpy()))
-            tensors.append(pb_utils.Tensor("INFO", np.array([json.dumps(info).encode()], np.object_)))
+            for _ in range(asked.get("repeat", 1)):
+                call = pb_utils.InferenceRequest(
+                    model_name=asked.get("callee", "inline_callee"),
+                    model_version=asked.get("version", -1),
+                    inputs=inputs,
+                    requested_output_names=["OUTPUT0", "PID", "NOTE"],
+                    parameters={"mode": asked.get("mode", "")},
+                )
+                answer = call.exec()
+                if answer.has_error():
+                    info["error"] = [answer.error().code(), answer.error().message()]
+                    info["calls"].append("error")
+                else:
+                    tensors = [pb_utils.Tensor(t.name(), t.as_numpy()) for t in answer.output_tensors()]
+                    info["calls"].append("ok")
+                    for t in answer.output_tensors():
+                        if t.name() == "NOTE":  # (text: bytes, as through the server)
+                            note = t.as_numpy()[0]
+                            info["note"] = [type(note).__name__, note.decode() if isinstance(note, bytes) else note]
+                time.sleep(asked.get("gap", 0))
+            info["input_after"] = inputs[0].as_numpy().tolist()
+            tensors = [t for t in tensors if t.name() != "NOTE"] + [
+                pb_utils.Tensor("INFO", np.array([json.dumps(info).encode()], np.object_))
+            ]
             responses.append(pb_utils.InferenceResponse(tensors))
         return responses
 '''
@@ -73,21 +85,34 @@ FACTOR = 2.0
 class TritonPythonModel:
     def initialize(self, args):
         self.folder = pb_utils.get_model_dir()
+        try:  # BLS is execute's: refused here, as by Triton
+            pb_utils.InferenceRequest(
+                model_name="plain_callee", requested_output_names=["OUTPUT0"],
+                inputs=[pb_utils.Tensor("INPUT0", np.ones(1, np.float32))],
+            ).exec()
+            self.note = "a BLS call in initialize ran"
+        except pb_utils.TritonModelException as error:
+            self.note = str(error)
 
     def execute(self, requests):
         responses = []
         for request in requests:
+            mode = json.loads(request.parameters()).get("mode")
             data = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
             if data.size and data[0] < 0:
                 raise ValueError("a negative first element")
+            if mode == "mutate":
+                data *= 10
             response = pb_utils.InferenceResponse([
                 pb_utils.Tensor("OUTPUT0", data * FACTOR),
                 pb_utils.Tensor("PID", np.array([os.getpid()], np.int64)),
+                pb_utils.Tensor("NOTE", np.array([self.note], np.object_)),
             ])
-            if json.loads(request.parameters()).get("sender"):
+            if mode in ("sender", "abandon"):
                 sender = request.get_response_sender()
-                sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-                responses.append(None)
+                if mode == "sender":
+                    sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                responses.append(None)  # (abandon: the sender goes unused)
             else:
                 responses.append(response)
         return responses
@@ -107,7 +132,8 @@ backend: "python"
 input [ {{ name: "INPUT0" data_type: TYPE_FP32 dims: [ -1 ] }} ]
 output [
   {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1 ] }},
-  {{ name: "PID" data_type: TYPE_INT64 dims: [ 1 ] }}
+  {{ name: "PID" data_type: TYPE_INT64 dims: [ 1 ] }},
+  {{ name: "NOTE" data_type: TYPE_STRING dims: [ 1 ] }}
 ]
 instance_group [ {{ kind: KIND_CPU }} ]
 {parameter}
@@ -175,7 +201,7 @@ def test_without_the_parameter_the_call_goes_through_the_server(both):
 
 
 def test_a_response_sent_through_the_sender_is_the_calls_answer(both):
-    outputs, info = call(both, DATA, sender=True)
+    outputs, info = call(both, DATA, mode="sender")
     np.testing.assert_array_equal(outputs["OUTPUT0"], DATA * 2)
     assert int(outputs["PID"][0]) == info["pid"]
 
@@ -240,6 +266,64 @@ def test_an_async_caller_awaits_an_inline_call(make_repo, servers):
     outputs, info = call(server, DATA)
     np.testing.assert_array_equal(outputs["OUTPUT0"], DATA * 2)
     assert int(outputs["PID"][0]) == info["pid"]
+
+
+def test_the_callee_gets_what_the_server_would_give_it(both):
+    """Read-only views of the caller's inputs (through the server it writes a copy of its
+    own; here its write fails and the caller's data stays as it was), text as bytes, and
+    BLS refused in its initialize, as Triton refuses it (it waited for itself here)."""
+    results = {}
+    for callee in ("inline_callee", "plain_callee"):
+        outputs, info = call(both, DATA, callee=callee)
+        _, mutated = call(both, DATA, callee=callee, mode="mutate")
+        results[callee] = (info["note"], mutated)
+    (note, mutated), (plain_note, plain_mutated) = results["inline_callee"], results["plain_callee"]
+    assert note == plain_note
+    assert note[0] == "bytes" and note[1].startswith("BLS is only supported during the 'execute' function")
+    assert plain_mutated["calls"] == ["ok"]  # its own copy
+    assert mutated["calls"] == ["error"] and "read-only" in mutated["error"][1]
+    assert mutated["input_after"] == plain_mutated["input_after"] == DATA.tolist()
+
+
+def test_a_request_its_callee_lets_go_of_is_answered(both):
+    """The callee takes its response sender and drops it without a response: the call
+    is answered with the error the server gives (it waited for ever)."""
+    _, plain = call(both, DATA, callee="plain_callee", mode="abandon")
+    _, inline = call(both, DATA, mode="abandon")
+    assert inline["error"] == plain["error"]
+    assert "let go of the request without sending its final response" in inline["error"][1]
+
+
+def test_a_model_with_modules_of_its_own_is_not_run_inline(make_repo, servers):
+    """Its ``import helper`` would find the caller's helper in the one sys.modules the
+    caller's worker has: its calls go through the server."""
+    extra = models(inline_callee="yes")
+    extra["inline_callee"]["1/helper.py"] = "WHO = 'callee'\n"
+    server = servers.start(make_repo(extra=extra))
+    wait_until(server.ready)
+    outputs, info = call(server, DATA)
+    np.testing.assert_array_equal(outputs["OUTPUT0"], DATA * 2)
+    assert int(outputs["PID"][0]) != info["pid"]
+
+
+def test_an_unload_reaches_a_caller_in_the_middle_of_its_execute(make_repo, servers):
+    """The caller keeps calling through one long execute; once the callee is unloaded,
+    its calls are refused as through the server (its copy answered to the end)."""
+    repo = make_repo(extra=models(inline_callee="yes"))
+    server = servers.start(repo, model_control_mode=ModelControlMode.EXPLICIT)
+    server.load("inline_callee")
+    server.load("caller")
+    (pid,) = {i["pid"] for i in server.model("caller").statistics()["model_stats"][0]["instances"]}
+    finalized = Path(repo, "inline_callee", "1", f"finalized.{pid}")
+    results: list[dict] = []
+    caller = threading.Thread(target=lambda: results.append(call(server, DATA, repeat=8, gap=0.25)[1]))
+    caller.start()
+    time.sleep(0.6)
+    server.unload("inline_callee", wait_until_unloaded=True)
+    caller.join()
+    calls = results[0]["calls"]
+    assert calls[0] == "ok" and calls[-1] == "error" and "not ready" in results[0]["error"][1]
+    wait_until(finalized.exists)  # (once the execute ended: its own thread finalizes it)
 
 
 def test_a_bad_value_fails_the_load(make_repo, servers):
