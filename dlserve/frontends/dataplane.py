@@ -57,6 +57,12 @@ SHM_BYTE_SIZE = "shared_memory_byte_size"
 CLASSIFICATION = "classification"
 
 
+# What numpy (and any tensor in memory) can hold: its dimension limit, and elements an
+# int64 can count (a zero dimension aside: with it, the others must still be that small).
+_MAX_DIMS = 64
+_MAX_ELEMENTS = 2**63 - 1
+
+
 @dataclasses.dataclass
 class ShmRef:
     region: str
@@ -172,6 +178,11 @@ class DataPlane:
             raise InvalidArgumentError(
                 f"{label}All input dimensions should be specified for input '{spec.name}' for model "
                 f"'{model_name}', got {shape_text(shape)}"
+            )
+        if len(shape) > _MAX_DIMS or math.prod(d for d in shape if d) > _MAX_ELEMENTS:
+            raise InvalidArgumentError(
+                f"{label}input '{spec.name}' has a shape no tensor can have, {shape_text(shape)}: "
+                f"at most {_MAX_DIMS} dimensions, of at most {_MAX_ELEMENTS} elements in all"
             )
         count = math.prod(shape)
         if spec.shm is not None:

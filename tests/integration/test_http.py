@@ -1981,6 +1981,14 @@ BAD_INFER_BODIES = {
         '{"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1], "data": 1}]}',
         "'data' must be a JSON array",
     ),
+    "more dimensions than a tensor has": (
+        '{"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [' + ",".join(["1"] * 65) + '], "data": [1]}]}',
+        "has a shape no tensor can have",
+    ),
+    "more elements than an int64 counts (one dimension 0)": (
+        '{"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [4611686018427387904, 4, 0], "data": []}]}',
+        "at most 64 dimensions, of at most 9223372036854775807 elements in all",
+    ),
     "output in shared memory and binary": (
         json_infer(
             [identity_input()],
