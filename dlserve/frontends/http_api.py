@@ -132,7 +132,9 @@ class KServeHttpApi:
                 # model name (%2F) is part of the name, never a separator.
                 args = {k: unquote(v) for k, v in match.groupdict().items() if v is not None}
                 found = (methods, category, route, args)
-                if len(self._matched) < 4096:  # clients reuse a handful of paths
+                # Clients reuse a handful of paths; a long one (a path may be 64 KiB) is
+                # matched anew rather than pinned for good.
+                if len(self._matched) < 4096 and len(path) <= 256:
                     self._matched[path] = found
                 return found
         return None
