@@ -237,8 +237,10 @@ class Scheduler:
                     assert limiter is not None
                     limiter.release(taken)
                 # A pipelined execute waited in the worker behind the previous one: that
-                # wait is queue time, not compute time, as Triton would count it.
-                waited = max(0, instance.last_done_ns - start)
+                # wait is queue time, not compute time, as Triton would count it. (An
+                # async model's executes overlap instead: none waits for another.)
+                if instance.concurrency is None:
+                    waited = max(0, instance.last_done_ns - start)
                 instance.last_done_ns = time.monotonic_ns()
                 if dispatch:
                     self.dispatch()

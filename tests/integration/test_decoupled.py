@@ -248,6 +248,26 @@ def test_async_execute_overlaps_up_to_the_configured_bound(server):
     assert elapsed < 8 * 0.2  # and they did overlap
 
 
+def test_overlapping_async_executes_are_counted_as_compute_not_queue_time(server):
+    """A 100 ms and a 600 ms execute that overlap: neither waited for the other, so
+    their compute time is about 700 ms and their queue time near nothing (the time the
+    second ran after the first ended was booked as queue time)."""
+    model = server.model("async_overlap")
+    before = model.statistics()["model_stats"][0]["inference_stats"]
+
+    async def run():
+        async def one(ms):
+            return [r async for r in model.async_infer(inputs={"IN": np.array([ms], np.int32)})]
+
+        await asyncio.gather(one(100), one(600))
+
+    asyncio.run(run())
+    after = model.statistics()["model_stats"][0]["inference_stats"]
+    queue_s = (after["queue"]["ns"] - before["queue"]["ns"]) / 1e9
+    infer_s = (after["compute_infer"]["ns"] - before["compute_infer"]["ns"]) / 1e9
+    assert queue_s < 0.2 and infer_s > 0.65
+
+
 # -- gRPC streaming ---------------------------------------------------------------------------
 def stream_input(values) -> grpcclient.InferInput:
     tensor = grpcclient.InferInput("IN", [len(values)], "INT32")
