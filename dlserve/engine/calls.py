@@ -216,18 +216,22 @@ class ModelCalls:
             return
         caller = self.instance.model.name
         path = " -> ".join((*request.chain, name))
+        # Only a model with no instance free to run the call would wait on itself: one
+        # with another instance free (or a call from a model's thread, whose instance
+        # runs nothing) serves it, as Triton would.
+        if any(self._has_room_for(i) for i in target.instances):
+            return
         if name != caller:
             raise InvalidArgumentError(
                 f"BLS call cycle {path}: model '{name}' is waiting on this very call, "
                 "so the call would wait on itself forever"
             )
-        if not any(self._has_room_for_a_self_call(i) for i in target.instances):
-            raise UnavailableError(
-                f"model '{name}' called itself ({path}) with no other instance free to run "
-                "the call (or the rate limiter's resources the caller holds leave it none): it "
-                "would wait on itself forever. Give it more instances (instance_group count) or "
-                "do the work without the self-call"
-            )
+        raise UnavailableError(
+            f"model '{name}' called itself ({path}) with no other instance free to run "
+            "the call (or the rate limiter's resources the caller holds leave it none): it "
+            "would wait on itself forever. Give it more instances (instance_group count) or "
+            "do the work without the self-call"
+        )
 
     def _check_resources(self, target: ModelVersion) -> None:
         """With the rate limiter on, a call into a model none of whose instances could
@@ -242,11 +246,13 @@ class ModelCalls:
                 "Give the pool more copies (--rate-limit-resource) or the models separate resources"
             )
 
-    def _has_room_for_a_self_call(self, instance: ModelInstance) -> bool:
+    def _has_room_for(self, instance: ModelInstance) -> bool:
         """An ``async def execute`` instance runs up to its concurrency at once, the
         caller's own execute included; any other is free only when idle (its next
-        execute would wait behind the one making the call), and only if the rate
-        limiter's resources the caller holds leave room for it."""
+        execute would wait behind the one making the call: the caller's own instance
+        is idle only when the call comes from a thread of the model with no execute
+        running), and only if the rate limiter's resources the caller holds leave room
+        for it."""
         if not instance.ready:
             return False
         limiter = self.instance.model.resources.rate_limiter
@@ -254,7 +260,7 @@ class ModelCalls:
             return False
         if instance.concurrency:
             return instance.in_flight < instance.concurrency
-        return instance is not self.instance and instance.in_flight == 0
+        return instance.in_flight == 0
 
     def _respond(self, corr: int, response: Response) -> None:
         if response.final:

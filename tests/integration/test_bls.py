@@ -474,3 +474,65 @@ def test_awaited_decoupled_calls_return_with_their_first_response_and_bls_is_exe
     assert took < 3.0, f"four 1 s streams took {took:.1f} s: the executes did not overlap"
     note = answers[0].outputs["NOTE"].to_bytes_array()[0].decode()
     assert note == "BLS is only supported during the 'execute' function."
+
+
+THREADED_SELF_CALLER = '''
+import threading, time
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+def text(value):
+    return pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([value.encode()], np.object_))])
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            n = int(pb_utils.get_input_tensor_by_name(request, "N").as_numpy()[0])
+            threading.Thread(target=self.work, args=(request.get_response_sender(), n)).start()
+        return None  # the one instance is free from here on
+
+    def work(self, sender, n):
+        if n == 0:
+            sender.send(text("leaf"), flags=FINAL)
+            return
+        time.sleep(0.3)  # (execute returned long ago)
+        call = pb_utils.InferenceRequest(
+            model_name="threaded", requested_output_names=["OUT"],
+            inputs=[pb_utils.Tensor("N", np.array([0], np.int32))],
+        )
+        said = []
+        for response in call.exec(decoupled=True):
+            if response.has_error():
+                said.append("error: " + response.error().message())
+            elif response.output_tensors():
+                said.append(response.output_tensors()[0].as_numpy()[0].decode())
+        sender.send(text("; ".join(said)), flags=FINAL)
+'''
+THREADED_CONFIG = """
+backend: "python"
+model_transaction_policy { decoupled: true }
+input [ { name: "N" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUT" data_type: TYPE_STRING dims: [ 1 ] } ]
+"""
+
+
+def test_a_models_thread_may_call_its_idle_instance(servers, make_repo):
+    """A call from a thread of a one-instance model, its execute long returned, runs on
+    that idle instance, as in Triton (it was refused as a self-call with no instance free)."""
+    repo = make_repo(extra={"threaded": {"config.pbtxt": THREADED_CONFIG, "1/model.py": THREADED_SELF_CALLER}})
+    server = servers.start(repo)
+    (response,) = list(server.model("threaded").infer(inputs={"N": np.array([1], np.int32)}))
+    assert response.outputs["OUT"].to_bytes_array()[0] == b"leaf"
+
+
+def test_a_cycle_into_a_model_with_an_instance_free_is_served(server):
+    """bls_pool has two instances: a call that comes back to it while one of them waits
+    runs on the other (refused as a cycle before; only a model with no instance free
+    would wait on itself)."""
+    response, info = call(server, "bls_pool", route="bls,bls_pool")
+    assert response.error is None, response.error
+    np.testing.assert_array_equal(np.from_dlpack(response.outputs["OUTPUT0"]), BIG)
