@@ -27,6 +27,7 @@ from dlserve.engine import warmup
 from dlserve.engine.backends import init_message
 from dlserve.engine.calls import ModelCalls
 from dlserve.engine.request import (
+    NOT_RUN,
     STREAMING,
     Request,
     Response,
@@ -35,7 +36,7 @@ from dlserve.engine.request import (
 )
 from dlserve.errors import ErrorCode, InternalError, TritonError, UnavailableError
 from dlserve.ipc.channel import WorkerGoneError
-from dlserve.ipc.protocol import STREAMED, Kind, Message
+from dlserve.ipc.protocol import STREAMED, UNRUN, Kind, Message
 from dlserve.ipc.supervisor import WorkerProcess
 from dlserve.memory.tensor import Tensor
 from dlserve.pb_utils.logger import PYTHON_LEVELS, LogLevel
@@ -457,6 +458,8 @@ class ModelInstance:
                 self._streaming[handle] = request
             return STREAMING
         request.cancel_hook = None
+        if reply == UNRUN:
+            return NOT_RUN
         try:
             response = self._response(request, reply)
         except TritonError as exc:  # (this request's alone: an output its reshape cannot take)

@@ -54,6 +54,8 @@ SEQUENCE_END = 2
 # In an execute's results, in place of a request's response: the request is answered
 # through responses its model streams (see Scheduler.stream_response).
 STREAMING: Any = object()
+# ... or: it was cancelled before its execute began, and did not run.
+NOT_RUN: Any = object()
 
 
 @dataclasses.dataclass(slots=True, eq=False)

@@ -29,7 +29,7 @@ import time
 from typing import TYPE_CHECKING
 
 from dlserve.engine import response_cache
-from dlserve.engine.request import STREAMING, Request, Response, reschedule_refused
+from dlserve.engine.request import NOT_RUN, STREAMING, Request, Response, reschedule_refused
 from dlserve.errors import (
     CancelledError,
     InternalError,
@@ -59,7 +59,8 @@ class Scheduler:
     # Executions sent to one worker at once. Above 1, the next execute waits in the
     # worker's socket while the previous runs, so the worker never sleeps between
     # requests under load (each sleep/wake-up costs ~50 µs on a small VM). Batching
-    # schedulers use 1 so requests accumulate into batches while an instance works.
+    # schedulers use 1 so requests accumulate into batches while an instance works (and
+    # the default scheduler with more than one instance: see there).
     pipeline_depth = 2
     # Send an instance its next execute as soon as its worker replies, before the
     # finished one's responses are read and delivered: where nothing is pipelined the
@@ -269,6 +270,14 @@ class Scheduler:
             queue_ns = [q + waited for q in queue_ns]
             if timings is not None:
                 timings.infer_ns = max(0, timings.infer_ns - waited)
+        if not isinstance(result, TritonError) and all(r is NOT_RUN for r in result):
+            # Cancelled while they waited in the worker: as cancelled queued requests,
+            # answered CANCELLED (where not already) and in no execution's statistics.
+            for request in batch:
+                self._fail(request, CancelledError("request was cancelled"), "CANCELED")
+            self._completed(batch)
+            self.dispatch()
+            return
         batch_size = sum(self.model.batch_size_of(r) for r in batch)
         if isinstance(result, TritonError) or timings is None:
             error = result if isinstance(result, TritonError) else InternalError("execute failed")
@@ -434,6 +443,13 @@ class DefaultScheduler(Scheduler):
 
     def _enqueue(self, request: Request) -> None:
         self.queue.append(request)
+
+    @property
+    def pipeline_depth(self) -> int:  # type: ignore[override]
+        """2 for a model with one instance, where the next request has nowhere else to
+        go; 1 with more, so that a request never waits in one worker behind a slow
+        execute while another instance is free (as in Triton, it waits in the queue)."""
+        return 2 if len(self.instances) == 1 else 1
 
     def _next_batch(self, instance: ModelInstance) -> list[Request] | None:
         return [self.queue.popleft()] if self.queue else None

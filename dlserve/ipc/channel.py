@@ -420,6 +420,15 @@ class WorkerChannel:
         except EOFError:
             pass
 
+    def route_received(self) -> None:
+        """Hand on the messages already read but not yet routed (a CANCEL that came in
+        right behind the command just taken), without reading the socket."""
+        if self._ready:
+            with self._cond:
+                if not self._reading:
+                    while self._ready:
+                        self._route(self._ready.popleft())
+
     def poll(self) -> None:
         """Route whatever has already arrived, without blocking: cancellation checks
         from a model that keeps the main thread busy, so that nobody is reading."""

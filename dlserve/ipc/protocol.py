@@ -70,6 +70,9 @@ Message = tuple[int, int, Any]
 # In an EXECUTE reply, in place of a request's response: the request is answered
 # through RESPONSE messages (its response sender), before or after the reply.
 STREAMED = 0
+# ... or: the request was cancelled while its EXECUTE waited in the worker behind the one
+# before, and it did not run (as a cancelled queued request does not).
+UNRUN = 1
 
 
 def refused_call(model_name: str, reason: str) -> tuple[int, str]:

@@ -37,7 +37,7 @@ from dlserve.ipc.model_code import (
     response_list_problem,
 )
 from dlserve.ipc.polling import join_board
-from dlserve.ipc.protocol import STACKS_SIGNAL, STREAMED, Kind
+from dlserve.ipc.protocol import STACKS_SIGNAL, STREAMED, UNRUN, Kind
 from dlserve.ipc.runtime import WorkerRuntime, current_handles, encode_response
 from dlserve.ipc.tensors import Peer
 from dlserve.memory.arena import Arena, MemorySpace
@@ -245,7 +245,14 @@ class Worker:
 
     # -- execute ------------------------------------------------------------------------
     def _execute(self, body: list[Any]) -> list[Any]:
+        self.channel.route_received()  # (its CANCEL may have come with it)
         requests = self._requests(body)
+        if all(request._exchange.cancelled for request in requests):  # type: ignore[union-attr]
+            # Cancelled while it waited here behind the previous execute: dropped as a
+            # queued request is, without running (the server sent it on early).
+            for request in requests:
+                request._exchange.closed = True  # type: ignore[union-attr]
+            return [UNRUN for _ in requests]
         token = current_handles.set(tuple(wire[0] for wire in body))
         self.channel.releases_anywhere = True  # (its references are imported: see there)
         try:

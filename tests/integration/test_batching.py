@@ -593,3 +593,46 @@ def test_preserve_ordering_holds_every_response_of_a_decoupled_request(make_repo
 
     assert asyncio.run(both()) == [[11, 12, 13], [21, 22, 23]]
     assert arrivals == [11, 12, 13, 21, 22, 23]
+
+
+SLEEPER_CONFIG = """
+backend: "python"
+input [ { name: "MS" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "PID" data_type: TYPE_INT32 dims: [ 1 ] } ]
+instance_group [ { kind: KIND_CPU count: 2 } ]
+"""
+SLEEPER = '''
+import os, time
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for request in requests:
+            time.sleep(int(pb_utils.get_input_tensor_by_name(request, "MS").as_numpy()[0]) / 1000)
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("PID", np.array([os.getpid()], np.int32))]))
+        return out
+'''
+
+
+def test_no_request_waits_behind_a_slow_one_while_another_instance_is_free(make_repo, servers):
+    """Default scheduler, two instances: quick requests that come while one instance
+    runs a slow request all run on the other, as in Triton (one of them was sent into
+    the busy worker's pipeline and waited for the slow one)."""
+    server = servers.start(make_repo(extra={"sleeper": {"config.pbtxt": SLEEPER_CONFIG, "1/model.py": SLEEPER}}))
+    model = server.model("sleeper")
+
+    async def one(ms: int) -> int:
+        async for response in model.async_infer(inputs={"MS": np.array([ms], np.int32)}):
+            return int(np.from_dlpack(response.outputs["PID"])[0])
+        raise AssertionError("no response")
+
+    async def run() -> tuple[int, list[int]]:
+        slow = asyncio.ensure_future(one(2000))
+        await asyncio.sleep(0.3)  # the slow one runs on one instance
+        quick = await asyncio.gather(*(one(10) for _ in range(6)))
+        return await slow, quick
+
+    slow_pid, quick_pids = asyncio.run(run())
+    assert slow_pid not in quick_pids

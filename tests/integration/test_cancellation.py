@@ -89,6 +89,28 @@ def test_cancelling_a_queued_request_means_it_never_runs(server):
     assert after - before == 3  # the cancelled one never executed
 
 
+def test_cancelling_a_request_waiting_in_the_worker_means_it_never_runs(server):
+    """With one instance the next request is sent to the worker while the one before
+    runs; cancelled before its turn, it is dropped there as a queued one is: it never
+    runs, and counts in no execution."""
+    model = server.model("faulty")
+    before = model.statistics()["model_stats"][0]["execution_count"]
+    busy = model.infer(inputs={"INPUT0": np.ones(2, np.float32)}, parameters={"mode": "sleep:0.6"})
+    time.sleep(0.1)
+    waiting = model.infer(
+        inputs={"INPUT0": np.ones(2, np.float32)}, parameters={"mode": "raise"}, raise_on_error=False
+    )
+    time.sleep(0.1)  # sent on to the worker by now, behind the sleeping one
+    waiting.cancel()
+    (response,) = list(waiting)
+    assert isinstance(response.error, dlserve.CancelledError)
+    list(busy)
+    time.sleep(0.2)  # (its turn came and went)
+    after = model.statistics()["model_stats"][0]
+    assert after["execution_count"] - before == 1
+    assert after["inference_stats"]["fail"]["count"] >= 1
+
+
 @pytest.mark.parametrize("mode", ["wait_cancel", "wait_cancel_sender"])
 def test_executing_model_sees_is_cancelled(server, mode):
     note = f"{mode}: cancelled=True"
