@@ -351,10 +351,9 @@ def _split_body(request: HttpRequest) -> tuple[Any, np.ndarray]:
     length_text = request.header(HEADER_LENGTH)
     if not length_text:  # (an empty body is a raw one, as Triton takes it)
         return (data, data[:0]) if data.nbytes else (None, data)
-    try:
-        length = int(length_text)
-    except ValueError:
-        raise InvalidArgumentError(f"invalid Inference-Header-Content-Length '{length_text}'") from None
+    if not (length_text.isascii() and length_text.isdigit()):  # (int() takes " +1_0", "١")
+        raise InvalidArgumentError(f"invalid Inference-Header-Content-Length '{length_text}'")
+    length = int(length_text)
     if length == 0:
         return None, data
     if length < 0 or length > data.nbytes:

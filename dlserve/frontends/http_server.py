@@ -51,6 +51,7 @@ REASONS = {
     404: "Not Found",
     405: "Method Not Allowed",
     413: "Payload Too Large",
+    417: "Expectation Failed",
     500: "Internal Server Error",
     501: "Not Implemented",
     503: "Service Unavailable",
@@ -210,6 +211,12 @@ class HttpConnection(asyncio.BufferedProtocol):
         self._keep_alive = self._parser.should_keep_alive()
         self._http10 = self._parser.get_http_version() == "1.0"
         upgrade = self._parser.should_upgrade()
+        coding = self._headers.get("transfer-encoding")
+        if coding is not None and coding.strip().lower() != "chunked":  # (RFC 9112 6.1)
+            raise HttpError(501, f"unsupported Transfer-Encoding '{coding}': only chunked is")
+        expect = self._headers.get("expect")
+        if expect is not None and expect.strip().lower() != "100-continue":  # (RFC 9110 10.1.1)
+            raise HttpError(417, f"unsupported Expect '{expect}'")
         if upgrade and "transfer-encoding" in self._headers:
             raise HttpError(400, "an Upgrade request with a chunked body is not supported")
         length = self._headers.get("content-length")

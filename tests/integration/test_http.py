@@ -2399,6 +2399,43 @@ def test_garbage_is_answered_with_400_and_the_connection_closed(port, label, dat
     assert_serving(port)
 
 
+@pytest.mark.parametrize(
+    "label,data,status,fragment",
+    [
+        (
+            "a transfer coding besides chunked",
+            b"POST /v2/models/identity/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, chunked"
+            b"\r\n\r\n0\r\n\r\n",
+            501,
+            "unsupported Transfer-Encoding 'gzip, chunked'",
+        ),
+        (
+            "an expectation besides 100-continue",
+            b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nExpect: 200-ok\r\n\r\n",
+            417,
+            "unsupported Expect '200-ok'",
+        ),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_what_http_1_1_does_not_define_is_refused(port, label, data, status, fragment):
+    """RFC 9112 6.1 (an unknown transfer coding: 501) and RFC 9110 10.1.1 (an
+    unknown expectation: 417); both were served as if the header were not there."""
+    received, _ = exchange(port, data)
+    replies = parse_responses(received)
+    assert len(replies) == 1, received[:300]
+    assert_error(replies[0], status, fragment)
+    assert_serving(port)
+
+
+def test_a_header_length_is_plain_digits(port):
+    body = json.dumps({"inputs": [identity_input()]}).encode()
+    reply = request(
+        port, "POST", "/v2/models/identity/infer", body, {"Inference-Header-Content-Length": " +0"}
+    )
+    assert_error(reply, 400, "invalid Inference-Header-Content-Length '+0'")
+
+
 def test_an_upgrade_request_is_answered_over_http_1_1_body_and_all(port):
     """``curl --http2`` asks every request, bodies included, to upgrade to h2c; HTTP/1.1
     lets a server ignore that, as Triton does (it was refused with 400)."""
