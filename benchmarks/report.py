@@ -183,6 +183,7 @@ def report_bls(served: dict[str, Served], plan: Plan) -> list[str]:
     rows: list[Row] = []
     for protocol in ("grpc",) if plan.quick else ("grpc", "http"):
         direct, bls = f"add_sub {protocol}", f"bls_sync {protocol}"
+        inline = f"bls_sync_inline {protocol}"
         ensemble = f"ensemble_add_sub {protocol}"
         rows += [
             (f"add_sub {protocol} p50 µs ↓", metric(direct, key="p50_us"), 0),
@@ -203,6 +204,13 @@ def report_bls(served: dict[str, Served], plan: Plan) -> list[str]:
             ),
             (f"add_sub {protocol} infer/s ↑", metric(direct), 1),
             (f"bls_sync {protocol} infer/s ↑", metric(bls), 1),
+            (f"bls_sync_inline {protocol} p50 µs ↓", metric(inline, key="p50_us"), 0),
+            (
+                f"**Inline BLS overhead {protocol}: p50(bls_sync_inline) − p50(add_sub) µs ↓** "
+                "(Triton: an ordinary BLS call)",
+                combine(minus, metric(inline, key="p50_us"), metric(direct, key="p50_us")),
+                0,
+            ),
             (
                 f"Ensemble overhead {protocol}: p50(ensemble_add_sub) − p50(add_sub) µs ↓",
                 combine(minus, metric(ensemble, key="p50_us"), metric(direct, key="p50_us")),
@@ -215,7 +223,9 @@ def report_bls(served: dict[str, Served], plan: Plan) -> list[str]:
             "Models (examples/models, reference-servers/models, benchmarks/models): add_sub; bls_sync "
             "(one blocking BLS call to add_sub per request); identity_fp32; bls_identity (hands its "
             "FP32[-1] INPUT0 to identity_fp32 with a blocking BLS call); ensemble_add_sub (add_sub as a "
-            "one-step ensemble: the same call as bls_sync, made by the server); repeat (decoupled). "
+            "one-step ensemble: the same call as bls_sync, made by the server); bls_sync_inline "
+            "(bls_sync calling add_sub_inline, an add_sub with INLINE_BLS, which dlserve runs in the "
+            "caller's worker and Triton, ignoring the parameter, as an ordinary BLS call); repeat (decoupled). "
             "perf_analyzer at concurrency 1; MiB cases with the stability check off. MLServer has no "
             "BLS, ensembles, decoupled models or Triton-style dynamic batching: these sections are "
             "dlserve vs Triton."

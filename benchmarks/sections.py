@@ -195,7 +195,7 @@ def bls_cases(plan: Plan) -> list[tuple[str, list[str], bool]]:
     """(label, perf_analyzer arguments, big); the label names the protocol."""
     out = []
     for protocol in ("grpc",) if plan.quick else ("grpc", "http"):
-        for model in ("add_sub", "bls_sync", "ensemble_add_sub"):
+        for model in ("add_sub", "bls_sync", "bls_sync_inline", "ensemble_add_sub"):
             out.append(
                 (
                     f"{model} {protocol}",
@@ -220,7 +220,9 @@ def bls_cases(plan: Plan) -> list[tuple[str, list[str], bool]]:
 
 def measure_bls(server: Server, plan: Plan, out: Results) -> None:
     url = server.url("grpc")
-    problems = clients.check_add_sub(url, ("add_sub", "bls_sync", "ensemble_add_sub"), n=4)
+    problems = clients.check_add_sub(
+        url, ("add_sub", "bls_sync", "bls_sync_inline", "ensemble_add_sub"), n=4
+    )
     problems += clients.check_identity(url, ("bls_identity",), (TINY, BIG))
     out["problems"] = problems
     for label, args, big in bls_cases(plan):
@@ -330,6 +332,8 @@ def sections() -> dict[str, Section]:
                 [
                     EXAMPLES / "add_sub",
                     EXAMPLES / "bls_sync",
+                    BENCH_MODELS / "add_sub_inline",
+                    BENCH_MODELS / "bls_sync_inline",
                     EXAMPLES / "repeat",
                     ref / "identity_fp32",
                     BENCH_MODELS / "bls_identity",

@@ -6,15 +6,23 @@ passing them on in our own response copies nothing either. An error from add_sub
 comes back inside its response, not raised.
 """
 
+import json
+
 import triton_python_backend_utils as pb_utils
 
 
 class TritonPythonModel:
+    def initialize(self, args):
+        # The model to call: add_sub, unless the config's CALLEE parameter names another
+        # (benchmarks/models/bls_sync_inline calls an add_sub its worker runs inline).
+        parameters = json.loads(args["model_config"]).get("parameters", {})
+        self.callee = parameters.get("CALLEE", {}).get("string_value", "add_sub")
+
     def execute(self, requests):
         responses = []
         for request in requests:
             call = pb_utils.InferenceRequest(
-                model_name="add_sub",
+                model_name=self.callee,
                 inputs=request.inputs(),
                 requested_output_names=["OUTPUT0", "OUTPUT1"],
             )

@@ -1,0 +1,1 @@
+../../../../examples/models/add_sub/1/model.py

@@ -1,0 +1,1 @@
+../../../../examples/models/bls_sync/1/model.py
