@@ -217,9 +217,10 @@ class ModelCalls:
         caller = self.instance.model.name
         path = " -> ".join((*request.chain, name))
         # Only a model with no instance free to run the call would wait on itself: one
-        # with another instance free (or a call from a model's thread, whose instance
-        # runs nothing) serves it, as Triton would.
-        if any(self._has_room_for(i) for i in target.instances):
+        # with nothing waiting and another instance free (or a call from a model's
+        # thread, whose instance runs nothing) runs it next, as Triton would. (A request
+        # already waiting would take that instance first, and might wait on this call.)
+        if not target.pending and any(self._has_room_for(i) for i in target.instances):
             return
         if name != caller:
             raise InvalidArgumentError(
@@ -253,7 +254,7 @@ class ModelCalls:
         is idle only when the call comes from a thread of the model with no execute
         running), and only if the rate limiter's resources the caller holds leave room
         for it."""
-        if not instance.ready:
+        if not instance.serves:  # (a passive instance is ready, and is given no work)
             return False
         limiter = self.instance.model.resources.rate_limiter
         if limiter is not None and not limiter.fits_beside(instance, self.instance):

@@ -219,6 +219,13 @@ class HttpConnection(asyncio.BufferedProtocol):
             raise HttpError(417, f"unsupported Expect '{expect}'")
         if upgrade and "transfer-encoding" in self._headers:
             raise HttpError(400, "an Upgrade request with a chunked body is not supported")
+        self._prepare_body(upgrade)
+        if expect is not None and self.transport is not None and not self.in_flight:
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # (chunked bodies too)
+
+    def _prepare_body(self, upgrade: bool) -> None:
+        """Where the body goes, by its framing: a block allocated at its declared size
+        (read straight into place), or parts gathered as they come."""
         length = self._headers.get("content-length")
         if length is not None and "transfer-encoding" in self._headers:
             # Read as chunked, and the connection closed after the answer (RFC 9112 6.3: no
@@ -248,9 +255,6 @@ class HttpConnection(asyncio.BufferedProtocol):
             except BaseException:
                 self._unreserve()
                 raise
-        expect = self._headers.get("expect", "").lower()
-        if expect == "100-continue" and self.transport is not None and not self.in_flight:
-            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
         if self._block is not None:

@@ -20,7 +20,7 @@ import dlserve
 from dlserve import ModelControlMode
 from dlserve.frontends import KServeHttp
 
-from ..conftest import serve, wait_until
+from ..conftest import MODELS, serve, wait_until
 
 LOADED = [
     "bls",
@@ -536,3 +536,20 @@ def test_a_cycle_into_a_model_with_an_instance_free_is_served(server):
     response, info = call(server, "bls_pool", route="bls,bls_pool")
     assert response.error is None, response.error
     np.testing.assert_array_equal(np.from_dlpack(response.outputs["OUTPUT0"]), BIG)
+
+
+def test_a_passive_instance_does_not_count_as_free_for_a_cycle(servers, make_repo):
+    """pa -> pb -> pa where pa's other instance is passive (given no work): refused at
+    once, not let in to wait for ever."""
+    config = (MODELS / "bls" / "config.pbtxt").read_text()
+    code = (MODELS / "bls" / "1" / "model.py").read_text()
+    passive = config + "instance_group [ { count: 1 kind: KIND_CPU }, { count: 1 kind: KIND_CPU passive: true } ]\n"
+    server = servers.start(make_repo("identity", extra={
+        "pa": {"config.pbtxt": passive, "1/model.py": code},
+        "pb": {"config.pbtxt": config, "1/model.py": code},
+    }))
+    (response,) = server.model("pa").infer(
+        inputs={"INPUT0": np.arange(4, dtype=np.float32)}, parameters={"route": "pb,pa,identity"},
+        raise_on_error=False,
+    )
+    assert "BLS call cycle pa -> pb -> pa" in str(response.error)

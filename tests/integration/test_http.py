@@ -2428,6 +2428,17 @@ def test_what_http_1_1_does_not_define_is_refused(port, label, data, status, fra
     assert_serving(port)
 
 
+def test_a_chunked_body_that_expects_100_continue_gets_it(port):
+    """As a body with a Content-Length does (curl sends Expect for a body of unknown size
+    and waited out its own second for an answer)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as connection:
+        connection.sendall(
+            b"POST /v2/models/identity/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+            b"Expect: 100-continue\r\nContent-Type: application/json\r\n\r\n"
+        )
+        assert connection.recv(100).startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+
 def test_a_header_length_is_plain_digits(port):
     body = json.dumps({"inputs": [identity_input()]}).encode()
     reply = request(
