@@ -219,8 +219,8 @@ class ModelCalls:
         # Only a model with no instance free to run the call would wait on itself: one
         # with nothing waiting and another instance free (or a call from a model's
         # thread, whose instance runs nothing) runs it next, as Triton would. (A request
-        # already waiting would take that instance first, and might wait on this call.)
-        if not target.pending and any(self._has_room_for(i) for i in target.instances):
+        # already queued would take that instance first, and might wait on this call.)
+        if not target.scheduler.pending and any(self._has_room_for(i) for i in target.instances):
             return
         if name != caller:
             raise InvalidArgumentError(
