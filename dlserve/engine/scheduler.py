@@ -451,6 +451,12 @@ class DefaultScheduler(Scheduler):
         execute while another instance is free (as in Triton, it waits in the queue)."""
         return 2 if len(self.instances) == 1 else 1
 
+    @property
+    def dispatch_on_reply(self) -> bool:  # type: ignore[override]
+        """Where nothing is pipelined (more than one instance), an instance's next
+        execute goes as soon as its worker replies (see Scheduler.dispatch_on_reply)."""
+        return len(self.instances) > 1
+
     def _next_batch(self, instance: ModelInstance) -> list[Request] | None:
         return [self.queue.popleft()] if self.queue else None
 
