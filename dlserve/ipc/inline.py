@@ -158,17 +158,22 @@ class InlineModel:
                 "caller's sys.modules"
             )
         self._alias = f"_dlserve_inline_{next(_aliases)}"
-        with self._hook():
-            model = load_module(offer["model_file"], offer["model_path"], self._alias).TritonPythonModel()
-            if inspect.iscoroutinefunction(getattr(model, "execute", None)):
-                raise TritonModelException("its execute is a coroutine (async def)")
-            initialize = getattr(model, "initialize", None)
-            if initialize is not None:
-                result = initialize(args)
-                if inspect.isawaitable(result):
-                    getattr(result, "close", lambda: None)()
-                    raise TritonModelException("its initialize is a coroutine (async def)")
-        self._model = model
+        try:
+            with self._hook():
+                code = load_module(offer["model_file"], offer["model_path"], self._alias)
+                model = code.TritonPythonModel()
+                if inspect.iscoroutinefunction(getattr(model, "execute", None)):
+                    raise TritonModelException("its execute is a coroutine (async def)")
+                initialize = getattr(model, "initialize", None)
+                if initialize is not None:
+                    result = initialize(args)
+                    if inspect.isawaitable(result):
+                        getattr(result, "close", lambda: None)()
+                        raise TritonModelException("its initialize is a coroutine (async def)")
+        except BaseException:
+            self._forget_code()
+            raise
+        self._model: Any = model
 
     @contextlib.contextmanager
     def _hook(self) -> Iterator[None]:
@@ -326,8 +331,12 @@ class InlineModel:
                     0,
                 )
             finally:
-                for name in [n for n in sys.modules if n == self._alias or n.startswith(self._alias + ".")]:
-                    del sys.modules[name]
+                self._forget_code()
+
+    def _forget_code(self) -> None:
+        """Its modules leave ``sys.modules`` (a reload's copy imports its code afresh)."""
+        for name in [n for n in sys.modules if n == self._alias or n.startswith(self._alias + ".")]:
+            del sys.modules[name]
 
 
 class InlineCalls:
