@@ -27,6 +27,7 @@ from dlserve.engine.request import (
     validate_request,
     version_from_string,
 )
+from dlserve.engine.scheduler import DefaultScheduler
 from dlserve.errors import (
     InvalidArgumentError,
     NotFoundError,
@@ -216,16 +217,13 @@ class ModelCalls:
             return
         caller = self.instance.model.name
         path = " -> ".join((*request.chain, name))
-        # Only a model with no instance free to run the call would wait on itself: one
-        # with nothing waiting and another instance free (or a call from a model's
-        # thread, whose instance runs nothing) runs it next, as Triton would. (A request
-        # already queued would take that instance first, and might wait on this call.)
-        if not target.scheduler.pending and any(self._has_room_for(i) for i in target.instances):
+        if self._runs_at_once(target):
             return
         if name != caller:
             raise InvalidArgumentError(
-                f"BLS call cycle {path}: model '{name}' is waiting on this very call, "
-                "so the call would wait on itself forever"
+                f"BLS call cycle {path}: model '{name}' is waiting on this very call, and "
+                "no instance of it is sure to run the call first (a free one, in a model that "
+                "takes its requests in order), so the call could wait on itself forever"
             )
         raise UnavailableError(
             f"model '{name}' called itself ({path}) with no other instance free to run "
@@ -246,6 +244,19 @@ class ModelCalls:
                 f"'{self.instance.name}' holds while it waits for the call: it would wait forever. "
                 "Give the pool more copies (--rate-limit-resource) or the models separate resources"
             )
+
+    def _runs_at_once(self, target: ModelVersion) -> bool:
+        """Whether a call into ``target`` starts at once on an instance of its own, so
+        that it cannot wait on the very model waiting for it: ``target`` takes requests
+        in arrival order with no batching delay or priorities (the default scheduler),
+        none is queued (it would take the instance first, and might wait on this call),
+        and an instance is free (another one, or the caller's own where a thread of the
+        model calls while no execute runs). With a dynamic batcher or priorities a
+        request arriving later could still go first: such calls are refused."""
+        scheduler = target.scheduler
+        if type(scheduler) is not DefaultScheduler or scheduler.pending:
+            return False
+        return any(self._has_room_for(i) for i in target.instances)
 
     def _has_room_for(self, instance: ModelInstance) -> bool:
         """An ``async def execute`` instance runs up to its concurrency at once, the

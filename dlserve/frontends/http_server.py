@@ -220,8 +220,10 @@ class HttpConnection(asyncio.BufferedProtocol):
         if upgrade and "transfer-encoding" in self._headers:
             raise HttpError(400, "an Upgrade request with a chunked body is not supported")
         self._prepare_body(upgrade)
-        if expect is not None and self.transport is not None and not self.in_flight:
-            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # (chunked bodies too)
+        # (RFC 9110 10.1.1: a body to come, by length or chunked; never to an HTTP/1.0 client)
+        body = self._expected > 0 or "transfer-encoding" in self._headers
+        if expect is not None and body and not self._http10 and self.transport is not None and not self.in_flight:
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def _prepare_body(self, upgrade: bool) -> None:
         """Where the body goes, by its framing: a block allocated at its declared size

@@ -553,3 +553,22 @@ def test_a_passive_instance_does_not_count_as_free_for_a_cycle(servers, make_rep
         raise_on_error=False,
     )
     assert "BLS call cycle pa -> pb -> pa" in str(response.error)
+
+
+def test_a_cycle_into_a_batching_model_is_refused_even_with_an_instance_free(servers, make_repo):
+    """A dynamic batcher may let a later request (a higher priority, one that waited out
+    the delay) take the free instance first, and that one may wait on the call: a call
+    back into such a model is refused, never let in to wait for ever."""
+    config = (MODELS / "bls" / "config.pbtxt").read_text()
+    code = (MODELS / "bls" / "1" / "model.py").read_text()
+    batching = config + "instance_group [ { count: 2 kind: KIND_CPU } ]\ndynamic_batching { }\n"
+    server = servers.start(make_repo("identity", extra={
+        "pa": {"config.pbtxt": batching, "1/model.py": code},
+        "pb": {"config.pbtxt": config, "1/model.py": code},
+    }))
+    (response,) = server.model("pa").infer(
+        inputs={"INPUT0": np.arange(4, dtype=np.float32)}, parameters={"route": "pb,pa,identity"},
+        raise_on_error=False,
+    )
+    assert "BLS call cycle pa -> pb -> pa" in str(response.error)
+    assert "no instance of it is sure to run the call first" in str(response.error)

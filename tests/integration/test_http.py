@@ -2439,6 +2439,17 @@ def test_a_chunked_body_that_expects_100_continue_gets_it(port):
         assert connection.recv(100).startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
 
 
+def test_no_100_continue_for_an_http_1_0_client(port):
+    """RFC 9110 15.2: a server never sends a 1xx answer to an HTTP/1.0 client."""
+    body = json.dumps({"inputs": [identity_input()]}).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as connection:
+        connection.sendall(
+            b"POST /v2/models/identity/infer HTTP/1.0\r\nExpect: 100-continue\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+        )
+        assert connection.recv(100).startswith(b"HTTP/1.1 200 OK\r\n")
+
+
 def test_a_header_length_is_plain_digits(port):
     body = json.dumps({"inputs": [identity_input()]}).encode()
     reply = request(
