@@ -227,9 +227,10 @@ class ModelCalls:
             )
         raise UnavailableError(
             f"model '{name}' called itself ({path}) with no other instance free to run "
-            "the call (or the rate limiter's resources the caller holds leave it none): it "
-            "would wait on itself forever. Give it more instances (instance_group count) or "
-            "do the work without the self-call"
+            "the call first (or the rate limiter's resources the caller holds leave it none, "
+            "or a dynamic batcher could give the instance to a later request): it could wait "
+            "on itself forever. Give it more instances (instance_group count) or do the work "
+            "without the self-call"
         )
 
     def _check_resources(self, target: ModelVersion) -> None:
