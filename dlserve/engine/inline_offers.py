@@ -52,7 +52,7 @@ def refusal(target: ModelVersion, caller: ModelVersion) -> str | None:
         return "an ensemble or a decoupled model"
     if config.HasField("sequence_batching") or target.cache is not None:
         return "sequence batching or a response cache"
-    if any(group.kind not in (mc.ModelInstanceGroup.KIND_CPU,) for group in config.instance_group):
+    if any(group.kind != mc.ModelInstanceGroup.KIND_CPU for group in config.instance_group):
         return "instances that are not KIND_CPU"
     if target.environment != caller.environment:
         return "another execution environment"

@@ -270,7 +270,8 @@ class Scheduler:
             queue_ns = [q + waited for q in queue_ns]
             if timings is not None:
                 timings.infer_ns = max(0, timings.infer_ns - waited)
-        if not isinstance(result, TritonError) and all(r is NOT_RUN for r in result):
+        # (the worker drops a whole execute or none of it: its first result says which)
+        if not isinstance(result, TritonError) and result and result[0] is NOT_RUN:
             # Cancelled while they waited in the worker: as cancelled queued requests,
             # answered CANCELLED (where not already) and in no execution's statistics.
             for request in batch:

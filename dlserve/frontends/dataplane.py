@@ -179,12 +179,16 @@ class DataPlane:
                 f"{label}All input dimensions should be specified for input '{spec.name}' for model "
                 f"'{model_name}', got {shape_text(shape)}"
             )
-        if len(shape) > _MAX_DIMS or math.prod(d for d in shape if d) > _MAX_ELEMENTS:
+        count = math.prod(shape)
+        if (
+            len(shape) > _MAX_DIMS
+            or count > _MAX_ELEMENTS
+            or (count == 0 and math.prod(d for d in shape if d) > _MAX_ELEMENTS)
+        ):
             raise InvalidArgumentError(
                 f"{label}input '{spec.name}' has a shape no tensor can have, {shape_text(shape)}: "
                 f"at most {_MAX_DIMS} dimensions, of at most {_MAX_ELEMENTS} elements in all"
             )
-        count = math.prod(shape)
         if spec.shm is not None:
             self._check_shm_allowed()
             raw = self._shm_bytes(spec.shm)
