@@ -538,37 +538,36 @@ def test_a_cycle_into_a_model_with_an_instance_free_is_served(server):
     np.testing.assert_array_equal(np.from_dlpack(response.outputs["OUTPUT0"]), BIG)
 
 
-def test_a_passive_instance_does_not_count_as_free_for_a_cycle(servers, make_repo):
-    """pa -> pb -> pa where pa's other instance is passive (given no work): refused at
-    once, not let in to wait for ever."""
+def cycle_into(servers, make_repo, pa_extra: str) -> str:
+    """The error of a call pa -> pb -> pa, pa being the bls test model with ``pa_extra``
+    added to its config."""
     config = (MODELS / "bls" / "config.pbtxt").read_text()
     code = (MODELS / "bls" / "1" / "model.py").read_text()
-    passive = config + "instance_group [ { count: 1 kind: KIND_CPU }, { count: 1 kind: KIND_CPU passive: true } ]\n"
     server = servers.start(make_repo("identity", extra={
-        "pa": {"config.pbtxt": passive, "1/model.py": code},
+        "pa": {"config.pbtxt": config + pa_extra, "1/model.py": code},
         "pb": {"config.pbtxt": config, "1/model.py": code},
     }))
     (response,) = server.model("pa").infer(
         inputs={"INPUT0": np.arange(4, dtype=np.float32)}, parameters={"route": "pb,pa,identity"},
         raise_on_error=False,
     )
-    assert "BLS call cycle pa -> pb -> pa" in str(response.error)
+    return str(response.error)
+
+
+def test_a_passive_instance_does_not_count_as_free_for_a_cycle(servers, make_repo):
+    """pa -> pb -> pa where pa's other instance is passive (given no work): refused at
+    once, not let in to wait for ever."""
+    passive = (
+        "instance_group [ { count: 1 kind: KIND_CPU }, { count: 1 kind: KIND_CPU passive: true } ]\n"
+    )
+    assert "BLS call cycle pa -> pb -> pa" in cycle_into(servers, make_repo, passive)
 
 
 def test_a_cycle_into_a_batching_model_is_refused_even_with_an_instance_free(servers, make_repo):
     """A dynamic batcher may let a later request (a higher priority, one that waited out
     the delay) take the free instance first, and that one may wait on the call: a call
     back into such a model is refused, never let in to wait for ever."""
-    config = (MODELS / "bls" / "config.pbtxt").read_text()
-    code = (MODELS / "bls" / "1" / "model.py").read_text()
-    batching = config + "instance_group [ { count: 2 kind: KIND_CPU } ]\ndynamic_batching { }\n"
-    server = servers.start(make_repo("identity", extra={
-        "pa": {"config.pbtxt": batching, "1/model.py": code},
-        "pb": {"config.pbtxt": config, "1/model.py": code},
-    }))
-    (response,) = server.model("pa").infer(
-        inputs={"INPUT0": np.arange(4, dtype=np.float32)}, parameters={"route": "pb,pa,identity"},
-        raise_on_error=False,
-    )
-    assert "BLS call cycle pa -> pb -> pa" in str(response.error)
-    assert "no instance of it is sure to run the call first" in str(response.error)
+    batching = "instance_group [ { count: 2 kind: KIND_CPU } ]\ndynamic_batching { }\n"
+    error = cycle_into(servers, make_repo, batching)
+    assert "BLS call cycle pa -> pb -> pa" in error
+    assert "no instance of it is sure to run the call first" in error
