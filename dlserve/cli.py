@@ -180,6 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="HTTP headers matching this become request parameters")
     http.add_argument("--http-restricted-api", action="append", default=[], metavar="CATEGORIES:HEADER=VALUE",
                       help="require a header for API categories (repeatable)")
+    http.add_argument("--http-max-connections", type=int, default=0, metavar="N",
+                      help="most connections held; past it the longest idle one is closed, or the "
+                      "new one refused with 503 (default 0: a quarter of the descriptor limit)")
+    http.add_argument("--http-request-timeout", type=int, default=60, metavar="SECONDS",
+                      help="a request's headers must arrive within this of its first byte, and "
+                      "its body may not stall this long, or it gets 408 (default 60; 0: no limit)")
 
     grpc = serve.add_argument_group("gRPC")
     _bool_flag(grpc, "--allow-grpc", not VERTEX_MODE, "serve KServe v2 gRPC")
@@ -196,6 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
     grpc.add_argument("--grpc-root-cert", default="")
     grpc.add_argument("--grpc-max-message-size", type=int, default=2**31 - 1, metavar="BYTES",
                       help="largest gRPC request message (default: 2 GiB - 1, tritonserver's)")
+    grpc.add_argument("--grpc-max-connections", type=int, default=0, metavar="N",
+                      help="most connections held; past it the longest idle one is closed, or the "
+                      "new one refused (default 0: a quarter of the descriptor limit)")
     for flag, option, default in _GRPC_TUNING:
         grpc.add_argument(flag, type=int, default=default, dest=f"grpc_{option}", metavar="N")
     _bool_flag(grpc, "--grpc-keepalive-permit-without-calls", False, "allow keepalive pings without calls")
@@ -516,7 +525,8 @@ def serve(args: argparse.Namespace) -> int:
                 address=args.http_address, port=args.http_port, reuse_port=args.reuse_http_port,
                 thread_count=max(args.http_thread_count, 1), header_forward_pattern=args.http_header_forward_pattern,
                 max_input_size=args.http_max_input_size, allow_client_shm=args.allow_client_shm,
-                restricted_apis=args.http_restricted_api,
+                restricted_apis=args.http_restricted_api, max_connections=args.http_max_connections,
+                request_timeout=args.http_request_timeout,
             )))
         if args.allow_grpc:
             services.append(KServeGrpc(server, KServeGrpc.Options(
@@ -525,7 +535,7 @@ def serve(args: argparse.Namespace) -> int:
                 server_cert=args.grpc_server_cert, server_key=args.grpc_server_key, root_cert=args.grpc_root_cert,
                 infer_thread_count=args.grpc_infer_thread_count, forward_header_pattern=args.grpc_header_forward_pattern,
                 max_message_size=args.grpc_max_message_size, allow_client_shm=args.allow_client_shm,
-                restricted_protocols=args.grpc_restricted_protocol,
+                restricted_protocols=args.grpc_restricted_protocol, max_connections=args.grpc_max_connections,
                 keepalive_permit_without_calls=args.grpc_keepalive_permit_without_calls,
                 infer_compression_level=_COMPRESSION_LEVELS[args.grpc_infer_response_compression_level],
                 **{option: getattr(args, f"grpc_{option}") for _, option, _ in _GRPC_TUNING},

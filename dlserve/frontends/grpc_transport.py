@@ -29,6 +29,10 @@ What a gRPC server owes its clients, and where it is done:
   or not; two hours with no call open, unless ``keepalive_permit_without_calls``) gets
   a strike, and after ``http2_max_ping_strikes`` a GOAWAY ``too_many_pings``;
   ``max_connection_age_ms`` (+ grace) ends a connection with GOAWAY.
+* A bound on the connections held (``max_connections``,
+  :mod:`dlserve.frontends.connection_cap`): past it, a new connection takes the place of
+  the one idle longest (GOAWAY and close), or is refused with a GOAWAY
+  ``ENHANCE_YOUR_CALM`` when none is idle.
 * TLS and mutual TLS through :mod:`ssl` with ALPN ``h2``.
 """
 
@@ -45,6 +49,7 @@ from typing import Any
 
 import grpc
 
+from dlserve.frontends.connection_cap import ConnectionCap
 from dlserve.frontends.grpc_calls import Abort, CallContext, HttpRefusal, Method
 from dlserve.frontends.http2 import (
     ACK,
@@ -116,6 +121,7 @@ class Settings:
     http2_max_ping_strikes: int
     max_connection_age_ms: int
     max_connection_age_grace_ms: int
+    max_connections: int  # 0: connection_cap.default_limit()
 
 
 class Connection(asyncio.Protocol):
@@ -147,11 +153,14 @@ class Connection(asyncio.Protocol):
         self.timers: dict[str, asyncio.TimerHandle] = {}
         self.outgoing: list[bytes | memoryview] = []
         self.send_pending = False
+        self.quiet_since = time.monotonic()  # (see idle_since)
 
     # -- lifetime --------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        self.server.connections.add(self)  # (asyncio and uvloop set TCP_NODELAY themselves)
+        server = self.server
+        admitted = server.cap.admit(server.connections)
+        server.connections.add(self)  # (asyncio and uvloop set TCP_NODELAY themselves)
         settings = b"".join(
             SETTING.pack(key, value)
             for key, value in (
@@ -170,6 +179,23 @@ class Connection(asyncio.Protocol):
             self._later("keepalive", s.keepalive_time_ms, self._keepalive)
         if s.max_connection_age_ms > 0:
             self._later("age", s.max_connection_age_ms, self._aged)
+        if not admitted:
+            self._fail(ENHANCE_YOUR_CALM, server.cap.refusal())
+
+    @property
+    def idle_since(self) -> float | None:
+        """When this connection went idle: no call open, no frame partly received (for
+        the connection bound, :mod:`dlserve.frontends.connection_cap`)."""
+        if self.calls or self.buffer or self.headers_of is not None:
+            return None
+        if self.closed or self.going_away or self.transport is None:
+            return None
+        return self.quiet_since
+
+    def shed(self) -> None:
+        """End this idle connection to make room for a new one (GOAWAY, then close)."""
+        self.go_away()
+        self.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
@@ -681,6 +707,8 @@ class Connection(asyncio.Protocol):
         if call.timer is not None:
             call.timer.cancel()
         self.calls.pop(call.stream_id, None)
+        if not self.calls:
+            self.quiet_since = time.monotonic()
         self.server.ended(self)
 
 def tls_context(cert: bytes | str, key: str, root: str | None, mutual: bool) -> ssl.SSLContext:
@@ -701,6 +729,7 @@ class GrpcTransport:
         self.methods = methods
         self.settings = settings
         self.connections: set[Connection] = set()
+        self.cap = ConnectionCap(settings.max_connections, "gRPC")
         self._server: asyncio.AbstractServer | None = None
         self._idle: asyncio.Event | None = None
         self.stopping = False

@@ -12,8 +12,13 @@ Per connection, requests are handled in order (pipelining-safe); a handler is an
 may instead stream its body (chunked transfer encoding, e.g. server-sent events).
 A client that disconnects cancels the handler serving it, so work done for nobody
 stops. Limits: a maximum body size (checked before anything is allocated), a
-header-size limit, and back-pressure — reading pauses while a slow client's
-responses pile up, and a stream waits for a slow reader.
+header-size limit, back-pressure — reading pauses while a slow client's
+responses pile up, and a stream waits for a slow reader — a bound on the connections
+held (:mod:`dlserve.frontends.connection_cap`), and a request timeout: a request's
+headers must arrive within it of its first byte, and its body may not stall for as long
+(408 Request Timeout), so that clients sending a byte now and then cannot hold
+connections and memory for good. An idle keep-alive connection is kept (clients pool
+them) until the connection bound needs its place.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import httptools
 import numpy as np
 
+from dlserve.frontends.connection_cap import ConnectionCap
 from dlserve.frontends.lingering import Lingering, linger
 from dlserve.ipc.polling import PollWindow, loop_poller
 
@@ -42,6 +48,7 @@ log = logging.getLogger("dlserve.http")
 
 DIRECT_BODY_MIN = 64 * 1024  # bodies at least this big are read straight into shared memory
 MAX_HEADER_BYTES = 64 * 1024
+REQUEST_TIMEOUT = 60.0  # seconds (see HttpServer): nginx's client_header/body_timeout
 _SCRATCH = 64 * 1024
 _COALESCE_MAX = 64 * 1024  # response parts up to this size are copied into one write
 REASONS = {
@@ -50,6 +57,7 @@ REASONS = {
     403: "Forbidden",
     404: "Not Found",
     405: "Method Not Allowed",
+    408: "Request Timeout",
     413: "Payload Too Large",
     417: "Expectation Failed",
     500: "Internal Server Error",
@@ -146,6 +154,13 @@ class HttpConnection(asyncio.BufferedProtocol):
         self._reserved = 0  # bytes of the server's body reserve this connection's block holds
         self._reset_message()
         self._begun_ns = 0
+        # For the server's sweep (HttpServer._sweep): reads so far, and the reads and
+        # time it last saw progress at (see check_progress).
+        self._reads = 0
+        self._seen_reads = 0
+        self._progress_at = 0.0
+        self._held_at = 0.0  # when the sweep last found reading paused by this server
+        self._quiet_since = time.monotonic()  # idle since (see idle_since)
         self._pending: collections.deque[HttpRequest | HttpError] = collections.deque()
         self._busy = False
         self._task: asyncio.Task[None] | None = None
@@ -178,11 +193,14 @@ class HttpConnection(asyncio.BufferedProtocol):
         self._upgrade_body = 0  # body bytes of an upgrade request still to read by hand
         self._method = ""  # (read at the end of the headers: the parser may be replaced after)
         self._keep_alive = True
+        self._receiving = False  # a request has begun and is not complete yet
+        self._headers_done = False
 
     # -- httptools callbacks ---------------------------------------------------------
     def on_message_begin(self) -> None:
         self._reset_message()
         self._begun_ns = time.monotonic_ns()
+        self._receiving = True
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -201,6 +219,7 @@ class HttpConnection(asyncio.BufferedProtocol):
         self._headers[key] = f"{self._headers[key]},{text}" if key in self._headers else text
 
     def on_headers_complete(self) -> None:
+        self._headers_done = True
         self._method = self._parser.get_method().decode()
         try:  # (at the headers: a bad URL is answered before any body is read)
             url = httptools.parse_url(self._url)
@@ -312,7 +331,11 @@ class HttpConnection(asyncio.BufferedProtocol):
     # -- asyncio.BufferedProtocol ----------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        self.server.connections.add(self)
+        server = self.server
+        admitted = server.cap.admit(server.connections)
+        server.connections.add(self)
+        if not admitted:
+            self._fail(503, server.cap.refusal())
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._direct is not None:
@@ -341,6 +364,7 @@ class HttpConnection(asyncio.BufferedProtocol):
                 data = data[upgrade.args[0] :]
 
     def buffer_updated(self, nbytes: int) -> None:
+        self._reads += 1
         if self._idle_since:
             self._next_request.record(time.perf_counter() - self._idle_since)
             self._idle_since = 0.0
@@ -399,6 +423,42 @@ class HttpConnection(asyncio.BufferedProtocol):
     def resume_writing(self) -> None:
         self._writable.set()
 
+    # -- limits ----------------------------------------------------------------------
+    @property
+    def idle_since(self) -> float | None:
+        """When this connection went idle: nothing in flight or partly received (for
+        the connection bound, :mod:`dlserve.frontends.connection_cap`)."""
+        if self._busy or self._pending or self._receiving or self._broken:
+            return None
+        if self.transport is None:
+            return None
+        return self._quiet_since
+
+    def shed(self) -> None:
+        """Close this idle connection to make room for a new one."""
+        self._broken = True
+        if self.transport is not None:
+            self.transport.close()
+
+    def check_progress(self, now: float, timeout: float) -> None:
+        """The server's sweep: a request whose headers are not complete ``timeout``
+        seconds after its first byte, or whose body got nothing for that long, is
+        answered 408 and its connection closed. Time while this server does not read
+        (back-pressure) does not count."""
+        if not self._receiving or self._broken or self.transport is None:
+            return
+        reading = self.transport.is_reading()
+        if self._reads != self._seen_reads or not reading:
+            self._seen_reads = self._reads
+            self._progress_at = now
+        if not reading:
+            self._held_at = now
+        if not self._headers_done:
+            if now - max(self._begun_ns / 1e9, self._held_at) >= timeout:
+                self._fail(408, f"request headers not received within {timeout:g} s")
+        elif now - self._progress_at >= timeout:
+            self._fail(408, f"request body stalled: nothing received for {timeout:g} s")
+
     # -- serving ---------------------------------------------------------------------
     @property
     def in_flight(self) -> bool:
@@ -409,6 +469,7 @@ class HttpConnection(asyncio.BufferedProtocol):
         """Answer a request we could not parse — after the answers to the requests
         before it on this connection — then close: the stream is out of sync."""
         self._broken = True
+        self._receiving = False
         if self.transport is not None:
             self.transport.pause_reading()
         self._pending.append(HttpError(status, message))
@@ -462,6 +523,7 @@ class HttpConnection(asyncio.BufferedProtocol):
                     self.transport.resume_reading()
         finally:
             self._busy = False
+            self._quiet_since = time.monotonic()
 
     def _head(self, response: HttpResponse, keep_alive: bool, framing: str) -> bytearray:
         head = [f"HTTP/1.1 {response.status} {REASONS.get(response.status, 'Unknown')}", framing]
@@ -607,6 +669,8 @@ class HttpServer:
         max_body: int = 1 << 26,
         poll_limit: float = 0.0,
         body_reserve: int | None = None,
+        max_connections: int | None = None,
+        request_timeout: float = REQUEST_TIMEOUT,
     ) -> None:
         """``allocate_body(n)`` gives the memory a large body is read into (default:
         ordinary memory; the KServe frontend passes shared memory). ``poll_limit``:
@@ -616,15 +680,23 @@ class HttpServer:
         straight into place; ``body_reserve`` bounds the bytes such blocks may hold
         while their bodies are still to come (default: twice ``max_body``, at least
         256 MiB). Beyond it, bodies are gathered as their bytes arrive, so clients
-        that declare large bodies and send nothing cannot claim memory."""
+        that declare large bodies and send nothing cannot claim memory.
+
+        ``max_connections``: the most connections held at once (None or 0:
+        :func:`~dlserve.frontends.connection_cap.default_limit`); ``request_timeout``:
+        seconds a request's headers may take from its first byte, and its body may go
+        without a byte (0: no limit)."""
         self.handler = handler
         self.allocate_body = allocate_body or (lambda nbytes: np.empty(nbytes, dtype=np.uint8))
         self.max_body = max_body
         self.body_reserve = max(2 * max_body, 256 << 20) if body_reserve is None else body_reserve
         self.reserved = 0
         self.poll_limit = poll_limit
+        self.cap = ConnectionCap(max_connections, "HTTP")
+        self.request_timeout = request_timeout
         self.connections: set[HttpConnection] = set()
         self._server: asyncio.AbstractServer | None = None
+        self._sweeper: asyncio.TimerHandle | None = None
 
     def reserve(self, nbytes: int) -> bool:
         """Whether a block of ``nbytes`` for a body still to come fits the reserve (it
@@ -649,13 +721,29 @@ class HttpServer:
             lambda: HttpConnection(self), host, port, reuse_port=reuse_port or None, ssl=ssl,
             backlog=1024,
         )
+        if self.request_timeout > 0:
+            self._sweeper = loop.call_later(self._sweep_every(), self._sweep)
         return int(self._server.sockets[0].getsockname()[1])
+
+    def _sweep_every(self) -> float:
+        """How often requests are checked for the timeout: a quarter of it, within
+        [50 ms, 5 s], so one is cut at most a quarter late (and 5 s at the most)."""
+        return min(5.0, max(0.05, self.request_timeout / 4))
+
+    def _sweep(self) -> None:
+        now = time.monotonic()
+        for connection in list(self.connections):
+            connection.check_progress(now, self.request_timeout)
+        self._sweeper = asyncio.get_running_loop().call_later(self._sweep_every(), self._sweep)
 
     async def stop(self, grace: float = 0.0) -> None:
         """Stop accepting, give in-flight requests up to ``grace`` seconds, then close."""
         if self._server is None:
             return
         self._server.close()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         deadline = asyncio.get_running_loop().time() + grace
         while any(c.in_flight for c in self.connections):
             if asyncio.get_running_loop().time() >= deadline:

@@ -38,7 +38,7 @@ from dlserve.frontends.hosted import (
     vertex_model,
 )
 from dlserve.frontends.http_api import KServeHttpApi
-from dlserve.frontends.http_server import HttpServer
+from dlserve.frontends.http_server import REQUEST_TIMEOUT, HttpServer
 from dlserve.frontends.restrictions import Restriction
 
 _MIB = 1 << 20
@@ -190,7 +190,13 @@ class _HttpService(Service):
     def _kserve_api(self, **extra: Any) -> KServeHttpApi:
         return KServeHttpApi(DataPlane(self.server.engine, allow_client_shm=self.options.allow_client_shm), **extra)
 
-    async def _listen(self, handler: Any, reuse_port: bool = False) -> int:
+    async def _listen(
+        self,
+        handler: Any,
+        reuse_port: bool = False,
+        max_connections: int = 0,
+        request_timeout: float = REQUEST_TIMEOUT,
+    ) -> int:
         engine = self.server.engine
 
         def allocate_body(nbytes: int) -> np.ndarray:
@@ -199,7 +205,12 @@ class _HttpService(Service):
 
         options = self.options
         self._http = HttpServer(
-            handler, allocate_body, max_body=options.max_input_size, poll_limit=engine.settings.busy_poll_us / 1e6
+            handler,
+            allocate_body,
+            max_body=options.max_input_size,
+            poll_limit=engine.settings.busy_poll_us / 1e6,
+            max_connections=max_connections,
+            request_timeout=request_timeout,
         )
         return await self._http.start(options.address, options.port, reuse_port)
 
@@ -219,16 +230,22 @@ class KServeHttp(_HttpService):
         reuse_port: bool = False
         thread_count: int = 8  # accepted for compatibility; dlserve serves HTTP on one event loop
         header_forward_pattern: str = ""
-        # dlserve: --http-max-input-size, --allow-client-shm, --http-restricted-api
+        # dlserve: --http-max-input-size, --allow-client-shm, --http-restricted-api,
+        # --http-max-connections (0: a quarter of the descriptor limit), --http-request-timeout
+        # (seconds a request's headers may take, and its body may stall; 0: no limit)
         max_input_size: int = 64 * _MIB
         allow_client_shm: bool = False
         restricted_apis: list[str] = dataclasses.field(default_factory=list)
+        max_connections: int = 0
+        request_timeout: int = int(REQUEST_TIMEOUT)
 
         def __post_init__(self) -> None:
             _check_field_types(self)
             _check_port(self.port)
             _check_positive("thread_count", self.thread_count)
             _check_positive("max_input_size", self.max_input_size)
+            _check_non_negative("max_connections", self.max_connections)
+            _check_non_negative("request_timeout", self.request_timeout)
             _check_pattern("header_forward_pattern", self.header_forward_pattern)
             self._restrictions = Restriction.parse_all(self.restricted_apis)
 
@@ -237,7 +254,9 @@ class KServeHttp(_HttpService):
         api = self._kserve_api(
             restrictions=options._restrictions, header_forward_pattern=options.header_forward_pattern
         )
-        return await self._listen(api, options.reuse_port)
+        return await self._listen(
+            api, options.reuse_port, options.max_connections, options.request_timeout
+        )
 
 
 class SageMaker(_HttpService):
@@ -358,10 +377,12 @@ class KServeGrpc(Service):
         infer_allocation_pool_size: int = 8
         max_response_pool_size: int = 2_147_483_647
         forward_header_pattern: str = ""
-        # dlserve: explicit message-size limit, --allow-client-shm, --grpc-restricted-protocol
+        # dlserve: explicit message-size limit, --allow-client-shm, --grpc-restricted-protocol,
+        # --grpc-max-connections (0: a quarter of the descriptor limit)
         max_message_size: int = 2**31 - 1  # (tritonserver's: INT32_MAX)
         allow_client_shm: bool = False
         restricted_protocols: list[str] = dataclasses.field(default_factory=list)
+        max_connections: int = 0
 
         def __post_init__(self) -> None:
             _check_field_types(self)
@@ -376,6 +397,7 @@ class KServeGrpc(Service):
                 "max_connection_age_grace_ms",
                 "infer_allocation_pool_size",
                 "max_response_pool_size",
+                "max_connections",
             ):
                 _check_non_negative(name, getattr(self, name))
             _check_positive("infer_thread_count", self.infer_thread_count)

@@ -749,6 +749,51 @@ def test_max_connection_age(server):
         assert 0.45 <= closed < 1.2, closed
 
 
+
+def test_past_the_connection_bound_the_idle_connection_makes_room(server):
+    """At the bound a new connection takes the place of the one idle longest: a GOAWAY
+    (NO_ERROR, nothing refused) and a close; a grpcio client so shed reconnects for its
+    next call."""
+    with grpc_service(server, max_connections=1) as p:
+        with H2Client(p) as first:
+            first.handshake()
+            check_add_sub(first.call(add_sub_request()))
+            with H2Client(p) as second:
+                second.handshake()
+                check_add_sub(second.call(add_sub_request()))
+                frames = first.wait_closed(timeout=2)
+                goaway = [f for f in frames if f.kind == GOAWAY]
+                assert goaway and struct.unpack_from(">II", goaway[0].payload) == (1, NO_ERROR)
+        channels = [grpc.insecure_channel(f"127.0.0.1:{p}") for _ in range(2)]
+        try:
+            stubs = [pb_grpc.GRPCInferenceServiceStub(c) for c in channels]
+            request = pb.ModelInferRequest.FromString(add_sub_request())
+            for _ in range(3):  # each call sheds the other channel's connection
+                for stub in stubs:
+                    reply = stub.ModelInfer(request, timeout=5)
+                    np.testing.assert_array_equal(output(reply, "OUTPUT0"), A + B)
+        finally:
+            for channel in channels:
+                channel.close()
+
+
+def test_with_no_connection_idle_a_new_one_is_refused(server):
+    """At the bound with a call open on every connection, a new connection gets a GOAWAY
+    ENHANCE_YOUR_CALM that gives the bound, and is closed; the open call finishes."""
+    with grpc_service(server, max_connections=1) as p, H2Client(p) as busy:
+        busy.handshake()
+        stream = busy.new_stream()
+        busy.send(HEADERS, END_HEADERS, stream, busy.header_block())  # open, its message to come
+        time.sleep(0.1)
+        with H2Client(p) as refused:
+            frames = refused.wait_closed(timeout=2)
+        (goaway,) = [f for f in frames if f.kind == GOAWAY]
+        last_stream, code = struct.unpack_from(">II", goaway.payload)
+        assert (last_stream, code) == (0, ENHANCE_YOUR_CALM)
+        assert goaway.payload[8:] == b"the server holds its maximum of 1 connections; try again later"
+        busy.send(DATA, END_STREAM, stream, prefixed(add_sub_request()))
+        check_add_sub(busy.collect(stream)[stream])
+
 def test_message_size_limits(server):
     limit = 1 << 14  # (a response just over it fits the client's default flow-control window)
     with grpc_service(server, max_message_size=limit) as p, H2Client(p) as client:

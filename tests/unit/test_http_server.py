@@ -1,11 +1,13 @@
-"""The HTTP server on its own (a real socket, handlers of the test's making): what happens to
-a chunked response whose stream fails after its head went out."""
+"""The HTTP server on its own (a real socket, handlers of the test's making): a chunked
+response whose stream fails after its head went out, bodies and their memory, the request
+timeout and the connection bound."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
 import socket
+import time
 import tracemalloc
 import weakref
 from collections.abc import AsyncGenerator
@@ -277,3 +279,138 @@ def test_a_lingering_connection_closes_when_its_client_does_or_the_server_stops(
             await gone(server)
 
     asyncio.run(main())
+
+
+# -- the request timeout and the connection bound ----------------------------------------------
+def _answer(sock: socket.socket) -> bytes:
+    """One response with a Content-Length body (or what came before the close)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    fields = dict(line.lower().split(b":", 1) for line in head.split(b"\r\n")[1:])
+    length = int(fields[b"content-length"])
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return head + b"\r\n\r\n" + body
+
+
+def _serving(test, **options) -> None:
+    """Run ``test(server, port)`` in a thread against an HttpServer with these options;
+    afterwards the server holds no connection."""
+
+    async def main() -> None:
+        server = HttpServer(_handler, **options)
+        port = await server.start("127.0.0.1", 0)
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, test, server, port)
+            for _ in range(200):
+                if not server.connections:
+                    break
+                await asyncio.sleep(0.01)
+            assert not server.connections, "connections left after their clients closed"
+        finally:
+            await server.stop()
+
+    asyncio.run(main())
+
+
+def test_headers_that_do_not_arrive_in_time_are_answered_408() -> None:
+    """A client that sends part of its headers and then nothing, or a byte now and then,
+    gets 408 once the timeout has passed since its first byte, and the connection is
+    closed; others are served as usual."""
+
+    def test(server: HttpServer, port: int) -> None:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            started = time.monotonic()
+            sock.sendall(b"GET /x HTTP/1.1\r\nHost: x\r\n")
+            for _ in range(3):  # a byte now and then is no excuse
+                time.sleep(0.1)
+                sock.sendall(b"X")
+            answer = _read_until_closed(sock)
+            waited = time.monotonic() - started
+        assert answer.startswith(b"HTTP/1.1 408 Request Timeout"), answer
+        assert b"Connection: close" in answer
+        assert answer.endswith(b'{"error":"request headers not received within 0.5 s"}')
+        assert 0.45 <= waited < 2.0, waited
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert _answer(sock).endswith(b'{"ok":true}')
+
+    _serving(test, request_timeout=0.5)
+
+
+def test_a_stalled_body_is_answered_408_and_a_slow_one_is_served() -> None:
+    """A body that stops coming gets 408 after the timeout without a byte; one that keeps
+    coming, however slowly, is read to its end and answered, though it takes longer."""
+
+    def test(server: HttpServer, port: int) -> None:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n12345")
+            answer = _read_until_closed(sock)
+        assert answer.startswith(b"HTTP/1.1 408 Request Timeout"), answer
+        assert b"request body stalled: nothing received for 0.5 s" in answer
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            started = time.monotonic()
+            sock.sendall(b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: 8\r\n\r\n")
+            for byte in b"12345678":
+                time.sleep(0.15)
+                sock.sendall(bytes([byte]))
+            answer = _answer(sock)
+            assert time.monotonic() - started > 1.0  # twice the timeout, all of it moving
+        assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b'{"ok":true}')
+
+    _serving(test, request_timeout=0.5)
+
+
+def test_past_the_connection_bound_the_longest_idle_connection_makes_room() -> None:
+    """At the bound, a new connection takes the place of the one idle longest, which is
+    closed (a pooling client reconnects); the others keep theirs."""
+
+    def test(server: HttpServer, port: int) -> None:
+        first = socket.create_connection(("127.0.0.1", port), timeout=10)
+        second = socket.create_connection(("127.0.0.1", port), timeout=10)
+        with first, second:
+            for sock in (first, second):
+                sock.sendall(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert _answer(sock).endswith(b'{"ok":true}')
+                time.sleep(0.05)
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as third:
+                third.sendall(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert _answer(third).endswith(b'{"ok":true}')
+                assert first.recv(100) == b"", "the longest idle connection was kept"
+                second.sendall(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert _answer(second).endswith(b'{"ok":true}')
+                assert len(server.connections) == 2
+
+    _serving(test, max_connections=2)
+
+
+def test_with_no_connection_idle_a_new_one_is_refused_503() -> None:
+    """At the bound with every connection mid-request, a new one is answered 503 (the
+    bound in its message) and closed; the requests under way finish as usual."""
+
+    def test(server: HttpServer, port: int) -> None:
+        busy = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(2)]
+        for sock in busy:
+            sock.sendall(b"GET /x HTTP/1.1\r\nHost: x\r\n")  # headers under way
+        time.sleep(0.1)
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as extra:
+            extra.sendall(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
+            refused = _read_until_closed(extra)
+        assert refused.startswith(b"HTTP/1.1 503 Service Unavailable"), refused
+        assert refused.endswith(
+            b'{"error":"the server holds its maximum of 2 connections; try again later"}'
+        )
+        for sock in busy:
+            with sock:
+                sock.sendall(b"\r\n")
+                assert _answer(sock).endswith(b'{"ok":true}')
+
+    _serving(test, max_connections=2)
