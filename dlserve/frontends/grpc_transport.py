@@ -11,7 +11,8 @@ What a gRPC server owes its clients, and where it is done:
 
 * HTTP/2 (RFC 9113): the preface, SETTINGS both ways, PING answers, flow control in
   both directions (the connection's receive window is opened wide, each stream's is
-  bounded and reopened as its messages are read: :data:`STREAM_WINDOW`; sends wait for
+  bounded and reopened as its messages are read: :data:`STREAM_WINDOW`, within the memory
+  budget of partly received messages, :mod:`dlserve.frontends.grpc_budget`; sends wait for
   the peer's windows; a peer is not read while what we write it piles up unread),
   CONTINUATION, padding, RST_STREAM, GOAWAY on stop (calls in flight get the grace
   period, then are cancelled; a stream ends once it has nothing in flight).
@@ -50,6 +51,7 @@ from typing import Any
 import grpc
 
 from dlserve.frontends.connection_cap import ConnectionCap
+from dlserve.frontends.grpc_budget import MessageBudget
 from dlserve.frontends.grpc_calls import Abort, CallContext, HttpRefusal, Method
 from dlserve.frontends.http2 import (
     ACK,
@@ -394,9 +396,12 @@ class Connection(asyncio.Protocol):
 
     def reopen(self, call: CallContext) -> None:
         """Give a stream back the window its bytes took, but for messages it holds
-        unread, once that comes to half the window (one WINDOW_UPDATE per half)."""
+        unread, once that comes to half the window (one WINDOW_UPDATE per half), unless
+        the budget of partly received messages withholds it for now."""
         free = call.received - call.held
-        if free >= STREAM_WINDOW // 2 and self.transport is not None and not call.remote_closed:
+        if free < STREAM_WINDOW // 2 or self.transport is None or call.remote_closed:
+            return
+        if not self.server.budget.withholds(call):
             self._out(frame(WINDOW_UPDATE, 0, call.stream_id, U32.pack(free)))
             call.received -= free
 
@@ -682,6 +687,7 @@ class Connection(asyncio.Protocol):
         message part-sent, trailers would follow a cut message: the stream is reset."""
         if call.finished:
             return
+        call.drop_partial()
         if call.task is not None and not call.task.done():
             call.task.cancel()
         if call.outbox:
@@ -706,10 +712,12 @@ class Connection(asyncio.Protocol):
     def _forget(self, call: CallContext) -> None:
         if call.timer is not None:
             call.timer.cancel()
+        call.drop_partial()
         self.calls.pop(call.stream_id, None)
         if not self.calls:
             self.quiet_since = time.monotonic()
         self.server.ended(self)
+
 
 def tls_context(cert: bytes | str, key: str, root: str | None, mutual: bool) -> ssl.SSLContext:
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
@@ -730,6 +738,7 @@ class GrpcTransport:
         self.settings = settings
         self.connections: set[Connection] = set()
         self.cap = ConnectionCap(settings.max_connections, "gRPC")
+        self.budget = MessageBudget()
         self._server: asyncio.AbstractServer | None = None
         self._idle: asyncio.Event | None = None
         self.stopping = False

@@ -794,6 +794,79 @@ def test_with_no_connection_idle_a_new_one_is_refused(server):
         busy.send(DATA, END_STREAM, stream, prefixed(add_sub_request()))
         check_add_sub(busy.collect(stream)[stream])
 
+
+def _window_updates(client: H2Client, quiet: float = 0.3) -> set[int]:
+    """The streams given window until the server has been quiet for ``quiet`` seconds."""
+    streams = set()
+    try:
+        while (f := client.recv(quiet)) is not None:
+            if f.kind == WINDOW_UPDATE and f.stream:
+                streams.add(f.stream)
+    except (TimeoutError, socket.timeout):
+        pass
+    return streams
+
+
+def _send_part(client: H2Client, stream: int, data: bytes, end: bool = False) -> None:
+    pieces = [data[pos : pos + (256 << 10)] for pos in range(0, len(data), 256 << 10)]
+    for i, piece in enumerate(pieces):
+        last = end and i == len(pieces) - 1
+        client.send(DATA, END_STREAM if last else 0, stream, piece)
+
+
+def test_partly_received_messages_share_a_memory_budget(server, monkeypatch):
+    """Past the soft budget only the oldest partly received message's stream gets window
+    (the others wait, then go on in turn); past the hard one, a call adding to any other
+    message is refused RESOURCE_EXHAUSTED. All of it is given back as calls end."""
+    from dlserve.frontends import grpc_budget
+
+    mib = 1 << 20
+    monkeypatch.setattr(grpc_budget, "SOFT", 1 * mib)
+    monkeypatch.setattr(grpc_budget, "HARD", 16 * mib)
+    service = KServeGrpc(server, KServeGrpc.Options(address="127.0.0.1", port=0))
+    service.start()
+    try:
+        budget = service._grpc._transport.budget
+        message = prefixed(identity_request(3 * mib))  # 12 MiB and a bit
+        with H2Client(service.port, {INITIAL_WINDOW_SIZE: 2**31 - 1}) as client:
+            client.handshake()
+            client.send(WINDOW_UPDATE, 0, 0, struct.pack(">I", 2**31 - 1 - 65535))  # (answers)
+            oldest, later = client.new_stream(), client.new_stream()
+            for stream in (oldest, later):
+                client.send(HEADERS, END_HEADERS, stream, client.header_block())
+            _send_part(client, oldest, message[: 5 * mib])
+            _send_part(client, later, message[: 5 * mib])
+            given = _window_updates(client)
+            assert oldest in given and later not in given, given
+            assert budget.held == 2 * (5 * mib - 5)  # (the bodies: less their prefixes)
+            _send_part(client, oldest, message[5 * mib :], end=True)
+            given, trailers = set(), None
+            while trailers is None:  # (the answer, and window for the next oldest on the way)
+                f = client.recv()
+                if f.kind == WINDOW_UPDATE:
+                    given.add(f.stream)
+                elif f.kind == HEADERS:
+                    headers = dict(client.decoder.decode(f.payload, raw=False))
+                    if f.stream == oldest and f.flags & END_STREAM:
+                        trailers = headers
+            assert trailers.get("grpc-status") == "0", trailers
+            assert later in given, "the next oldest was not let go on"
+            third, fourth = client.new_stream(), client.new_stream()
+            for stream in (third, fourth):
+                client.send(HEADERS, END_HEADERS, stream, client.header_block())
+            _send_part(client, third, message[: 6 * mib])
+            _send_part(client, fourth, message[: 7 * mib])  # 5 + 6 + 7 MiB > 16 MiB
+            refused = client.collect(fourth)[fourth]
+            assert refused.status == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+            assert refused.message.startswith("the server holds ")
+            assert "bytes of partly received messages, its limit of 16777216" in refused.message
+            _send_part(client, later, message[5 * mib :], end=True)
+            assert client.collect(later)[later].status == 0
+            assert budget.held == 6 * mib - 5  # the third's, still under way
+        wait_until(lambda: budget.held == 0, timeout=5)
+    finally:
+        service.stop()
+
 def test_message_size_limits(server):
     limit = 1 << 14  # (a response just over it fits the client's default flow-control window)
     with grpc_service(server, max_message_size=limit) as p, H2Client(p) as client:
