@@ -15,7 +15,9 @@ What a gRPC server owes its clients, and where it is done:
   budget of partly received messages, :mod:`dlserve.frontends.grpc_budget`; sends wait for
   the peer's windows; a peer is not read while what we write it piles up unread),
   CONTINUATION, padding, RST_STREAM, GOAWAY on stop (calls in flight get the grace
-  period, then are cancelled; a stream ends once it has nothing in flight).
+  period, then are cancelled; a stream ends once it has nothing in flight); a frame on a
+  stream it cannot be on, of the wrong size, or a window past 2^31-1 is an error with
+  RFC 9113's code.
 * gRPC over HTTP/2 (one call per stream, in :mod:`dlserve.frontends.grpc_calls`):
   length-prefixed messages split across DATA frames or sharing one, ``grpc-timeout``
   (the call is cancelled and answered DEADLINE_EXCEEDED), ``grpc-encoding`` and
@@ -78,6 +80,7 @@ from dlserve.frontends.http2 import (
     PADDED,
     PING,
     PREFACE,
+    PRIORITY,
     PRIORITY_FLAG,
     PROTOCOL_ERROR,
     REFUSED_STREAM,
@@ -382,6 +385,9 @@ class Connection(asyncio.Protocol):
             if end < start:
                 self._fail(PROTOCOL_ERROR, "padding longer than the frame")
                 return
+        if call is None and (stream_id == 0 or stream_id > self.last_stream):
+            self._fail(PROTOCOL_ERROR, f"DATA on stream {stream_id}, which is not open")
+            return
         if call is None or call.remote_closed:
             return  # answered already (or reset): the bytes only count for the window
         try:
@@ -507,6 +513,10 @@ class Connection(asyncio.Protocol):
         transport = self.transport
         if transport is None:
             return
+        problem = _misplaced(kind, flags, stream_id, len(payload))
+        if problem is not None:
+            self._fail(*problem)
+            return
         if kind == SETTINGS:
             if flags & ACK:
                 return
@@ -541,10 +551,18 @@ class Connection(asyncio.Protocol):
         elif kind == WINDOW_UPDATE:
             increment = U32.unpack_from(payload)[0] & 0x7FFFFFFF
             if stream_id == 0:
+                if not increment or self.send_window + increment > MAX_WINDOW:
+                    code = FLOW_CONTROL_ERROR if increment else PROTOCOL_ERROR
+                    self._fail(code, f"connection WINDOW_UPDATE of {increment}")
+                    return
                 self.send_window += increment
             else:
                 call = self.calls.get(stream_id)
                 if call is not None:
+                    if not increment or call.window + increment > MAX_WINDOW:  # a stream error
+                        self._reset(stream_id, FLOW_CONTROL_ERROR if increment else PROTOCOL_ERROR)
+                        self._drop(call)
+                        return
                     call.window += increment
             self._flush()
         elif kind == RST_STREAM:
@@ -717,6 +735,27 @@ class Connection(asyncio.Protocol):
         if not self.calls:
             self.quiet_since = time.monotonic()
         self.server.ended(self)
+
+
+# RFC 9113 §6: the frames that belong to the connection (stream 0) or to a stream, and the
+# payload sizes each must have (None: any); a frame out of place is a connection error.
+_CONNECTION_FRAMES = {SETTINGS: "SETTINGS", PING: "PING", GOAWAY: "GOAWAY"}
+_STREAM_FRAMES = {RST_STREAM: "RST_STREAM", PRIORITY: "PRIORITY"}
+_PAYLOAD_SIZES = {PING: 8, WINDOW_UPDATE: 4, RST_STREAM: 4, PRIORITY: 5}
+
+
+def _misplaced(kind: int, flags: int, stream_id: int, size: int) -> tuple[int, str] | None:
+    """(error code, why) for a control frame on the wrong stream or of the wrong size."""
+    if stream_id and kind in _CONNECTION_FRAMES:
+        return PROTOCOL_ERROR, f"{_CONNECTION_FRAMES[kind]} frame on stream {stream_id}"
+    if not stream_id and kind in _STREAM_FRAMES:
+        return PROTOCOL_ERROR, f"{_STREAM_FRAMES[kind]} frame on stream 0"
+    expected = _PAYLOAD_SIZES.get(kind)
+    if kind == SETTINGS and flags & ACK:
+        expected = 0
+    if (expected is not None and size != expected) or (kind == GOAWAY and size < 8):
+        return FRAME_SIZE_ERROR, f"frame of type {kind} with a {size}-byte payload"
+    return None
 
 
 def tls_context(cert: bytes | str, key: str, root: str | None, mutual: bool) -> ssl.SSLContext:

@@ -38,6 +38,8 @@ END_STREAM = ACK = 0x1
 END_HEADERS, PADDED = 0x4, 0x8
 MAX_CONCURRENT_STREAMS, INITIAL_WINDOW_SIZE = 0x3, 0x4
 NO_ERROR, PROTOCOL_ERROR, REFUSED_STREAM, CANCEL, ENHANCE_YOUR_CALM = 0x0, 0x1, 0x7, 0x8, 0xB
+FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR = 0x3, 0x6
+PRIORITY = 2
 HEAD = struct.Struct(">IBI")  # (length << 8 | type), flags, stream id
 
 INFER = "/inference.GRPCInferenceService/ModelInfer"
@@ -1109,6 +1111,47 @@ def test_garbage_instead_of_the_preface(port):
         assert stub.ServerLive(pb.ServerLiveRequest(), timeout=5).live
 
 
+@pytest.mark.parametrize(
+    "bad,code,why",
+    [
+        (frame(PING, 0, 1, b"12345678"), PROTOCOL_ERROR, "PING frame on stream 1"),
+        (frame(SETTINGS, 0, 1), PROTOCOL_ERROR, "SETTINGS frame on stream 1"),
+        (frame(GOAWAY, 0, 1, bytes(8)), PROTOCOL_ERROR, "GOAWAY frame on stream 1"),
+        (frame(RST_STREAM, 0, 0, bytes(4)), PROTOCOL_ERROR, "RST_STREAM frame on stream 0"),
+        (frame(PRIORITY, 0, 0, bytes(5)), PROTOCOL_ERROR, "PRIORITY frame on stream 0"),
+        (frame(PING, 0, 0, b"1234"), FRAME_SIZE_ERROR, "frame of type 6 with a 4-byte payload"),
+        (frame(WINDOW_UPDATE, 0, 0, b"\x00\x01"), FRAME_SIZE_ERROR, "type 8 with a 2-byte"),
+        (frame(SETTINGS, ACK, 0, bytes(6)), FRAME_SIZE_ERROR, "type 4 with a 6-byte"),
+        (frame(WINDOW_UPDATE, 0, 0, bytes(4)), PROTOCOL_ERROR, "connection WINDOW_UPDATE of 0"),
+        (frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", 2**31 - 1)), FLOW_CONTROL_ERROR,
+         "connection WINDOW_UPDATE of 2147483647"),
+        (frame(DATA, 0, 0, b"x"), PROTOCOL_ERROR, "DATA on stream 0, which is not open"),
+        (frame(DATA, 0, 5, b"x"), PROTOCOL_ERROR, "DATA on stream 5, which is not open"),
+    ],
+)
+def test_a_frame_out_of_place_is_a_connection_error(port, bad, code, why):
+    """RFC 9113 §6: a frame on a stream it cannot be on, or of the wrong size, or a
+    window that would pass 2^31-1, ends the connection with the right GOAWAY code."""
+    with H2Client(port) as client:
+        client.handshake()
+        client.sock.sendall(bad)
+        frames = client.wait_closed(timeout=3)
+    goaway = [f for f in frames if f.kind == GOAWAY]
+    assert goaway, frames
+    assert struct.unpack_from(">I", goaway[-1].payload, 4)[0] == code
+    assert why in goaway[-1].payload[8:].decode()
+
+
+def test_a_stream_window_update_of_zero_resets_only_that_stream(h2):
+    stream = h2.new_stream()
+    h2.send(HEADERS, END_HEADERS, stream, h2.header_block())  # open, its message to come
+    h2.send(WINDOW_UPDATE, 0, stream, bytes(4))
+    f = h2.recv()
+    while f.kind != RST_STREAM:
+        f = h2.recv()
+    assert (f.stream, struct.unpack(">I", f.payload)[0]) == (stream, PROTOCOL_ERROR)
+    check_add_sub(h2.call(add_sub_request()))  # the connection lives on
+
 def test_stop_lets_calls_in_flight_finish(server):
     service = KServeGrpc(server, KServeGrpc.Options(address="127.0.0.1", port=0))
     service.start()
@@ -1326,7 +1369,7 @@ def test_a_connection_error_goes_away_without_a_reset_under_a_client_still_sendi
         frames.append(Frame(received[3], received[4], 0, received[9 : 9 + length]))
         received = received[9 + length :]
     assert [f.kind for f in frames] == [GOAWAY], frames  # (no PING answered after the error)
-    assert struct.unpack_from(">II", frames[0].payload) == (0, PROTOCOL_ERROR)
+    assert struct.unpack_from(">II", frames[0].payload) == (0, FRAME_SIZE_ERROR)
 
 
 def test_an_answer_stuck_behind_flow_control_is_dropped_at_its_deadline(port):
