@@ -459,3 +459,43 @@ def test_a_stream_sent_from_execute_gives_each_responses_memory_back(servers, ma
             last = float(values[0])
         del values, response
     assert last is not None and last <= 64
+
+
+LATE_LETTING_GO = '''
+import threading
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            data = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            # A thread of the model's keeps the input until after execute returned.
+            threading.Timer(0.3, lambda kept=data: None).start()
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", data[:1])]))
+        return responses
+'''
+
+
+def test_an_input_a_models_thread_lets_go_of_later_goes_back_while_the_worker_idles(
+    servers, make_repo
+):
+    """A view the model's own thread drops after its execute returned gives the server's
+    memory back at once, though the worker then idles, waiting for its next command (it
+    used to go back only with the worker's next message)."""
+    late = {
+        "config.pbtxt": 'backend: "python"\n'
+        'input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]\n'
+        'output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 1 ] } ]\n',
+        "1/model.py": LATE_LETTING_GO,
+    }
+    server = servers.start(make_repo(extra={"late": late}))
+    data = np.full(1 << 18, 7.0, np.float32)  # 1 MiB, copied into the server's arena
+    (response,) = server.model("late").infer(inputs={"INPUT0": data})
+    assert np.from_dlpack(response.outputs["OUTPUT0"]).tolist() == [7.0]
+    del response
+    assert arena_metric(server, "used_bytes") >= 1 << 20  # the thread still has it
+    wait_until(lambda: arena_metric(server, "used_bytes") == 0, timeout=5)
