@@ -199,14 +199,11 @@ class CallContext:
         while start < end:
             if self.body is not None:
                 take = min(len(self.body) - self.filled, end - start)
-                budget = self.connection.server.budget
-                budget.add(self, take)
                 self.body[self.filled : self.filled + take] = view[start : start + take]
                 self.filled += take
                 start += take
                 if self.filled == len(self.body):
                     body, self.body = self.body, None
-                    budget.ended(self)
                     self._deliver(self.flag, body, 5 + len(body))
                 continue
             if not self.prefix and end - start >= 5:
@@ -240,13 +237,6 @@ class CallContext:
                     raise Abort(
                         grpc.StatusCode.RESOURCE_EXHAUSTED, f"no memory for {length} bytes"
                     ) from None
-                self.connection.server.budget.started(self)
-
-    def drop_partial(self) -> None:
-        """The call ended: a message it was receiving is dropped, and its bytes with it."""
-        if self.body is not None:
-            self.body = None
-            self.connection.server.budget.ended(self)
 
     def _deliver(self, compressed: int, body: Buffer, wire_size: int) -> None:
         messages = self.messages

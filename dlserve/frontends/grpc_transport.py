@@ -11,8 +11,7 @@ What a gRPC server owes its clients, and where it is done:
 
 * HTTP/2 (RFC 9113): the preface, SETTINGS both ways, PING answers, flow control in
   both directions (the connection's receive window is opened wide, each stream's is
-  bounded and reopened as its messages are read: :data:`STREAM_WINDOW`, within the memory
-  budget of partly received messages, :mod:`dlserve.frontends.grpc_budget`; sends wait for
+  bounded and reopened as its messages are read: :data:`STREAM_WINDOW`; sends wait for
   the peer's windows; a peer is not read while what we write it piles up unread),
   CONTINUATION, padding, RST_STREAM, GOAWAY on stop (calls in flight get the grace
   period, then are cancelled; a stream ends once it has nothing in flight); a frame on a
@@ -53,7 +52,6 @@ from typing import Any
 import grpc
 
 from dlserve.frontends.connection_cap import ConnectionCap
-from dlserve.frontends.grpc_budget import MessageBudget
 from dlserve.frontends.grpc_calls import Abort, CallContext, HttpRefusal, Method
 from dlserve.frontends.http2 import (
     ACK,
@@ -402,12 +400,9 @@ class Connection(asyncio.Protocol):
 
     def reopen(self, call: CallContext) -> None:
         """Give a stream back the window its bytes took, but for messages it holds
-        unread, once that comes to half the window (one WINDOW_UPDATE per half), unless
-        the budget of partly received messages withholds it for now."""
+        unread, once that comes to half the window (one WINDOW_UPDATE per half)."""
         free = call.received - call.held
-        if free < STREAM_WINDOW // 2 or self.transport is None or call.remote_closed:
-            return
-        if not self.server.budget.withholds(call):
+        if free >= STREAM_WINDOW // 2 and self.transport is not None and not call.remote_closed:
             self._out(frame(WINDOW_UPDATE, 0, call.stream_id, U32.pack(free)))
             call.received -= free
 
@@ -705,7 +700,6 @@ class Connection(asyncio.Protocol):
         message part-sent, trailers would follow a cut message: the stream is reset."""
         if call.finished:
             return
-        call.drop_partial()
         if call.task is not None and not call.task.done():
             call.task.cancel()
         if call.outbox:
@@ -730,7 +724,6 @@ class Connection(asyncio.Protocol):
     def _forget(self, call: CallContext) -> None:
         if call.timer is not None:
             call.timer.cancel()
-        call.drop_partial()
         self.calls.pop(call.stream_id, None)
         if not self.calls:
             self.quiet_since = time.monotonic()
@@ -777,7 +770,6 @@ class GrpcTransport:
         self.settings = settings
         self.connections: set[Connection] = set()
         self.cap = ConnectionCap(settings.max_connections, "gRPC")
-        self.budget = MessageBudget()
         self._server: asyncio.AbstractServer | None = None
         self._idle: asyncio.Event | None = None
         self.stopping = False
