@@ -393,6 +393,21 @@ def _trace_settings(entries: list[str]) -> TraceSettings:
     return settings
 
 
+def raise_descriptor_limit() -> None:
+    """Raise the soft limit of open files to the hard one, as most servers do: at the
+    usual soft 1024 the connections each listener holds would be bounded at 256
+    (dlserve.frontends.connection_cap), and the workers inherit it."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError):  # (a hard limit past the kernel's nr_open)
+            pass
+
+
 def serve(args: argparse.Namespace) -> int:
     import dlserve
     from dlserve.engine import logs
@@ -400,6 +415,7 @@ def serve(args: argparse.Namespace) -> int:
     from dlserve.frontends import KServeGrpc, KServeHttp, Metrics, SageMaker, VertexAi
     from dlserve.frontends.restrictions import Restriction
 
+    raise_descriptor_limit()
     repositories = args.model_repository
     if not repositories and VERTEX_MODE and os.environ.get("AIP_STORAGE_URI"):
         repositories = [os.environ["AIP_STORAGE_URI"]]  # where Vertex AI put the model

@@ -51,7 +51,7 @@ from typing import Any
 
 import grpc
 
-from dlserve.frontends.connection_cap import ConnectionCap
+from dlserve.frontends.connection_cap import FRESH_GRACE, ConnectionCap
 from dlserve.frontends.grpc_calls import Abort, CallContext, HttpRefusal, Method
 from dlserve.frontends.http2 import (
     ACK,
@@ -156,13 +156,12 @@ class Connection(asyncio.Protocol):
         self.timers: dict[str, asyncio.TimerHandle] = {}
         self.outgoing: list[bytes | memoryview] = []
         self.send_pending = False
-        self.quiet_since = time.monotonic()  # (see idle_since)
+        self.admitted = False  # counted against the connection bound (see connection_made)
 
     # -- lifetime --------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         server = self.server
-        admitted = server.cap.admit(server.connections)
         server.connections.add(self)  # (asyncio and uvloop set TCP_NODELAY themselves)
         settings = b"".join(
             SETTING.pack(key, value)
@@ -177,23 +176,27 @@ class Connection(asyncio.Protocol):
             frame(SETTINGS, 0, 0, settings)
             + frame(WINDOW_UPDATE, 0, 0, U32.pack(MAX_WINDOW - DEFAULT_WINDOW))
         )
+        self.admitted = server.cap.admit()
+        if not self.admitted:  # (told so, and closed without counting against the bound)
+            self._fail(ENHANCE_YOUR_CALM, server.cap.refusal())
+            return
         s = self.settings
         if s.keepalive_time_ms > 0:
             self._later("keepalive", s.keepalive_time_ms, self._keepalive)
         if s.max_connection_age_ms > 0:
             self._later("age", s.max_connection_age_ms, self._aged)
-        if not admitted:
-            self._fail(ENHANCE_YOUR_CALM, server.cap.refusal())
+        self._later("settle", int(FRESH_GRACE * 1000), self._settled)
 
-    @property
-    def idle_since(self) -> float | None:
-        """When this connection went idle: no call open, no frame partly received (for
-        the connection bound, :mod:`dlserve.frontends.connection_cap`)."""
-        if self.calls or self.buffer or self.headers_of is not None:
-            return None
-        if self.closed or self.going_away or self.transport is None:
-            return None
-        return self.quiet_since
+    def sheddable(self) -> bool:
+        """Idle: no call open (for the connection bound, :mod:`dlserve.frontends.
+        connection_cap`). Bytes of a frame or header block do not make it busy: a client
+        that sends a byte and stops would hold its place for good."""
+        return not (self.calls or self.closed or self.going_away or self.transport is None)
+
+    def _settled(self) -> None:
+        """A new connection that opened no call in FRESH_GRACE seconds is idle."""
+        if not self.last_stream and self.sheddable():
+            self.server.cap.idle(self)
 
     def shed(self) -> None:
         """End this idle connection to make room for a new one (GOAWAY, then close)."""
@@ -203,6 +206,9 @@ class Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
         self.server.connections.discard(self)
+        if self.admitted:
+            self.admitted = False
+            self.server.cap.left(self)
         for timer in self.timers.values():
             timer.cancel()
         if self.lingering is not None:
@@ -452,6 +458,8 @@ class Connection(asyncio.Protocol):
         self._start(stream_id, headers, bool(stream_flags & END_STREAM))
 
     def _start(self, stream_id: int, headers: list[tuple[str, str]], ended: bool) -> None:
+        if self.admitted:
+            self.server.cap.busy(self)
         call = CallContext(self, stream_id)
         call.remote_closed = ended  # (a refusal below needs no RST_STREAM then)
         self.calls[stream_id] = call
@@ -566,6 +574,11 @@ class Connection(asyncio.Protocol):
                 self._drop(call)
         elif kind == GOAWAY:
             self.going_away = True  # the client opens no more calls here
+        elif kind == PRIORITY and len(payload) != 5:  # (RFC 9113 6.3: a stream error)
+            self._reset(stream_id, FRAME_SIZE_ERROR)
+            call = self.calls.get(stream_id)
+            if call is not None:
+                self._drop(call)
         # PRIORITY, PUSH_PROMISE (never from a client), unknown types: nothing to do
 
     def _ping_abuse(self) -> bool:
@@ -725,8 +738,8 @@ class Connection(asyncio.Protocol):
         if call.timer is not None:
             call.timer.cancel()
         self.calls.pop(call.stream_id, None)
-        if not self.calls:
-            self.quiet_since = time.monotonic()
+        if self.admitted and self.sheddable():
+            self.server.cap.idle(self)
         self.server.ended(self)
 
 
@@ -734,7 +747,7 @@ class Connection(asyncio.Protocol):
 # payload sizes each must have (None: any); a frame out of place is a connection error.
 _CONNECTION_FRAMES = {SETTINGS: "SETTINGS", PING: "PING", GOAWAY: "GOAWAY"}
 _STREAM_FRAMES = {RST_STREAM: "RST_STREAM", PRIORITY: "PRIORITY"}
-_PAYLOAD_SIZES = {PING: 8, WINDOW_UPDATE: 4, RST_STREAM: 4, PRIORITY: 5}
+_PAYLOAD_SIZES = {PING: 8, WINDOW_UPDATE: 4, RST_STREAM: 4}  # (PRIORITY's: a stream error)
 
 
 def _misplaced(kind: int, flags: int, stream_id: int, size: int) -> tuple[int, str] | None:

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import httptools
 import numpy as np
 
-from dlserve.frontends.connection_cap import ConnectionCap
+from dlserve.frontends.connection_cap import FRESH_GRACE, ConnectionCap
 from dlserve.frontends.lingering import Lingering, linger
 from dlserve.ipc.polling import PollWindow, loop_poller
 
@@ -160,7 +160,8 @@ class HttpConnection(asyncio.BufferedProtocol):
         self._seen_reads = 0
         self._progress_at = 0.0
         self._held_at = 0.0  # when the sweep last found reading paused by this server
-        self._quiet_since = time.monotonic()  # idle since (see idle_since)
+        self._admitted = False  # counted against the connection bound (see connection_made)
+        self._settling: asyncio.TimerHandle | None = None  # (see _settled)
         self._pending: collections.deque[HttpRequest | HttpError] = collections.deque()
         self._busy = False
         self._task: asyncio.Task[None] | None = None
@@ -198,6 +199,8 @@ class HttpConnection(asyncio.BufferedProtocol):
 
     # -- httptools callbacks ---------------------------------------------------------
     def on_message_begin(self) -> None:
+        if self._admitted:
+            self.server.cap.busy(self)
         self._reset_message()
         self._begun_ns = time.monotonic_ns()
         self._receiving = True
@@ -332,10 +335,12 @@ class HttpConnection(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         server = self.server
-        admitted = server.cap.admit(server.connections)
         server.connections.add(self)
-        if not admitted:
+        self._admitted = server.cap.admit()
+        if not self._admitted:  # (answered, and closed without counting against the bound)
             self._fail(503, server.cap.refusal())
+            return
+        self._settling = asyncio.get_running_loop().call_later(FRESH_GRACE, self._settled)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._direct is not None:
@@ -406,6 +411,11 @@ class HttpConnection(asyncio.BufferedProtocol):
         self.transport = None
         self._poller.done(self)
         self.server.connections.discard(self)
+        if self._admitted:
+            self._admitted = False
+            self.server.cap.left(self)
+        if self._settling is not None:
+            self._settling.cancel()
         self._writable.set()
         if self._lingering is not None:
             self._lingering.cancel()
@@ -424,15 +434,17 @@ class HttpConnection(asyncio.BufferedProtocol):
         self._writable.set()
 
     # -- limits ----------------------------------------------------------------------
-    @property
-    def idle_since(self) -> float | None:
-        """When this connection went idle: nothing in flight or partly received (for
-        the connection bound, :mod:`dlserve.frontends.connection_cap`)."""
-        if self._busy or self._pending or self._receiving or self._broken:
-            return None
-        if self.transport is None:
-            return None
-        return self._quiet_since
+    def sheddable(self) -> bool:
+        """Idle: nothing in flight or partly received (for the connection bound,
+        :mod:`dlserve.frontends.connection_cap`)."""
+        busy = self._busy or self._pending or self._receiving or self._broken
+        return not busy and self.transport is not None
+
+    def _settled(self) -> None:
+        """A new connection that has sent nothing for FRESH_GRACE seconds is idle."""
+        self._settling = None
+        if not self._reads and self.sheddable():
+            self.server.cap.idle(self)
 
     def shed(self) -> None:
         """Close this idle connection to make room for a new one."""
@@ -523,7 +535,8 @@ class HttpConnection(asyncio.BufferedProtocol):
                     self.transport.resume_reading()
         finally:
             self._busy = False
-            self._quiet_since = time.monotonic()
+            if self._admitted and self.sheddable():
+                self.server.cap.idle(self)
 
     def _head(self, response: HttpResponse, keep_alive: bool, framing: str) -> bytearray:
         head = [f"HTTP/1.1 {response.status} {REASONS.get(response.status, 'Unknown')}", framing]

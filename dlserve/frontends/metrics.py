@@ -9,6 +9,8 @@ from dlserve.engine.core import Engine
 from dlserve.engine.prometheus import CONTENT_TYPE, CpuSampler, render
 from dlserve.frontends.http_server import HttpRequest, HttpResponse, HttpServer
 
+MAX_CONNECTIONS = 64  # scrapers keep one each: the descriptors are the inference listeners'
+
 
 class MetricsEndpoint:
     """``GET /metrics`` on its own port (``/metrics/`` too: Triton's exposer answers
@@ -18,7 +20,7 @@ class MetricsEndpoint:
         self.engine = engine
         self._cpu = CpuSampler() if cpu else None
         self._gpu = gpu
-        self._http = HttpServer(self._handle, max_body=1 << 12)
+        self._http = HttpServer(self._handle, max_body=1 << 12, max_connections=MAX_CONNECTIONS)
         self.started = time.monotonic()
 
     async def _handle(self, request: HttpRequest) -> HttpResponse:

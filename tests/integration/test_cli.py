@@ -1235,3 +1235,20 @@ def test_a_signal_while_a_failed_start_shuts_down_lets_it_finish(make_repo, tmp_
         process.assert_clean()
     finally:
         process.kill()
+
+
+def test_serve_raises_its_open_file_limit_to_the_hard_one(tmp_path):
+    """At the usual soft limit of 1024 the connection bound of each listener would be 256;
+    dlserve serve raises the soft limit to the hard one first, as most servers do."""
+    empty = tmp_path / "empty_repo"
+    empty.mkdir()
+    limited = ("sh", "-c", 'ulimit -Sn 1024 && exec "$@"', "sh")
+    process = Serve(tmp_path, ["--model-repository", str(empty)], wrapper=limited)
+    try:
+        process.wait_started()
+        with open(f"/proc/{process.pid}/limits") as limits:
+            (line,) = [line for line in limits if line.startswith("Max open files")]
+        soft, hard = line.split()[3:5]
+        assert soft == hard != "1024", line
+    finally:
+        process.kill()

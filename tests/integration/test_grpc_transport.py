@@ -796,6 +796,26 @@ def test_with_no_connection_idle_a_new_one_is_refused(server):
         busy.send(DATA, END_STREAM, stream, prefixed(add_sub_request()))
         check_add_sub(busy.collect(stream)[stream])
 
+
+def test_a_connection_holding_a_frame_begun_is_still_idle_after_the_grace(server):
+    """Bytes of a frame, without a call open, do not hold a place at the bound: a
+    connection that sent a byte and stopped is shed for a new client once it has had
+    FRESH_GRACE to start its first call, and the refused ones take no place."""
+    from dlserve.frontends.connection_cap import FRESH_GRACE
+
+    with grpc_service(server, max_connections=1) as p, H2Client(p) as holder:
+        holder.handshake()
+        holder.sock.sendall(b"\x00")  # the first byte of a frame header, then nothing
+        with H2Client(p) as early:  # within the grace: the holder keeps its place
+            frames = early.wait_closed(timeout=2)
+            assert [f for f in frames if f.kind == GOAWAY], frames
+        time.sleep(FRESH_GRACE)
+        with grpc.insecure_channel(f"127.0.0.1:{p}") as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            reply = stub.ModelInfer(pb.ModelInferRequest.FromString(add_sub_request()), timeout=5)
+            np.testing.assert_array_equal(output(reply, "OUTPUT0"), A + B)
+        assert any(f.kind == GOAWAY for f in holder.wait_closed(timeout=2))
+
 def test_message_size_limits(server):
     limit = 1 << 14  # (a response just over it fits the client's default flow-control window)
     with grpc_service(server, max_message_size=limit) as p, H2Client(p) as client:
@@ -1069,14 +1089,19 @@ def test_a_frame_out_of_place_is_a_connection_error(port, bad, code, why):
     assert why in goaway[-1].payload[8:].decode()
 
 
-def test_a_stream_window_update_of_zero_resets_only_that_stream(h2):
+@pytest.mark.parametrize(
+    "kind,payload,code",
+    [(WINDOW_UPDATE, bytes(4), PROTOCOL_ERROR), (PRIORITY, bytes(4), FRAME_SIZE_ERROR)],
+)
+def test_a_stream_error_resets_only_that_stream(h2, kind, payload, code):
+    """A WINDOW_UPDATE of 0 or a PRIORITY of the wrong size on a stream (RFC 9113 6.9, 6.3)."""
     stream = h2.new_stream()
     h2.send(HEADERS, END_HEADERS, stream, h2.header_block())  # open, its message to come
-    h2.send(WINDOW_UPDATE, 0, stream, bytes(4))
+    h2.send(kind, 0, stream, payload)
     f = h2.recv()
     while f.kind != RST_STREAM:
         f = h2.recv()
-    assert (f.stream, struct.unpack(">I", f.payload)[0]) == (stream, PROTOCOL_ERROR)
+    assert (f.stream, struct.unpack(">I", f.payload)[0]) == (stream, code)
     check_add_sub(h2.call(add_sub_request()))  # the connection lives on
 
 def test_stop_lets_calls_in_flight_finish(server):

@@ -315,6 +315,7 @@ def _serving(test, **options) -> None:
                     break
                 await asyncio.sleep(0.01)
             assert not server.connections, "connections left after their clients closed"
+            assert server.cap.held == 0
         finally:
             await server.stop()
 
@@ -387,7 +388,7 @@ def test_past_the_connection_bound_the_longest_idle_connection_makes_room() -> N
                 assert first.recv(100) == b"", "the longest idle connection was kept"
                 second.sendall(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
                 assert _answer(second).endswith(b'{"ok":true}')
-                assert len(server.connections) == 2
+                assert len(server.connections) == server.cap.held == 2
 
     _serving(test, max_connections=2)
 
@@ -414,3 +415,72 @@ def test_with_no_connection_idle_a_new_one_is_refused_503() -> None:
                 assert _answer(sock).endswith(b'{"ok":true}')
 
     _serving(test, max_connections=2)
+
+
+def test_a_new_connection_is_not_shed_before_it_could_send_its_first_request() -> None:
+    """A client that has just connected is not idle: in a burst of new connections at the
+    bound, the first takes the idle connection's place and the next is refused, instead
+    of each closing the one before it under its first request."""
+
+    def test(server: HttpServer, port: int) -> None:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as idle, \
+                socket.create_connection(("127.0.0.1", port), timeout=10) as busy:
+            idle.sendall(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert _answer(idle).endswith(b'{"ok":true}')
+            busy.sendall(b"GET /x HTTP/1.1\r\nHost: x\r\n")  # headers under way
+            time.sleep(0.1)
+            first = socket.create_connection(("127.0.0.1", port), timeout=10)
+            second = socket.create_connection(("127.0.0.1", port), timeout=10)
+            with first, second:
+                assert idle.recv(100) == b""  # the idle one made room for the first
+                second.sendall(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert _read_until_closed(second).startswith(b"HTTP/1.1 503")
+                first.sendall(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert _answer(first).endswith(b'{"ok":true}')
+            busy.sendall(b"\r\n")
+            assert _answer(busy).endswith(b'{"ok":true}')
+
+    _serving(test, max_connections=2)
+
+
+def test_a_connection_that_says_nothing_is_idle_after_the_grace() -> None:
+    """One that connects and sends nothing holds its place only for FRESH_GRACE: then a
+    new connection takes it."""
+    from dlserve.frontends.connection_cap import FRESH_GRACE
+
+    def test(server: HttpServer, port: int) -> None:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as silent:
+            time.sleep(FRESH_GRACE + 0.3)
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as newcomer:
+                newcomer.sendall(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert _answer(newcomer).endswith(b'{"ok":true}')
+                assert silent.recv(100) == b""
+
+    _serving(test, max_connections=1)
+
+
+def test_refused_connections_do_not_count_against_the_bound() -> None:
+    """Refused connections linger (what their clients still send is read and dropped) but
+    take no place: once the busy connection is done, the next client is served, however
+    many refused ones are still open."""
+
+    def test(server: HttpServer, port: int) -> None:
+        busy = socket.create_connection(("127.0.0.1", port), timeout=10)
+        busy.sendall(b"GET /x HTTP/1.1\r\nHost: x\r\n")
+        time.sleep(0.1)
+        refused = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(5)]
+        for sock in refused:
+            sock.sendall(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert sock.recv(4096).startswith(b"HTTP/1.1 503")
+        assert server.cap.held == 1
+        with busy:
+            busy.sendall(b"\r\n")
+            assert _answer(busy).endswith(b'{"ok":true}')
+        time.sleep(0.1)
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert _answer(sock).endswith(b'{"ok":true}')
+        for sock in refused:
+            sock.close()
+
+    _serving(test, max_connections=1)
