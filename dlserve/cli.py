@@ -205,6 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
     grpc.add_argument("--grpc-max-connections", type=int, default=0, metavar="N",
                       help="most connections held; past it the longest idle one is closed, or the "
                       "new one refused (default 0: a quarter of the descriptor limit)")
+    grpc.add_argument("--grpc-message-timeout", type=int, default=60, metavar="SECONDS",
+                      help="a request message begun may not go this long without a byte, or its "
+                      "call ends DEADLINE_EXCEEDED (default 60; 0: no limit)")
     for flag, option, default in _GRPC_TUNING:
         grpc.add_argument(flag, type=int, default=default, dest=f"grpc_{option}", metavar="N")
     _bool_flag(grpc, "--grpc-keepalive-permit-without-calls", False, "allow keepalive pings without calls")
@@ -552,6 +555,7 @@ def serve(args: argparse.Namespace) -> int:
                 infer_thread_count=args.grpc_infer_thread_count, forward_header_pattern=args.grpc_header_forward_pattern,
                 max_message_size=args.grpc_max_message_size, allow_client_shm=args.allow_client_shm,
                 restricted_protocols=args.grpc_restricted_protocol, max_connections=args.grpc_max_connections,
+                message_timeout=args.grpc_message_timeout,
                 keepalive_permit_without_calls=args.grpc_keepalive_permit_without_calls,
                 infer_compression_level=_COMPRESSION_LEVELS[args.grpc_infer_response_compression_level],
                 **{option: getattr(args, f"grpc_{option}") for _, option, _ in _GRPC_TUNING},

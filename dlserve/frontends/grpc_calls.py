@@ -122,7 +122,7 @@ class CallContext:
         "connection", "stream_id", "method", "metadata", "encoding", "accepts", "compression",
         "window", "outbox", "started", "finished", "remote_closed", "task", "messages",
         "prefix", "flag", "body", "filled", "received", "held", "timer", "expired",
-        "started_ns", "after_send", "sender", "stop_hook",
+        "started_ns", "after_send", "sender", "stop_hook", "seen", "still_since",
     )  # fmt: skip
 
     def __init__(self, connection: Connection, stream_id: int) -> None:
@@ -156,6 +156,8 @@ class CallContext:
         self.after_send: Callable[[bool], None] | None = None
         self.sender: asyncio.Future[None] | None = None  # waits until the outbox is empty
         self.stop_hook: Callable[[], None] | None = None  # (see on_server_stop)
+        self.seen = -1  # bytes of the message being received at the last sweep (see stalled)
+        self.still_since = 0.0
 
     # -- requests in ----------------------------------------------------------------------
     def read_headers(self, headers: list[tuple[str, str]]) -> tuple[str, float | None]:
@@ -193,6 +195,18 @@ class CallContext:
         if not content_type.startswith("application/grpc"):
             raise HttpRefusal(415)
         return path, seconds
+
+    def stalled(self, now: float, timeout: float) -> bool:
+        """The transport's sweep: whether a request message begun has received nothing
+        for ``timeout`` seconds (a call waiting for its next message is not stalled)."""
+        if self.body is None and not self.prefix:
+            self.seen = -1
+            return False
+        got = self.filled + len(self.prefix)
+        if got != self.seen:
+            self.seen, self.still_since = got, now
+            return False
+        return now - self.still_since >= timeout
 
     def feed(self, view: memoryview, start: int, end: int) -> None:
         """Cut gRPC messages (1-byte flag, 4-byte length, body) out of a DATA payload."""

@@ -92,6 +92,7 @@ from dlserve.frontends.http2 import (
     frame,
 )
 from dlserve.frontends.lingering import Lingering, linger
+from dlserve.frontends.stalls import Sweeper
 
 log = logging.getLogger("dlserve.frontends.grpc")
 
@@ -125,6 +126,7 @@ class Settings:
     max_connection_age_ms: int
     max_connection_age_grace_ms: int
     max_connections: int  # 0: connection_cap.default_limit()
+    message_timeout: int  # seconds a request message begun may go without a byte (0: no limit)
 
 
 class Connection(asyncio.Protocol):
@@ -707,6 +709,17 @@ class Connection(asyncio.Protocol):
                 call.wake_sender()
         self.blocked = waiting
 
+    def drop_stalled(self, call: CallContext, timeout: float) -> None:
+        """A request message that stopped coming: the call ends DEADLINE_EXCEEDED and
+        what it had received goes."""
+        log.info("gRPC call on stream %d: its request message stalled", call.stream_id)
+        call.body, call.prefix = None, b""
+        self._refuse(
+            call,
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            f"request message stalled: nothing received for {timeout:g} s",
+        )
+
     def _refuse(self, call: CallContext, code: grpc.StatusCode, details: str) -> None:
         """End a call from the transport (bad message, deadline, unknown method), unless
         its answer is complete already (its trailers may still wait for window). With a
@@ -783,6 +796,7 @@ class GrpcTransport:
         self.settings = settings
         self.connections: set[Connection] = set()
         self.cap = ConnectionCap(settings.max_connections, "gRPC")
+        self._sweeper = Sweeper(settings.message_timeout, self._sweep)
         self._server: asyncio.AbstractServer | None = None
         self._idle: asyncio.Event | None = None
         self.stopping = False
@@ -799,7 +813,14 @@ class GrpcTransport:
             reuse_port=reuse_port or None,
             reuse_address=True,
         )
+        self._sweeper.start()
         return int(self._server.sockets[0].getsockname()[1])
+
+    def _sweep(self, now: float) -> None:
+        for connection in list(self.connections):
+            for call in list(connection.calls.values()):
+                if call.stalled(now, self._sweeper.timeout):
+                    connection.drop_stalled(call, self._sweeper.timeout)
 
     def ended(self, connection: Connection) -> None:
         if self._idle is not None and not any(c.calls for c in self.connections):
@@ -813,6 +834,7 @@ class GrpcTransport:
         if server is None:
             return
         server.close()
+        self._sweeper.stop()
         self.stopping = True
         for connection in list(self.connections):
             connection.go_away()

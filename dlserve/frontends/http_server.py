@@ -39,6 +39,7 @@ import numpy as np
 
 from dlserve.frontends.connection_cap import FRESH_GRACE, ConnectionCap
 from dlserve.frontends.lingering import Lingering, linger
+from dlserve.frontends.stalls import Sweeper
 from dlserve.ipc.polling import PollWindow, loop_poller
 
 if TYPE_CHECKING:
@@ -707,9 +708,9 @@ class HttpServer:
         self.poll_limit = poll_limit
         self.cap = ConnectionCap(max_connections, "HTTP")
         self.request_timeout = request_timeout
+        self._sweeper = Sweeper(request_timeout, self._sweep)
         self.connections: set[HttpConnection] = set()
         self._server: asyncio.AbstractServer | None = None
-        self._sweeper: asyncio.TimerHandle | None = None
 
     def reserve(self, nbytes: int) -> bool:
         """Whether a block of ``nbytes`` for a body still to come fits the reserve (it
@@ -734,29 +735,19 @@ class HttpServer:
             lambda: HttpConnection(self), host, port, reuse_port=reuse_port or None, ssl=ssl,
             backlog=1024,
         )
-        if self.request_timeout > 0:
-            self._sweeper = loop.call_later(self._sweep_every(), self._sweep)
+        self._sweeper.start()
         return int(self._server.sockets[0].getsockname()[1])
 
-    def _sweep_every(self) -> float:
-        """How often requests are checked for the timeout: a quarter of it, within
-        [50 ms, 5 s], so one is cut at most a quarter late (and 5 s at the most)."""
-        return min(5.0, max(0.05, self.request_timeout / 4))
-
-    def _sweep(self) -> None:
-        now = time.monotonic()
+    def _sweep(self, now: float) -> None:
         for connection in list(self.connections):
             connection.check_progress(now, self.request_timeout)
-        self._sweeper = asyncio.get_running_loop().call_later(self._sweep_every(), self._sweep)
 
     async def stop(self, grace: float = 0.0) -> None:
         """Stop accepting, give in-flight requests up to ``grace`` seconds, then close."""
         if self._server is None:
             return
         self._server.close()
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            self._sweeper = None
+        self._sweeper.stop()
         deadline = asyncio.get_running_loop().time() + grace
         while any(c.in_flight for c in self.connections):
             if asyncio.get_running_loop().time() >= deadline:

@@ -378,11 +378,13 @@ class KServeGrpc(Service):
         max_response_pool_size: int = 2_147_483_647
         forward_header_pattern: str = ""
         # dlserve: explicit message-size limit, --allow-client-shm, --grpc-restricted-protocol,
-        # --grpc-max-connections (0: a quarter of the descriptor limit)
+        # --grpc-max-connections (0: a quarter of the descriptor limit), --grpc-message-timeout
+        # (seconds a request message begun may go without a byte; 0: no limit)
         max_message_size: int = 2**31 - 1  # (tritonserver's: INT32_MAX)
         allow_client_shm: bool = False
         restricted_protocols: list[str] = dataclasses.field(default_factory=list)
         max_connections: int = 0
+        message_timeout: int = int(REQUEST_TIMEOUT)
 
         def __post_init__(self) -> None:
             _check_field_types(self)
@@ -398,6 +400,7 @@ class KServeGrpc(Service):
                 "infer_allocation_pool_size",
                 "max_response_pool_size",
                 "max_connections",
+                "message_timeout",
             ):
                 _check_non_negative(name, getattr(self, name))
             _check_positive("infer_thread_count", self.infer_thread_count)

@@ -324,6 +324,7 @@ def test_bad_backend_config_exits_with_a_message(entry):
         (["--http-max-connections", "-1"], "max_connections must be a non-negative integer, got -1"),
         (["--http-request-timeout", "-5"], "request_timeout must be a non-negative integer, got -5"),
         (["--grpc-max-connections", "-2"], "max_connections must be a non-negative integer, got -2"),
+        (["--grpc-message-timeout", "-1"], "message_timeout must be a non-negative integer, got -1"),
         (["--grpc-use-ssl", "true"], "use_ssl needs server_cert and server_key"),
         (["--http-restricted-api", "inference"], "restriction 'inference' must look like"),
         (["--http-restricted-api", "health:a=1", "--http-restricted-api", "health,metadata:b=2"],

@@ -816,6 +816,39 @@ def test_a_connection_holding_a_frame_begun_is_still_idle_after_the_grace(server
             np.testing.assert_array_equal(output(reply, "OUTPUT0"), A + B)
         assert any(f.kind == GOAWAY for f in holder.wait_closed(timeout=2))
 
+
+def test_a_request_message_that_stops_coming_ends_its_call(server):
+    """A message begun that gets no byte for the message timeout ends its call
+    DEADLINE_EXCEEDED (with the stream's end, the client need send no more), and the
+    connection serves on; a streaming call waiting for its next message is not stalled,
+    nor is a message that keeps coming, however slowly."""
+    with grpc_service(server, message_timeout=1) as p, H2Client(p) as client:
+        client.handshake()
+        stalled, waiting, slow = client.new_stream(), client.new_stream(), client.new_stream()
+        message = prefixed(add_sub_request())
+        client.send(HEADERS, END_HEADERS, stalled, client.header_block())
+        client.send(DATA, 0, stalled, message[:10])  # then nothing
+        client.send(HEADERS, END_HEADERS, waiting, client.header_block(STREAM_INFER))
+        client.send(HEADERS, END_HEADERS, slow, client.header_block())
+        started = time.monotonic()
+        for piece in range(0, len(message), 16):  # 16 bytes every 0.15 s: over the timeout
+            client.send(DATA, END_STREAM if piece + 16 >= len(message) else 0, slow,
+                        message[piece : piece + 16])
+            time.sleep(0.15)
+        assert time.monotonic() - started > 1.2
+        answers = client.collect(stalled, slow, timeout=5)
+        assert answers[stalled].status == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+        assert answers[stalled].message == "request message stalled: nothing received for 1 s"
+        check_add_sub(answers[slow])
+        time.sleep(1.5)  # the streaming call, waiting between messages, is still open
+        client.send(DATA, 0, waiting, prefixed(add_sub_request(id="late")))
+        f = client.recv()
+        while not (f.kind == DATA and f.stream == waiting):  # (its answer)
+            if f.kind == HEADERS:
+                client.decoder.decode(f.payload)
+            f = client.recv()
+        check_add_sub(client.call(add_sub_request()))
+
 def test_message_size_limits(server):
     limit = 1 << 14  # (a response just over it fits the client's default flow-control window)
     with grpc_service(server, max_message_size=limit) as p, H2Client(p) as client:
