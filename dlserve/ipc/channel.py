@@ -231,7 +231,6 @@ class WorkerChannel:
         self._ready: collections.deque[Message] = collections.deque()
         self._corr = itertools.count(1)
         self._releases: list[int] = []
-        self._awaiting = False  # the reader is in _read_message
 
     # -- sending ------------------------------------------------------------------------
     def send(self, kind: int, corr: int, body: Any) -> None:
@@ -242,11 +241,8 @@ class WorkerChannel:
             self._sock.sendall(frame)
 
     def queue_releases(self, leases: list[int]) -> None:
-        """Hand leases back with the next message (see :meth:`flush_releases`), or now
-        while the reader waits for one: an idle worker sends nothing else."""
+        """Hand leases back with the next message (see :meth:`flush_releases`)."""
         self._releases.extend(leases)
-        if self._awaiting:  # (read after the extend: see _read_message)
-            self.flush_releases()
 
     def _take_releases(self) -> list[int]:
         taken, self._releases = self._releases, []
@@ -264,22 +260,10 @@ class WorkerChannel:
     # -- receiving ----------------------------------------------------------------------
     def _read_message(self) -> Message:
         """Read one message from the socket; only the thread in the reader role calls it.
-        Releases queued meanwhile (views the model's threads let go) go first, and one
-        queued while it waits is sent by the thread that queued it, so that an idle
-        worker does not hold them until its next message."""
-        # Set before the releases are looked at: a thread that queues one after this
-        # look sees it set and sends its own (the GIL orders the two).
-        self._awaiting = True
-        try:
-            if self._releases:
-                self.flush_releases()
-            self._receive()
-        finally:
-            self._awaiting = False
-        return self._ready.popleft()
-
-    def _receive(self) -> None:
-        """Read until at least one whole message is in."""
+        Releases queued meanwhile (views the model's threads let go) go first, so that an
+        idle worker does not hold them until its next message."""
+        if self._releases:
+            self.flush_releases()
         while not self._ready:
             window = self._read_window
             if window is not None and threading.active_count() <= self._quiet_threads:
@@ -289,6 +273,7 @@ class WorkerChannel:
             if not data:
                 raise EOFError("server closed the channel")
             self._ready.extend(self._frames.feed(data))
+        return self._ready.popleft()
 
     def poll_reads(self, limit: float) -> None:
         """Poll up to ``limit`` seconds before blocking for a message (ipc.polling), but
