@@ -4,10 +4,10 @@ Each connection costs a file descriptor and its buffers. Without a bound, enough
 (or one that opens connections and sends nothing) use up the process's descriptors, and
 then the server can open nothing else: no shared-memory region, no model file, no
 worker's channel, while accept() fails in a loop. So each listener holds at most
-``limit`` connections: by default a quarter of the process's descriptor limit
-(:func:`default_limit`; ``dlserve serve`` first raises its soft limit to the hard one,
-as most servers do), so that HTTP and gRPC together leave half for the server's own use
-(the metrics listener has a small bound of its own).
+``limit`` connections: by default a quarter of the process's descriptor limit, and at
+most 16384 (:func:`default_limit`; ``dlserve serve`` first raises its soft limit to the
+hard one, as most servers do), so that HTTP and gRPC together leave half for the server's
+own use (the metrics listener has a small bound of its own).
 
 A connection beyond the limit takes the place of the one idle longest, as nginx sheds
 idle keep-alive connections under pressure; with none idle, it is refused (HTTP answers
@@ -27,8 +27,9 @@ from typing import Protocol
 log = logging.getLogger("dlserve.frontends")
 
 FRESH_GRACE = 1.0  # seconds a new connection has to start its first request before it is idle
-# With no descriptor limit at all, this many per listener.
-_UNLIMITED_DEFAULT = 16384
+# The default never exceeds this (an idle HTTP connection costs ~7 KiB, so ~110 MiB at
+# most), whatever the descriptor limit: explicit options go beyond.
+_DEFAULT_MOST = 16384
 _FLOOR = 16
 
 
@@ -41,11 +42,11 @@ class Sheddable(Protocol):
 
 
 def default_limit() -> int:
-    """A quarter of the process's descriptor limit (at least 16)."""
+    """A quarter of the process's descriptor limit, within [16, 16384]."""
     soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
-        return _UNLIMITED_DEFAULT
-    return max(_FLOOR, soft // 4)
+        return _DEFAULT_MOST
+    return max(_FLOOR, min(soft // 4, _DEFAULT_MOST))
 
 
 class ConnectionCap:

@@ -198,11 +198,16 @@ class CallContext:
 
     def stalled(self, now: float, timeout: float) -> bool:
         """The transport's sweep: whether a request message begun has received nothing
-        for ``timeout`` seconds (a call waiting for its next message is not stalled)."""
+        for ``timeout`` seconds, or a unary call its message at all (a streaming call
+        waiting for its next message is not stalled)."""
         if self.body is None and not self.prefix:
-            self.seen = -1
-            return False
-        got = self.filled + len(self.prefix)
+            waiting = isinstance(self.messages, list) and not self.messages and self.task is None
+            if not waiting or self.remote_closed:
+                self.seen = -1
+                return False
+            got = -2  # (a unary call still waiting for its one message)
+        else:
+            got = self.filled + len(self.prefix)
         if got != self.seen:
             self.seen, self.still_since = got, now
             return False

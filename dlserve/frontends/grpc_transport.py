@@ -159,6 +159,7 @@ class Connection(asyncio.Protocol):
         self.outgoing: list[bytes | memoryview] = []
         self.send_pending = False
         self.admitted = False  # counted against the connection bound (see connection_made)
+        self.peer_gone = False  # the client sent GOAWAY
 
     # -- lifetime --------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -201,9 +202,15 @@ class Connection(asyncio.Protocol):
             self.server.cap.idle(self)
 
     def shed(self) -> None:
-        """End this idle connection to make room for a new one (GOAWAY, then close)."""
+        """End this idle connection to make room for a new one: GOAWAY and close, cut
+        off a second later if a client that reads nothing still holds it open."""
         self.go_away()
         self.close()
+        self.loop.call_later(1.0, self._abort)
+
+    def _abort(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
@@ -575,7 +582,9 @@ class Connection(asyncio.Protocol):
             if call is not None:
                 self._drop(call)
         elif kind == GOAWAY:
-            self.going_away = True  # the client opens no more calls here
+            self.going_away = self.peer_gone = True  # the client opens no more calls here
+            if not self.calls:
+                self.close()
         elif kind == PRIORITY and len(payload) != 5:  # (RFC 9113 6.3: a stream error)
             self._reset(stream_id, FRAME_SIZE_ERROR)
             call = self.calls.get(stream_id)
@@ -751,7 +760,9 @@ class Connection(asyncio.Protocol):
         if call.timer is not None:
             call.timer.cancel()
         self.calls.pop(call.stream_id, None)
-        if self.admitted and self.sheddable():
+        if self.peer_gone and not self.calls:
+            self.close()  # (its last call is over, and the client said it opens no more)
+        elif self.admitted and self.sheddable():
             self.server.cap.idle(self)
         self.server.ended(self)
 

@@ -147,8 +147,6 @@ class HttpConnection(asyncio.BufferedProtocol):
     def __init__(self, server: HttpServer) -> None:
         self.server = server
         self.transport: asyncio.Transport | None = None
-        self._scratch = bytearray(_SCRATCH)
-        self._scratch_view = memoryview(self._scratch)
         self._parser = _request_parser(self)
         self._direct: np.ndarray | None = None  # body block being filled straight from the socket
         self._filled = 0
@@ -161,6 +159,7 @@ class HttpConnection(asyncio.BufferedProtocol):
         self._seen_reads = 0
         self._progress_at = 0.0
         self._held_at = 0.0  # when the sweep last found reading paused by this server
+        self._unread_since = 0.0  # when what we write began to pile up unread (pause_writing)
         self._admitted = False  # counted against the connection bound (see connection_made)
         self._settling: asyncio.TimerHandle | None = None  # (see _settled)
         self._pending: collections.deque[HttpRequest | HttpError] = collections.deque()
@@ -346,7 +345,7 @@ class HttpConnection(asyncio.BufferedProtocol):
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._direct is not None:
             return memoryview(self._direct)[self._filled :]  # type: ignore[arg-type]
-        return self._scratch_view
+        return self.server.scratch
 
     def _feed(self, data: memoryview) -> None:
         """Parse these bytes. HTTP/1.1 lets a server ignore ``Upgrade`` (``curl --http2``
@@ -388,7 +387,7 @@ class HttpConnection(asyncio.BufferedProtocol):
                 self._parser = _request_parser(self)  # the old one stopped mid-body
             return
         try:
-            self._feed(self._scratch_view[:nbytes])
+            self._feed(self.server.scratch[:nbytes])
         except HttpError as exc:
             self._fail(exc.status, exc.message)
             return
@@ -430,9 +429,11 @@ class HttpConnection(asyncio.BufferedProtocol):
 
     def pause_writing(self) -> None:
         self._writable.clear()
+        self._unread_since = time.monotonic()
 
     def resume_writing(self) -> None:
         self._writable.set()
+        self._unread_since = 0.0
 
     # -- limits ----------------------------------------------------------------------
     def sheddable(self) -> bool:
@@ -444,20 +445,27 @@ class HttpConnection(asyncio.BufferedProtocol):
     def _settled(self) -> None:
         """A new connection that has sent nothing for FRESH_GRACE seconds is idle."""
         self._settling = None
-        if not self._reads and self.sheddable():
+        if not self._begun_ns and self.sheddable():  # (bytes that begin no request count not)
             self.server.cap.idle(self)
 
     def shed(self) -> None:
-        """Close this idle connection to make room for a new one."""
+        """Close this idle connection to make room for a new one (at once: it has nothing
+        to send, and a close would wait for a client that reads nothing)."""
         self._broken = True
         if self.transport is not None:
-            self.transport.close()
+            self.transport.abort()
 
     def check_progress(self, now: float, timeout: float) -> None:
         """The server's sweep: a request whose headers are not complete ``timeout``
         seconds after its first byte, or whose body got nothing for that long, is
         answered 408 and its connection closed. Time while this server does not read
-        (back-pressure) does not count."""
+        (back-pressure) does not count. A client that reads nothing of what it is sent
+        for ``timeout`` seconds is cut off."""
+        unread = self._unread_since
+        if unread and now - unread >= timeout and self.transport is not None:
+            log.info("HTTP client read nothing for %g s; closing its connection", timeout)
+            self.transport.abort()
+            return
         if not self._receiving or self._broken or self.transport is None:
             return
         reading = self.transport.is_reading()
@@ -707,6 +715,9 @@ class HttpServer:
         self.reserved = 0
         self.poll_limit = poll_limit
         self.cap = ConnectionCap(max_connections, "HTTP")
+        # What every connection reads into (one at a time, on this loop), each read parsed
+        # before the next: a buffer per connection cost 64 KiB for each one kept open.
+        self.scratch = memoryview(bytearray(_SCRATCH))
         self.request_timeout = request_timeout
         self._sweeper = Sweeper(request_timeout, self._sweep)
         self.connections: set[HttpConnection] = set()

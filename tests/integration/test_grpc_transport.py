@@ -849,6 +849,47 @@ def test_a_request_message_that_stops_coming_ends_its_call(server):
             f = client.recv()
         check_add_sub(client.call(add_sub_request()))
 
+
+def test_a_unary_call_whose_message_never_comes_ends(server):
+    with grpc_service(server, message_timeout=1) as p, H2Client(p) as client:
+        client.handshake()
+        stream = client.new_stream()
+        client.send(HEADERS, END_HEADERS, stream, client.header_block())  # and nothing more
+        answer = client.collect(stream, timeout=5)[stream]
+        assert answer.status == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+        check_add_sub(client.call(add_sub_request()))
+
+
+def test_a_client_that_said_goaway_is_closed_once_its_calls_are_over(h2):
+    """It opens no more calls: its connection would only hold a place."""
+    h2.send(GOAWAY, 0, 0, struct.pack(">II", 0, NO_ERROR))
+    h2.wait_closed(timeout=2)
+
+
+def test_a_shed_connection_whose_client_reads_nothing_is_cut_off(server):
+    """Shedding closes after the GOAWAY is written; a client that reads nothing would keep
+    the close waiting, and the connection counted, for good: it is cut off a second later."""
+    service = KServeGrpc(server, KServeGrpc.Options(address="127.0.0.1", port=0, max_connections=1))
+    service.start()
+    try:
+        cap = service._grpc._transport.cap
+        with H2Client(service.port) as deaf:
+            deaf.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            deaf.handshake()
+            deaf.sock.settimeout(0.2)
+            try:  # SETTINGS, each answered with an ACK it never reads, until the server stops
+                while True:  # reading it (its answers pile up)
+                    deaf.sock.send(frame(SETTINGS) * 4096)
+            except (TimeoutError, socket.timeout, BlockingIOError):
+                pass
+            time.sleep(1.2)  # (idle once the grace has passed)
+            with grpc.insecure_channel(f"127.0.0.1:{service.port}") as channel:
+                stub = pb_grpc.GRPCInferenceServiceStub(channel)
+                assert stub.ServerLive(pb.ServerLiveRequest(), timeout=5).live
+                wait_until(lambda: cap.held == 1, timeout=3)  # the deaf one is gone
+    finally:
+        service.stop()
+
 def test_message_size_limits(server):
     limit = 1 << 14  # (a response just over it fits the client's default flow-control window)
     with grpc_service(server, max_message_size=limit) as p, H2Client(p) as client:

@@ -26,6 +26,8 @@ async def _failing_stream() -> AsyncGenerator[bytes, None]:
 async def _handler(request: HttpRequest) -> HttpResponse:
     if request.path == "/stream":
         return HttpResponse(content_type="text/event-stream", stream=_failing_stream())
+    if request.path == "/big":
+        return HttpResponse(body=[bytes(32 << 20)])
     return HttpResponse(body=[b'{"ok":true}'])
 
 
@@ -484,3 +486,41 @@ def test_refused_connections_do_not_count_against_the_bound() -> None:
             sock.close()
 
     _serving(test, max_connections=1)
+
+
+def test_a_connection_that_sends_only_blank_lines_is_idle_after_the_grace() -> None:
+    """Blank lines before a request line begin no request: such a connection is idle
+    once the grace has passed, as one that sends nothing is (it held its place for good)."""
+    from dlserve.frontends.connection_cap import FRESH_GRACE
+
+    def test(server: HttpServer, port: int) -> None:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as holder:
+            holder.sendall(b"\r\n")
+            time.sleep(FRESH_GRACE + 0.3)
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as newcomer:
+                newcomer.sendall(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert _answer(newcomer).endswith(b'{"ok":true}')
+            try:
+                assert holder.recv(100) == b""
+            except ConnectionResetError:
+                pass  # (shed at once: it had nothing to be sent)
+
+    _serving(test, max_connections=1)
+
+
+def test_a_client_that_reads_nothing_of_its_answer_is_cut_off() -> None:
+    """An answer the client does not read holds the connection busy: after the request
+    timeout with nothing read, the connection is closed, and its place with it."""
+
+    def test(server: HttpServer, port: int) -> None:
+        sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.sendall(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
+        started = time.monotonic()
+        while server.cap.held and time.monotonic() - started < 5:
+            time.sleep(0.05)
+        assert server.cap.held == 0, "the stalled connection was kept"
+        assert time.monotonic() - started >= 0.5
+        sock.close()
+
+    _serving(test, request_timeout=0.5)
