@@ -122,7 +122,7 @@ class CallContext:
         "connection", "stream_id", "method", "metadata", "encoding", "accepts", "compression",
         "window", "outbox", "started", "finished", "remote_closed", "task", "messages",
         "prefix", "flag", "body", "filled", "received", "held", "timer", "expired",
-        "started_ns", "after_send", "sender", "stop_hook", "seen", "still_since",
+        "started_ns", "after_send", "sender", "stop_hook", "total", "seen", "still_since",
     )  # fmt: skip
 
     def __init__(self, connection: Connection, stream_id: int) -> None:
@@ -156,7 +156,8 @@ class CallContext:
         self.after_send: Callable[[bool], None] | None = None
         self.sender: asyncio.Future[None] | None = None  # waits until the outbox is empty
         self.stop_hook: Callable[[], None] | None = None  # (see on_server_stop)
-        self.seen = -1  # bytes of the message being received at the last sweep (see stalled)
+        self.total = 0  # DATA bytes received in all
+        self.seen = -1  # ``total`` at the last sweep (see stalled), -1: not watched
         self.still_since = 0.0
 
     # -- requests in ----------------------------------------------------------------------
@@ -196,20 +197,18 @@ class CallContext:
             raise HttpRefusal(415)
         return path, seconds
 
-    def stalled(self, now: float, timeout: float) -> bool:
-        """The transport's sweep: whether a request message begun has received nothing
-        for ``timeout`` seconds, or a unary call its message at all (a streaming call
-        waiting for its next message is not stalled)."""
-        if self.body is None and not self.prefix:
-            waiting = isinstance(self.messages, list) and not self.messages and self.task is None
-            if not waiting or self.remote_closed:
-                self.seen = -1
-                return False
-            got = -2  # (a unary call still waiting for its one message)
-        else:
-            got = self.filled + len(self.prefix)
-        if got != self.seen:
-            self.seen, self.still_since = got, now
+    def stalled(self, now: float, timeout: float, held_back: bool) -> bool:
+        """The transport's sweep: whether the call has received nothing for ``timeout``
+        seconds while a request message of it is under way (a message begun, or a unary
+        call from its headers to its end). Not while the server holds the client back
+        (``held_back``: its connection is not read; or messages wait unread here), nor
+        while a streaming call waits for its next message."""
+        unary = isinstance(self.messages, list) and not self.remote_closed and self.task is None
+        if held_back or self.held or not (unary or self.body is not None or self.prefix):
+            self.seen = -1
+            return False
+        if self.total != self.seen:
+            self.seen, self.still_since = self.total, now
             return False
         return now - self.still_since >= timeout
 

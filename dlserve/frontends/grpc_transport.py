@@ -203,13 +203,20 @@ class Connection(asyncio.Protocol):
 
     def shed(self) -> None:
         """End this idle connection to make room for a new one: GOAWAY and close, cut
-        off a second later if a client that reads nothing still holds it open."""
+        off if a client that reads nothing still holds it open (see _abort_if_stuck)."""
         self.go_away()
         self.close()
-        self.loop.call_later(1.0, self._abort)
+        self.loop.call_later(1.0, self._abort_if_stuck, -1)
 
-    def _abort(self) -> None:
-        if self.transport is not None:
+    def _abort_if_stuck(self, unsent_before: int) -> None:
+        """A shed connection still open: cut off unless what it has to send shrank in
+        the last second (a client reading its last answer slowly gets all of it)."""
+        if self.transport is None:
+            return
+        unsent = self.transport.get_write_buffer_size()
+        if unsent and (unsent_before < 0 or unsent < unsent_before):
+            self.loop.call_later(1.0, self._abort_if_stuck, unsent)
+        else:
             self.transport.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -392,6 +399,7 @@ class Connection(asyncio.Protocol):
         call = self.calls.get(stream_id)
         if call is not None:
             call.received += end - start  # padding included, as the windows count it
+            call.total += end - start
         if flags & PADDED and end > start:
             end -= view[start]
             start += 1
@@ -829,8 +837,10 @@ class GrpcTransport:
 
     def _sweep(self, now: float) -> None:
         for connection in list(self.connections):
+            transport = connection.transport
+            held_back = transport is None or not transport.is_reading()
             for call in list(connection.calls.values()):
-                if call.stalled(now, self._sweeper.timeout):
+                if call.stalled(now, self._sweeper.timeout, held_back):
                     connection.drop_stalled(call, self._sweeper.timeout)
 
     def ended(self, connection: Connection) -> None:

@@ -159,7 +159,9 @@ class HttpConnection(asyncio.BufferedProtocol):
         self._seen_reads = 0
         self._progress_at = 0.0
         self._held_at = 0.0  # when the sweep last found reading paused by this server
-        self._unread_since = 0.0  # when what we write began to pile up unread (pause_writing)
+        # Bytes waiting to be sent at the last sweep, and since when they have not shrunk.
+        self._unsent = 0
+        self._unsent_since = 0.0
         self._admitted = False  # counted against the connection bound (see connection_made)
         self._settling: asyncio.TimerHandle | None = None  # (see _settled)
         self._pending: collections.deque[HttpRequest | HttpError] = collections.deque()
@@ -429,11 +431,9 @@ class HttpConnection(asyncio.BufferedProtocol):
 
     def pause_writing(self) -> None:
         self._writable.clear()
-        self._unread_since = time.monotonic()
 
     def resume_writing(self) -> None:
         self._writable.set()
-        self._unread_since = 0.0
 
     # -- limits ----------------------------------------------------------------------
     def sheddable(self) -> bool:
@@ -449,24 +449,33 @@ class HttpConnection(asyncio.BufferedProtocol):
             self.server.cap.idle(self)
 
     def shed(self) -> None:
-        """Close this idle connection to make room for a new one (at once: it has nothing
-        to send, and a close would wait for a client that reads nothing)."""
+        """Close this idle connection to make room for a new one, after what its last
+        answer still has to send (a client that reads none of it is cut off by the
+        sweep, see check_progress)."""
         self._broken = True
         if self.transport is not None:
-            self.transport.abort()
+            self.transport.close()
 
     def check_progress(self, now: float, timeout: float) -> None:
         """The server's sweep: a request whose headers are not complete ``timeout``
         seconds after its first byte, or whose body got nothing for that long, is
         answered 408 and its connection closed. Time while this server does not read
         (back-pressure) does not count. A client that reads nothing of what it is sent
-        for ``timeout`` seconds is cut off."""
-        unread = self._unread_since
-        if unread and now - unread >= timeout and self.transport is not None:
+        for ``timeout`` seconds (what waits to be sent does not shrink) is cut off; one
+        that reads slowly is not."""
+        if self.transport is None:
+            return
+        unsent = self.transport.get_write_buffer_size()
+        if not unsent:
+            self._unsent_since = 0.0
+        elif not self._unsent_since or unsent < self._unsent:
+            self._unsent_since = now  # (began to wait, or moved since the last sweep)
+        self._unsent = unsent
+        if unsent and now - self._unsent_since >= timeout:
             log.info("HTTP client read nothing for %g s; closing its connection", timeout)
             self.transport.abort()
             return
-        if not self._receiving or self._broken or self.transport is None:
+        if not self._receiving or self._broken:
             return
         reading = self.transport.is_reading()
         if self._reads != self._seen_reads or not reading:

@@ -850,11 +850,16 @@ def test_a_request_message_that_stops_coming_ends_its_call(server):
         check_add_sub(client.call(add_sub_request()))
 
 
-def test_a_unary_call_whose_message_never_comes_ends(server):
+@pytest.mark.parametrize("sent", ["headers", "message without its end"])
+def test_a_unary_call_that_never_ends_ends(server, sent):
+    """A unary call runs once its client ends its side: one whose message, or whose end,
+    never comes would hold its place (and its message) for good."""
     with grpc_service(server, message_timeout=1) as p, H2Client(p) as client:
         client.handshake()
         stream = client.new_stream()
-        client.send(HEADERS, END_HEADERS, stream, client.header_block())  # and nothing more
+        client.send(HEADERS, END_HEADERS, stream, client.header_block())
+        if sent != "headers":
+            client.send(DATA, 0, stream, prefixed(add_sub_request()))  # no END_STREAM
         answer = client.collect(stream, timeout=5)[stream]
         assert answer.status == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
         check_add_sub(client.call(add_sub_request()))

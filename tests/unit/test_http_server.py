@@ -517,6 +517,8 @@ def test_a_client_that_reads_nothing_of_its_answer_is_cut_off() -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.sendall(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
         started = time.monotonic()
+        while not server.cap.held and time.monotonic() - started < 5:
+            time.sleep(0.01)  # (accepted)
         while server.cap.held and time.monotonic() - started < 5:
             time.sleep(0.05)
         assert server.cap.held == 0, "the stalled connection was kept"
@@ -524,3 +526,32 @@ def test_a_client_that_reads_nothing_of_its_answer_is_cut_off() -> None:
         sock.close()
 
     _serving(test, request_timeout=0.5)
+
+
+def _read_slowly(sock: socket.socket, size: int) -> bytes:
+    """A whole response with a body of ``size`` bytes, read 64 KiB every 5 ms."""
+    data = bytearray()
+    while b"\r\n\r\n" not in data[:4096] or len(data) - data.index(b"\r\n\r\n") - 4 < size:
+        chunk = sock.recv(64 << 10)
+        if not chunk:
+            break
+        data += chunk
+        time.sleep(0.005)
+    return bytes(data)
+
+
+def test_a_client_that_reads_its_answer_slowly_gets_all_of_it() -> None:
+    """Reading steadily, however slowly, is progress: 32 MiB that take many times the
+    request timeout to read are not cut off."""
+
+    def test(server: HttpServer, port: int) -> None:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+            sock.sendall(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
+            started = time.monotonic()
+            body = _read_slowly(sock, 32 << 20).partition(b"\r\n\r\n")[2]
+            assert time.monotonic() - started > 1.5  # (the timeout, and more)
+        assert len(body) == 32 << 20 and not any(body), len(body)
+
+    _serving(test, request_timeout=1.0)
+
