@@ -182,7 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="require a header for API categories (repeatable)")
     http.add_argument("--http-max-connections", type=int, default=0, metavar="N",
                       help="most connections held; past it the longest idle one is closed, or the "
-                      "new one refused with 503 (default 0: a quarter of the descriptor limit)")
+                      "new one refused with 503 (default 0: a quarter of the descriptor limit, "
+                      "at most 16384)")
     http.add_argument("--http-request-timeout", type=int, default=60, metavar="SECONDS",
                       help="a request's headers must arrive within this of its first byte, and "
                       "its body may not stall this long, or it gets 408 (default 60; 0: no limit)")
@@ -204,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="largest gRPC request message (default: 2 GiB - 1, tritonserver's)")
     grpc.add_argument("--grpc-max-connections", type=int, default=0, metavar="N",
                       help="most connections held; past it the longest idle one is closed, or the "
-                      "new one refused (default 0: a quarter of the descriptor limit)")
+                      "new one refused (default 0: a quarter of the descriptor limit, at most 16384)")
     grpc.add_argument("--grpc-message-timeout", type=int, default=60, metavar="SECONDS",
                       help="a request message begun may not go this long without a byte, or its "
                       "call ends DEADLINE_EXCEEDED (default 60; 0: no limit)")

@@ -16,9 +16,10 @@ header-size limit, back-pressure — reading pauses while a slow client's
 responses pile up, and a stream waits for a slow reader — a bound on the connections
 held (:mod:`dlserve.frontends.connection_cap`), and a request timeout: a request's
 headers must arrive within it of its first byte, and its body may not stall for as long
-(408 Request Timeout), so that clients sending a byte now and then cannot hold
-connections and memory for good. An idle keep-alive connection is kept (clients pool
-them) until the connection bound needs its place.
+(408 Request Timeout), and a client that reads nothing of its answer for as long is cut
+off, so that clients sending or reading a byte now and then cannot hold connections and
+memory for good. An idle keep-alive connection is kept (clients pool them) until the
+connection bound needs its place.
 """
 
 from __future__ import annotations

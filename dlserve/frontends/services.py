@@ -231,7 +231,8 @@ class KServeHttp(_HttpService):
         thread_count: int = 8  # accepted for compatibility; dlserve serves HTTP on one event loop
         header_forward_pattern: str = ""
         # dlserve: --http-max-input-size, --allow-client-shm, --http-restricted-api,
-        # --http-max-connections (0: a quarter of the descriptor limit), --http-request-timeout
+        # --http-max-connections (0: a quarter of the descriptor limit, at most 16384),
+        # --http-request-timeout
         # (seconds a request's headers may take, and its body may stall; 0: no limit)
         max_input_size: int = 64 * _MIB
         allow_client_shm: bool = False
@@ -378,7 +379,8 @@ class KServeGrpc(Service):
         max_response_pool_size: int = 2_147_483_647
         forward_header_pattern: str = ""
         # dlserve: explicit message-size limit, --allow-client-shm, --grpc-restricted-protocol,
-        # --grpc-max-connections (0: a quarter of the descriptor limit), --grpc-message-timeout
+        # --grpc-max-connections (0: a quarter of the descriptor limit, at most 16384),
+        # --grpc-message-timeout
         # (seconds a request message begun may go without a byte; 0: no limit)
         max_message_size: int = 2**31 - 1  # (tritonserver's: INT32_MAX)
         allow_client_shm: bool = False
