@@ -1080,10 +1080,20 @@ def answered(server) -> int:
     return stats["success"]["count"] + stats["fail"]["count"]
 
 
-def test_a_stream_whose_client_reads_no_answers_is_held_back(server, port):
+@pytest.mark.parametrize("message_timeout", [None, 1])
+def test_a_stream_whose_client_reads_no_answers_is_held_back(server, port, message_timeout):
     """Answers the client grants no window for wait in the server, but only a bounded
     number: then the call reads no more requests and the window shuts on the client.
-    Once the client reads, every answer comes."""
+    Once the client reads, every answer comes. With a message timeout, the message the
+    shut window cut is not the client's stall but the server's holding back: it is kept
+    however long the client waits before it reads."""
+    with contextlib.ExitStack() as stack:
+        if message_timeout is not None:
+            port = stack.enter_context(grpc_service(server, message_timeout=message_timeout))
+        _held_back_stream(server, port, 2.5 if message_timeout else 0)
+
+
+def _held_back_stream(server, port: int, wait: float) -> None:
     with H2Client(port) as client:  # the default 65,535-byte windows, never opened further
         settings = client.handshake()
         wait_until_faulty_is_idle(client)
@@ -1108,6 +1118,7 @@ def test_a_stream_whose_client_reads_no_answers_is_held_back(server, port):
         more = sender.send(echo * (settings[INITIAL_WINDOW_SIZE] // len(echo) + 8), quiet=0.5)
         assert more <= settings[INITIAL_WINDOW_SIZE]
         sent_bytes = sent * len(echo) + more
+        time.sleep(wait)
         # now the client reads
         client.send(WINDOW_UPDATE, 0, 0, struct.pack(">I", 1 << 30))
         client.send(WINDOW_UPDATE, 0, stream, struct.pack(">I", 1 << 30))
