@@ -303,6 +303,12 @@ def _answer(sock: socket.socket) -> bytes:
     return head + b"\r\n\r\n" + body
 
 
+def _assert_served(sock: socket.socket) -> None:
+    """A request on ``sock`` gets its answer: the connection is served."""
+    sock.sendall(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert _answer(sock).endswith(b'{"ok":true}')
+
+
 def _serving(test, **options) -> None:
     """Run ``test(server, port)`` in a thread against an HttpServer with these options;
     afterwards the server holds no connection."""
@@ -343,8 +349,7 @@ def test_headers_that_do_not_arrive_in_time_are_answered_408() -> None:
         assert answer.endswith(b'{"error":"request headers not received within 0.5 s"}')
         assert 0.45 <= waited < 2.0, waited
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-            sock.sendall(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
-            assert _answer(sock).endswith(b'{"ok":true}')
+            _assert_served(sock)
 
     _serving(test, request_timeout=0.5)
 
@@ -381,15 +386,12 @@ def test_past_the_connection_bound_the_longest_idle_connection_makes_room() -> N
         second = socket.create_connection(("127.0.0.1", port), timeout=10)
         with first, second:
             for sock in (first, second):
-                sock.sendall(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
-                assert _answer(sock).endswith(b'{"ok":true}')
+                _assert_served(sock)
                 time.sleep(0.05)
             with socket.create_connection(("127.0.0.1", port), timeout=10) as third:
-                third.sendall(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
-                assert _answer(third).endswith(b'{"ok":true}')
+                _assert_served(third)
                 assert first.recv(100) == b"", "the longest idle connection was kept"
-                second.sendall(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
-                assert _answer(second).endswith(b'{"ok":true}')
+                _assert_served(second)
                 assert len(server.connections) == server.cap.held == 2
 
     _serving(test, max_connections=2)
@@ -427,8 +429,7 @@ def test_a_new_connection_is_not_shed_before_it_could_send_its_first_request() -
     def test(server: HttpServer, port: int) -> None:
         with socket.create_connection(("127.0.0.1", port), timeout=10) as idle, \
                 socket.create_connection(("127.0.0.1", port), timeout=10) as busy:
-            idle.sendall(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
-            assert _answer(idle).endswith(b'{"ok":true}')
+            _assert_served(idle)
             busy.sendall(b"GET /x HTTP/1.1\r\nHost: x\r\n")  # headers under way
             time.sleep(0.1)
             first = socket.create_connection(("127.0.0.1", port), timeout=10)
@@ -437,8 +438,7 @@ def test_a_new_connection_is_not_shed_before_it_could_send_its_first_request() -
                 assert idle.recv(100) == b""  # the idle one made room for the first
                 second.sendall(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
                 assert _read_until_closed(second).startswith(b"HTTP/1.1 503")
-                first.sendall(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
-                assert _answer(first).endswith(b'{"ok":true}')
+                _assert_served(first)
             busy.sendall(b"\r\n")
             assert _answer(busy).endswith(b'{"ok":true}')
 
@@ -454,8 +454,7 @@ def test_a_connection_that_says_nothing_is_idle_after_the_grace() -> None:
         with socket.create_connection(("127.0.0.1", port), timeout=10) as silent:
             time.sleep(FRESH_GRACE + 0.3)
             with socket.create_connection(("127.0.0.1", port), timeout=10) as newcomer:
-                newcomer.sendall(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
-                assert _answer(newcomer).endswith(b'{"ok":true}')
+                _assert_served(newcomer)
                 assert silent.recv(100) == b""
 
     _serving(test, max_connections=1)
@@ -480,8 +479,7 @@ def test_refused_connections_do_not_count_against_the_bound() -> None:
             assert _answer(busy).endswith(b'{"ok":true}')
         time.sleep(0.1)
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-            sock.sendall(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
-            assert _answer(sock).endswith(b'{"ok":true}')
+            _assert_served(sock)
         for sock in refused:
             sock.close()
 
@@ -498,8 +496,7 @@ def test_a_connection_that_sends_only_blank_lines_is_idle_after_the_grace() -> N
             holder.sendall(b"\r\n")
             time.sleep(FRESH_GRACE + 0.3)
             with socket.create_connection(("127.0.0.1", port), timeout=10) as newcomer:
-                newcomer.sendall(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
-                assert _answer(newcomer).endswith(b'{"ok":true}')
+                _assert_served(newcomer)
             try:
                 assert holder.recv(100) == b""
             except ConnectionResetError:
