@@ -368,23 +368,13 @@ class ModelInstance:
                 for handle, r in zip(handles, requests)
             ]
         t1 = time.monotonic_ns()
-        future = worker.submit(Kind.EXECUTE, body)
         executing = self._executing
-        traces = []
-        for handle, request in zip(handles, requests):
-            executing[handle] = request
-            request.cancel_hook = functools.partial(self._cancel, handle)
-            if request.trace is not None:
-                # Open until the execute returns, for its compute times: a model may end
-                # the request before that (its response sender, a cancellation).
-                request.trace.hold()
-                traces.append(request.trace)
+        traces: list[Any] = []  # (filled in once the execute is sent)
 
-        def finished(future: asyncio.Future[Any]) -> None:
+        def finished(replies: Any, error: BaseException | None) -> None:
             t2 = time.monotonic_ns()
             for handle in handles:
                 executing.pop(handle, None)
-            error = future.exception()
             # (a dead worker's instance is released once its death is reported)
             if released is not None and not isinstance(error, WorkerGoneError):
                 try:
@@ -392,7 +382,7 @@ class ModelInstance:
                 except Exception:  # noqa: BLE001 - a failed next execute must not lose this one
                     log.exception("dispatching the next execute of '%s' failed", self.name)
             try:
-                complete(None if error else future.result(), error, t2)
+                complete(replies, error, t2)
             finally:
                 for trace in traces:
                     trace.release()
@@ -441,7 +431,15 @@ class ModelInstance:
                 trace.record("COMPUTE_END", t3)
             done(results, Timings(t1 - t0, t2 - t1, t3 - t2))
 
-        future.add_done_callback(finished)
+        worker.call(Kind.EXECUTE, body, finished)
+        for handle, request in zip(handles, requests):
+            executing[handle] = request
+            request.cancel_hook = functools.partial(self._cancel, handle)
+            if request.trace is not None:
+                # Open until the execute returns, for its compute times: a model may end
+                # the request before that (its response sender, a cancellation).
+                request.trace.hold()
+                traces.append(request.trace)
 
     def _handle(self, request: Request) -> int:
         """The name of ``request`` between the server and this instance's worker: a new

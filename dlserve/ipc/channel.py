@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import logging
 import socket
 import threading
 import time
@@ -30,6 +31,11 @@ from typing import Any
 from dlserve.errors import ErrorCode, TritonError, UnavailableError
 from dlserve.ipc.polling import PollWindow, loop_poller, recv_polling
 from dlserve.ipc.protocol import HEADER, FrameBuffer, Kind, Message, encode
+
+log = logging.getLogger("dlserve.worker")
+
+# What gets a request's reply: called with (body, None), or (None, the error).
+ReplyCallback = Callable[[Any, "BaseException | None"], None]
 
 
 class WorkerGoneError(UnavailableError):
@@ -57,7 +63,7 @@ class ServerChannel(asyncio.Protocol):
         self._on_lost = on_lost
         self._frames = FrameBuffer()
         self._transport: asyncio.Transport | None = None
-        self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._pending: dict[int, ReplyCallback] = {}
         self._corr = itertools.count(1)
         self._releases: list[int] = []
         self._flush_scheduled = False
@@ -75,15 +81,15 @@ class ServerChannel(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         for kind, corr, body in self._frames.feed(data):
             if kind == Kind.REPLY or kind == Kind.ERROR:
-                future = self._pending.pop(corr, None)
+                on_reply = self._pending.pop(corr, None)
                 if not self._pending:
                     self._reply_wait.record(time.perf_counter() - self._waiting_since)
                     self._poller.done(self)
-                if future is not None and not future.done():
+                if on_reply is not None:
                     if kind == Kind.REPLY:
-                        future.set_result(body)
+                        self._answer(on_reply, body, None)
                     else:
-                        future.set_exception(_raise_error(body))
+                        self._answer(on_reply, None, _raise_error(body))
             elif kind == Kind.RELEASE:
                 # After the reply callbacks scheduled above: a reply may refer to the
                 # very memory this releases (lease 0), and future callbacks run later.
@@ -97,10 +103,18 @@ class ServerChannel(asyncio.Protocol):
         self._transport = None
         self._poller.done(self)
         pending, self._pending = self._pending, {}
-        for future in pending.values():
-            if not future.done():
-                future.set_exception(WorkerGoneError("worker process connection closed"))
+        for on_reply in pending.values():
+            self._answer(on_reply, None, WorkerGoneError("worker process connection closed"))
         self._on_lost()
+
+    @staticmethod
+    def _answer(on_reply: ReplyCallback, body: Any, error: BaseException | None) -> None:
+        """Hand a reply on. A failing callback is logged, not raised: raised out of the
+        protocol's callbacks, it would close the channel to a worker that is fine."""
+        try:
+            on_reply(body, error)
+        except Exception:  # noqa: BLE001
+            log.exception("handling a worker's reply failed")
 
     # -- sending ------------------------------------------------------------------------
     @property
@@ -121,14 +135,28 @@ class ServerChannel(asyncio.Protocol):
 
     def request(self, kind: int, body: Any) -> asyncio.Future[Any]:
         """Send a request; the future resolves to the reply body or raises its error."""
-        corr = next(self._corr)
         future = self._loop.create_future()
+
+        def resolve(reply: Any, error: BaseException | None) -> None:
+            if not future.done():
+                if error is None:
+                    future.set_result(reply)
+                else:
+                    future.set_exception(error)
+
+        self.call(kind, body, resolve)
+        return future
+
+    def call(self, kind: int, body: Any, on_reply: ReplyCallback) -> None:
+        """Send a request; ``on_reply(body, None)`` or ``on_reply(None, error)`` is called
+        as its reply is read (or the channel is lost), in that same loop turn: the hot
+        path's execute, without a future's extra turn of the loop."""
+        corr = next(self._corr)
         self._write(encode(kind, corr, body))
         if not self._pending:
             self._waiting_since = time.perf_counter()
             self._poller.poll(self, self._reply_wait.seconds)
-        self._pending[corr] = future
-        return future
+        self._pending[corr] = on_reply
 
     def reply(self, corr: int, body: Any) -> None:
         self._write(encode(Kind.REPLY, corr, body))

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dlserve.errors import InternalError, TritonError
-from dlserve.ipc.channel import ServerChannel, WorkerGoneError
+from dlserve.ipc.channel import ReplyCallback, ServerChannel, WorkerGoneError
 from dlserve.ipc.environments import SERVER_PYTHON, ExecutionEnvironment
 from dlserve.ipc.polling import PollerBoard, loop_poller
 from dlserve.ipc.protocol import STACKS_SIGNAL, Kind, Message
@@ -342,18 +342,22 @@ class WorkerProcess:
         """``"; its last output: ..."`` for a worker that died having written something."""
         return f"; its last output:\n{self.last_output}" if self.last_output else ""
 
-    def submit(self, kind: int, body: Any) -> asyncio.Future[Any]:
-        """Send a request; the future resolves to the reply (or the worker's error)."""
+    def call(self, kind: int, body: Any, on_reply: ReplyCallback) -> None:
+        """Send a request; ``on_reply`` gets the reply (or the worker's error) as it is
+        read (ServerChannel.call). Raises WorkerGoneError at once for a worker not running."""
+        self._channel_or_gone().call(kind, body, on_reply)
+
+    async def request(self, kind: int, body: Any) -> Any:
+        return await self._channel_or_gone().request(kind, body)
+
+    def _channel_or_gone(self) -> ServerChannel:
         if self.channel is None or not self.alive:
             # (its end seen before its exit: no exit status yet)
             unhealthy = f"Stub process '{self.instance_name}' is not healthy"
             raise WorkerGoneError(
                 self.exit_description or f"{unhealthy}: its worker process is not running"
             )
-        return self.channel.request(kind, body)
-
-    async def request(self, kind: int, body: Any) -> Any:
-        return await self.submit(kind, body)
+        return self.channel
 
     async def wait_exited(self) -> None:
         await self._exited.wait()

@@ -498,5 +498,5 @@ def test_a_request_to_a_worker_without_its_channel_names_the_instance():
         on_exit=lambda description: None,
     )
     with pytest.raises(WorkerGoneError) as gone:
-        worker.submit(Kind.EXECUTE, [])
+        worker.call(Kind.EXECUTE, [], lambda reply, error: None)
     assert str(gone.value) == "Stub process 'add_sub_0' is not healthy: its worker process is not running"
