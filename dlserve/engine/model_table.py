@@ -72,8 +72,11 @@ class ModelEntry:
 
     def latest_loaded(self) -> ModelVersion | None:
         """The highest loaded version, even if its instances are restarting right now."""
-        loaded = [v for v in self.versions.values() if v.state == "READY"]
-        return max(loaded, key=lambda v: v.version) if loaded else None
+        latest = None
+        for model in self.versions.values():  # (every request looks: no list, no key function)
+            if model.state == "READY" and (latest is None or model.version > latest.version):
+                latest = model
+        return latest
 
 
 class ModelTable(dict[ModelKey, ModelEntry]):

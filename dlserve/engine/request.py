@@ -173,6 +173,8 @@ def shape_text(shape: Any) -> str:
 
 
 def _matches(dims: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    if dims == shape:  # (most requests: no -1 to look at one by one)
+        return True
     return len(dims) == len(shape) and all(d == -1 or d == s for d, s in zip(dims, shape))
 
 
@@ -203,8 +205,12 @@ class Signature:
         self.max_batch_size = config.max_batch_size
         self.inputs = {t.name: _spec(t) for t in config.input}
         self.required = tuple(name for name, spec in self.inputs.items() if not spec.optional)
+        self._required_set = frozenset(self.required)
         self.outputs = {t.name: _spec(t) for t in config.output}
         self.output_names = tuple(self.outputs)
+
+    def lacks_required(self, inputs: dict[str, Any]) -> bool:
+        return not inputs.keys() >= self._required_set
 
 
 def _batched_shape_error(
@@ -255,7 +261,7 @@ def validate_request(request: Request, signature: Signature) -> int:
             raise InvalidArgumentError(  # (without the request id, as Triton says it)
                 f"unexpected inference input '{input_name}' for model '{name}'"
             )
-    if any(n not in inputs for n in signature.required):
+    if signature.lacks_required(inputs):
         raise _count_error(request, signature, inputs)
     if batching and not inputs:  # (all inputs optional, none sent: no batch size to read)
         raise InvalidArgumentError(  # (Triton 2.51's words, then why)
@@ -302,7 +308,7 @@ def validate_request(request: Request, signature: Signature) -> int:
                 f"{request.label}unexpected shape for input '{input_name}' for model '{name}'. "
                 f"Expected {shape_text(spec.dims)}, got {shape_text(shape)}. "
             )
-        _check_byte_size(request.label, input_name, name, tensor)
+        _check_byte_size(request, input_name, name, tensor)
         if spec.reshape is not None:
             inputs[input_name] = reshaped(tensor, spec.dims, spec.reshape, batching)
     if request.requested_outputs is not None:
@@ -314,15 +320,15 @@ def validate_request(request: Request, signature: Signature) -> int:
     return batch_size if batching else 1
 
 
-def _check_byte_size(label: str, name: str, model: str, tensor: Tensor) -> None:
+def _check_byte_size(request: Request, name: str, model: str, tensor: Tensor) -> None:
     try:
         tensor.check_size()
     except ElementCountError as exc:
-        raise string_count_error(label, name, model, exc.expected, exc.count) from None
+        raise string_count_error(request.label, name, model, exc.expected, exc.count) from None
     except TruncatedElement as exc:  # (Triton 2.51's words, side by side; the second without label)
         if exc.in_prefix:
             raise InvalidArgumentError(
-                f"{label}incomplete string length indicator for inference input '{name}' for "
+                f"{request.label}incomplete string length indicator for inference input '{name}' for "
                 f"model '{model}', expecting 4 bytes but only {exc.available} bytes available. "
                 "Please make sure the string length indicator is in one buffer."
             ) from None
@@ -331,7 +337,7 @@ def _check_byte_size(label: str, name: str, model: str, tensor: Tensor) -> None:
             f"{exc.expected} but only {exc.available} bytes available"
         ) from None
     except ValueError as exc:
-        raise InvalidArgumentError(f"{label}input '{name}': {exc}") from None
+        raise InvalidArgumentError(f"{request.label}input '{name}': {exc}") from None
 
 
 def string_count_error(label: str, name: str, model: str, expected: int, count: int) -> InvalidArgumentError:

@@ -287,18 +287,6 @@ class Scheduler:
             for request in batch:
                 self._fail(request, error, "BACKEND")
         else:
-            fillers = sum(r.filler for r in batch)
-            if fillers:  # (a sequence batcher's; queued nowhere, answered to nobody)
-                queue_ns = [q for r, q in zip(batch, queue_ns) if not r.filler]
-            self.model.stats.record_execution(
-                batch_size=batch_size,
-                request_count=len(batch) - fillers,
-                queue_ns=queue_ns,
-                input_ns=timings.input_ns,
-                infer_ns=timings.infer_ns,
-                output_ns=timings.output_ns,
-                filler_rows=fillers,
-            )
             # An error the model returns in a response still counts as a success, as
             # in Triton's statistics: the request was executed and answered. A request
             # answered by its model's response sender counts when the execute ends, as
@@ -318,6 +306,21 @@ class Scheduler:
                 elif not request.finished:  # its answers come through stream_response
                     request.counted = True
                     self.model.stats.record_request(now - request.arrival_ns)
+            # The execution's statistics once its answers are on their way: a client's next
+            # request does not wait for them (in this same loop turn, so that nothing can
+            # read the statistics between the answers and this).
+            fillers = sum(r.filler for r in batch)
+            if fillers:  # (a sequence batcher's; queued nowhere, answered to nobody)
+                queue_ns = [q for r, q in zip(batch, queue_ns) if not r.filler]
+            self.model.stats.record_execution(
+                batch_size=batch_size,
+                request_count=len(batch) - fillers,
+                queue_ns=queue_ns,
+                input_ns=timings.input_ns,
+                infer_ns=timings.infer_ns,
+                output_ns=timings.output_ns,
+                filler_rows=fillers,
+            )
         self._completed(batch)
         self.dispatch()
 
@@ -457,6 +460,10 @@ class DefaultScheduler(Scheduler):
         """Where nothing is pipelined (more than one instance), an instance's next
         execute goes as soon as its worker replies (see Scheduler.dispatch_on_reply)."""
         return len(self.instances) > 1
+
+    def dispatch(self) -> None:
+        if self.queue:  # (else there is nothing to find an instance for)
+            super().dispatch()
 
     def _next_batch(self, instance: ModelInstance) -> list[Request] | None:
         return [self.queue.popleft()] if self.queue else None

@@ -323,8 +323,9 @@ class Tensor:
             if count != self.element_count:
                 raise ElementCountError(count, self.element_count, self.shape)
             return
-        expected = self.element_count * self.data_type.itemsize
-        if self.size != expected:
+        expected = math.prod(self.shape) * self.data_type.itemsize
+        data = self._data  # (every request's every input: no property calls)
+        if (data.nbytes if data is not None else self.size) != expected:
             raise ValueError(
                 f"byte size mismatch: shape {list(self.shape)} of {self.data_type.name} "
                 f"needs {expected} bytes, got {self.size}"
