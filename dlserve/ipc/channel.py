@@ -238,7 +238,9 @@ class WorkerChannel:
         # Re-entrant: a finalizer that sends (an abandoned response sender) may run
         # in the middle of this thread's own send.
         self._send_lock = threading.RLock()
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._waiters = 0  # threads in self._cond.wait() (none: nobody to notify)
         self._reading = False
         self._closed = False
         self._inbox: collections.deque[Message] = collections.deque()
@@ -366,24 +368,30 @@ class WorkerChannel:
 
     def _wait(self, ready: Callable[[], bool]) -> None:
         """Block until ``ready()``; read frames for everybody while no one else does."""
-        with self._cond:
+        lock = self._lock  # (the condition's: taken as itself, one call less per message)
+        with lock:
             while True:
-                self._apply_releases()
+                if self._inbox:
+                    self._apply_releases()
                 if ready():
                     return
                 if self._closed:
                     raise EOFError("server closed the channel")
                 if self._reading:
-                    self._cond.wait()
+                    self._waiters += 1
+                    try:
+                        self._cond.wait()
+                    finally:
+                        self._waiters -= 1
                     continue
                 self._reading = True
-                self._cond.release()
+                lock.release()
                 try:
                     message: Message | None = self._read_message()
                 except (EOFError, OSError):
                     message = None
                 finally:
-                    self._cond.acquire()
+                    lock.acquire()
                     self._reading = False
                 try:
                     if message is None:
@@ -392,7 +400,8 @@ class WorkerChannel:
                     else:
                         self._route(message)
                 finally:
-                    self._cond.notify_all()
+                    if self._waiters:
+                        self._cond.notify_all()
 
     def next_command(self) -> Message:
         """The next server-initiated message but a RELEASE (those go to ``on_release``);
@@ -488,7 +497,8 @@ class WorkerChannel:
                         self._close_streams()
                 finally:  # (the next reader must not wait for one that is gone)
                     self._reading = False
-                    self._cond.notify_all()
+                    if self._waiters:
+                        self._cond.notify_all()
 
     def reply(self, corr: int, body: Any) -> None:
         self.send(Kind.REPLY, corr, body)

@@ -40,6 +40,7 @@ from dlserve.pb_utils.tensor import Tensor
 current_handles: contextvars.ContextVar[tuple[int, ...] | None] = contextvars.ContextVar(
     "dlserve_current_handles", default=None
 )
+_FIRST_SWEEP = 1024  # exchanges known before the dead ones are first swept out
 
 def encode_response(
     peer: Peer,
@@ -88,7 +89,12 @@ class WorkerRuntime:
         # The model's own event loop (``async def execute``); the main thread always
         # reads the channel for it, so its coroutines can wait without a thread each.
         self.loop: asyncio.AbstractEventLoop | None = None
-        self._exchanges: weakref.WeakValueDictionary[int, Exchange] = weakref.WeakValueDictionary()
+        # handle -> the exchange of a request the model may still answer. Weak: a request
+        # nobody holds is done with. Plain weak references, the dead ones swept when the
+        # table has doubled, not a WeakValueDictionary: its Python-level bookkeeping
+        # cost every request a few microseconds.
+        self._exchanges: dict[int, weakref.ref[Exchange]] = {}
+        self._sweep_at = _FIRST_SWEEP
         self._early_cancels: set[int] = set()  # cancelled before their execute was read
         self._cancel_lock = threading.Lock()
         # False while the model's initialize or finalize runs: BLS is execute's, as in Triton.
@@ -132,9 +138,12 @@ class WorkerRuntime:
         rescheduled request's own again (its handle is kept) while the model holds its
         sender from an earlier execute, so that sender and this execute answer as one."""
         with self._cancel_lock:
-            exchange = self._exchanges.get(handle)
+            exchange = self._exchange(handle)
             if exchange is None:
-                exchange = self._exchanges[handle] = Exchange(handle, requested, destinations, decoupled)
+                exchange = Exchange(handle, requested, destinations, decoupled)
+                if len(self._exchanges) >= self._sweep_at:
+                    self._sweep_exchanges()
+                self._exchanges[handle] = weakref.ref(exchange)
             exchange.rescheduled = False
             if self._early_cancels:
                 if handle in self._early_cancels:
@@ -148,11 +157,20 @@ class WorkerRuntime:
         """CANCEL from the server (on whichever thread reads the channel)."""
         with self._cancel_lock:
             for handle in handles:
-                exchange = self._exchanges.get(handle)
+                exchange = self._exchange(handle)
                 if exchange is not None:
                     exchange.cancelled = True
                 else:
                     self._early_cancels.add(handle)
+
+    def _exchange(self, handle: int) -> Exchange | None:
+        ref = self._exchanges.get(handle)
+        return None if ref is None else ref()
+
+    def _sweep_exchanges(self) -> None:
+        """Forget the exchanges gone; the next sweep once the table has doubled again."""
+        self._exchanges = {h: ref for h, ref in self._exchanges.items() if ref() is not None}
+        self._sweep_at = max(_FIRST_SWEEP, 2 * len(self._exchanges))
 
     def is_cancelled(self, exchange: Exchange) -> bool:
         if not exchange.cancelled:
@@ -237,7 +255,7 @@ class WorkerRuntime:
         outputs: list[Tensor] = []
         try:
             for w in outputs_wire:
-                outputs.append(Tensor(*self.peer.import_(w)))
+                outputs.append(Tensor._received(*self.peer.import_(w)))
         except TritonError as exc:  # (say, a client's region shrunk meanwhile)
             self.peer.discard(outputs_wire[len(outputs):])  # (those mapped go back as they die)
             return _error_response(exc.message, int(exc.code)), final

@@ -303,7 +303,8 @@ class Worker:
         """Each request's input tensors; a batch's inputs of one name are imported
         together (back to back in memory, see Peer.import_many)."""
         if len(body) == 1:
-            return [[Tensor(*self.peer.import_(wire, host=self.host_inputs)) for wire in body[0][7]]]
+            host = self.host_inputs
+            return [[Tensor._received(*self.peer.import_(wire, host=host)) for wire in body[0][7]]]
         by_name: dict[str, list[tuple[int, int, Any]]] = {}
         for index, request in enumerate(body):
             for position, wire in enumerate(request[7]):
@@ -312,7 +313,7 @@ class Worker:
         for group in by_name.values():
             imported = self.peer.import_many([wire for _, _, wire in group], host=self.host_inputs)
             for (index, position, _), (name, tensor) in zip(group, imported):
-                inputs[index][position] = Tensor(name, tensor)
+                inputs[index][position] = Tensor._received(name, tensor)
         return inputs
 
     def _request(self, wire: tuple[Any, ...], inputs: list[Tensor]) -> InferenceRequest:

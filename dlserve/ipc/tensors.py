@@ -52,6 +52,8 @@ from dlserve.memory.tensor import MemoryType, Tensor
 
 INLINE_MAX = 4096
 _DATA_TYPES = list(DataType)  # index = enum value; faster than DataType(value)
+# index = enum value: the numpy dtype of the type's storage; None where it has none (BYTES)
+_STORAGE_DTYPES = [t.storage_dtype if t.itemsize else None for t in _DATA_TYPES]
 WireTensor = tuple[str, int, tuple[int, ...], Any]
 
 
@@ -72,6 +74,11 @@ class InlineSlab:
         self._lock = threading.Lock()  # a worker imports on several threads (BLS, async execute)
 
     def _carve(self, size: int) -> np.ndarray:
+        buffer, start = self._reserve(size)
+        return buffer[start : start + size]
+
+    def _reserve(self, size: int) -> tuple[np.ndarray, int]:
+        """Room for ``size`` bytes: the buffer it is in, and where it starts."""
         with self._lock:
             start = self._position
             if start + size > self._buffer.nbytes:
@@ -79,13 +86,23 @@ class InlineSlab:
                 start = -fresh.ctypes.data % ALIGNMENT
                 self._buffer = fresh
             self._position = start + (size + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
-            return self._buffer[start : start + size]
+            return self._buffer, start
 
     def copy(self, data: bytes) -> np.ndarray:
         """A writable, 64-byte aligned copy of ``data``."""
         raw = self._carve(len(data))
         raw.data.cast("B")[:] = data
         return raw
+
+    def place(self, data: bytes, dtype: np.dtype[Any], shape: tuple[int, ...]) -> np.ndarray:
+        """A writable, 64-byte aligned array of ``dtype`` and ``shape`` holding ``data``,
+        whose size the caller checked: made in one step (every small tensor received
+        comes through here), not as a uint8 copy then viewed and reshaped."""
+        buffer, start = self._reserve(len(data))
+        array = np.ndarray(shape, dtype, buffer, start)
+        if data:  # (a view with a 0 in its shape cannot be cast, and has nothing to copy)
+            array.data.cast("B")[:] = data
+        return array
 
     def copy_many(self, chunks: list[bytes]) -> list[np.ndarray]:
         """Copies of ``chunks`` back to back in one aligned region, so that arrays
@@ -99,6 +116,19 @@ class InlineSlab:
             out.append(piece)
             position += len(chunk)
         return out
+
+
+def _inline_tensor(
+    slab: InlineSlab, name: str, dtype: int, shape: tuple[int, ...], data: bytes
+) -> Tensor:
+    """A tensor over a copy of bytes that came inline, checked against its shape."""
+    storage = _STORAGE_DTYPES[dtype]
+    if storage is None:
+        return _tensor(name, dtype, shape, slab.copy(data))
+    data_type = _DATA_TYPES[dtype]
+    if math.prod(shape) * storage.itemsize != len(data):
+        _check_size(name, data_type, shape, len(data))  # (raises, saying so)
+    return Tensor(data_type, shape, data=slab.place(data, storage, shape))
 
 
 def _tensor(name: str, dtype: int, shape: tuple[int, ...], raw: np.ndarray) -> Tensor:
@@ -254,7 +284,7 @@ class Peer:
         into host memory (a model's input, unless it takes GPU inputs)."""
         name, dtype, shape, ref = wire
         if type(ref) is bytes:
-            return name, _tensor(name, dtype, shape, self._slab.copy(ref))
+            return name, _inline_tensor(self._slab, name, dtype, shape, ref)
         if is_cuda_ref(ref):
             return name, self._import_cuda(name, dtype, shape, ref, host and not shared)
         raw, _ = self._import_ref(ref, shared)

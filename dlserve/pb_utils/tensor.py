@@ -53,6 +53,15 @@ class Tensor:
             raise TritonModelException(f"Tensor '{name}': {exc}") from None
 
     @classmethod
+    def _received(cls, name: str, tensor: _CoreTensor) -> Tensor:
+        """A tensor the worker received (an input, a BLS response's output): trusted
+        values, no re-validation."""
+        received = cls.__new__(cls)
+        received._name = name
+        received._tensor = tensor
+        return received
+
+    @classmethod
     def empty(cls, name: str, shape: Sequence[int], dtype: Any) -> Tensor:
         """A new output tensor allocated in shared memory; fill ``as_numpy()`` in place.
 
