@@ -591,9 +591,11 @@ class ModelInstance:
         if peer is None:
             raise UnavailableError(f"model instance '{self.name}' went away")
         signature = model.signature
+        reshapes = signature.reshapes_outputs
+        outputs = response.outputs
         for wire in outputs_wire:
             name, tensor = peer.import_(wire)
-            response.outputs[name] = output_as_declared(signature, name, tensor)
+            outputs[name] = output_as_declared(signature, name, tensor) if reshapes else tensor
         return response
 
     def forget_segments(self, names: list[str]) -> None:

@@ -208,6 +208,8 @@ class Signature:
         self._required_set = frozenset(self.required)
         self.outputs = {t.name: _spec(t) for t in config.output}
         self.output_names = tuple(self.outputs)
+        # Whether any output has a reshape (output_as_declared has nothing to do if none)
+        self.reshapes_outputs = any(spec.reshape is not None for spec in self.outputs.values())
 
     def lacks_required(self, inputs: dict[str, Any]) -> bool:
         return not inputs.keys() >= self._required_set

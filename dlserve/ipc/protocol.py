@@ -99,6 +99,10 @@ class FrameBuffer:
         self._buf = bytearray()
 
     def feed(self, data: bytes) -> list[Message]:
+        if not self._buf and len(data) >= 4:  # (most reads: exactly one whole frame)
+            (length,) = HEADER.unpack_from(data)
+            if len(data) == 4 + length and length <= MAX_FRAME:
+                return [decode(memoryview(data)[4:])]
         buf = self._buf
         buf += data
         out: list[Message] = []
