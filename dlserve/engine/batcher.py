@@ -176,6 +176,9 @@ class DynamicBatcher(Scheduler):
         super().dispatch()
 
     # -- batch formation ----------------------------------------------------------------
+    def _has_queued(self) -> bool:
+        return any(self.queues) or any(self.delayed)
+
     def _next_batch(self, instance: ModelInstance) -> list[Request] | None:
         if self._held_until:
             if self.pending < self._held_until:

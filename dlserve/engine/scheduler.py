@@ -178,8 +178,13 @@ class Scheduler:
             f"model '{model.name}' version {model.version} has {model.unready_reason()}"
         )
 
+    def _has_queued(self) -> bool:
+        """Whether anything may be waiting to run (True where that is not cheap to tell:
+        _next_batch then says)."""
+        return True
+
     def dispatch(self) -> None:
-        while True:
+        while self._has_queued():
             picked = self._pick()
             if picked is None:
                 return
@@ -461,9 +466,8 @@ class DefaultScheduler(Scheduler):
         execute goes as soon as its worker replies (see Scheduler.dispatch_on_reply)."""
         return len(self.instances) > 1
 
-    def dispatch(self) -> None:
-        if self.queue:  # (else there is nothing to find an instance for)
-            super().dispatch()
+    def _has_queued(self) -> bool:
+        return bool(self.queue)
 
     def _next_batch(self, instance: ModelInstance) -> list[Request] | None:
         return [self.queue.popleft()] if self.queue else None
