@@ -91,8 +91,9 @@ class ServerChannel(asyncio.Protocol):
                     else:
                         self._answer(on_reply, None, _raise_error(body))
             elif kind == Kind.RELEASE:
-                # After the reply callbacks scheduled above: a reply may refer to the
-                # very memory this releases (lease 0), and future callbacks run later.
+                # After the replies above, and the callbacks of the futures they resolved
+                # (those run later): a reply may refer to the very memory this releases
+                # (lease 0).
                 self._loop.call_soon(self.on_release, body)
             elif kind == Kind.RETIRE:
                 self._loop.call_soon(self.on_retire, body)

@@ -42,6 +42,7 @@ current_handles: contextvars.ContextVar[tuple[int, ...] | None] = contextvars.Co
 )
 _FIRST_SWEEP = 1024  # exchanges known before the dead ones are first swept out
 
+
 def encode_response(
     peer: Peer,
     response: InferenceResponse,
