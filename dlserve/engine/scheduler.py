@@ -284,10 +284,10 @@ class Scheduler:
             self._completed(batch)
             self.dispatch()
             return
-        batch_size = sum(self.model.batch_size_of(r) for r in batch)
         if isinstance(result, TritonError) or timings is None:
             error = result if isinstance(result, TritonError) else InternalError("execute failed")
             started = batch[0].arrival_ns + queue_ns[0]
+            batch_size = sum(self.model.batch_size_of(r) for r in batch)
             self.model.stats.record_failed_execution(batch_size, time.monotonic_ns() - started)
             for request in batch:
                 self._fail(request, error, "BACKEND")
@@ -311,14 +311,14 @@ class Scheduler:
                 elif not request.finished:  # its answers come through stream_response
                     request.counted = True
                     self.model.stats.record_request(now - request.arrival_ns)
-            # The execution's statistics once its answers are on their way: a client's next
-            # request does not wait for them (in this same loop turn, so that nothing can
-            # read the statistics between the answers and this).
+            # The execution's statistics once its answers are on their way, as each
+            # request's own (_deliver): a client's next request does not wait for them. In
+            # this same loop turn, so that nothing can read the statistics in between.
             fillers = sum(r.filler for r in batch)
             if fillers:  # (a sequence batcher's; queued nowhere, answered to nobody)
                 queue_ns = [q for r, q in zip(batch, queue_ns) if not r.filler]
             self.model.stats.record_execution(
-                batch_size=batch_size,
+                batch_size=sum(self.model.batch_size_of(r) for r in batch),
                 request_count=len(batch) - fillers,
                 queue_ns=queue_ns,
                 input_ns=timings.input_ns,
@@ -352,6 +352,7 @@ class Scheduler:
     def _deliver(self, request: Request, response: Response, failure: str | None) -> None:
         if request.finished:
             return  # cancelled (or failed) already: the caller has its final answer
+        took = None  # the request's time, where this final answer counts it
         if response.final:
             request.finished = True
             request.cancel_hook = None
@@ -363,7 +364,7 @@ class Scheduler:
             if request.from_client:
                 self.model.resources.host.request_finished()
             if not request.counted:
-                self.model.stats.record_request(time.monotonic_ns() - request.arrival_ns, failure)
+                took = time.monotonic_ns() - request.arrival_ns  # (counted once it is sent)
         trace = request.trace
         if trace is not None:
             if response.outputs:
@@ -376,6 +377,8 @@ class Scheduler:
             request.on_response(response)
         except Exception:  # noqa: BLE001 - one caller's broken callback must not hurt others
             log.exception("response callback for request '%s' failed", request.request_id)
+        if took is not None:
+            self.model.stats.record_request(took, failure)
         if trace is not None and response.final:
             trace.release_soon()
         self._set_idle_if_done()
