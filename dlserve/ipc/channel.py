@@ -91,10 +91,11 @@ class ServerChannel(asyncio.Protocol):
                     else:
                         self._answer(on_reply, None, _raise_error(body))
             elif kind == Kind.RELEASE:
-                # After the replies above, and the callbacks of the futures they resolved
-                # (those run later): a reply may refer to the very memory this releases
-                # (lease 0).
-                self._loop.call_soon(self.on_release, body)
+                # Now, in order: the worker sends it behind the messages that may refer to
+                # the very memory it releases (lease 0), and those (an execute's reply, a
+                # streamed response, a BLS call) were read into their own objects above.
+                # A caller answered above thus finds its request's memory back already.
+                self.on_release(body)
             elif kind == Kind.RETIRE:
                 self._loop.call_soon(self.on_retire, body)
             else:
