@@ -395,15 +395,15 @@ class WorkerChannel:
                 finally:
                     lock.acquire()
                     self._reading = False
-                try:
-                    if message is None:
-                        self._closed = True
-                        self._close_streams()
-                    else:
-                        self._route(message)
-                finally:
+                    # Whoever waits wakes once this thread lets go of the lock: to what is
+                    # routed below, or to read in its place (a read that raised, too).
                     if self._waiters:
                         self._cond.notify_all()
+                if message is None:
+                    self._closed = True
+                    self._close_streams()
+                else:
+                    self._route(message)
 
     def next_command(self) -> Message:
         """The next server-initiated message but a RELEASE (those go to ``on_release``);

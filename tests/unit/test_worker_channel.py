@@ -47,3 +47,40 @@ def test_a_request_that_cannot_be_sent_says_the_server_closed(orphaned):
         orphaned.request(Kind.METRIC_VALUE, ("family", {}))
     with pytest.raises(EOFError):  # and the channel knows it is gone
         orphaned.next_command()
+
+
+def test_a_read_that_fails_hands_the_reading_on_to_a_waiting_thread():
+    """A frame that cannot be decoded fails the thread that read it; a thread waiting for
+    its own reply meanwhile takes over the reading and sees the server go, rather than
+    sleeping for good with nobody reading."""
+    import struct
+    import threading
+    import time
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    channel = WorkerChannel(ours)
+    outcomes: dict[str, str] = {}
+
+    def ask(name: str) -> None:
+        try:
+            channel.request(Kind.METRIC_VALUE, (name, {}))
+            outcomes[name] = "answered"
+        except BaseException as exc:  # noqa: BLE001 - what each thread ended with is the point
+            outcomes[name] = type(exc).__name__
+
+    threads = [threading.Thread(target=ask, args=(name,), daemon=True) for name in "AB"]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 10
+    while channel._waiters != 1:  # one thread reads, the other waits for it
+        assert time.monotonic() < deadline, "the second thread never waited"
+        time.sleep(0.01)
+    try:
+        theirs.sendall(struct.pack("<I", 3) + b"\xff\xff\xff")  # not marshal data
+        time.sleep(0.2)
+        theirs.close()
+        for thread in threads:
+            thread.join(10)
+        assert sorted(outcomes.values()) == ["EOFError", "ValueError"]
+    finally:
+        channel.close()
