@@ -128,7 +128,7 @@ def _inline_tensor(
     data_type = _DATA_TYPES[dtype]
     if math.prod(shape) * storage.itemsize != len(data):
         _check_size(name, data_type, shape, len(data))  # (raises, saying so)
-    return Tensor(data_type, shape, data=slab.place(data, storage, shape))
+    return Tensor._of(data_type, shape, slab.place(data, storage, shape))
 
 
 def _tensor(name: str, dtype: int, shape: tuple[int, ...], raw: np.ndarray) -> Tensor:

@@ -209,6 +209,18 @@ class Tensor:
 
     # -- construction ---------------------------------------------------------------
     @classmethod
+    def _of(cls, data_type: DataType, shape: tuple[int, ...], data: np.ndarray) -> Tensor:
+        """A host tensor over ``data``, its storage array, from trusted values (what a
+        peer sent, checked against its shape): none of the constructor's checks."""
+        tensor = cls.__new__(cls)
+        tensor.data_type = data_type
+        tensor.shape = shape
+        tensor._data = data
+        tensor._objects = None
+        tensor._device = None
+        return tensor
+
+    @classmethod
     def from_numpy(cls, array: Any) -> Tensor:
         arr = array if type(array) is np.ndarray else np.asarray(array)
         data_type = DataType.from_numpy(arr.dtype)
