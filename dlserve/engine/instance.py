@@ -100,6 +100,9 @@ class ModelInstance:
         self.serial = serial
         self.signature = b""  # its group's settings and device (model.instance_signature)
         self.state = InstanceState.STARTING
+        # Ready, and one the schedulers give requests to (not a passive one). Kept with the
+        # state (_set_state), not a property: every request asks it.
+        self.serves = False
         self.in_flight = 0  # executions sent to the worker and not answered yet
         self.concurrency: int | None = None  # executes at once (async models); None: scheduler's
         self.last_done_ns = 0  # when the last execute finished (monotonic ns)
@@ -123,11 +126,6 @@ class ModelInstance:
     @property
     def ready(self) -> bool:
         return self.state is InstanceState.READY
-
-    @property
-    def serves(self) -> bool:
-        """Ready, and one the schedulers give requests to (not a passive one)."""
-        return self.ready and not self.passive
 
     @property
     def worker(self) -> WorkerProcess | None:
@@ -219,6 +217,7 @@ class ModelInstance:
 
     def _set_state(self, state: InstanceState) -> None:
         self.state = state
+        self.serves = state is InstanceState.READY and not self.passive
         self._on_state_change(self)
 
     def _on_worker_message(self, message: Message) -> None:
