@@ -92,9 +92,9 @@ class ServerChannel(asyncio.Protocol):
                         self._answer(on_reply, None, _raise_error(body))
             elif kind == Kind.RELEASE:
                 # Now, in order: the worker sends it behind the messages that may refer to
-                # the very memory it releases (lease 0), and those (an execute's reply, a
-                # streamed response, a BLS call) were read into their own objects above.
-                # A caller answered above thus finds its request's memory back already.
+                # the very memory it releases (lease 0; WorkerChannel.reply_letting_go), and
+                # those (an execute's reply, a streamed response, a BLS call) were read into
+                # their own objects above. A caller answered above finds its memory back.
                 self.on_release(body)
             elif kind == Kind.RETIRE:
                 self._loop.call_soon(self.on_retire, body)
@@ -271,6 +271,16 @@ class WorkerChannel:
             if self._releases:  # after the reply: its outputs may refer to released memory
                 frame += encode(Kind.RELEASE, 0, self._take_releases())
             self._sock.sendall(frame)
+
+    def reply_letting_go(self, corr: int, body: Any, held: list[Any]) -> None:
+        """Reply, and let go of ``held`` (what the reply's tensors may refer to) only
+        under the send lock: the releases its views queue as they die then go out behind
+        the reply. Let go of before, another thread's send (a log line, a response
+        sender, the reader's flush) could carry them ahead of the reply, and the server
+        would free memory the reply still names."""
+        with self._send_lock:
+            held.clear()
+            self.send(Kind.REPLY, corr, body)
 
     def queue_releases(self, leases: list[int]) -> None:
         """Hand leases back with the next message (see :meth:`flush_releases`)."""

@@ -147,7 +147,8 @@ class Worker:
                         )
                         del requests
                     else:
-                        self.channel.reply(corr, self._execute(body))
+                        wire, held = self._execute(body)
+                        self.channel.reply_letting_go(corr, wire, held)
                 elif kind == Kind.INIT:
                     self._initialize(body)
                     self.channel.reply(
@@ -244,7 +245,8 @@ class Worker:
         self.runtime.finalized = True
 
     # -- execute ------------------------------------------------------------------------
-    def _execute(self, body: list[Any]) -> list[Any]:
+    def _execute(self, body: list[Any]) -> tuple[list[Any], list[Any]]:
+        """The EXECUTE reply, and what it may refer to (to let go of as it is sent)."""
         self.channel.route_received()  # (its CANCEL may have come with it)
         requests = self._requests(body)
         if all(request._exchange.cancelled for request in requests):  # type: ignore[union-attr]
@@ -252,7 +254,7 @@ class Worker:
             # queued request is, without running (the server sent it on early).
             for request in requests:
                 request._exchange.closed = True  # type: ignore[union-attr]
-            return [UNRUN for _ in requests]
+            return [UNRUN for _ in requests], []
         token = current_handles.set(tuple(wire[0] for wire in body))
         self.channel.releases_anywhere = True  # (its references are imported: see there)
         try:
@@ -263,9 +265,7 @@ class Worker:
             self.channel.releases_anywhere = False
             current_handles.reset(token)
         wire = self._replies(result, requests)
-        # Drop our views before replying so their releases ride on the reply.
-        del requests, result
-        return wire
+        return wire, [requests, result]  # (held until the reply goes: reply_letting_go)
 
     async def _execute_async(self, corr: int, requests: list[InferenceRequest]) -> None:
         current_handles.set(tuple(r._exchange.handle for r in requests))  # type: ignore[union-attr]
@@ -275,8 +275,9 @@ class Worker:
             except BaseException as exc:  # noqa: BLE001 - a CancelledError or SystemExit too
                 raise self._failed(requests, describe_exception(exc)) from None
             wire = self._replies(result, requests)
+            held = [requests, result]
             del requests, result
-            self.channel.reply(corr, wire)
+            self.channel.reply_letting_go(corr, wire, held)
         except Exception as exc:  # noqa: BLE001
             self._reply_failure(corr, exc)
             self.channel.flush_releases()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import glob
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -459,3 +460,91 @@ def test_a_stream_sent_from_execute_gives_each_responses_memory_back(servers, ma
             last = float(values[0])
         del values, response
     assert last is not None and last <= 64
+
+
+PRODUCER = {
+    "config.pbtxt": """
+backend: "python"
+input [ { name: "N" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 16384 ] } ]
+response_cache { enable: true }
+""",
+    "1/model.py": '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [
+            pb_utils.InferenceResponse([pb_utils.Tensor(
+                "OUT", np.full(16384, pb_utils.get_input_tensor_by_name(r, "N").as_numpy()[0], np.float32)
+            )])
+            for r in requests
+        ]
+''',
+}
+
+FORWARDER = {
+    "config.pbtxt": """
+backend: "python"
+input [ { name: "N" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 16384 ] } ]
+""",
+    "1/model.py": '''
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    async def execute(self, requests):
+        responses = []
+        for request in requests:
+            answer = await pb_utils.InferenceRequest(
+                model_name="producer", inputs=[pb_utils.get_input_tensor_by_name(request, "N")],
+                requested_output_names=["OUT"],
+            ).async_exec()
+            if answer.has_error():
+                raise pb_utils.TritonModelException(answer.error().message())
+            responses.append(pb_utils.InferenceResponse([pb_utils.get_output_tensor_by_name(answer, "OUT")]))
+        return responses
+''',
+}
+
+
+def test_a_bls_output_a_caller_returns_as_its_own_is_held_until_its_reply_is_sent(servers, make_repo):
+    """The caller hands the server's own memory (a cached answer it was lent) back in its
+    reply; its views die as the reply is made, and their RELEASE must not reach the server
+    ahead of the reply. Another thread's send (here the async model's loop, the main thread
+    reading) used to carry it first now and then: the server freed the block and answered
+    'no longer held', or another request's bytes that had taken its place (review, with
+    this model pair: 10-209 failures in 10,000 requests)."""
+    repo = make_repo(extra={"producer": PRODUCER, "forwarder": FORWARDER})
+    server = servers.start(repo, cache_config={"local": {"size": str(1 << 24)}})
+    wait_until(lambda: server.model("forwarder").ready(), timeout=60)
+    outcomes: dict[str, int] = {}
+    numbers = iter(range(6000))
+    lock = threading.Lock()
+
+    def client() -> None:
+        model = server.model("forwarder")
+        while True:
+            with lock:
+                n = next(numbers, None)
+            if n is None:
+                return
+            value = n % 4  # (four answers, each cached: served from the server's memory)
+            try:
+                (response,) = model.infer(inputs={"N": np.array([value], np.int32)})
+                out = np.from_dlpack(response.outputs["OUT"])
+                outcome = "ok" if (out == value).all() else "another request's data"
+            except dlserve.TritonError as exc:
+                outcome = exc.message
+            with lock:
+                outcomes[outcome] = outcomes.get(outcome, 0) + 1
+
+    threads = [threading.Thread(target=client) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert outcomes == {"ok": 6000}
