@@ -197,14 +197,17 @@ class Peer:
         tensor goes by reference into device memory (see :meth:`_device_ref`); an
         empty one as any empty tensor.
         """
+        shape = tensor.shape
+        if type(shape) is not tuple:  # (a user may set a list: the peer gets a tuple)
+            shape = tuple(shape)
         if tensor.memory_type is MemoryType.GPU:
             ref = self._device_ref(tensor)
             if ref is not None:
-                return (name, int(tensor.data_type), tensor.shape, ref)
+                return (name, int(tensor.data_type), shape, ref)
         data = tensor.storage()
         nbytes = data.nbytes
         if nbytes <= INLINE_MAX and not by_reference:
-            return (name, int(tensor.data_type), tensor.shape, data.tobytes())
+            return (name, int(tensor.data_type), shape, data.tobytes())
         found = self.space.locate(data)
         if found is not None and getattr(found[0], "private", False):  # (a view, copy-on-write)
             if written(data.__array_interface__["data"][0], nbytes):
@@ -221,7 +224,7 @@ class Peer:
         else:
             lease = next(self._leases)
             self._granted[lease] = anchor
-        return (name, int(tensor.data_type), tensor.shape, (anchor.segment.name, offset, nbytes, lease))
+        return (name, int(tensor.data_type), shape, (anchor.segment.name, offset, nbytes, lease))
 
     def _device_ref(self, tensor: Tensor) -> CudaRef | None:
         """A GPU tensor by reference, however small (so that it reaches the peer on its

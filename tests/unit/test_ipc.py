@@ -206,6 +206,20 @@ def test_inline_tensors_survive_marshal(sides):
     assert tensor.as_numpy().tolist() == [0, 1, 2, 3]
 
 
+@pytest.mark.parametrize("count", [4, INLINE_MAX], ids=["inline", "by-reference"])
+def test_a_shape_set_as_a_list_arrives_as_a_tuple(sides, count):
+    """tritonserver's Tensor lets its user set ``shape`` to a list; the peer gets a tuple,
+    as every tensor it makes has (batch shapes are compared as tuples)."""
+    server, worker = sides
+    tensor = Tensor.from_numpy(np.zeros(count, np.float32))
+    tensor.shape = [2, count // 2]
+    wire = decode(encode(Kind.EXECUTE, 1, server.peer.export("X", tensor))[4:])[2]
+    _, received = worker.peer.import_(wire)
+    assert type(received.shape) is tuple and received.shape == (2, count // 2)
+    assert received.as_numpy().shape == (2, count // 2)
+    del received
+
+
 def test_large_tensor_travels_by_reference_with_a_lease(sides):
     server, worker = sides
     arr = np.arange(INLINE_MAX // 4 + 1, dtype=np.float32)  # one element past inline
