@@ -330,8 +330,9 @@ def _check_byte_size(request: Request, name: str, model: str, tensor: Tensor) ->
     except TruncatedElement as exc:  # (Triton 2.51's words, side by side; the second without label)
         if exc.in_prefix:
             raise InvalidArgumentError(
-                f"{request.label}incomplete string length indicator for inference input '{name}' for "
-                f"model '{model}', expecting 4 bytes but only {exc.available} bytes available. "
+                f"{request.label}incomplete string length indicator for inference input "
+                f"'{name}' for model '{model}', expecting 4 bytes but only {exc.available} "
+                "bytes available. "
                 "Please make sure the string length indicator is in one buffer."
             ) from None
         raise InvalidArgumentError(

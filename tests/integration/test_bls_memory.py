@@ -476,12 +476,12 @@ import triton_python_backend_utils as pb_utils
 
 class TritonPythonModel:
     def execute(self, requests):
-        return [
-            pb_utils.InferenceResponse([pb_utils.Tensor(
-                "OUT", np.full(16384, pb_utils.get_input_tensor_by_name(r, "N").as_numpy()[0], np.float32)
-            )])
-            for r in requests
-        ]
+        responses = []
+        for request in requests:
+            n = pb_utils.get_input_tensor_by_name(request, "N").as_numpy()[0]
+            out = pb_utils.Tensor("OUT", np.full(16384, n, np.float32))
+            responses.append(pb_utils.InferenceResponse([out]))
+        return responses
 ''',
 }
 
@@ -505,13 +505,14 @@ class TritonPythonModel:
             ).async_exec()
             if answer.has_error():
                 raise pb_utils.TritonModelException(answer.error().message())
-            responses.append(pb_utils.InferenceResponse([pb_utils.get_output_tensor_by_name(answer, "OUT")]))
+            out = pb_utils.get_output_tensor_by_name(answer, "OUT")
+            responses.append(pb_utils.InferenceResponse([out]))
         return responses
 ''',
 }
 
 
-def test_a_bls_output_a_caller_returns_as_its_own_is_held_until_its_reply_is_sent(servers, make_repo):
+def test_a_bls_output_a_caller_returns_is_held_until_its_reply_is_sent(servers, make_repo):
     """The caller hands the server's own memory (a cached answer it was lent) back in its
     reply; its views die as the reply is made, and their RELEASE must not reach the server
     ahead of the reply. Another thread's send (here the async model's loop, the main thread
