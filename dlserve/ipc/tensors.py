@@ -54,6 +54,7 @@ INLINE_MAX = 4096
 _DATA_TYPES = list(DataType)  # index = enum value; faster than DataType(value)
 # index = enum value: the numpy dtype of the type's storage; None where it has none (BYTES)
 _STORAGE_DTYPES = [t.storage_dtype if t.itemsize else None for t in _DATA_TYPES]
+_UINT8 = np.dtype(np.uint8)
 WireTensor = tuple[str, int, tuple[int, ...], Any]
 
 
@@ -90,9 +91,7 @@ class InlineSlab:
 
     def copy(self, data: bytes) -> np.ndarray:
         """A writable, 64-byte aligned copy of ``data``."""
-        raw = self._carve(len(data))
-        raw.data.cast("B")[:] = data
-        return raw
+        return self.place(data, _UINT8, (len(data),))
 
     def place(self, data: bytes, dtype: np.dtype[Any], shape: tuple[int, ...]) -> np.ndarray:
         """A writable, 64-byte aligned array of ``dtype`` and ``shape`` holding ``data``,
