@@ -18,7 +18,6 @@ cancellation, logs and metric updates without a redesign.
 
 from __future__ import annotations
 
-import enum
 import marshal
 import signal
 import struct
@@ -36,7 +35,11 @@ MAX_FRAME = 1 << 30
 STACKS_SIGNAL = signal.SIGRTMIN + 7
 
 
-class Kind(enum.IntEnum):
+class Kind:
+    """What a message is: plain ints, as they go on the wire. Not an IntEnum: every
+    message is compared with several of these, and an enum member's lookup costs
+    several times an int's."""
+
     # replies (either direction)
     REPLY = 1
     ERROR = 2  # body: (error code, message)
@@ -64,6 +67,14 @@ class Kind(enum.IntEnum):
     INLINE = 38  # reply: what a BLS caller needs to run the model itself, or None; body: (name, version)
     INLINE_DONE = 39  # no reply; body: an inline call for the callee's statistics (ipc.inline)
 
+    @classmethod
+    def name_of(cls, kind: int) -> str:
+        """The kind's name (for logs and tests), or the number for an unknown one."""
+        for name, value in vars(cls).items():
+            if value == kind and name.isupper():
+                return name
+        return str(kind)
+
 
 Message = tuple[int, int, Any]
 
@@ -83,7 +94,7 @@ def refused_call(model_name: str, reason: str) -> tuple[int, str]:
 
 
 def encode(kind: int, corr: int, body: Any) -> bytes:
-    payload = marshal.dumps((int(kind), corr, body), MARSHAL_VERSION)
+    payload = marshal.dumps((kind, corr, body), MARSHAL_VERSION)
     return HEADER.pack(len(payload)) + payload
 
 

@@ -46,7 +46,7 @@ MESSAGES = [
 ]
 
 
-@pytest.mark.parametrize("message", MESSAGES, ids=lambda m: Kind(m[0]).name)
+@pytest.mark.parametrize("message", MESSAGES, ids=lambda m: Kind.name_of(m[0]))
 def test_encode_decode_round_trip(message):
     kind, corr, body = message
     frame = encode(kind, corr, body)
