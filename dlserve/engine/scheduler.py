@@ -129,7 +129,7 @@ class Scheduler:
             self._idle.set()
 
     def submit(self, request: Request) -> None:
-        if not self._accept(request):
+        if not self._accept(request) or self._started_at_once(request):
             return
         if not any(instance.serves for instance in self.instances):
             self._fail(request, self._unavailable())
@@ -183,6 +183,11 @@ class Scheduler:
         _next_batch then says)."""
         return True
 
+    def _started_at_once(self, request: Request) -> bool:
+        """Whether ``request`` went straight to an instance, as a dispatch would send it
+        (True only where the scheduler can tell that cheaply: see DefaultScheduler)."""
+        return False
+
     def dispatch(self) -> None:
         while self._has_queued():
             picked = self._pick()
@@ -192,8 +197,11 @@ class Scheduler:
             batch = self._next_batch(instance)
             if not batch:
                 return
-            self._next = (index + 1) % len(self.instances)  # (the turn passes only with work)
-            self._execute(instance, batch)
+            self._run(instance, index, batch)
+
+    def _run(self, instance: ModelInstance, index: int, batch: list[Request]) -> None:
+        self._next = (index + 1) % len(self.instances)  # (the turn passes only with work)
+        self._execute(instance, batch)
 
     def has_room(self, instance: ModelInstance) -> bool:
         """Ready, with room for another execute (async models take many at once), and the
@@ -298,8 +306,12 @@ class Scheduler:
             # in Triton (whose success time is then the request's time up to here),
             # however long its stream goes on after.
             now = time.monotonic_ns()
+            batch_size_of = self.model.batch_size_of
+            batch_size = fillers = 0  # (fillers: a sequence batcher's, answered to nobody)
             for request, response in zip(batch, result):
+                batch_size += batch_size_of(request)
                 if request.filler:
+                    fillers += 1
                     continue
                 request.compute_input_ns += timings.input_ns
                 request.compute_infer_ns += timings.infer_ns
@@ -314,11 +326,10 @@ class Scheduler:
             # The execution's statistics once its answers are on their way, as each
             # request's own (_deliver): a client's next request does not wait for them. In
             # this same loop turn, so that nothing can read the statistics in between.
-            fillers = sum(r.filler for r in batch)
-            if fillers:  # (a sequence batcher's; queued nowhere, answered to nobody)
+            if fillers:  # (queued nowhere)
                 queue_ns = [q for r, q in zip(batch, queue_ns) if not r.filler]
             self.model.stats.record_execution(
-                batch_size=sum(self.model.batch_size_of(r) for r in batch),
+                batch_size=batch_size,
                 request_count=len(batch) - fillers,
                 queue_ns=queue_ns,
                 input_ns=timings.input_ns,
@@ -455,6 +466,18 @@ class DefaultScheduler(Scheduler):
 
     def _enqueue(self, request: Request) -> None:
         self.queue.append(request)
+
+    def _started_at_once(self, request: Request) -> bool:
+        """With nothing queued ahead of it and an instance with room, a request runs now:
+        where queuing and dispatching it would send it, in fewer steps (most requests
+        of a model that keeps up come this way)."""
+        if self.queue:
+            return False
+        picked = self._pick()
+        if picked is None:
+            return False
+        self._run(picked[0], picked[1], [request])
+        return True
 
     @property
     def pipeline_depth(self) -> int:  # type: ignore[override]
