@@ -48,7 +48,7 @@ from dlserve.memory.cuda_pool import process_pool
 from dlserve.memory.cuda_regions import CudaRef, IpcImports, IpcTable, device_ref, is_cuda_ref
 from dlserve.memory.dtypes import DataType
 from dlserve.memory.shm import is_client_object, written
-from dlserve.memory.tensor import MemoryType, Tensor
+from dlserve.memory.tensor import Tensor
 
 INLINE_MAX = 4096
 _DATA_TYPES = list(DataType)  # index = enum value; faster than DataType(value)
@@ -71,23 +71,22 @@ class InlineSlab:
 
     def __init__(self) -> None:
         self._buffer = np.empty(0, dtype=np.uint8)
+        self._bytes = memoryview(self._buffer)  # the buffer's bytes, to copy into in one step
         self._position = 0
         self._lock = threading.Lock()  # a worker imports on several threads (BLS, async execute)
 
-    def _carve(self, size: int) -> np.ndarray:
-        buffer, start = self._reserve(size)
-        return buffer[start : start + size]
-
-    def _reserve(self, size: int) -> tuple[np.ndarray, int]:
-        """Room for ``size`` bytes: the buffer it is in, and where it starts."""
+    def _reserve(self, size: int) -> tuple[np.ndarray, memoryview, int]:
+        """Room for ``size`` bytes: the buffer it is in (as an array and as bytes), and
+        where it starts."""
         with self._lock:
             start = self._position
             if start + size > self._buffer.nbytes:
                 fresh = np.empty(max(self.SIZE, size + ALIGNMENT), dtype=np.uint8)
                 start = -fresh.ctypes.data % ALIGNMENT
                 self._buffer = fresh
+                self._bytes = memoryview(fresh)
             self._position = start + (size + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
-            return self._buffer, start
+            return self._buffer, self._bytes, start
 
     def copy(self, data: bytes) -> np.ndarray:
         """A writable, 64-byte aligned copy of ``data``."""
@@ -97,23 +96,20 @@ class InlineSlab:
         """A writable, 64-byte aligned array of ``dtype`` and ``shape`` holding ``data``,
         whose size the caller checked: made in one step (every small tensor received
         comes through here), not as a uint8 copy then viewed and reshaped."""
-        buffer, start = self._reserve(len(data))
-        array = np.ndarray(shape, dtype, buffer, start)
-        if data:  # (a view with a 0 in its shape cannot be cast, and has nothing to copy)
-            array.data.cast("B")[:] = data
-        return array
+        buffer, raw, start = self._reserve(len(data))
+        raw[start : start + len(data)] = data
+        return np.ndarray(shape, dtype, buffer, start)
 
     def copy_many(self, chunks: list[bytes]) -> list[np.ndarray]:
         """Copies of ``chunks`` back to back in one aligned region, so that arrays
         made from them can be joined into one view without copying again."""
-        region = self._carve(sum(len(c) for c in chunks))
+        buffer, raw, position = self._reserve(sum(len(c) for c in chunks))
         out = []
-        position = 0
         for chunk in chunks:
-            piece = region[position : position + len(chunk)]
-            piece.data.cast("B")[:] = chunk
-            out.append(piece)
-            position += len(chunk)
+            end = position + len(chunk)
+            raw[position:end] = chunk
+            out.append(buffer[position:end])
+            position = end
         return out
 
 
@@ -199,7 +195,7 @@ class Peer:
         shape = tensor.shape
         if type(shape) is not tuple:  # (a user may set a list: the peer gets a tuple)
             shape = tuple(shape)
-        if tensor.memory_type is MemoryType.GPU:
+        if tensor.device_array is not None:
             ref = self._device_ref(tensor)
             if ref is not None:
                 return (name, int(tensor.data_type), shape, ref)

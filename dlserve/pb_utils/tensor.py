@@ -19,8 +19,8 @@ from dlserve.errors import InvalidArgumentError
 from dlserve.ipc.tensors import INLINE_MAX
 from dlserve.memory.dlpack import is_capsule
 from dlserve.memory.dtypes import DataType, numpy_dtype
-from dlserve.memory.tensor import MemoryType, allocation_size
 from dlserve.memory.tensor import Tensor as _CoreTensor
+from dlserve.memory.tensor import allocation_size
 from dlserve.pb_utils import _runtime
 from dlserve.pb_utils.errors import TritonModelException
 
@@ -116,10 +116,10 @@ class Tensor:
         return int(self._tensor.data_type)
 
     def is_cpu(self) -> bool:
-        return self._tensor.memory_type is not MemoryType.GPU
+        return self._tensor.device_array is None
 
     def as_numpy(self) -> np.ndarray:
-        if not self.is_cpu():  # (Triton's words)
+        if self._tensor.device_array is not None:  # (Triton's words)
             raise TritonModelException("Tensor is stored in GPU and cannot be converted to NumPy.")
         if self._tensor.data_type is DataType.BF16:  # (Triton's words: its QA's identity_bf16 expects it)
             raise TritonModelException(
