@@ -273,14 +273,15 @@ class WorkerChannel:
             self._sock.sendall(frame)
 
     def reply_letting_go(self, corr: int, body: Any, held: list[Any]) -> None:
-        """Reply, and let go of ``held`` (what the reply's tensors may refer to) only
-        under the send lock: the releases its views queue as they die then go out behind
-        the reply. Let go of before, another thread's send (a log line, a response
-        sender, the reader's flush) could carry them ahead of the reply, and the server
-        would free memory the reply still names."""
-        with self._send_lock:
-            held.clear()
-            self.send(Kind.REPLY, corr, body)
+        """Reply, then let go of ``held`` (what the reply's tensors may refer to): the
+        releases its views queue as they die go out behind the reply. Let go of before,
+        another thread's send (a log line, a response sender, the reader's flush) could
+        carry them ahead of the reply, and the server would free memory the reply still
+        names. After, not under the send lock: tearing down the requests and responses
+        (numpy views, tensors, exchanges) no longer delays the reply."""
+        self.send(Kind.REPLY, corr, body)
+        held.clear()
+        self.flush_releases()
 
     def queue_releases(self, leases: list[int]) -> None:
         """Hand leases back with the next message (see :meth:`flush_releases`)."""
