@@ -236,7 +236,6 @@ class Scheduler:
         taken = limiter.acquire(instance) if limiter is not None else None
         instance.in_flight += 1
         start = time.monotonic_ns()
-        queue_ns = [start - r.arrival_ns for r in batch]
         busy, waited = True, 0
 
         def release(dispatch: bool) -> None:
@@ -261,7 +260,7 @@ class Scheduler:
 
         def done(result: list[Response] | TritonError, timings: Timings | None) -> None:
             release(False)
-            self._finished(batch, queue_ns, waited, result, timings)
+            self._finished(batch, start, waited, result, timings)
 
         released = functools.partial(release, True) if self.dispatch_on_reply else None
         try:
@@ -274,15 +273,16 @@ class Scheduler:
     def _finished(
         self,
         batch: list[Request],
-        queue_ns: list[int],
+        start: int,
         waited: int,
         result: list[Response] | TritonError,
         timings: Timings | None,
     ) -> None:
-        if waited:
-            queue_ns = [q + waited for q in queue_ns]
-            if timings is not None:
-                timings.infer_ns = max(0, timings.infer_ns - waited)
+        """``start``: when the execute was sent (monotonic ns); ``waited``: how long it
+        then waited in the worker behind the one before (queue time, as Triton counts)."""
+        began = start + waited
+        if waited and timings is not None:
+            timings.infer_ns = max(0, timings.infer_ns - waited)
         # (the worker drops a whole execute or none of it: its first result says which)
         if not isinstance(result, TritonError) and result and result[0] is NOT_RUN:
             # Cancelled while they waited in the worker: as cancelled queued requests,
@@ -294,9 +294,8 @@ class Scheduler:
             return
         if isinstance(result, TritonError) or timings is None:
             error = result if isinstance(result, TritonError) else InternalError("execute failed")
-            started = batch[0].arrival_ns + queue_ns[0]
             batch_size = sum(self.model.batch_size_of(r) for r in batch)
-            self.model.stats.record_failed_execution(batch_size, time.monotonic_ns() - started)
+            self.model.stats.record_failed_execution(batch_size, time.monotonic_ns() - began)
             for request in batch:
                 self._fail(request, error, "BACKEND")
         else:
@@ -326,8 +325,8 @@ class Scheduler:
             # The execution's statistics once its answers are on their way, as each
             # request's own (_deliver): a client's next request does not wait for them. In
             # this same loop turn, so that nothing can read the statistics in between.
-            if fillers:  # (queued nowhere)
-                queue_ns = [q for r, q in zip(batch, queue_ns) if not r.filler]
+            # (a filler was never queued)
+            queue_ns = [began - r.arrival_ns for r in batch if not r.filler]
             self.model.stats.record_execution(
                 batch_size=batch_size,
                 request_count=len(batch) - fillers,
