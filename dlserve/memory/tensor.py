@@ -230,7 +230,7 @@ class Tensor:
             arr = np.ascontiguousarray(arr)
         if data_type is DataType.BF16:
             arr = arr.view(np.uint16)
-        return cls(data_type, arr.shape, data=arr)
+        return cls._of(data_type, arr.shape, arr)  # (checked above: the constructor's checks hold)
 
     @classmethod
     def from_dlpack(cls, obj: Any) -> Tensor:

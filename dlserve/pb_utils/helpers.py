@@ -33,7 +33,7 @@ TRITON_STRING_TO_NUMPY: dict[str, Any] = {
 
 def get_input_tensor_by_name(inference_request: InferenceRequest, name: str) -> Tensor | None:
     for tensor in inference_request.inputs():
-        if tensor.name() == name:
+        if tensor._name == name:  # (every model asks this for every input: no call per tensor)
             return tensor
     return None
 

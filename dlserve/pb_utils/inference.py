@@ -315,7 +315,7 @@ class InferenceResponse:
                 )
         if error is not None and not isinstance(error, TritonError):
             raise TypeError(f"InferenceResponse error must be a pb_utils.TritonError, got {type(error).__name__}")
-        names = [tensor.name() for tensor in tensors]
+        names = [tensor._name for tensor in tensors]
         if len(set(names)) < len(names):  # (one would be lost, or both sent under one name)
             twice = sorted({name for name in names if names.count(name) > 1})
             raise TritonModelException(f"InferenceResponse has more than one output tensor named {twice}")
