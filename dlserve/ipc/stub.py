@@ -249,13 +249,14 @@ class Worker:
         """The EXECUTE reply, and what it may refer to (to let go of as it is sent)."""
         self.channel.route_received()  # (its CANCEL may have come with it)
         requests = self._requests(body)
-        if all(request._exchange.cancelled for request in requests):  # type: ignore[union-attr]
+        first = requests[0]._exchange  # (whether it was cancelled decides, but rarely)
+        if first.cancelled and all(r._exchange.cancelled for r in requests):  # type: ignore[union-attr]
             # Cancelled while it waited here behind the previous execute: dropped as a
             # queued request is, without running (the server sent it on early).
             for request in requests:
                 request._exchange.closed = True  # type: ignore[union-attr]
             return [UNRUN for _ in requests], []
-        token = current_handles.set(tuple(wire[0] for wire in body))
+        token = current_handles.set(tuple([wire[0] for wire in body]))
         self.channel.releases_anywhere = True  # (its references are imported: see there)
         try:
             result = self.model.execute(requests)
