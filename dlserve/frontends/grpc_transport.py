@@ -92,7 +92,7 @@ from dlserve.frontends.http2 import (
     frame,
 )
 from dlserve.frontends.lingering import Lingering, linger
-from dlserve.frontends.stalls import Sweeper
+from dlserve.frontends.stalls import SendProgress, Sweeper
 
 log = logging.getLogger("dlserve.frontends.grpc")
 
@@ -206,16 +206,17 @@ class Connection(asyncio.Protocol):
         off if a client that reads nothing still holds it open (see _abort_if_stuck)."""
         self.go_away()
         self.close()
-        self.loop.call_later(1.0, self._abort_if_stuck, -1)
+        self.loop.call_later(1.0, self._abort_if_stuck, SendProgress())
 
-    def _abort_if_stuck(self, unsent_before: int) -> None:
-        """A shed connection still open: cut off unless what it has to send shrank in
-        the last second (a client reading its last answer slowly gets all of it)."""
+    def _abort_if_stuck(self, sending: SendProgress) -> None:
+        """A shed connection still open, looked at every second: cut off once it has
+        nothing left to send, or what it has did not shrink since the last look (a client
+        reading its last answer slowly gets all of it)."""
         if self.transport is None:
             return
         unsent = self.transport.get_write_buffer_size()
-        if unsent and (unsent_before < 0 or unsent < unsent_before):
-            self.loop.call_later(1.0, self._abort_if_stuck, unsent)
+        if unsent and sending.stalled_for(unsent, self.loop.time()) < 0.5:
+            self.loop.call_later(1.0, self._abort_if_stuck, sending)
         else:
             self.transport.abort()
 

@@ -40,7 +40,7 @@ import numpy as np
 
 from dlserve.frontends.connection_cap import FRESH_GRACE, ConnectionCap
 from dlserve.frontends.lingering import Lingering, linger
-from dlserve.frontends.stalls import Sweeper
+from dlserve.frontends.stalls import SendProgress, Sweeper
 from dlserve.ipc.polling import PollWindow, loop_poller
 
 if TYPE_CHECKING:
@@ -160,9 +160,7 @@ class HttpConnection(asyncio.BufferedProtocol):
         self._seen_reads = 0
         self._progress_at = 0.0
         self._held_at = 0.0  # when the sweep last found reading paused by this server
-        # Bytes waiting to be sent at the last sweep, and since when they have not shrunk.
-        self._unsent = 0
-        self._unsent_since = 0.0
+        self._sending = SendProgress()  # whether the client reads its answers (the sweep)
         self._admitted = False  # counted against the connection bound (see connection_made)
         self._settling: asyncio.TimerHandle | None = None  # (see _settled)
         self._pending: collections.deque[HttpRequest | HttpError] = collections.deque()
@@ -466,13 +464,7 @@ class HttpConnection(asyncio.BufferedProtocol):
         that reads slowly is not."""
         if self.transport is None:
             return
-        unsent = self.transport.get_write_buffer_size()
-        if not unsent:
-            self._unsent_since = 0.0
-        elif not self._unsent_since or unsent < self._unsent:
-            self._unsent_since = now  # (began to wait, or moved since the last sweep)
-        self._unsent = unsent
-        if unsent and now - self._unsent_since >= timeout:
+        if self._sending.stalled_for(self.transport.get_write_buffer_size(), now) >= timeout:
             log.info("HTTP client read nothing for %g s; closing its connection", timeout)
             self.transport.abort()
             return
