@@ -273,15 +273,17 @@ class WorkerChannel:
             self._sock.sendall(frame)
 
     def reply_letting_go(self, corr: int, body: Any, held: list[Any]) -> None:
-        """Reply, then let go of ``held`` (what the reply's tensors may refer to): the
-        releases its views queue as they die go out behind the reply. Let go of before,
-        another thread's send (a log line, a response sender, the reader's flush) could
-        carry them ahead of the reply, and the server would free memory the reply still
-        names. After, not under the send lock: tearing down the requests and responses
-        (numpy views, tensors, exchanges) no longer delays the reply."""
-        self.send(Kind.REPLY, corr, body)
-        held.clear()
-        self.flush_releases()
+        """Reply, and let go of ``held`` (what the reply's tensors may refer to) only
+        under the send lock: the releases its views queue as they die then go out behind
+        the reply, in its frame. Let go of before, another thread's send (a log line, a
+        response sender, the reader's flush) could carry them ahead of the reply, and the
+        server would free memory the reply still names. Let go of after the reply, they
+        would come in a frame of their own, which the server may read after it has
+        answered: a client answered could find what its request held still held (a
+        registered region still in use)."""
+        with self._send_lock:
+            held.clear()
+            self.send(Kind.REPLY, corr, body)
 
     def queue_releases(self, leases: list[int]) -> None:
         """Hand leases back with the next message (see :meth:`flush_releases`)."""
@@ -383,8 +385,9 @@ class WorkerChannel:
         """Block until ``ready()``; read frames for everybody while no one else does."""
         lock = self._lock  # (the condition's: taken as itself, one call less per message)
         with lock:
+            inbox = self._inbox
             while True:
-                if self._inbox:
+                if inbox and inbox[0][0] == Kind.RELEASE:
                     self._apply_releases()
                 if ready():
                     return

@@ -154,6 +154,18 @@ def test_a_region_in_use_cannot_be_unregistered(client, url, key):
 
 
 
+def test_a_region_is_free_as_soon_as_the_answer_of_the_request_using_it_arrives(client, key):
+    """The worker gives back its view of a request's input in the frame of its reply, so
+    by the time the client has the answer the server holds nothing of the region: an
+    unregister right after it is never refused as "in use"."""
+    make_object(key, np.full(N, 2.0, np.float32))
+    for _ in range(100):
+        client.register_system_shared_memory("r", f"/{key}", N * 4)
+        np.testing.assert_array_equal(client.infer("identity", [input_in("r")]).as_numpy("OUTPUT0"), 2.0)
+        client.unregister_system_shared_memory("r")
+    assert client.get_system_shared_memory_status() == []
+
+
 @pytest.mark.parametrize("use", ["input", "output"])
 def test_a_request_refused_by_its_worker_leaves_its_region_free(client, url, key, use):
     """The region passes the server's check, the request waits behind a busy instance,
