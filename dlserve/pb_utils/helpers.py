@@ -33,7 +33,7 @@ TRITON_STRING_TO_NUMPY: dict[str, Any] = {
 
 def get_input_tensor_by_name(inference_request: InferenceRequest, name: str) -> Tensor | None:
     for tensor in inference_request.inputs():
-        if tensor._name == name:  # (every model asks this for every input: no call per tensor)
+        if tensor.name() == name:  # (a method call, as Triton's: a stand-in tensor may answer it)
             return tensor
     return None
 

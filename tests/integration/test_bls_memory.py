@@ -549,3 +549,52 @@ def test_a_bls_output_a_caller_returns_is_held_until_its_reply_is_sent(servers, 
     for thread in threads:
         thread.join()
     assert outcomes == {"ok": 6000}
+
+
+SLOW_TO_FREE = {
+    "config.pbtxt": """
+backend: "python"
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]
+""",
+    "1/model.py": '''
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class SlowToFree(bytearray):
+    """Memory whose teardown takes a while, as a framework tensor's deleter may."""
+
+    def __del__(self):
+        time.sleep(0.02)
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            out = np.frombuffer(SlowToFree(x.tobytes()), np.float32)
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", out)]))
+        return responses
+''',
+}
+
+
+def test_an_input_lent_to_the_worker_is_back_when_its_answer_arrives(servers, make_repo):
+    """The worker lets go of an execute's requests and responses before it replies, and
+    the releases ride in the reply's frame: however long the teardown takes, the server
+    holds nothing lent for a request once its answer is out (a client may unregister
+    the region its input came from right away)."""
+    server = servers.start(make_repo(extra={"slow_to_free": SLOW_TO_FREE}))
+    model = server.model("slow_to_free")
+    x = np.full(1 << 14, 3.0, np.float32)  # 64 KiB: lent to the worker, by reference
+    lent = []
+    for _ in range(10):
+        (response,) = list(model.infer(inputs={"INPUT0": x}))
+        assert response.error is None
+        del response
+        lent.append(sum(i.worker.peer.lease_count for i in server.engine.instances()))
+    assert lent == [0] * 10

@@ -335,6 +335,25 @@ def test_get_tensor_by_name():
     assert pb_utils.get_output_tensor_by_name(response, "A") is None
 
 
+def test_the_lookup_helpers_ask_each_tensor_its_name():
+    """As Triton's helpers (plain Python calling ``name()``): a model's unit test may hand
+    them stand-in requests whose tensors only answer ``name()``."""
+
+    class StandIn:
+        def __init__(self, name):
+            self._label = name
+
+        def name(self):
+            return self._label
+
+    class Request:
+        def inputs(self):
+            return [StandIn("A"), StandIn("B")]
+
+    assert pb_utils.get_input_tensor_by_name(Request(), "B").name() == "B"
+    assert pb_utils.get_input_tensor_by_name(Request(), "Z") is None
+
+
 def test_get_config_by_name():
     config = {
         "input": [{"name": "IN0", "data_type": "TYPE_FP32"}, {"name": "IN1", "data_type": "TYPE_INT8"}],
