@@ -262,15 +262,14 @@ def _for_sequences(settings: Settings) -> Settings:
 
 
 def read_statistics(control: ControlClient, settings: Settings) -> ServerStats | None:
-    """The model's statistics now, with its composing models' (of the same moment where
-    the client can read them together); None when the server does not list the model."""
-    models = [(settings.model, settings.version), *settings.bls_composing_models]
-    document = control.statistics_of(models)
-    stats = ServerStats.from_json(document, settings.model, settings.version)
+    """The model's statistics now, with its composing models' (each asked for in turn);
+    None when the server does not list the model."""
+    stats = ServerStats.from_json(control.statistics(settings.model, settings.version), settings.model,
+                                  settings.version)
     if stats is None:
         return None
     for name, version in settings.bls_composing_models:
-        composing = ServerStats.from_json(document, name, version)
+        composing = ServerStats.from_json(control.statistics(name, version), name, version)
         if composing is None:
             raise ServerError(f"the server has no statistics for composing model '{name}'")
         stats.composing[(name, version)] = composing

@@ -471,9 +471,12 @@ def test_bls_composing_models_are_reported_below_the_model(server, tmp_path, pro
     server_side = level["server"]
     (identity,) = server_side["composing_models"]
     assert identity["model"] == "identity" and identity["version"] == "1"
-    # every bls request called identity once, give or take those in flight at each window's
-    # edge (one statistics read for both models: called identity, not answered yet)
-    assert abs(identity["success_count"] - server_side["success_count"]) <= 4, server_side
+    # every bls request called identity once, give or take the requests answered between
+    # the two statistics reads at each window's edge (bls's, then identity's, each a round
+    # trip: as perf_analyzer reads them). A CI run saw 3; a loaded machine answers more in
+    # between, so the allowance grows with the count.
+    allowed = max(6, server_side["success_count"] // 50)
+    assert abs(identity["success_count"] - server_side["success_count"]) <= allowed, server_side
     assert server_side["composing_queue_us"] == identity["queue_us"]
     # its CSV, as perf_analyzer's: its share of the throughput, its own overhead, no client columns
     (row,) = read_csv(tmp_path / "identity_v1.out.csv")

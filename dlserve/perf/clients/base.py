@@ -47,15 +47,6 @@ class ControlClient:
         """The statistics extension's JSON (``{"model_stats": [...]}``)."""
         raise NotImplementedError
 
-    def statistics_of(self, models: list[tuple[str, str]]) -> dict[str, Any]:
-        """The statistics of several models, (name, version) each, as one document: read in
-        one call where the client can ask for every model's at once, so that the models'
-        counts are of one moment (a BLS model's and its callees' agree); else one call each."""
-        entries: list[Any] = []
-        for model, version in models:
-            entries.extend(self.statistics(model, version).get("model_stats", []) or [])
-        return {"model_stats": entries}
-
     def register(self, region: SystemRegion | CudaRegion) -> None:
         raise NotImplementedError
 

@@ -125,11 +125,6 @@ class GrpcControl(ControlClient):
         response = self._call("ModelStatistics", self.pb.ModelStatisticsRequest(name=model, version=version))
         return json_format.MessageToDict(response, preserving_proto_field_name=True)
 
-    def statistics_of(self, models: list[tuple[str, str]]) -> dict[str, Any]:
-        if len(models) < 2:
-            return super().statistics_of(models)
-        return self.statistics("", "")  # (every model's, in one answer)
-
     def register(self, region: SystemRegion | CudaRegion) -> None:
         pb = self.pb
         if isinstance(region, SystemRegion):

@@ -86,11 +86,6 @@ class HttpControl(ControlClient):
     def statistics(self, model: str, version: str) -> dict[str, Any]:
         return self._call("GET", model_path(model, version) + "/stats")
 
-    def statistics_of(self, models: list[tuple[str, str]]) -> dict[str, Any]:
-        if len(models) < 2:
-            return super().statistics_of(models)
-        return self._call("GET", "/v2/models/stats")  # (every model's, in one answer)
-
     def register(self, region: SystemRegion | CudaRegion) -> None:
         name = quote(region.name, safe="")
         if isinstance(region, SystemRegion):
