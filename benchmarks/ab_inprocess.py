@@ -30,11 +30,13 @@ def child(requests: int) -> None:
     import inprocess
     import numpy as np
 
+    import dlserve
+
     with inprocess.serving(inprocess.MODELS, ("add_sub",)) as server:
         a = np.arange(16, dtype=np.float32)
         inputs = {"INPUT0": a, "INPUT1": a}
         inprocess.bench_on_loop(server, "add_sub", inputs, 2000)  # (warm: polling windows learnt)
-        print("ready", flush=True)
+        print("ready", Path(dlserve.__file__).resolve().parent.parent, flush=True)
         for line in sys.stdin:
             if line.strip() != "go":
                 break
@@ -49,8 +51,13 @@ def start(tree: Path, requests: int) -> subprocess.Popen[str]:
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd="/tmp",
     )
     assert process.stdin is not None and process.stdout is not None
-    if process.stdout.readline().strip() != "ready":
-        raise RuntimeError(f"{tree}: the server did not start")
+    ready, _, serving = process.stdout.readline().strip().partition(" ")
+    if ready != "ready" or Path(serving) != tree:
+        process.communicate("stop\n")  # (a server that started stops as it should)
+        raise RuntimeError(
+            f"{tree}: the server did not start" if ready != "ready"
+            else f"{tree} has no dlserve of its own: the one imported is {serving}'s"
+        )
     return process
 
 
@@ -76,7 +83,15 @@ def main() -> int:
     if args.old_tree is None:
         parser.error("the old tree is required")
     trees = {"old": args.old_tree.resolve(), "new": ROOT}
-    processes = {name: start(tree, args.requests) for name, tree in trees.items()}
+    processes: dict[str, subprocess.Popen[str]] = {}
+    try:
+        for name, tree in trees.items():
+            processes[name] = start(tree, args.requests)
+    except RuntimeError as exc:
+        for process in processes.values():
+            process.communicate("stop\n")
+        print(f"ab_inprocess: {exc}", file=sys.stderr)
+        return 2
     p50s: dict[str, list[float]] = {"old": [], "new": []}
     try:
         for round_ in range(args.rounds):
