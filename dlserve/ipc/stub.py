@@ -249,8 +249,10 @@ class Worker:
         """The EXECUTE reply, and what it may refer to (to let go of as it is sent)."""
         self.channel.route_received()  # (its CANCEL may have come with it)
         requests = self._requests(body)
-        first = requests[0]._exchange  # (whether it was cancelled decides, but rarely)
-        if first.cancelled and all(r._exchange.cancelled for r in requests):  # type: ignore[union-attr]
+        # (the first request asked before all of them: it is rarely cancelled)
+        if requests[0]._exchange.cancelled and all(  # type: ignore[union-attr]
+            r._exchange.cancelled for r in requests  # type: ignore[union-attr]
+        ):
             # Cancelled while it waited here behind the previous execute: dropped as a
             # queued request is, without running (the server sent it on early).
             for request in requests:

@@ -161,7 +161,8 @@ def test_a_region_is_free_as_soon_as_the_answer_of_the_request_using_it_arrives(
     make_object(key, np.full(N, 2.0, np.float32))
     for _ in range(100):
         client.register_system_shared_memory("r", f"/{key}", N * 4)
-        np.testing.assert_array_equal(client.infer("identity", [input_in("r")]).as_numpy("OUTPUT0"), 2.0)
+        answer = client.infer("identity", [input_in("r")])
+        np.testing.assert_array_equal(answer.as_numpy("OUTPUT0"), 2.0)
         client.unregister_system_shared_memory("r")
     assert client.get_system_shared_memory_status() == []
 
