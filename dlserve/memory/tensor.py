@@ -210,8 +210,9 @@ class Tensor:
     # -- construction ---------------------------------------------------------------
     @classmethod
     def _of(cls, data_type: DataType, shape: tuple[int, ...], data: np.ndarray) -> Tensor:
-        """A host tensor over ``data``, its storage array, from trusted values (what a
-        peer sent, checked against its shape): none of the constructor's checks."""
+        """A host tensor over ``data``, its storage array, from values the caller has
+        checked (what a peer sent, against its shape; what from_numpy worked out): none
+        of the constructor's checks."""
         tensor = cls.__new__(cls)
         tensor.data_type = data_type
         tensor.shape = shape
